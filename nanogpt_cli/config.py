@@ -21,7 +21,7 @@ from nanogpt_cli.errors import NanoGPTError
 
 POS_ENCODINGS = ("rope", "sinusoidal", "learned")
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "swiglu")
+MLPS = ("gelu", "gelu_tanh", "swiglu")
 LR_SCHEDULES = ("cosine", "constant", "wsd")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -41,7 +41,7 @@ class GPTConfig:
     rope_theta: float = 10000.0  # RoPE base frequency
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-5  # epsilon of the norm layers
-    mlp: str = "gelu"  # gelu | swiglu
+    mlp: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2's approximation) | swiglu
     mlp_hidden: int | None = None  # MLP hidden width; None: 4*n_embd (gelu) or ~8/3*n_embd rounded to 64 (swiglu)
     tie_embeddings: bool = True  # the LM head shares the token embedding matrix
 
@@ -80,7 +80,7 @@ class GPTConfig:
         """The MLP's hidden width."""
         if self.mlp_hidden is not None:
             return self.mlp_hidden
-        if self.mlp == "gelu":
+        if self.mlp != "swiglu":
             return 4 * self.n_embd
         # SwiGLU has three matrices instead of two: 2/3 of 4*n_embd keeps the parameter count (Llama)
         return -(-(8 * self.n_embd // 3) // 64) * 64
@@ -176,11 +176,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                              warmup_iters=100, beta2=0.99, eval_interval=250, eval_iters=200),
     # GPT-2 small and medium shapes; learned positions, biases and GPT-2's padded vocabulary
     "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, pos_encoding="learned",
-                      bias=True, batch_size=12, gradient_accumulation_steps=40, max_iters=600000,
+                      mlp="gelu_tanh", bias=True, batch_size=12, gradient_accumulation_steps=40, max_iters=600000,
                       learning_rate=6e-4, min_lr=6e-5, warmup_iters=2000, beta2=0.95, eval_interval=1000,
                       eval_iters=200),
     "gpt2-350m": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304,
-                      pos_encoding="learned", bias=True, batch_size=8, gradient_accumulation_steps=60,
+                      pos_encoding="learned", mlp="gelu_tanh", bias=True, batch_size=8, gradient_accumulation_steps=60,
                       max_iters=600000, learning_rate=3e-4, min_lr=3e-5, warmup_iters=2000, beta2=0.95,
                       eval_interval=1000, eval_iters=200),
 }

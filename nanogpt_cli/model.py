@@ -1,0 +1,361 @@
+"""The GPT: a decoder-only Transformer with Pre-LN blocks, RoPE / sinusoidal / learned positions and a KV cache.
+
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
+    logits, loss = model(idx, targets)
+
+Shape legend: B batch, T tokens in this call, S tokens held in the KV cache, C n_embd, nh n_head,
+hs head size (C // nh), H MLP hidden width, V vocab_size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from nanogpt_cli.config import GPTConfig
+
+__all__ = ["GPT", "GPTConfig", "KVCache", "sinusoidal_table", "rope_tables", "apply_rope", "process_logits"]
+
+
+# --- positions ---------------------------------------------------------------------------------------
+
+
+def sinusoidal_table(n_pos: int, dim: int, base: float = 10000.0) -> torch.Tensor:
+    """Vaswani et al. (2017): pe[p, 2i] = sin(p / base^(2i/dim)), pe[p, 2i+1] = cos(same). (n_pos, dim)"""
+    pos = torch.arange(n_pos, dtype=torch.float64)[:, None]
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = pos * inv_freq  # (n_pos, dim/2)
+    pe = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # interleave -> (n_pos, dim)
+    return pe.float()
+
+
+def rope_tables(positions: torch.Tensor, head_size: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for RoPE (Su et al. 2021) at the given positions, in Llama's half-split layout. (T, hs) each"""
+    inv_freq = theta ** (-torch.arange(0, head_size, 2, dtype=torch.float64, device=positions.device) / head_size)
+    angles = positions.to(torch.float64)[:, None] * inv_freq  # (T, hs/2)
+    angles = torch.cat([angles, angles], dim=-1)  # (T, hs): the two halves of a head share frequencies
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[i], x[i + hs/2]) by the position's angle. x: (B, T, ..., hs); cos, sin broadcast to it."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
+# --- the KV cache -------------------------------------------------------------------------------------
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, preallocated for block_size tokens per layer."""
+
+    def __init__(self, config: GPTConfig, batch_size: int, device, dtype):
+        shape = (batch_size, config.n_head, config.block_size, config.head_size)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.capacity = config.block_size
+        self.pos = 0  # tokens held, which is also the position of the next one
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this call's keys and values (B, nh, T, hs) and return all held ones (B, nh, S, hs)."""
+        T = k.size(2)
+        assert self.pos + T <= self.capacity, f"{self.pos} + {T} tokens overflow a cache of {self.capacity}"
+        self.k[layer][:, :, self.pos:self.pos + T] = k
+        self.v[layer][:, :, self.pos:self.pos + T] = v
+        return self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]
+
+
+# --- layers ---------------------------------------------------------------------------------------------
+
+
+def make_norm(config: GPTConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+    return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.head_size = config.n_head, config.head_size
+        self.rope = config.pos_encoding == "rope"
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # fused q, k, v
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, cos=None, sin=None, cache: KVCache | None = None, layer: int = 0):
+        B, T, C = x.size()
+        qkv = self.c_attn(x).view(B, T, 3, self.n_head, self.head_size)  # (B, T, 3, nh, hs)
+        if self.rope:
+            # rotate q and k together: one set of elementwise ops instead of two
+            qk = apply_rope(qkv[:, :, :2], cos[:, None, None, :], sin[:, None, None, :])  # (B, T, 2, nh, hs)
+            q, k = qk.unbind(dim=2)
+        else:
+            q, k = qkv[:, :, 0], qkv[:, :, 1]
+        v = qkv[:, :, 2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
+        if cache is None:
+            dropout_p = self.dropout if self.training else 0.0
+            if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+                # the CPU flash-attention kernel's bf16 backward is ~5x slower than its fp32 one (torch 2.13),
+                # and autocast would cast fp32 inputs back down: run it in fp32 outside autocast
+                with torch.autocast("cpu", enabled=False):
+                    y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                                       dropout_p=dropout_p)
+            else:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+        else:
+            k, v = cache.update(layer, k.to(cache.k[layer].dtype), v.to(cache.v[layer].dtype))  # (B, nh, S, hs)
+            if T == 1:  # one new token attends to everything held: no mask needed
+                y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype))
+            else:  # new tokens at the end of S: token i sees the cache and new tokens up to i
+                S = k.size(2)
+                mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+                y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.swiglu = config.mlp == "swiglu"
+        # exact GELU is ~3x cheaper than the tanh form on CPU; GPT-2's weights need the tanh form
+        self.approximate = "tanh" if config.mlp == "gelu_tanh" else "none"
+        H = config.hidden_size
+        # SwiGLU (Shazeer 2020) fuses its gate and up projections into one matrix: (C, 2H)
+        self.c_fc = nn.Linear(config.n_embd, 2 * H if self.swiglu else H, bias=config.bias)
+        self.c_proj = nn.Linear(H, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        h = self.c_fc(x)  # (B, T, H) or (B, T, 2H)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate=self.approximate)
+        return self.dropout(self.c_proj(h))
+
+
+class Block(nn.Module):
+    """Pre-LN residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = make_norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = make_norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos=None, sin=None, cache=None, layer=0):
+        x = x + self.attn(self.ln_1(x), cos, sin, cache, layer)
+        return x + self.mlp(self.ln_2(x))
+
+
+# --- the model ------------------------------------------------------------------------------------------
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+            ln_f=make_norm(config),
+        ))
+        if config.pos_encoding == "learned":
+            self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)
+        elif config.pos_encoding == "sinusoidal":
+            self.register_buffer("pos_table", sinusoidal_table(config.block_size, config.n_embd), persistent=False)
+        else:
+            cos, sin = rope_tables(torch.arange(config.block_size), config.head_size, config.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hs)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the init of each residual branch's output by 1/sqrt(2 * n_layer), as the
+        # residual stream sums 2 * n_layer of them
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    # --- forward ---
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+                last_only: bool = False):
+        """Logits (B, T, V) for every position (or (B, 1, V) with last_only) and the mean cross-entropy
+        over targets (B, T) when given (ignore_index -1). With a cache, idx holds the new tokens only."""
+        B, T = idx.size()
+        pos = cache.pos if cache is not None else 0
+        assert pos + T <= self.config.block_size, f"{pos + T} tokens exceed the context of {self.config.block_size}"
+        x = self.transformer.wte(idx)  # (B, T, C)
+        cos = sin = None
+        if self.config.pos_encoding == "learned":
+            x = x + self.transformer.wpe(torch.arange(pos, pos + T, device=idx.device))
+        elif self.config.pos_encoding == "sinusoidal":
+            x = x + self.pos_table[pos:pos + T]
+        else:
+            cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
+        x = self.transformer.drop(x)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, cos, sin, cache, i)
+        if cache is not None:
+            cache.pos += T
+        x = self.transformer.ln_f(x)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, C): generation needs only the next token's logits
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    # --- generation ---
+
+    def new_cache(self, batch_size: int) -> KVCache:
+        w = self.transformer.wte.weight
+        dtype = torch.get_autocast_dtype(w.device.type) if torch.is_autocast_enabled(w.device.type) else w.dtype
+        return KVCache(self.config, batch_size, w.device, dtype)
+
+    @torch.inference_mode()
+    def next_logits(self, idx: torch.Tensor, use_cache: bool = True) -> Iterator[torch.Tensor]:
+        """A coroutine over generation: yields the next-token logits (B, V) for idx, then for idx plus each
+        token sent in (a (B,) or (B, 1) tensor).
+
+        Without the cache every step is a full forward over the last block_size tokens (nanoGPT's way).
+        With it, a prefill then one-token steps; when the context is full the cache restarts from the last
+        3/4 of the window (one batched forward), so a token costs the same however many came before, and
+        past the context each token sees between 3/4 and all of the last block_size tokens. Up to
+        block_size tokens the two paths compute the same logits."""
+        bs = self.config.block_size
+        keep = max(1, bs - bs // 4)
+        idx = idx[:, -bs:]
+        cache = self.new_cache(idx.size(0)) if use_cache else None
+        new = idx
+        while True:
+            if cache is None:
+                logits, _ = self(idx, last_only=True)
+            else:
+                if cache.pos + new.size(1) > bs:
+                    cache.pos, new = 0, idx[:, -keep:]  # the buffers are overwritten from the start
+                logits, _ = self(new, cache=cache, last_only=True)
+            token = yield logits[:, -1, :].float()
+            new = token.view(-1, 1).to(idx.device)
+            idx = torch.cat([idx, new], dim=1)[:, -bs:]
+
+    @torch.inference_mode()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
+                 top_p: float | None = None, use_cache: bool = True, generator: torch.Generator | None = None):
+        """Continue idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy. Returns (B, T + new)."""
+        out = [idx]
+        if max_new_tokens <= 0:
+            return idx
+        steps = self.next_logits(idx, use_cache)
+        logits = next(steps)
+        for i in range(max_new_tokens):
+            token = sample_token(process_logits(logits, temperature, top_k, top_p), temperature, generator)
+            out.append(token[:, None])
+            if i + 1 < max_new_tokens:
+                logits = steps.send(token)
+        steps.close()
+        return torch.cat(out, dim=1)
+
+    # --- accounting ---
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters, each shared tensor once; non_embedding leaves out the token and position tables."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wte.weight.numel()
+            if "wpe" in self.transformer:
+                n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward = 3 x forward), PaLM-style: 6 per matmul weight
+        (the LM head included, embeddings lookups excluded) plus 12 * n_layer * C * T for attention scores."""
+        cfg = self.config
+        T = seq_len or cfg.block_size
+        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return 6 * matmul + 12 * cfg.n_layer * cfg.n_embd * T
+
+    def optimizer_groups(self, weight_decay: float) -> list[dict]:
+        """Weight decay on matrices and embeddings (2-D and up), none on biases and norm gains."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+
+    # --- Hugging Face ---
+
+    @classmethod
+    def from_hf(cls, hf_model) -> GPT:
+        """Our model from a transformers GPT2LMHeadModel or LlamaForCausalLM (see nanogpt_cli.hf)."""
+        from nanogpt_cli import hf
+
+        return hf.from_hf(hf_model)
+
+    def to_hf(self):
+        """A transformers GPT2LMHeadModel or LlamaForCausalLM with these weights (see nanogpt_cli.hf)."""
+        from nanogpt_cli import hf
+
+        return hf.to_hf(self)
+
+
+# --- sampling -------------------------------------------------------------------------------------------
+
+
+def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                   top_p: float | None = None, min_p: float | None = None, repetition_penalty: float = 1.0,
+                   seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token logits (B, V) -> filtered logits, in this order: repetition penalty on the raw logits,
+    temperature, top-k, top-p, min-p. Filtered-out tokens get -inf. temperature 0 leaves the logits for an
+    argmax. seen: (B, V) bool of tokens already in the sequence, for the repetition penalty."""
+    logits = logits.float()
+    if repetition_penalty != 1.0 and seen is not None:
+        # CTRL (Keskar et al. 2019): make seen tokens less likely whatever the sign of their logit
+        penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if temperature > 0:
+        logits = logits / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        # keep the smallest set of most likely tokens whose probability reaches top_p
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p  # mass before this token already reaches p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p is not None and min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row from processed logits (B, V); greedy when temperature is 0. (B,)"""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)

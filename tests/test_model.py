@@ -1,0 +1,253 @@
+"""The GPT model: causality, the KV cache, positions, overfitting, Hugging Face parity, config validation."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.model import GPT, apply_rope, process_logits, rope_tables, sinusoidal_table
+
+POS = ["rope", "sinusoidal", "learned"]
+
+
+def tiny(**kw) -> GPTConfig:
+    return GPTConfig(**{**dict(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32), **kw})
+
+
+@pytest.mark.parametrize("pos", POS)
+def test_future_tokens_never_change_earlier_logits(pos):
+    torch.manual_seed(0)
+    model = GPT(tiny(pos_encoding=pos)).eval()
+    idx = torch.randint(0, 61, (1, 16))
+    base, _ = model(idx)
+    for t in range(15):
+        changed = idx.clone()
+        changed[0, t + 1:] = (changed[0, t + 1:] + 7) % 61
+        logits, _ = model(changed)
+        assert torch.allclose(logits[0, :t + 1], base[0, :t + 1], atol=1e-6), f"position {t} saw the future"
+        assert not torch.allclose(logits[0, t + 1:], base[0, t + 1:]), "the change had no effect at all"
+
+
+@pytest.mark.parametrize("pos", POS)
+@pytest.mark.parametrize("mlp,norm", [("gelu", "layernorm"), ("swiglu", "rmsnorm")])
+def test_cached_decode_equals_full_forward(pos, mlp, norm):
+    torch.manual_seed(0)
+    model = GPT(tiny(pos_encoding=pos, mlp=mlp, norm=norm, bias=True)).eval()
+    idx = torch.randint(0, 61, (3, 16))
+    full, _ = model(idx)
+    cache = model.new_cache(3)
+    prefill, _ = model(idx[:, :5], cache=cache)
+    chunk, _ = model(idx[:, 5:9], cache=cache)  # a multi-token chunk on a non-empty cache
+    steps = [model(idx[:, t:t + 1], cache=cache)[0] for t in range(9, 16)]
+    cached = torch.cat([prefill, chunk, *steps], dim=1)
+    torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("pos", POS)
+def test_greedy_generation_with_and_without_cache_agree(pos):
+    torch.manual_seed(0)
+    model = GPT(tiny(pos_encoding=pos)).eval()
+    prompt = torch.randint(0, 61, (2, 5))
+    with_cache = model.generate(prompt, 11, temperature=0.0, use_cache=True)  # fills the context exactly
+    without = model.generate(prompt, 11, temperature=0.0, use_cache=False)
+    assert with_cache.shape == (2, 16)
+    assert torch.equal(with_cache, without)
+    assert torch.equal(with_cache[:, :5], prompt)
+
+
+@pytest.mark.parametrize("pos", POS)
+def test_cached_decode_past_the_context_equals_a_forward_over_the_kept_window(pos):
+    torch.manual_seed(0)
+    model = GPT(tiny(pos_encoding=pos)).eval()  # block_size 16: the cache restarts from the last 12 tokens
+    idx = torch.randint(0, 61, (1, 40))
+    steps = model.next_logits(idx[:, :1])
+    got = [next(steps)] + [steps.send(idx[:, t]) for t in range(1, 40)]
+    for t in range(16):
+        expected, _ = model(idx[:, :t + 1])
+        torch.testing.assert_close(got[t], expected[:, -1], atol=1e-5, rtol=0)
+    held = 16  # tokens the cache holds once token t is in: full at 16, then a restart from the last 12
+    for t in range(16, 40):
+        held = held + 1 if held < 16 else 12
+        expected, _ = model(idx[:, t + 1 - held:t + 1])
+        torch.testing.assert_close(got[t], expected[:, -1], atol=1e-5, rtol=0)
+    assert model.generate(idx[:, :3], 60, temperature=0.0).shape == (1, 63)
+
+
+def test_sampling_with_a_seed_repeats():
+    torch.manual_seed(0)
+    model = GPT(tiny()).eval()
+    prompt = torch.zeros(1, 1, dtype=torch.long)
+    a = model.generate(prompt, 20, temperature=1.0, top_k=10, generator=torch.Generator().manual_seed(1))
+    b = model.generate(prompt, 20, temperature=1.0, top_k=10, generator=torch.Generator().manual_seed(1))
+    c = model.generate(prompt, 20, temperature=1.0, top_k=10, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_loss_at_init_is_near_ln_vocab_and_a_batch_overfits():
+    torch.manual_seed(0)
+    model = GPT(tiny(dropout=0.0))
+    x = torch.randint(0, 61, (4, 16))
+    y = torch.roll(x, -1, dims=1)
+    _, loss = model(x, y)
+    assert abs(loss.item() - math.log(61)) < 0.3
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(150):
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05
+
+
+def test_ignore_index_skips_targets():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    x = torch.randint(0, 61, (2, 8))
+    y = torch.randint(0, 61, (2, 8))
+    _, full = model(x, y)
+    y_masked = y.clone()
+    y_masked[:, 4:] = -1
+    logits, masked = model(x, y_masked)
+    expected = torch.nn.functional.cross_entropy(logits[:, :4].reshape(-1, 61), y[:, :4].reshape(-1))
+    torch.testing.assert_close(masked, expected)
+    assert not torch.isclose(masked, full)
+
+
+def test_sinusoidal_table_matches_its_closed_form():
+    pe = sinusoidal_table(50, 16)
+    for p in (0, 1, 7, 49):
+        for i in range(8):
+            angle = p / 10000 ** (2 * i / 16)
+            assert pe[p, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert pe[p, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_rope_preserves_norms_and_depends_only_on_relative_offset():
+    torch.manual_seed(0)
+    hs = 16
+    q, k = torch.randn(hs), torch.randn(hs)
+    cos, sin = rope_tables(torch.arange(40), hs, 10000.0)
+
+    def rot(x, p):
+        return apply_rope(x[None], cos[p:p + 1], sin[p:p + 1])[0]
+
+    for p in (0, 5, 39):
+        assert rot(q, p).norm().item() == pytest.approx(q.norm().item(), rel=1e-5)
+    dots = [rot(q, m) @ rot(k, m - 3) for m in (3, 10, 25, 39)]
+    for d in dots[1:]:
+        assert d.item() == pytest.approx(dots[0].item(), abs=1e-4)
+    assert (rot(q, 10) @ rot(k, 3)).item() != pytest.approx((rot(q, 10) @ rot(k, 5)).item(), abs=1e-4)
+
+
+def test_tied_embeddings_share_one_tensor_and_param_counts():
+    model = GPT(tiny())
+    assert model.lm_head.weight is model.transformer.wte.weight
+    n_all = model.num_params(non_embedding=False)
+    assert n_all == sum(p.numel() for p in model.parameters())
+    assert model.num_params() == n_all - 61 * 32
+    untied = GPT(tiny(tie_embeddings=False))
+    assert untied.num_params(non_embedding=False) == n_all + 61 * 32
+
+
+def test_init_scales_residual_projections():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=100, block_size=8, n_layer=8, n_head=4, n_embd=256))
+    std = model.transformer.h[0].attn.c_proj.weight.std().item()
+    assert std == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert model.transformer.h[0].attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.05)
+
+
+def test_optimizer_groups_decay_matrices_only():
+    model = GPT(tiny(bias=True))
+    decay, no_decay = model.optimizer_groups(0.1)
+    assert all(p.dim() >= 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
+    assert all(p.dim() < 2 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_flops_per_token_counts_matmuls_and_attention():
+    cfg = tiny()
+    model = GPT(cfg)
+    per_layer = 12 * 32 * 32  # qkv 3C^2 + proj C^2 + mlp 8C^2
+    expected = 6 * (2 * per_layer + 61 * 32) + 12 * 2 * 32 * 16
+    assert model.flops_per_token() == expected
+
+
+def test_process_logits_filters_in_documented_order():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
+    # top-p 0.7: 0.5 alone is below 0.7, 0.5 + 0.25 reaches it -> exactly two survive
+    kept = process_logits(logits, top_p=0.7).isfinite()
+    assert kept.tolist() == [[True, True, False, False]]
+    assert process_logits(logits, top_p=0.75).isfinite().tolist() == [[True, True, False, False]]
+    assert process_logits(logits, top_p=0.76).isfinite().tolist() == [[True, True, True, False]]
+    # min-p 0.3: drops tokens below 0.3 * 0.5 = 0.15 (0.15 itself stays)
+    assert process_logits(logits, min_p=0.3).isfinite().tolist() == [[True, True, True, False]]
+    assert process_logits(logits, top_k=1).isfinite().tolist() == [[True, False, False, False]]
+    # the repetition penalty divides positive logits and multiplies negative ones of seen tokens
+    raw = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    out = process_logits(raw, repetition_penalty=2.0, seen=seen)
+    assert out.tolist() == [[1.0, -2.0, 0.5, 3.0]]
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(n_embd=30, n_head=4), "--n-embd (30) must be divisible by --n-head (4)"),
+    (dict(n_embd=30, n_head=6), "RoPE needs an even head size"),
+    (dict(n_layer=0), "--n-layer must be a positive integer"),
+    (dict(pos_encoding="alibi"), "--pos-encoding must be one of rope, sinusoidal, learned"),
+    (dict(norm="batchnorm"), "--norm must be one of"),
+    (dict(mlp="relu"), "--mlp must be one of"),
+    (dict(dropout=1.5), "--dropout must be in [0, 1)"),
+])
+def test_invalid_configs_fail_with_their_message(kw, message):
+    with pytest.raises(ValueError) as e:
+        tiny(**kw)
+    assert message in str(e.value)
+
+
+def test_config_round_trips_through_json():
+    cfg = tiny(pos_encoding="sinusoidal", mlp="swiglu", norm="rmsnorm", mlp_hidden=48, tie_embeddings=False)
+    assert GPTConfig.from_json(cfg.to_json()) == cfg
+    assert json.loads(cfg.to_json())["mlp_hidden"] == 48
+    assert tiny(mlp="swiglu").hidden_size == 128  # 8/3 * 32 = 85 -> rounded up to 64s
+
+
+# --- Hugging Face parity (random weights; nothing is downloaded) ---
+
+
+def test_from_hf_gpt2_matches_reference_logits_and_round_trips():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf_config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=4,
+                                        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    ref = transformers.GPT2LMHeadModel(hf_config).eval()
+    ours = GPT.from_hf(ref).eval()
+    idx = torch.randint(0, 97, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], ref(idx).logits, atol=1e-4, rtol=0)
+        back = ours.to_hf()
+        torch.testing.assert_close(back(idx).logits, ref(idx).logits, atol=1e-5, rtol=0)
+
+
+def test_from_hf_llama_matches_reference_logits_and_round_trips():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                                         tie_word_embeddings=True, rope_theta=500.0)
+    ref = transformers.LlamaForCausalLM(hf_config).eval()
+    ours = GPT.from_hf(ref).eval()
+    assert ours.config.rope_theta == 500.0 and ours.config.tie_embeddings
+    assert ours.lm_head.weight is ours.transformer.wte.weight
+    idx = torch.randint(0, 97, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(idx)[0], ref(idx).logits, atol=1e-4, rtol=0)
+        back = ours.to_hf()
+        torch.testing.assert_close(back(idx).logits, ref(idx).logits, atol=1e-5, rtol=0)
+
+
+def test_to_hf_refuses_a_model_with_no_counterpart():
+    with pytest.raises(ValueError, match="convert to Hugging Face"):
+        GPT(tiny()).to_hf()
