@@ -29,7 +29,7 @@ def fail(message: str) -> typer.Exit:
     """Print one styled error line on stderr and return the exit to raise."""
     from nanogpt_cli.ui import err_console
 
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(1)
 
 
@@ -43,6 +43,160 @@ def _root(version: Annotated[bool, typer.Option("--version", help="Print the ver
 
 
 # --- commands go below; each one catches NanoGPTError and turns it into fail(...) ---
+
+
+@app.command()
+def prepare(
+    source: Annotated[str, typer.Argument(help="A .txt/.md file, a folder or glob of them, a .jsonl/.json/.parquet/"
+                                               ".csv file, hf:OWNER/NAME, or shakespeare (downloaded once).")],
+    name: Annotated[str, typer.Option(help="Dataset name: the folder DATA_DIR/NAME that training reads.")],
+    tokenizer: Annotated[str, typer.Option(help="gpt2, char, byte, or a tiktoken encoding such as cl100k_base.")
+                         ] = "gpt2",
+    val_fraction: Annotated[float, typer.Option(help="Share held out for validation: the tail of one text, or "
+                                                     "every (1/f)-th document.")] = 0.1,
+    data_dir: Annotated[Path, typer.Option(help="Folder that holds prepared datasets.")] = Path("data"),
+    text_column: Annotated[str, typer.Option(help="Column with the text in .jsonl/.json/.parquet/.csv and hub "
+                                                  "datasets.")] = "text",
+    subset: Annotated[Optional[str], typer.Option(help="Hub dataset subset (configuration) name.")] = None,
+    split: Annotated[str, typer.Option(help="Hub dataset split to read.")] = "train",
+    streaming: Annotated[bool, typer.Option(help="Stream a hub dataset instead of downloading it first.")] = False,
+    max_docs: Annotated[Optional[int], typer.Option(help="Keep only the first N documents.")] = None,
+    num_proc: Annotated[int, typer.Option(help="Tokenizer threads.")] = 1,
+):
+    """Tokenize text into DATA_DIR/NAME/train.bin, val.bin and meta.json.
+
+    Example: nanogpt prepare shakespeare --name shakespeare-char --tokenizer char
+    """
+    from nanogpt_cli.data import prepare as prepare_data
+    from nanogpt_cli.ui import console, prepare_progress, prepare_table
+
+    try:
+        with prepare_progress() as progress:
+            result = prepare_data(source, name, tokenizer=tokenizer, val_fraction=val_fraction, data_dir=data_dir,
+                                  text_column=text_column, subset=subset, split=split, streaming=streaming,
+                                  max_docs=max_docs, num_proc=num_proc, progress=progress)
+    except NanoGPTError as e:
+        raise fail(str(e)) from None
+    console.print(prepare_table(result))
+
+
+def _given(**flags) -> dict:
+    """The flags the user actually passed (None means: not given)."""
+    return {k: v for k, v in flags.items() if v is not None}
+
+
+@app.command()
+def train(
+    data: Annotated[Optional[str], typer.Option(help="Dataset name under --data-dir (made by nanogpt prepare).")
+                    ] = None,
+    data_dir: Annotated[Optional[str], typer.Option(help="Folder of prepared datasets (default data).")] = None,
+    preset: Annotated[Optional[str], typer.Option(help="Named config: tiny, cpu-char, shakespeare-char, gpt2-124m, "
+                                                       "gpt2-350m.")] = None,
+    config: Annotated[Optional[Path], typer.Option(help="TOML file of config keys; flags override it.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Run folder (default checkpoints/DATA-TIMESTAMP).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out where it stopped.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Start over in an --out that holds a run (deletes it).")
+                     ] = False,
+    init_from: Annotated[Optional[str], typer.Option(help="Start from these weights (run folder or .safetensors) "
+                                                          "with a fresh optimizer.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")] = False,
+    # model
+    n_layer: Annotated[Optional[int], typer.Option(help="Transformer blocks.", rich_help_panel="Model")] = None,
+    n_head: Annotated[Optional[int], typer.Option(help="Attention heads.", rich_help_panel="Model")] = None,
+    n_embd: Annotated[Optional[int], typer.Option(help="Residual width.", rich_help_panel="Model")] = None,
+    block_size: Annotated[Optional[int], typer.Option(help="Context length.", rich_help_panel="Model")] = None,
+    dropout: Annotated[Optional[float], typer.Option(help="Dropout rate.", rich_help_panel="Model")] = None,
+    bias: Annotated[Optional[bool], typer.Option("--bias/--no-bias", help="Biases in linear and norm layers.",
+                                                 rich_help_panel="Model")] = None,
+    pos_encoding: Annotated[Optional[str], typer.Option(help="rope, sinusoidal or learned.",
+                                                        rich_help_panel="Model")] = None,
+    rope_theta: Annotated[Optional[float], typer.Option(help="RoPE base.", rich_help_panel="Model")] = None,
+    norm: Annotated[Optional[str], typer.Option(help="layernorm or rmsnorm.", rich_help_panel="Model")] = None,
+    mlp: Annotated[Optional[str], typer.Option(help="gelu, gelu_tanh or swiglu.", rich_help_panel="Model")] = None,
+    mlp_hidden: Annotated[Optional[int], typer.Option(help="MLP hidden width.", rich_help_panel="Model")] = None,
+    tie_embeddings: Annotated[Optional[bool], typer.Option("--tie-embeddings/--no-tie-embeddings",
+                                                           help="Share the embedding with the LM head.",
+                                                           rich_help_panel="Model")] = None,
+    # training
+    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per micro-batch.",
+                                                      rich_help_panel="Training")] = None,
+    gradient_accumulation_steps: Annotated[Optional[int], typer.Option(help="Micro-batches per update.",
+                                                                       rich_help_panel="Training")] = None,
+    max_iters: Annotated[Optional[int], typer.Option(help="Optimizer updates in the run.",
+                                                     rich_help_panel="Training")] = None,
+    learning_rate: Annotated[Optional[float], typer.Option(help="Peak learning rate.",
+                                                           rich_help_panel="Training")] = None,
+    min_lr: Annotated[Optional[float], typer.Option(help="Final learning rate.", rich_help_panel="Training")] = None,
+    lr_schedule: Annotated[Optional[str], typer.Option(help="cosine, constant or wsd.",
+                                                       rich_help_panel="Training")] = None,
+    warmup_iters: Annotated[Optional[int], typer.Option(help="Linear warmup updates.",
+                                                        rich_help_panel="Training")] = None,
+    lr_decay_iters: Annotated[Optional[int], typer.Option(help="Updates until --min-lr (default --max-iters).",
+                                                          rich_help_panel="Training")] = None,
+    weight_decay: Annotated[Optional[float], typer.Option(help="AdamW weight decay on matrices.",
+                                                          rich_help_panel="Training")] = None,
+    beta1: Annotated[Optional[float], typer.Option(help="AdamW beta1.", rich_help_panel="Training")] = None,
+    beta2: Annotated[Optional[float], typer.Option(help="AdamW beta2.", rich_help_panel="Training")] = None,
+    grad_clip: Annotated[Optional[float], typer.Option(help="Clip the gradient norm (0: off).",
+                                                       rich_help_panel="Training")] = None,
+    eval_interval: Annotated[Optional[int], typer.Option(help="Evaluate and checkpoint every N updates.",
+                                                         rich_help_panel="Training")] = None,
+    eval_iters: Annotated[Optional[int], typer.Option(help="Batches per split in an evaluation.",
+                                                      rich_help_panel="Training")] = None,
+    log_interval: Annotated[Optional[int], typer.Option(help="Progress every N updates.",
+                                                        rich_help_panel="Training")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Random seed.", rich_help_panel="Training")] = None,
+    device: Annotated[Optional[str], typer.Option(help="auto, cpu, cuda, cuda:N or mps.",
+                                                  rich_help_panel="Training")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.",
+                                                 rich_help_panel="Training")] = None,
+    compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the model.",
+                                                    rich_help_panel="Training")] = None,
+    stop_at: Annotated[Optional[int], typer.Option(help="Stop after update K as if interrupted.",
+                                                   rich_help_panel="Training")] = None,
+):
+    """Train a GPT on a prepared dataset, with checkpoints you can resume.
+
+    Example: nanogpt train --data shakespeare-char --preset cpu-char --out checkpoints/shk
+    """
+    from nanogpt_cli.config import load_toml
+    from nanogpt_cli.train import default_run_dir, run_configs
+    from nanogpt_cli.train import train as run_training
+    from nanogpt_cli.ui import TrainDisplay, console, train_table
+
+    flags = _given(data=data, data_dir=data_dir, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                   block_size=block_size, dropout=dropout, bias=bias, pos_encoding=pos_encoding, rope_theta=rope_theta,
+                   norm=norm, mlp=mlp, mlp_hidden=mlp_hidden, tie_embeddings=tie_embeddings, batch_size=batch_size,
+                   gradient_accumulation_steps=gradient_accumulation_steps, max_iters=max_iters,
+                   learning_rate=learning_rate, min_lr=min_lr, lr_schedule=lr_schedule, warmup_iters=warmup_iters,
+                   lr_decay_iters=lr_decay_iters, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
+                   grad_clip=grad_clip, eval_interval=eval_interval, eval_iters=eval_iters,
+                   log_interval=log_interval, seed=seed, device=device, dtype=dtype, compile=compile,
+                   stop_at=stop_at)
+    try:
+        overrides = load_toml(config) if config else {}
+        preset = preset or overrides.pop("preset", None)
+        overrides.pop("preset", None)
+        overrides.update(flags)
+        if resume and out is None:
+            raise NanoGPTError("--resume needs --out: the run folder to continue")
+        run_dir = out or default_run_dir(overrides.get("data", "run"))
+        model_cfg, train_cfg = run_configs(preset, overrides, run_dir, resume=resume, init_from=init_from)
+        if not quiet:
+            console.print(f"model: {model_cfg.to_json()}\ntrain: {train_cfg.to_dict()}", soft_wrap=True)
+        with TrainDisplay(quiet) as display:
+            result = run_training(model_cfg, train_cfg, run_dir, resume=resume, force=force, init_from=init_from,
+                                  on_event=display)
+    except NanoGPTError as e:
+        raise fail(str(e)) from None
+    console.print(train_table(result))
+    if result.stopped in ("SIGINT", "SIGTERM"):
+        fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: "
+             f"nanogpt train --out {run_dir} --resume")
+        raise typer.Exit(130)
+    if result.stopped == "stop_at":
+        console.print(f"stopped at step {result.step:,} (--stop-at); resume with: "
+                      f"nanogpt train --out {run_dir} --resume")
 
 
 def main():

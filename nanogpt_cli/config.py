@@ -170,16 +170,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     "cpu-char": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, max_iters=2000,
                      lr_decay_iters=2000, dropout=0.0, eval_iters=20, learning_rate=1e-3, min_lr=1e-4,
                      warmup_iters=100, beta2=0.99),
-    # nanoGPT's config/train_shakespeare_char.py (a GPU minutes)
+    # nanoGPT's config/train_shakespeare_char.py: a few minutes on a GPU
     "shakespeare-char": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, batch_size=64,
                              max_iters=5000, lr_decay_iters=5000, learning_rate=1e-3, min_lr=1e-4,
                              warmup_iters=100, beta2=0.99, eval_interval=250, eval_iters=200),
-    # GPT-2 small and medium shapes; learned positions, biases and GPT-2's padded vocabulary
-    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, pos_encoding="learned",
+    # GPT-2 small and medium shapes: learned positions, tanh GELU and biases, as OpenAI trained them
+    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, pos_encoding="learned",
                       mlp="gelu_tanh", bias=True, batch_size=12, gradient_accumulation_steps=40, max_iters=600000,
                       learning_rate=6e-4, min_lr=6e-5, warmup_iters=2000, beta2=0.95, eval_interval=1000,
                       eval_iters=200),
-    "gpt2-350m": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50304,
+    "gpt2-350m": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024,
                       pos_encoding="learned", mlp="gelu_tanh", bias=True, batch_size=8, gradient_accumulation_steps=60,
                       max_iters=600000, learning_rate=3e-4, min_lr=3e-5, warmup_iters=2000, beta2=0.95,
                       eval_interval=1000, eval_iters=200),

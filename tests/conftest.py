@@ -1,0 +1,93 @@
+"""Shared fixtures: small texts written by the tests themselves, a data folder, and a machine with no network.
+
+    def test_x(text_file, data_dir, no_network): ...
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+WORDS = ("the king queen lord thou thee art hath love death night day sword crown blood heart fair sweet "
+         "good noble gentle speak come go hence whence wherefore naïve café façade").split()
+
+
+def make_text(lines: int = 200, seed: int = 0) -> str:
+    """A play-like text: speaker lines, indented verse, blank lines, punctuation, digits and some non-ASCII,
+    so the ways tokenizers split whitespace and line ends all occur."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(lines):
+        if i % 7 == 0:
+            out.append(f"{rng.choice(WORDS).upper()}:")
+        words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 10)))
+        indent = "    " if i % 5 == 1 else ""
+        end = rng.choice([".", ",", "!", "?", ";", "", " — “quoth” 🙂", f" {i}"])
+        out.append(f"{indent}{words.capitalize()}{end}")
+        if i % 7 == 6:
+            out.append("")
+    return "\n".join(out) + "\n"
+
+
+@pytest.fixture
+def sample_text() -> str:
+    return make_text()
+
+
+@pytest.fixture
+def text_file(tmp_path: Path, sample_text: str) -> Path:
+    path = tmp_path / "play.txt"
+    path.write_text(sample_text, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    """Where prepared datasets go; not created, so a test can check that a failure writes nothing."""
+    return tmp_path / "data"
+
+
+@pytest.fixture
+def no_network(monkeypatch, tmp_path: Path) -> None:
+    """Every HTTP(S) request goes to a closed local port and fails at once; tiktoken starts with an empty cache."""
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    cache = tmp_path / "empty-tiktoken-cache"
+    cache.mkdir()
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+
+
+@pytest.fixture(scope="session")
+def tiktoken_gpt2(tmp_path_factory):
+    """tiktoken's own `get_encoding("gpt2")`, the reference for our offline build. Its download cache is seeded
+    with the packaged files under the names tiktoken gives its URLs; tiktoken still checks their sha256."""
+    import tiktoken
+
+    from nanogpt_cli.tokenizer import ASSETS_DIR
+
+    cache = tmp_path_factory.mktemp("tiktoken-cache")
+    base = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+    for name in ("vocab.bpe", "encoder.json"):
+        shutil.copy(ASSETS_DIR / name, cache / hashlib.sha1((base + name).encode()).hexdigest())
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TIKTOKEN_CACHE_DIR", str(cache))
+        return tiktoken.get_encoding("gpt2")
+
+
+@pytest.fixture(scope="session")
+def char_data(tmp_path_factory) -> tuple[Path, str]:
+    """A small prepared char-level dataset shared by the training, sampling and evaluation tests:
+    (data_dir, name)."""
+    from nanogpt_cli.data import prepare
+
+    root = tmp_path_factory.mktemp("char-data")
+    source = root / "play.txt"
+    source.write_text(make_text(lines=600, seed=1), encoding="utf-8")
+    prepare(str(source), "play", tokenizer="char", data_dir=root / "data")
+    return root / "data", "play"

@@ -1,0 +1,115 @@
+"""`nanogpt prepare` through CliRunner: the summary, --help, and one clear error line for every bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from nanogpt_cli import data
+from nanogpt_cli.cli import app
+
+runner = CliRunner()
+
+
+def prepare(*args: str):
+    return runner.invoke(app, ["prepare", *args])
+
+
+def assert_fails(result, message: str) -> None:
+    """Exit code 1, `error: <message ...>` and nothing else: no traceback, no usage text."""
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)  # not an escaped error
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert message in lines[0], result.output
+
+
+def test_prepare_prints_a_summary(text_file, data_dir):
+    result = prepare(str(text_file), "--name", "play", "--tokenizer", "char", "--data-dir", str(data_dir))
+    assert result.exit_code == 0, result.output
+    for row in ("documents", "characters", "train tokens", "val tokens", "vocabulary size", "bytes on disk",
+                "throughput"):
+        assert row in result.output
+    meta = json.loads((data_dir / "play" / "meta.json").read_text())
+    assert f"{meta['train_tokens']:,}" in result.output
+
+
+def test_help_has_a_purpose_and_an_example():
+    result = runner.invoke(app, ["prepare", "--help"])
+    assert result.exit_code == 0
+    assert "Tokenize text into" in result.output and "Example: nanogpt prepare" in result.output
+
+
+@pytest.fixture
+def bad_inputs(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    binary = tmp_path / "image.txt"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text('{"body": "a", "title": "b"}\n{"body": "c", "title": "d"}\n')
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("hi")
+    return tmp_path
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing.txt"], "missing.txt does not exist; SOURCE is a text file"),
+    (["empty.txt"], "empty.txt is empty"),
+    (["image.txt"], "image.txt is not UTF-8 text"),
+    (["latin1.txt"], "latin1.txt is not UTF-8 text (invalid byte near offset 3); use --tokenizer byte"),
+    (["tiny.txt", "--tokenizer", "wordpiece"], "unknown tokenizer 'wordpiece'; choose one of gpt2, char, byte"),
+    (["rows.jsonl"], "has no column 'text'; its columns are body, title (choose one with --text-column)"),
+    (["tiny.txt", "--val-fraction", "0"], "--val-fraction must be between 0 and 1 (exclusive), got 0.0"),
+    (["tiny.txt", "--val-fraction", "1.5"], "--val-fraction must be between 0 and 1 (exclusive), got 1.5"),
+    (["tiny.txt", "--name", "a/b"], "--name must be a plain folder name (no path separators, no leading '.'), "
+                                    "got 'a/b'"),
+    (["tiny.txt", "--tokenizer", "char"], "tiny.txt is too small to split: 2 tokens give 2 train and 0 validation"),
+    (["hf:"], "hf: is not a hub dataset name; write hf:OWNER/NAME"),
+])
+def test_bad_input_is_one_clear_line_and_writes_nothing(args, message, bad_inputs, monkeypatch):
+    monkeypatch.chdir(bad_inputs)
+    if "--name" not in args:
+        args = [*args, "--name", "x"]
+    assert_fails(prepare(*args, "--data-dir", "out"), message)
+    assert not (bad_inputs / "out").exists()
+
+
+def test_binary_file_with_nul_bytes(tmp_path, data_dir):
+    path = tmp_path / "zeros.txt"
+    path.write_bytes(b"text\x00\x00\x00more")
+    assert_fails(prepare(str(path), "--name", "x", "--data-dir", str(data_dir)), "looks binary (it contains NUL")
+    assert not data_dir.exists()
+
+
+def test_tiktoken_encoding_offline(text_file, data_dir, no_network):
+    assert_fails(prepare(str(text_file), "--name", "x", "--tokenizer", "o200k_base", "--data-dir", str(data_dir)),
+                 "could not load the o200k_base tokenizer")
+
+
+def test_shakespeare_offline(monkeypatch, tmp_path, data_dir):
+    monkeypatch.setattr(data, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # a closed port: like offline
+    monkeypatch.setenv("NANOGPT_CACHE", str(tmp_path / "cache"))
+    assert_fails(prepare("shakespeare", "--name", "shk", "--data-dir", str(data_dir)),
+                 "pass a local copy instead, e.g. nanogpt prepare examples/tinyshakespeare.txt")
+
+
+def test_hub_dataset_offline(tmp_path):
+    # the hub's offline switch is read when huggingface_hub is imported, so this runs in a fresh process
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([sys.executable, "-m", "nanogpt_cli", "prepare", "hf:nobody/nothing", "--name", "x",
+                           "--data-dir", str(tmp_path / "data")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("error: could not reach the Hugging Face hub to load hf:nobody/nothing (offline?)")
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert not (tmp_path / "data").exists()

@@ -1,0 +1,232 @@
+"""Training: the LR schedule, loss going down, checkpoints, exact resume, signals, accumulation, configs."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from typer.testing import CliRunner
+
+from nanogpt_cli import checkpoint as ckpt
+from nanogpt_cli.cli import app
+from nanogpt_cli.config import GPTConfig, TrainConfig
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.model import GPT
+from nanogpt_cli.train import lr_at, optimizer_step, run_configs, train
+
+runner = CliRunner()
+
+
+def configs(data_dir, name, run_dir, **over):
+    values = {"data": name, "data_dir": str(data_dir), "dtype": "float32", "device": "cpu", **over}
+    return run_configs("tiny", values, run_dir)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_lr_schedules_hit_their_endpoints():
+    cfg = TrainConfig(learning_rate=1e-3, min_lr=1e-4, warmup_iters=10, max_iters=100)
+    assert lr_at(0, cfg) == pytest.approx(1e-3 / 11)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)
+    assert lr_at(55, cfg) == pytest.approx((1e-3 + 1e-4) / 2)  # cosine midpoint
+    assert lr_at(100, cfg) == pytest.approx(1e-4) and lr_at(500, cfg) == pytest.approx(1e-4)
+    lrs = [lr_at(s, cfg) for s in range(10, 101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+    const = TrainConfig(learning_rate=1e-3, warmup_iters=10, lr_schedule="constant", max_iters=100)
+    assert lr_at(10, const) == lr_at(99, const) == 1e-3
+    wsd = TrainConfig(learning_rate=1e-3, min_lr=0.0, warmup_iters=10, lr_schedule="wsd", max_iters=100,
+                      wsd_decay_frac=0.2)
+    assert lr_at(79, wsd) == 1e-3
+    assert lr_at(90, wsd) == pytest.approx(5e-4)
+    assert lr_at(100, wsd) == 0.0
+
+
+def test_a_tiny_model_lowers_its_loss_and_checkpoints_are_valid(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    model_cfg, cfg = configs(data_dir, name, run, max_iters=50, eval_interval=25)
+    result = train(model_cfg, cfg, run)
+    first, last = metrics(run)[0], metrics(run)[-1]
+    assert [m["step"] for m in metrics(run)] == [0, 25, 50]
+    assert first["val_loss"] == pytest.approx(math.log(model_cfg.vocab_size), abs=0.3)
+    assert last["val_loss"] < first["val_loss"] - 1.0
+    assert result.step == 50 and result.val_loss == last["val_loss"]
+    assert set(last) >= {"step", "train_loss", "val_loss", "lr", "tokens", "elapsed_s"}
+
+    with safe_open(str(run / "model.safetensors"), framework="pt") as f:
+        meta = f.metadata()
+        assert "lm_head.weight" not in f.keys()  # the tied head is stored once
+    assert GPTConfig.from_json(meta["config"]) == model_cfg
+    dataset_meta = json.loads((data_dir / name / "meta.json").read_text())
+    assert json.loads(meta["tokenizer"]) == dataset_meta["tokenizer"]
+    assert json.loads(meta["step"]) == 50 and json.loads(meta["tokens"]) == 50 * 8 * 32
+    assert json.loads(meta["val_loss"]) == pytest.approx(last["val_loss"])
+    assert meta["version"]
+    for name_ in ("best.safetensors", "optimizer.safetensors", "trainer.json", "config.json"):
+        assert (run / name_).is_file()
+    assert not list(run.glob(".*tmp*"))
+
+    model, _ = ckpt.load_model(run, last=True)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    x = torch.randint(0, model_cfg.vocab_size, (2, 16))
+    reloaded, _ = ckpt.load_model(run / "model.safetensors")
+    torch.testing.assert_close(model(x)[0], reloaded(x)[0], rtol=0, atol=0)
+
+
+def test_a_stopped_and_resumed_run_equals_an_uninterrupted_one(char_data, tmp_path):
+    data_dir, name = char_data
+    over = dict(max_iters=30, eval_interval=10, dropout=0.1)  # dropout: the RNG state must resume too
+    whole = tmp_path / "whole"
+    train(*configs(data_dir, name, whole, **over), whole)
+    parts = tmp_path / "parts"
+    stopped = train(*configs(data_dir, name, parts, stop_at=17, **over), parts)
+    assert stopped.stopped == "stop_at" and stopped.step == 17
+    assert json.loads((parts / "trainer.json").read_text())["step"] == 17
+    model_cfg, cfg = run_configs(None, {}, parts, resume=True)
+    assert cfg.stop_at == 17
+    model_cfg, cfg = run_configs(None, {"stop_at": 30}, parts, resume=True)
+    resumed = train(model_cfg, cfg, parts, resume=True)
+    assert resumed.step == 30 and resumed.stopped is None
+    assert metrics(parts) == [dict(m, elapsed_s=p["elapsed_s"]) for m, p in zip(metrics(whole), metrics(parts))]
+    a, _ = ckpt.load_model(whole, last=True)
+    b, _ = ckpt.load_model(parts, last=True)
+    for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), n
+
+
+def test_sigint_leaves_a_resumable_checkpoint(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "nanogpt_cli", "train", "--data", name, "--data-dir", str(data_dir), "--preset",
+           "tiny", "--max-iters", "1000000", "--eval-interval", "1000000", "--out", str(run), "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (run / "trainer.json").exists() and time.time() < deadline:  # the step-0 checkpoint
+        time.sleep(0.1)
+    time.sleep(1.0)  # let it take some steps
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert f"nanogpt train --out {run} --resume" in err
+    state = json.loads((run / "trainer.json").read_text())
+    assert state["step"] > 0
+    assert ckpt.read_metadata(run / "model.safetensors")["step"] == state["step"]
+    result = runner.invoke(app, ["train", "--out", str(run), "--resume", "--max-iters", str(state["step"] + 3),
+                                 "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((run / "trainer.json").read_text())["step"] == state["step"] + 3
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    a, b = GPT(cfg), GPT(cfg)
+    b.load_state_dict(a.state_dict())
+    before = [p.detach().clone() for p in a.parameters()]
+    x, y = torch.randint(0, 50, (8, 16)), torch.randint(0, 50, (8, 16))
+    # plain SGD: the update is the (clipped) gradient itself, so the two updates must agree closely
+    opt_a = torch.optim.SGD(a.parameters(), lr=1.0)
+    opt_b = torch.optim.SGD(b.parameters(), lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    import contextlib
+
+    la = optimizer_step(a, opt_a, [(x[:4], y[:4]), (x[4:], y[4:])], contextlib.nullcontext(), scaler, 1.0)
+    lb = optimizer_step(b, opt_b, [(x, y)], contextlib.nullcontext(), scaler, 1.0)
+    torch.testing.assert_close(la, lb, rtol=0, atol=1e-6)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+    assert any(not torch.equal(p, q) for p, q in zip(a.parameters(), before))
+
+
+def test_toml_and_flags_merge_with_flags_winning(char_data, tmp_path):
+    data_dir, name = char_data
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'data = "{name}"\ndata_dir = "{data_dir}"\n[model]\nn_layer = 3\nn_embd = 48\n'
+                    '[train]\nlearning-rate = 0.002\nbatch_size = 4\n')
+    from nanogpt_cli.config import load_toml
+
+    values = load_toml(toml)
+    model_cfg, cfg = run_configs("tiny", {**values, "learning_rate": 5e-4}, tmp_path / "r")
+    assert (model_cfg.n_layer, model_cfg.n_embd, model_cfg.n_head) == (3, 48, 2)  # toml over preset
+    assert cfg.learning_rate == 5e-4 and cfg.batch_size == 4  # flag over toml
+    assert model_cfg.vocab_size == json.loads((data_dir / name / "meta.json").read_text())["vocab_size"]
+    toml.write_text("n_layers = 3\n")
+    with pytest.raises(NanoGPTError, match="unknown key.*n_layers"):
+        load_toml(toml)
+
+
+def test_fine_tuning_starts_from_the_given_weights(char_data, tmp_path):
+    data_dir, name = char_data
+    base = tmp_path / "base"
+    result = train(*configs(data_dir, name, base, max_iters=20, eval_interval=20), base)
+    tuned = tmp_path / "tuned"
+    model_cfg, cfg = configs(data_dir, name, tuned, max_iters=5, eval_interval=5)
+    train(model_cfg, cfg, tuned, init_from=str(base))
+    assert metrics(tuned)[0]["val_loss"] == pytest.approx(result.val_loss, abs=1e-6)
+    other = tmp_path / "other.txt"
+    other.write_text("abc" * 200)
+    from nanogpt_cli.data import prepare
+
+    prepare(str(other), "abc", tokenizer="char", data_dir=data_dir)
+    with pytest.raises(NanoGPTError, match="different tokenizer"):
+        run_configs("tiny", {"data": "abc", "data_dir": str(data_dir)}, tmp_path / "x", init_from=str(base))
+
+
+def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    model_cfg, cfg = configs(data_dir, name, run, max_iters=50, eval_interval=5, learning_rate=1e12, grad_clip=0.0,
+                             warmup_iters=0, log_interval=1)
+    with pytest.raises(NanoGPTError, match="non-finite"):
+        train(model_cfg, cfg, run)
+    meta = ckpt.read_metadata(run / "model.safetensors")
+    assert math.isfinite(meta["val_loss"])
+
+
+def run_cli(*args):
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data", "nope"], "no dataset 'nope'"),
+    (["--block-size", "100000"], "fewer than --block-size + 1"),
+    (["--preset", "huge"], "unknown preset 'huge'"),
+    (["--n-embd", "31"], "--n-embd (31) must be divisible by --n-head (2)"),
+    (["--dtype", "float16", "--device", "cpu"], "--dtype float16 needs a CUDA GPU"),
+    (["--init-from", "missing-run"], "checkpoint missing-run does not exist"),
+])
+def test_bad_train_input_is_one_sentence_and_writes_nothing(char_data, tmp_path, args, message):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    base = ["train", "--data", name, "--data-dir", str(data_dir), "--out", str(run)]
+    if "--preset" not in args:
+        base += ["--preset", "tiny"]
+    code, output = run_cli(*base, *args)
+    assert code == 1
+    assert message in output and "Traceback" not in output
+    assert not run.exists()
+
+
+def test_an_out_holding_a_run_needs_resume_or_force(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    args = ["train", "--data", name, "--data-dir", str(data_dir), "--preset", "tiny", "--max-iters", "2",
+            "--out", str(run), "--quiet"]
+    assert run_cli(*args)[0] == 0
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    code, output = run_cli(*args)
+    assert code == 1 and "already holds a run" in output
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+    assert run_cli(*args, "--force")[0] == 0
+    code, output = run_cli("train", "--out", str(tmp_path / "empty"), "--resume")
+    assert code == 1 and "holds no run to resume" in output
