@@ -33,12 +33,16 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(1)
 
 
-@app.callback()
-def _root(version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False):
+@app.callback(invoke_without_command=True)
+def _root(ctx: typer.Context,
+          version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False):
     if version:
         from nanogpt_cli import __version__
 
         print(f"nanogpt {__version__}")
+        raise typer.Exit(0)
+    if ctx.invoked_subcommand is None:
+        print(ctx.get_help())
         raise typer.Exit(0)
 
 
@@ -197,6 +201,134 @@ def train(
     if result.stopped == "stop_at":
         console.print(f"stopped at step {result.step:,} (--stop-at); resume with: "
                       f"nanogpt train --out {run_dir} --resume")
+
+
+@app.command()
+def sample(
+    checkpoint: Annotated[str, typer.Option(help="Run folder (its best weights) or a .safetensors file.")],
+    prompt: Annotated[Optional[str], typer.Option(help="Text to continue (empty: start a new text).")] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option(help="Read the prompt from this file.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per sample.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 is greedy; lower is more conservative.")] = 0.8,
+    top_k: Annotated[int, typer.Option(help="Keep only the K most likely tokens.")] = 200,
+    top_p: Annotated[float, typer.Option(help="Keep the fewest tokens whose probability reaches P (1: off).")] = 1.0,
+    min_p: Annotated[float, typer.Option(help="Drop tokens below P x the top token's probability (0: off).")] = 0.0,
+    repetition_penalty: Annotated[float, typer.Option(help="Above 1 discourages tokens already present.")] = 1.0,
+    num_samples: Annotated[int, typer.Option(help="How many samples.")] = 1,
+    seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same text.")] = 1337,
+    stop: Annotated[Optional[list[str]], typer.Option(help="End a sample at this text (repeatable).")] = None,
+    ignore_eot: Annotated[bool, typer.Option("--ignore-eot", help="Keep going past the end-of-text token.")] = False,
+    stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print text as it is generated.")] = True,
+    last: Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")] = False,
+    interactive: Annotated[bool, typer.Option("--interactive", "-i", help="Ask for prompts in a loop.")] = False,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the whole context every token.")] = False,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+):
+    """Generate text from a trained model, streamed as it is written.
+
+    Example: nanogpt sample --checkpoint checkpoints/shk --prompt "ROMEO:" --max-new-tokens 200
+    """
+    from nanogpt_cli.sample import Sampler, SampleSettings
+    from nanogpt_cli.ui import console, err_console
+
+    try:
+        if prompt is not None and prompt_file is not None:
+            raise NanoGPTError("give --prompt or --prompt-file, not both")
+        if prompt_file is not None:
+            try:
+                prompt = prompt_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise NanoGPTError(f"cannot read --prompt-file {prompt_file}: {e.strerror or e}") from None
+        if num_samples < 1:
+            raise NanoGPTError(f"--num-samples must be at least 1, got {num_samples}")
+        settings = SampleSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or [],
+                                  ignore_eot=ignore_eot, use_cache=not no_cache)
+        sampler = Sampler.load(checkpoint, last=last, device=device, dtype=dtype)
+
+        def run(text: str) -> None:
+            ids, cut = sampler.encode_prompt(text)
+            if cut:
+                err_console.print(f"note: the prompt is {len(ids) + cut:,} tokens; its first {cut:,} are cut to fit "
+                                  f"the context of {sampler.block_size:,}", soft_wrap=True)
+            import torch
+
+            generator = torch.Generator(device=sampler.device).manual_seed(settings.seed)
+            for i in range(num_samples):
+                if num_samples > 1:
+                    console.rule(f"sample {i + 1} of {num_samples}")
+                sys.stdout.write(text)
+                if stream:
+                    for piece in sampler.stream(text, settings, generator):
+                        sys.stdout.write(piece)
+                        sys.stdout.flush()
+                else:
+                    sys.stdout.write(sampler.generate(text, settings, generator).text)
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+
+        if interactive:
+            while True:
+                try:
+                    text = input("prompt> ")
+                except EOFError:
+                    break
+                try:
+                    run(text)
+                except NanoGPTError as e:  # a bad prompt should not end the session
+                    err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        else:
+            run(prompt or "")
+    except NanoGPTError as e:
+        raise fail(str(e)) from None
+
+
+@eval_app.command()
+def perplexity(
+    checkpoint: Annotated[str, typer.Option(help="Run folder (its best weights) or a .safetensors file.")],
+    data: Annotated[Optional[str], typer.Option(help="A prepared dataset to score.")] = None,
+    data_dir: Annotated[Path, typer.Option(help="Folder of prepared datasets.")] = Path("data"),
+    split: Annotated[str, typer.Option(help="train or val.")] = "val",
+    input: Annotated[Optional[list[Path]], typer.Option(help="Text file(s) to score instead (repeatable).")] = None,
+    stride: Annotated[Optional[int], typer.Option(help="Tokens between window starts (default half the context).")
+                      ] = None,
+    batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = 8,
+    last: Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "float32",
+):
+    """Score every token of a dataset split or text files once: loss, perplexity, bits per byte.
+
+    Example: nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char --split val
+    """
+    import json
+
+    from nanogpt_cli.evaluate import perplexity_of_files, perplexity_of_split
+    from nanogpt_cli.sample import Sampler
+    from nanogpt_cli.ui import console, eval_table
+
+    try:
+        if (data is None) == (not input):
+            raise NanoGPTError("give either --data NAME (with --split) or --input FILE")
+        if split not in ("train", "val"):
+            raise NanoGPTError(f"--split must be train or val, got {split!r}")
+        if batch_size < 1:
+            raise NanoGPTError(f"--batch-size must be at least 1, got {batch_size}")
+        sampler = Sampler.load(checkpoint, last=last, device=device, dtype=dtype)
+        stride = stride or max(1, sampler.block_size // 2)
+        if data is not None:
+            result = perplexity_of_split(sampler.model, sampler.tokenizer, data_dir, data, split, stride, batch_size,
+                                         sampler.ctx)
+        else:
+            result = perplexity_of_files(sampler.model, sampler.tokenizer, input, stride, batch_size, sampler.ctx)
+    except NanoGPTError as e:
+        raise fail(str(e)) from None
+    if json_out:
+        print(json.dumps(result.to_dict()))
+    else:
+        console.print(eval_table(result))
 
 
 def main():

@@ -153,3 +153,24 @@ def train_table(result):
     if result.mfu is not None:
         table.add_row("MFU", f"{result.mfu:.1%}")
     return table
+
+
+# --- eval ---
+
+
+def eval_table(result):
+    """The summary of an `EvalResult`."""
+    from rich.table import Table
+
+    table = Table(title=f"perplexity of {result.source}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    table.add_row("loss (nats/token)", f"{result.loss:.4f}")
+    table.add_row("perplexity", f"{result.perplexity:.3f}")
+    table.add_row("bits per byte", f"{result.bits_per_byte:.4f}")
+    table.add_row("tokens scored", f"{result.tokens:,}")
+    table.add_row("bytes", f"{result.bytes:,}")
+    table.add_row("stride", f"{result.stride:,}")
+    table.add_row("time", f"{result.seconds:.2f} s")
+    table.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s")
+    return table

@@ -91,3 +91,16 @@ def char_data(tmp_path_factory) -> tuple[Path, str]:
     source.write_text(make_text(lines=600, seed=1), encoding="utf-8")
     prepare(str(source), "play", tokenizer="char", data_dir=root / "data")
     return root / "data", "play"
+
+
+@pytest.fixture(scope="session")
+def trained_run(char_data, tmp_path_factory) -> Path:
+    """A tiny char model trained briefly on char_data, in float32: its run folder."""
+    from nanogpt_cli.train import run_configs, train
+
+    data_dir, name = char_data
+    run = tmp_path_factory.mktemp("runs") / "tiny"
+    values = {"data": name, "data_dir": str(data_dir), "dtype": "float32", "device": "cpu", "max_iters": 60,
+              "eval_interval": 60, "eval_iters": 8}
+    train(*run_configs("tiny", values, run), run)
+    return run

@@ -1,0 +1,125 @@
+"""Deterministic perplexity: every token of a split or file scored exactly once with a sliding window.
+
+    result = perplexity_of_split(model, tokenizer, Path("data"), "shk", "val", stride=128)
+
+Units: `loss` is the mean negative log-likelihood per token in nats; `bits_per_byte` is the total NLL in
+bits over the UTF-8 bytes of the scored text, so models with different tokenizers can be compared.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from nanogpt_cli.data import load_meta, open_split
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.model import GPT
+from nanogpt_cli.tokenizer import Tokenizer
+
+
+@dataclass
+class EvalResult:
+    loss: float  # mean NLL per scored token, nats
+    perplexity: float  # exp(loss)
+    bits_per_byte: float  # total NLL in bits / UTF-8 bytes of the scored tokens
+    tokens: int  # tokens scored (every token but the first of each text)
+    bytes: int
+    seconds: float
+    tokens_per_s: float
+    stride: int
+    source: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.no_grad()
+def score_tokens(model: GPT, tokens: np.ndarray | torch.Tensor, stride: int, batch_size: int,
+                 ctx=None) -> tuple[float, int]:
+    """Sum of NLL (nats) and count over tokens[1:], each predicted once. Windows of block_size tokens start
+    every `stride` tokens; a window scores only the targets the previous one did not, so each token sees at
+    least block_size - stride tokens of context (fewer only at the very start)."""
+    import contextlib
+
+    ctx = ctx or contextlib.nullcontext()
+    bs = model.config.block_size
+    if not 1 <= stride <= bs:
+        raise NanoGPTError(f"--stride must be between 1 and the context length {bs}, got {stride}")
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+    n_targets = len(ids) - 1
+    if n_targets < 1:
+        return 0.0, 0
+    device = next(model.parameters()).device
+    # (start, length, first target offset within the window) for each window
+    windows, scored = [], 0
+    begin = 0
+    while scored < n_targets:
+        length = min(bs, n_targets - begin)
+        first = scored - begin  # targets before this offset were scored by an earlier window
+        windows.append((begin, length, first))
+        scored = begin + length
+        begin += stride
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(0, len(windows), batch_size):
+        group = windows[i:i + batch_size]
+        T = max(length for _, length, _ in group)
+        x = torch.zeros(len(group), T, dtype=torch.long)
+        y = torch.full((len(group), T), -1, dtype=torch.long)  # -1: not scored here
+        for row, (begin, length, first) in enumerate(group):
+            x[row, :length] = ids[begin:begin + length]
+            y[row, first:length] = ids[begin + 1 + first:begin + 1 + length]
+        with ctx:
+            logits, _ = model(x.to(device))
+        nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.to(device).reshape(-1),
+                              ignore_index=-1, reduction="sum")
+        total += nll.double().cpu()
+    return total.item(), n_targets
+
+
+def _result(nll: float, n: int, n_bytes: int, seconds: float, stride: int, source: str) -> EvalResult:
+    if n == 0:
+        raise NanoGPTError(f"{source} has fewer than two tokens: nothing to score")
+    loss = nll / n
+    return EvalResult(loss=loss, perplexity=math.exp(loss), bits_per_byte=nll / math.log(2) / max(n_bytes, 1),
+                      tokens=n, bytes=n_bytes, seconds=seconds, tokens_per_s=n / seconds if seconds else 0.0,
+                      stride=stride, source=source)
+
+
+def perplexity_of_split(model: GPT, tokenizer: Tokenizer, data_dir: Path, name: str, split: str, stride: int,
+                        batch_size: int = 8, ctx=None) -> EvalResult:
+    meta = load_meta(data_dir, name)
+    if meta["tokenizer"] != tokenizer.describe():
+        raise NanoGPTError(f"dataset '{name}' was prepared with another tokenizer ({meta['tokenizer']['name']}) "
+                           f"than the checkpoint's ({tokenizer.name})")
+    tokens = open_split(data_dir, name, split)
+    t0 = time.perf_counter()
+    nll, n = score_tokens(model, tokens, stride, batch_size, ctx)
+    n_bytes = len(tokenizer.decode_bytes(tokens[1:].tolist()))
+    return _result(nll, n, n_bytes, time.perf_counter() - t0, stride, f"{name}/{split}")
+
+
+def perplexity_of_files(model: GPT, tokenizer: Tokenizer, paths: list[Path], stride: int, batch_size: int = 8,
+                        ctx=None) -> EvalResult:
+    """Each file is scored on its own (its first token has no context and is not scored); sums are pooled."""
+    nll_total, n_total, bytes_total = 0.0, 0, 0
+    t0 = time.perf_counter()
+    for path in paths:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise NanoGPTError(f"input file {path} does not exist") from None
+        except UnicodeDecodeError:
+            raise NanoGPTError(f"input file {path} is not UTF-8 text") from None
+        tokens = tokenizer.encode(text)  # a char tokenizer names the characters it does not know
+        nll, n = score_tokens(model, tokens, stride, batch_size, ctx)
+        nll_total, n_total = nll_total + nll, n_total + n
+        bytes_total += len(tokenizer.decode_bytes(tokens[1:]))
+    source = ", ".join(str(p) for p in paths)
+    return _result(nll_total, n_total, bytes_total, time.perf_counter() - t0, stride, source)

@@ -1,0 +1,169 @@
+"""Sampling: seeds, greedy, the cache, streaming, stop texts, end-of-text, prompts, and bad input."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from nanogpt_cli import checkpoint as ckpt
+from nanogpt_cli.cli import app
+from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.model import GPT
+from nanogpt_cli.sample import Sampler, SampleSettings
+from nanogpt_cli.tokenizer import build_tokenizer
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def sampler(trained_run) -> Sampler:
+    return Sampler.load(trained_run, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoint(tmp_path_factory):
+    """A random-weights model on the gpt2 tokenizer: its samples are full of tokens that are pieces of
+    multi-byte characters."""
+    torch.manual_seed(0)
+    tok = build_tokenizer("gpt2")
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    path = tmp_path_factory.mktemp("gpt2") / "model.safetensors"
+    ckpt.save_model(path, model, {"tokenizer": tok.describe(), "step": 0})
+    return path
+
+
+def test_the_same_seed_gives_the_same_text(sampler):
+    settings = SampleSettings(max_new_tokens=40, temperature=1.0, seed=7)
+    a = sampler.generate("the", settings).text
+    assert a == sampler.generate("the", settings).text
+    assert a != sampler.generate("the", SampleSettings(max_new_tokens=40, temperature=1.0, seed=8)).text
+
+
+def test_top_k_1_equals_greedy_and_cache_equals_no_cache(sampler):
+    greedy = sampler.generate("KING:", SampleSettings(max_new_tokens=50, temperature=0.0))
+    top1 = sampler.generate("KING:", SampleSettings(max_new_tokens=50, temperature=1.3, top_k=1, seed=3))
+    uncached = sampler.generate("KING:", SampleSettings(max_new_tokens=50, temperature=0.0, use_cache=False))
+    assert greedy.token_ids == top1.token_ids == uncached.token_ids
+    assert greedy.tokens == 50 and greedy.stop_reason == "length"
+
+
+def test_streaming_equals_the_whole_text(gpt2_checkpoint):
+    s = Sampler.load(gpt2_checkpoint, device="cpu")
+    settings = SampleSettings(max_new_tokens=120, temperature=1.0, top_k=None, ignore_eot=True, seed=3)
+    pieces = list(s.stream("naïve café 🙂", settings))
+    result = s.generate("naïve café 🙂", settings)
+    assert "".join(pieces) == result.text == s.tokenizer.decode(result.token_ids)
+
+
+def test_streaming_never_prints_half_a_character(tmp_path):
+    """A byte-level model wired to write the two bytes of 'é' (C3 A9) over and over."""
+    tok = build_tokenizer("byte")
+    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=True, tie_embeddings=False)
+    model = GPT(cfg)
+    with torch.no_grad():
+        for block in model.transformer.h:  # the blocks add nothing: the output reads the current token
+            block.attn.c_proj.weight.zero_()
+            block.mlp.c_proj.weight.zero_()
+        model.transformer.wte.weight.zero_()
+        model.transformer.wte.weight[:, 1] = 1.0  # any token -> e_1 ...
+        model.transformer.wte.weight[0xC3] = 0.0
+        model.transformer.wte.weight[0xC3, 0] = 1.0  # ... but the lead byte -> e_0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[0xA9, 0] = 10.0  # after the lead byte comes the continuation byte
+        model.lm_head.weight[0xC3, 1] = 10.0  # after anything else, a lead byte
+    path = tmp_path / "e.safetensors"
+    ckpt.save_model(path, model, {"tokenizer": tok.describe(), "step": 0})
+    s = Sampler.load(path, device="cpu")
+    pieces = list(s.stream("caf", SampleSettings(max_new_tokens=10, temperature=0.0)))
+    assert pieces == ["é"] * 5
+
+
+def test_stop_text_ends_the_sample_before_it(sampler):
+    free = sampler.generate("", SampleSettings(max_new_tokens=200, temperature=0.0)).text
+    stop = free[30:32]  # a two-character text the greedy sample certainly produces
+    cut = free[:free.find(stop)]
+    settings = SampleSettings(max_new_tokens=200, temperature=0.0, stop=[stop, "never-there"])
+    result = sampler.generate("", settings)
+    assert result.text == cut and result.stop_reason == "stop"
+    assert "".join(sampler.stream("", settings)) == cut
+
+
+def test_end_of_text_stops_a_bpe_model_unless_ignored(tmp_path):
+    tok = build_tokenizer("gpt2")
+    cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=True,
+                    tie_embeddings=False)
+    model = GPT(cfg)
+    with torch.no_grad():  # every position's final features are e_0, and only eot reads e_0
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()
+        model.transformer.ln_f.bias[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[tok.eot_id, 0] = 10.0
+        model.lm_head.weight[tok.encode("!")[0], 0] = 9.0
+    path = tmp_path / "eot.safetensors"
+    ckpt.save_model(path, model, {"tokenizer": tok.describe(), "step": 0})
+    s = Sampler.load(path, device="cpu")
+    result = s.generate("Hi", SampleSettings(max_new_tokens=10, temperature=0.0))
+    assert result.text == "" and result.stop_reason == "eot" and result.tokens == 1
+    ignored = s.generate("Hi", SampleSettings(max_new_tokens=3, temperature=0.0, ignore_eot=True))
+    assert ignored.tokens == 3 and ignored.stop_reason == "length"
+    assert s.encode_prompt("") == ([tok.eot_id], 0)
+
+
+def test_prompts_empty_and_too_long(sampler):
+    assert sampler.encode_prompt("") == (sampler.tokenizer.encode("\n"), 0)
+    ids, cut = sampler.encode_prompt("the king " * 10)
+    assert cut == 90 - sampler.block_size and len(ids) == sampler.block_size
+    with pytest.raises(NanoGPTError, match="no token for 'λ'"):
+        sampler.encode_prompt("λ")
+
+
+def test_repetition_penalty_changes_greedy_text(sampler):
+    plain = sampler.generate("the", SampleSettings(max_new_tokens=60, temperature=0.0))
+    penalized = sampler.generate("the", SampleSettings(max_new_tokens=60, temperature=0.0, repetition_penalty=5.0))
+    assert plain.text != penalized.text
+    # a strong penalty makes the greedy continuation use more distinct characters
+    assert len(set(penalized.text)) > len(set(plain.text))
+
+
+def test_sample_cli_prints_prompt_and_continuation_and_separates_samples(trained_run):
+    out = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "--prompt", "KING:", "--max-new-tokens",
+                              "20", "--num-samples", "2", "--seed", "1"])
+    assert out.exit_code == 0, out.output
+    assert out.output.count("KING:") >= 2 and "sample 2 of 2" in out.output
+    again = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "--prompt", "KING:", "--max-new-tokens",
+                                "20", "--num-samples", "2", "--seed", "1", "--no-stream"])
+    assert again.output == out.output
+    interactive = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "-i", "--max-new-tokens", "5"],
+                                input="the\nλ\nking\n")
+    assert interactive.exit_code == 0
+    assert interactive.output.count("prompt> ") == 4 and "no token for 'λ'" in interactive.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--top-p", "0"], "--top-p must be in (0, 1]"),
+    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+    (["--min-p", "1"], "--min-p must be in [0, 1)"),
+    (["--top-k", "0"], "--top-k must be at least 1"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+    (["--prompt", "λx"], "no token for 'x' 'λ'"),
+])
+def test_bad_sampling_input_is_one_sentence(trained_run, args, message):
+    out = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "--max-new-tokens", "3", *args])
+    assert out.exit_code == 1
+    assert message in out.output and "Traceback" not in out.output
+
+
+def test_missing_or_invalid_checkpoints_are_one_sentence(tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x00not a checkpoint at all")
+    plain = tmp_path / "plain.safetensors"
+    save_file({"w": torch.zeros(2)}, str(plain))
+    cases = [(tmp_path / "missing", "does not exist"), (junk, "is not a valid safetensors checkpoint"),
+             (plain, "not a nanogpt checkpoint"), (tmp_path, "no checkpoint in")]
+    for path, message in cases:
+        out = runner.invoke(app, ["sample", "--checkpoint", str(path)])
+        assert out.exit_code == 1, path
+        assert message in out.output and "Traceback" not in out.output
