@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from nanogpt_cli.cli import app
-from tests.conftest import make_text
+from conftest import make_text
 
 runner = CliRunner()
 
