@@ -153,7 +153,10 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> int:
     for key, value in tensors.items():
         _, index, name = key.split(".", 2)
         state.setdefault(int(index), {})[name] = value
-    optimizer.load_state_dict({"state": state, "param_groups": json.loads(metadata["param_groups"])})
+    groups = json.loads(metadata["param_groups"])
+    for group in groups:  # JSON has no tuples; the optimizers keep betas as one
+        group.update({k: tuple(v) for k, v in group.items() if k != "params" and isinstance(v, list)})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
     return json.loads(metadata["step"])
 
 

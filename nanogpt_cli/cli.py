@@ -105,6 +105,8 @@ def train(
                                                           "with a fresh optimizer.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")] = False,
     # model
+    vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary (default: the dataset's; larger pads it).",
+                                                      rich_help_panel="Model")] = None,
     n_layer: Annotated[Optional[int], typer.Option(help="Transformer blocks.", rich_help_panel="Model")] = None,
     n_head: Annotated[Optional[int], typer.Option(help="Attention heads.", rich_help_panel="Model")] = None,
     n_embd: Annotated[Optional[int], typer.Option(help="Residual width.", rich_help_panel="Model")] = None,
@@ -116,6 +118,7 @@ def train(
                                                         rich_help_panel="Model")] = None,
     rope_theta: Annotated[Optional[float], typer.Option(help="RoPE base.", rich_help_panel="Model")] = None,
     norm: Annotated[Optional[str], typer.Option(help="layernorm or rmsnorm.", rich_help_panel="Model")] = None,
+    norm_eps: Annotated[Optional[float], typer.Option(help="Norm epsilon.", rich_help_panel="Model")] = None,
     mlp: Annotated[Optional[str], typer.Option(help="gelu, gelu_tanh or swiglu.", rich_help_panel="Model")] = None,
     mlp_hidden: Annotated[Optional[int], typer.Option(help="MLP hidden width.", rich_help_panel="Model")] = None,
     tie_embeddings: Annotated[Optional[bool], typer.Option("--tie-embeddings/--no-tie-embeddings",
@@ -133,6 +136,8 @@ def train(
     min_lr: Annotated[Optional[float], typer.Option(help="Final learning rate.", rich_help_panel="Training")] = None,
     lr_schedule: Annotated[Optional[str], typer.Option(help="cosine, constant or wsd.",
                                                        rich_help_panel="Training")] = None,
+    wsd_decay_frac: Annotated[Optional[float], typer.Option(help="wsd: share of the decay iters spent decaying.",
+                                                            rich_help_panel="Training")] = None,
     warmup_iters: Annotated[Optional[int], typer.Option(help="Linear warmup updates.",
                                                         rich_help_panel="Training")] = None,
     lr_decay_iters: Annotated[Optional[int], typer.Option(help="Updates until --min-lr (default --max-iters).",
@@ -168,7 +173,8 @@ def train(
     from nanogpt_cli.train import train as run_training
     from nanogpt_cli.ui import TrainDisplay, console, train_table
 
-    flags = _given(data=data, data_dir=data_dir, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+    flags = _given(data=data, data_dir=data_dir, vocab_size=vocab_size, norm_eps=norm_eps,
+                   wsd_decay_frac=wsd_decay_frac, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
                    block_size=block_size, dropout=dropout, bias=bias, pos_encoding=pos_encoding, rope_theta=rope_theta,
                    norm=norm, mlp=mlp, mlp_hidden=mlp_hidden, tie_embeddings=tie_embeddings, batch_size=batch_size,
                    gradient_accumulation_steps=gradient_accumulation_steps, max_iters=max_iters,
@@ -197,7 +203,7 @@ def train(
     if result.stopped in ("SIGINT", "SIGTERM"):
         fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: "
              f"nanogpt train --out {run_dir} --resume")
-        raise typer.Exit(130)
+        raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
     if result.stopped == "stop_at":
         console.print(f"stopped at step {result.step:,} (--stop-at); resume with: "
                       f"nanogpt train --out {run_dir} --resume")
@@ -317,12 +323,12 @@ def perplexity(
         if batch_size < 1:
             raise NanoGPTError(f"--batch-size must be at least 1, got {batch_size}")
         sampler = Sampler.load(checkpoint, last=last, device=device, dtype=dtype)
-        stride = stride or max(1, sampler.block_size // 2)
+        if stride is None:
+            stride = max(1, sampler.block_size // 2)
         if data is not None:
-            result = perplexity_of_split(sampler.model, sampler.tokenizer, data_dir, data, split, stride, batch_size,
-                                         sampler.ctx)
+            result = perplexity_of_split(sampler.model, sampler.tokenizer, data_dir, data, split, stride, batch_size)
         else:
-            result = perplexity_of_files(sampler.model, sampler.tokenizer, input, stride, batch_size, sampler.ctx)
+            result = perplexity_of_files(sampler.model, sampler.tokenizer, input, stride, batch_size)
     except NanoGPTError as e:
         raise fail(str(e)) from None
     if json_out:

@@ -120,13 +120,13 @@ class TrainConfig:
     lr_decay_iters: int | None = None  # updates until min_lr; None: max_iters
     wsd_decay_frac: float = 0.2  # wsd: fraction of lr_decay_iters spent decaying
     weight_decay: float = 0.1  # AdamW decay on matrices (not on biases, norms)
-    beta1: float = 0.9
-    beta2: float = 0.99
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.99  # AdamW's second-moment decay (0.95 for large models)
     grad_clip: float = 1.0  # clip the global grad norm to this; 0 disables
     eval_interval: int = 250  # evaluate every this many updates (and at the end)
     eval_iters: int = 20  # batches per split in each evaluation
     log_interval: int = 10  # progress line every this many updates
-    seed: int = 1337
+    seed: int = 1337  # seeds the init, the batches, dropout and the evaluation batches
     device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     compile: bool = False  # torch.compile the model
@@ -231,9 +231,26 @@ def split_values(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     return model, train
 
 
+_KINDS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
+_NAMES = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "text"}
+
+
+def check_types(values: dict[str, Any]) -> None:
+    """Config-file values of the wrong type, named by their flag (the CLI's flags are typed already)."""
+    annotations = {f.name: f.type for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        kind = str(annotations[key]).replace(" | None", "")
+        if value is None and str(annotations[key]).endswith("| None"):
+            continue
+        is_bool = isinstance(value, bool)
+        if not isinstance(value, _KINDS[kind]) or (is_bool and kind != "bool"):
+            raise NanoGPTError(f"--{flag(key)} must be {_NAMES[kind]}, got {value!r}")
+
+
 def build_configs(values: dict[str, Any]) -> tuple[GPTConfig, TrainConfig]:
     """Both configs from merged values; a validation error becomes one NanoGPTError sentence."""
     model_kw, train_kw = split_values(values)
+    check_types(values)
     try:
         return GPTConfig(**model_kw), TrainConfig(**train_kw)
     except (ValueError, TypeError) as e:

@@ -40,14 +40,11 @@ class EvalResult:
 
 
 @torch.no_grad()
-def score_tokens(model: GPT, tokens: np.ndarray | torch.Tensor, stride: int, batch_size: int,
-                 ctx=None) -> tuple[float, int]:
+def score_tokens(model: GPT, tokens: np.ndarray | torch.Tensor | list[int], stride: int, batch_size: int
+                 ) -> tuple[float, int]:
     """Sum of NLL (nats) and count over tokens[1:], each predicted once. Windows of block_size tokens start
     every `stride` tokens; a window scores only the targets the previous one did not, so each token sees at
     least block_size - stride tokens of context (fewer only at the very start)."""
-    import contextlib
-
-    ctx = ctx or contextlib.nullcontext()
     bs = model.config.block_size
     if not 1 <= stride <= bs:
         raise NanoGPTError(f"--stride must be between 1 and the context length {bs}, got {stride}")
@@ -75,11 +72,10 @@ def score_tokens(model: GPT, tokens: np.ndarray | torch.Tensor, stride: int, bat
         for row, (begin, length, first) in enumerate(group):
             x[row, :length] = ids[begin:begin + length]
             y[row, first:length] = ids[begin + 1 + first:begin + 1 + length]
-        with ctx:
-            logits, _ = model(x.to(device))
+        logits, _ = model(x.to(device))
         nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.to(device).reshape(-1),
                               ignore_index=-1, reduction="sum")
-        total += nll.double().cpu()
+        total += nll.cpu().double()  # float64 on the CPU: MPS has none
     return total.item(), n_targets
 
 
@@ -92,21 +88,29 @@ def _result(nll: float, n: int, n_bytes: int, seconds: float, stride: int, sourc
                       stride=stride, source=source)
 
 
+def text_bytes(tokenizer: Tokenizer, tokens, chunk: int = 1 << 20) -> int:
+    """UTF-8 bytes of the text the tokens stand for; end-of-text separators are not text and count 0."""
+    ids = np.asarray(tokens)
+    if tokenizer.eot_id is not None:
+        ids = ids[ids != tokenizer.eot_id]
+    return sum(len(tokenizer.decode_bytes(ids[i:i + chunk].tolist())) for i in range(0, len(ids), chunk))
+
+
 def perplexity_of_split(model: GPT, tokenizer: Tokenizer, data_dir: Path, name: str, split: str, stride: int,
-                        batch_size: int = 8, ctx=None) -> EvalResult:
+                        batch_size: int = 8) -> EvalResult:
     meta = load_meta(data_dir, name)
     if meta["tokenizer"] != tokenizer.describe():
         raise NanoGPTError(f"dataset '{name}' was prepared with another tokenizer ({meta['tokenizer']['name']}) "
                            f"than the checkpoint's ({tokenizer.name})")
     tokens = open_split(data_dir, name, split)
     t0 = time.perf_counter()
-    nll, n = score_tokens(model, tokens, stride, batch_size, ctx)
-    n_bytes = len(tokenizer.decode_bytes(tokens[1:].tolist()))
+    nll, n = score_tokens(model, tokens, stride, batch_size)
+    n_bytes = text_bytes(tokenizer, tokens[1:])
     return _result(nll, n, n_bytes, time.perf_counter() - t0, stride, f"{name}/{split}")
 
 
-def perplexity_of_files(model: GPT, tokenizer: Tokenizer, paths: list[Path], stride: int, batch_size: int = 8,
-                        ctx=None) -> EvalResult:
+def perplexity_of_files(model: GPT, tokenizer: Tokenizer, paths: list[Path], stride: int, batch_size: int = 8
+                        ) -> EvalResult:
     """Each file is scored on its own (its first token has no context and is not scored); sums are pooled."""
     nll_total, n_total, bytes_total = 0.0, 0, 0
     t0 = time.perf_counter()
@@ -118,8 +122,8 @@ def perplexity_of_files(model: GPT, tokenizer: Tokenizer, paths: list[Path], str
         except UnicodeDecodeError:
             raise NanoGPTError(f"input file {path} is not UTF-8 text") from None
         tokens = tokenizer.encode(text)  # a char tokenizer names the characters it does not know
-        nll, n = score_tokens(model, tokens, stride, batch_size, ctx)
+        nll, n = score_tokens(model, tokens, stride, batch_size)
         nll_total, n_total = nll_total + nll, n_total + n
-        bytes_total += len(tokenizer.decode_bytes(tokens[1:]))
+        bytes_total += text_bytes(tokenizer, tokens[1:])
     source = ", ".join(str(p) for p in paths)
     return _result(nll_total, n_total, bytes_total, time.perf_counter() - t0, stride, source)

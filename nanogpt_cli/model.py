@@ -58,7 +58,7 @@ class KVCache:
         shape = (batch_size, config.n_head, config.block_size, config.head_size)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.capacity = config.block_size
+        self.capacity, self.dtype = config.block_size, dtype
         self.pos = 0  # tokens held, which is also the position of the next one
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,6 +71,12 @@ class KVCache:
 
 
 # --- layers ---------------------------------------------------------------------------------------------
+
+
+def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    # a function, not nn.Dropout modules: decoding one token at a time pays ~5 us per module call, and
+    # dropout has no weights to hold
+    return F.dropout(x, p, training) if training and p > 0 else x
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
@@ -87,14 +93,13 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # fused q, k, v
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, cos=None, sin=None, cache: KVCache | None = None, layer: int = 0):
         B, T, C = x.size()
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, self.head_size)  # (B, T, 3, nh, hs)
         if self.rope:
             # rotate q and k together: one set of elementwise ops instead of two
-            qk = apply_rope(qkv[:, :, :2], cos[:, None, None, :], sin[:, None, None, :])  # (B, T, 2, nh, hs)
+            qk = apply_rope(qkv[:, :, :2], cos, sin)  # (B, T, 2, nh, hs); cos, sin: (T, 1, 1, hs)
             q, k = qk.unbind(dim=2)
         else:
             q, k = qkv[:, :, 0], qkv[:, :, 1]
@@ -111,15 +116,19 @@ class CausalSelfAttention(nn.Module):
             else:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
         else:
-            k, v = cache.update(layer, k.to(cache.k[layer].dtype), v.to(cache.v[layer].dtype))  # (B, nh, S, hs)
+            if k.dtype != cache.dtype:  # under autocast the cache holds the autocast dtype
+                k, v = k.to(cache.dtype), v.to(cache.dtype)
+            k, v = cache.update(layer, k, v)  # (B, nh, S, hs)
+            if q.dtype != k.dtype:
+                k, v = k.to(q.dtype), v.to(q.dtype)
             if T == 1:  # one new token attends to everything held: no mask needed
-                y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype))
+                y = F.scaled_dot_product_attention(q, k, v)
             else:  # new tokens at the end of S: token i sees the cache and new tokens up to i
                 S = k.size(2)
                 mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-                y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        return dropout(self.c_proj(y), self.dropout, self.training)
 
 
 class MLP(nn.Module):
@@ -132,7 +141,7 @@ class MLP(nn.Module):
         # SwiGLU (Shazeer 2020) fuses its gate and up projections into one matrix: (C, 2H)
         self.c_fc = nn.Linear(config.n_embd, 2 * H if self.swiglu else H, bias=config.bias)
         self.c_proj = nn.Linear(H, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
+        self.dropout = config.dropout
 
     def forward(self, x):
         h = self.c_fc(x)  # (B, T, H) or (B, T, 2H)
@@ -141,7 +150,7 @@ class MLP(nn.Module):
             h = F.silu(gate) * up
         else:
             h = F.gelu(h, approximate=self.approximate)
-        return self.dropout(self.c_proj(h))
+        return dropout(self.c_proj(h), self.dropout, self.training)
 
 
 class Block(nn.Module):
@@ -168,7 +177,6 @@ class GPT(nn.Module):
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
             ln_f=make_norm(config),
         ))
@@ -178,8 +186,9 @@ class GPT(nn.Module):
             self.register_buffer("pos_table", sinusoidal_table(config.block_size, config.n_embd), persistent=False)
         else:
             cos, sin = rope_tables(torch.arange(config.block_size), config.head_size, config.rope_theta)
-            self.register_buffer("rope_cos", cos, persistent=False)  # (block_size, hs)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            # shaped to broadcast over (B, T, 2, nh, hs) as they are: no reshapes per call
+            self.register_buffer("rope_cos", cos[:, None, None, :], persistent=False)  # (block_size, 1, 1, hs)
+            self.register_buffer("rope_sin", sin[:, None, None, :], persistent=False)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
@@ -214,7 +223,7 @@ class GPT(nn.Module):
             x = x + self.pos_table[pos:pos + T]
         else:
             cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
-        x = self.transformer.drop(x)
+        x = dropout(x, self.config.dropout, self.training)
         for i, block in enumerate(self.transformer.h):
             x = block(x, cos, sin, cache, i)
         if cache is not None:

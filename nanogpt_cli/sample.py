@@ -10,7 +10,6 @@ temperature, top-k, top-p, then min-p; temperature 0 takes the most likely token
 from __future__ import annotations
 
 import codecs
-import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from nanogpt_cli import checkpoint as ckpt
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT, process_logits, sample_token
 from nanogpt_cli.tokenizer import Tokenizer, tokenizer_from_description
-from nanogpt_cli.train import autocast_for, resolve_device
+from nanogpt_cli.device import resolve_device, resolve_inference_dtype
 
 
 @dataclass
@@ -69,31 +68,23 @@ class SampleResult:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def resolve_sample_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 on CUDA GPUs that have it, fp32 elsewhere (CPU decoding is dominated by per-op overhead,
-    which autocast only adds to)."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    except KeyError:
-        raise NanoGPTError(f"--dtype must be one of auto, float32, bfloat16, float16, got {name!r}") from None
-
-
 class Sampler:
     """A loaded model and tokenizer, kept for many prompts (the interactive loop reuses it)."""
 
     def __init__(self, model: GPT, tokenizer: Tokenizer, device: torch.device, dtype: torch.dtype, meta: dict):
-        self.model, self.tokenizer, self.device, self.dtype, self.meta = model.eval(), tokenizer, device, dtype, meta
-        self.ctx = autocast_for(device, dtype) if dtype != torch.float32 else contextlib.nullcontext()
+        # inference casts the weights once instead of autocasting every call
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.tokenizer, self.device, self.dtype, self.meta = tokenizer, device, dtype, meta
 
     @classmethod
     def load(cls, checkpoint: str | Path, last: bool = False, device: str = "auto", dtype: str = "auto") -> Sampler:
         dev = resolve_device(device)
-        model, meta = ckpt.load_model(checkpoint, last=last, device=dev)
+        model, meta = ckpt.load_model(checkpoint, last=last)
         if "tokenizer" not in meta:
             raise NanoGPTError(f"{checkpoint} has no tokenizer in its metadata, so its text cannot be decoded")
-        return cls(model, tokenizer_from_description(meta["tokenizer"]), dev, resolve_sample_dtype(dtype, dev), meta)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        return cls(model, tokenizer_from_description(meta["tokenizer"]), dev,
+                   resolve_inference_dtype(dtype, dev, weight_bytes), meta)
 
     @property
     def block_size(self) -> int:
@@ -127,9 +118,8 @@ class Sampler:
             seen[0, idx[0]] = True
         t0 = time.perf_counter()
         if settings.max_new_tokens > 0:
-            with self.ctx:
-                steps = self.model.next_logits(idx, use_cache=settings.use_cache)
-                logits = next(steps)
+            steps = self.model.next_logits(idx, use_cache=settings.use_cache)
+            logits = next(steps)
             while True:
                 logits = logits[:, :vocab]  # a padded model head never picks a token the tokenizer lacks
                 filtered = process_logits(logits, settings.temperature, settings.top_k, settings.top_p,
@@ -155,8 +145,7 @@ class Sampler:
                     emitted = safe
                 if n >= settings.max_new_tokens:
                     break
-                with self.ctx:
-                    logits = steps.send(token)
+                logits = steps.send(token)
             steps.close()
         if reason == "length":
             text += decoder.decode(b"", final=True)

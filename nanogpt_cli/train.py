@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import json
 import math
-import shutil
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -29,13 +29,9 @@ from nanogpt_cli import __version__
 from nanogpt_cli import checkpoint as ckpt
 from nanogpt_cli.config import GPTConfig, TrainConfig, build_configs, flag, preset_values, split_values
 from nanogpt_cli.data import load_meta, open_split
+from nanogpt_cli.device import autocast_for, peak_flops, resolve_device, resolve_dtype
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
-
-# Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, for MFU; a device not listed gets no MFU.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "L40S": 362e12,
-              "4090": 165e12, "3090": 71e12, "V100": 125e12, "T4": 65e12}
-
 
 @dataclass
 class TrainResult:
@@ -45,10 +41,10 @@ class TrainResult:
     train_loss: float | None  # last evaluated mean loss (nats/token)
     val_loss: float | None
     best_val_loss: float | None
-    elapsed_s: float  # wall time of this invocation's loop
-    tokens_per_s: float
-    ms_per_iter: float
-    mfu: float | None
+    elapsed_s: float  # wall time of this invocation's loop, evaluations and checkpoints included
+    tokens_per_s: float  # training speed: evaluations and checkpoints left out
+    ms_per_iter: float  # likewise
+    mfu: float | None  # model FLOPs utilisation against the device's known peak (CUDA only)
     stopped: str | None = None  # None: finished; "stop_at", "SIGINT", "SIGTERM"
 
 
@@ -73,61 +69,6 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return cfg.learning_rate + frac * (cfg.min_lr - cfg.learning_rate)
     frac = (step - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
     return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * frac)) * (cfg.learning_rate - cfg.min_lr)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise NanoGPTError(f"--device {name!r} is not a device; use auto, cpu, cuda, cuda:N or mps") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise NanoGPTError("--device cuda was asked for, but this torch sees no CUDA GPU; use --device cpu")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise NanoGPTError("--device mps was asked for, but MPS is not available here; use --device cpu")
-    return device
-
-
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX), where bf16 autocast pays off."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 where the hardware supports it (CUDA, or a CPU with native bf16), else fp16 on older
-    CUDA GPUs, else fp32."""
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        if device.type == "cpu" and cpu_has_bf16():
-            return torch.bfloat16
-        return torch.float32
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    if dtype == torch.float16 and device.type != "cuda":
-        raise NanoGPTError("--dtype float16 needs a CUDA GPU (its grad scaler is CUDA-only); use bfloat16 or float32")
-    return dtype
-
-
-def autocast_for(device: torch.device, dtype: torch.dtype):
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 
 # --- data ---
@@ -206,7 +147,13 @@ def default_run_dir(data: str) -> Path:
     return Path("checkpoints") / f"{data}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
+RUN_FILES = (ckpt.LAST, ckpt.BEST, ckpt.OPTIMIZER, ckpt.TRAINER, ckpt.CONFIG, ckpt.METRICS)
+
+
 def check_run_dir(run_dir: Path, resume: bool, force: bool) -> None:
+    """A run folder must be new, empty, or (with --resume / --force) a run; anything else is refused."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise NanoGPTError(f"--out {run_dir} is a file, not a folder")
     has_run = run_dir.is_dir() and any((run_dir / n).exists() for n in (ckpt.LAST, ckpt.TRAINER, ckpt.CONFIG))
     if resume:
         if not (run_dir / ckpt.TRAINER).is_file():
@@ -215,6 +162,14 @@ def check_run_dir(run_dir: Path, resume: bool, force: bool) -> None:
     elif has_run and not force:
         raise NanoGPTError(f"{run_dir} already holds a run; pass --resume to continue it or --force to "
                            "start over (this deletes it)")
+    elif not has_run and run_dir.is_dir() and any(run_dir.iterdir()):
+        raise NanoGPTError(f"--out {run_dir} holds other files and no run; choose a new or empty folder")
+
+
+def clear_run(run_dir: Path) -> None:
+    """--force: delete the files of the run there, and nothing else."""
+    for name in RUN_FILES:
+        (run_dir / name).unlink(missing_ok=True)
 
 
 class StopSignals:
@@ -281,8 +236,8 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, run_dir: Path, resume: bool = 
         step, tokens, best_val = _restore(run_dir, model, optimizer, scaler, batches)
         _truncate_metrics(run_dir / ckpt.METRICS, step)
     else:
-        if force and run_dir.exists():
-            shutil.rmtree(run_dir)
+        if force and run_dir.is_dir():
+            clear_run(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
     ckpt.write_json(run_dir / ckpt.CONFIG, {"model": model_cfg.to_dict(), "train": cfg.to_dict(),
                                             "dataset": meta, "version": __version__})
@@ -297,8 +252,11 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, run_dir: Path, resume: bool = 
     last = {"train_loss": None, "val_loss": None}
     end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
 
+    eval_s = 0.0  # time spent evaluating and saving, left out of the speed figures
+
     def evaluate_and_save(elapsed: float):
-        nonlocal best_val
+        nonlocal best_val, eval_s, t_window
+        t_eval = time.perf_counter()
         losses = {s: estimate_loss(compiled, eval_sets[s], ctx) for s in ("train", "val")}
         if not all(math.isfinite(v) for v in losses.values()):
             raise NanoGPTError(f"the loss became non-finite at step {step}; the last good checkpoint in {run_dir} "
@@ -313,13 +271,16 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, run_dir: Path, resume: bool = 
             best_val = losses["val"]
         _save(run_dir, model, optimizer, scaler, batches, meta, step, tokens, losses["val"], best_val, is_best)
         emit("eval", dict(record, best_val_loss=best_val))
+        spent = time.perf_counter() - t_eval
+        eval_s += spent
+        t_window += spent  # the next progress line reports training speed only
 
     t0 = time.perf_counter()
     t_window, step_window = t0, step
     start_step = step
     stopped = None
     with StopSignals() as signals:
-        if step == 0:
+        if not resume:
             evaluate_and_save(0.0)
         model.train()
         while step < end:
@@ -354,11 +315,12 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, run_dir: Path, resume: bool = 
 
     elapsed = time.perf_counter() - t0
     done = step - start_step
-    ms = elapsed / done * 1000 if done else 0.0
-    tps = tokens_per_iter * done / elapsed if done else 0.0
+    train_s = max(elapsed - eval_s, 1e-9)
+    ms = train_s / done * 1000 if done else 0.0
+    tps = tokens_per_iter * done / train_s if done else 0.0
     return TrainResult(run_dir=run_dir, step=step, tokens=tokens, train_loss=last["train_loss"],
                        val_loss=last["val_loss"], best_val_loss=best_val, elapsed_s=elapsed, tokens_per_s=tps,
-                       ms_per_iter=ms, mfu=(flops_per_iter * done / elapsed / peak) if peak and done else None,
+                       ms_per_iter=ms, mfu=(flops_per_iter * done / train_s / peak) if peak and done else None,
                        stopped=stopped)
 
 
@@ -384,6 +346,7 @@ def run_configs(preset: str | None, overrides: dict[str, Any], run_dir: Path, re
             raise NanoGPTError(f"--resume takes the architecture from {run_dir}; drop "
                                + ", ".join(f"--{flag(k)}" for k in sorted(model_over)))
         saved = json.loads(config_path.read_text())
+        saved["train"]["stop_at"] = None  # a --stop-at ends that invocation, not the run
         return build_configs({**saved["model"], **saved["train"], **train_over})
     values = {**(preset_values(preset) if preset else {}), **overrides}
     model_values, train_values = split_values(values)
@@ -408,19 +371,34 @@ def run_configs(preset: str | None, overrides: dict[str, Any], run_dir: Path, re
 
 
 def _save(run_dir, model, optimizer, scaler, batches, meta, step, tokens, val_loss, best_val, is_best):
-    """Weights, then optimizer, then trainer.json last: trainer.json names the step the others must match."""
+    """Write every file under a temporary name first, then rename them into place one after another, so a
+    crash can at worst leave files of two adjacent saves, which _restore detects, never a half-written one.
+    trainer.json is renamed last: it names the step the others must match."""
     weights_meta = dict(tokenizer=meta["tokenizer"], step=step, tokens=tokens, val_loss=val_loss,
                         dataset=meta.get("name", ""))
-    ckpt.save_model(run_dir / ckpt.LAST, model, weights_meta)
-    if is_best:
-        ckpt.save_model(run_dir / ckpt.BEST, model, weights_meta)
-    ckpt.save_optimizer(run_dir / ckpt.OPTIMIZER, optimizer, step)
     state = dict(step=step, tokens=tokens, best_val_loss=best_val, version=__version__,
                  rng_torch=ckpt.encode_rng(torch.get_rng_state()),
                  rng_batches=ckpt.encode_rng(batches.generator.get_state()),
                  rng_cuda=[ckpt.encode_rng(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
                  scaler=scaler.state_dict() if scaler.is_enabled() else None)
-    ckpt.write_json(run_dir / ckpt.TRAINER, state)
+    staged: list[tuple[Path, Path]] = []
+
+    def stage(name: str, write) -> None:
+        tmp = run_dir / f".{name}.staged"
+        write(tmp)
+        staged.append((tmp, run_dir / name))
+
+    try:
+        stage(ckpt.LAST, lambda p: ckpt.save_model(p, model, weights_meta))
+        if is_best:
+            stage(ckpt.BEST, lambda p: ckpt.save_model(p, model, weights_meta))
+        stage(ckpt.OPTIMIZER, lambda p: ckpt.save_optimizer(p, optimizer, step))
+        stage(ckpt.TRAINER, lambda p: ckpt.write_json(p, state))
+        for tmp, final in staged:
+            os.replace(tmp, final)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
 
 
 def _restore(run_dir, model, optimizer, scaler, batches) -> tuple[int, int, float | None]:

@@ -95,3 +95,12 @@ def test_bad_eval_input_is_one_sentence(trained_run, char_data, tmp_path, make_a
     out = runner.invoke(app, ["eval", "perplexity", *make_args(trained_run, data_dir, tmp_path)])
     assert out.exit_code == 1
     assert message in out.output and "Traceback" not in out.output
+
+
+def test_bits_per_byte_leaves_end_of_text_separators_out(tmp_path):
+    from nanogpt_cli.evaluate import text_bytes
+
+    tok = build_tokenizer("gpt2")
+    ids = tok.encode("héllo") + [tok.eot_id] + tok.encode(" world")
+    assert text_bytes(tok, ids) == len("héllo world".encode())
+    assert text_bytes(tok, np.array(ids), chunk=2) == len("héllo world".encode())

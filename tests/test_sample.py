@@ -41,11 +41,12 @@ def test_the_same_seed_gives_the_same_text(sampler):
 
 
 def test_top_k_1_equals_greedy_and_cache_equals_no_cache(sampler):
-    greedy = sampler.generate("KING:", SampleSettings(max_new_tokens=50, temperature=0.0))
-    top1 = sampler.generate("KING:", SampleSettings(max_new_tokens=50, temperature=1.3, top_k=1, seed=3))
-    uncached = sampler.generate("KING:", SampleSettings(max_new_tokens=50, temperature=0.0, use_cache=False))
+    n = sampler.block_size - 5  # within the context, where the two paths compute the same logits
+    greedy = sampler.generate("KING:", SampleSettings(max_new_tokens=n, temperature=0.0))
+    top1 = sampler.generate("KING:", SampleSettings(max_new_tokens=n, temperature=1.3, top_k=1, seed=3))
+    uncached = sampler.generate("KING:", SampleSettings(max_new_tokens=n, temperature=0.0, use_cache=False))
     assert greedy.token_ids == top1.token_ids == uncached.token_ids
-    assert greedy.tokens == 50 and greedy.stop_reason == "length"
+    assert greedy.tokens == n and greedy.stop_reason == "length"
 
 
 def test_streaming_equals_the_whole_text(gpt2_checkpoint):

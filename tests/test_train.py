@@ -92,8 +92,7 @@ def test_a_stopped_and_resumed_run_equals_an_uninterrupted_one(char_data, tmp_pa
     assert stopped.stopped == "stop_at" and stopped.step == 17
     assert json.loads((parts / "trainer.json").read_text())["step"] == 17
     model_cfg, cfg = run_configs(None, {}, parts, resume=True)
-    assert cfg.stop_at == 17
-    model_cfg, cfg = run_configs(None, {"stop_at": 30}, parts, resume=True)
+    assert cfg.stop_at is None and cfg.max_iters == 30  # --stop-at ended that invocation, not the run
     resumed = train(model_cfg, cfg, parts, resume=True)
     assert resumed.step == 30 and resumed.stopped is None
     assert metrics(parts) == [dict(m, elapsed_s=p["elapsed_s"]) for m, p in zip(metrics(whole), metrics(parts))]
@@ -230,3 +229,43 @@ def test_an_out_holding_a_run_needs_resume_or_force(char_data, tmp_path):
     assert run_cli(*args, "--force")[0] == 0
     code, output = run_cli("train", "--out", str(tmp_path / "empty"), "--resume")
     assert code == 1 and "holds no run to resume" in output
+
+
+def test_out_must_be_a_run_an_empty_folder_or_new(char_data, tmp_path):
+    data_dir, name = char_data
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    base = ["train", "--data", name, "--data-dir", str(data_dir), "--preset", "tiny", "--max-iters", "2", "--quiet"]
+    for extra in ([], ["--force"]):
+        code, output = run_cli(*base, "--out", str(precious), *extra)
+        assert code == 1 and "holds other files and no run" in output
+    assert (precious / "thesis.tex").read_text() == "years of work"
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    code, output = run_cli(*base, "--out", str(a_file))
+    assert code == 1 and "is a file, not a folder" in output
+    run = tmp_path / "run"
+    assert run_cli(*base, "--out", str(run))[0] == 0
+    (run / "notes.txt").write_text("mine")
+    assert run_cli(*base, "--out", str(run), "--force")[0] == 0
+    assert (run / "notes.txt").read_text() == "mine"  # --force deletes the run's files only
+
+
+def test_checkpoint_files_from_different_steps_are_refused_on_resume(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    train(*configs(data_dir, name, run, max_iters=4, eval_interval=2, stop_at=2), run)
+    state = json.loads((run / "trainer.json").read_text())
+    (run / "trainer.json").write_text(json.dumps(dict(state, step=4)))
+    with pytest.raises(NanoGPTError, match="from different steps"):
+        train(*run_configs(None, {}, run, resume=True), run, resume=True)
+
+
+def test_a_toml_value_of_the_wrong_type_names_its_flag(char_data, tmp_path):
+    data_dir, name = char_data
+    toml = tmp_path / "run.toml"
+    toml.write_text('learning_rate = "fast"\n')
+    code, output = run_cli("train", "--data", name, "--data-dir", str(data_dir), "--preset", "tiny", "--config",
+                           str(toml), "--out", str(tmp_path / "run"))
+    assert code == 1 and "--learning-rate must be a number, got 'fast'" in output

@@ -1,0 +1,69 @@
+"""nanoGPT's CPU recipe for Tiny Shakespeare (char), run by our trainer: ms/iter, tokens/s, MFU, val loss.
+
+    python benchmarks/bench_train.py                      # 2000 iters with --dtype auto, then float32
+    python benchmarks/bench_train.py --max-iters 300 --dtypes auto
+
+The recipe (nanoGPT README, "I only have a macbook"): 4 layers, 4 heads, 128 wide, context 64, batch 12,
+2000 iters, lr 1e-3 decayed over 2000 iters, dropout 0, eval 20 iters. On these 2 cores nanoGPT's train.py
+runs it at 40-52 ms/iter (15,000-19,000 tokens/s) and reaches val loss 1.886 (2.396 with 300 iters).
+MFU is against the matmul peak measured in this process for the dtype that does the matmuls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import matmul_peak, shakespeare_path, table  # noqa: E402
+
+from nanogpt_cli.data import prepare  # noqa: E402
+from nanogpt_cli.train import resolve_device, resolve_dtype, run_configs, train  # noqa: E402
+
+NANOGPT = {"ms_per_iter": (40, 52), "tokens_per_s": (15_000, 19_000), "val_loss_2000": 1.886, "val_loss_300": 2.396}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--max-iters", type=int, default=2000)
+    p.add_argument("--dtypes", nargs="+", default=["auto", "float32"])
+    p.add_argument("--compile", action="store_true", help="also torch.compile the model")
+    args = p.parse_args()
+    device = resolve_device("auto")
+    with tempfile.TemporaryDirectory() as tmp:
+        data_dir = Path(tmp) / "data"
+        prepare(str(shakespeare_path()), "shakespeare-char", tokenizer="char", data_dir=data_dir)
+        rows = []
+        for dtype_name in args.dtypes:
+            dtype = resolve_dtype(dtype_name, device)
+            peak = matmul_peak(device, dtype)
+            run = Path(tmp) / f"run-{dtype_name}"
+            values = dict(data="shakespeare-char", data_dir=str(data_dir), dtype=dtype_name, max_iters=args.max_iters,
+                          lr_decay_iters=args.max_iters, compile=args.compile, log_interval=args.max_iters)
+            model_cfg, cfg = run_configs("cpu-char", values, run)
+            events = []
+            result = train(model_cfg, cfg, run, on_event=lambda kind, info: events.append((kind, info)))
+            from nanogpt_cli.model import GPT
+
+            flops_per_iter = GPT(model_cfg).flops_per_token() * cfg.batch_size * model_cfg.block_size
+            evals = [info for kind, info in events if kind == "eval"]
+            rows.append([f"ours, --dtype {dtype_name} ({str(dtype).replace('torch.', '')})",
+                         f"{result.ms_per_iter:.1f}", f"{result.tokens_per_s:,.0f}",
+                         f"{flops_per_iter / (result.ms_per_iter / 1000) / peak:.1%} of {peak / 1e9:,.0f} GFLOP/s",
+                         f"{evals[-1]['val_loss']:.4f}", f"{result.elapsed_s:.0f} s",
+                         f"{(sum(NANOGPT['ms_per_iter']) / 2) / result.ms_per_iter:.2f}x"])
+        ref_loss = NANOGPT["val_loss_2000"] if args.max_iters == 2000 else (
+            NANOGPT["val_loss_300"] if args.max_iters == 300 else float("nan"))
+        rows.append(["nanoGPT train.py (published, these cores)", "40-52", "15,000-19,000", "",
+                     f"{ref_loss:.3f}", "", "1.00x"])
+    table(f"nanoGPT CPU recipe, Tiny Shakespeare char, {args.max_iters} iters on {device} "
+          f"({torch.get_num_threads()} threads)",
+          ["run", "ms/iter", "tokens/s", "MFU", "final val loss", "whole run", "speed vs nanoGPT (46 ms)"], rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Configs: presets, TOML files, type and value errors named by their flags."""
+
+import pytest
+
+from nanogpt_cli.config import PRESETS, GPTConfig, build_configs, load_toml, preset_values, split_values
+from nanogpt_cli.errors import NanoGPTError
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds(name):
+    model_cfg, train_cfg = build_configs({**preset_values(name), "vocab_size": 65})
+    assert model_cfg.vocab_size == 65 and train_cfg.max_iters > 0
+
+
+def test_named_presets_have_their_shapes():
+    m, _ = split_values(preset_values("shakespeare-char"))
+    assert (m["n_layer"], m["n_head"], m["n_embd"], m["block_size"]) == (6, 6, 384, 256)
+    m, _ = split_values(preset_values("gpt2-124m"))
+    assert (m["n_layer"], m["n_embd"], m["pos_encoding"]) == (12, 768, "learned")
+    with pytest.raises(NanoGPTError, match="unknown preset 'nope'; these exist: tiny"):
+        preset_values("nope")
+
+
+def test_toml_accepts_flat_keys_tables_and_dashes(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('preset = "tiny"\nmax-iters = 10\n[model]\nn_embd = 64\n[train]\nlearning_rate = 3e-4\n')
+    assert load_toml(path) == {"preset": "tiny", "max_iters": 10, "n_embd": 64, "learning_rate": 3e-4}
+
+
+@pytest.mark.parametrize("text,message", [
+    ("max_iters = [1", "is not valid TOML"),
+    ("n_layers = 2", "unknown key(s) in"),
+])
+def test_bad_toml_is_one_sentence(tmp_path, text, message):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(NanoGPTError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_toml(path)
+    with pytest.raises(NanoGPTError, match="does not exist"):
+        load_toml(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"learning_rate": "fast"}, "--learning-rate must be a number, got 'fast'"),
+    ({"n_layer": 2.5}, "--n-layer must be a whole number, got 2.5"),
+    ({"compile": 1}, "--compile must be true or false"),
+    ({"lr_schedule": "linear"}, "--lr-schedule must be one of cosine, constant, wsd"),
+    ({"batch_size": 0}, "--batch-size must be a positive integer"),
+    ({"n_embd": 30, "n_head": 4}, "--n-embd (30) must be divisible by --n-head (4)"),
+])
+def test_bad_values_name_their_flag(values, message):
+    with pytest.raises(NanoGPTError) as e:
+        build_configs(values)
+    assert message in str(e.value)
+
+
+def test_derived_values_are_properties():
+    cfg = GPTConfig(n_embd=384, n_head=6)
+    assert cfg.head_size == 64 and cfg.hidden_size == 4 * 384

@@ -1,0 +1,35 @@
+"""Device and dtype resolution, and the peak-FLOPs table used for MFU."""
+
+import pytest
+import torch
+
+from nanogpt_cli.device import peak_flops_of, resolve_device, resolve_dtype, resolve_inference_dtype
+from nanogpt_cli.errors import NanoGPTError
+
+
+def test_peak_flops_takes_the_longest_matching_name():
+    assert peak_flops_of("NVIDIA L40S") == 362e12
+    assert peak_flops_of("NVIDIA L4") == 121e12
+    assert peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops_of("Some Future GPU") is None
+
+
+def test_dtypes_on_cpu():
+    cpu = torch.device("cpu")
+    assert resolve_dtype("float32", cpu) == torch.float32
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    assert resolve_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
+    with pytest.raises(NanoGPTError, match="float16 needs a CUDA GPU"):
+        resolve_dtype("float16", cpu)
+    assert resolve_inference_dtype("auto", cpu, weight_bytes=1000) == torch.float32  # small: overhead-bound
+    with pytest.raises(NanoGPTError, match="--dtype must be one of"):
+        resolve_inference_dtype("fp8", cpu, 0)
+
+
+def test_devices():
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(NanoGPTError, match="is not a device"):
+        resolve_device("toaster")
+    if not torch.cuda.is_available():
+        with pytest.raises(NanoGPTError, match="sees no CUDA GPU"):
+            resolve_device("cuda")
