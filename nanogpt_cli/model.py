@@ -34,18 +34,21 @@ def sinusoidal_table(n_pos: int, dim: int, base: float = 10000.0) -> torch.Tenso
 
 
 def rope_tables(positions: torch.Tensor, head_size: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for RoPE (Su et al. 2021) at the given positions, in Llama's half-split layout. (T, hs) each"""
+    """cos and signed sin for RoPE (Su et al. 2021) at the given positions, in Llama's half-split layout,
+    where x[i] and x[i + hs/2] form a rotating pair. The sin table's first half is negated, so that
+    apply_rope needs one roll instead of a split, a negation and a concatenation. (T, hs) each"""
     inv_freq = theta ** (-torch.arange(0, head_size, 2, dtype=torch.float64, device=positions.device) / head_size)
     angles = positions.to(torch.float64)[:, None] * inv_freq  # (T, hs/2)
-    angles = torch.cat([angles, angles], dim=-1)  # (T, hs): the two halves of a head share frequencies
-    return angles.cos().float(), angles.sin().float()
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)  # (T, hs): the two halves of a head share frequencies
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
+    return cos.float(), sin.float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[i], x[i + hs/2]) by the position's angle. x: (B, T, ..., hs); cos, sin broadcast to it."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos + rotated * sin
+    """Rotate the pairs (x[i], x[i + hs/2]) by their position's angle:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). x: (..., hs); cos, sin from rope_tables, broadcast to x."""
+    half = x.size(-1) // 2
+    return torch.addcmul(x * cos, x.roll(half, dims=-1), sin)  # roll: (x1, x2) -> (x2, x1)
 
 
 # --- the KV cache -------------------------------------------------------------------------------------
