@@ -84,6 +84,13 @@ def prepare(
     console.print(prepare_table(result))
 
 
+# options that sample and eval share
+Checkpoint = Annotated[str, typer.Option(help="Run folder (its best weights) or a .safetensors file.")]
+Last = Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")]
+Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
+Dtype = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
+
+
 def _given(**flags) -> dict:
     """The flags the user actually passed (None means: not given)."""
     return {k: v for k, v in flags.items() if v is not None}
@@ -211,7 +218,7 @@ def train(
 
 @app.command()
 def sample(
-    checkpoint: Annotated[str, typer.Option(help="Run folder (its best weights) or a .safetensors file.")],
+    checkpoint: Checkpoint,
     prompt: Annotated[Optional[str], typer.Option(help="Text to continue (empty: start a new text).")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(help="Read the prompt from this file.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per sample.")] = 256,
@@ -225,11 +232,11 @@ def sample(
     stop: Annotated[Optional[list[str]], typer.Option(help="End a sample at this text (repeatable).")] = None,
     ignore_eot: Annotated[bool, typer.Option("--ignore-eot", help="Keep going past the end-of-text token.")] = False,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print text as it is generated.")] = True,
-    last: Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")] = False,
+    last: Last = False,
     interactive: Annotated[bool, typer.Option("--interactive", "-i", help="Ask for prompts in a loop.")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the whole context every token.")] = False,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+    device: Device = "auto",
+    dtype: Dtype = "auto",
 ):
     """Generate text from a trained model, streamed as it is written.
 
@@ -292,18 +299,18 @@ def sample(
 
 @eval_app.command()
 def perplexity(
-    checkpoint: Annotated[str, typer.Option(help="Run folder (its best weights) or a .safetensors file.")],
+    checkpoint: Checkpoint,
     data: Annotated[Optional[str], typer.Option(help="A prepared dataset to score.")] = None,
     data_dir: Annotated[Path, typer.Option(help="Folder of prepared datasets.")] = Path("data"),
     split: Annotated[str, typer.Option(help="train or val.")] = "val",
     input: Annotated[Optional[list[Path]], typer.Option(help="Text file(s) to score instead (repeatable).")] = None,
     stride: Annotated[Optional[int], typer.Option(help="Tokens between window starts (default half the context).")
                       ] = None,
-    batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = 8,
-    last: Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")] = False,
+    batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = 32,
+    last: Last = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
-    device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")] = "auto",
-    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "float32",
+    device: Device = "auto",
+    dtype: Dtype = "float32",
 ):
     """Score every token of a dataset split or text files once: loss, perplexity, bits per byte.
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from rich.console import Console
 
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+console = Console(highlight=False, soft_wrap=True)  # log lines stay whole in pipes and files
+err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 # --- prepare ---
@@ -40,26 +40,36 @@ def prepare_progress():
     return bar()
 
 
-def prepare_table(result):
-    """The summary of a `PrepareResult`."""
+def summary_table(title: str, rows: list[tuple[str, str]]):
+    """A two-column table of labelled results, the shape every command ends with."""
     from rich.table import Table
 
-    share = result.val_tokens / max(result.tokens, 1)
-    table = Table(title=f"prepared {result.path}", show_header=False, title_justify="left")
+    table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column(justify="right")
-    table.add_row("source", result.source)
-    table.add_row("tokenizer", f"{result.tokenizer} ({result.dtype})")
-    table.add_row("documents", f"{result.documents:,} ({result.val_documents:,} in val)" if result.documents > 1
-                  else f"{result.documents:,}")
-    table.add_row("characters", f"{result.characters:,}")
-    table.add_row("train tokens", f"{result.train_tokens:,}")
-    table.add_row("val tokens", f"{result.val_tokens:,} ({share:.1%})")
-    table.add_row("vocabulary size", f"{result.vocab_size:,}")
-    table.add_row("bytes on disk", f"{result.bytes_on_disk:,}")
-    table.add_row("time", f"{result.seconds:.2f} s")
-    table.add_row("throughput", f"{result.tokens_per_second:,.0f} tokens/s")
+    for label, value in rows:
+        table.add_row(label, value)
     return table
+
+
+def prepare_table(result):
+    """The summary of a `PrepareResult`."""
+    share = result.val_tokens / max(result.tokens, 1)
+    documents = f"{result.documents:,}"
+    if result.documents > 1:
+        documents += f" ({result.val_documents:,} in val)"
+    return summary_table(f"prepared {result.path}", [
+        ("source", result.source),
+        ("tokenizer", f"{result.tokenizer} ({result.dtype})"),
+        ("documents", documents),
+        ("characters", f"{result.characters:,}"),
+        ("train tokens", f"{result.train_tokens:,}"),
+        ("val tokens", f"{result.val_tokens:,} ({share:.1%})"),
+        ("vocabulary size", f"{result.vocab_size:,}"),
+        ("bytes on disk", f"{result.bytes_on_disk:,}"),
+        ("time", f"{result.seconds:.2f} s"),
+        ("throughput", f"{result.tokens_per_second:,.0f} tokens/s"),
+    ])
 
 
 # --- train ---
@@ -137,22 +147,15 @@ class TrainDisplay:
 
 def train_table(result):
     """The summary of a `TrainResult`."""
-    from rich.table import Table
-
-    table = Table(title=f"run {result.run_dir}", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    table.add_row("steps", f"{result.step:,}")
-    table.add_row("tokens seen", f"{result.tokens:,}")
+    rows = [("steps", f"{result.step:,}"), ("tokens seen", f"{result.tokens:,}")]
     if result.train_loss is not None:
-        table.add_row("train loss", f"{result.train_loss:.4f}")
-        table.add_row("val loss", f"{result.val_loss:.4f}")
-        table.add_row("best val loss", f"{result.best_val_loss:.4f}")
-    table.add_row("time", f"{result.elapsed_s:.1f} s")
-    table.add_row("speed", f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_s:,.0f} tokens/s")
+        rows += [("train loss", f"{result.train_loss:.4f}"), ("val loss", f"{result.val_loss:.4f}"),
+                 ("best val loss", f"{result.best_val_loss:.4f}")]
+    rows += [("time", f"{result.elapsed_s:.1f} s"),
+             ("speed", f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_s:,.0f} tokens/s")]
     if result.mfu is not None:
-        table.add_row("MFU", f"{result.mfu:.1%}")
-    return table
+        rows.append(("MFU", f"{result.mfu:.1%}"))
+    return summary_table(f"run {result.run_dir}", rows)
 
 
 # --- eval ---
@@ -160,17 +163,13 @@ def train_table(result):
 
 def eval_table(result):
     """The summary of an `EvalResult`."""
-    from rich.table import Table
-
-    table = Table(title=f"perplexity of {result.source}", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column(justify="right")
-    table.add_row("loss (nats/token)", f"{result.loss:.4f}")
-    table.add_row("perplexity", f"{result.perplexity:.3f}")
-    table.add_row("bits per byte", f"{result.bits_per_byte:.4f}")
-    table.add_row("tokens scored", f"{result.tokens:,}")
-    table.add_row("bytes", f"{result.bytes:,}")
-    table.add_row("stride", f"{result.stride:,}")
-    table.add_row("time", f"{result.seconds:.2f} s")
-    table.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s")
-    return table
+    return summary_table(f"perplexity of {result.source}", [
+        ("loss (nats/token)", f"{result.loss:.4f}"),
+        ("perplexity", f"{result.perplexity:.3f}"),
+        ("bits per byte", f"{result.bits_per_byte:.4f}"),
+        ("tokens scored", f"{result.tokens:,}"),
+        ("bytes", f"{result.bytes:,}"),
+        ("stride", f"{result.stride:,}"),
+        ("time", f"{result.seconds:.2f} s"),
+        ("throughput", f"{result.tokens_per_s:,.0f} tokens/s"),
+    ])

@@ -217,30 +217,28 @@ def test_config_round_trips_through_json():
 # --- Hugging Face parity (random weights; nothing is downloaded) ---
 
 
-def test_from_hf_gpt2_matches_reference_logits_and_round_trips():
+def hf_reference(kind: str):
+    """A random-weights transformers model: GPT-2 (learned positions, LayerNorm, tanh GELU, biases) or Llama
+    (RoPE with theta 500, RMSNorm, SwiGLU, no biases, tied embeddings)."""
     transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    hf_config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=4,
-                                        resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
-    ref = transformers.GPT2LMHeadModel(hf_config).eval()
-    ours = GPT.from_hf(ref).eval()
-    idx = torch.randint(0, 97, (2, 20))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(idx)[0], ref(idx).logits, atol=1e-4, rtol=0)
-        back = ours.to_hf()
-        torch.testing.assert_close(back(idx).logits, ref(idx).logits, atol=1e-5, rtol=0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=4,
+                                         resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+        return transformers.GPT2LMHeadModel(config).eval()
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
+                                      tie_word_embeddings=True, rope_theta=500.0)
+    return transformers.LlamaForCausalLM(config).eval()
 
 
-def test_from_hf_llama_matches_reference_logits_and_round_trips():
-    transformers = pytest.importorskip("transformers")
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_from_hf_matches_reference_logits_and_round_trips(kind):
     torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-                                         tie_word_embeddings=True, rope_theta=500.0)
-    ref = transformers.LlamaForCausalLM(hf_config).eval()
+    ref = hf_reference(kind)
     ours = GPT.from_hf(ref).eval()
-    assert ours.config.rope_theta == 500.0 and ours.config.tie_embeddings
     assert ours.lm_head.weight is ours.transformer.wte.weight
+    if kind == "llama":
+        assert ours.config.rope_theta == 500.0 and ours.config.norm == "rmsnorm" and ours.config.mlp == "swiglu"
     idx = torch.randint(0, 97, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(ours(idx)[0], ref(idx).logits, atol=1e-4, rtol=0)
