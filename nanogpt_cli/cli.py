@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -200,7 +201,7 @@ def train(
         run_dir = out or default_run_dir(overrides.get("data", "run"))
         model_cfg, train_cfg = run_configs(preset, overrides, run_dir, resume=resume, init_from=init_from)
         if not quiet:
-            console.print(f"model: {model_cfg.to_json()}\ntrain: {train_cfg.to_dict()}", soft_wrap=True)
+            console.print(f"model: {model_cfg.to_json()}\ntrain: {json.dumps(train_cfg.to_dict())}")
         with TrainDisplay(quiet) as display:
             result = run_training(model_cfg, train_cfg, run_dir, resume=resume, force=force, init_from=init_from,
                                   on_event=display)
@@ -316,8 +317,6 @@ def perplexity(
 
     Example: nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char --split val
     """
-    import json
-
     from nanogpt_cli.evaluate import perplexity_of_files, perplexity_of_split
     from nanogpt_cli.sample import Sampler
     from nanogpt_cli.ui import console, eval_table

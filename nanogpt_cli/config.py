@@ -168,11 +168,11 @@ PRESETS: dict[str, dict[str, Any]] = {
                  eval_iters=4, warmup_iters=5, learning_rate=3e-3),
     # nanoGPT's CPU recipe for Tiny Shakespeare (char): a couple of minutes on a laptop
     "cpu-char": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, max_iters=2000,
-                     lr_decay_iters=2000, dropout=0.0, eval_iters=20, learning_rate=1e-3, min_lr=1e-4,
+                     dropout=0.0, eval_iters=20, learning_rate=1e-3, min_lr=1e-4,
                      warmup_iters=100, beta2=0.99),
     # nanoGPT's config/train_shakespeare_char.py: a few minutes on a GPU
     "shakespeare-char": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, batch_size=64,
-                             max_iters=5000, lr_decay_iters=5000, learning_rate=1e-3, min_lr=1e-4,
+                             max_iters=5000, learning_rate=1e-3, min_lr=1e-4,
                              warmup_iters=100, beta2=0.99, eval_interval=250, eval_iters=200),
     # GPT-2 small and medium shapes: learned positions, tanh GELU and biases, as OpenAI trained them
     "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, pos_encoding="learned",
