@@ -199,6 +199,7 @@ def train(
         if resume and out is None:
             raise NanoGPTError("--resume needs --out: the run folder to continue")
         run_dir = out or default_run_dir(overrides.get("data", "run"))
+        overrides["out"] = str(run_dir)
         model_cfg, train_cfg = run_configs(preset, overrides, run_dir, resume=resume, init_from=init_from)
         if not quiet:
             console.print(f"model: {model_cfg.to_json()}\ntrain: {json.dumps(train_cfg.to_dict())}")
