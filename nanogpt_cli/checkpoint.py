@@ -99,6 +99,13 @@ def read_metadata(path: Path) -> dict[str, Any]:
     return meta
 
 
+def file_step(path: Path) -> int | None:
+    """The training step a weights or optimizer file was saved at (None if it has none)."""
+    with safe_open(str(path), framework="pt") as f:
+        step = (f.metadata() or {}).get("step")
+    return json.loads(step) if step is not None else None
+
+
 def load_model(path: str | Path, last: bool = False, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
     """The model rebuilt from a checkpoint alone (its config is in the metadata), and that metadata."""
     path = resolve_weights(path, last)

@@ -21,7 +21,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-eval_app = typer.Typer(help="Evaluate a trained model.\n\nExample: nanogpt eval perplexity --checkpoint checkpoints/shk",
+eval_app = typer.Typer(help="Evaluate a trained model.\n\n"
+                       "Example: nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char",
                        no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 
@@ -196,13 +197,12 @@ def train(
         preset = preset or overrides.pop("preset", None)
         overrides.pop("preset", None)
         overrides.update(flags)
+        out = out or (Path(overrides["out"]) if overrides.get("out") else None)
         if resume and out is None:
             raise NanoGPTError("--resume needs --out: the run folder to continue")
         run_dir = out or default_run_dir(overrides.get("data", "run"))
         overrides["out"] = str(run_dir)
         model_cfg, train_cfg = run_configs(preset, overrides, run_dir, resume=resume, init_from=init_from)
-        if not quiet:
-            console.print(f"model: {model_cfg.to_json()}\ntrain: {json.dumps(train_cfg.to_dict())}")
         with TrainDisplay(quiet) as display:
             result = run_training(model_cfg, train_cfg, run_dir, resume=resume, force=force, init_from=init_from,
                                   on_event=display)

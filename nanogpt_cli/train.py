@@ -40,6 +40,7 @@ class TrainResult:
     tokens: int  # training tokens seen
     train_loss: float | None  # last evaluated mean loss (nats/token)
     val_loss: float | None
+    eval_step: int | None  # the step those two losses were measured at
     best_val_loss: float | None
     elapsed_s: float  # wall time of this invocation's loop, evaluations and checkpoints included
     tokens_per_s: float  # training speed: evaluations and checkpoints left out
@@ -231,10 +232,12 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, run_dir: Path, resume: bool = 
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     ctx = autocast_for(device, dtype)
 
-    step, tokens, best_val = 0, 0, None
+    step, tokens, best_val, elapsed_before = 0, 0, None, 0.0
     if resume:
-        step, tokens, best_val = _restore(run_dir, model, optimizer, scaler, batches)
+        step, tokens, best_val, elapsed_before = _restore(run_dir, model, optimizer, scaler, batches)
         _truncate_metrics(run_dir / ckpt.METRICS, step)
+        if cfg.stop_at is not None and cfg.stop_at <= step:
+            raise NanoGPTError(f"--stop-at {cfg.stop_at} is not after the run's step {step}")
     else:
         if force and run_dir.is_dir():
             clear_run(run_dir)
@@ -247,9 +250,10 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, run_dir: Path, resume: bool = 
     flops_per_iter = model.flops_per_token() * tokens_per_iter
     peak = peak_flops(device)
     emit("start", dict(step=step, max_iters=cfg.max_iters, device=str(device), dtype=str(dtype).replace("torch.", ""),
-                       params=model.num_params(), tokens_per_iter=tokens_per_iter, run_dir=str(run_dir)))
+                       params=model.num_params(), tokens_per_iter=tokens_per_iter, run_dir=str(run_dir),
+                       resume=resume, model=model_cfg.to_dict(), train=cfg.to_dict()))
 
-    last = {"train_loss": None, "val_loss": None}
+    last = {"train_loss": None, "val_loss": None, "step": None}
     end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
 
     eval_s = 0.0  # time spent evaluating and saving, left out of the speed figures
@@ -261,15 +265,16 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, run_dir: Path, resume: bool = 
         if not all(math.isfinite(v) for v in losses.values()):
             raise NanoGPTError(f"the loss became non-finite at step {step}; the last good checkpoint in {run_dir} "
                                "is kept; try a lower --learning-rate or --dtype float32")
-        last.update(train_loss=losses["train"], val_loss=losses["val"])
+        last.update(train_loss=losses["train"], val_loss=losses["val"], step=step)
         record = dict(step=step, train_loss=losses["train"], val_loss=losses["val"], lr=lr_at(max(step - 1, 0), cfg),
-                      tokens=tokens, elapsed_s=round(elapsed, 3))
+                      tokens=tokens, elapsed_s=round(elapsed_before + elapsed, 3))
         with open(run_dir / ckpt.METRICS, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
         is_best = best_val is None or losses["val"] < best_val
         if is_best:
             best_val = losses["val"]
-        _save(run_dir, model, optimizer, scaler, batches, meta, step, tokens, losses["val"], best_val, is_best)
+        _save(run_dir, model, optimizer, scaler, batches, meta, step, tokens, losses["val"], best_val, is_best,
+              elapsed_before + elapsed)
         emit("eval", dict(record, best_val_loss=best_val))
         spent = time.perf_counter() - t_eval
         eval_s += spent
@@ -310,7 +315,8 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, run_dir: Path, resume: bool = 
         if step == end and end < cfg.max_iters:
             stopped = "stop_at"
         if stopped and step % cfg.eval_interval != 0:
-            _save(run_dir, model, optimizer, scaler, batches, meta, step, tokens, last["val_loss"], best_val, False)
+            _save(run_dir, model, optimizer, scaler, batches, meta, step, tokens, last["val_loss"], best_val, False,
+                  elapsed_before + time.perf_counter() - t0)
             emit("save", dict(step=step))
 
     elapsed = time.perf_counter() - t0
@@ -319,7 +325,8 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, run_dir: Path, resume: bool = 
     ms = train_s / done * 1000 if done else 0.0
     tps = tokens_per_iter * done / train_s if done else 0.0
     return TrainResult(run_dir=run_dir, step=step, tokens=tokens, train_loss=last["train_loss"],
-                       val_loss=last["val_loss"], best_val_loss=best_val, elapsed_s=elapsed, tokens_per_s=tps,
+                       val_loss=last["val_loss"], eval_step=last["step"], best_val_loss=best_val, elapsed_s=elapsed,
+                       tokens_per_s=tps,
                        ms_per_iter=ms, mfu=(flops_per_iter * done / train_s / peak) if peak and done else None,
                        stopped=stopped)
 
@@ -370,13 +377,13 @@ def run_configs(preset: str | None, overrides: dict[str, Any], run_dir: Path, re
     return build_configs({**model_values, **train_values})
 
 
-def _save(run_dir, model, optimizer, scaler, batches, meta, step, tokens, val_loss, best_val, is_best):
+def _save(run_dir, model, optimizer, scaler, batches, meta, step, tokens, val_loss, best_val, is_best, elapsed):
     """Write every file under a temporary name first, then rename them into place one after another, so a
     crash can at worst leave files of two adjacent saves, which _restore detects, never a half-written one.
     trainer.json is renamed last: it names the step the others must match."""
     weights_meta = dict(tokenizer=meta["tokenizer"], step=step, tokens=tokens, val_loss=val_loss,
                         dataset=meta.get("name", ""))
-    state = dict(step=step, tokens=tokens, best_val_loss=best_val, version=__version__,
+    state = dict(step=step, tokens=tokens, best_val_loss=best_val, elapsed_s=elapsed, version=__version__,
                  rng_torch=ckpt.encode_rng(torch.get_rng_state()),
                  rng_batches=ckpt.encode_rng(batches.generator.get_state()),
                  rng_cuda=[ckpt.encode_rng(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
@@ -394,29 +401,52 @@ def _save(run_dir, model, optimizer, scaler, batches, meta, step, tokens, val_lo
             stage(ckpt.BEST, lambda p: ckpt.save_model(p, model, weights_meta))
         stage(ckpt.OPTIMIZER, lambda p: ckpt.save_optimizer(p, optimizer, step))
         stage(ckpt.TRAINER, lambda p: ckpt.write_json(p, state))
+        # keep the previous set reachable (hard links: no copy) until the new one is complete
+        for _, final in staged:
+            _prev(final).unlink(missing_ok=True)
+            if final.exists():
+                os.link(final, _prev(final))
         for tmp, final in staged:
             os.replace(tmp, final)
+        for _, final in staged:
+            _prev(final).unlink(missing_ok=True)
     finally:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
 
 
-def _restore(run_dir, model, optimizer, scaler, batches) -> tuple[int, int, float | None]:
+def _prev(path: Path) -> Path:
+    return path.with_name(f".{path.name}.prev")
+
+
+def _restore(run_dir, model, optimizer, scaler, batches) -> tuple[int, int, float | None, float]:
     state = json.loads((run_dir / ckpt.TRAINER).read_text())
-    ckpt.load_weights(model, run_dir / ckpt.LAST)
-    model_step = ckpt.read_metadata(run_dir / ckpt.LAST)["step"]
-    opt_step = ckpt.load_optimizer(run_dir / ckpt.OPTIMIZER, optimizer)
-    if not model_step == opt_step == state["step"]:
-        raise NanoGPTError(f"the checkpoint files in {run_dir} are from different steps (weights {model_step}, "
-                           f"optimizer {opt_step}, trainer {state['step']}): a save was cut short; "
+    step = state["step"]
+    # a save cut short between its renames leaves newer files beside the older trainer.json: their
+    # predecessors are still there as hard links, so take those
+    weights, optim = (_matching(run_dir / name, step) for name in (ckpt.LAST, ckpt.OPTIMIZER))
+    if weights is None or optim is None:
+        found = {name: ckpt.file_step(run_dir / name) for name in (ckpt.LAST, ckpt.OPTIMIZER)}
+        raise NanoGPTError(f"the checkpoint files in {run_dir} are from different steps (weights {found[ckpt.LAST]}, "
+                           f"optimizer {found[ckpt.OPTIMIZER]}, trainer {step}): a save was cut short; "
                            "start over with --force or --init-from")
+    ckpt.load_weights(model, weights)
+    ckpt.load_optimizer(optim, optimizer)
     torch.set_rng_state(ckpt.decode_rng(state["rng_torch"]))
     batches.generator.set_state(ckpt.decode_rng(state["rng_batches"]))
     if state.get("rng_cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([ckpt.decode_rng(s) for s in state["rng_cuda"]])
     if state.get("scaler") and scaler.is_enabled():
         scaler.load_state_dict(state["scaler"])
-    return state["step"], state["tokens"], state["best_val_loss"]
+    return state["step"], state["tokens"], state["best_val_loss"], state.get("elapsed_s", 0.0)
+
+
+def _matching(path: Path, step: int) -> Path | None:
+    """path, or its kept predecessor, whichever was saved at step."""
+    for candidate in (path, _prev(path)):
+        if candidate.is_file() and ckpt.file_step(candidate) == step:
+            return candidate
+    return None
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

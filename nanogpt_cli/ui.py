@@ -106,8 +106,11 @@ class TrainDisplay:
         getattr(self, f"on_{kind}")(info)
 
     def on_start(self, info):
+        import json
+
         self.start_step, self.max_iters = info["step"], info["max_iters"]
-        verb = "resuming at step" if info["step"] else "training from step"
+        console.print(f"model: {json.dumps(info['model'])}\ntrain: {json.dumps(info['train'])}")
+        verb = "resuming at step" if info["resume"] else "training from step"
         console.print(f"{verb} {info['step']:,} of {info['max_iters']:,} on {info['device']} ({info['dtype']}): "
                       f"{info['params']:,} non-embedding parameters, {info['tokens_per_iter']:,} tokens/iter "
                       f"-> {info['run_dir']}")
@@ -149,7 +152,8 @@ def train_table(result):
     """The summary of a `TrainResult`."""
     rows = [("steps", f"{result.step:,}"), ("tokens seen", f"{result.tokens:,}")]
     if result.train_loss is not None:
-        rows += [("train loss", f"{result.train_loss:.4f}"), ("val loss", f"{result.val_loss:.4f}"),
+        at = f" (step {result.eval_step:,})" if result.eval_step != result.step else ""
+        rows += [(f"train loss{at}", f"{result.train_loss:.4f}"), (f"val loss{at}", f"{result.val_loss:.4f}"),
                  ("best val loss", f"{result.best_val_loss:.4f}")]
     rows += [("time", f"{result.elapsed_s:.1f} s"),
              ("speed", f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_s:,.0f} tokens/s")]

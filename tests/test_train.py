@@ -213,6 +213,7 @@ def test_bad_train_input_is_one_sentence_and_writes_nothing(char_data, tmp_path,
     code, output = run_cli(*base, *args)
     assert code == 1
     assert message in output and "Traceback" not in output
+    assert len(output.strip().splitlines()) == 1  # the error alone, not after the config
     assert not run.exists()
 
 
@@ -252,14 +253,35 @@ def test_out_must_be_a_run_an_empty_folder_or_new(char_data, tmp_path):
     assert (run / "notes.txt").read_text() == "mine"  # --force deletes the run's files only
 
 
-def test_checkpoint_files_from_different_steps_are_refused_on_resume(char_data, tmp_path):
+def test_a_save_cut_short_between_its_renames_resumes_from_the_previous_one(char_data, tmp_path):
+    data_dir, name = char_data
+    whole = tmp_path / "whole"
+    train(*configs(data_dir, name, whole, max_iters=6, eval_interval=2), whole)
+    run = tmp_path / "run"
+    train(*configs(data_dir, name, run, max_iters=6, eval_interval=2, stop_at=2), run)
+    # a crash after the step-4 weights and optimizer were renamed into place, before trainer.json was
+    for fname in ("model.safetensors", "optimizer.safetensors"):
+        os.link(run / fname, run / f".{fname}.prev")
+    train(*configs(data_dir, name, tmp_path / "ahead", max_iters=6, eval_interval=2, stop_at=4), tmp_path / "ahead")
+    for fname in ("model.safetensors", "optimizer.safetensors"):
+        os.replace(tmp_path / "ahead" / fname, run / fname)
+    resumed = train(*run_configs(None, {}, run, resume=True), run, resume=True)
+    assert resumed.step == 6
+    assert metrics(run) == [dict(m, elapsed_s=p["elapsed_s"]) for m, p in zip(metrics(whole), metrics(run))]
+    (run / "trainer.json").write_text(json.dumps(dict(json.loads((run / "trainer.json").read_text()), step=3)))
+    with pytest.raises(NanoGPTError, match="from different steps"):
+        train(*run_configs(None, {}, run, resume=True), run, resume=True)
+
+
+def test_resume_keeps_elapsed_time_and_refuses_a_stop_at_behind_it(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
     train(*configs(data_dir, name, run, max_iters=4, eval_interval=2, stop_at=2), run)
-    state = json.loads((run / "trainer.json").read_text())
-    (run / "trainer.json").write_text(json.dumps(dict(state, step=4)))
-    with pytest.raises(NanoGPTError, match="from different steps"):
-        train(*run_configs(None, {}, run, resume=True), run, resume=True)
+    first = metrics(run)[-1]["elapsed_s"]
+    with pytest.raises(NanoGPTError, match="--stop-at 1 is not after the run's step 2"):
+        train(*run_configs(None, {"stop_at": 1}, run, resume=True), run, resume=True)
+    train(*run_configs(None, {}, run, resume=True), run, resume=True)
+    assert metrics(run)[-1]["elapsed_s"] >= first > 0
 
 
 def test_a_toml_value_of_the_wrong_type_names_its_flag(char_data, tmp_path):
@@ -269,3 +291,14 @@ def test_a_toml_value_of_the_wrong_type_names_its_flag(char_data, tmp_path):
     code, output = run_cli("train", "--data", name, "--data-dir", str(data_dir), "--preset", "tiny", "--config",
                            str(toml), "--out", str(tmp_path / "run"))
     assert code == 1 and "--learning-rate must be a number, got 'fast'" in output
+
+
+def test_a_config_file_can_name_the_run_folder(char_data, tmp_path, monkeypatch):
+    data_dir, name = char_data
+    monkeypatch.chdir(tmp_path)
+    Path("run.toml").write_text(f'data = "{name}"\ndata_dir = "{data_dir}"\nout = "from-toml"\nmax_iters = 2\n')
+    assert run_cli("train", "--preset", "tiny", "--config", "run.toml", "--quiet")[0] == 0
+    assert (tmp_path / "from-toml" / "trainer.json").is_file()
+    Path("run.toml").write_text('out = "from-toml"\nmax_iters = 4\n')
+    assert run_cli("train", "--config", "run.toml", "--resume", "--quiet")[0] == 0
+    assert json.loads((tmp_path / "from-toml" / "trainer.json").read_text())["step"] == 4
