@@ -121,7 +121,8 @@ class Sampler:
             steps = self.model.next_logits(idx, use_cache=settings.use_cache)
             logits = next(steps)
             while True:
-                logits = logits[:, :vocab]  # a padded model head never picks a token the tokenizer lacks
+                if logits.size(-1) != vocab:  # a padded model head never picks a token the tokenizer lacks
+                    logits = logits[:, :vocab]
                 filtered = process_logits(logits, settings.temperature, settings.top_k, settings.top_p,
                                           settings.min_p, settings.repetition_penalty,
                                           seen[:, :vocab] if seen is not None else None)

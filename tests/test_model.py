@@ -46,6 +46,29 @@ def test_cached_decode_equals_full_forward(pos, mlp, norm):
 
 
 @pytest.mark.parametrize("pos", POS)
+@pytest.mark.parametrize("mlp,norm,bias", [("gelu", "layernorm", False), ("gelu_tanh", "layernorm", True),
+                                           ("swiglu", "rmsnorm", False)])
+def test_the_decode_step_equals_the_module_forward(pos, mlp, norm, bias):
+    torch.manual_seed(0)
+    model = GPT(tiny(pos_encoding=pos, mlp=mlp, norm=norm, bias=bias)).eval()
+    idx = torch.randint(0, 61, (2, 16))
+    with torch.inference_mode():
+        a, b = model.new_cache(2), model.new_cache(2)
+        model(idx[:, :4], cache=a)
+        model(idx[:, :4], cache=b)
+        plan = model.decode_plan()
+        for t in range(4, 16):
+            expected, _ = model(idx[:, t:t + 1], cache=a)
+            got = model.decode_step(idx[:, t:t + 1], b, plan)
+            torch.testing.assert_close(got, expected[:, -1], atol=1e-5, rtol=0)
+        assert a.pos == b.pos == 16
+        half = GPT(tiny(pos_encoding=pos, mlp=mlp, norm=norm, bias=bias)).eval().to(torch.bfloat16)
+        cache = half.new_cache(2)
+        half(idx[:, :4], cache=cache)
+        assert half.decode_step(idx[:, 4:5], cache).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("pos", POS)
 def test_greedy_generation_with_and_without_cache_agree(pos):
     torch.manual_seed(0)
     model = GPT(tiny(pos_encoding=pos)).eval()
@@ -60,16 +83,16 @@ def test_greedy_generation_with_and_without_cache_agree(pos):
 @pytest.mark.parametrize("pos", POS)
 def test_cached_decode_past_the_context_equals_a_forward_over_the_kept_window(pos):
     torch.manual_seed(0)
-    model = GPT(tiny(pos_encoding=pos)).eval()  # block_size 16: the cache restarts from the last 12 tokens
+    model = GPT(tiny(pos_encoding=pos)).eval()  # block_size 16: the cache restarts from the last 8 tokens
     idx = torch.randint(0, 61, (1, 40))
     steps = model.next_logits(idx[:, :1])
     got = [next(steps)] + [steps.send(idx[:, t]) for t in range(1, 40)]
     for t in range(16):
         expected, _ = model(idx[:, :t + 1])
         torch.testing.assert_close(got[t], expected[:, -1], atol=1e-5, rtol=0)
-    held = 16  # tokens the cache holds once token t is in: full at 16, then a restart from the last 12
+    held = 16  # tokens the cache holds once token t is in: full at 16, then a restart from the last 8
     for t in range(16, 40):
-        held = held + 1 if held < 16 else 12
+        held = held + 1 if held < 16 else 8
         expected, _ = model(idx[:, t + 1 - held:t + 1])
         torch.testing.assert_close(got[t], expected[:, -1], atol=1e-5, rtol=0)
     assert model.generate(idx[:, :3], 60, temperature=0.0).shape == (1, 63)
