@@ -27,6 +27,49 @@ from nanogpt_cli.train import resolve_device, resolve_dtype, run_configs, train 
 NANOGPT = {"ms_per_iter": (40, 52), "tokens_per_s": (15_000, 19_000), "val_loss_2000": 1.886, "val_loss_300": 2.396}
 
 
+def interleaved(device: torch.device, dtype_names: list[str], rounds: int = 5, steps: int = 40) -> None:
+    """The same training step in each dtype, alternated round by round in one process: the machine's drift
+    hits every dtype alike, so the ratio holds even when the absolute times of the full runs moved."""
+    import contextlib
+    import statistics
+    import time
+
+    from nanogpt_cli.config import GPTConfig, TrainConfig, preset_values, split_values
+    from nanogpt_cli.model import GPT
+    from nanogpt_cli.train import autocast_for, make_optimizer
+
+    model_kw, _ = split_values(preset_values("cpu-char"))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, **model_kw)).to(device)
+    optimizer = make_optimizer(model, TrainConfig(), device)
+    x = torch.randint(0, 65, (12, 64), device=device)
+    dtypes = {name: resolve_dtype(name, device) for name in dtype_names}
+
+    def step(dtype):
+        with autocast_for(device, dtype) if dtype != torch.float32 else contextlib.nullcontext():
+            _, loss = model(x, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    times: dict[str, list[float]] = {name: [] for name in dtypes}
+    for name, dtype in dtypes.items():
+        for _ in range(5):
+            step(dtype)
+    for _ in range(rounds):
+        for name, dtype in dtypes.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                step(dtype)
+            times[name].append((time.perf_counter() - t0) / steps * 1000)
+    base = statistics.median(times[dtype_names[-1]])
+    rows = [[f"--dtype {name}", f"{statistics.median(t):.1f}", f"{min(t):.1f}-{max(t):.1f}",
+             f"{base / statistics.median(t):.2f}x"] for name, t in times.items()]
+    table(f"training step alone, interleaved: {rounds} rounds x {steps} steps",
+          ["run", "median ms/iter", "range", f"speed vs --dtype {dtype_names[-1]}"], rows)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-iters", type=int, default=2000)
@@ -60,6 +103,7 @@ def main():
             NANOGPT["val_loss_300"] if args.max_iters == 300 else float("nan"))
         rows.append(["nanoGPT train.py (published, these cores)", "40-52", "15,000-19,000", "",
                      f"{ref_loss:.3f}", "", "1.00x"])
+    interleaved(device, args.dtypes)
     table(f"nanoGPT CPU recipe, Tiny Shakespeare char, {args.max_iters} iters on {device} "
           f"({torch.get_num_threads()} threads)",
           ["run", "ms/iter", "tokens/s", "MFU", "final val loss", "whole run", "speed vs nanoGPT (46 ms)"], rows)
