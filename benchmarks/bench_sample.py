@@ -34,7 +34,8 @@ CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # 
 def models(contexts: list[int]) -> list[tuple[str, GPTConfig]]:
     out = []
     for T in contexts:
-        out.append((f"cpu-char 4x128, ctx {T}", GPTConfig(vocab_size=65, block_size=T, n_layer=4, n_head=4, n_embd=128)))
+        cfg = GPTConfig(vocab_size=65, block_size=T, n_layer=4, n_head=4, n_embd=128)
+        out.append((f"cpu-char 4x128, ctx {T}", cfg))
     out.append(("shakespeare-char 6x384, ctx 256",
                 GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)))
     return out

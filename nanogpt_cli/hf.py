@@ -73,8 +73,10 @@ def _mapping(config: GPTConfig, kind: str) -> dict[str, str | tuple[str, ...]]:
     names: dict[str, str | tuple[str, ...]] = dict(top)
     for i in range(config.n_layer):
         for ours, theirs in block.items():
-            theirs = tuple(f"{prefix}.{i}.{t}" for t in theirs) if isinstance(theirs, tuple) else f"{prefix}.{i}.{theirs}"
-            names[f"transformer.h.{i}.{ours}"] = theirs
+            if isinstance(theirs, tuple):
+                names[f"transformer.h.{i}.{ours}"] = tuple(f"{prefix}.{i}.{t}" for t in theirs)
+            else:
+                names[f"transformer.h.{i}.{ours}"] = f"{prefix}.{i}.{theirs}"
     if not config.tie_embeddings:
         names["lm_head.weight"] = "lm_head.weight"
     return names

@@ -9,7 +9,6 @@ hs head size (C // nh), H MLP hidden width, V vocab_size.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterator
 
@@ -81,13 +80,6 @@ def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
     # a function, not nn.Dropout modules: decoding one token at a time pays ~5 us per module call, and
     # dropout has no weights to hold
     return F.dropout(x, p, training) if training and p > 0 else x
-
-
-def norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A LayerNorm or RMSNorm module applied as a function (the decode step's way of calling it)."""
-    if isinstance(module, nn.RMSNorm):
-        return F.rms_norm(x, module.normalized_shape, module.weight, module.eps)
-    return F.layer_norm(x, module.normalized_shape, module.weight, module.bias, module.eps)
 
 
 def activation(h: torch.Tensor, mlp: str) -> torch.Tensor:
@@ -272,11 +264,15 @@ class GPT(nn.Module):
         layers = [(as_function(b.ln_1), b.attn.c_attn.weight, b.attn.c_attn.bias, b.attn.c_proj.weight,
                    b.attn.c_proj.bias, as_function(b.ln_2), b.mlp.c_fc.weight, b.mlp.c_fc.bias, b.mlp.c_proj.weight,
                    b.mlp.c_proj.bias) for b in self.transformer.h]
-        positions = {"rope": None, "learned": lambda: self.transformer.wpe.weight, "sinusoidal": lambda: self.pos_table}
+        pos_table = None  # added to the embedding: learned or sinusoidal positions
+        if cfg.pos_encoding == "learned":
+            pos_table = self.transformer.wpe.weight
+        elif cfg.pos_encoding == "sinusoidal":
+            pos_table = self.pos_table
         return dict(layers=layers, wte=self.transformer.wte.weight, ln_f=as_function(self.transformer.ln_f),
-                    head=self.lm_head.weight, pos_table=(positions[cfg.pos_encoding] or (lambda: None))(),
-                    cos=getattr(self, "rope_cos", None), sin=getattr(self, "rope_sin", None),
-                    act=functools.partial(activation, mlp=cfg.mlp), shape=(cfg.n_head, cfg.head_size, cfg.n_embd))
+                    head=self.lm_head.weight, pos_table=pos_table, cos=getattr(self, "rope_cos", None),
+                    sin=getattr(self, "rope_sin", None), act=lambda h: activation(h, cfg.mlp),
+                    shape=(cfg.n_head, cfg.head_size, cfg.n_embd))
 
     def decode_step(self, idx: torch.Tensor, cache: KVCache, plan: dict | None = None) -> torch.Tensor:
         """Logits (B, V) after one new token per row, idx (B, 1), through the cache: the same computation as

@@ -9,7 +9,6 @@ trainer.json, so a run stopped and resumed gives the same losses as one that was
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -386,7 +385,8 @@ def _save(run_dir, model, optimizer, scaler, batches, meta, step, tokens, val_lo
     state = dict(step=step, tokens=tokens, best_val_loss=best_val, elapsed_s=elapsed, version=__version__,
                  rng_torch=ckpt.encode_rng(torch.get_rng_state()),
                  rng_batches=ckpt.encode_rng(batches.generator.get_state()),
-                 rng_cuda=[ckpt.encode_rng(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+                 rng_cuda=[ckpt.encode_rng(s) for s in torch.cuda.get_rng_state_all()]
+                 if torch.cuda.is_available() else [],
                  scaler=scaler.state_dict() if scaler.is_enabled() else None)
     staged: list[tuple[Path, Path]] = []
 
