@@ -281,6 +281,7 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, run_dir: Path, resume: bool = 
 
     t0 = time.perf_counter()
     t_window, step_window = t0, step
+    first_s = 0.0
     start_step = step
     stopped = None
     with StopSignals() as signals:
@@ -292,7 +293,10 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, run_dir: Path, resume: bool = 
             for group in optimizer.param_groups:
                 group["lr"] = lr
             micro = [batches.get_batch("train") for _ in range(cfg.gradient_accumulation_steps)]
+            t_step = time.perf_counter()
             loss = optimizer_step(compiled, optimizer, micro, ctx, scaler, cfg.grad_clip)
+            if step == start_step:  # the first step warms up (and with --compile, compiles): not speed
+                first_s = time.perf_counter() - t_step
             step += 1
             tokens += tokens_per_iter
             if step % cfg.log_interval == 0 or step == end:
@@ -320,13 +324,14 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, run_dir: Path, resume: bool = 
 
     elapsed = time.perf_counter() - t0
     done = step - start_step
-    train_s = max(elapsed - eval_s, 1e-9)
-    ms = train_s / done * 1000 if done else 0.0
-    tps = tokens_per_iter * done / train_s if done else 0.0
+    timed = done - 1 if done > 1 else done  # the speed figures leave out the warm-up step when there are others
+    train_s = max(elapsed - eval_s - (first_s if done > 1 else 0.0), 1e-9)
+    ms = train_s / timed * 1000 if timed else 0.0
+    tps = tokens_per_iter * timed / train_s if timed else 0.0
     return TrainResult(run_dir=run_dir, step=step, tokens=tokens, train_loss=last["train_loss"],
                        val_loss=last["val_loss"], eval_step=last["step"], best_val_loss=best_val, elapsed_s=elapsed,
                        tokens_per_s=tps,
-                       ms_per_iter=ms, mfu=(flops_per_iter * done / train_s / peak) if peak and done else None,
+                       ms_per_iter=ms, mfu=(flops_per_iter * timed / train_s / peak) if peak and timed else None,
                        stopped=stopped)
 
 
