@@ -136,7 +136,8 @@ class Sampler:
                 if seen is not None:
                     seen[0, tid] = True
                 text += decoder.decode(self.tokenizer.decode_bytes([tid]))
-                hit = min((i for i in (text.find(s) for s in settings.stop) if i >= 0), default=-1)
+                # a stop text cannot start before `emitted`: any text that could begin one is held back
+                hit = min((i for i in (text.find(s, emitted) for s in settings.stop) if i >= 0), default=-1)
                 if hit >= 0:
                     text, reason = text[:hit], "stop"
                     break
