@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+@functools.cache
 def cpu_has_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX-512 BF16 or AMX), where bf16 autocast pays off."""
     try:
@@ -53,7 +55,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         if device.type == "cpu" and cpu_has_bf16():
             return torch.bfloat16
         return torch.float32
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    dtype = dtype_named(name)
     if dtype == torch.float16 and device.type != "cuda":
         raise NanoGPTError("--dtype float16 needs a CUDA GPU (its grad scaler is CUDA-only); use bfloat16 or float32")
     return dtype
@@ -87,7 +89,14 @@ def resolve_inference_dtype(name: str, device: torch.device, weight_bytes: int) 
         if device.type == "cpu" and cpu_has_bf16() and weight_bytes > 16 * 2**20:
             return torch.bfloat16
         return torch.float32
-    try:
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
-    except KeyError:
-        raise NanoGPTError(f"--dtype must be one of auto, float32, bfloat16, float16, got {name!r}") from None
+    return dtype_named(name)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_named(name: str) -> torch.dtype:
+    """--dtype's value (other than auto) as a torch dtype."""
+    if name not in DTYPES:
+        raise NanoGPTError(f"--dtype must be one of auto, {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]

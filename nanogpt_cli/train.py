@@ -234,9 +234,9 @@ def train(model_cfg: GPTConfig, cfg: TrainConfig, run_dir: Path, resume: bool = 
     step, tokens, best_val, elapsed_before = 0, 0, None, 0.0
     if resume:
         step, tokens, best_val, elapsed_before = _restore(run_dir, model, optimizer, scaler, batches)
-        _truncate_metrics(run_dir / ckpt.METRICS, step)
-        if cfg.stop_at is not None and cfg.stop_at <= step:
+        if cfg.stop_at is not None and cfg.stop_at <= step:  # refused before anything in the run changes
             raise NanoGPTError(f"--stop-at {cfg.stop_at} is not after the run's step {step}")
+        _truncate_metrics(run_dir / ckpt.METRICS, step)
     else:
         if force and run_dir.is_dir():
             clear_run(run_dir)

@@ -22,8 +22,9 @@ def test_dtypes_on_cpu():
     with pytest.raises(NanoGPTError, match="float16 needs a CUDA GPU"):
         resolve_dtype("float16", cpu)
     assert resolve_inference_dtype("auto", cpu, weight_bytes=1000) == torch.float32  # small: overhead-bound
-    with pytest.raises(NanoGPTError, match="--dtype must be one of"):
-        resolve_inference_dtype("fp8", cpu, 0)
+    for resolve in (lambda name: resolve_inference_dtype(name, cpu, 0), lambda name: resolve_dtype(name, cpu)):
+        with pytest.raises(NanoGPTError, match="--dtype must be one of auto, float32, bfloat16, float16"):
+            resolve("fp8")
 
 
 def test_devices():
