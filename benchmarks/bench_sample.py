@@ -60,7 +60,7 @@ def main():
                 settings = SampleSettings(max_new_tokens=args.new_tokens, use_cache=use_cache)
                 sampler.generate("ROMEO:", SampleSettings(max_new_tokens=20, use_cache=use_cache))  # warm up
                 result = sampler.generate("ROMEO:", settings)
-                speed[use_cache] = result.tokens / result.seconds
+                speed[use_cache] = result.tokens_per_s
             rows.append([label, f"{speed[True]:,.0f}", f"{speed[False]:,.0f}", f"{speed[True] / speed[False]:.1f}x",
                          f"{speed[True] / 600:.1f}x" if cfg.n_embd == 128 and cfg.block_size == 64 else ""])
             tokens = torch.randint(0, 65, (50_000,)).numpy()

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import matmul_peak, shakespeare_path, table  # noqa: E402
 
 from nanogpt_cli.data import prepare  # noqa: E402
-from nanogpt_cli.train import resolve_device, resolve_dtype, run_configs, train  # noqa: E402
+from nanogpt_cli.train import NoDisplay, plan_run, resolve_device, resolve_dtype, train  # noqa: E402
 
 NANOGPT = {"ms_per_iter": (40, 52), "tokens_per_s": (15_000, 19_000), "val_loss_2000": 1.886, "val_loss_300": 2.396}
 
@@ -87,17 +87,22 @@ def main():
             run = Path(tmp) / f"run-{dtype_name}"
             values = dict(data="shakespeare-char", data_dir=str(data_dir), dtype=dtype_name, max_iters=args.max_iters,
                           lr_decay_iters=args.max_iters, compile=args.compile, log_interval=args.max_iters)
-            model_cfg, cfg = run_configs("cpu-char", values, run)
-            events = []
-            result = train(model_cfg, cfg, run, on_event=lambda kind, info: events.append((kind, info)))
+            plan = plan_run({"preset": "cpu-char", **values}, out=run)
+            model_cfg, cfg = plan.model, plan.train
+            evals = []
+
+            class Evals(NoDisplay):
+                def on_eval(self, event):
+                    evals.append(event)
+
+            result = train(plan, Evals())
             from nanogpt_cli.model import GPT
 
             flops_per_iter = GPT(model_cfg).flops_per_token() * cfg.batch_size * model_cfg.block_size
-            evals = [info for kind, info in events if kind == "eval"]
             rows.append([f"ours, --dtype {dtype_name} ({str(dtype).replace('torch.', '')})",
                          f"{result.ms_per_iter:.1f}", f"{result.tokens_per_s:,.0f}",
                          f"{flops_per_iter / (result.ms_per_iter / 1000) / peak:.1%} of {peak / 1e9:,.0f} GFLOP/s",
-                         f"{evals[-1]['val_loss']:.4f}", f"{result.elapsed_s:.0f} s",
+                         f"{evals[-1].val_loss:.4f}", f"{result.elapsed_s:.0f} s",
                          f"{(sum(NANOGPT['ms_per_iter']) / 2) / result.ms_per_iter:.2f}x"])
         ref_loss = NANOGPT["val_loss_2000"] if args.max_iters == 2000 else (
             NANOGPT["val_loss_300"] if args.max_iters == 300 else float("nan"))

@@ -1,7 +1,7 @@
 """A run folder on disk: weights, optimizer and trainer state, all written atomically, no pickle anywhere.
 
-    save_model(run_dir / "model.safetensors", model, {"step": 500, "tokenizer": tok.describe()})
-    model, meta = load_model("checkpoints/shk")   # a run folder means its best weights
+    run = RunDir("checkpoints/shk"); run.save(model, optimizer, TrainerState(step=500, ...), weights_meta)
+    loaded = load_for_inference("checkpoints/shk")   # a run folder means its best weights
 
 Layout of a run folder:
     config.json            the effective model and training config
@@ -15,9 +15,11 @@ Layout of a run folder:
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,10 @@ from safetensors.torch import save_file
 
 from nanogpt_cli import __version__
 from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.device import resolve_device, resolve_inference_dtype
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
+from nanogpt_cli.tokenizer import Tokenizer, tokenizer_from_description
 
 LAST, BEST = "model.safetensors", "best.safetensors"
 OPTIMIZER, TRAINER, CONFIG, METRICS = "optimizer.safetensors", "trainer.json", "config.json", "metrics.jsonl"
@@ -135,6 +139,35 @@ def load_weights(model: GPT, path: Path) -> None:
         model.lm_head.weight = model.transformer.wte.weight
 
 
+@dataclass
+class InferenceModel:
+    """A checkpoint ready to run: the model cast to its inference dtype on its device, and its tokenizer."""
+
+    model: GPT
+    tokenizer: Tokenizer
+    meta: dict[str, Any]  # the weights file's metadata (config, tokenizer, step, ...)
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def block_size(self) -> int:
+        return self.model.config.block_size
+
+
+def load_for_inference(checkpoint: str | Path, last: bool = False, device: str = "auto",
+                       dtype: str = "auto") -> InferenceModel:
+    """The one loader that sample and eval share. Inference casts the weights once instead of autocasting
+    every call; `auto` picks the dtype from the device and the size of the weights (device.py)."""
+    dev = resolve_device(device)
+    model, meta = load_model(checkpoint, last=last)
+    if "tokenizer" not in meta:
+        raise NanoGPTError(f"{checkpoint} has no tokenizer in its metadata, so its text cannot be decoded")
+    tokenizer = tokenizer_from_description(meta["tokenizer"])
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cast = resolve_inference_dtype(dtype, dev, weight_bytes)
+    return InferenceModel(model.to(device=dev, dtype=cast).eval(), tokenizer, meta, dev, cast)
+
+
 # --- optimizer and trainer state ---
 
 
@@ -173,3 +206,158 @@ def encode_rng(state: torch.Tensor) -> str:
 
 def decode_rng(text: str) -> torch.Tensor:
     return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
+
+
+@dataclass
+class TrainerState:
+    """Everything besides weights and optimizer that a resumed run needs to continue exactly (trainer.json)."""
+
+    step: int = 0  # optimizer updates done
+    tokens: int = 0  # training tokens seen
+    best_val_loss: float | None = None
+    elapsed_s: float = 0.0  # wall time of all invocations so far
+    rng_torch: torch.Tensor | None = None  # torch's global generator: dropout
+    rng_batches: torch.Tensor | None = None  # the training batches' own generator
+    rng_cuda: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    scaler: dict[str, Any] | None = None  # the fp16 grad scaler's state
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(step=self.step, tokens=self.tokens, best_val_loss=self.best_val_loss, elapsed_s=self.elapsed_s,
+                    version=__version__, rng_torch=_maybe(encode_rng, self.rng_torch),
+                    rng_batches=_maybe(encode_rng, self.rng_batches), rng_cuda=[encode_rng(s) for s in self.rng_cuda],
+                    scaler=self.scaler)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TrainerState:
+        return cls(step=d["step"], tokens=d["tokens"], best_val_loss=d["best_val_loss"],
+                   elapsed_s=d.get("elapsed_s", 0.0), rng_torch=_maybe(decode_rng, d.get("rng_torch")),
+                   rng_batches=_maybe(decode_rng, d.get("rng_batches")),
+                   rng_cuda=[decode_rng(s) for s in d.get("rng_cuda") or []], scaler=d.get("scaler"))
+
+
+def _maybe(f, value):
+    return None if value is None else f(value)
+
+
+# --- the run folder ---
+
+
+class RunDir:
+    """The one owner of a run folder's layout (see the module docstring): its checks, the staged multi-file
+    save and the resume with its recovery from a save cut short, config.json and metrics.jsonl."""
+
+    FILES = (LAST, BEST, OPTIMIZER, TRAINER, CONFIG, METRICS)
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    def has_run(self) -> bool:
+        return self.path.is_dir() and any((self.path / n).exists() for n in (LAST, TRAINER, CONFIG))
+
+    def check(self, resume: bool, force: bool) -> None:
+        """A run folder must be new, empty, or (with --resume / --force) a run; anything else is refused."""
+        if self.path.exists() and not self.path.is_dir():
+            raise NanoGPTError(f"--out {self.path} is a file, not a folder")
+        if resume:
+            if not (self.path / TRAINER).is_file() or not (self.path / CONFIG).is_file():
+                raise NanoGPTError(f"--resume: {self.path} holds no run to resume (no {TRAINER} and {CONFIG}); "
+                                   "start it without --resume")
+        elif self.has_run() and not force:
+            raise NanoGPTError(f"{self.path} already holds a run; pass --resume to continue it or --force to "
+                               "start over (this deletes it)")
+        elif not self.has_run() and self.path.is_dir() and any(self.path.iterdir()):
+            raise NanoGPTError(f"--out {self.path} holds other files and no run; choose a new or empty folder")
+
+    def start(self, force: bool) -> None:
+        """A fresh run: with --force delete the files of the run there, and nothing else."""
+        if force:
+            for name in self.FILES:
+                (self.path / name).unlink(missing_ok=True)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    # --- config.json and metrics.jsonl ---
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        write_json(self.path / CONFIG, {**config, "version": __version__})
+
+    def read_config(self) -> dict[str, Any]:
+        return json.loads((self.path / CONFIG).read_text(encoding="utf-8"))
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        with open(self.path / METRICS, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def truncate_metrics(self, step: int) -> None:
+        """Drop metric lines written after the checkpoint we resume from (they will be written again)."""
+        path = self.path / METRICS
+        if not path.is_file():
+            return
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
+        atomic_write(path, lambda tmp: tmp.write_text("".join(ln + "\n" for ln in lines)))
+
+    # --- save and restore ---
+
+    def save(self, model: GPT, optimizer: torch.optim.Optimizer, state: TrainerState, weights_meta: dict[str, Any],
+             is_best: bool) -> None:
+        """Write every file under a temporary name first, then rename them into place one after another, so a
+        crash can at worst leave files of two adjacent saves, which restore() detects, never a half-written one.
+        trainer.json is renamed last: it names the step the others must match."""
+        weights_meta = dict(weights_meta, step=state.step, tokens=state.tokens)
+        staged: list[tuple[Path, Path]] = []
+
+        def stage(name: str, write) -> None:
+            tmp = self.path / f".{name}.staged"
+            write(tmp)
+            staged.append((tmp, self.path / name))
+
+        try:
+            stage(LAST, lambda p: save_model(p, model, weights_meta))
+            if is_best:
+                stage(BEST, lambda p: save_model(p, model, weights_meta))
+            stage(OPTIMIZER, lambda p: save_optimizer(p, optimizer, state.step))
+            stage(TRAINER, lambda p: write_json(p, state.to_json()))
+            # keep the previous set reachable (hard links: no copy) until the new one is complete
+            for _, final in staged:
+                _prev(final).unlink(missing_ok=True)
+                if final.exists():
+                    os.link(final, _prev(final))
+            for tmp, final in staged:
+                os.replace(tmp, final)
+            for _, final in staged:
+                _prev(final).unlink(missing_ok=True)
+        finally:
+            for tmp, _ in staged:
+                tmp.unlink(missing_ok=True)
+
+    def restore(self, model: GPT, optimizer: torch.optim.Optimizer) -> TrainerState:
+        """Load the last save into model and optimizer and return its trainer state. A save cut short between
+        its renames leaves newer files beside the older trainer.json: their predecessors are still there as
+        hard links, so those are taken."""
+        state = TrainerState.from_json(json.loads((self.path / TRAINER).read_text()))
+        weights, optim = (_matching(self.path / name, state.step) for name in (LAST, OPTIMIZER))
+        if weights is None or optim is None:
+            found = {name: file_step(self.path / name) for name in (LAST, OPTIMIZER)}
+            raise NanoGPTError(f"the checkpoint files in {self.path} are from different steps (weights "
+                               f"{found[LAST]}, optimizer {found[OPTIMIZER]}, trainer {state.step}): a save was cut "
+                               "short; start over with --force or --init-from")
+        load_weights(model, weights)
+        load_optimizer(optim, optimizer)
+        return state
+
+
+def _prev(path: Path) -> Path:
+    return path.with_name(f".{path.name}.prev")
+
+
+def _matching(path: Path, step: int) -> Path | None:
+    """path, or its kept predecessor, whichever was saved at step."""
+    for candidate in (path, _prev(path)):
+        if candidate.is_file() and file_step(candidate) == step:
+            return candidate
+    return None

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 from pathlib import Path
@@ -12,7 +13,10 @@ from typing import Annotated, Optional
 
 import typer
 
+from nanogpt_cli.config import MODEL_FIELDS, TRAIN_FIELDS
 from nanogpt_cli.errors import NanoGPTError
+
+CONFIG_FIELDS = MODEL_FIELDS | TRAIN_FIELDS
 
 app = typer.Typer(
     help="Prepare text, train a small GPT, sample from it and evaluate it.\n\n"
@@ -48,10 +52,33 @@ def _root(ctx: typer.Context,
         raise typer.Exit(0)
 
 
-# --- commands go below; each one catches NanoGPTError and turns it into fail(...) ---
+def one_line_errors(command):
+    """Every command's library errors become one styled line on stderr and exit code 1."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except NanoGPTError as e:
+            raise fail(str(e)) from None
+
+    return run
+
+
+# options that several commands share
+Checkpoint = Annotated[str, typer.Option(help="Run folder (its best weights) or a .safetensors file.")]
+Last = Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")]
+DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps."
+DTYPE_HELP = "auto, float32, bfloat16 or float16."
+Device = Annotated[str, typer.Option(help=DEVICE_HELP)]
+Dtype = Annotated[str, typer.Option(help=DTYPE_HELP)]
+DATA_DIR_HELP = "Folder of prepared datasets."
+
+# --- commands: thin typed functions over the library, each wrapped by one_line_errors ---
 
 
 @app.command()
+@one_line_errors
 def prepare(
     source: Annotated[str, typer.Argument(help="A .txt/.md file, a folder or glob of them, a .jsonl/.json/.parquet/"
                                                ".csv file, hf:OWNER/NAME, or shakespeare (downloaded once).")],
@@ -60,7 +87,7 @@ def prepare(
                          ] = "gpt2",
     val_fraction: Annotated[float, typer.Option(help="Share held out for validation: the tail of one text, or "
                                                      "every (1/f)-th document.")] = 0.1,
-    data_dir: Annotated[Path, typer.Option(help="Folder that holds prepared datasets.")] = Path("data"),
+    data_dir: Annotated[Path, typer.Option(help=DATA_DIR_HELP)] = Path("data"),
     text_column: Annotated[str, typer.Option(help="Column with the text in .jsonl/.json/.parquet/.csv and hub "
                                                   "datasets.")] = "text",
     subset: Annotated[Optional[str], typer.Option(help="Hub dataset subset (configuration) name.")] = None,
@@ -76,33 +103,19 @@ def prepare(
     from nanogpt_cli.data import prepare as prepare_data
     from nanogpt_cli.ui import console, prepare_progress, prepare_table
 
-    try:
-        with prepare_progress() as progress:
-            result = prepare_data(source, name, tokenizer=tokenizer, val_fraction=val_fraction, data_dir=data_dir,
-                                  text_column=text_column, subset=subset, split=split, streaming=streaming,
-                                  max_docs=max_docs, num_proc=num_proc, progress=progress)
-    except NanoGPTError as e:
-        raise fail(str(e)) from None
+    with prepare_progress() as progress:
+        result = prepare_data(source, name, tokenizer=tokenizer, val_fraction=val_fraction, data_dir=data_dir,
+                              text_column=text_column, subset=subset, split=split, streaming=streaming,
+                              max_docs=max_docs, num_proc=num_proc, progress=progress)
     console.print(prepare_table(result))
 
 
-# options that sample and eval share
-Checkpoint = Annotated[str, typer.Option(help="Run folder (its best weights) or a .safetensors file.")]
-Last = Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")]
-Device = Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:N or mps.")]
-Dtype = Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")]
-
-
-def _given(**flags) -> dict:
-    """The flags the user actually passed (None means: not given)."""
-    return {k: v for k, v in flags.items() if v is not None}
-
-
 @app.command()
+@one_line_errors
 def train(
     data: Annotated[Optional[str], typer.Option(help="Dataset name under --data-dir (made by nanogpt prepare).")
                     ] = None,
-    data_dir: Annotated[Optional[str], typer.Option(help="Folder of prepared datasets (default data).")] = None,
+    data_dir: Annotated[Optional[str], typer.Option(help=DATA_DIR_HELP[:-1] + " (default data).")] = None,
     preset: Annotated[Optional[str], typer.Option(help="Named config: tiny, cpu-char, shakespeare-char, gpt2-124m, "
                                                        "gpt2-350m.")] = None,
     config: Annotated[Optional[Path], typer.Option(help="TOML file of config keys; flags override it.")] = None,
@@ -164,10 +177,8 @@ def train(
     log_interval: Annotated[Optional[int], typer.Option(help="Progress every N updates.",
                                                         rich_help_panel="Training")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Random seed.", rich_help_panel="Training")] = None,
-    device: Annotated[Optional[str], typer.Option(help="auto, cpu, cuda, cuda:N or mps.",
-                                                  rich_help_panel="Training")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.",
-                                                 rich_help_panel="Training")] = None,
+    device: Annotated[Optional[str], typer.Option(help=DEVICE_HELP, rich_help_panel="Training")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help=DTYPE_HELP, rich_help_panel="Training")] = None,
     compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the model.",
                                                     rich_help_panel="Training")] = None,
     stop_at: Annotated[Optional[int], typer.Option(help="Stop after update K as if interrupted.",
@@ -177,48 +188,30 @@ def train(
 
     Example: nanogpt train --data shakespeare-char --preset cpu-char --out checkpoints/shk
     """
+    # every option named like a config field is an override; None means not given
+    flags = {k: v for k, v in locals().items() if k in CONFIG_FIELDS and v is not None}
+    if preset is not None:
+        flags["preset"] = preset
     from nanogpt_cli.config import load_toml
-    from nanogpt_cli.train import default_run_dir, run_configs
+    from nanogpt_cli.train import plan_run
     from nanogpt_cli.train import train as run_training
     from nanogpt_cli.ui import TrainDisplay, console, train_table
 
-    flags = _given(data=data, data_dir=data_dir, vocab_size=vocab_size, norm_eps=norm_eps,
-                   wsd_decay_frac=wsd_decay_frac, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                   block_size=block_size, dropout=dropout, bias=bias, pos_encoding=pos_encoding, rope_theta=rope_theta,
-                   norm=norm, mlp=mlp, mlp_hidden=mlp_hidden, tie_embeddings=tie_embeddings, batch_size=batch_size,
-                   gradient_accumulation_steps=gradient_accumulation_steps, max_iters=max_iters,
-                   learning_rate=learning_rate, min_lr=min_lr, lr_schedule=lr_schedule, warmup_iters=warmup_iters,
-                   lr_decay_iters=lr_decay_iters, weight_decay=weight_decay, beta1=beta1, beta2=beta2,
-                   grad_clip=grad_clip, eval_interval=eval_interval, eval_iters=eval_iters,
-                   log_interval=log_interval, seed=seed, device=device, dtype=dtype, compile=compile,
-                   stop_at=stop_at)
-    try:
-        overrides = load_toml(config) if config else {}
-        preset = preset or overrides.pop("preset", None)
-        overrides.pop("preset", None)
-        overrides.update(flags)
-        out = out or (Path(overrides["out"]) if overrides.get("out") else None)
-        if resume and out is None:
-            raise NanoGPTError("--resume needs --out: the run folder to continue")
-        run_dir = out or default_run_dir(overrides.get("data", "run"))
-        overrides["out"] = str(run_dir)
-        model_cfg, train_cfg = run_configs(preset, overrides, run_dir, resume=resume, init_from=init_from)
-        with TrainDisplay(quiet) as display:
-            result = run_training(model_cfg, train_cfg, run_dir, resume=resume, force=force, init_from=init_from,
-                                  on_event=display)
-    except NanoGPTError as e:
-        raise fail(str(e)) from None
+    plan = plan_run(flags, load_toml(config) if config else {}, out=out, resume=resume, force=force,
+                    init_from=init_from)
+    with TrainDisplay(quiet) as display:
+        result = run_training(plan, display)
     console.print(train_table(result))
+    resume_with = f"nanogpt train --out {plan.run_dir} --resume"
     if result.stopped in ("SIGINT", "SIGTERM"):
-        fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: "
-             f"nanogpt train --out {run_dir} --resume")
+        fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}")
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
     if result.stopped == "stop_at":
-        console.print(f"stopped at step {result.step:,} (--stop-at); resume with: "
-                      f"nanogpt train --out {run_dir} --resume")
+        console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_with}")
 
 
 @app.command()
+@one_line_errors
 def sample(
     checkpoint: Checkpoint,
     prompt: Annotated[Optional[str], typer.Option(help="Text to continue (empty: start a new text).")] = None,
@@ -247,63 +240,53 @@ def sample(
     from nanogpt_cli.sample import Sampler, SampleSettings
     from nanogpt_cli.ui import console, err_console
 
-    try:
-        if prompt is not None and prompt_file is not None:
-            raise NanoGPTError("give --prompt or --prompt-file, not both")
-        if prompt_file is not None:
-            try:
-                prompt = prompt_file.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise NanoGPTError(f"cannot read --prompt-file {prompt_file}: {e.strerror or e}") from None
-        if num_samples < 1:
-            raise NanoGPTError(f"--num-samples must be at least 1, got {num_samples}")
-        settings = SampleSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                  min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or [],
-                                  ignore_eot=ignore_eot, use_cache=not no_cache)
-        sampler = Sampler.load(checkpoint, last=last, device=device, dtype=dtype)
+    if prompt is not None and prompt_file is not None:
+        raise NanoGPTError("give --prompt or --prompt-file, not both")
+    if prompt_file is not None:
+        try:
+            prompt = prompt_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise NanoGPTError(f"cannot read --prompt-file {prompt_file}: {e.strerror or e}") from None
+    settings = SampleSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                              min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or [],
+                              ignore_eot=ignore_eot, use_cache=not no_cache)
+    sampler = Sampler.load(checkpoint, last=last, device=device, dtype=dtype)
 
-        def run(text: str) -> None:
-            ids, cut = sampler.encode_prompt(text)
-            if cut:
-                err_console.print(f"note: the prompt is {len(ids) + cut:,} tokens; its first {cut:,} are cut to fit "
-                                  f"the context of {sampler.block_size:,}", soft_wrap=True)
-            import torch
-
-            generator = torch.Generator(device=sampler.device).manual_seed(settings.seed)
-            for i in range(num_samples):
-                if num_samples > 1:
-                    console.rule(f"sample {i + 1} of {num_samples}")
-                sys.stdout.write(text)
+    def run(text: str) -> None:
+        ids, cut = sampler.encode_prompt(text)
+        if cut:
+            err_console.print(f"note: the prompt is {len(ids) + cut:,} tokens; its first {cut:,} are cut to fit "
+                              f"the context of {sampler.block_size:,}", soft_wrap=True)
+        for i, pieces in enumerate(sampler.samples(text, settings, num_samples)):
+            if num_samples > 1:
+                console.rule(f"sample {i + 1} of {num_samples}")
+            sys.stdout.write(text)
+            for piece in pieces:
+                sys.stdout.write(piece)
                 if stream:
-                    for piece in sampler.stream(text, settings, generator):
-                        sys.stdout.write(piece)
-                        sys.stdout.flush()
-                else:
-                    sys.stdout.write(sampler.generate(text, settings, generator).text)
-                sys.stdout.write("\n")
-                sys.stdout.flush()
+                    sys.stdout.flush()
+            sys.stdout.write("\n")
+            sys.stdout.flush()
 
-        if interactive:
-            while True:
-                try:
-                    text = input("prompt> ")
-                except EOFError:
-                    break
-                try:
-                    run(text)
-                except NanoGPTError as e:  # a bad prompt should not end the session
-                    err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
-        else:
-            run(prompt or "")
-    except NanoGPTError as e:
-        raise fail(str(e)) from None
+    if not interactive:
+        return run(prompt or "")
+    while True:
+        try:
+            text = input("prompt> ")
+        except EOFError:
+            break
+        try:
+            run(text)
+        except NanoGPTError as e:  # a bad prompt should not end the session
+            err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
 
 
 @eval_app.command()
+@one_line_errors
 def perplexity(
     checkpoint: Checkpoint,
     data: Annotated[Optional[str], typer.Option(help="A prepared dataset to score.")] = None,
-    data_dir: Annotated[Path, typer.Option(help="Folder of prepared datasets.")] = Path("data"),
+    data_dir: Annotated[Path, typer.Option(help=DATA_DIR_HELP)] = Path("data"),
     split: Annotated[str, typer.Option(help="train or val.")] = "val",
     input: Annotated[Optional[list[Path]], typer.Option(help="Text file(s) to score instead (repeatable).")] = None,
     stride: Annotated[Optional[int], typer.Option(help="Tokens between window starts (default half the context).")
@@ -318,26 +301,21 @@ def perplexity(
 
     Example: nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char --split val
     """
+    from nanogpt_cli.checkpoint import load_for_inference
     from nanogpt_cli.evaluate import perplexity_of_files, perplexity_of_split
-    from nanogpt_cli.sample import Sampler
     from nanogpt_cli.ui import console, eval_table
 
-    try:
-        if (data is None) == (not input):
-            raise NanoGPTError("give either --data NAME (with --split) or --input FILE")
-        if split not in ("train", "val"):
-            raise NanoGPTError(f"--split must be train or val, got {split!r}")
-        if batch_size < 1:
-            raise NanoGPTError(f"--batch-size must be at least 1, got {batch_size}")
-        sampler = Sampler.load(checkpoint, last=last, device=device, dtype=dtype)
-        if stride is None:
-            stride = max(1, sampler.block_size // 2)
-        if data is not None:
-            result = perplexity_of_split(sampler.model, sampler.tokenizer, data_dir, data, split, stride, batch_size)
-        else:
-            result = perplexity_of_files(sampler.model, sampler.tokenizer, input, stride, batch_size)
-    except NanoGPTError as e:
-        raise fail(str(e)) from None
+    if (data is None) == (not input):
+        raise NanoGPTError("give either --data NAME (with --split) or --input FILE")
+    if split not in ("train", "val"):
+        raise NanoGPTError(f"--split must be train or val, got {split!r}")
+    if batch_size < 1:
+        raise NanoGPTError(f"--batch-size must be at least 1, got {batch_size}")
+    loaded = load_for_inference(checkpoint, last=last, device=device, dtype=dtype)
+    if data is not None:
+        result = perplexity_of_split(loaded.model, loaded.tokenizer, data_dir, data, split, stride, batch_size)
+    else:
+        result = perplexity_of_files(loaded.model, loaded.tokenizer, input, stride, batch_size)
     if json_out:
         print(json.dumps(result.to_dict()))
     else:
@@ -347,8 +325,6 @@ def perplexity(
 def main():
     try:
         app()
-    except NanoGPTError as e:  # a library error that escaped a command
-        raise SystemExit(fail(str(e)).exit_code)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         raise SystemExit(130)

@@ -1,6 +1,6 @@
 """Typed configs for the model and the trainer, named presets, and their JSON/TOML round trip.
 
-    model_cfg, train_cfg = resolve_configs("shakespeare-char", {"vocab_size": 65, "max_iters": 500})
+    model_cfg, train_cfg = build_configs({**preset_values("shakespeare-char"), "vocab_size": 65})
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ POS_ENCODINGS = ("rope", "sinusoidal", "learned")
 NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "gelu_tanh", "swiglu")
 LR_SCHEDULES = ("cosine", "constant", "wsd")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype's names besides auto; torch.<name> is the dtype
 
 
 @dataclass
@@ -109,7 +109,6 @@ class TrainConfig:
 
     data: str = ""  # dataset name under data_dir (written by `nanogpt prepare`)
     data_dir: str = "data"  # folder holding prepared datasets
-    out: str = ""  # run folder; empty: checkpoints/<data>-<timestamp>
     batch_size: int = 12  # sequences per micro-batch
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer update
     max_iters: int = 2000  # optimizer updates in the whole run
@@ -144,8 +143,8 @@ class TrainConfig:
             raise ValueError("--learning-rate must be positive and --min-lr non-negative")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0.0 < self.wsd_decay_frac <= 1.0:
             raise ValueError(f"--wsd-decay-frac must be in (0, 1], got {self.wsd_decay_frac}")
         if self.grad_clip < 0 or self.weight_decay < 0:
@@ -215,7 +214,7 @@ def load_toml(path: Path) -> dict[str, Any]:
         else:
             values[key] = value
     values = {k.replace("-", "_"): v for k, v in values.items()}
-    unknown = set(values) - MODEL_FIELDS - TRAIN_FIELDS - {"preset"}
+    unknown = set(values) - MODEL_FIELDS - TRAIN_FIELDS - {"preset", "out"}
     if unknown:
         raise NanoGPTError(f"unknown key(s) in {path}: {', '.join(sorted(unknown))}")
     return values

@@ -44,7 +44,7 @@ import numpy as np
 
 from nanogpt_cli import __version__
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.tokenizer import CharTokenizer, Tokenizer, build_tokenizer, check_tokenizer_name
+from nanogpt_cli.tokenizer import Tokenizer, build_tokenizer, check_tokenizer_name
 
 SHAKESPEARE_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 SHAKESPEARE_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -81,15 +81,15 @@ class PrepareResult:
     train_tokens: int
     val_tokens: int
     bytes_on_disk: int  # train.bin + val.bin + meta.json
-    seconds: float
+    elapsed_s: float
 
     @property
     def tokens(self) -> int:
         return self.train_tokens + self.val_tokens
 
     @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / max(self.seconds, 1e-9)
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.elapsed_s, 1e-9)
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -182,7 +182,7 @@ def prepare(source: str, name: str, tokenizer: str = "gpt2", val_fraction: float
     return PrepareResult(name=name, path=final_dir, source=source, tokenizer=tok.name, vocab_size=tok.vocab_size,
                          dtype=dtype, documents=documents, val_documents=val_documents, characters=characters,
                          train_tokens=n_train, val_tokens=n_val, bytes_on_disk=bytes_on_disk,
-                         seconds=time.perf_counter() - t0)
+                         elapsed_s=time.perf_counter() - t0)
 
 
 def load_meta(data_dir: Path, name: str) -> dict[str, Any]:
@@ -461,19 +461,24 @@ def download_shakespeare() -> Path:
 def _char_tokenizer(src: _Source, max_docs: int | None, progress: Progress | None) -> Tokenizer:
     """A first pass over the source: the char vocabulary is every character in it (plus the separator)."""
     tick = _Ticker(progress, "reading characters", src.total)
-    chars: set[str] = set()
-    docs, started = 0, False
-    for text, ends in _first_docs(src.pieces(tick), max_docs):
-        chars.update(text)
-        started |= bool(text)
-        if ends and started:
-            docs, started = docs + 1, False
+    docs = 0
+
+    def texts():
+        nonlocal docs
+        started = False
+        for text, ends in _first_docs(src.pieces(tick), max_docs):
+            yield text
+            started |= bool(text)
+            if ends and started:
+                docs, started = docs + 1, False
+        if docs == 0:
+            raise NanoGPTError(f"{src.label} has no text")
+        if docs > 1:
+            yield DOC_SEPARATOR  # it goes between documents, so it needs tokens too
+
+    tok = build_tokenizer("char", texts())
     tick.finish()
-    if docs == 0:
-        raise NanoGPTError(f"{src.label} has no text")
-    if docs > 1:
-        chars.update(DOC_SEPARATOR)  # it goes between documents, so it needs tokens too
-    return CharTokenizer("".join(chars))
+    return tok
 
 
 def _first_docs(pieces: Pieces, max_docs: int | None) -> Pieces:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from nanogpt_cli.config import DTYPES
 from nanogpt_cli.errors import NanoGPTError
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, for MFU; a device not listed gets no MFU.
@@ -92,11 +93,8 @@ def resolve_inference_dtype(name: str, device: torch.device, weight_bytes: int) 
     return dtype_named(name)
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def dtype_named(name: str) -> torch.dtype:
     """--dtype's value (other than auto) as a torch dtype."""
     if name not in DTYPES:
         raise NanoGPTError(f"--dtype must be one of auto, {', '.join(DTYPES)}, got {name!r}")
-    return DTYPES[name]
+    return getattr(torch, name)

@@ -30,7 +30,7 @@ class EvalResult:
     bits_per_byte: float  # total NLL in bits / UTF-8 bytes of the scored tokens
     tokens: int  # tokens scored (every token but the first of each text)
     bytes: int
-    seconds: float
+    elapsed_s: float
     tokens_per_s: float
     stride: int
     source: str
@@ -39,15 +39,21 @@ class EvalResult:
         return asdict(self)
 
 
+def default_stride(block_size: int) -> int:
+    """Half the context: every token but the first half-window sees at least block_size / 2 tokens."""
+    return max(1, block_size // 2)
+
+
 @torch.no_grad()
-def score_tokens(model: GPT, tokens: np.ndarray | torch.Tensor | list[int], stride: int, batch_size: int
+def score_tokens(model: GPT, tokens: np.ndarray | torch.Tensor | list[int], stride: int | None, batch_size: int
                  ) -> tuple[float, int]:
     """Sum of NLL (nats) and count over tokens[1:], each predicted once. Windows of block_size tokens start
     every `stride` tokens; a window scores only the targets the previous one did not, so each token sees at
-    least block_size - stride tokens of context (fewer only at the very start)."""
-    bs = model.config.block_size
-    if not 1 <= stride <= bs:
-        raise NanoGPTError(f"--stride must be between 1 and the context length {bs}, got {stride}")
+    least block_size - stride tokens of context (fewer only at the very start). stride None: default_stride."""
+    block_size = model.config.block_size
+    stride = stride or default_stride(block_size)
+    if not 1 <= stride <= block_size:
+        raise NanoGPTError(f"--stride must be between 1 and the context length {block_size}, got {stride}")
     ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
     n_targets = len(ids) - 1
     if n_targets < 1:
@@ -57,7 +63,7 @@ def score_tokens(model: GPT, tokens: np.ndarray | torch.Tensor | list[int], stri
     windows, scored = [], 0
     begin = 0
     while scored < n_targets:
-        length = min(bs, n_targets - begin)
+        length = min(block_size, n_targets - begin)
         first = scored - begin  # targets before this offset were scored by an earlier window
         windows.append((begin, length, first))
         scored = begin + length
@@ -79,12 +85,12 @@ def score_tokens(model: GPT, tokens: np.ndarray | torch.Tensor | list[int], stri
     return total.item(), n_targets
 
 
-def _result(nll: float, n: int, n_bytes: int, seconds: float, stride: int, source: str) -> EvalResult:
+def _result(nll: float, n: int, n_bytes: int, elapsed_s: float, stride: int, source: str) -> EvalResult:
     if n == 0:
         raise NanoGPTError(f"{source} has fewer than two tokens: nothing to score")
     loss = nll / n
     return EvalResult(loss=loss, perplexity=math.exp(loss), bits_per_byte=nll / math.log(2) / max(n_bytes, 1),
-                      tokens=n, bytes=n_bytes, seconds=seconds, tokens_per_s=n / seconds if seconds else 0.0,
+                      tokens=n, bytes=n_bytes, elapsed_s=elapsed_s, tokens_per_s=n / elapsed_s if elapsed_s else 0.0,
                       stride=stride, source=source)
 
 
@@ -96,23 +102,25 @@ def text_bytes(tokenizer: Tokenizer, tokens, chunk: int = 1 << 20) -> int:
     return sum(len(tokenizer.decode_bytes(ids[i:i + chunk].tolist())) for i in range(0, len(ids), chunk))
 
 
-def perplexity_of_split(model: GPT, tokenizer: Tokenizer, data_dir: Path, name: str, split: str, stride: int,
-                        batch_size: int = 8) -> EvalResult:
+def perplexity_of_split(model: GPT, tokenizer: Tokenizer, data_dir: Path, name: str, split: str,
+                        stride: int | None = None, batch_size: int = 8) -> EvalResult:
     meta = load_meta(data_dir, name)
     if meta["tokenizer"] != tokenizer.describe():
         raise NanoGPTError(f"dataset '{name}' was prepared with another tokenizer ({meta['tokenizer']['name']}) "
                            f"than the checkpoint's ({tokenizer.name})")
     tokens = open_split(data_dir, name, split)
+    stride = stride or default_stride(model.config.block_size)
     t0 = time.perf_counter()
     nll, n = score_tokens(model, tokens, stride, batch_size)
     n_bytes = text_bytes(tokenizer, tokens[1:])
     return _result(nll, n, n_bytes, time.perf_counter() - t0, stride, f"{name}/{split}")
 
 
-def perplexity_of_files(model: GPT, tokenizer: Tokenizer, paths: list[Path], stride: int, batch_size: int = 8
-                        ) -> EvalResult:
+def perplexity_of_files(model: GPT, tokenizer: Tokenizer, paths: list[Path], stride: int | None = None,
+                        batch_size: int = 8) -> EvalResult:
     """Each file is scored on its own (its first token has no context and is not scored); sums are pooled."""
     nll_total, n_total, bytes_total = 0.0, 0, 0
+    stride = stride or default_stride(model.config.block_size)
     t0 = time.perf_counter()
     for path in paths:
         try:

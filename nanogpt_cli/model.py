@@ -10,7 +10,8 @@ hs head size (C // nh), H MLP hidden width, V vocab_size.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -176,6 +177,38 @@ class Block(nn.Module):
 # --- the model ------------------------------------------------------------------------------------------
 
 
+class LayerWeights(NamedTuple):
+    """One block's weights as decode_step reads them (norms as functions with their weights bound)."""
+
+    ln_1: Callable[[torch.Tensor], torch.Tensor]
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+    ln_2: Callable[[torch.Tensor], torch.Tensor]
+    w_fc: torch.Tensor
+    b_fc: torch.Tensor | None
+    w_proj: torch.Tensor
+    b_proj: torch.Tensor | None
+
+
+class DecodePlan(NamedTuple):
+    """Everything decode_step reads, looked up once per generation (GPT.decode_plan)."""
+
+    layers: list[LayerWeights]
+    wte: torch.Tensor
+    ln_f: Callable[[torch.Tensor], torch.Tensor]
+    head: torch.Tensor
+    pos_table: torch.Tensor | None  # learned or sinusoidal positions; None for RoPE
+    cos: torch.Tensor | None  # RoPE tables (block_size, 1, 1, hs)
+    sin: torch.Tensor | None
+    act: Callable[[torch.Tensor], torch.Tensor]
+    n_head: int
+    head_size: int
+    n_embd: int
+
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -249,7 +282,7 @@ class GPT(nn.Module):
         dtype = torch.get_autocast_dtype(w.device.type) if torch.is_autocast_enabled(w.device.type) else w.dtype
         return KVCache(self.config, batch_size, w.device, dtype)
 
-    def decode_plan(self) -> dict:
+    def decode_plan(self) -> DecodePlan:
         """What decode_step reads, looked up once per generation: each nn.Module attribute lookup costs about
         a microsecond, and a small model's token makes ~100 of them. Tensors are shared, not copied."""
         cfg = self.config
@@ -261,37 +294,38 @@ class GPT(nn.Module):
             bias = module.bias
             return lambda x: torch.layer_norm(x, shape, weight, bias, eps)
 
-        layers = [(as_function(b.ln_1), b.attn.c_attn.weight, b.attn.c_attn.bias, b.attn.c_proj.weight,
-                   b.attn.c_proj.bias, as_function(b.ln_2), b.mlp.c_fc.weight, b.mlp.c_fc.bias, b.mlp.c_proj.weight,
-                   b.mlp.c_proj.bias) for b in self.transformer.h]
+        layers = [LayerWeights(ln_1=as_function(b.ln_1), w_qkv=b.attn.c_attn.weight, b_qkv=b.attn.c_attn.bias,
+                               w_o=b.attn.c_proj.weight, b_o=b.attn.c_proj.bias, ln_2=as_function(b.ln_2),
+                               w_fc=b.mlp.c_fc.weight, b_fc=b.mlp.c_fc.bias, w_proj=b.mlp.c_proj.weight,
+                               b_proj=b.mlp.c_proj.bias) for b in self.transformer.h]
         pos_table = None  # added to the embedding: learned or sinusoidal positions
         if cfg.pos_encoding == "learned":
             pos_table = self.transformer.wpe.weight
         elif cfg.pos_encoding == "sinusoidal":
             pos_table = self.pos_table
-        return dict(layers=layers, wte=self.transformer.wte.weight, ln_f=as_function(self.transformer.ln_f),
-                    head=self.lm_head.weight, pos_table=pos_table, cos=getattr(self, "rope_cos", None),
-                    sin=getattr(self, "rope_sin", None), act=lambda h: activation(h, cfg.mlp),
-                    shape=(cfg.n_head, cfg.head_size, cfg.n_embd))
+        return DecodePlan(layers=layers, wte=self.transformer.wte.weight, ln_f=as_function(self.transformer.ln_f),
+                          head=self.lm_head.weight, pos_table=pos_table, cos=getattr(self, "rope_cos", None),
+                          sin=getattr(self, "rope_sin", None), act=lambda h: activation(h, cfg.mlp),
+                          n_head=cfg.n_head, head_size=cfg.head_size, n_embd=cfg.n_embd)
 
-    def decode_step(self, idx: torch.Tensor, cache: KVCache, plan: dict | None = None) -> torch.Tensor:
+    def decode_step(self, idx: torch.Tensor, cache: KVCache, plan: DecodePlan | None = None) -> torch.Tensor:
         """Logits (B, V) after one new token per row, idx (B, 1), through the cache: the same computation as
         forward(idx, cache=cache), written against the weights directly. Decoding a small model on a CPU is
         bound by per-call overhead, and skipping the module calls and lookups makes a token ~1.5x cheaper
         (tests check the two agree for every kind of block). Call it under torch.inference_mode()."""
         p = plan or self.decode_plan()
         pos, B = cache.pos, idx.size(0)
-        nh, hs, C = p["shape"]
-        x = torch.embedding(p["wte"], idx)  # (B, 1, C)
-        rope = p["pos_table"] is None
+        nh, hs, C = p.n_head, p.head_size, p.n_embd
+        x = torch.embedding(p.wte, idx)  # (B, 1, C)
+        rope = p.pos_table is None
         if rope:
-            cos, sin = p["cos"][pos], p["sin"][pos]  # (1, 1, hs)
+            cos, sin = p.cos[pos], p.sin[pos]  # (1, 1, hs)
         else:
-            x = x + p["pos_table"][pos]
-        act = p["act"]
+            x = x + p.pos_table[pos]
+        act = p.act
         # narrow/select rather than x[:, :, a:b]: Python's tuple indexing costs a few microseconds a call
-        for i, (ln_1, w_qkv, b_qkv, w_o, b_o, ln_2, w_fc, b_fc, w_proj, b_proj) in enumerate(p["layers"]):
-            qkv = F.linear(ln_1(x), w_qkv, b_qkv).view(B, 3, nh, hs)  # T = 1 folded away
+        for i, w in enumerate(p.layers):
+            qkv = F.linear(w.ln_1(x), w.w_qkv, w.b_qkv).view(B, 3, nh, hs)  # T = 1 folded away
             qk = qkv.narrow(1, 0, 2)  # (B, 2, nh, hs)
             if rope:
                 qk = apply_rope(qk, cos, sin)
@@ -301,10 +335,10 @@ class GPT(nn.Module):
             q = qk.narrow(1, 0, 1)  # (B, 1, nh, hs) viewed as (B, nh, 1, hs) below
             q = q.view(B, nh, 1, hs) if q.dtype == k_all.dtype else q.view(B, nh, 1, hs).to(k_all.dtype)
             y = F.scaled_dot_product_attention(q, k_all.narrow(2, 0, pos + 1), v_all.narrow(2, 0, pos + 1))
-            x = x + F.linear(y.view(B, 1, C), w_o, b_o)
-            x = x + F.linear(act(F.linear(ln_2(x), w_fc, b_fc)), w_proj, b_proj)
+            x = x + F.linear(y.view(B, 1, C), w.w_o, w.b_o)
+            x = x + F.linear(act(F.linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj)
         cache.pos += 1
-        return F.linear(p["ln_f"](x[:, -1]), p["head"])  # (B, V)
+        return F.linear(p.ln_f(x[:, -1]), p.head)  # (B, V)
 
     @torch.inference_mode()
     def next_logits(self, idx: torch.Tensor, use_cache: bool = True) -> Iterator[torch.Tensor]:
@@ -316,16 +350,16 @@ class GPT(nn.Module):
         half of the window (one batched forward), so a token costs the same however many came before, and
         past the context each token sees between half and all of the last block_size tokens. Up to
         block_size tokens the two paths compute the same logits."""
-        bs = self.config.block_size
-        keep = max(1, bs // 2)
-        idx = idx[:, -bs:]
+        block_size = self.config.block_size
+        keep = max(1, block_size // 2)
+        idx = idx[:, -block_size:]
         cache = self.new_cache(idx.size(0)) if use_cache else None
         plan = self.decode_plan() if use_cache else None
         new = idx
         while True:
             if cache is None:
                 logits, _ = self(idx, last_only=True)
-            elif cache.pos + new.size(1) > bs:
+            elif cache.pos + new.size(1) > block_size:
                 cache.pos = 0  # the buffers are overwritten from the start
                 logits, _ = self(idx[:, -keep:], cache=cache, last_only=True)
             elif new.size(1) == 1:
@@ -334,24 +368,47 @@ class GPT(nn.Module):
                 logits, _ = self(new, cache=cache, last_only=True)
             token = yield (logits[:, -1] if logits.dim() == 3 else logits).float()
             new = token.view(-1, 1).to(idx.device)
-            idx = torch.cat([idx, new], dim=1)[:, -bs:]
+            idx = torch.cat([idx, new], dim=1)[:, -block_size:]
+
+    @torch.inference_mode()
+    def generate_tokens(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                        top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
+                        repetition_penalty: float = 1.0, use_cache: bool = True,
+                        generator: torch.Generator | None = None, vocab_size: int | None = None
+                        ) -> Iterator[torch.Tensor]:
+        """The generation loop: yields the next token of every row (B,), up to max_new_tokens times; a caller
+        that stops early (a stop text, end of text) just stops iterating. vocab_size: never pick a token at
+        or above it (a padded head has rows the tokenizer lacks). See process_logits for the filters."""
+        if max_new_tokens <= 0:
+            return
+        seen = None
+        if repetition_penalty != 1.0:
+            seen = torch.zeros(idx.size(0), self.config.vocab_size, dtype=torch.bool, device=idx.device)
+            seen.scatter_(1, idx, True)
+        steps = self.next_logits(idx, use_cache)
+        try:
+            logits = next(steps)
+            for i in range(max_new_tokens):
+                if vocab_size is not None and logits.size(-1) != vocab_size:
+                    logits = logits[:, :vocab_size]
+                filtered = process_logits(logits, temperature, top_k, top_p, min_p, repetition_penalty,
+                                          seen[:, :logits.size(-1)] if seen is not None else None)
+                token = sample_token(filtered, temperature, generator)  # (B,)
+                yield token
+                if seen is not None:
+                    seen.scatter_(1, token[:, None], True)
+                if i + 1 < max_new_tokens:
+                    logits = steps.send(token)
+        finally:
+            steps.close()
 
     @torch.inference_mode()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float | None = None, use_cache: bool = True, generator: torch.Generator | None = None):
         """Continue idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy. Returns (B, T + new)."""
-        out = [idx]
-        if max_new_tokens <= 0:
-            return idx
-        steps = self.next_logits(idx, use_cache)
-        logits = next(steps)
-        for i in range(max_new_tokens):
-            token = sample_token(process_logits(logits, temperature, top_k, top_p), temperature, generator)
-            out.append(token[:, None])
-            if i + 1 < max_new_tokens:
-                logits = steps.send(token)
-        steps.close()
-        return torch.cat(out, dim=1)
+        new = [t[:, None] for t in self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p,
+                                                        use_cache=use_cache, generator=generator)]
+        return torch.cat([idx, *new], dim=1)
 
     # --- accounting ---
 
@@ -379,21 +436,6 @@ class GPT(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-
-    # --- Hugging Face ---
-
-    @classmethod
-    def from_hf(cls, hf_model) -> GPT:
-        """Our model from a transformers GPT2LMHeadModel or LlamaForCausalLM (see nanogpt_cli.hf)."""
-        from nanogpt_cli import hf
-
-        return hf.from_hf(hf_model)
-
-    def to_hf(self):
-        """A transformers GPT2LMHeadModel or LlamaForCausalLM with these weights (see nanogpt_cli.hf)."""
-        from nanogpt_cli import hf
-
-        return hf.to_hf(self)
 
 
 # --- sampling -------------------------------------------------------------------------------------------

@@ -17,11 +17,9 @@ from pathlib import Path
 
 import torch
 
-from nanogpt_cli import checkpoint as ckpt
+from nanogpt_cli.checkpoint import InferenceModel, load_for_inference
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.model import GPT, process_logits, sample_token
-from nanogpt_cli.tokenizer import Tokenizer, tokenizer_from_description
-from nanogpt_cli.device import resolve_device, resolve_inference_dtype
+from nanogpt_cli.tokenizer import Tokenizer
 
 
 @dataclass
@@ -61,30 +59,22 @@ class SampleResult:
     tokens: int  # tokens generated (the stop text and end-of-text included)
     token_ids: list[int]  # those tokens
     stop_reason: str  # "length", "stop" or "eot"
-    seconds: float
+    elapsed_s: float
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 class Sampler:
     """A loaded model and tokenizer, kept for many prompts (the interactive loop reuses it)."""
 
-    def __init__(self, model: GPT, tokenizer: Tokenizer, device: torch.device, dtype: torch.dtype, meta: dict):
-        # inference casts the weights once instead of autocasting every call
-        self.model = model.to(device=device, dtype=dtype).eval()
-        self.tokenizer, self.device, self.dtype, self.meta = tokenizer, device, dtype, meta
+    def __init__(self, loaded: InferenceModel):
+        self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
 
     @classmethod
     def load(cls, checkpoint: str | Path, last: bool = False, device: str = "auto", dtype: str = "auto") -> Sampler:
-        dev = resolve_device(device)
-        model, meta = ckpt.load_model(checkpoint, last=last)
-        if "tokenizer" not in meta:
-            raise NanoGPTError(f"{checkpoint} has no tokenizer in its metadata, so its text cannot be decoded")
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        return cls(model, tokenizer_from_description(meta["tokenizer"]), dev,
-                   resolve_inference_dtype(dtype, dev, weight_bytes), meta)
+        return cls(load_for_inference(checkpoint, last=last, device=device, dtype=dtype))
 
     @property
     def block_size(self) -> int:
@@ -109,53 +99,36 @@ class Sampler:
         generator = generator or torch.Generator(device=self.device).manual_seed(settings.seed)
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         eot = None if settings.ignore_eot else self.tokenizer.eot_id
-        vocab = self.tokenizer.vocab_size
-        text, emitted, reason, n, out_ids = "", 0, "length", 0, []
+        text, emitted, reason, out_ids = "", 0, "length", []
         idx = torch.tensor([ids], dtype=torch.long, device=self.device)
-        seen = None
-        if settings.repetition_penalty != 1.0:
-            seen = torch.zeros(1, self.model.config.vocab_size, dtype=torch.bool, device=self.device)
-            seen[0, idx[0]] = True
         t0 = time.perf_counter()
-        if settings.max_new_tokens > 0:
-            steps = self.model.next_logits(idx, use_cache=settings.use_cache)
-            logits = next(steps)
-            while True:
-                if logits.size(-1) != vocab:  # a padded model head never picks a token the tokenizer lacks
-                    logits = logits[:, :vocab]
-                filtered = process_logits(logits, settings.temperature, settings.top_k, settings.top_p,
-                                          settings.min_p, settings.repetition_penalty,
-                                          seen[:, :vocab] if seen is not None else None)
-                token = sample_token(filtered, settings.temperature, generator)
-                n += 1
-                tid = int(token)
-                out_ids.append(tid)
-                if tid == eot:
-                    reason = "eot"
-                    break
-                if seen is not None:
-                    seen[0, tid] = True
-                text += decoder.decode(self.tokenizer.decode_bytes([tid]))
-                # a stop text cannot start before `emitted`: any text that could begin one is held back
-                hit = min((i for i in (text.find(s, emitted) for s in settings.stop) if i >= 0), default=-1)
-                if hit >= 0:
-                    text, reason = text[:hit], "stop"
-                    break
-                safe = len(text) - _held_back(text, settings.stop)
-                if safe > emitted:
-                    yield text[emitted:safe]
-                    emitted = safe
-                if n >= settings.max_new_tokens:
-                    break
-                logits = steps.send(token)
-            steps.close()
+        tokens = self.model.generate_tokens(idx, settings.max_new_tokens, settings.temperature, settings.top_k,
+                                            settings.top_p, settings.min_p, settings.repetition_penalty,
+                                            settings.use_cache, generator, vocab_size=self.tokenizer.vocab_size)
+        for token in tokens:
+            tid = int(token[0])
+            out_ids.append(tid)
+            if tid == eot:
+                reason = "eot"
+                break
+            text += decoder.decode(self.tokenizer.decode_bytes([tid]))
+            # a stop text cannot start before `emitted`: any text that could begin one is held back
+            hit = min((i for i in (text.find(s, emitted) for s in settings.stop) if i >= 0), default=-1)
+            if hit >= 0:
+                text, reason = text[:hit], "stop"
+                break
+            safe = len(text) - _held_back(text, settings.stop)
+            if safe > emitted:
+                yield text[emitted:safe]
+                emitted = safe
+        tokens.close()
         if reason == "length":
             text += decoder.decode(b"", final=True)
         if len(text) > emitted:
             yield text[emitted:]
         if result is not None:
-            result.update(text=text, tokens=n, token_ids=out_ids, stop_reason=reason,
-                          seconds=time.perf_counter() - t0)
+            result.update(text=text, tokens=len(out_ids), token_ids=out_ids, stop_reason=reason,
+                          elapsed_s=time.perf_counter() - t0)
 
     def generate(self, prompt: str, settings: SampleSettings, generator: torch.Generator | None = None
                  ) -> SampleResult:
@@ -163,7 +136,16 @@ class Sampler:
         text = "".join(self.stream(prompt, settings, generator, info))
         assert text == info["text"]
         return SampleResult(prompt=prompt, text=text, tokens=info["tokens"], token_ids=info["token_ids"],
-                            stop_reason=info["stop_reason"], seconds=info["seconds"])
+                            stop_reason=info["stop_reason"], elapsed_s=info["elapsed_s"])
+
+    def samples(self, prompt: str, settings: SampleSettings, num_samples: int = 1) -> Iterator[Iterator[str]]:
+        """num_samples continuations of one prompt, one after another, all drawn from one generator seeded
+        with settings.seed (so the same seed gives the same set); each is a stream of text pieces."""
+        if num_samples < 1:
+            raise NanoGPTError(f"--num-samples must be at least 1, got {num_samples}")
+        generator = torch.Generator(device=self.device).manual_seed(settings.seed)
+        for _ in range(num_samples):
+            yield self.stream(prompt, settings, generator)
 
 
 def _encodable(tokenizer: Tokenizer, text: str) -> bool:

@@ -1,6 +1,6 @@
 """Training: one visible loop over random windows of a prepared dataset, with exact resume.
 
-    result = train(model_cfg, train_cfg, run_dir=Path("checkpoints/shk"))
+    result = train(plan_run({"preset": "cpu-char", "data": "shk"}, out="checkpoints/shk"))
 
 Reproducibility: the training batches come from their own seeded generator, dropout from torch's global
 RNG, and evaluation from fixed batches drawn with a separate seed; all generator states are saved in
@@ -9,22 +9,18 @@ trainer.json, so a run stopped and resumed gives the same losses as one that was
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import os
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from nanogpt_cli import __version__
 from nanogpt_cli import checkpoint as ckpt
 from nanogpt_cli.config import GPTConfig, TrainConfig, build_configs, flag, preset_values, split_values
 from nanogpt_cli.data import load_meta, open_split
@@ -140,36 +136,149 @@ def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.
                              betas=(cfg.beta1, cfg.beta2), fused=fused)
 
 
-# --- run folders ---
+# --- the run plan: every input of a run, resolved once ---
+
+
+@dataclass
+class RunPlan:
+    """What a run needs, resolved and checked before anything is written."""
+
+    model: GPTConfig
+    train: TrainConfig
+    run_dir: ckpt.RunDir
+    dataset: dict[str, Any]  # the prepared dataset's meta.json
+    init_weights: Path | None = None  # --init-from: the weights file to start from
+    resume: bool = False
+    force: bool = False
 
 
 def default_run_dir(data: str) -> Path:
     return Path("checkpoints") / f"{data}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-RUN_FILES = (ckpt.LAST, ckpt.BEST, ckpt.OPTIMIZER, ckpt.TRAINER, ckpt.CONFIG, ckpt.METRICS)
-
-
-def check_run_dir(run_dir: Path, resume: bool, force: bool) -> None:
-    """A run folder must be new, empty, or (with --resume / --force) a run; anything else is refused."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise NanoGPTError(f"--out {run_dir} is a file, not a folder")
-    has_run = run_dir.is_dir() and any((run_dir / n).exists() for n in (ckpt.LAST, ckpt.TRAINER, ckpt.CONFIG))
+def plan_run(flags: dict[str, Any], file_values: dict[str, Any] | None = None, out: str | Path | None = None,
+             resume: bool = False, force: bool = False, init_from: str | None = None) -> RunPlan:
+    """The effective configs of a run. Fresh: preset < config file < flags, with the vocabulary from the dataset.
+    Resume: the saved run's configs, flags and file applied to training fields only. --init-from: the
+    checkpoint's architecture (dropout may change), training fields as for a fresh run. `preset` and `out` may
+    come from the flags or the config file (flags win)."""
+    values = {**(file_values or {}), **flags}
+    preset = values.pop("preset", None)
+    out = out or values.pop("out", None)
+    values.pop("out", None)
+    if resume and out is None:
+        raise NanoGPTError("--resume needs --out: the run folder to continue")
+    run_dir = ckpt.RunDir(out or default_run_dir(values.get("data") or "run"))
+    run_dir.check(resume, force)
+    model_over, train_over = split_values(values)
     if resume:
-        if not (run_dir / ckpt.TRAINER).is_file():
-            raise NanoGPTError(f"--resume: {run_dir} holds no resumable run (no {ckpt.TRAINER}); "
-                               "start it without --resume")
-    elif has_run and not force:
-        raise NanoGPTError(f"{run_dir} already holds a run; pass --resume to continue it or --force to "
-                           "start over (this deletes it)")
-    elif not has_run and run_dir.is_dir() and any(run_dir.iterdir()):
-        raise NanoGPTError(f"--out {run_dir} holds other files and no run; choose a new or empty folder")
+        return _plan_resume(run_dir, model_over, train_over)
+    values = {**(preset_values(preset) if preset else {}), **values}
+    model_values, train_values = split_values(values)
+    _, train_cfg = build_configs(train_values)
+    if not train_cfg.data:
+        raise NanoGPTError("--data is required: the name of a dataset made by `nanogpt prepare`")
+    meta = load_meta(Path(train_cfg.data_dir), train_cfg.data)
+    init_weights = None
+    if init_from is not None:
+        init_weights = ckpt.resolve_weights(init_from, last=True)
+        weights_meta = ckpt.read_metadata(init_weights)
+        if weights_meta.get("tokenizer") != meta["tokenizer"]:
+            raise NanoGPTError(f"--init-from {init_from} was trained with a different tokenizer or vocabulary than "
+                               f"dataset '{train_cfg.data}'; prepare the data with the checkpoint's tokenizer")
+        extra = set(model_over) - {"dropout"}
+        if extra:
+            raise NanoGPTError("--init-from takes the architecture from the checkpoint; drop "
+                               + ", ".join(f"--{flag(k)}" for k in sorted(extra)))
+        model_values = {**weights_meta["config"], **model_over}
+    elif "vocab_size" not in model_values or model_values["vocab_size"] < meta["vocab_size"]:
+        model_values["vocab_size"] = meta["vocab_size"]
+    model_cfg, train_cfg = build_configs({**model_values, **train_values})
+    if model_cfg.vocab_size < meta["vocab_size"]:
+        raise NanoGPTError(f"the model's vocabulary ({model_cfg.vocab_size:,}) is smaller than dataset "
+                           f"'{train_cfg.data}' needs ({meta['vocab_size']:,} tokens)")
+    return RunPlan(model_cfg, train_cfg, run_dir, meta, init_weights=init_weights, force=force)
 
 
-def clear_run(run_dir: Path) -> None:
-    """--force: delete the files of the run there, and nothing else."""
-    for name in RUN_FILES:
-        (run_dir / name).unlink(missing_ok=True)
+def _plan_resume(run_dir: ckpt.RunDir, model_over: dict[str, Any], train_over: dict[str, Any]) -> RunPlan:
+    if model_over:
+        raise NanoGPTError(f"--resume takes the architecture from {run_dir}; drop "
+                           + ", ".join(f"--{flag(k)}" for k in sorted(model_over)))
+    saved = run_dir.read_config()
+    saved_train = {k: v for k, v in saved["train"].items() if k not in ("stop_at", "out")}  # out: older runs
+    model_cfg, train_cfg = build_configs({**saved["model"], **saved_train, **train_over})
+    step = json.loads((run_dir / ckpt.TRAINER).read_text())["step"]
+    if train_cfg.stop_at is not None and train_cfg.stop_at <= step:  # refused before anything in the run changes
+        raise NanoGPTError(f"--stop-at {train_cfg.stop_at} is not after the run's step {step}")
+    meta = load_meta(Path(train_cfg.data_dir), train_cfg.data)
+    return RunPlan(model_cfg, train_cfg, run_dir, meta, resume=True)
+
+
+# --- what the loop tells the display ---
+
+
+@dataclass
+class RunStarted:
+    step: int
+    max_iters: int
+    device: str
+    dtype: str
+    params: int  # non-embedding parameters
+    tokens_per_iter: int
+    run_dir: str
+    resume: bool
+    model: dict[str, Any]
+    train: dict[str, Any]
+
+
+@dataclass
+class StepLogged:
+    step: int
+    loss: float  # this update's mean training loss
+    lr: float
+    tokens: int
+    elapsed_s: float
+    ms_per_iter: float  # since the last log line, evaluations and checkpoints left out
+    tokens_per_s: float
+    mfu: float | None
+
+
+@dataclass
+class Evaluated:
+    """One evaluation: also the line written to metrics.jsonl (all fields but best_val_loss)."""
+
+    step: int
+    train_loss: float
+    val_loss: float
+    lr: float
+    tokens: int
+    elapsed_s: float
+    best_val_loss: float
+
+    def record(self) -> dict[str, Any]:
+        return dict(step=self.step, train_loss=self.train_loss, val_loss=self.val_loss, lr=self.lr,
+                    tokens=self.tokens, elapsed_s=self.elapsed_s)
+
+
+class Display(Protocol):
+    def on_start(self, event: RunStarted) -> None: ...
+    def on_step(self, event: StepLogged) -> None: ...
+    def on_eval(self, event: Evaluated) -> None: ...
+    def on_save(self, step: int) -> None: ...
+
+
+class NoDisplay:
+    def on_start(self, event: RunStarted) -> None:
+        pass
+
+    def on_step(self, event: StepLogged) -> None:
+        pass
+
+    def on_eval(self, event: Evaluated) -> None:
+        pass
+
+    def on_save(self, step: int) -> None:
+        pass
 
 
 class StopSignals:
@@ -197,266 +306,147 @@ class StopSignals:
             signal.signal(sig, old)
 
 
+def non_finite(step: int, run_dir: ckpt.RunDir) -> NanoGPTError:
+    return NanoGPTError(f"the loss became non-finite at step {step}; the last good checkpoint in {run_dir} is kept; "
+                        "try a lower --learning-rate or --dtype float32")
+
+
 # --- the loop ---
 
 
-def train(model_cfg: GPTConfig, cfg: TrainConfig, run_dir: Path, resume: bool = False, force: bool = False,
-          init_from: str | None = None, on_event: Callable[[str, dict], None] | None = None) -> TrainResult:
-    """Train (or resume) a run in run_dir. on_event(kind, info) gets "start", "step", "eval" and "save" events
-    for the display; nothing here prints."""
-    emit = on_event or (lambda kind, info: None)
-    run_dir = Path(run_dir)
-    check_run_dir(run_dir, resume, force)
-    data_dir = Path(cfg.data_dir)
-    meta = load_meta(data_dir, cfg.data)
-
-    if model_cfg.vocab_size < meta["vocab_size"]:
-        raise NanoGPTError(f"the model's vocabulary ({model_cfg.vocab_size:,}) is smaller than dataset "
-                           f"'{cfg.data}' needs ({meta['vocab_size']:,} tokens)")
-
+def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
+    """Train (or resume) the planned run. The display gets typed events; nothing here prints."""
+    show = display or NoDisplay()
+    model_cfg, cfg, run_dir = plan.model, plan.train, plan.run_dir
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere and newer
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(cfg.seed)
-    batches = Batches(data_dir, cfg.data, model_cfg.block_size, cfg.batch_size, device, cfg.seed)
+    batches = Batches(Path(cfg.data_dir), cfg.data, model_cfg.block_size, cfg.batch_size, device, cfg.seed)
     eval_sets = {s: batches.fixed_batches(s, cfg.eval_iters, cfg.seed + 1 + i) for i, s in enumerate(("train", "val"))}
 
     model = GPT(model_cfg)
-    if init_from is not None:
-        ckpt.load_weights(model, _init_weights_path(init_from, model_cfg))
+    if plan.init_weights is not None:
+        ckpt.load_weights(model, plan.init_weights)
     model.to(device)
     optimizer = make_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     ctx = autocast_for(device, dtype)
 
-    step, tokens, best_val, elapsed_before = 0, 0, None, 0.0
-    if resume:
-        step, tokens, best_val, elapsed_before = _restore(run_dir, model, optimizer, scaler, batches)
-        if cfg.stop_at is not None and cfg.stop_at <= step:  # refused before anything in the run changes
-            raise NanoGPTError(f"--stop-at {cfg.stop_at} is not after the run's step {step}")
-        _truncate_metrics(run_dir / ckpt.METRICS, step)
+    if plan.resume:
+        state = run_dir.restore(model, optimizer)
+        _restore_rng(state, batches, scaler)
+        run_dir.truncate_metrics(state.step)
     else:
-        if force and run_dir.is_dir():
-            clear_run(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-    ckpt.write_json(run_dir / ckpt.CONFIG, {"model": model_cfg.to_dict(), "train": cfg.to_dict(),
-                                            "dataset": meta, "version": __version__})
+        state = ckpt.TrainerState()
+        run_dir.start(plan.force)
+    run_dir.write_config({"model": model_cfg.to_dict(), "train": cfg.to_dict(), "dataset": plan.dataset})
+    weights_meta = dict(tokenizer=plan.dataset["tokenizer"], dataset=plan.dataset.get("name", ""))
 
     compiled = torch.compile(model) if cfg.compile else model
     tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * model_cfg.block_size
     flops_per_iter = model.flops_per_token() * tokens_per_iter
     peak = peak_flops(device)
-    emit("start", dict(step=step, max_iters=cfg.max_iters, device=str(device), dtype=str(dtype).replace("torch.", ""),
-                       params=model.num_params(), tokens_per_iter=tokens_per_iter, run_dir=str(run_dir),
-                       resume=resume, model=model_cfg.to_dict(), train=cfg.to_dict()))
+    show.on_start(RunStarted(step=state.step, max_iters=cfg.max_iters, device=str(device),
+                             dtype=str(dtype).replace("torch.", ""), params=model.num_params(),
+                             tokens_per_iter=tokens_per_iter, run_dir=str(run_dir), resume=plan.resume,
+                             model=model_cfg.to_dict(), train=cfg.to_dict()))
 
-    last = {"train_loss": None, "val_loss": None, "step": None}
+    last: Evaluated | None = None
     end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
-
+    elapsed_before = state.elapsed_s
     eval_s = 0.0  # time spent evaluating and saving, left out of the speed figures
 
-    def evaluate_and_save(elapsed: float):
-        nonlocal best_val, eval_s, t_window
+    def save(val_loss: float | None, is_best: bool) -> None:
+        state.elapsed_s = elapsed_before + time.perf_counter() - t0
+        _capture_rng(state, batches, scaler)
+        run_dir.save(model, optimizer, state, dict(weights_meta, val_loss=val_loss), is_best)
+
+    def evaluate_and_save() -> None:
+        nonlocal last, eval_s, t_window
         t_eval = time.perf_counter()
         losses = {s: estimate_loss(compiled, eval_sets[s], ctx) for s in ("train", "val")}
         if not all(math.isfinite(v) for v in losses.values()):
-            raise NanoGPTError(f"the loss became non-finite at step {step}; the last good checkpoint in {run_dir} "
-                               "is kept; try a lower --learning-rate or --dtype float32")
-        last.update(train_loss=losses["train"], val_loss=losses["val"], step=step)
-        record = dict(step=step, train_loss=losses["train"], val_loss=losses["val"], lr=lr_at(max(step - 1, 0), cfg),
-                      tokens=tokens, elapsed_s=round(elapsed_before + elapsed, 3))
-        with open(run_dir / ckpt.METRICS, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
-        is_best = best_val is None or losses["val"] < best_val
+            raise non_finite(state.step, run_dir)
+        is_best = state.best_val_loss is None or losses["val"] < state.best_val_loss
         if is_best:
-            best_val = losses["val"]
-        _save(run_dir, model, optimizer, scaler, batches, meta, step, tokens, losses["val"], best_val, is_best,
-              elapsed_before + elapsed)
-        emit("eval", dict(record, best_val_loss=best_val))
+            state.best_val_loss = losses["val"]
+        last = Evaluated(step=state.step, train_loss=losses["train"], val_loss=losses["val"],
+                         lr=lr_at(max(state.step - 1, 0), cfg), tokens=state.tokens,
+                         elapsed_s=round(elapsed_before + t_eval - t0, 3), best_val_loss=state.best_val_loss)
+        run_dir.append_metrics(last.record())
+        save(losses["val"], is_best)
+        show.on_eval(last)
         spent = time.perf_counter() - t_eval
         eval_s += spent
         t_window += spent  # the next progress line reports training speed only
 
     t0 = time.perf_counter()
-    t_window, step_window = t0, step
+    t_window, step_window = t0, state.step
     first_s = 0.0
-    start_step = step
+    start_step = state.step
     stopped = None
     with StopSignals() as signals:
-        if not resume:
-            evaluate_and_save(0.0)
+        if not plan.resume:
+            evaluate_and_save()
         model.train()
-        while step < end:
-            lr = lr_at(step, cfg)
+        while state.step < end:
+            lr = lr_at(state.step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             micro = [batches.get_batch("train") for _ in range(cfg.gradient_accumulation_steps)]
             t_step = time.perf_counter()
             loss = optimizer_step(compiled, optimizer, micro, ctx, scaler, cfg.grad_clip)
-            if step == start_step:  # the first step warms up (and with --compile, compiles): not speed
+            if state.step == start_step:  # the first step warms up (and with --compile, compiles): not speed
                 first_s = time.perf_counter() - t_step
-            step += 1
-            tokens += tokens_per_iter
-            if step % cfg.log_interval == 0 or step == end:
+            state.step += 1
+            state.tokens += tokens_per_iter
+            if state.step % cfg.log_interval == 0 or state.step == end:
                 loss_value = loss.item()
                 if not math.isfinite(loss_value):
-                    raise NanoGPTError(f"the loss became non-finite at step {step}; the last good checkpoint in "
-                                       f"{run_dir} is kept; try a lower --learning-rate or --dtype float32")
+                    raise non_finite(state.step, run_dir)
                 now = time.perf_counter()
-                dt = (now - t_window) / max(1, step - step_window)
-                t_window, step_window = now, step
-                emit("step", dict(step=step, loss=loss_value, lr=lr, tokens=tokens, elapsed_s=now - t0,
-                                  ms_per_iter=dt * 1000, tokens_per_s=tokens_per_iter / dt,
-                                  mfu=flops_per_iter / dt / peak if peak else None))
-            if step % cfg.eval_interval == 0 or step == cfg.max_iters:
-                evaluate_and_save(time.perf_counter() - t0)
+                dt = (now - t_window) / max(1, state.step - step_window)
+                t_window, step_window = now, state.step
+                show.on_step(StepLogged(step=state.step, loss=loss_value, lr=lr, tokens=state.tokens,
+                                        elapsed_s=now - t0, ms_per_iter=dt * 1000, tokens_per_s=tokens_per_iter / dt,
+                                        mfu=flops_per_iter / dt / peak if peak else None))
+            if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters:
+                evaluate_and_save()
             if signals.received:
                 stopped = signals.received
                 break
-        if step == end and end < cfg.max_iters:
+        if state.step == end and end < cfg.max_iters:
             stopped = "stop_at"
-        if stopped and step % cfg.eval_interval != 0:
-            _save(run_dir, model, optimizer, scaler, batches, meta, step, tokens, last["val_loss"], best_val, False,
-                  elapsed_before + time.perf_counter() - t0)
-            emit("save", dict(step=step))
+        if stopped and state.step % cfg.eval_interval != 0:
+            save(last.val_loss if last else None, False)
+            show.on_save(state.step)
 
     elapsed = time.perf_counter() - t0
-    done = step - start_step
+    done = state.step - start_step
     timed = done - 1 if done > 1 else done  # the speed figures leave out the warm-up step when there are others
     train_s = max(elapsed - eval_s - (first_s if done > 1 else 0.0), 1e-9)
-    ms = train_s / timed * 1000 if timed else 0.0
-    tps = tokens_per_iter * timed / train_s if timed else 0.0
-    return TrainResult(run_dir=run_dir, step=step, tokens=tokens, train_loss=last["train_loss"],
-                       val_loss=last["val_loss"], eval_step=last["step"], best_val_loss=best_val, elapsed_s=elapsed,
-                       tokens_per_s=tps,
-                       ms_per_iter=ms, mfu=(flops_per_iter * timed / train_s / peak) if peak and timed else None,
-                       stopped=stopped)
+    return TrainResult(run_dir=run_dir.path, step=state.step, tokens=state.tokens,
+                       train_loss=last.train_loss if last else None, val_loss=last.val_loss if last else None,
+                       eval_step=last.step if last else None, best_val_loss=state.best_val_loss, elapsed_s=elapsed,
+                       tokens_per_s=tokens_per_iter * timed / train_s if timed else 0.0,
+                       ms_per_iter=train_s / timed * 1000 if timed else 0.0,
+                       mfu=(flops_per_iter * timed / train_s / peak) if peak and timed else None, stopped=stopped)
 
 
-def _init_weights_path(init_from: str, model_cfg: GPTConfig) -> Path:
-    path = ckpt.resolve_weights(init_from, last=True)
-    theirs = GPTConfig.from_dict(ckpt.read_metadata(path)["config"])
-    if dataclasses.replace(theirs, dropout=model_cfg.dropout) != model_cfg:
-        raise NanoGPTError(f"--init-from {init_from} has a different architecture; drop the model flags to use its own")
-    return path
+def _capture_rng(state: ckpt.TrainerState, batches: Batches, scaler) -> None:
+    state.rng_torch = torch.get_rng_state()
+    state.rng_batches = batches.generator.get_state()
+    state.rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    state.scaler = scaler.state_dict() if scaler.is_enabled() else None
 
 
-def run_configs(preset: str | None, overrides: dict[str, Any], run_dir: Path, resume: bool = False,
-                init_from: str | None = None) -> tuple[GPTConfig, TrainConfig]:
-    """The effective configs of a run. Fresh: preset < overrides (config file, then flags), with the vocabulary
-    from the dataset. Resume: the saved run's configs, overrides applied to training fields only. --init-from:
-    the checkpoint's architecture (dropout may change), training fields as for a fresh run."""
-    model_over, train_over = split_values(overrides)
-    if resume:
-        config_path = Path(run_dir) / ckpt.CONFIG
-        if not config_path.is_file():
-            raise NanoGPTError(f"--resume: {run_dir} holds no run to resume (no {ckpt.CONFIG})")
-        if model_over:
-            raise NanoGPTError(f"--resume takes the architecture from {run_dir}; drop "
-                               + ", ".join(f"--{flag(k)}" for k in sorted(model_over)))
-        saved = json.loads(config_path.read_text())
-        saved["train"]["stop_at"] = None  # a --stop-at ends that invocation, not the run
-        return build_configs({**saved["model"], **saved["train"], **train_over})
-    values = {**(preset_values(preset) if preset else {}), **overrides}
-    model_values, train_values = split_values(values)
-    _, train_cfg = build_configs(train_values)
-    meta = load_meta(Path(train_cfg.data_dir), train_cfg.data) if train_cfg.data else None
-    if meta is None:
-        raise NanoGPTError("--data is required: the name of a dataset made by `nanogpt prepare`")
-    if init_from is not None:
-        path = ckpt.resolve_weights(init_from, last=True)
-        weights_meta = ckpt.read_metadata(path)
-        if weights_meta.get("tokenizer") != meta["tokenizer"]:
-            raise NanoGPTError(f"--init-from {init_from} was trained with a different tokenizer or vocabulary than "
-                               f"dataset '{train_cfg.data}'; prepare the data with the checkpoint's tokenizer")
-        extra = set(model_over) - {"dropout"}
-        if extra:
-            raise NanoGPTError("--init-from takes the architecture from the checkpoint; drop "
-                               + ", ".join(f"--{flag(k)}" for k in sorted(extra)))
-        model_values = {**weights_meta["config"], **model_over}
-    elif "vocab_size" not in model_values or model_values["vocab_size"] < meta["vocab_size"]:
-        model_values["vocab_size"] = meta["vocab_size"]
-    return build_configs({**model_values, **train_values})
-
-
-def _save(run_dir, model, optimizer, scaler, batches, meta, step, tokens, val_loss, best_val, is_best, elapsed):
-    """Write every file under a temporary name first, then rename them into place one after another, so a
-    crash can at worst leave files of two adjacent saves, which _restore detects, never a half-written one.
-    trainer.json is renamed last: it names the step the others must match."""
-    weights_meta = dict(tokenizer=meta["tokenizer"], step=step, tokens=tokens, val_loss=val_loss,
-                        dataset=meta.get("name", ""))
-    state = dict(step=step, tokens=tokens, best_val_loss=best_val, elapsed_s=elapsed, version=__version__,
-                 rng_torch=ckpt.encode_rng(torch.get_rng_state()),
-                 rng_batches=ckpt.encode_rng(batches.generator.get_state()),
-                 rng_cuda=[ckpt.encode_rng(s) for s in torch.cuda.get_rng_state_all()]
-                 if torch.cuda.is_available() else [],
-                 scaler=scaler.state_dict() if scaler.is_enabled() else None)
-    staged: list[tuple[Path, Path]] = []
-
-    def stage(name: str, write) -> None:
-        tmp = run_dir / f".{name}.staged"
-        write(tmp)
-        staged.append((tmp, run_dir / name))
-
-    try:
-        stage(ckpt.LAST, lambda p: ckpt.save_model(p, model, weights_meta))
-        if is_best:
-            stage(ckpt.BEST, lambda p: ckpt.save_model(p, model, weights_meta))
-        stage(ckpt.OPTIMIZER, lambda p: ckpt.save_optimizer(p, optimizer, step))
-        stage(ckpt.TRAINER, lambda p: ckpt.write_json(p, state))
-        # keep the previous set reachable (hard links: no copy) until the new one is complete
-        for _, final in staged:
-            _prev(final).unlink(missing_ok=True)
-            if final.exists():
-                os.link(final, _prev(final))
-        for tmp, final in staged:
-            os.replace(tmp, final)
-        for _, final in staged:
-            _prev(final).unlink(missing_ok=True)
-    finally:
-        for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
-
-
-def _prev(path: Path) -> Path:
-    return path.with_name(f".{path.name}.prev")
-
-
-def _restore(run_dir, model, optimizer, scaler, batches) -> tuple[int, int, float | None, float]:
-    state = json.loads((run_dir / ckpt.TRAINER).read_text())
-    step = state["step"]
-    # a save cut short between its renames leaves newer files beside the older trainer.json: their
-    # predecessors are still there as hard links, so take those
-    weights, optim = (_matching(run_dir / name, step) for name in (ckpt.LAST, ckpt.OPTIMIZER))
-    if weights is None or optim is None:
-        found = {name: ckpt.file_step(run_dir / name) for name in (ckpt.LAST, ckpt.OPTIMIZER)}
-        raise NanoGPTError(f"the checkpoint files in {run_dir} are from different steps (weights {found[ckpt.LAST]}, "
-                           f"optimizer {found[ckpt.OPTIMIZER]}, trainer {step}): a save was cut short; "
-                           "start over with --force or --init-from")
-    ckpt.load_weights(model, weights)
-    ckpt.load_optimizer(optim, optimizer)
-    torch.set_rng_state(ckpt.decode_rng(state["rng_torch"]))
-    batches.generator.set_state(ckpt.decode_rng(state["rng_batches"]))
-    if state.get("rng_cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all([ckpt.decode_rng(s) for s in state["rng_cuda"]])
-    if state.get("scaler") and scaler.is_enabled():
-        scaler.load_state_dict(state["scaler"])
-    return state["step"], state["tokens"], state["best_val_loss"], state.get("elapsed_s", 0.0)
-
-
-def _matching(path: Path, step: int) -> Path | None:
-    """path, or its kept predecessor, whichever was saved at step."""
-    for candidate in (path, _prev(path)):
-        if candidate.is_file() and ckpt.file_step(candidate) == step:
-            return candidate
-    return None
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop metric lines written after the checkpoint we resume from (they will be written again)."""
-    if not path.is_file():
-        return
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-    ckpt.atomic_write(path, lambda tmp: tmp.write_text("".join(ln + "\n" for ln in lines)))
+def _restore_rng(state: ckpt.TrainerState, batches: Batches, scaler) -> None:
+    torch.set_rng_state(state.rng_torch)
+    batches.generator.set_state(state.rng_batches)
+    if state.rng_cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state.rng_cuda)
+    if state.scaler and scaler.is_enabled():
+        scaler.load_state_dict(state.scaler)

@@ -67,8 +67,8 @@ def prepare_table(result):
         ("val tokens", f"{result.val_tokens:,} ({share:.1%})"),
         ("vocabulary size", f"{result.vocab_size:,}"),
         ("bytes on disk", f"{result.bytes_on_disk:,}"),
-        ("time", f"{result.seconds:.2f} s"),
-        ("throughput", f"{result.tokens_per_second:,.0f} tokens/s"),
+        ("time", f"{result.elapsed_s:.2f} s"),
+        ("throughput", f"{result.tokens_per_s:,.0f} tokens/s"),
     ])
 
 
@@ -81,8 +81,8 @@ def _fmt_eta(seconds: float) -> str:
 
 
 class TrainDisplay:
-    """Turns train() events into a live rich progress bar on a terminal, plain log lines elsewhere, or
-    nothing with quiet (errors still go to stderr)."""
+    """Shows the trainer's events (train.Display): a live rich progress bar on a terminal, plain log lines
+    elsewhere, or nothing with quiet (errors still go to stderr)."""
 
     def __init__(self, quiet: bool = False):
         self.quiet = quiet
@@ -100,52 +100,52 @@ class TrainDisplay:
         if self.progress is not None:
             self.progress.stop()
 
-    def __call__(self, kind: str, info: dict) -> None:
+    def on_start(self, e) -> None:
         if self.quiet:
             return
-        getattr(self, f"on_{kind}")(info)
-
-    def on_start(self, info):
         import json
 
-        self.start_step, self.max_iters = info["step"], info["max_iters"]
-        console.print(f"model: {json.dumps(info['model'])}\ntrain: {json.dumps(info['train'])}")
-        verb = "resuming at step" if info["resume"] else "training from step"
-        console.print(f"{verb} {info['step']:,} of {info['max_iters']:,} on {info['device']} ({info['dtype']}): "
-                      f"{info['params']:,} non-embedding parameters, {info['tokens_per_iter']:,} tokens/iter "
-                      f"-> {info['run_dir']}")
+        self.start_step, self.max_iters = e.step, e.max_iters
+        console.print(f"model: {json.dumps(e.model)}\ntrain: {json.dumps(e.train)}")
+        verb = "resuming at step" if e.resume else "training from step"
+        console.print(f"{verb} {e.step:,} of {e.max_iters:,} on {e.device} ({e.dtype}): "
+                      f"{e.params:,} non-embedding parameters, {e.tokens_per_iter:,} tokens/iter -> {e.run_dir}")
         if self.live:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
             self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console)
             self.progress.start()
-            self.task = self.progress.add_task("train", total=info["max_iters"], completed=info["step"], stats="")
+            self.task = self.progress.add_task("train", total=e.max_iters, completed=e.step, stats="")
 
-    def on_step(self, info):
-        done = info["step"] - self.start_step
-        eta = (self.max_iters - info["step"]) * info["ms_per_iter"] / 1000
-        parts = [f"loss {info['loss']:.4f}"]
+    def on_step(self, e) -> None:
+        if self.quiet:
+            return
+        eta = (self.max_iters - e.step) * e.ms_per_iter / 1000
+        parts = [f"loss {e.loss:.4f}"]
         if self.val_loss is not None:
             parts.append(f"val {self.val_loss:.4f}")
-        parts += [f"lr {info['lr']:.2e}", f"{info['tokens_per_s']:,.0f} tok/s", f"{info['ms_per_iter']:.1f} ms/it"]
-        if info.get("mfu") is not None:
-            parts.append(f"MFU {info['mfu']:.1%}")
+        parts += [f"lr {e.lr:.2e}", f"{e.tokens_per_s:,.0f} tok/s", f"{e.ms_per_iter:.1f} ms/it"]
+        if e.mfu is not None:
+            parts.append(f"MFU {e.mfu:.1%}")
         parts.append(f"ETA {_fmt_eta(eta)}")
         stats = " | ".join(parts)
         if self.progress is not None:
-            self.progress.update(self.task, completed=info["step"], stats=stats)
-        elif done > 0:
-            console.print(f"step {info['step']:>6,}/{self.max_iters:,} | {stats}")
+            self.progress.update(self.task, completed=e.step, stats=stats)
+        elif e.step > self.start_step:
+            console.print(f"step {e.step:>6,}/{self.max_iters:,} | {stats}")
 
-    def on_eval(self, info):
-        self.val_loss = info["val_loss"]
-        line = (f"step {info['step']:>6,}: train loss {info['train_loss']:.4f}, val loss {info['val_loss']:.4f}"
-                f" (best {info['best_val_loss']:.4f}), checkpoint saved")
+    def on_eval(self, e) -> None:
+        if self.quiet:
+            return
+        self.val_loss = e.val_loss
+        line = (f"step {e.step:>6,}: train loss {e.train_loss:.4f}, val loss {e.val_loss:.4f}"
+                f" (best {e.best_val_loss:.4f}), checkpoint saved")
         (self.progress.console if self.progress is not None else console).print(line)
 
-    def on_save(self, info):
-        console.print(f"step {info['step']:>6,}: checkpoint saved")
+    def on_save(self, step: int) -> None:
+        if not self.quiet:
+            console.print(f"step {step:>6,}: checkpoint saved")
 
 
 def train_table(result):
@@ -174,6 +174,6 @@ def eval_table(result):
         ("tokens scored", f"{result.tokens:,}"),
         ("bytes", f"{result.bytes:,}"),
         ("stride", f"{result.stride:,}"),
-        ("time", f"{result.seconds:.2f} s"),
+        ("time", f"{result.elapsed_s:.2f} s"),
         ("throughput", f"{result.tokens_per_s:,.0f} tokens/s"),
     ])

@@ -96,11 +96,29 @@ def char_data(tmp_path_factory) -> tuple[Path, str]:
 @pytest.fixture(scope="session")
 def trained_run(char_data, tmp_path_factory) -> Path:
     """A tiny char model trained briefly on char_data, in float32: its run folder."""
-    from nanogpt_cli.train import run_configs, train
+    from nanogpt_cli.train import train
 
     data_dir, name = char_data
     run = tmp_path_factory.mktemp("runs") / "tiny"
-    values = {"data": name, "data_dir": str(data_dir), "dtype": "float32", "device": "cpu", "max_iters": 60,
-              "eval_interval": 60, "eval_iters": 8}
-    train(*run_configs("tiny", values, run), run)
+    train(tiny_plan(data_dir, name, run, max_iters=60, eval_interval=60, eval_iters=8))
     return run
+
+
+# the one tiny model shape the unit tests share (the `tiny` preset is its training-sized sibling)
+TINY = dict(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32)
+
+
+def tiny_config(**overrides):
+    """A GPTConfig small enough that a forward pass is a millisecond."""
+    from nanogpt_cli.config import GPTConfig
+
+    return GPTConfig(**{**TINY, **overrides})
+
+
+def tiny_plan(data_dir: Path, name: str, run_dir: Path, **overrides):
+    """A run plan of the `tiny` preset on a prepared dataset, in float32 on the CPU (deterministic)."""
+    from nanogpt_cli.train import plan_run
+
+    flags = {"preset": "tiny", "data": name, "data_dir": str(data_dir), "dtype": "float32", "device": "cpu",
+             **overrides}
+    return plan_run(flags, out=run_dir)

@@ -1,6 +1,7 @@
 """Checkpoint files: weights and optimizer round trips, tied weights, atomic writes, invalid files."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -9,10 +10,12 @@ from nanogpt_cli import checkpoint as ckpt
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
+from nanogpt_cli.train import plan_run, train
+from conftest import tiny_config, tiny_plan
 
 
 def tiny(**kw):
-    return GPT(GPTConfig(**{**dict(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32), **kw}))
+    return GPT(tiny_config(**kw))
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -73,3 +76,27 @@ def test_run_folders_resolve_to_best_then_last(tmp_path):
     assert ckpt.resolve_weights(tmp_path, last=True) == tmp_path / "model.safetensors"
     with pytest.raises(NanoGPTError, match="does not exist; runs in"):
         ckpt.resolve_weights(tmp_path.parent / "nope")
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_save_cut_short_between_its_renames_resumes_from_the_previous_one(char_data, tmp_path):
+    data_dir, name = char_data
+    whole = tmp_path / "whole"
+    train(tiny_plan(data_dir, name, whole, max_iters=6, eval_interval=2))
+    run = tmp_path / "run"
+    train(tiny_plan(data_dir, name, run, max_iters=6, eval_interval=2, stop_at=2))
+    # a crash after the step-4 weights and optimizer were renamed into place, before trainer.json was
+    for fname in ("model.safetensors", "optimizer.safetensors"):
+        os.link(run / fname, run / f".{fname}.prev")
+    train(tiny_plan(data_dir, name, tmp_path / "ahead", max_iters=6, eval_interval=2, stop_at=4))
+    for fname in ("model.safetensors", "optimizer.safetensors"):
+        os.replace(tmp_path / "ahead" / fname, run / fname)
+    result = train(plan_run({}, out=run, resume=True))
+    assert result.step == 6
+    assert metrics(run) == [dict(m, elapsed_s=p["elapsed_s"]) for m, p in zip(metrics(whole), metrics(run))]
+    (run / "trainer.json").write_text(json.dumps(dict(json.loads((run / "trainer.json").read_text()), step=3)))
+    with pytest.raises(NanoGPTError, match="from different steps"):
+        train(plan_run({}, out=run, resume=True))

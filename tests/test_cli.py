@@ -48,3 +48,19 @@ def test_every_help_has_a_purpose_and_an_example(command):
 def test_python_dash_m_runs_the_same_app():
     out = subprocess.run([sys.executable, "-m", "nanogpt_cli", "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("nanogpt ")
+
+
+def test_train_has_an_option_for_every_config_field():
+    # the options are the overrides (cli.train passes every option named like a field): one list, not three
+    import dataclasses
+    import inspect
+
+    from nanogpt_cli import cli
+    from nanogpt_cli.config import GPTConfig, TrainConfig
+
+    options = set(inspect.signature(cli.train).parameters)
+    fields = {f.name for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)}
+    assert fields - options == set()
+    help_text = ok("train", "--help")
+    for name in fields:
+        assert f"--{name.replace('_', '-')}" in help_text, name

@@ -6,14 +6,15 @@ import math
 import pytest
 import torch
 
+from nanogpt_cli import hf
 from nanogpt_cli.config import GPTConfig
+from conftest import tiny_config
 from nanogpt_cli.model import GPT, apply_rope, process_logits, rope_tables, sinusoidal_table
 
 POS = ["rope", "sinusoidal", "learned"]
 
 
-def tiny(**kw) -> GPTConfig:
-    return GPTConfig(**{**dict(vocab_size=61, block_size=16, n_layer=2, n_head=2, n_embd=32), **kw})
+tiny = tiny_config
 
 
 @pytest.mark.parametrize("pos", POS)
@@ -258,17 +259,17 @@ def hf_reference(kind: str):
 def test_from_hf_matches_reference_logits_and_round_trips(kind):
     torch.manual_seed(0)
     ref = hf_reference(kind)
-    ours = GPT.from_hf(ref).eval()
+    ours = hf.from_hf(ref).eval()
     assert ours.lm_head.weight is ours.transformer.wte.weight
     if kind == "llama":
         assert ours.config.rope_theta == 500.0 and ours.config.norm == "rmsnorm" and ours.config.mlp == "swiglu"
     idx = torch.randint(0, 97, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(ours(idx)[0], ref(idx).logits, atol=1e-4, rtol=0)
-        back = ours.to_hf()
+        back = hf.to_hf(ours)
         torch.testing.assert_close(back(idx).logits, ref(idx).logits, atol=1e-5, rtol=0)
 
 
 def test_to_hf_refuses_a_model_with_no_counterpart():
     with pytest.raises(ValueError, match="convert to Hugging Face"):
-        GPT(tiny()).to_hf()
+        hf.to_hf(GPT(tiny()))

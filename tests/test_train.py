@@ -19,14 +19,14 @@ from nanogpt_cli.cli import app
 from nanogpt_cli.config import GPTConfig, TrainConfig
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
-from nanogpt_cli.train import lr_at, optimizer_step, run_configs, train
+from nanogpt_cli.train import lr_at, optimizer_step, plan_run, train
+from conftest import tiny_config, tiny_plan
 
 runner = CliRunner()
 
 
-def configs(data_dir, name, run_dir, **over):
-    values = {"data": name, "data_dir": str(data_dir), "dtype": "float32", "device": "cpu", **over}
-    return run_configs("tiny", values, run_dir)
+def resumed(run_dir, **flags):
+    return plan_run(flags, out=run_dir, resume=True)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -53,8 +53,9 @@ def test_lr_schedules_hit_their_endpoints():
 def test_a_tiny_model_lowers_its_loss_and_checkpoints_are_valid(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
-    model_cfg, cfg = configs(data_dir, name, run, max_iters=50, eval_interval=25)
-    result = train(model_cfg, cfg, run)
+    plan = tiny_plan(data_dir, name, run, max_iters=50, eval_interval=25)
+    model_cfg = plan.model
+    result = train(plan)
     first, last = metrics(run)[0], metrics(run)[-1]
     assert [m["step"] for m in metrics(run)] == [0, 25, 50]
     assert first["val_loss"] == pytest.approx(math.log(model_cfg.vocab_size), abs=0.3)
@@ -86,15 +87,15 @@ def test_a_stopped_and_resumed_run_equals_an_uninterrupted_one(char_data, tmp_pa
     data_dir, name = char_data
     over = dict(max_iters=30, eval_interval=10, dropout=0.1)  # dropout: the RNG state must resume too
     whole = tmp_path / "whole"
-    train(*configs(data_dir, name, whole, **over), whole)
+    train(tiny_plan(data_dir, name, whole, **over))
     parts = tmp_path / "parts"
-    stopped = train(*configs(data_dir, name, parts, stop_at=17, **over), parts)
+    stopped = train(tiny_plan(data_dir, name, parts, stop_at=17, **over))
     assert stopped.stopped == "stop_at" and stopped.step == 17
     assert json.loads((parts / "trainer.json").read_text())["step"] == 17
-    model_cfg, cfg = run_configs(None, {}, parts, resume=True)
-    assert cfg.stop_at is None and cfg.max_iters == 30  # --stop-at ended that invocation, not the run
-    resumed = train(model_cfg, cfg, parts, resume=True)
-    assert resumed.step == 30 and resumed.stopped is None
+    plan = resumed(parts)
+    assert plan.train.stop_at is None and plan.train.max_iters == 30  # --stop-at ended that invocation, not the run
+    result = train(plan)
+    assert result.step == 30 and result.stopped is None
     assert metrics(parts) == [dict(m, elapsed_s=p["elapsed_s"]) for m, p in zip(metrics(whole), metrics(parts))]
     a, _ = ckpt.load_model(whole, last=True)
     b, _ = ckpt.load_model(parts, last=True)
@@ -127,11 +128,11 @@ def test_sigint_leaves_a_resumable_checkpoint(char_data, tmp_path):
 
 def test_gradient_accumulation_matches_one_big_batch():
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=32)
+    cfg = tiny_config()
     a, b = GPT(cfg), GPT(cfg)
     b.load_state_dict(a.state_dict())
     before = [p.detach().clone() for p in a.parameters()]
-    x, y = torch.randint(0, 50, (8, 16)), torch.randint(0, 50, (8, 16))
+    x, y = torch.randint(0, cfg.vocab_size, (8, 16)), torch.randint(0, cfg.vocab_size, (8, 16))
     # plain SGD: the update is the (clipped) gradient itself, so the two updates must agree closely
     opt_a = torch.optim.SGD(a.parameters(), lr=1.0)
     opt_b = torch.optim.SGD(b.parameters(), lr=1.0)
@@ -154,7 +155,8 @@ def test_toml_and_flags_merge_with_flags_winning(char_data, tmp_path):
     from nanogpt_cli.config import load_toml
 
     values = load_toml(toml)
-    model_cfg, cfg = run_configs("tiny", {**values, "learning_rate": 5e-4}, tmp_path / "r")
+    plan = plan_run({"preset": "tiny", "learning_rate": 5e-4}, values, out=tmp_path / "r")
+    model_cfg, cfg = plan.model, plan.train
     assert (model_cfg.n_layer, model_cfg.n_embd, model_cfg.n_head) == (3, 48, 2)  # toml over preset
     assert cfg.learning_rate == 5e-4 and cfg.batch_size == 4  # flag over toml
     assert model_cfg.vocab_size == json.loads((data_dir / name / "meta.json").read_text())["vocab_size"]
@@ -166,10 +168,11 @@ def test_toml_and_flags_merge_with_flags_winning(char_data, tmp_path):
 def test_fine_tuning_starts_from_the_given_weights(char_data, tmp_path):
     data_dir, name = char_data
     base = tmp_path / "base"
-    result = train(*configs(data_dir, name, base, max_iters=20, eval_interval=20), base)
+    result = train(tiny_plan(data_dir, name, base, max_iters=20, eval_interval=20))
     tuned = tmp_path / "tuned"
-    model_cfg, cfg = configs(data_dir, name, tuned, max_iters=5, eval_interval=5)
-    train(model_cfg, cfg, tuned, init_from=str(base))
+    flags = {"data": name, "data_dir": str(data_dir), "dtype": "float32", "device": "cpu", "max_iters": 5,
+             "eval_interval": 5, "eval_iters": 4, "batch_size": 8}
+    train(plan_run(flags, out=tuned, init_from=str(base)))
     assert metrics(tuned)[0]["val_loss"] == pytest.approx(result.val_loss, abs=1e-6)
     other = tmp_path / "other.txt"
     other.write_text("abc" * 200)
@@ -177,16 +180,17 @@ def test_fine_tuning_starts_from_the_given_weights(char_data, tmp_path):
 
     prepare(str(other), "abc", tokenizer="char", data_dir=data_dir)
     with pytest.raises(NanoGPTError, match="different tokenizer"):
-        run_configs("tiny", {"data": "abc", "data_dir": str(data_dir)}, tmp_path / "x", init_from=str(base))
+        plan_run({"preset": "tiny", "data": "abc", "data_dir": str(data_dir)}, out=tmp_path / "x",
+                 init_from=str(base))
 
 
 def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
-    model_cfg, cfg = configs(data_dir, name, run, max_iters=50, eval_interval=5, learning_rate=1e12, grad_clip=0.0,
-                             warmup_iters=0, log_interval=1)
+    plan = tiny_plan(data_dir, name, run, max_iters=50, eval_interval=5, learning_rate=1e12, grad_clip=0.0,
+                     warmup_iters=0, log_interval=1)
     with pytest.raises(NanoGPTError, match="non-finite"):
-        train(model_cfg, cfg, run)
+        train(plan)
     meta = ckpt.read_metadata(run / "model.safetensors")
     assert math.isfinite(meta["val_loss"])
 
@@ -253,34 +257,14 @@ def test_out_must_be_a_run_an_empty_folder_or_new(char_data, tmp_path):
     assert (run / "notes.txt").read_text() == "mine"  # --force deletes the run's files only
 
 
-def test_a_save_cut_short_between_its_renames_resumes_from_the_previous_one(char_data, tmp_path):
-    data_dir, name = char_data
-    whole = tmp_path / "whole"
-    train(*configs(data_dir, name, whole, max_iters=6, eval_interval=2), whole)
-    run = tmp_path / "run"
-    train(*configs(data_dir, name, run, max_iters=6, eval_interval=2, stop_at=2), run)
-    # a crash after the step-4 weights and optimizer were renamed into place, before trainer.json was
-    for fname in ("model.safetensors", "optimizer.safetensors"):
-        os.link(run / fname, run / f".{fname}.prev")
-    train(*configs(data_dir, name, tmp_path / "ahead", max_iters=6, eval_interval=2, stop_at=4), tmp_path / "ahead")
-    for fname in ("model.safetensors", "optimizer.safetensors"):
-        os.replace(tmp_path / "ahead" / fname, run / fname)
-    resumed = train(*run_configs(None, {}, run, resume=True), run, resume=True)
-    assert resumed.step == 6
-    assert metrics(run) == [dict(m, elapsed_s=p["elapsed_s"]) for m, p in zip(metrics(whole), metrics(run))]
-    (run / "trainer.json").write_text(json.dumps(dict(json.loads((run / "trainer.json").read_text()), step=3)))
-    with pytest.raises(NanoGPTError, match="from different steps"):
-        train(*run_configs(None, {}, run, resume=True), run, resume=True)
-
-
 def test_resume_keeps_elapsed_time_and_refuses_a_stop_at_behind_it(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
-    train(*configs(data_dir, name, run, max_iters=4, eval_interval=2, stop_at=2), run)
+    train(tiny_plan(data_dir, name, run, max_iters=4, eval_interval=2, stop_at=2))
     first = metrics(run)[-1]["elapsed_s"]
     with pytest.raises(NanoGPTError, match="--stop-at 1 is not after the run's step 2"):
-        train(*run_configs(None, {"stop_at": 1}, run, resume=True), run, resume=True)
-    train(*run_configs(None, {}, run, resume=True), run, resume=True)
+        resumed(run, stop_at=1)
+    train(resumed(run))
     assert metrics(run)[-1]["elapsed_s"] >= first > 0
 
 
