@@ -322,6 +322,35 @@ def perplexity(
         console.print(eval_table(result))
 
 
+
+@app.command()
+def export(
+    run: Annotated[str, typer.Argument(help="Run folder (its best weights), a .safetensors file, a Hugging Face "
+                                            "folder or hf:NAME.")],
+    out: Annotated[Path, typer.Option(help="Folder to write (hf) or FILE.gguf (gguf).")],
+    format: Annotated[str, typer.Option("--format", help="hf (transformers folder) or gguf (llama.cpp file).")
+                      ] = "hf",
+    last: Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+):
+    """Write a run as a Hugging Face folder or a GGUF file that other tools load.
+
+    Example: nanogpt export checkpoints/shk --format hf --out exports/shk
+    """
+    from nanogpt_cli.export import export as export_run
+    from nanogpt_cli.ui import console
+
+    try:
+        result = export_run(run, format, out, last=last, force=force)
+    except NanoGPTError as e:
+        raise fail(str(e)) from None
+    if result.format == "hf":
+        console.print(f"wrote {result.path} ({result.architecture}, {result.tokenizer} tokenizer); load it with "
+                      f"AutoModelForCausalLM.from_pretrained({str(result.path)!r})", soft_wrap=True, highlight=False)
+    else:
+        console.print(f"wrote {result.path} (GGUF, {result.architecture}, {result.tokenizer} tokenizer, float32)",
+                      soft_wrap=True, highlight=False)
+
 def main():
     try:
         app()

@@ -1,14 +1,30 @@
-"""The one name mapping between our weights and Hugging Face GPT-2 / Llama models.
+"""The one name mapping between our weights and Hugging Face GPT-2 / Llama / GPT-NeoX models, their tokenizers, and
+loading a Hugging Face model (`hf:NAME` from the hub, or a local folder) as our GPT plus our tokenizer.
 
     model = GPT.from_hf(GPT2LMHeadModel.from_pretrained("gpt2"));  hf_model = model.to_hf()
+    model, tokenizer_desc = load_pretrained("path/to/hf_dir")
+
+Which stock architecture computes which of our configs exactly (`hf_kind`):
+- gpt2: learned or sinusoidal positions (a sinusoidal table becomes the learned table), LayerNorm, GELU (exact or
+  tanh); a model without biases gets zero biases.
+- llama: RoPE, RMSNorm, SwiGLU; biases through Llama's attention_bias and mlp_bias.
+- gpt_neox: RoPE on the whole head, LayerNorm, GELU, sequential residual (our default config); zero biases.
+Importing is the inverse: a model whose bias tensors are all zero becomes a model without biases.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
+
+INSTALL_HINT = 'pip install -e ".[hf]"'
 
 # ours <- theirs, per block; {i} is the layer. A tuple on the right is concatenated along dim 0 (fused).
 GPT2_BLOCK = {
@@ -27,49 +43,167 @@ GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight"
 LLAMA_BLOCK = {
     "ln_1.weight": "input_layernorm.weight",
     "attn.c_attn.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "attn.c_proj.weight": "self_attn.o_proj.weight",
+    "attn.c_attn.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "attn.c_proj.weight": "self_attn.o_proj.weight", "attn.c_proj.bias": "self_attn.o_proj.bias",
     "ln_2.weight": "post_attention_layernorm.weight",
     "mlp.c_fc.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "mlp.c_proj.weight": "mlp.down_proj.weight",
+    "mlp.c_fc.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
+    "mlp.c_proj.weight": "mlp.down_proj.weight", "mlp.c_proj.bias": "mlp.down_proj.bias",
 }
 LLAMA_TOP = {"transformer.wte.weight": "model.embed_tokens.weight", "transformer.ln_f.weight": "model.norm.weight"}
 
+NEOX_BLOCK = {
+    "ln_1.weight": "input_layernorm.weight", "ln_1.bias": "input_layernorm.bias",
+    "attn.c_attn.weight": "attention.query_key_value.weight", "attn.c_attn.bias": "attention.query_key_value.bias",
+    "attn.c_proj.weight": "attention.dense.weight", "attn.c_proj.bias": "attention.dense.bias",
+    "ln_2.weight": "post_attention_layernorm.weight", "ln_2.bias": "post_attention_layernorm.bias",
+    "mlp.c_fc.weight": "mlp.dense_h_to_4h.weight", "mlp.c_fc.bias": "mlp.dense_h_to_4h.bias",
+    "mlp.c_proj.weight": "mlp.dense_4h_to_h.weight", "mlp.c_proj.bias": "mlp.dense_4h_to_h.bias",
+}
+NEOX_TOP = {"transformer.wte.weight": "gpt_neox.embed_in.weight",
+            "transformer.ln_f.weight": "gpt_neox.final_layer_norm.weight",
+            "transformer.ln_f.bias": "gpt_neox.final_layer_norm.bias"}
 
-def _kind(hf_config) -> str:
-    model_type = getattr(hf_config, "model_type", None)
-    if model_type not in ("gpt2", "llama"):
-        raise ValueError(f"only GPT-2 and Llama models convert, not {model_type!r}")
-    return model_type
+ARCHS = {  # model_type -> (top names, block names, block prefix, transformers class)
+    "gpt2": (GPT2_TOP, GPT2_BLOCK, "transformer.h", "GPT2LMHeadModel"),
+    "llama": (LLAMA_TOP, LLAMA_BLOCK, "model.layers", "LlamaForCausalLM"),
+    "gpt_neox": (NEOX_TOP, NEOX_BLOCK, "gpt_neox.layers", "GPTNeoXForCausalLM"),
+}
+GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}  # theirs -> our --mlp
 
 
-def config_from_hf(hf_config) -> GPTConfig:
-    if _kind(hf_config) == "gpt2":
-        if hf_config.activation_function not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"GPT-2 with activation {hf_config.activation_function!r} has no counterpart here")
-        return GPTConfig(vocab_size=hf_config.vocab_size, block_size=hf_config.n_positions, n_layer=hf_config.n_layer,
-                         n_head=hf_config.n_head, n_embd=hf_config.n_embd, bias=True, pos_encoding="learned",
-                         norm="layernorm", norm_eps=hf_config.layer_norm_epsilon, mlp="gelu_tanh",
-                         mlp_hidden=hf_config.n_inner, tie_embeddings=hf_config.tie_word_embeddings)
-    c = hf_config
-    if c.num_key_value_heads != c.num_attention_heads:
-        raise ValueError("grouped-query attention (num_key_value_heads != num_attention_heads) is not supported")
-    if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
-        raise ValueError("Llama models with attention or MLP biases are not supported")
-    rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 1e4)}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"RoPE scaling {rope['rope_type']!r} is not supported")
-    if c.hidden_size // c.num_attention_heads != getattr(c, "head_dim", None) and getattr(c, "head_dim", None):
-        raise ValueError("Llama models whose head_dim is not hidden_size / num_attention_heads are not supported")
-    return GPTConfig(vocab_size=c.vocab_size, block_size=c.max_position_embeddings, n_layer=c.num_hidden_layers,
-                     n_head=c.num_attention_heads, n_embd=c.hidden_size, bias=False, pos_encoding="rope",
-                     rope_theta=float(rope["rope_theta"]), norm="rmsnorm", norm_eps=c.rms_norm_eps, mlp="swiglu",
-                     mlp_hidden=c.intermediate_size, tie_embeddings=c.tie_word_embeddings)
+def require(module: str):
+    """Import an optional dependency of the hf extra, or say in one sentence how to install it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise NanoGPTError(f"this command needs the {module.split('.')[0]} package: {INSTALL_HINT}") from None
+
+
+# --- which architecture ---------------------------------------------------------------------------------
+
+
+def hf_kind(c: GPTConfig) -> str:
+    """The stock architecture that computes exactly what this config computes, or one sentence saying why none
+    does, naming the closest one and the flags to change."""
+    gelu = c.mlp in ("gelu", "gelu_tanh")
+    if c.pos_encoding in ("learned", "sinusoidal"):
+        if c.norm == "layernorm" and gelu:
+            return "gpt2"
+        raise NanoGPTError(f"no stock Hugging Face architecture computes --pos-encoding {c.pos_encoding} with --norm "
+                           f"{c.norm} and --mlp {c.mlp}; the closest, GPT2LMHeadModel, needs --norm layernorm and "
+                           "--mlp gelu or gelu_tanh")
+    if c.norm == "rmsnorm" and c.mlp == "swiglu":
+        return "llama"
+    if c.norm == "layernorm" and gelu:
+        return "gpt_neox"
+    if c.mlp == "swiglu":
+        raise NanoGPTError("no stock Hugging Face architecture computes RoPE with --norm layernorm and --mlp swiglu; "
+                           "the closest, LlamaForCausalLM, needs --norm rmsnorm")
+    raise NanoGPTError(f"no stock Hugging Face architecture computes RoPE with --norm rmsnorm and --mlp {c.mlp}; the "
+                       "closest, LlamaForCausalLM, needs --mlp swiglu (or GPTNeoXForCausalLM: --norm layernorm)")
+
+
+def _check_kind(hf_config) -> str:
+    kind = getattr(hf_config, "model_type", None)
+    if kind not in ARCHS:
+        raise NanoGPTError(f"only GPT-2, Llama and GPT-NeoX models convert, not {kind!r}")
+    return kind
+
+
+def _rope_theta(c) -> float:
+    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        raise NanoGPTError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} has no counterpart here")
+    theta = rope.get("rope_theta", getattr(c, "rope_theta", None) or getattr(c, "rotary_emb_base", None) or 1e4)
+    return float(theta)
+
+
+def config_from_hf(c, bias: bool) -> GPTConfig:
+    """Our config for a transformers config; `bias`: whether any of the model's bias tensors is non-zero."""
+    kind = _check_kind(c)
+    if kind == "gpt2":
+        if c.activation_function not in GELUS:
+            raise NanoGPTError(f"GPT-2 with activation {c.activation_function!r} has no counterpart here")
+        if c.scale_attn_by_inverse_layer_idx or c.reorder_and_upcast_attn or not c.scale_attn_weights:
+            raise NanoGPTError("GPT-2 models with non-default attention scaling have no counterpart here")
+        config = GPTConfig(vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer, n_head=c.n_head,
+                           n_embd=c.n_embd, bias=bias, pos_encoding="learned", norm="layernorm",
+                           norm_eps=c.layer_norm_epsilon, mlp=GELUS[c.activation_function], mlp_hidden=c.n_inner,
+                           tie_embeddings=c.tie_word_embeddings)
+    elif kind == "llama":
+        if c.num_key_value_heads != c.num_attention_heads:
+            raise NanoGPTError("grouped-query attention (num_key_value_heads != num_attention_heads) has no "
+                               "counterpart here")
+        if getattr(c, "head_dim", None) not in (None, c.hidden_size // c.num_attention_heads):
+            raise NanoGPTError("Llama models whose head_dim is not hidden_size / num_attention_heads have no "
+                               "counterpart here")
+        if c.hidden_act != "silu":
+            raise NanoGPTError(f"Llama with activation {c.hidden_act!r} has no counterpart here")
+        config = GPTConfig(vocab_size=c.vocab_size, block_size=c.max_position_embeddings,
+                           n_layer=c.num_hidden_layers, n_head=c.num_attention_heads, n_embd=c.hidden_size, bias=bias,
+                           pos_encoding="rope", rope_theta=_rope_theta(c), norm="rmsnorm", norm_eps=c.rms_norm_eps,
+                           mlp="swiglu", mlp_hidden=c.intermediate_size, tie_embeddings=c.tie_word_embeddings)
+    else:
+        rope = getattr(c, "rope_parameters", None) or {}
+        partial = rope.get("partial_rotary_factor", getattr(c, "rotary_pct", 1.0))
+        if c.use_parallel_residual or partial != 1.0:
+            raise NanoGPTError("GPT-NeoX models with a parallel residual or partial rotary embeddings (such as Pythia) "
+                               "have no counterpart here")
+        if c.hidden_act not in GELUS:
+            raise NanoGPTError(f"GPT-NeoX with activation {c.hidden_act!r} has no counterpart here")
+        config = GPTConfig(vocab_size=c.vocab_size, block_size=c.max_position_embeddings,
+                           n_layer=c.num_hidden_layers, n_head=c.num_attention_heads, n_embd=c.hidden_size, bias=bias,
+                           pos_encoding="rope", rope_theta=_rope_theta(c), norm="layernorm", norm_eps=c.layer_norm_eps,
+                           mlp=GELUS[c.hidden_act], mlp_hidden=c.intermediate_size,
+                           tie_embeddings=c.tie_word_embeddings)
+    if config.mlp_hidden is not None and config.mlp_hidden == GPTConfig(**{**config.to_dict(),
+                                                                           "mlp_hidden": None}).hidden_size:
+        config.mlp_hidden = None  # the default width: keep the config as a user would have written it
+    return config
+
+
+def hf_config_for(c: GPTConfig, kind: str, special: dict[str, int | None]) -> tuple[Any, dict[str, Any]]:
+    """The transformers config for our config, and keys to add to its config.json for older transformers versions
+    (4.x reads only the top-level RoPE keys; llama.cpp's GPT-2 converter wants n_ctx). special: bos/eos/pad ids."""
+    transformers = require("transformers")
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if kind == "gpt2":
+        act = "gelu_new" if c.mlp == "gelu_tanh" else "gelu"
+        config = transformers.GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
+                                         n_layer=c.n_layer, n_head=c.n_head, n_inner=c.hidden_size,
+                                         activation_function=act, layer_norm_epsilon=c.norm_eps, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=c.tie_embeddings,
+                                         **special)
+        return config, {"n_ctx": c.block_size}
+    if kind == "llama":
+        config = transformers.LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.n_embd,
+                                          intermediate_size=c.hidden_size, num_hidden_layers=c.n_layer,
+                                          num_attention_heads=c.n_head, num_key_value_heads=c.n_head,
+                                          max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
+                                          attention_bias=c.bias, mlp_bias=c.bias, rope_theta=c.rope_theta,
+                                          rope_parameters=rope, tie_word_embeddings=c.tie_embeddings, **special)
+        return config, {"rope_theta": c.rope_theta}
+    config = transformers.GPTNeoXConfig(vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.hidden_size,
+                                        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+                                        hidden_act="gelu_new" if c.mlp == "gelu_tanh" else "gelu",
+                                        max_position_embeddings=c.block_size, layer_norm_eps=c.norm_eps,
+                                        rotary_pct=1.0, rotary_emb_base=c.rope_theta,
+                                        rope_parameters={**rope, "partial_rotary_factor": 1.0},
+                                        use_parallel_residual=False, attention_bias=True,
+                                        tie_word_embeddings=c.tie_embeddings, hidden_dropout=0.0, attention_dropout=0.0,
+                                        **special)
+    return config, {"rope_theta": c.rope_theta, "rotary_emb_base": c.rope_theta, "rotary_pct": 1.0}
+
+
+# --- weights --------------------------------------------------------------------------------------------
 
 
 def _mapping(config: GPTConfig, kind: str) -> dict[str, str | tuple[str, ...]]:
     """Every one of our state-dict names -> the Hugging Face name(s) it comes from."""
-    top, block, prefix = (GPT2_TOP, GPT2_BLOCK, "transformer.h") if kind == "gpt2" else \
-        (LLAMA_TOP, LLAMA_BLOCK, "model.layers")
+    top, block, prefix, _ = ARCHS[kind]
     names: dict[str, str | tuple[str, ...]] = dict(top)
     for i in range(config.n_layer):
         for ours, theirs in block.items():
@@ -82,61 +216,234 @@ def _mapping(config: GPTConfig, kind: str) -> dict[str, str | tuple[str, ...]]:
     return names
 
 
+def _neox_qkv(tensor: torch.Tensor, n_head: int, to_neox: bool) -> torch.Tensor:
+    """Our fused c_attn rows are [q of all heads, k, v]; GPT-NeoX's are [q, k, v] of head 0, then head 1, ...
+    (rows, ...) -> (rows, ...), for the weight (3C, C) and the bias (3C,)."""
+    rest = tensor.shape[1:]
+    hs = tensor.size(0) // (3 * n_head)
+    shape = (3, n_head, hs) if to_neox else (n_head, 3, hs)
+    return tensor.reshape(*shape, *rest).transpose(0, 1).reshape(3 * n_head * hs, *rest)
+
+
+def _to_ours(kind: str, name: str, tensor: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    if kind == "gpt2" and name.endswith(GPT2_TRANSPOSED):
+        return tensor.t()
+    if kind == "gpt_neox" and name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
+        return _neox_qkv(tensor, config.n_head, to_neox=False)
+    return tensor
+
+
+def _to_theirs(kind: str, name: str, tensor: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    if kind == "gpt2" and name.endswith(GPT2_TRANSPOSED):
+        return tensor.t()
+    if kind == "gpt_neox" and name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
+        return _neox_qkv(tensor, config.n_head, to_neox=True)
+    return tensor
+
+
+def _has_bias(state: dict[str, torch.Tensor]) -> bool:
+    return any(name.endswith(".bias") and t.is_floating_point() and bool(t.any()) for name, t in state.items())
+
+
 def from_hf(hf_model) -> GPT:
-    config = config_from_hf(hf_model.config)
-    kind = _kind(hf_model.config)
-    theirs = hf_model.state_dict()
+    """Our GPT with the weights of a transformers GPT2LMHeadModel, LlamaForCausalLM or GPTNeoXForCausalLM."""
+    kind = _check_kind(hf_model.config)
+    theirs = {k: v.float() for k, v in hf_model.state_dict().items()}
+    config = config_from_hf(hf_model.config, bias=_has_bias(theirs))
     model = GPT(config)
     ours = model.state_dict()
     with torch.no_grad():
         for name, source in _mapping(config, kind).items():
             if name not in ours:
+                continue  # a bias of theirs that is zero, or positions we compute (RoPE)
+            sources = source if isinstance(source, tuple) else (source,)
+            if not all(s in theirs for s in sources):  # only biases may be absent (Llama without mlp_bias)
+                assert name.endswith(".bias"), f"{name}: {sources} missing from the Hugging Face model"
+                ours[name].zero_()
                 continue
-            if isinstance(source, tuple):
-                tensor = torch.cat([theirs[s] for s in source], dim=0)
-            else:
-                tensor = theirs[source]
-                if kind == "gpt2" and name.endswith(GPT2_TRANSPOSED):
-                    tensor = tensor.t()
+            tensor = _to_ours(kind, name, torch.cat([theirs[s] for s in sources], dim=0), config)
             assert tensor.shape == ours[name].shape, f"{name}: {tuple(tensor.shape)} vs {tuple(ours[name].shape)}"
             ours[name].copy_(tensor)
     return model
 
 
-def to_hf(model: GPT):
-    import transformers
-
+def to_hf(model: GPT, special: dict[str, int | None] | None = None):
+    """A transformers model computing what `model` computes (raises NanoGPTError when no stock one does).
+    special: bos_token_id / eos_token_id / pad_token_id for its config (default: none)."""
     c = model.config
-    if c.pos_encoding == "learned" and c.norm == "layernorm" and c.mlp == "gelu_tanh" and c.bias:
-        kind = "gpt2"
-        hf_config = transformers.GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
-                                            n_layer=c.n_layer, n_head=c.n_head, n_inner=c.hidden_size,
-                                            activation_function="gelu_new", layer_norm_epsilon=c.norm_eps,
-                                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                            tie_word_embeddings=c.tie_embeddings)
-        hf_model = transformers.GPT2LMHeadModel(hf_config)
-    elif c.pos_encoding == "rope" and c.norm == "rmsnorm" and c.mlp == "swiglu" and not c.bias:
-        kind = "llama"
-        hf_config = transformers.LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.n_embd,
-                                             intermediate_size=c.hidden_size, num_hidden_layers=c.n_layer,
-                                             num_attention_heads=c.n_head, num_key_value_heads=c.n_head,
-                                             max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
-                                             rope_theta=c.rope_theta, tie_word_embeddings=c.tie_embeddings)
-        hf_model = transformers.LlamaForCausalLM(hf_config)
-    else:
-        raise ValueError("only GPT-2 shaped (learned positions, LayerNorm, gelu_tanh, biases) or Llama shaped "
-                         "(RoPE, RMSNorm, SwiGLU, no biases) models convert to Hugging Face")
+    kind = hf_kind(c)
+    special = special or {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+    hf_config, _ = hf_config_for(c, kind, special)
+    transformers = require("transformers")
+    hf_model = getattr(transformers, ARCHS[kind][3])(hf_config)
     ours = model.state_dict()
+    if c.pos_encoding == "sinusoidal":  # the fixed table becomes GPT-2's learned one
+        ours["transformer.wpe.weight"] = model.pos_table
     theirs = hf_model.state_dict()
+    filled = set()
     with torch.no_grad():
         for name, target in _mapping(c, kind).items():
-            tensor = ours[name]
-            if isinstance(target, tuple):
-                for t, part in zip(target, tensor.split([theirs[t].size(0) for t in target], dim=0)):
-                    theirs[t].copy_(part)
-            else:
-                if kind == "gpt2" and name.endswith(GPT2_TRANSPOSED):
-                    tensor = tensor.t()
-                theirs[target].copy_(tensor)
+            if name not in ours:
+                continue  # a bias we do not have: zeroed below
+            tensor = _to_theirs(kind, name, ours[name].detach(), c)
+            targets = target if isinstance(target, tuple) else (target,)
+            for t, part in zip(targets, tensor.split([theirs[t].size(0) for t in targets], dim=0)):
+                theirs[t].copy_(part)
+                filled.add(t)
+        for name, tensor in theirs.items():
+            if name in filled or (c.tie_embeddings and name == "lm_head.weight"):
+                continue
+            assert name.endswith(".bias"), f"{name} of the {kind} model has no counterpart in ours"
+            tensor.zero_()  # a model without biases is the same model with zero biases
     hf_model.eval()
     return hf_model
+
+
+# --- tokenizers -----------------------------------------------------------------------------------------
+
+
+def _gpt2_files() -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """GPT-2's vocabulary (token string -> id) and merges, from the packaged files tiktoken's gpt2 is built from."""
+    from nanogpt_cli.tokenizer import ASSETS_DIR
+
+    vocab = json.loads((ASSETS_DIR / "encoder.json").read_text(encoding="utf-8"))
+    lines = (ASSETS_DIR / "vocab.bpe").read_text(encoding="utf-8").split("\n")[1:]  # line 0 is a version comment
+    merges = [tuple(line.split(" ")) for line in lines if line]
+    return vocab, merges
+
+
+def byte_alphabet() -> list[str]:
+    """The printable character GPT-2's byte-level BPE writes for each byte value 0..255, read off the packaged
+    GPT-2 vocabulary: its first 256 tokens are the single bytes."""
+    from nanogpt_cli.tokenizer import build_tokenizer
+
+    enc = build_tokenizer("gpt2").enc
+    vocab, _ = _gpt2_files()
+    by_id = {i: s for s, i in vocab.items() if i < 256}
+    alphabet = [""] * 256
+    for i in range(256):
+        alphabet[enc.decode_single_token_bytes(i)[0]] = by_id[i]
+    return alphabet
+
+
+def tokenizers_object(desc: dict[str, Any]):
+    """A `tokenizers.Tokenizer` with the same ids as our tokenizer described by `desc`, and its end-of-text token
+    (or None). gpt2: GPT-2's byte-level BPE; char: a BPE with no merges over the characters, joined back by a Fuse
+    decoder; byte: a BPE with no merges over GPT-2's byte alphabet. Other encodings: one sentence."""
+    tk = require("tokenizers")
+    name = desc["name"]
+    if name == "gpt2":
+        vocab, merges = _gpt2_files()
+        tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges))
+        tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = tk.decoders.ByteLevel()
+        tok.add_special_tokens([tk.AddedToken("<|endoftext|>", special=True)])
+        return tok, "<|endoftext|>"
+    if name == "byte":
+        tok = tk.Tokenizer(tk.models.BPE(vocab={ch: b for b, ch in enumerate(byte_alphabet())}, merges=[]))
+        tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = tk.decoders.ByteLevel()
+        return tok, None
+    if name == "char":
+        tok = tk.Tokenizer(tk.models.BPE(vocab={ch: i for i, ch in enumerate(desc["chars"])}, merges=[]))
+        tok.decoder = tk.decoders.Fuse()
+        return tok, None
+    raise NanoGPTError(f"the {name} tokenizer does not export: only gpt2, char and byte vocabularies have an exact "
+                       "Hugging Face tokenizer here")
+
+
+def describe_hf_tokenizer(backend) -> dict[str, Any]:
+    """Our tokenizer description for a `tokenizers.Tokenizer` (a fast tokenizer's backend_tokenizer): GPT-2's BPE,
+    or a char or byte vocabulary as `tokenizers_object` writes them; anything else is one sentence."""
+    from nanogpt_cli.tokenizer import build_tokenizer
+
+    vocab = backend.get_vocab(with_added_tokens=True)
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    merges = model.get("merges") or []
+    decoder = (spec.get("decoder") or {}).get("type")
+    if model.get("type") == "BPE":
+        gpt2_vocab, _ = _gpt2_files()
+        if vocab == gpt2_vocab and len(merges) == 50000:
+            return build_tokenizer("gpt2").describe()
+        if not merges and len(vocab) == 256 and vocab == {ch: b for b, ch in enumerate(byte_alphabet())}:
+            return {"name": "byte", "vocab_size": 256}
+        chars = "".join(sorted(vocab, key=vocab.get))
+        if (not merges and decoder == "Fuse" and all(len(t) == 1 for t in vocab)
+                and sorted(vocab.values()) == list(range(len(vocab))) and chars == "".join(sorted(chars))):
+            return {"name": "char", "vocab_size": len(chars), "chars": chars}
+    raise NanoGPTError("this Hugging Face tokenizer is neither GPT-2's BPE nor a char or byte vocabulary exported by "
+                       "nanogpt, so nanogpt cannot encode text for it")
+
+
+# --- loading a Hugging Face model -------------------------------------------------------------------------
+
+
+def is_hf_source(source: str | Path) -> bool:
+    """hf:NAME, or a folder holding a transformers config.json (not one of our run folders)."""
+    if str(source).startswith("hf:"):
+        return True
+    path = Path(source)
+    if not (path / "config.json").is_file() or (path / "model.safetensors").is_file() and _is_ours(path):
+        return False
+    try:
+        return "model_type" in json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+
+
+def _is_ours(path: Path) -> bool:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            return (f.metadata() or {}).get("format") == "nanogpt"
+    except Exception:  # not a readable safetensors file: not ours either
+        return False
+
+
+def load_pretrained(source: str | Path) -> tuple[GPT, dict[str, Any]]:
+    """Our GPT and our tokenizer description from `hf:NAME` (the hub, through from_pretrained) or a local folder
+    (offline). Anything that cannot be loaded or converted is one sentence."""
+    transformers = require("transformers")
+    source = str(source)
+    online = source.startswith("hf:")
+    name = source[3:] if online else source
+    where = f"hf:{name}" if online else name
+    if online and not name:
+        raise NanoGPTError("hf: needs a model name, such as hf:gpt2")
+    if not online and not Path(name).is_dir():
+        raise NanoGPTError(f"{name} is not a folder holding a Hugging Face model")
+    kwargs = {} if online else {"local_files_only": True}
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(name, **kwargs)
+    except OSError as e:
+        if online:
+            raise NanoGPTError(f"could not load {where} from the Hugging Face hub (offline, misspelt, or gated?): "
+                               f"{_first_line(e)}") from None
+        raise NanoGPTError(f"{where} holds no readable Hugging Face config.json ({_first_line(e)})") from None
+    except ValueError as e:
+        raise NanoGPTError(f"{where}: {_first_line(e)}") from None
+    _check_kind(hf_config)
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        raise NanoGPTError(f"{where} has no tokenizer that loads ({_first_line(e)})") from None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise NanoGPTError(f"{where} has only a slow tokenizer; nanogpt reads tokenizer.json")
+    desc = describe_hf_tokenizer(backend)
+    try:
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        raise NanoGPTError(f"could not load the weights of {where} ({_first_line(e)})") from None
+    model = from_hf(hf_model)
+    if desc["vocab_size"] > model.config.vocab_size:
+        raise NanoGPTError(f"{where} has {desc['vocab_size']:,} tokens but only {model.config.vocab_size:,} rows of "
+                           "embeddings")
+    return model, desc
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

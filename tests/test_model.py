@@ -271,5 +271,7 @@ def test_from_hf_matches_reference_logits_and_round_trips(kind):
 
 
 def test_to_hf_refuses_a_model_with_no_counterpart():
-    with pytest.raises(ValueError, match="convert to Hugging Face"):
-        hf.to_hf(GPT(tiny()))
+    from nanogpt_cli.errors import NanoGPTError
+
+    with pytest.raises(NanoGPTError, match="no stock Hugging Face architecture computes"):
+        hf.to_hf(GPT(tiny(norm="rmsnorm")))

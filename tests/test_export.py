@@ -1,0 +1,265 @@
+"""Export to Hugging Face folders and GGUF files, checked with clients nobody here wrote: transformers (models,
+tokenizers, pipeline, its GGUF reader) and gguf's GGUFReader. Tiny random models; nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from nanogpt_cli import hf
+from nanogpt_cli.checkpoint import save_model
+from nanogpt_cli.cli import app
+from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.export import export, export_gguf, export_hf
+from nanogpt_cli.model import GPT
+from nanogpt_cli.sample import Sampler, SampleSettings
+from nanogpt_cli.tokenizer import build_tokenizer
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+MIXED = "Ünïcödé — “quoth” the king, 🙂 naïve café; 東京 ok\n\tTabs,  two spaces and 1234 digits.\n"
+
+ARCHS = {  # our config flags -> the stock architecture that computes them
+    "gpt2": (dict(pos_encoding="learned", mlp="gelu_tanh", bias=True), "GPT2LMHeadModel"),
+    "gpt2-sinusoidal": (dict(pos_encoding="sinusoidal", mlp="gelu", tie_embeddings=False), "GPT2LMHeadModel"),
+    "llama": (dict(norm="rmsnorm", mlp="swiglu", rope_theta=500.0), "LlamaForCausalLM"),
+    "llama-bias": (dict(norm="rmsnorm", mlp="swiglu", bias=True, tie_embeddings=False), "LlamaForCausalLM"),
+    "neox": (dict(), "GPTNeoXForCausalLM"),  # our default: RoPE, LayerNorm, exact GELU, no biases
+    "neox-bias": (dict(bias=True, mlp="gelu_tanh"), "GPTNeoXForCausalLM"),
+}
+
+
+def tiny_model(vocab_size: int, seed: int = 0, **flags) -> GPT:
+    """A random model whose biases and norm gains are random too, so a misplaced one shows in the logits."""
+    torch.manual_seed(seed)
+    shape = {"block_size": 32, "n_layer": 2, "n_head": 2, "n_embd": 16, **flags}
+    model = GPT(GPTConfig(vocab_size=vocab_size, **shape)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if name.endswith("weight") else 0.0, 0.1)
+    return model
+
+
+def tensors(path: Path) -> dict[str, bytes]:
+    from safetensors.torch import load_file
+
+    return {k: v.numpy().tobytes() for k, v in load_file(str(path)).items()}
+
+
+def nothing_written(parent: Path, out: Path) -> bool:
+    return not out.exists() and not any(p.name.startswith(f".{out.name}.") for p in parent.iterdir())
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_hf_export_computes_our_function_and_round_trips(arch, tmp_path):
+    flags, cls = ARCHS[arch]
+    tok = build_tokenizer("char", [MIXED])
+    model = tiny_model(tok.vocab_size, **flags)
+    out = tmp_path / "export"
+    assert export_hf(model, tok.describe(), out).architecture == cls
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(ref).__name__ == cls
+    idx = torch.tensor([tok.encode(MIXED)[:32]])
+    with torch.no_grad():
+        assert (ref(idx).logits - model(idx)[0]).abs().max().item() <= 1e-4
+
+    # greedy decoding: transformers' generate against the sampler that `nanogpt sample --temperature 0` runs
+    save_model(tmp_path / "run.safetensors", model, {"tokenizer": tok.describe()})
+    sampler = Sampler.load(tmp_path / "run.safetensors", device="cpu", dtype="float32")
+    prompt = "the king"
+    ours = sampler.generate(prompt, SampleSettings(max_new_tokens=20, temperature=0)).token_ids
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    prompt_ids = hf_tok(prompt, return_tensors="pt")["input_ids"]
+    theirs = ref.generate(prompt_ids, max_new_tokens=20, do_sample=False)[0, prompt_ids.size(1):].tolist()
+    assert theirs == ours
+
+    # export -> load back as ours -> export again: the same tensors, byte for byte
+    back, desc = hf.load_pretrained(out)
+    assert desc == tok.describe()
+    export_hf(back, desc, tmp_path / "again")
+    assert tensors(out / "model.safetensors") == tensors(tmp_path / "again" / "model.safetensors")
+
+
+def test_hf_export_files_load_in_older_transformers_too(tmp_path):
+    """The keys transformers 4.x reads: RoPE base at the top level, a tokenizer class it knows, n_ctx for GPT-2."""
+    tok = build_tokenizer("byte")
+    export_hf(tiny_model(256, **ARCHS["llama"][0]), tok.describe(), tmp_path / "llama")
+    export_hf(tiny_model(256, **ARCHS["gpt2"][0]), tok.describe(), tmp_path / "gpt2")
+    export_hf(tiny_model(256), tok.describe(), tmp_path / "neox")
+    llama = json.loads((tmp_path / "llama" / "config.json").read_text())
+    assert llama["rope_theta"] == 500.0 and llama["bos_token_id"] is None and llama["eos_token_id"] is None
+    assert json.loads((tmp_path / "gpt2" / "config.json").read_text())["n_ctx"] == 32
+    neox = json.loads((tmp_path / "neox" / "config.json").read_text())
+    assert neox["rotary_pct"] == 1.0 and neox["rotary_emb_base"] == 10000.0 and not neox["use_parallel_residual"]
+    tokenizer_config = json.loads((tmp_path / "neox" / "tokenizer_config.json").read_text())
+    assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert {p.name for p in (tmp_path / "neox").iterdir()} == {
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "char", "byte"])
+def test_exported_tokenizer_has_our_ids(name, tmp_path):
+    tok = build_tokenizer(name, [MIXED])
+    export_hf(tiny_model(tok.vocab_size, n_layer=1), tok.describe(), tmp_path / "export")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    ids = tok.encode(MIXED)
+    assert hf_tok(MIXED)["input_ids"] == ids
+    assert hf_tok.decode(ids) == MIXED == tok.decode(ids)
+    generation = json.loads((tmp_path / "export" / "generation_config.json").read_text())
+    assert generation.get("eos_token_id") == tok.eot_id  # 50256 for gpt2; none for char and byte
+    if name == "gpt2":
+        assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.convert_tokens_to_ids("<|endoftext|>") == 50256
+    assert hf.describe_hf_tokenizer(hf_tok.backend_tokenizer) == tok.describe()
+
+
+def test_pipeline_generates_from_an_export(tmp_path):
+    tok = build_tokenizer("char", [MIXED])
+    export_hf(tiny_model(tok.vocab_size), tok.describe(), tmp_path / "export")
+    generator = transformers.pipeline("text-generation", model=str(tmp_path / "export"), device="cpu")
+    text = generator("the king", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+    assert text.startswith("the king") and len(text) == len("the king") + 5
+
+
+def test_a_padded_vocabulary_never_generates_a_padding_token(tmp_path):
+    tok = build_tokenizer("char", [MIXED])
+    model = tiny_model(tok.vocab_size + 7)
+    with torch.no_grad():
+        model.lm_head.weight[tok.vocab_size:] *= 50  # make the padding rows win if nothing stops them
+    export_hf(model, tok.describe(), tmp_path / "export")
+    generation = json.loads((tmp_path / "export" / "generation_config.json").read_text())
+    assert generation["suppress_tokens"] == list(range(tok.vocab_size, tok.vocab_size + 7))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    out = ref.generate(torch.tensor([tok.encode("the")]), max_new_tokens=10, do_sample=False)
+    assert out.max().item() < tok.vocab_size
+
+
+# --- GGUF ------------------------------------------------------------------------------------------------
+
+
+def read_gguf(path: Path) -> tuple[dict, dict]:
+    gguf = pytest.importorskip("gguf")
+    reader = gguf.GGUFReader(path)
+    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}  # ggml lists dims reversed
+    return fields, shapes
+
+
+def test_gguf_llama_reads_back_with_our_logits(tmp_path):
+    """transformers' GGUF reader rebuilds the model from the file's metadata and tensors alone. Slow-ish (~15 s):
+    it parses GPT-2's 50,257 tokens and 50,000 merges in Python, twice."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    tok = build_tokenizer("gpt2")
+    model = tiny_model(tok.vocab_size, **ARCHS["llama"][0])
+    path = tmp_path / "model.gguf"
+    assert export_gguf(model, tok.describe(), path).architecture == "llama"
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name).eval()
+    assert type(ref).__name__ == "LlamaForCausalLM" and ref.config.num_hidden_layers == 2
+    idx = torch.tensor([tok.encode(MIXED)[:32]])
+    with torch.no_grad():
+        assert (ref(idx).logits - model(idx)[0]).abs().max().item() <= 1e-4
+
+
+def test_gguf_gpt2_shape_and_metadata(tmp_path):
+    """What llama.cpp reads: architecture, sizes, norm eps, the tokenizer's tokens, types, merges and special ids.
+    Slow-ish (~8 s): GGUFReader parses the 50,304 tokens and 50,000 merges in Python."""
+    gguf = pytest.importorskip("gguf")
+    tok = build_tokenizer("gpt2")
+    model = tiny_model(50304, pos_encoding="learned", mlp="gelu_tanh")  # padded vocabulary, no biases
+    path = tmp_path / "model.gguf"
+    assert export_gguf(model, tok.describe(), path).architecture == "gpt2"
+    fields, shapes = read_gguf(path)
+    assert fields["general.architecture"] == "gpt2" and fields["gpt2.context_length"] == 32
+    assert fields["gpt2.block_count"] == 2 and fields["gpt2.attention.head_count"] == 2
+    assert fields["gpt2.embedding_length"] == 16 and fields["gpt2.feed_forward_length"] == 64
+    assert fields["gpt2.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "gpt-2"
+    assert fields["tokenizer.ggml.eos_token_id"] == fields["tokenizer.ggml.bos_token_id"] == 50256
+    tokens, types = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
+    assert len(tokens) == 50304 and tokens[262] == "Ġthe" and tokens[50256] == "<|endoftext|>"
+    assert tokens[-1] == "[PAD50303]" and types[-1] == gguf.TokenType.UNUSED
+    assert types[50256] == gguf.TokenType.CONTROL and types[262] == gguf.TokenType.NORMAL
+    assert len(fields["tokenizer.ggml.merges"]) == 50000 and fields["tokenizer.ggml.merges"][0] == "Ġ t"
+    assert shapes["position_embd.weight"] == (32, 16) and shapes["blk.0.attn_qkv.weight"] == (48, 16)
+    assert shapes["blk.0.attn_qkv.bias"] == (48,) and shapes["output.weight"] == (50304, 16)
+
+
+# --- refusals: one sentence, nothing written --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags, fmt, tokenizer, message", [
+    (dict(pos_encoding="learned", norm="rmsnorm"), "hf", "byte", "closest, GPT2LMHeadModel, needs --norm layernorm"),
+    (dict(norm="rmsnorm"), "hf", "byte", "LlamaForCausalLM, needs --mlp swiglu"),
+    (dict(mlp="swiglu"), "hf", "byte", "LlamaForCausalLM, needs --norm rmsnorm"),
+    (dict(), "hf", "cl100k_base", "the cl100k_base tokenizer does not export"),
+    (dict(), "gguf", "gpt2", "not RoPE with LayerNorm and GELU"),
+    (dict(pos_encoding="learned"), "gguf", "gpt2", "needs --mlp gelu_tanh"),
+    (dict(norm="rmsnorm", mlp="swiglu"), "gguf", "byte", "supports the gpt2 tokenizer only"),
+])
+def test_unsupported_exports_are_one_sentence_and_write_nothing(flags, fmt, tokenizer, message, tmp_path):
+    desc = {"name": tokenizer, "vocab_size": 256 if tokenizer == "byte" else 100277}
+    model = tiny_model(desc["vocab_size"], n_layer=1, **flags)
+    out = tmp_path / ("model.gguf" if fmt == "gguf" else "export")
+    with pytest.raises(NanoGPTError, match=message) as e:
+        (export_hf if fmt == "hf" else export_gguf)(model, desc, out)
+    assert "\n" not in str(e.value)
+    assert nothing_written(tmp_path, out)
+
+
+def test_cli_export_writes_once_and_refuses_to_overwrite(trained_run, tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "exported"
+    result = runner.invoke(app, ["export", str(trained_run), "--format", "hf", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "GPTNeoXForCausalLM" in result.output and (out / "model.safetensors").is_file()
+    before = tensors(out / "model.safetensors")
+    again = runner.invoke(app, ["export", str(trained_run), "--out", str(out)])
+    assert again.exit_code == 1 and "already exists; pass --force" in again.output
+    assert runner.invoke(app, ["export", str(trained_run), "--out", str(out), "--force"]).exit_code == 0
+    assert tensors(out / "model.safetensors") == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging folder left behind
+    gguf = runner.invoke(app, ["export", str(trained_run), "--format", "gguf", "--out", str(tmp_path / "m.gguf")])
+    assert gguf.exit_code == 1 and gguf.output.count("\n") == 1 and not (tmp_path / "m.gguf").exists()
+    bad = runner.invoke(app, ["export", str(trained_run), "--format", "onnx", "--out", str(tmp_path / "x")])
+    assert bad.exit_code == 1 and "--format must be one of hf, gguf" in bad.output
+
+
+def test_loading_what_is_not_a_usable_hf_model_is_one_sentence(tmp_path):
+    with pytest.raises(NanoGPTError, match="is not a folder holding a Hugging Face model"):
+        hf.load_pretrained(tmp_path / "nothing")
+    # a tokenizer that is neither GPT-2's BPE nor one of our char/byte exports
+    tk = pytest.importorskip("tokenizers")
+    other = tk.Tokenizer(tk.models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    with pytest.raises(NanoGPTError, match="neither GPT-2's BPE nor a char or byte vocabulary"):
+        hf.describe_hf_tokenizer(other)
+    # a model type with no counterpart
+    config = transformers.GPTJConfig(vocab_size=10, n_positions=8, n_embd=8, n_layer=1, n_head=2, rotary_dim=4)
+    transformers.GPTJForCausalLM(config).save_pretrained(tmp_path / "gptj")
+    with pytest.raises(NanoGPTError, match="only GPT-2, Llama and GPT-NeoX models convert, not 'gptj'"):
+        hf.load_pretrained(tmp_path / "gptj")
+
+
+def test_a_missing_optional_package_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "gguf", None)  # what `import gguf` sees when it is not installed
+    tok = build_tokenizer("gpt2")
+    with pytest.raises(NanoGPTError, match=r'needs the gguf package: pip install -e "\.\[hf\]"'):
+        export_gguf(tiny_model(tok.vocab_size, n_layer=1, norm="rmsnorm", mlp="swiglu"), tok.describe(),
+                    tmp_path / "m.gguf")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def test_export_reads_a_hugging_face_folder_too(tmp_path):
+    tok = build_tokenizer("byte")
+    model = tiny_model(256, **ARCHS["gpt2"][0])
+    export_hf(model, tok.describe(), tmp_path / "a")
+    export(tmp_path / "a", "hf", tmp_path / "b")
+    assert tensors(tmp_path / "a" / "model.safetensors") == tensors(tmp_path / "b" / "model.safetensors")
