@@ -111,7 +111,14 @@ def file_step(path: Path) -> int | None:
 
 
 def load_model(path: str | Path, last: bool = False, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
-    """The model rebuilt from a checkpoint alone (its config is in the metadata), and that metadata."""
+    """The model rebuilt from a checkpoint alone (its config is in the metadata), and that metadata. A Hugging
+    Face model (hf:NAME, or a folder holding a transformers config.json) is converted, and its metadata holds
+    the config and our description of its tokenizer (see hf.py)."""
+    from nanogpt_cli import hf
+
+    if hf.is_hf_source(path):
+        model, tokenizer = hf.load_pretrained(path)
+        return model.to(device), {"config": model.config.to_dict(), "tokenizer": tokenizer, "source": str(path)}
     path = resolve_weights(path, last)
     meta = read_metadata(path)
     try:

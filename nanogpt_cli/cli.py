@@ -66,7 +66,8 @@ def one_line_errors(command):
 
 
 # options that several commands share
-Checkpoint = Annotated[str, typer.Option(help="Run folder (its best weights) or a .safetensors file.")]
+Checkpoint = Annotated[str, typer.Option(help="Run folder (its best weights), a .safetensors file, or a Hugging "
+                                              "Face model folder or hf:NAME.")]
 Last = Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")]
 DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps."
 DTYPE_HELP = "auto, float32, bfloat16 or float16."
@@ -123,8 +124,9 @@ def train(
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out where it stopped.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Start over in an --out that holds a run (deletes it).")
                      ] = False,
-    init_from: Annotated[Optional[str], typer.Option(help="Start from these weights (run folder or .safetensors) "
-                                                          "with a fresh optimizer.")] = None,
+    init_from: Annotated[Optional[str], typer.Option(help="Start from these weights (run folder, .safetensors, "
+                                                          "Hugging Face folder or hf:NAME) with a fresh optimizer.")
+                         ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")] = False,
     # model
     vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary (default: the dataset's; larger pads it).",
@@ -322,15 +324,15 @@ def perplexity(
         console.print(eval_table(result))
 
 
-
 @app.command()
+@one_line_errors
 def export(
     run: Annotated[str, typer.Argument(help="Run folder (its best weights), a .safetensors file, a Hugging Face "
                                             "folder or hf:NAME.")],
     out: Annotated[Path, typer.Option(help="Folder to write (hf) or FILE.gguf (gguf).")],
     format: Annotated[str, typer.Option("--format", help="hf (transformers folder) or gguf (llama.cpp file).")
                       ] = "hf",
-    last: Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")] = False,
+    last: Last = False,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
 ):
     """Write a run as a Hugging Face folder or a GGUF file that other tools load.
@@ -340,16 +342,14 @@ def export(
     from nanogpt_cli.export import export as export_run
     from nanogpt_cli.ui import console
 
-    try:
-        result = export_run(run, format, out, last=last, force=force)
-    except NanoGPTError as e:
-        raise fail(str(e)) from None
+    result = export_run(run, format, out, last=last, force=force)
     if result.format == "hf":
         console.print(f"wrote {result.path} ({result.architecture}, {result.tokenizer} tokenizer); load it with "
                       f"AutoModelForCausalLM.from_pretrained({str(result.path)!r})", soft_wrap=True, highlight=False)
     else:
         console.print(f"wrote {result.path} (GGUF, {result.architecture}, {result.tokenizer} tokenizer, float32)",
                       soft_wrap=True, highlight=False)
+
 
 def main():
     try:

@@ -47,8 +47,6 @@ def load_source(source: str | Path, last: bool = False) -> tuple[GPT, dict[str, 
     """Our model and tokenizer description from one of our checkpoints or a Hugging Face model."""
     from nanogpt_cli import checkpoint as ckpt
 
-    if hf.is_hf_source(source):
-        return hf.load_pretrained(source)
     model, meta = ckpt.load_model(source, last=last)
     if "tokenizer" not in meta:
         raise NanoGPTError(f"{source} has no tokenizer in its metadata, so it cannot be exported with one")
@@ -96,7 +94,8 @@ def export_hf(model: GPT, desc: dict[str, Any], out: Path, force: bool = False) 
 
     tmp = _staging(out)
     try:
-        hf_model.save_pretrained(tmp)
+        with hf.quiet_transformers():
+            hf_model.save_pretrained(tmp)
         config_path = tmp / "config.json"
         config = json.loads(config_path.read_text(encoding="utf-8"))
         config.update(extra)

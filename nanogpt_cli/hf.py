@@ -14,6 +14,7 @@ Importing is the inverse: a model whose bias tensors are all zero becomes a mode
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,22 @@ ARCHS = {  # model_type -> (top names, block names, block prefix, transformers c
     "gpt_neox": (NEOX_TOP, NEOX_BLOCK, "gpt_neox.layers", "GPTNeoXForCausalLM"),
 }
 GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}  # theirs -> our --mlp
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' own progress bars and warnings ("Loading weights ...") off: our commands print one summary
+    line, or one error sentence."""
+    logging = require("transformers").utils.logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
 
 
 def require(module: str):
@@ -434,7 +451,8 @@ def load_pretrained(source: str | Path) -> tuple[GPT, dict[str, Any]]:
         raise NanoGPTError(f"{where} has only a slow tokenizer; nanogpt reads tokenizer.json")
     desc = describe_hf_tokenizer(backend)
     try:
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        with quiet_transformers():
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         raise NanoGPTError(f"could not load the weights of {where} ({_first_line(e)})") from None
     model = from_hf(hf_model)

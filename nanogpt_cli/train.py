@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from nanogpt_cli import checkpoint as ckpt
+from nanogpt_cli import hf
 from nanogpt_cli.config import GPTConfig, TrainConfig, build_configs, flag, preset_values, split_values
 from nanogpt_cli.data import load_meta, open_split
 from nanogpt_cli.device import autocast_for, peak_flops, resolve_device, resolve_dtype
@@ -148,6 +149,7 @@ class RunPlan:
     run_dir: ckpt.RunDir
     dataset: dict[str, Any]  # the prepared dataset's meta.json
     init_weights: Path | None = None  # --init-from: the weights file to start from
+    init_model: GPT | None = None  # --init-from a Hugging Face model: its weights, converted once while planning
     resume: bool = False
     force: bool = False
 
@@ -179,11 +181,18 @@ def plan_run(flags: dict[str, Any], file_values: dict[str, Any] | None = None, o
     if not train_cfg.data:
         raise NanoGPTError("--data is required: the name of a dataset made by `nanogpt prepare`")
     meta = load_meta(Path(train_cfg.data_dir), train_cfg.data)
-    init_weights = None
+    init_weights = init_model = None
     if init_from is not None:
-        init_weights = ckpt.resolve_weights(init_from, last=True)
-        weights_meta = ckpt.read_metadata(init_weights)
+        if hf.is_hf_source(init_from):
+            init_model, weights_meta = ckpt.load_model(init_from)
+        else:
+            init_weights = ckpt.resolve_weights(init_from, last=True)
+            weights_meta = ckpt.read_metadata(init_weights)
         if weights_meta.get("tokenizer") != meta["tokenizer"]:
+            theirs, ours = (weights_meta.get("tokenizer") or {}).get("name"), meta["tokenizer"]["name"]
+            if theirs != ours:
+                raise NanoGPTError(f"--init-from {init_from} uses the {theirs} tokenizer but dataset "
+                                   f"'{train_cfg.data}' was prepared with {ours}; prepare it with --tokenizer {theirs}")
             raise NanoGPTError(f"--init-from {init_from} was trained with a different tokenizer or vocabulary than "
                                f"dataset '{train_cfg.data}'; prepare the data with the checkpoint's tokenizer")
         extra = set(model_over) - {"dropout"}
@@ -197,7 +206,8 @@ def plan_run(flags: dict[str, Any], file_values: dict[str, Any] | None = None, o
     if model_cfg.vocab_size < meta["vocab_size"]:
         raise NanoGPTError(f"the model's vocabulary ({model_cfg.vocab_size:,}) is smaller than dataset "
                            f"'{train_cfg.data}' needs ({meta['vocab_size']:,} tokens)")
-    return RunPlan(model_cfg, train_cfg, run_dir, meta, init_weights=init_weights, force=force)
+    return RunPlan(model_cfg, train_cfg, run_dir, meta, init_weights=init_weights, init_model=init_model,
+                   force=force)
 
 
 def _plan_resume(run_dir: ckpt.RunDir, model_over: dict[str, Any], train_over: dict[str, Any]) -> RunPlan:
@@ -330,6 +340,8 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
     model = GPT(model_cfg)
     if plan.init_weights is not None:
         ckpt.load_weights(model, plan.init_weights)
+    elif plan.init_model is not None:
+        model.load_state_dict(plan.init_model.state_dict())  # copies in place: a tied head stays tied
     model.to(device)
     optimizer = make_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)

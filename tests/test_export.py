@@ -263,3 +263,62 @@ def test_export_reads_a_hugging_face_folder_too(tmp_path):
     export_hf(model, tok.describe(), tmp_path / "a")
     export(tmp_path / "a", "hf", tmp_path / "b")
     assert tensors(tmp_path / "a" / "model.safetensors") == tensors(tmp_path / "b" / "model.safetensors")
+
+
+# --- Hugging Face models coming in: --init-from, sample and eval ------------------------------------------
+
+
+def save_random_gpt2(folder: Path, desc: dict, n_embd: int = 32) -> None:
+    """A random GPT2LMHeadModel saved by transformers itself, with a tokenizer for `desc` beside it."""
+    config = transformers.GPT2Config(vocab_size=desc["vocab_size"], n_positions=32, n_embd=n_embd, n_layer=2,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    tok, eot = hf.tokenizers_object(desc)
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eot).save_pretrained(folder)
+
+
+def test_init_from_a_hugging_face_folder_trains_and_saves_our_run(char_data, tmp_path):
+    from nanogpt_cli.data import load_meta
+    from nanogpt_cli.train import plan_run, train
+
+    data_dir, name = char_data
+    save_random_gpt2(tmp_path / "gpt2", load_meta(data_dir, name)["tokenizer"])
+    flags = {"data": name, "data_dir": str(data_dir), "dtype": "float32", "device": "cpu", "max_iters": 20,
+             "eval_interval": 20, "eval_iters": 4, "batch_size": 8, "warmup_iters": 0, "learning_rate": 3e-3}
+    plan = plan_run(flags, out=tmp_path / "run", init_from=str(tmp_path / "gpt2"))
+    assert plan.model.pos_encoding == "learned" and plan.model.mlp == "gelu_tanh" and plan.model.n_embd == 32
+    train(plan)
+    losses = [json.loads(line)["val_loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert losses[0] == pytest.approx(torch.log(torch.tensor(plan.model.vocab_size * 1.0)).item(), abs=0.3)
+    assert losses[-1] < losses[0] - 0.3
+    assert (tmp_path / "run" / "model.safetensors").is_file()  # our usual run folder
+
+
+def test_init_from_a_bpe_model_into_a_char_dataset_is_one_sentence(char_data, tmp_path):
+    data_dir, name = char_data
+    save_random_gpt2(tmp_path / "gpt2", build_tokenizer("gpt2").describe(), n_embd=8)
+    result = CliRunner().invoke(app, ["train", "--data", name, "--data-dir", str(data_dir), "--out",
+                                      str(tmp_path / "run"), "--init-from", str(tmp_path / "gpt2")])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        f"error: --init-from {tmp_path / 'gpt2'} uses the gpt2 tokenizer but dataset '{name}' was prepared with "
+        "char; prepare it with --tokenizer gpt2"]
+    assert not (tmp_path / "run").exists()
+
+
+def test_sample_and_eval_read_an_export_as_they_read_the_run(trained_run, char_data, tmp_path):
+    data_dir, name = char_data
+    runner = CliRunner()
+    assert runner.invoke(app, ["export", str(trained_run), "--out", str(tmp_path / "hf")]).exit_code == 0
+    outputs = {}
+    for source in (str(trained_run), str(tmp_path / "hf")):
+        sample = runner.invoke(app, ["sample", "--checkpoint", source, "--prompt", "The king", "--temperature", "0",
+                                     "--max-new-tokens", "40", "--device", "cpu", "--dtype", "float32"])
+        ppl = runner.invoke(app, ["eval", "perplexity", "--checkpoint", source, "--data", name, "--data-dir",
+                                  str(data_dir), "--json", "--device", "cpu"])
+        assert sample.exit_code == 0 and ppl.exit_code == 0, sample.output + ppl.output
+        outputs[source] = sample.output, json.loads(ppl.output.strip().splitlines()[-1])["loss"]
+    (run_text, run_loss), (hf_text, hf_loss) = outputs.values()
+    assert hf_text == run_text and len(run_text) > 40
+    assert hf_loss == pytest.approx(run_loss, abs=1e-5)
