@@ -15,25 +15,37 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def prepare_progress():
-    """A context manager yielding a `progress(stage, done, total)` callback that drives a rich progress bar,
-    or yielding None when stdout is not a terminal (pipes, CI and tests get no bar)."""
+    """A context manager yielding a progress callback (it takes a `data.PrepareProgress`) that drives a rich
+    progress bar: documents, tokens, MB/s and the time left when the total is known. Yields None when stdout
+    is not a terminal (pipes, CI and tests get no bar)."""
     import contextlib
 
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
 
     if not console.is_terminal:
         return contextlib.nullcontext(None)
 
+    def rate(task) -> str:
+        speed = task.speed or 0.0
+        return f"{speed / 1e6:,.1f} MB/s" if task.fields.get("unit") == "bytes" else f"{speed:,.0f} docs/s"
+
     @contextlib.contextmanager
     def bar():
-        with Progress(TextColumn("{task.description:<20}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
+        columns = (TextColumn("{task.description:<20}"), BarColumn(), TaskProgressColumn(),
+                   TextColumn("{task.fields[documents]:>12,} docs {task.fields[tokens]:>15,} tokens"),
+                   TextColumn("{task.fields[rate]:>12}"), TimeElapsedColumn(), TextColumn("eta"),
+                   TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=True) as progress:
             tasks: dict[str, int] = {}
 
-            def update(stage: str, done: int, total: int | None) -> None:
-                if stage not in tasks:
-                    tasks[stage] = progress.add_task(stage, total=total)
-                progress.update(tasks[stage], completed=done, total=total)
+            def update(p) -> None:
+                if p.stage not in tasks:
+                    tasks[p.stage] = progress.add_task(p.stage, total=p.total, documents=0, tokens=0, rate="",
+                                                       unit=p.unit)
+                task_id = tasks[p.stage]
+                progress.update(task_id, completed=p.done, total=p.total, documents=p.documents, tokens=p.tokens,
+                                rate=rate(progress.tasks[progress.task_ids.index(task_id)]))
 
             yield update
 
@@ -58,18 +70,25 @@ def prepare_table(result):
     documents = f"{result.documents:,}"
     if result.documents > 1:
         documents += f" ({result.val_documents:,} in val)"
-    return summary_table(f"prepared {result.path}", [
+    throughput = f"{result.tokens_per_s:,.0f} tokens/s"
+    if result.source_bytes is not None:
+        throughput += f", {result.source_bytes / 1e6 / max(result.elapsed_s, 1e-9):,.1f} MB/s"
+    rows = [
         ("source", result.source),
         ("tokenizer", f"{result.tokenizer} ({result.dtype})"),
         ("documents", documents),
         ("characters", f"{result.characters:,}"),
         ("train tokens", f"{result.train_tokens:,}"),
         ("val tokens", f"{result.val_tokens:,} ({share:.1%})"),
+        ("shards", f"{result.shards['train']:,} train, {result.shards['val']:,} val"),
         ("vocabulary size", f"{result.vocab_size:,}"),
         ("bytes on disk", f"{result.bytes_on_disk:,}"),
-        ("time", f"{result.elapsed_s:.2f} s"),
-        ("throughput", f"{result.tokens_per_s:,.0f} tokens/s"),
-    ])
+        ("time", f"{result.elapsed_s:.2f} s ({result.num_proc} process{'es' if result.num_proc > 1 else ''})"),
+        ("throughput", throughput),
+    ]
+    if result.resumed_documents:
+        rows.insert(-2, ("resumed", f"after {result.resumed_documents:,} documents"))
+    return summary_table(f"prepared {result.path}", rows)
 
 
 # --- train ---
