@@ -187,11 +187,15 @@ def prepare(source: str, name: str, tokenizer: str = "gpt2", val_fraction: float
                 for batch, (flat, lengths) in encoded:
                     more = stream.add(batch, flat, lengths)
                     tick.documents, tick.tokens = state.documents, state.tokens
+                    tick(0)  # report the documents and tokens written, not only the bytes read
                     if not more:
                         break
                     if stream.shard_completed:
                         stream.checkpoint()
             tick.finish()
+            # from here on the shards change in place (the tail of train may move to val): a prepare stopped now
+            # starts over rather than resume from files that no longer match the checkpoint
+            (stage_dir / CHECKPOINT).unlink(missing_ok=True)
             if stream.finish() == 0:
                 raise NanoGPTError(f"{src.label} has no text")
             n_train, n_val = stream.writers["train"].tokens, stream.writers["val"].tokens
@@ -225,8 +229,7 @@ def prepare(source: str, name: str, tokenizer: str = "gpt2", val_fraction: float
                     meta[key] = value
             (stage_dir / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n",
                                                  encoding="utf-8")
-            for leftover in (CHECKPOINT, LOCK):
-                (stage_dir / leftover).unlink(missing_ok=True)
+            (stage_dir / LOCK).unlink(missing_ok=True)
             bytes_on_disk = sum(p.stat().st_size for p in stage_dir.iterdir())
             _replace_dir(stage_dir, final_dir)
         except BaseException:
@@ -724,7 +727,7 @@ def _read_checkpoint(stage_dir: Path) -> _Checkpoint | None:
 
 def _describe(state: _Checkpoint) -> str:
     shards = sum(len(v) for v in state.shards.values())
-    return f"{state.documents:,} documents, {state.tokens:,} tokens, {shards} complete shards"
+    return f"{state.documents:,} documents, {state.tokens:,} tokens, {shards} complete shard{'s' * (shards != 1)}"
 
 
 FLAGS = {"source": "SOURCE", "tokenizer": "--tokenizer", "val_fraction": "--val-fraction",

@@ -19,33 +19,30 @@ def prepare_progress():
     progress bar: documents, tokens, MB/s and the time left when the total is known. Yields None when stdout
     is not a terminal (pipes, CI and tests get no bar)."""
     import contextlib
+    import time
 
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
     if not console.is_terminal:
         return contextlib.nullcontext(None)
 
-    def rate(task) -> str:
-        speed = task.speed or 0.0
-        return f"{speed / 1e6:,.1f} MB/s" if task.fields.get("unit") == "bytes" else f"{speed:,.0f} docs/s"
-
     @contextlib.contextmanager
     def bar():
-        columns = (TextColumn("{task.description:<20}"), BarColumn(), TaskProgressColumn(),
-                   TextColumn("{task.fields[documents]:>12,} docs {task.fields[tokens]:>15,} tokens"),
-                   TextColumn("{task.fields[rate]:>12}"), TimeElapsedColumn(), TextColumn("eta"),
-                   TimeRemainingColumn())
+        columns = (TextColumn("{task.description}"), BarColumn(bar_width=20), TaskProgressColumn(),
+                   TextColumn("{task.fields[documents]:,} docs, {task.fields[tokens]:,} tokens, {task.fields[rate]}"),
+                   TextColumn("eta"), TimeRemainingColumn())
         with Progress(*columns, console=console, transient=True) as progress:
-            tasks: dict[str, int] = {}
+            tasks: dict[str, tuple[int, float]] = {}
 
             def update(p) -> None:
                 if p.stage not in tasks:
-                    tasks[p.stage] = progress.add_task(p.stage, total=p.total, documents=0, tokens=0, rate="",
-                                                       unit=p.unit)
-                task_id = tasks[p.stage]
+                    tasks[p.stage] = progress.add_task(p.stage, total=p.total, documents=0, tokens=0, rate=""), \
+                        time.monotonic()
+                task_id, start = tasks[p.stage]
+                speed = p.done / max(time.monotonic() - start, 1e-9)
+                rate = f"{speed / 1e6:,.1f} MB/s" if p.unit == "bytes" else f"{speed:,.0f} docs/s"
                 progress.update(task_id, completed=p.done, total=p.total, documents=p.documents, tokens=p.tokens,
-                                rate=rate(progress.tasks[progress.task_ids.index(task_id)]))
+                                rate=rate)
 
             yield update
 
