@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import make_text
+from conftest import make_text, tiny_plan
 from nanogpt_cli import data
 from nanogpt_cli.data import load_meta, open_split, prepare, token_dtype
 from nanogpt_cli.errors import NanoGPTError
@@ -436,18 +436,20 @@ def test_windows_stay_inside_one_shard_and_are_drawn_by_size(tmp_path):
     assert (one.windows(6, 9, torch.Generator().manual_seed(5))[:, 0] - 2000).tolist() == starts.tolist()
 
 
-def train_metrics(data_dir: Path, name: str, run: Path, **over) -> list[dict]:
-    from nanogpt_cli.train import run_configs, train
-
-    values = {"data": name, "data_dir": str(data_dir), "dtype": "float32", "device": "cpu", "max_iters": 6,
-              "eval_interval": 3, "eval_iters": 2, **over}
-    train(*run_configs("tiny", values, run), run)
+def metrics_of(run: Path) -> list[dict]:
     return [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
             for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def train_metrics(data_dir: Path, name: str, run: Path, **over) -> list[dict]:
+    from nanogpt_cli.train import train
+
+    train(tiny_plan(data_dir, name, run, max_iters=6, eval_interval=3, eval_iters=2, **over))
+    return metrics_of(run)
+
+
 def test_training_on_shards_resumes_exactly(tmp_path, data_dir):
-    from nanogpt_cli.train import run_configs, train
+    from nanogpt_cli.train import plan_run, train
 
     source = tmp_path / "play.txt"
     source.write_text(make_text(lines=300, seed=1), encoding="utf-8")
@@ -456,9 +458,8 @@ def test_training_on_shards_resumes_exactly(tmp_path, data_dir):
     whole = train_metrics(data_dir, "shards", tmp_path / "whole")
     parts = tmp_path / "parts"
     train_metrics(data_dir, "shards", parts, stop_at=4)
-    train(*run_configs(None, {}, parts, resume=True), parts, resume=True)
-    assert [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
-            for line in (parts / "metrics.jsonl").read_text().splitlines()] == whole
+    train(plan_run({}, out=parts, resume=True))
+    assert metrics_of(parts) == whole
 
 
 def test_a_dataset_from_before_shards_still_trains_the_same(tmp_path, data_dir):
