@@ -70,7 +70,7 @@ LOCK = "lock"  # in the staging folder: held by the prepare that writes it
 # batch sizes: they bound memory, not results (text is only cut where tokenizers split anyway, see _safe_cut)
 READ_BYTES = 1 << 20  # plain text is read this many bytes at a time
 MAX_PIECE_CHARS = 1 << 23  # a piece with no safe cut in it is cut here anyway
-BATCH_CHARS = 1 << 22  # characters sent to a worker process at once
+BATCH_CHARS = 1 << 20  # characters sent to a worker process at once
 BATCH_DOCS = 4096
 COPY_TOKENS = 1 << 22  # tokens copied at a time when the tail of train moves to val
 
@@ -679,9 +679,14 @@ def _encoded(batches: Iterator[list[tuple[str, bool]]], tok: Tokenizer, dtype: s
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
+    before = set(multiprocessing.active_children())
+    # an executor, not multiprocessing.Pool: a worker that dies (out of memory) fails the prepare instead of
+    # being replaced while its batch is waited for forever
     pool = ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"),
                                initializer=_start_worker, initargs=(tok.describe(), dtype))
+    finished = False
     try:
         pending: deque = deque()
         for batch in batches:
@@ -692,8 +697,15 @@ def _encoded(batches: Iterator[list[tuple[str, bool]]], tok: Tokenizer, dtype: s
         while pending:
             batch, future = pending.popleft()
             yield batch, future.result()
+        finished = True
+    except BrokenProcessPool:
+        raise NanoGPTError("a tokenizer worker process died (out of memory?); resume with --resume, perhaps "
+                           "with a smaller --num-proc") from None
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=finished, cancel_futures=True)
+        if not finished:  # Ctrl-C or an error: stop the workers now rather than after the batches they hold
+            for worker in set(multiprocessing.active_children()) - before:
+                worker.terminate()
 
 
 @dataclass
