@@ -95,19 +95,34 @@ def prepare(
     split: Annotated[str, typer.Option(help="Hub dataset split to read.")] = "train",
     streaming: Annotated[bool, typer.Option(help="Stream a hub dataset instead of downloading it first.")] = False,
     max_docs: Annotated[Optional[int], typer.Option(help="Keep only the first N documents.")] = None,
-    num_proc: Annotated[int, typer.Option(help="Tokenizer threads.")] = 1,
+    max_tokens: Annotated[Optional[int], typer.Option(help="Stop after N tokens (train and val together).")
+                          ] = None,
+    val_tokens: Annotated[Optional[int], typer.Option(help="Validate on the first N tokens of the stream instead "
+                                                           "of --val-fraction.")] = None,
+    shard_tokens: Annotated[int, typer.Option(help="Tokens per shard file.")] = 100_000_000,
+    num_proc: Annotated[int, typer.Option(help="Tokenizer worker processes (the output does not depend on it).")
+                        ] = 1,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted prepare of --name (or start "
+                                                          "one if there is none).")] = False,
 ):
-    """Tokenize text into DATA_DIR/NAME/train.bin, val.bin and meta.json.
+    """Tokenize text into DATA_DIR/NAME: train-00000.bin, ..., val-00000.bin, ... and meta.json.
 
     Example: nanogpt prepare shakespeare --name shakespeare-char --tokenizer char
     """
+    from nanogpt_cli.data import interrupted_prepare
     from nanogpt_cli.data import prepare as prepare_data
-    from nanogpt_cli.ui import console, prepare_progress, prepare_table
+    from nanogpt_cli.ui import console, err_console, prepare_progress, prepare_table
 
-    with prepare_progress() as progress:
-        result = prepare_data(source, name, tokenizer=tokenizer, val_fraction=val_fraction, data_dir=data_dir,
-                              text_column=text_column, subset=subset, split=split, streaming=streaming,
-                              max_docs=max_docs, num_proc=num_proc, progress=progress)
+    try:
+        with prepare_progress() as progress:
+            result = prepare_data(source, name, tokenizer=tokenizer, val_fraction=val_fraction, data_dir=data_dir,
+                                  text_column=text_column, subset=subset, split=split, streaming=streaming,
+                                  max_docs=max_docs, num_proc=num_proc, shard_tokens=shard_tokens,
+                                  max_tokens=max_tokens, val_tokens=val_tokens, resume=resume, progress=progress)
+    except KeyboardInterrupt:  # the partial prepare is kept: say where and how to continue it
+        kept = interrupted_prepare(data_dir, name)
+        err_console.print(f"interrupted; {kept}" if kept else "interrupted", highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     console.print(prepare_table(result))
 
 

@@ -108,11 +108,12 @@ def perplexity_of_split(model: GPT, tokenizer: Tokenizer, data_dir: Path, name: 
     if meta["tokenizer"] != tokenizer.describe():
         raise NanoGPTError(f"dataset '{name}' was prepared with another tokenizer ({meta['tokenizer']['name']}) "
                            f"than the checkpoint's ({tokenizer.name})")
-    tokens = open_split(data_dir, name, split)
     stride = stride or default_stride(model.config.block_size)
     t0 = time.perf_counter()
-    nll, n = score_tokens(model, tokens, stride, batch_size)
-    n_bytes = text_bytes(tokenizer, tokens[1:])
+    nll, n, n_bytes = 0.0, 0, 0
+    for tokens in open_split(data_dir, name, split):  # each shard on its own, like files; sums are pooled
+        shard_nll, shard_n = score_tokens(model, tokens, stride, batch_size)
+        nll, n, n_bytes = nll + shard_nll, n + shard_n, n_bytes + text_bytes(tokenizer, tokens[1:])
     return _result(nll, n, n_bytes, time.perf_counter() - t0, stride, f"{name}/{split}")
 
 

@@ -72,23 +72,24 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 class Batches:
-    """Random (block_size + 1)-token windows from the train and val memmaps."""
+    """Random (block_size + 1)-token windows from the train and val shards, never across two shards."""
 
     def __init__(self, data_dir: Path, name: str, block_size: int, batch_size: int, device: torch.device,
                  seed: int):
         self.splits = {s: open_split(data_dir, name, s) for s in ("train", "val")}
         for split, tokens in self.splits.items():
-            if len(tokens) < block_size + 1:
-                raise NanoGPTError(f"the {split} split of '{name}' has {len(tokens):,} tokens, fewer than "
+            if tokens.num_windows(block_size + 1) == 0:
+                longest = f" (the longest of its {len(tokens.counts)} shards has {max(tokens.counts):,})" \
+                    if len(tokens.counts) > 1 else ""
+                raise NanoGPTError(f"the {split} split of '{name}' has {len(tokens):,} tokens{longest}, fewer than "
                                    f"--block-size + 1 = {block_size + 1}; use a smaller --block-size or more data")
         self.block_size, self.batch_size, self.device = block_size, batch_size, device
         self.generator = torch.Generator().manual_seed(seed)
 
     def get_batch(self, split: str, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         data, T = self.splits[split], self.block_size
-        ix = torch.randint(len(data) - T, (self.batch_size,), generator=generator or self.generator).tolist()
-        windows = torch.from_numpy(np.stack([data[i:i + T + 1] for i in ix]).astype(np.int64))  # (B, T+1)
-        x, y = windows[:, :-1], windows[:, 1:]
+        windows = torch.from_numpy(data.windows(self.batch_size, T + 1, generator or self.generator).astype(np.int64))
+        x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each
         if self.device.type == "cuda":
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)

@@ -15,25 +15,34 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def prepare_progress():
-    """A context manager yielding a `progress(stage, done, total)` callback that drives a rich progress bar,
-    or yielding None when stdout is not a terminal (pipes, CI and tests get no bar)."""
+    """A context manager yielding a progress callback (it takes a `data.PrepareProgress`) that drives a rich
+    progress bar: documents, tokens, MB/s and the time left when the total is known. Yields None when stdout
+    is not a terminal (pipes, CI and tests get no bar)."""
     import contextlib
+    import time
 
-    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
     if not console.is_terminal:
         return contextlib.nullcontext(None)
 
     @contextlib.contextmanager
     def bar():
-        with Progress(TextColumn("{task.description:<20}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
-            tasks: dict[str, int] = {}
+        columns = (TextColumn("{task.description}"), BarColumn(bar_width=20), TaskProgressColumn(),
+                   TextColumn("{task.fields[documents]:,} docs, {task.fields[tokens]:,} tokens, {task.fields[rate]}"),
+                   TextColumn("eta"), TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=True) as progress:
+            tasks: dict[str, tuple[int, float]] = {}
 
-            def update(stage: str, done: int, total: int | None) -> None:
-                if stage not in tasks:
-                    tasks[stage] = progress.add_task(stage, total=total)
-                progress.update(tasks[stage], completed=done, total=total)
+            def update(p) -> None:
+                if p.stage not in tasks:
+                    tasks[p.stage] = progress.add_task(p.stage, total=p.total, documents=0, tokens=0, rate=""), \
+                        time.monotonic()
+                task_id, start = tasks[p.stage]
+                speed = p.done / max(time.monotonic() - start, 1e-9)
+                rate = f"{speed / 1e6:,.1f} MB/s" if p.unit == "bytes" else f"{speed:,.0f} docs/s"
+                progress.update(task_id, completed=p.done, total=p.total, documents=p.documents, tokens=p.tokens,
+                                rate=rate)
 
             yield update
 
@@ -58,18 +67,25 @@ def prepare_table(result):
     documents = f"{result.documents:,}"
     if result.documents > 1:
         documents += f" ({result.val_documents:,} in val)"
-    return summary_table(f"prepared {result.path}", [
+    throughput = f"{result.tokens_per_s:,.0f} tokens/s"
+    if result.source_bytes is not None:
+        throughput += f", {result.source_bytes / 1e6 / max(result.elapsed_s, 1e-9):,.1f} MB/s"
+    rows = [
         ("source", result.source),
         ("tokenizer", f"{result.tokenizer} ({result.dtype})"),
         ("documents", documents),
         ("characters", f"{result.characters:,}"),
         ("train tokens", f"{result.train_tokens:,}"),
         ("val tokens", f"{result.val_tokens:,} ({share:.1%})"),
+        ("shards", f"{result.shards['train']:,} train, {result.shards['val']:,} val"),
         ("vocabulary size", f"{result.vocab_size:,}"),
         ("bytes on disk", f"{result.bytes_on_disk:,}"),
-        ("time", f"{result.elapsed_s:.2f} s"),
-        ("throughput", f"{result.tokens_per_s:,.0f} tokens/s"),
-    ])
+        ("time", f"{result.elapsed_s:.2f} s ({result.num_proc} process{'es' if result.num_proc > 1 else ''})"),
+        ("throughput", throughput),
+    ]
+    if result.resumed_documents:
+        rows.insert(-2, ("resumed", f"after {result.resumed_documents:,} documents"))
+    return summary_table(f"prepared {result.path}", rows)
 
 
 # --- train ---

@@ -44,6 +44,34 @@ def test_help_has_a_purpose_and_an_example():
     result = runner.invoke(app, ["prepare", "--help"])
     assert result.exit_code == 0
     assert "Tokenize text into" in result.output and "Example: nanogpt prepare" in result.output
+    for flag in ("--resume", "--num-proc", "--shard-tokens", "--max-tokens", "--val-tokens"):
+        assert flag in result.output
+
+
+def test_an_interrupted_prepare_says_how_to_resume_and_resumes(monkeypatch, tmp_path, data_dir):
+    source = tmp_path / "docs.jsonl"
+    texts = [f"document number {i} " * 20 for i in range(40)]
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    four = f"4 documents, {sum(map(len, texts[:4])) + 3 * 2:,} tokens, 1 complete shard"  # bytes and "\n\n"s
+    monkeypatch.setattr(data, "BATCH_DOCS", 4)
+    args = [str(source), "--name", "docs", "--data-dir", str(data_dir), "--tokenizer", "byte", "--shard-tokens", "900"]
+    checkpoint = data._Stream.checkpoint
+
+    def checkpoint_then_ctrl_c(self):
+        checkpoint(self)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(data._Stream, "checkpoint", checkpoint_then_ctrl_c)
+        result = prepare(*args)
+    assert result.exit_code == 130
+    partial = data_dir / ".docs.partial"
+    assert result.output.strip() == f"interrupted; {partial} keeps {four}; rerun with --resume to continue"
+    assert_fails(prepare(*args), f"{partial} holds an interrupted prepare of 'docs' ({four}); add --resume to "
+                                 "continue it, or delete that folder to start over")
+    result = prepare(*args, "--resume")
+    assert result.exit_code == 0, result.output
+    assert "after 4 documents" in result.output and not partial.exists()
 
 
 @pytest.fixture
@@ -74,6 +102,12 @@ def bad_inputs(tmp_path):
                                     "got 'a/b'"),
     (["tiny.txt", "--tokenizer", "char"], "tiny.txt is too small to split: 2 tokens give 2 train and 0 validation"),
     (["hf:"], "hf: is not a hub dataset name; write hf:OWNER/NAME"),
+    (["tiny.txt", "--num-proc", "0"], "--num-proc must be a positive integer, got 0"),
+    (["tiny.txt", "--shard-tokens", "0"], "--shard-tokens must be a positive integer, got 0"),
+    (["tiny.txt", "--max-tokens", "-5"], "--max-tokens must be a positive integer, got -5"),
+    (["tiny.txt", "--max-tokens", "10", "--val-tokens", "20"], "--val-tokens (20) must be below --max-tokens (10)"),
+    (["tiny.txt", "--tokenizer", "char", "--val-tokens", "5"], "tiny.txt is too small to split: 2 tokens give 0 "
+                                                                "train and 2 validation tokens"),
 ])
 def test_bad_input_is_one_clear_line_and_writes_nothing(args, message, bad_inputs, monkeypatch):
     monkeypatch.chdir(bad_inputs)

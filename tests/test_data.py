@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
+import time
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import make_text
+from conftest import make_text, tiny_plan
 from nanogpt_cli import data
 from nanogpt_cli.data import load_meta, open_split, prepare, token_dtype
 from nanogpt_cli.errors import NanoGPTError
@@ -17,7 +21,7 @@ from nanogpt_cli.tokenizer import tokenizer_from_description
 
 
 def read_split(data_dir: Path, name: str, split: str) -> list[int]:
-    return open_split(data_dir, name, split).tolist()
+    return np.concatenate(list(open_split(data_dir, name, split))).tolist()
 
 
 def tokenizer_of(data_dir: Path, name: str):
@@ -50,7 +54,7 @@ def test_one_text_is_split_head_and_tail_and_matches_tiktoken(text_file, sample_
     assert (meta["documents"], meta["characters"]) == (1, len(sample_text))
     assert meta["source_sha256"] == hashlib.sha256(text_file.read_bytes()).hexdigest()
     assert meta["version"] and meta["created"]
-    assert (data_dir / "play" / "train.bin").stat().st_size == 2 * len(train)
+    assert (data_dir / "play" / "train-00000.bin").stat().st_size == 2 * len(train)
     assert result.train_tokens == len(train) and result.bytes_on_disk == sum(
         p.stat().st_size for p in (data_dir / "play").iterdir())
     assert sorted(p.name for p in data_dir.iterdir()) == ["play"]
@@ -84,7 +88,7 @@ def test_uint32_when_the_vocabulary_needs_it(tmp_path, data_dir):
     path.write_text(text, encoding="utf-8")
     result = prepare(str(path), "wide", tokenizer="char", data_dir=data_dir)
     assert result.dtype == "uint32" and result.vocab_size == len(text) > 65536
-    val = open_split(data_dir, "wide", "val")  # the tail holds the highest code points, so the highest ids
+    val = open_split(data_dir, "wide", "val").shard(0)  # the tail holds the highest code points, so the highest ids
     assert val.dtype == np.uint32 and val.max() == len(text) - 1 > 65535
     tok = tokenizer_of(data_dir, "wide")
     assert tok.decode(read_split(data_dir, "wide", "train") + val.tolist()) == text
@@ -193,9 +197,8 @@ def test_a_failed_prepare_keeps_the_old_data(failure, tmp_path, text_file, data_
     else:
         source = text_file
 
-        def progress(stage, done, total):
-            if stage == "splitting":  # the tokens are written; the interrupt comes while splitting them
-                raise KeyboardInterrupt
+        def progress(p):
+            raise KeyboardInterrupt  # before any shard is complete: nothing is kept to resume from
         error = pytest.raises(KeyboardInterrupt)
     with error:
         prepare(str(source), "keep", tokenizer="gpt2", data_dir=data_dir, progress=progress)
@@ -226,7 +229,7 @@ def test_load_meta_names_what_exists(text_file, data_dir):
     prepare(str(text_file), "a", tokenizer="byte", data_dir=data_dir)
     with pytest.raises(NanoGPTError, match=r"no dataset 'shk' in .*; these exist: a, b$"):
         load_meta(data_dir, "shk")
-    assert not open_split(data_dir, "a", "val").flags.writeable
+    assert not open_split(data_dir, "a", "val").shard(0).flags.writeable
     with pytest.raises(NanoGPTError, match="unknown split 'test'"):
         open_split(data_dir, "a", "test")
 
@@ -259,3 +262,216 @@ def test_shakespeare_checksum_mismatch(shakespeare_url, monkeypatch, tmp_path, d
         prepare("shakespeare", "shk", tokenizer="char", data_dir=data_dir)
     assert not (tmp_path / "cache" / "tinyshakespeare.txt").exists()
     assert not data_dir.exists()
+
+
+# --- shards, workers, budgets, resume ---
+
+
+def docs_jsonl(path: Path, n: int, seed: int = 0) -> Path:
+    return write_jsonl(path, [{"text": f"doc {i}: " + make_text(lines=3, seed=seed + i)} for i in range(n)])
+
+
+def dataset_files(folder: Path) -> dict[str, bytes]:
+    """The shard files and meta.json less its creation time: what must match between two prepares."""
+    files = {p.name: p.read_bytes() for p in sorted(folder.glob("*.bin"))}
+    meta = json.loads((folder / "meta.json").read_text())
+    meta.pop("created")
+    return {**files, "meta.json": json.dumps(meta, sort_keys=True).encode()}
+
+
+@pytest.mark.parametrize("kind", ["documents", "one text", "last document"])
+def test_shards_are_the_unsharded_stream_cut_in_pieces(kind, tmp_path, data_dir):
+    if kind == "documents":
+        source = docs_jsonl(tmp_path / "docs.jsonl", 40)
+    elif kind == "one text":  # the tail of train moves to val, across shard files
+        source = tmp_path / "play.txt"
+        source.write_text(make_text(lines=300), encoding="utf-8")
+    else:  # fewer than 1/f documents: the last one moves from train to val
+        source = docs_jsonl(tmp_path / "few.jsonl", 9)
+    whole = prepare(str(source), "whole", tokenizer="gpt2", data_dir=data_dir)
+    cut = prepare(str(source), "cut", tokenizer="gpt2", data_dir=data_dir, shard_tokens=97)
+    assert whole.shards == {"train": 1, "val": 1} and cut.shards["train"] > 2
+    meta = load_meta(data_dir, "cut")
+    for split in ("train", "val"):
+        assert read_split(data_dir, "cut", split) == read_split(data_dir, "whole", split)
+        shards = meta["shards"][split]
+        assert all(s["tokens"] == 97 for s in shards[:-1]) and 0 < shards[-1]["tokens"] <= 97
+        for s in shards:
+            assert hashlib.sha256((data_dir / "cut" / s["file"]).read_bytes()).hexdigest() == s["sha256"]
+        assert sorted(p.name for p in (data_dir / "cut").glob(f"{split}-*.bin")) == [s["file"] for s in shards]
+    assert (cut.val_documents, cut.documents) == (whole.val_documents, whole.documents)
+    assert sorted(p.name for p in data_dir.iterdir()) == ["cut", "whole"]
+
+
+def test_one_or_two_worker_processes_write_the_same_bytes(monkeypatch, tmp_path, data_dir):
+    source = docs_jsonl(tmp_path / "docs.jsonl", 120)
+    monkeypatch.setattr(data, "BATCH_DOCS", 8)  # many batches, so the workers' results must be put in order
+    prepare(str(source), "one", tokenizer="gpt2", data_dir=data_dir, shard_tokens=500)
+    prepare(str(source), "two", tokenizer="gpt2", data_dir=data_dir, shard_tokens=500, num_proc=2)
+    assert dataset_files(data_dir / "one") == dataset_files(data_dir / "two")
+
+
+def test_max_tokens_and_val_tokens_take_the_head_of_the_stream(tmp_path, data_dir, tiktoken_gpt2):
+    docs = [f"doc {i}: " + make_text(lines=3, seed=i) for i in range(30)]
+    source = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
+    stream = [t for i, d in enumerate(docs) for t in ([50256] if i else []) + tiktoken_gpt2.encode_ordinary(d)]
+    result = prepare(str(source), "head", tokenizer="gpt2", data_dir=data_dir, max_tokens=1000, val_tokens=300,
+                     shard_tokens=128)
+    assert read_split(data_dir, "head", "val") == stream[:300]
+    assert read_split(data_dir, "head", "train") == stream[300:1000]
+    assert (result.val_tokens, result.train_tokens) == (300, 700)
+    meta = load_meta(data_dir, "head")
+    assert meta["val_split"] == "head" and meta["max_tokens"] == 1000
+    with pytest.raises(NanoGPTError, match=r"--val-tokens \(1,000\) must be below --max-tokens \(1,000\)"):
+        prepare(str(source), "x", tokenizer="gpt2", data_dir=data_dir, max_tokens=1000, val_tokens=1000)
+
+
+def interrupt_after_checkpoints(monkeypatch, n: int) -> None:
+    """Ctrl-C right after the n-th checkpoint (a shard was completed and the position saved)."""
+    calls = []
+    checkpoint = data._Stream.checkpoint
+
+    def then_interrupt(self):
+        checkpoint(self)
+        calls.append(1)
+        if len(calls) == n:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(data._Stream, "checkpoint", then_interrupt)
+
+
+def test_an_interrupted_prepare_is_kept_named_and_resumed(monkeypatch, tmp_path, data_dir):
+    source = docs_jsonl(tmp_path / "docs.jsonl", 60)
+    monkeypatch.setattr(data, "BATCH_DOCS", 4)
+    prepare(str(source), "whole", tokenizer="char", data_dir=data_dir, shard_tokens=2000)
+    with monkeypatch.context() as m:
+        interrupt_after_checkpoints(m, 3)
+        with pytest.raises(KeyboardInterrupt):
+            prepare(str(source), "cut", tokenizer="char", data_dir=data_dir, shard_tokens=2000)
+    partial = data_dir / ".cut.partial"
+    assert (partial / "progress.json").is_file() and not (data_dir / "cut").exists()
+    assert data.interrupted_prepare(data_dir, "cut").startswith(f"{partial} keeps ")
+    with pytest.raises(NanoGPTError, match=r"\.cut\.partial holds an interrupted prepare of 'cut' \([\d,]+ documents, "
+                                           r"[\d,]+ tokens, 3 complete shards\); add --resume to continue it"):
+        prepare(str(source), "cut", tokenizer="char", data_dir=data_dir, shard_tokens=2000)
+    with pytest.raises(NanoGPTError, match="was started with --shard-tokens 2000, not 1000"):
+        prepare(str(source), "cut", tokenizer="char", data_dir=data_dir, shard_tokens=1000, resume=True)
+    result = prepare(str(source), "cut", tokenizer="char", data_dir=data_dir, shard_tokens=2000, resume=True)
+    assert 0 < result.resumed_documents < result.documents == 60
+    assert dataset_files(data_dir / "cut") == dataset_files(data_dir / "whole")
+    assert sorted(p.name for p in data_dir.iterdir()) == ["cut", "whole"]
+
+
+CHILD = """
+import sys, time
+from pathlib import Path
+from nanogpt_cli import data
+
+data.BATCH_DOCS = 8
+encode = data._encode
+data._encode = lambda *args: (time.sleep(0.01), encode(*args))[1]  # slow enough to be killed half way
+data.prepare(sys.argv[1], "web", tokenizer="gpt2", data_dir=Path(sys.argv[2]), shard_tokens=1000)
+"""
+
+
+def kill_when_checkpointed(source: Path, data_dir: Path) -> None:
+    """Run a prepare in a child process and SIGKILL it once its first shard is complete."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(source), str(data_dir)], env=env,
+                             stderr=subprocess.PIPE, text=True)
+    checkpoint = data_dir / ".web.partial" / "progress.json"
+    try:
+        while not checkpoint.exists() and child.poll() is None:
+            time.sleep(0.005)
+    finally:
+        child.kill()
+        _, err = child.communicate()
+    assert checkpoint.exists(), err
+    assert not (data_dir / "web").exists()  # it died half way
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet folder"])
+def test_a_killed_prepare_resumes_to_the_same_bytes(kind, tmp_path, data_dir):
+    if kind == "jsonl":
+        source = docs_jsonl(tmp_path / "docs.jsonl", 400)
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        source = tmp_path / "parquet"
+        source.mkdir()
+        for part in range(4):
+            texts = [f"doc {part}.{i}: " + make_text(lines=3, seed=100 * part + i) for i in range(100)]
+            pq.write_table(pa.table({"text": texts}), source / f"part-{part}.parquet")
+    kill_when_checkpointed(source, data_dir)
+    resumed = prepare(str(source), "web", tokenizer="gpt2", data_dir=data_dir, shard_tokens=1000, resume=True)
+    assert 0 < resumed.resumed_documents < resumed.documents == 400
+    prepare(str(source), "whole", tokenizer="gpt2", data_dir=data_dir, shard_tokens=1000)
+    assert dataset_files(data_dir / "web") == dataset_files(data_dir / "whole")
+    assert not (data_dir / ".web.partial").exists()
+
+
+# --- training reads shards ---
+
+
+def test_windows_stay_inside_one_shard_and_are_drawn_by_size(tmp_path):
+    import torch
+
+    counts = [50, 7, 120, 30]
+    paths = []
+    for i, n in enumerate(counts):  # shard i holds 1000 * i + position: a token says where it came from
+        paths.append(tmp_path / f"train-{i:05d}.bin")
+        (np.arange(n) + 1000 * i).astype(np.uint16).tofile(paths[-1])
+    shards = data.TokenShards(paths, counts, "uint16")
+    windows = shards.windows(4000, 9, torch.Generator().manual_seed(0)).astype(np.int64)
+    assert windows.shape == (4000, 9)
+    shard = windows // 1000
+    assert (shard == shard[:, :1]).all() and (np.diff(windows, axis=1) == 1).all()  # one shard, consecutive
+    seen = np.bincount(shard[:, 0], minlength=4)
+    assert seen[1] == 0  # shorter than a window: never drawn
+    assert np.allclose(seen, np.array([42, 0, 112, 22]) / 176 * 4000, rtol=0.15)  # by number of windows
+    # with one shard the draws are torch.randint's, as before shards: old runs resume onto the same batches
+    one = data.TokenShards(paths[2:3], counts[2:3], "uint16")
+    starts = torch.randint(120 - 9 + 1, (6,), generator=torch.Generator().manual_seed(5))
+    assert (one.windows(6, 9, torch.Generator().manual_seed(5))[:, 0] - 2000).tolist() == starts.tolist()
+
+
+def metrics_of(run: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
+            for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_metrics(data_dir: Path, name: str, run: Path, **over) -> list[dict]:
+    from nanogpt_cli.train import train
+
+    train(tiny_plan(data_dir, name, run, max_iters=6, eval_interval=3, eval_iters=2, **over))
+    return metrics_of(run)
+
+
+def test_training_on_shards_resumes_exactly(tmp_path, data_dir):
+    from nanogpt_cli.train import plan_run, train
+
+    source = tmp_path / "play.txt"
+    source.write_text(make_text(lines=300, seed=1), encoding="utf-8")
+    result = prepare(str(source), "shards", tokenizer="char", data_dir=data_dir, shard_tokens=100)
+    assert result.shards["train"] > 50  # windows of block_size + 1 = 33 tokens, 3 per shard at most
+    whole = train_metrics(data_dir, "shards", tmp_path / "whole")
+    parts = tmp_path / "parts"
+    train_metrics(data_dir, "shards", parts, stop_at=4)
+    train(plan_run({}, out=parts, resume=True))
+    assert metrics_of(parts) == whole
+
+
+def test_a_dataset_from_before_shards_still_trains_the_same(tmp_path, data_dir):
+    source = tmp_path / "play.txt"
+    source.write_text(make_text(lines=300, seed=2), encoding="utf-8")
+    prepare(str(source), "new", tokenizer="char", data_dir=data_dir)
+    old = data_dir / "old"  # the layout of earlier versions: train.bin, val.bin, no shard list
+    old.mkdir()
+    meta = load_meta(data_dir, "new")
+    for split in ("train", "val"):
+        (old / f"{split}.bin").hardlink_to(data_dir / "new" / f"{split}-00000.bin")
+    del meta["shards"], meta["shard_tokens"]
+    (old / "meta.json").write_text(json.dumps(meta))
+    assert read_split(data_dir, "old", "train") == read_split(data_dir, "new", "train")
+    assert train_metrics(data_dir, "old", tmp_path / "a") == train_metrics(data_dir, "new", tmp_path / "b")
