@@ -161,14 +161,18 @@ def main():
         corpus = tmp / f"corpus-{sizes[0]}mb.jsonl"
         tokenize, other = serial_share(corpus, tmp / "serial")
         size_mb = corpus.stat().st_size / 1e6
+        bytes_per_token = corpus.stat().st_size / base[sizes[0]]["tokens"]
+        print(f"\none process, {sizes[0]} MB: tokenizing {tokenize:.1f} s ({tokenize / (tokenize + other):.0%}), "
+              f"the rest (reading, ordering, writing, hashing) {other:.1f} s; {bytes_per_token:.2f} bytes/token. "
+              "Estimate with one core for the main process and workers on the others:")
         rows = []
         for cores in (1, 2, 8, 32):
-            workers = max(1, cores - 1)  # one core for the reader/writer process
-            seconds = max(tokenize / workers, other) if cores > 1 else tokenize + other
-            rows.append([cores, f"{size_mb / seconds:.1f}"])
-        table(f"where one process spends its time ({sizes[0]} MB): tokenizing {tokenize:.1f} s "
-              f"({tokenize / (tokenize + other):.0%}), the rest {other:.1f} s; MB/s if workers took all tokenizing",
-              ["cores", "MB/s (estimate)"], rows)
+            seconds = tokenize + other if cores == 1 else max(tokenize / (cores - 1), other)
+            rate = size_mb / seconds
+            hours = 10e9 * bytes_per_token / 1e6 / rate / 3600
+            rows.append([cores, f"{rate:.1f}", f"{hours:.1f}", "main process" if other >= tokenize / max(cores - 1, 1)
+                         else "tokenizing"])
+        table("estimate", ["cores", "MB/s", "hours for 10B gpt2 tokens", "bound by"], rows)
 
 
 if __name__ == "__main__":

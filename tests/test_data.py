@@ -362,6 +362,28 @@ def test_an_interrupted_prepare_is_kept_named_and_resumed(monkeypatch, tmp_path,
     assert sorted(p.name for p in data_dir.iterdir()) == ["cut", "whole"]
 
 
+@pytest.mark.parametrize("kind", ["one text", "text files"])
+def test_a_prepare_stopped_inside_a_document_resumes_there(kind, monkeypatch, tmp_path, data_dir):
+    if kind == "one text":  # also: the tail of train moves to val only once the whole text is in
+        source = tmp_path / "play.txt"
+        source.write_text(make_text(lines=400, seed=4), encoding="utf-8")
+    else:
+        source = tmp_path / "texts"
+        source.mkdir()
+        for i in range(5):
+            (source / f"{i}.txt").write_text(make_text(lines=80, seed=i), encoding="utf-8")
+    monkeypatch.setattr(data, "READ_BYTES", 200)  # a text comes in many pieces ...
+    monkeypatch.setattr(data, "BATCH_DOCS", 3)  # ... and batches, so checkpoints fall inside documents
+    prepare(str(source), "whole", tokenizer="gpt2", data_dir=data_dir, shard_tokens=300)
+    with monkeypatch.context() as m:
+        interrupt_after_checkpoints(m, 4)
+        with pytest.raises(KeyboardInterrupt):
+            prepare(str(source), "cut", tokenizer="gpt2", data_dir=data_dir, shard_tokens=300)
+    assert json.loads((data_dir / ".cut.partial" / "progress.json").read_text())["in_doc"]
+    prepare(str(source), "cut", tokenizer="gpt2", data_dir=data_dir, shard_tokens=300, resume=True)
+    assert dataset_files(data_dir / "cut") == dataset_files(data_dir / "whole")
+
+
 CHILD = """
 import sys, time
 from pathlib import Path
