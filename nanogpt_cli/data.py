@@ -39,6 +39,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 import urllib.request
 from collections import deque
@@ -529,11 +530,31 @@ def _hf_source(repo: str, text_column: str, subset: str | None, split: str, stre
     return _Source(label=label, pieces=pieces, total=None if streaming else len(ds), meta=meta, unit="documents")
 
 
+def _import_datasets():
+    """`datasets`, imported without torch when nothing imported torch yet: it would load torch (seconds, half
+    the start-up of a small prepare) only to hand its streams to a DataLoader. USE_TORCH is read once, on
+    import, and put back at once, so what imports later (transformers) sees the environment as it was."""
+    if "datasets" in sys.modules or "torch" in sys.modules:
+        import datasets
+
+        return datasets
+    saved = os.environ.get("USE_TORCH")
+    os.environ["USE_TORCH"] = "0"
+    try:
+        import datasets
+    finally:
+        if saved is None:
+            del os.environ["USE_TORCH"]
+        else:
+            os.environ["USE_TORCH"] = saved
+    return datasets
+
+
 @contextlib.contextmanager
 def _quiet_datasets(progress_bars: bool):
     """Silence `datasets` while we read: its log lines ("Failed to load JSON ...", retries) would follow our
     one-sentence error, and our own progress bar covers local files. Restores the settings after."""
-    import datasets
+    datasets = _import_datasets()
     from huggingface_hub.utils import logging as hub_logging
 
     verbosity, hub_verbosity = datasets.logging.get_verbosity(), hub_logging.get_verbosity()
