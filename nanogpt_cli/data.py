@@ -792,8 +792,10 @@ def _locked(stage_dir: Path):
     with open(stage_dir / LOCK, "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except BlockingIOError:
             raise NanoGPTError(f"another prepare is writing {stage_dir}; wait for it to finish") from None
+        except OSError:  # a filesystem without locks (some NFS mounts): go on unlocked
+            pass
         yield
 
 

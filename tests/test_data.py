@@ -362,6 +362,35 @@ def test_an_interrupted_prepare_is_kept_named_and_resumed(monkeypatch, tmp_path,
     assert sorted(p.name for p in data_dir.iterdir()) == ["cut", "whole"]
 
 
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_hub_source_resumes_streamed_or_not(streaming, monkeypatch, tmp_path, data_dir):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # a local folder that load_dataset reads as it reads a hub repo: hf:OWNER/NAME relative to the working dir
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")  # the Arrow copy, if any
+    (tmp_path / "corpus" / "web").mkdir(parents=True)
+    for part in range(2):
+        texts = [f"doc {part}.{i}: " + make_text(lines=2, seed=10 * part + i) for i in range(40)]
+        pq.write_table(pa.table({"text": texts}), tmp_path / "corpus" / "web" / f"part-{part}.parquet")
+    monkeypatch.setattr(data, "BATCH_DOCS", 4)
+    options = dict(tokenizer="byte", data_dir=data_dir, shard_tokens=1500, streaming=streaming)
+    prepare("hf:corpus/web", "whole", **options)
+    with monkeypatch.context() as m:
+        interrupt_after_checkpoints(m, 3)
+        with pytest.raises(KeyboardInterrupt):
+            prepare("hf:corpus/web", "cut", **options)
+    seen = []
+    result = prepare("hf:corpus/web", "cut", resume=True, progress=seen.append, **options)
+    assert 0 < result.resumed_documents < result.documents == 80
+    assert dataset_files(data_dir / "cut") == dataset_files(data_dir / "whole")
+    last = seen[-1]  # the progress reports count documents for a hub dataset, and know the total unless streamed
+    assert (last.unit, last.documents, last.tokens) == ("documents", 80, result.tokens)
+    assert last.done == 80 and seen[0].total == (None if streaming else 80)
+
+
 @pytest.mark.parametrize("kind", ["one text", "text files"])
 def test_a_prepare_stopped_inside_a_document_resumes_there(kind, monkeypatch, tmp_path, data_dir):
     if kind == "one text":  # also: the tail of train moves to val only once the whole text is in
@@ -497,3 +526,14 @@ def test_a_dataset_from_before_shards_still_trains_the_same(tmp_path, data_dir):
     (old / "meta.json").write_text(json.dumps(meta))
     assert read_split(data_dir, "old", "train") == read_split(data_dir, "new", "train")
     assert train_metrics(data_dir, "old", tmp_path / "a") == train_metrics(data_dir, "new", tmp_path / "b")
+
+
+def test_two_prepares_of_one_name_do_not_write_at_once(tmp_path, data_dir):
+    source = docs_jsonl(tmp_path / "docs.jsonl", 20)
+    partial = data_dir / ".busy.partial"
+    partial.mkdir(parents=True)
+    with data._locked(partial):  # as a prepare running in another process holds it
+        with pytest.raises(NanoGPTError, match=r"another prepare is writing .*\.busy\.partial; wait for it"):
+            prepare(str(source), "busy", tokenizer="byte", data_dir=data_dir)
+        assert partial.is_dir()  # the other prepare's folder is left alone
+    assert prepare(str(source), "busy", tokenizer="byte", data_dir=data_dir).documents == 20
