@@ -1,0 +1,251 @@
+"""Many processes under torchrun: the process group, the DDP / FSDP2 wrappers, the collectives the training
+loop needs, and full (unsharded) states for rank 0 to save. train.py imports this only when WORLD_SIZE > 1.
+
+    with distributed.process_group("auto") as world:
+        model = distributed.wrap(model, "fsdp", world, dtype)
+
+World-size invariance: --gradient-accumulation-steps G counts micro-batches per update over all ranks. Every
+rank draws all G from the one seeded stream and keeps its G / W (`micro_share`), and each rank's loss is
+averaged over its own micro-batches; DDP and FSDP then average the gradients over the W ranks, so the update
+is the mean over all G micro-batches, as in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from nanogpt_cli.errors import NanoGPTError
+
+PARALLEL = ("ddp", "fsdp")
+# A collective that waits this long means a rank is gone or stuck: fail rather than hang forever. Long enough
+# for rank 0 to gather and save a checkpoint, or for one rank to finish torch.compile, while the others wait.
+TIMEOUT = timedelta(minutes=15)
+
+
+def world_size_from_env() -> int:
+    """The number of processes torchrun started (1 when not under torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int  # this process among all of them, 0 .. size - 1
+    local_rank: int  # this process on its node: its GPU
+    size: int  # processes in all
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        """Rank 0 writes the run folder and prints."""
+        return self.rank == 0
+
+
+def rank_device(name: str, local_rank: int) -> torch.device:
+    """--device under torchrun: one GPU per local rank (cuda:LOCAL_RANK), or the CPU."""
+    if name == "mps" or name.startswith("mps:"):
+        raise NanoGPTError("--device mps runs one process; start it without torchrun")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name.startswith("cuda:"):
+        raise NanoGPTError(f"--device {name}: under torchrun each process takes the GPU of its local rank; "
+                           "pass --device cuda (or auto)")
+    if name not in ("auto", "cuda"):
+        raise NanoGPTError(f"--device {name!r} is not a device; use auto, cpu or cuda under torchrun")
+    if not torch.cuda.is_available():
+        if name == "cuda":
+            raise NanoGPTError("--device cuda was asked for, but this torch sees no CUDA GPU; use --device cpu")
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise NanoGPTError(f"local rank {local_rank} has no GPU: this node sees {torch.cuda.device_count()}; "
+                           "start at most that many processes per node (--nproc_per_node)")
+    return torch.device("cuda", local_rank)
+
+
+@contextlib.contextmanager
+def process_group(device_name: str) -> Iterator[World]:
+    """Join the process group torchrun describes in the environment (nccl on CUDA, gloo on CPU) and leave it
+    on every way out. A normal exit first waits for every rank, so that no process ends (and has torchrun
+    stop the others) while rank 0 still writes or prints."""
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    size = world_size_from_env()
+    device = rank_device(device_name, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=TIMEOUT, device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=TIMEOUT)
+    try:
+        yield World(rank, local_rank, size, device)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# --- dealing out the work ---
+
+
+def micro_share(n_micro: int, world: World) -> range:
+    """The micro-batches (indices into the global G of one update) this rank runs: a contiguous G / W."""
+    if n_micro % world.size != 0:
+        raise NanoGPTError(f"--gradient-accumulation-steps ({n_micro}) counts micro-batches over all processes and "
+                           f"must be divisible by the number of processes ({world.size})")
+    per = n_micro // world.size
+    return range(world.rank * per, (world.rank + 1) * per)
+
+
+def eval_share(n_batches: int, world: World) -> list[int | None]:
+    """The evaluation batches this rank runs, strided. Every rank makes the same number of forward passes
+    (FSDP gathers the weights in each one, with every rank taking part): None is a padding pass whose loss
+    is not counted."""
+    mine: list[int | None] = list(range(world.rank, n_batches, world.size))
+    passes = -(-n_batches // world.size)
+    return mine + [None] * (passes - len(mine))
+
+
+# --- wrapping the model ---
+
+
+def wrap(model: nn.Module, parallel: str, world: World, dtype: torch.dtype) -> nn.Module:
+    """The model ready for data-parallel training; it must already sit on world.device, identical on every rank
+    (same seed, or the same weights loaded). Optimizers are built on the result's parameters."""
+    if parallel == "ddp":
+        import inspect
+
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # our buffers are fixed position tables: broadcasting them in every forward is wasted work, and a
+        # broadcast in a forward that only some ranks run (an evaluation) would deadlock (the flag was renamed)
+        no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+            else {"broadcast_buffers": False}
+        return DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None, **no_buffer_sync)
+    if parallel == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        try:
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        except ImportError:
+            raise NanoGPTError(f"--parallel fsdp needs torch 2.6 or newer (FSDP2); this is {torch.__version__}: "
+                               "upgrade torch or use --parallel ddp") from None
+
+        if dtype == torch.float16:
+            raise NanoGPTError("--parallel fsdp trains in bfloat16 or float32; float16 needs a sharded grad scaler "
+                               "this trainer does not have; use --dtype bfloat16")
+        # an explicit mesh: the default one follows torch.cuda when a GPU is visible, even for a CPU run
+        mesh = init_device_mesh(world.device.type, (world.size,))
+        # on CUDA bf16 weights in the forward and backward, gradients reduced and kept in fp32; the autocast
+        # around the forward still picks each op's precision as in one process
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if world.device.type == "cuda" and dtype == torch.bfloat16 else MixedPrecisionPolicy()
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)  # the rest: embeddings, final norm, LM head
+        return model
+    raise NanoGPTError(f"--parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The GPT inside a DDP wrapper (FSDP2 shards the module in place: it is its own inside)."""
+    return getattr(model, "module", model)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Backward passes inside skip the gradient all-reduce when not enabled: the non-last micro-batches of an
+    accumulation only add to the local gradients, which the last one then reduces once."""
+    if hasattr(model, "no_sync"):  # DDP
+        with contextlib.nullcontext() if enabled else model.no_sync():
+            yield
+    else:  # FSDP2
+        model.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+
+# --- collectives ---
+
+
+def max_int(value: int, world: World) -> int:
+    """The largest of every rank's value, on every rank: a stop flag one rank raised stops them all."""
+    t = torch.tensor([value], dtype=torch.int64, device=world.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def sum_all(t: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks of a tensor (a copy; every rank gets it)."""
+    t = t.detach().clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def mean_all(t: torch.Tensor, world: World) -> torch.Tensor:
+    return sum_all(t) / world.size
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def gather_objects(obj, world: World) -> list:
+    """Every rank's obj (a small picklable value: an RNG state), in rank order, on every rank."""
+    out: list = [None] * world.size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# --- full states for the checkpoint files ---
+
+
+def _full(cpu_offload: bool = True, broadcast: bool = False):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload, broadcast_from_rank0=broadcast)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, unsharded, on rank 0's CPU (the other ranks get {}); every rank must
+    call it. Keys as in the unwrapped GPT's state_dict()."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_full())
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The parameter names in the optimizer's order: position i is parameter i of optimizer.state_dict()."""
+    names = {id(p): name for name, p in unwrap(model).named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's whole state, unsharded, on rank 0's CPU, in the layout of optimizer.state_dict() of one
+    process (parameters by position), so that the optimizer file does not depend on the world size. The
+    other ranks get {}; every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    sd = get_optimizer_state_dict(model, optimizer, options=_full())
+    if not sd:
+        return {}
+    index = {name: i for i, name in enumerate(_param_names(model, optimizer))}
+    return {"state": {index[name]: state for name, state in sd["state"].items()},
+            "param_groups": [dict(g, params=[index[name] for name in g["params"]]) for g in sd["param_groups"]]}
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict) -> None:
+    """Load a one-process optimizer.state_dict() (parameters by position) into the optimizer of a wrapped
+    model, on any world size; every rank passes the whole state and keeps its shard."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    names = _param_names(model, optimizer)
+    by_name = {"state": {names[i]: state for i, state in sd["state"].items()},
+               "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in sd["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=_full(cpu_offload=False))
