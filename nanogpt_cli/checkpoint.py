@@ -57,10 +57,12 @@ def write_json(path: Path, obj: Any) -> None:
 # --- weights ---
 
 
-def save_model(path: Path, model: GPT, meta: dict[str, Any]) -> None:
+def save_model(path: Path, model: GPT, meta: dict[str, Any], state: dict[str, torch.Tensor] | None = None) -> None:
     """Weights in float32-or-as-trained safetensors; meta values are stored as JSON strings (safetensors
-    metadata is str -> str). A tied LM head is stored once, as the embedding, and re-tied on load."""
-    tensors = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    metadata is str -> str). A tied LM head is stored once, as the embedding, and re-tied on load. state: the
+    weights when they are not model.state_dict() (gathered from the shards of many processes)."""
+    state = model.state_dict() if state is None else state
+    tensors = {k: v.detach().contiguous() for k, v in state.items()}
     if model.config.tie_embeddings:
         tensors.pop("lm_head.weight")
     metadata = {"format": "nanogpt", "version": __version__, "config": model.config.to_json()}
@@ -178,9 +180,10 @@ def load_for_inference(checkpoint: str | Path, last: bool = False, device: str =
 # --- optimizer and trainer state ---
 
 
-def save_optimizer(path: Path, optimizer: torch.optim.Optimizer, step: int) -> None:
-    """Per-parameter state tensors as `state.<index>.<name>`; the param groups (lr, betas, ...) as JSON."""
-    sd = optimizer.state_dict()
+def save_optimizer(path: Path, optimizer: torch.optim.Optimizer, step: int, state: dict | None = None) -> None:
+    """Per-parameter state tensors as `state.<index>.<name>`; the param groups (lr, betas, ...) as JSON. state:
+    the state dict when it is not optimizer.state_dict() (gathered from the shards of many processes)."""
+    sd = optimizer.state_dict() if state is None else state
     tensors = {}
     for index, state in sd["state"].items():
         for name, value in state.items():
@@ -191,6 +194,13 @@ def save_optimizer(path: Path, optimizer: torch.optim.Optimizer, step: int) -> N
 
 def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> int:
     """Restore the optimizer from save_optimizer's file; returns the step it was saved at."""
+    sd, step = read_optimizer(path)
+    optimizer.load_state_dict(sd)
+    return step
+
+
+def read_optimizer(path: Path) -> tuple[dict[str, Any], int]:
+    """save_optimizer's file as an optimizer state dict (parameters by position), and the step it was saved at."""
     from safetensors.torch import load_file
 
     with safe_open(str(path), framework="pt") as f:
@@ -203,8 +213,7 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> int:
     groups = json.loads(metadata["param_groups"])
     for group in groups:  # JSON has no tuples; the optimizers keep betas as one
         group.update({k: tuple(v) for k, v in group.items() if k != "params" and isinstance(v, list)})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-    return json.loads(metadata["step"])
+    return {"state": state, "param_groups": groups}, json.loads(metadata["step"])
 
 
 def encode_rng(state: torch.Tensor) -> str:
@@ -227,19 +236,24 @@ class TrainerState:
     rng_batches: torch.Tensor | None = None  # the training batches' own generator
     rng_cuda: list[torch.Tensor] = dataclasses.field(default_factory=list)
     scaler: dict[str, Any] | None = None  # the fp16 grad scaler's state
+    # under torchrun: each rank's dropout generators, {"cpu": state, "cuda": state or None} in rank order
+    rng_ranks: list[dict[str, torch.Tensor | None]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(step=self.step, tokens=self.tokens, best_val_loss=self.best_val_loss, elapsed_s=self.elapsed_s,
                     version=__version__, rng_torch=_maybe(encode_rng, self.rng_torch),
                     rng_batches=_maybe(encode_rng, self.rng_batches), rng_cuda=[encode_rng(s) for s in self.rng_cuda],
-                    scaler=self.scaler)
+                    scaler=self.scaler, rng_ranks=None if self.rng_ranks is None else
+                    [{k: _maybe(encode_rng, v) for k, v in r.items()} for r in self.rng_ranks])
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainerState:
         return cls(step=d["step"], tokens=d["tokens"], best_val_loss=d["best_val_loss"],
                    elapsed_s=d.get("elapsed_s", 0.0), rng_torch=_maybe(decode_rng, d.get("rng_torch")),
                    rng_batches=_maybe(decode_rng, d.get("rng_batches")),
-                   rng_cuda=[decode_rng(s) for s in d.get("rng_cuda") or []], scaler=d.get("scaler"))
+                   rng_cuda=[decode_rng(s) for s in d.get("rng_cuda") or []], scaler=d.get("scaler"),
+                   rng_ranks=None if d.get("rng_ranks") is None else
+                   [{k: _maybe(decode_rng, v) for k, v in r.items()} for r in d["rng_ranks"]])
 
 
 def _maybe(f, value):
@@ -311,10 +325,11 @@ class RunDir:
     # --- save and restore ---
 
     def save(self, model: GPT, optimizer: torch.optim.Optimizer, state: TrainerState, weights_meta: dict[str, Any],
-             is_best: bool) -> None:
+             is_best: bool, model_state: dict | None = None, optimizer_state: dict | None = None) -> None:
         """Write every file under a temporary name first, then rename them into place one after another, so a
-        crash can at worst leave files of two adjacent saves, which restore() detects, never a half-written one.
-        trainer.json is renamed last: it names the step the others must match."""
+        crash can at worst leave files of two adjacent saves, which latest() detects, never a half-written one.
+        trainer.json is renamed last: it names the step the others must match. model_state / optimizer_state:
+        the full states when model and optimizer hold shards (gathered by distributed.full_states)."""
         weights_meta = dict(weights_meta, step=state.step, tokens=state.tokens)
         staged: list[tuple[Path, Path]] = []
 
@@ -324,10 +339,10 @@ class RunDir:
             staged.append((tmp, self.path / name))
 
         try:
-            stage(LAST, lambda p: save_model(p, model, weights_meta))
+            stage(LAST, lambda p: save_model(p, model, weights_meta, model_state))
             if is_best:
-                stage(BEST, lambda p: save_model(p, model, weights_meta))
-            stage(OPTIMIZER, lambda p: save_optimizer(p, optimizer, state.step))
+                stage(BEST, lambda p: save_model(p, model, weights_meta, model_state))
+            stage(OPTIMIZER, lambda p: save_optimizer(p, optimizer, state.step, optimizer_state))
             stage(TRAINER, lambda p: write_json(p, state.to_json()))
             # keep the previous set reachable (hard links: no copy) until the new one is complete
             for _, final in staged:
@@ -342,10 +357,9 @@ class RunDir:
             for tmp, _ in staged:
                 tmp.unlink(missing_ok=True)
 
-    def restore(self, model: GPT, optimizer: torch.optim.Optimizer) -> TrainerState:
-        """Load the last save into model and optimizer and return its trainer state. A save cut short between
-        its renames leaves newer files beside the older trainer.json: their predecessors are still there as
-        hard links, so those are taken."""
+    def latest(self) -> SavePoint:
+        """The last complete save, to resume from. A save cut short between its renames leaves newer files
+        beside the older trainer.json: their predecessors are still there as hard links, so those are taken."""
         state = TrainerState.from_json(json.loads((self.path / TRAINER).read_text()))
         weights, optim = (_matching(self.path / name, state.step) for name in (LAST, OPTIMIZER))
         if weights is None or optim is None:
@@ -353,9 +367,17 @@ class RunDir:
             raise NanoGPTError(f"the checkpoint files in {self.path} are from different steps (weights "
                                f"{found[LAST]}, optimizer {found[OPTIMIZER]}, trainer {state.step}): a save was cut "
                                "short; start over with --force or --init-from")
-        load_weights(model, weights)
-        load_optimizer(optim, optimizer)
-        return state
+        return SavePoint(state, weights, optim)
+
+
+@dataclass
+class SavePoint:
+    """One complete save in a run folder: the trainer state and the weights and optimizer files of its step.
+    The trainer loads the weights before it wraps the model for many processes, the optimizer after."""
+
+    state: TrainerState
+    weights: Path
+    optimizer: Path
 
 
 def _prev(path: Path) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -60,9 +61,15 @@ def one_line_errors(command):
         try:
             return command(*args, **kwargs)
         except NanoGPTError as e:
-            raise fail(str(e)) from None
+            raise (fail(str(e)) if prints() else typer.Exit(1)) from None
 
     return run
+
+
+def prints() -> bool:
+    """Whether this process prints: always, except under torchrun, where rank 0 speaks for all (they meet the
+    same errors, as they read the same files and agree on losses and stop signals)."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 # options that several commands share
@@ -200,6 +207,8 @@ def train(
                                                     rich_help_panel="Training")] = None,
     stop_at: Annotated[Optional[int], typer.Option(help="Stop after update K as if interrupted.",
                                                    rich_help_panel="Training")] = None,
+    parallel: Annotated[Optional[str], typer.Option(help="Under torchrun: ddp (weights on every GPU) or fsdp "
+                                                         "(sharded).", rich_help_panel="Training")] = None,
 ):
     """Train a GPT on a prepared dataset, with checkpoints you can resume.
 
@@ -210,21 +219,26 @@ def train(
     if preset is not None:
         flags["preset"] = preset
     from nanogpt_cli.config import load_toml
-    from nanogpt_cli.train import plan_run
+    from nanogpt_cli.train import plan_run, processes
     from nanogpt_cli.train import train as run_training
     from nanogpt_cli.ui import TrainDisplay, console, train_table
 
     plan = plan_run(flags, load_toml(config) if config else {}, out=out, resume=resume, force=force,
                     init_from=init_from)
-    with TrainDisplay(quiet) as display:
-        result = run_training(plan, display)
-    console.print(train_table(result))
-    resume_with = f"nanogpt train --out {plan.run_dir} --resume"
+    # under torchrun the process group is left only after rank 0 has printed, so no rank ends (and has
+    # torchrun stop the others) before
+    with processes(plan.train) as world:
+        with TrainDisplay(quiet or not prints()) as display:
+            result = run_training(plan, display, world)
+        if prints():
+            console.print(train_table(result))
+            resume_with = f"nanogpt train --out {plan.run_dir} --resume"
+            if result.stopped in ("SIGINT", "SIGTERM"):
+                fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}")
+            if result.stopped == "stop_at":
+                console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_with}")
     if result.stopped in ("SIGINT", "SIGTERM"):
-        fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}")
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
-    if result.stopped == "stop_at":
-        console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_with}")
 
 
 @app.command()

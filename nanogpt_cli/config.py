@@ -24,6 +24,7 @@ NORMS = ("layernorm", "rmsnorm")
 MLPS = ("gelu", "gelu_tanh", "swiglu")
 LR_SCHEDULES = ("cosine", "constant", "wsd")
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype's names besides auto; torch.<name> is the dtype
+PARALLEL = ("ddp", "fsdp")
 
 
 @dataclass
@@ -130,6 +131,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     compile: bool = False  # torch.compile the model
     stop_at: int | None = None  # end after this update as if interrupted (the schedule still follows max_iters)
+    parallel: str = "ddp"  # under torchrun: ddp (weights replicated) | fsdp (weights sharded, FSDP2)
 
     def __post_init__(self):
         for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "eval_interval", "eval_iters",
@@ -143,6 +145,8 @@ class TrainConfig:
             raise ValueError("--learning-rate must be positive and --min-lr non-negative")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"--parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0.0 < self.wsd_decay_frac <= 1.0:

@@ -326,7 +326,11 @@ class TokenShards:
 
     def windows(self, count: int, length: int, generator) -> np.ndarray:
         """`count` random windows of `length` tokens as an array (count, length) of the shards' dtype."""
-        return np.stack([self.shard(s)[o:o + length] for s, o in self.starts(count, length, generator)])
+        return self.read(self.starts(count, length, generator), length)
+
+    def read(self, starts: list[tuple[int, int]], length: int) -> np.ndarray:
+        """The windows of `length` tokens at these (shard, offset) starts, as an array (len(starts), length)."""
+        return np.stack([self.shard(s)[o:o + length] for s, o in starts])
 
 
 def open_split(data_dir: Path, name: str, split: str) -> TokenShards:

@@ -24,7 +24,6 @@ from torch import nn
 
 from nanogpt_cli.errors import NanoGPTError
 
-PARALLEL = ("ddp", "fsdp")
 # A collective that waits this long means a rank is gone or stuck: fail rather than hang forever. Long enough
 # for rank 0 to gather and save a checkpoint, or for one rank to finish torch.compile, while the others wait.
 TIMEOUT = timedelta(minutes=15)
@@ -92,22 +91,33 @@ def process_group(device_name: str) -> Iterator[World]:
 # --- dealing out the work ---
 
 
+def per_rank(n_micro: int, size: int) -> int:
+    """Micro-batches per rank for --gradient-accumulation-steps n_micro, or the one-sentence refusal."""
+    if n_micro % size != 0:
+        raise NanoGPTError(f"--gradient-accumulation-steps ({n_micro}) counts micro-batches over all processes and "
+                           f"must be divisible by the number of processes ({size})")
+    return n_micro // size
+
+
 def micro_share(n_micro: int, world: World) -> range:
     """The micro-batches (indices into the global G of one update) this rank runs: a contiguous G / W."""
-    if n_micro % world.size != 0:
-        raise NanoGPTError(f"--gradient-accumulation-steps ({n_micro}) counts micro-batches over all processes and "
-                           f"must be divisible by the number of processes ({world.size})")
-    per = n_micro // world.size
+    per = per_rank(n_micro, world.size)
     return range(world.rank * per, (world.rank + 1) * per)
 
 
-def eval_share(n_batches: int, world: World) -> list[int | None]:
-    """The evaluation batches this rank runs, strided. Every rank makes the same number of forward passes
-    (FSDP gathers the weights in each one, with every rank taking part): None is a padding pass whose loss
-    is not counted."""
-    mine: list[int | None] = list(range(world.rank, n_batches, world.size))
+def eval_share(n_batches: int, world: World) -> tuple[list[int], int]:
+    """The evaluation batches this rank runs (strided) and how many of them count. Every rank makes the same
+    number of forward passes, as FSDP gathers the weights in each one with every rank taking part: a rank
+    short of batches repeats its first, uncounted."""
+    mine = list(range(world.rank, n_batches, world.size))
     passes = -(-n_batches // world.size)
-    return mine + [None] * (passes - len(mine))
+    return mine + [mine[0] if mine else 0] * (passes - len(mine)), len(mine)
+
+
+def mean_loss(losses: torch.Tensor, counted: int, n_batches: int) -> float:
+    """The mean over all ranks' evaluation batches, from this rank's per-batch losses (the first `counted`
+    count), summed in float64 so the order of the ranks does not show."""
+    return (sum_all(losses[:counted].double().sum()) / n_batches).item()
 
 
 # --- wrapping the model ---
@@ -126,29 +136,28 @@ def wrap(model: nn.Module, parallel: str, world: World, dtype: torch.dtype) -> n
         no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters \
             else {"broadcast_buffers": False}
         return DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None, **no_buffer_sync)
-    if parallel == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
+    assert parallel == "fsdp", parallel  # TrainConfig checked it
+    from torch.distributed.device_mesh import init_device_mesh
 
-        try:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-        except ImportError:
-            raise NanoGPTError(f"--parallel fsdp needs torch 2.6 or newer (FSDP2); this is {torch.__version__}: "
-                               "upgrade torch or use --parallel ddp") from None
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:
+        raise NanoGPTError(f"--parallel fsdp needs torch 2.6 or newer (FSDP2); this is {torch.__version__}: "
+                           "upgrade torch or use --parallel ddp") from None
 
-        if dtype == torch.float16:
-            raise NanoGPTError("--parallel fsdp trains in bfloat16 or float32; float16 needs a sharded grad scaler "
-                               "this trainer does not have; use --dtype bfloat16")
-        # an explicit mesh: the default one follows torch.cuda when a GPU is visible, even for a CPU run
-        mesh = init_device_mesh(world.device.type, (world.size,))
-        # on CUDA bf16 weights in the forward and backward, gradients reduced and kept in fp32; the autocast
-        # around the forward still picks each op's precision as in one process
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if world.device.type == "cuda" and dtype == torch.bfloat16 else MixedPrecisionPolicy()
-        for block in model.transformer.h:
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)  # the rest: embeddings, final norm, LM head
-        return model
-    raise NanoGPTError(f"--parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
+    if dtype == torch.float16:
+        raise NanoGPTError("--parallel fsdp trains in bfloat16 or float32; float16 needs a sharded grad scaler "
+                           "this trainer does not have; use --dtype bfloat16")
+    # an explicit mesh: the default one follows torch.cuda when a GPU is visible, even for a CPU run
+    mesh = init_device_mesh(world.device.type, (world.size,))
+    # on CUDA bf16 weights in the forward and backward, gradients reduced and kept in fp32; the autocast
+    # around the forward still picks each op's precision as in one process
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if world.device.type == "cuda" and dtype == torch.bfloat16 else MixedPrecisionPolicy()
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)  # the rest: embeddings, final norm, LM head
+    return model
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -160,7 +169,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 def gradient_sync(model: nn.Module, enabled: bool):
     """Backward passes inside skip the gradient all-reduce when not enabled: the non-last micro-batches of an
     accumulation only add to the local gradients, which the last one then reduces once."""
-    if hasattr(model, "no_sync"):  # DDP
+    if is_ddp(model):
         with contextlib.nullcontext() if enabled else model.no_sync():
             yield
     else:  # FSDP2
@@ -212,6 +221,20 @@ def _full(cpu_offload: bool = True, broadcast: bool = False):
     return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload, broadcast_from_rank0=broadcast)
 
 
+def is_ddp(model: nn.Module) -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return isinstance(model, DistributedDataParallel)
+
+
+def full_states(model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> tuple[dict, dict]:
+    """The model's and the optimizer's whole states for rank 0 to save, laid out as in one process; {} on the
+    other ranks. Every rank must call it (FSDP gathers the shards)."""
+    if is_ddp(model):  # every rank holds all of it already
+        return (unwrap(model).state_dict(), optimizer.state_dict()) if world.main else ({}, {})
+    return full_model_state(model), full_optimizer_state(model, optimizer)
+
+
 def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's state dict, unsharded, on rank 0's CPU (the other ranks get {}); every rank must
     call it. Keys as in the unwrapped GPT's state_dict()."""
@@ -232,6 +255,8 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     other ranks get {}; every rank must call it."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+    if not optimizer.state:  # before the first step; the helper would take a step (lr 0) to make some state,
+        return optimizer.state_dict() if dist.get_rank() == 0 else {}  # and AdamW's step count would be off by one
     sd = get_optimizer_state_dict(model, optimizer, options=_full())
     if not sd:
         return {}
@@ -240,11 +265,14 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
             "param_groups": [dict(g, params=[index[name] for name in g["params"]]) for g in sd["param_groups"]]}
 
 
-def load_full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict) -> None:
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict) -> None:
     """Load a one-process optimizer.state_dict() (parameters by position) into the optimizer of a wrapped
-    model, on any world size; every rank passes the whole state and keeps its shard."""
+    model, on any world size; every rank passes the whole state (FSDP keeps its shard)."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+    if is_ddp(model) or not sd["state"]:  # not sharded, or saved before the first step: nothing to shard
+        optimizer.load_state_dict(sd)
+        return
     names = _param_names(model, optimizer)
     by_name = {"state": {names[i]: state for i, state in sd["state"].items()},
                "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in sd["param_groups"]]}

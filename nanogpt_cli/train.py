@@ -9,8 +9,10 @@ trainer.json, so a run stopped and resumed gives the same losses as one that was
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -86,22 +88,38 @@ class Batches:
         self.block_size, self.batch_size, self.device = block_size, batch_size, device
         self.generator = torch.Generator().manual_seed(seed)
 
-    def get_batch(self, split: str, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def draw(self, split: str, generator: torch.Generator | None = None) -> list[tuple[int, int]]:
+        """Where the windows of one batch start, (shard, offset) each: the random part, which every rank
+        draws alike."""
+        return self.splits[split].starts(self.batch_size, self.block_size + 1, generator or self.generator)
+
+    def load(self, split: str, starts: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         data, T = self.splits[split], self.block_size
-        windows = torch.from_numpy(data.windows(self.batch_size, T + 1, generator or self.generator).astype(np.int64))
+        windows = torch.from_numpy(data.read(starts, T + 1).astype(np.int64))
         x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each
         if self.device.type == "cuda":
             return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device), y.to(self.device)
 
-    def fixed_batches(self, split: str, n: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The same n batches at every evaluation: curves move because the model does, not the sample."""
+    def get_batch(self, split: str, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.load(split, self.draw(split, generator))
+
+    def fixed_batches(self, split: str, n: int, seed: int,
+                      share: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The same n batches at every evaluation: curves move because the model does, not the sample. Under
+        torchrun a rank loads only its share of them (indices into the n)."""
         g = torch.Generator().manual_seed(seed)
-        return [self.get_batch(split, g) for _ in range(n)]
+        starts = [self.draw(split, g) for _ in range(n)]
+        return [self.load(split, starts[i]) for i in (range(n) if share is None else share)]
+
+
+def estimate_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], ctx) -> float:
+    return eval_losses(model, batches, ctx).mean().item()
 
 
 @torch.no_grad()
-def estimate_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], ctx) -> float:
+def eval_losses(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], ctx) -> torch.Tensor:
+    """The mean loss of each batch. (n,)"""
     was_training = model.training
     model.eval()
     losses = []
@@ -110,17 +128,19 @@ def estimate_loss(model: torch.nn.Module, batches: list[tuple[torch.Tensor, torc
             _, loss = model(x, y)
         losses.append(loss.float())
     model.train(was_training)
-    return torch.stack(losses).mean().item()
+    return torch.stack(losses)
 
 
-def optimizer_step(model, optimizer, micro_batches, ctx, scaler, grad_clip: float) -> torch.Tensor:
-    """One update from a list of (x, y) micro-batches (gradient accumulation); returns the mean loss."""
+def optimizer_step(model, optimizer, micro_batches, ctx, scaler, grad_clip: float, sync=None) -> torch.Tensor:
+    """One update from a list of (x, y) micro-batches (gradient accumulation); returns their mean loss. Under
+    torchrun they are this rank's share, and sync(enabled) skips the gradient reduction on all but the last."""
     total = torch.zeros((), device=micro_batches[0][0].device)
-    for x, y in micro_batches:
-        with ctx:
-            _, loss = model(x, y)
-        loss = loss / len(micro_batches)
-        scaler.scale(loss).backward()
+    for i, (x, y) in enumerate(micro_batches):
+        with sync(i == len(micro_batches) - 1) if sync else contextlib.nullcontext():
+            with ctx:
+                _, loss = model(x, y)
+            loss = loss / len(micro_batches)
+            scaler.scale(loss).backward()
         total += loss.detach()
     if grad_clip > 0:
         scaler.unscale_(optimizer)
@@ -293,9 +313,12 @@ class NoDisplay:
 
 
 class StopSignals:
-    """Ctrl-C / SIGTERM set a flag; the loop finishes its step, saves and stops. A second Ctrl-C aborts."""
+    """Ctrl-C / SIGTERM set a flag; the loop finishes its step, saves and stops. A second Ctrl-C aborts, except
+    under torchrun, which passes a terminal's Ctrl-C on to its workers a second time (and kills them itself
+    if they have not ended 30 s later)."""
 
-    def __init__(self):
+    def __init__(self, abort_on_second: bool = True):
+        self.abort_on_second = abort_on_second
         self.received: str | None = None
         self._old: dict[int, Any] = {}
 
@@ -308,9 +331,9 @@ class StopSignals:
         return self
 
     def _handle(self, signum, frame):
-        if self.received is not None and signum == signal.SIGINT:
+        if self.received is not None and signum == signal.SIGINT and self.abort_on_second:
             raise KeyboardInterrupt
-        self.received = signal.Signals(signum).name
+        self.received = self.received or signal.Signals(signum).name
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
@@ -322,50 +345,103 @@ def non_finite(step: int, run_dir: ckpt.RunDir) -> NanoGPTError:
                         "try a lower --learning-rate or --dtype float32")
 
 
+# --- many processes ---
+
+
+def processes(cfg: TrainConfig):
+    """`with processes(cfg) as world:` the process group of a torchrun launch (a distributed.World), or None in
+    a plain one-process run, which then imports nothing distributed."""
+    n = int(os.environ.get("WORLD_SIZE", "1"))
+    if n <= 1:
+        return contextlib.nullcontext(None)
+    from nanogpt_cli import distributed
+
+    distributed.per_rank(cfg.gradient_accumulation_steps, n)  # refused before any process waits for another
+    return distributed.process_group(cfg.device)
+
+
+STOP_CODES = {None: 0, "SIGINT": 1, "SIGTERM": 2}  # all-reduced with max: a signal to any rank stops them all
+
+
 # --- the loop ---
 
 
-def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
-    """Train (or resume) the planned run. The display gets typed events; nothing here prints."""
+def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainResult:
+    """Train (or resume) the planned run. The display gets typed events; nothing here prints. Under torchrun
+    every process calls this, in `processes(plan.train)` (world) or else joining the process group for the
+    call; rank 0 writes the run folder."""
+    if world is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        with processes(plan.train) as world:
+            return train(plan, display, world)
+    if world:
+        from nanogpt_cli import distributed as dist
+
+        dist.barrier()  # every rank has planned (looked at the run folder) before rank 0 changes it
+    main = world is None or world.main
     show = display or NoDisplay()
     model_cfg, cfg, run_dir = plan.model, plan.train, plan.run_dir
-    device = resolve_device(cfg.device)
+    device = world.device if world else resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere and newer
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(cfg.seed)
     batches = Batches(Path(cfg.data_dir), cfg.data, model_cfg.block_size, cfg.batch_size, device, cfg.seed)
-    eval_sets = {s: batches.fixed_batches(s, cfg.eval_iters, cfg.seed + 1 + i) for i, s in enumerate(("train", "val"))}
+    # under torchrun each rank evaluates a share of the fixed batches, and the losses are summed over ranks
+    share, counted = dist.eval_share(cfg.eval_iters, world) if world else (None, cfg.eval_iters)
+    eval_sets = {s: batches.fixed_batches(s, cfg.eval_iters, cfg.seed + 1 + i, share)
+                 for i, s in enumerate(("train", "val"))}
 
     model = GPT(model_cfg)
     if plan.init_weights is not None:
         ckpt.load_weights(model, plan.init_weights)
     elif plan.init_model is not None:
         model.load_state_dict(plan.init_model.state_dict())  # copies in place: a tied head stays tied
+    saved = run_dir.latest() if plan.resume else None
+    if saved:
+        ckpt.load_weights(model, saved.weights)  # on every rank, before DDP or FSDP takes the model over
     model.to(device)
-    optimizer = make_optimizer(model, cfg, device)
+    tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * model_cfg.block_size  # all ranks'
+    flops_per_iter = model.flops_per_token() * tokens_per_iter
+    params = model.num_params()
+    wrapped = model
+    if world:
+        torch.manual_seed(cfg.seed + world.rank)  # dropout: each rank its own masks, as its own batches
+        wrapped = dist.wrap(model, cfg.parallel, world, dtype)
+    optimizer = make_optimizer(model, cfg, device)  # FSDP has sharded the parameters in place
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     ctx = autocast_for(device, dtype)
 
-    if plan.resume:
-        state = run_dir.restore(model, optimizer)
-        _restore_rng(state, batches, scaler)
-        run_dir.truncate_metrics(state.step)
+    if saved:
+        state = saved.state
+        optimizer_state, _ = ckpt.read_optimizer(saved.optimizer)
+        if world:
+            dist.load_optimizer_state(wrapped, optimizer, optimizer_state)
+        else:
+            optimizer.load_state_dict(optimizer_state)
+        _restore_rng(state, batches, scaler, world, cfg.seed)
+        if main:
+            run_dir.truncate_metrics(state.step)
     else:
         state = ckpt.TrainerState()
-        run_dir.start(plan.force)
-    run_dir.write_config({"model": model_cfg.to_dict(), "train": cfg.to_dict(), "dataset": plan.dataset})
+        if main:
+            run_dir.start(plan.force)
+    if main:
+        run_dir.write_config({"model": model_cfg.to_dict(), "train": cfg.to_dict(), "dataset": plan.dataset})
     weights_meta = dict(tokenizer=plan.dataset["tokenizer"], dataset=plan.dataset.get("name", ""))
 
-    compiled = torch.compile(model) if cfg.compile else model
-    tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * model_cfg.block_size
-    flops_per_iter = model.flops_per_token() * tokens_per_iter
+    compiled = torch.compile(wrapped) if cfg.compile else wrapped
     peak = peak_flops(device)
-    show.on_start(RunStarted(step=state.step, max_iters=cfg.max_iters, device=str(device),
-                             dtype=str(dtype).replace("torch.", ""), params=model.num_params(),
+    if peak and world:
+        peak *= world.size  # MFU of all the GPUs together
+    show.on_start(RunStarted(step=state.step, max_iters=cfg.max_iters,
+                             device=f"{world.size} x {device.type} ({cfg.parallel})" if world else str(device),
+                             dtype=str(dtype).replace("torch.", ""), params=params,
                              tokens_per_iter=tokens_per_iter, run_dir=str(run_dir), resume=plan.resume,
                              model=model_cfg.to_dict(), train=cfg.to_dict()))
+    # every rank draws each update's micro-batches from the one stream, and runs its own share of them
+    mine = dist.micro_share(cfg.gradient_accumulation_steps, world) if world else range(cfg.gradient_accumulation_steps)
+    sync = (lambda enabled: dist.gradient_sync(wrapped, enabled)) if world else None
 
     last: Evaluated | None = None
     end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
@@ -374,13 +450,27 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
 
     def save(val_loss: float | None, is_best: bool) -> None:
         state.elapsed_s = elapsed_before + time.perf_counter() - t0
-        _capture_rng(state, batches, scaler)
-        run_dir.save(model, optimizer, state, dict(weights_meta, val_loss=val_loss), is_best)
+        _capture_rng(state, batches, scaler, world)
+        if not world:
+            run_dir.save(model, optimizer, state, dict(weights_meta, val_loss=val_loss), is_best)
+            return
+        model_state, optimizer_state = dist.full_states(wrapped, optimizer, world)  # every rank takes part
+        try:
+            if world.main:
+                run_dir.save(model, optimizer, state, dict(weights_meta, val_loss=val_loss), is_best,
+                             model_state, optimizer_state)
+        finally:
+            dist.barrier()  # no rank goes on (or ends) before the save is complete
+
+    def losses_on(split: str) -> float:
+        if not world:
+            return estimate_loss(compiled, eval_sets[split], ctx)
+        return dist.mean_loss(eval_losses(compiled, eval_sets[split], ctx), counted, cfg.eval_iters)
 
     def evaluate_and_save() -> None:
         nonlocal last, eval_s, t_window
         t_eval = time.perf_counter()
-        losses = {s: estimate_loss(compiled, eval_sets[s], ctx) for s in ("train", "val")}
+        losses = {s: losses_on(s) for s in ("train", "val")}
         if not all(math.isfinite(v) for v in losses.values()):
             raise non_finite(state.step, run_dir)
         is_best = state.best_val_loss is None or losses["val"] < state.best_val_loss
@@ -389,7 +479,8 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
         last = Evaluated(step=state.step, train_loss=losses["train"], val_loss=losses["val"],
                          lr=lr_at(max(state.step - 1, 0), cfg), tokens=state.tokens,
                          elapsed_s=round(elapsed_before + t_eval - t0, 3), best_val_loss=state.best_val_loss)
-        run_dir.append_metrics(last.record())
+        if main:
+            run_dir.append_metrics(last.record())
         save(losses["val"], is_best)
         show.on_eval(last)
         spent = time.perf_counter() - t_eval
@@ -401,7 +492,7 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
     first_s = 0.0
     start_step = state.step
     stopped = None
-    with StopSignals() as signals:
+    with StopSignals(abort_on_second=world is None) as signals:
         if not plan.resume:
             evaluate_and_save()
         model.train()
@@ -409,15 +500,16 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
             lr = lr_at(state.step, cfg)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            micro = [batches.get_batch("train") for _ in range(cfg.gradient_accumulation_steps)]
+            starts = [batches.draw("train") for _ in range(cfg.gradient_accumulation_steps)]
+            micro = [batches.load("train", starts[i]) for i in mine]
             t_step = time.perf_counter()
-            loss = optimizer_step(compiled, optimizer, micro, ctx, scaler, cfg.grad_clip)
+            loss = optimizer_step(compiled, optimizer, micro, ctx, scaler, cfg.grad_clip, sync)
             if state.step == start_step:  # the first step warms up (and with --compile, compiles): not speed
                 first_s = time.perf_counter() - t_step
             state.step += 1
             state.tokens += tokens_per_iter
             if state.step % cfg.log_interval == 0 or state.step == end:
-                loss_value = loss.item()
+                loss_value = (dist.mean_all(loss, world) if world else loss).item()
                 if not math.isfinite(loss_value):
                     raise non_finite(state.step, run_dir)
                 now = time.perf_counter()
@@ -428,8 +520,12 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
                                         mfu=flops_per_iter / dt / peak if peak else None))
             if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters:
                 evaluate_and_save()
-            if signals.received:
-                stopped = signals.received
+            received = signals.received
+            if world:  # once per step, so that every rank stops after the same one
+                received = {code: name for name, code in STOP_CODES.items()}[
+                    dist.max_int(STOP_CODES[received], world)]
+            if received:
+                stopped = received
                 break
         if state.step == end and end < cfg.max_iters:
             stopped = "stop_at"
@@ -449,17 +545,33 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
                        mfu=(flops_per_iter * timed / train_s / peak) if peak and timed else None, stopped=stopped)
 
 
-def _capture_rng(state: ckpt.TrainerState, batches: Batches, scaler) -> None:
+def _capture_rng(state: ckpt.TrainerState, batches: Batches, scaler, world=None) -> None:
     state.rng_torch = torch.get_rng_state()
     state.rng_batches = batches.generator.get_state()
     state.rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
     state.scaler = scaler.state_dict() if scaler.is_enabled() else None
+    state.rng_ranks = None
+    if world:  # every rank's dropout generators (rank 0's are also the ones above)
+        from nanogpt_cli import distributed as dist
+
+        mine = {"cpu": torch.get_rng_state(),
+                "cuda": torch.cuda.get_rng_state(batches.device) if batches.device.type == "cuda" else None}
+        state.rng_ranks = dist.gather_objects(mine, world)
 
 
-def _restore_rng(state: ckpt.TrainerState, batches: Batches, scaler) -> None:
-    torch.set_rng_state(state.rng_torch)
+def _restore_rng(state: ckpt.TrainerState, batches: Batches, scaler, world=None, seed: int = 0) -> None:
     batches.generator.set_state(state.rng_batches)
-    if state.rng_cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state.rng_cuda)
     if state.scaler and scaler.is_enabled():
         scaler.load_state_dict(state.scaler)
+    ranks = state.rng_ranks or []
+    if world and len(ranks) == world.size:  # as many processes as were saved: each continues its own dropout
+        torch.set_rng_state(ranks[world.rank]["cpu"])
+        if ranks[world.rank]["cuda"] is not None and batches.device.type == "cuda":
+            torch.cuda.set_rng_state(ranks[world.rank]["cuda"], batches.device)
+    elif world and world.rank > 0:  # another world size: dropout cannot continue as it was anyway
+        torch.manual_seed(seed + world.rank + state.step)
+    else:
+        torch.set_rng_state(state.rng_torch)
+        if state.rng_cuda and torch.cuda.is_available():  # as many GPUs as this machine has of those saved
+            for i, s in enumerate(state.rng_cuda[:torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(s, i)

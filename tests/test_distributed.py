@@ -1,0 +1,164 @@
+"""Training under torchrun on the CPU (gloo, 2 processes): world-size invariance for DDP and FSDP, stop and
+resume across world sizes, SIGTERM to one rank, and checkpoints that load anywhere.
+
+Each run is a real `python -m torch.distributed.run ... -m nanogpt_cli train`; the tests judge the files rank 0
+wrote and the launcher's exit status.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from nanogpt_cli.cli import app
+
+ROOT = Path(__file__).resolve().parent.parent
+runner = CliRunner()
+# eval_iters 3: an odd number, so the two ranks evaluate unequal shares and one makes a padding pass
+SMALL = ["--preset", "tiny", "--batch-size", "4", "--max-iters", "6", "--eval-interval", "2", "--eval-iters", "3",
+         "--gradient-accumulation-steps", "2", "--log-interval", "1", "--dtype", "float32", "--device", "cpu"]
+
+
+def env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+
+
+def launch(procs: int, *args: str) -> list[str]:
+    if procs == 1:
+        return [sys.executable, "-m", "nanogpt_cli", "train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
+            "-m", "nanogpt_cli", "train", *args]
+
+
+def train(procs: int, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(launch(procs, *args), env=env(), capture_output=True, text=True, timeout=120)
+    if ok:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_run(a: Path, b: Path, tol: float = 1e-5) -> None:
+    ma, mb = metrics(a), metrics(b)
+    assert [m["step"] for m in ma] == [m["step"] for m in mb]
+    for x, y in zip(ma, mb):
+        assert x["tokens"] == y["tokens"] and x["lr"] == y["lr"]
+        assert x["train_loss"] == pytest.approx(y["train_loss"], abs=tol)
+        assert x["val_loss"] == pytest.approx(y["val_loss"], abs=tol)
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=tol, msg=name)
+
+
+def train_here(*args: str) -> None:
+    """One process, in this one: no launch to pay for."""
+    result = runner.invoke(app, ["train", *args, "--quiet"])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.fixture(scope="module")
+def runs(char_data, tmp_path_factory) -> dict[str, Path]:
+    """The same run in 1 process and in 2 with DDP; with FSDP in 2 processes stopped at step 3, then resumed
+    in 2 processes (fsdp) and in 1."""
+    data_dir, name = char_data
+    root = tmp_path_factory.mktemp("dist")
+    data = ["--data", name, "--data-dir", str(data_dir)]
+    out = {k: root / k for k in ("one", "ddp", "stopped", "fsdp", "fsdp-then-one")}
+    train_here(*data, *SMALL, "--out", str(out["one"]))
+    train(2, *data, *SMALL, "--out", str(out["ddp"]), "--parallel", "ddp")
+    train(2, *data, *SMALL, "--out", str(out["stopped"]), "--parallel", "fsdp", "--stop-at", "3", "--quiet")
+    for resumed in ("fsdp", "fsdp-then-one"):
+        shutil.copytree(out["stopped"], out[resumed])
+    train(2, "--out", str(out["fsdp"]), "--resume", "--quiet")
+    train_here("--out", str(out["fsdp-then-one"]), "--resume")
+    return out
+
+
+def test_two_processes_with_ddp_train_like_one(runs):
+    assert_same_run(runs["one"], runs["ddp"])
+    # the run folder holds the same files as a one-process run, written once
+    assert sorted(p.name for p in runs["ddp"].iterdir()) == sorted(p.name for p in runs["one"].iterdir())
+    assert json.loads((runs["ddp"] / "config.json").read_text())["train"]["parallel"] == "ddp"
+
+
+def test_fsdp_stopped_under_two_processes_resumes_under_two_or_one_like_one_process(runs):
+    stopped = runs["stopped"]
+    assert json.loads((stopped / "trainer.json").read_text())["step"] == 3
+    assert [m["step"] for m in metrics(stopped)] == [0, 2]
+    assert json.loads((runs["fsdp"] / "config.json").read_text())["train"]["parallel"] == "fsdp"
+    assert_same_run(runs["one"], runs["fsdp"])
+    assert_same_run(runs["one"], runs["fsdp-then-one"])
+
+
+def test_a_checkpoint_from_two_processes_samples_like_one_from_one(runs):
+    texts = []
+    for run in (runs["one"], runs["ddp"], runs["fsdp"]):
+        result = runner.invoke(app, ["sample", "--checkpoint", str(run), "--prompt", "KING:", "--temperature", "0",
+                                     "--max-new-tokens", "40", "--no-stream", "--device", "cpu", "--dtype", "float32"])
+        assert result.exit_code == 0, result.output
+        texts.append(result.output)
+    assert texts[0] == texts[1] == texts[2] and "KING:" in texts[0]
+
+
+def test_sigterm_to_one_rank_stops_both_after_a_save(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    launcher = subprocess.Popen(
+        launch(2, "--data", name, "--data-dir", str(data_dir), *SMALL, "--max-iters", "100000",
+               "--eval-interval", "100000", "--out", str(run)),
+        env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while not (run / "trainer.json").exists() and time.time() < deadline:  # the step-0 checkpoint
+            time.sleep(0.1)
+        time.sleep(1.0)  # let it take some steps
+        rank1 = next(pid for pid in workers(launcher.pid) if rank_of(pid) == 1)
+        os.kill(rank1, signal.SIGTERM)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode != 0
+    assert (out + err).count(f"nanogpt train --out {run} --resume") == 1, out + err
+    state = json.loads((run / "trainer.json").read_text())
+    assert state["step"] > 0
+    result = runner.invoke(app, ["train", "--out", str(run), "--resume", "--max-iters", str(state["step"] + 2),
+                                 "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((run / "trainer.json").read_text())["step"] == state["step"] + 2
+
+
+def workers(launcher_pid: int) -> list[int]:
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    return [int(pid) for pid in children]
+
+
+def rank_of(pid: int) -> int | None:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    rank = next((v for v in environ if v.startswith(b"RANK=")), None)
+    return int(rank[5:]) if rank else None
+
+
+def test_accumulation_not_divisible_by_processes_is_one_sentence(char_data, tmp_path, monkeypatch):
+    data_dir, name = char_data
+    # what torchrun tells rank 0 of 2; refused before the process group is joined, so nothing waits for rank 1
+    for var, value in dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0").items():
+        monkeypatch.setenv(var, value)
+    result = runner.invoke(app, ["train", "--data", name, "--data-dir", str(data_dir), *SMALL,
+                                 "--gradient-accumulation-steps", "3", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 1
+    assert "--gradient-accumulation-steps (3) counts micro-batches over all processes" in result.output
+    assert not (tmp_path / "run").exists()
