@@ -5,6 +5,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -56,3 +60,21 @@ def table(title: str, header: list[str], rows: list[list]) -> None:
     for row in rows:
         t.add_row(*[str(c) for c in row])
     Console(width=160).print(t)
+
+
+def train_in_processes(flags: dict, procs: int, run_dir: Path, threads: int | None = None) -> dict | None:
+    """One `nanogpt train` run in a fresh process, or in `procs` under torchrun: the figures rank 0 reports
+    (train_worker.py), or None after printing why it failed. threads: OMP_NUM_THREADS of each process."""
+    result = run_dir.with_suffix(".json")
+    launcher = [sys.executable] if procs == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    t0 = time.perf_counter()
+    proc = subprocess.run(launcher + [str(ROOT / "benchmarks" / "train_worker.py"), json.dumps(flags), str(run_dir),
+                                      str(result)], env=env, capture_output=True, text=True)
+    if not result.is_file():
+        print(f"--- {run_dir.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
+        return None
+    return dict(json.loads(result.read_text()), wall_s=time.perf_counter() - t0, returncode=proc.returncode)

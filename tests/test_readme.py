@@ -1,4 +1,5 @@
-"""The README stays true: every nanogpt command line it shows uses flags that exist, and CI runs its test command."""
+"""The README stays true: every nanogpt command line it shows (torchrun's too) uses flags that exist, and CI runs
+its test command."""
 
 import re
 import shlex
@@ -24,6 +25,8 @@ def command_lines() -> list[list[str]]:
                 words = shlex.split(part.strip())
                 if words[:1] == ["nanogpt"]:
                     out.append(words[1:])
+                elif words[:1] == ["torchrun"] and "nanogpt_cli" in words:  # torchrun ... -m nanogpt_cli ARGS
+                    out.append(words[words.index("nanogpt_cli") + 1:])
     return out
 
 
