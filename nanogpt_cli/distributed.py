@@ -13,7 +13,9 @@ is the mean over all G micro-batches, as in one process.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,11 +29,6 @@ from nanogpt_cli.errors import NanoGPTError
 # A collective that waits this long means a rank is gone or stuck: fail rather than hang forever. Long enough
 # for rank 0 to gather and save a checkpoint, or for one rank to finish torch.compile, while the others wait.
 TIMEOUT = timedelta(minutes=15)
-
-
-def world_size_from_env() -> int:
-    """The number of processes torchrun started (1 when not under torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 @dataclass(frozen=True)
@@ -73,8 +70,7 @@ def process_group(device_name: str) -> Iterator[World]:
     """Join the process group torchrun describes in the environment (nccl on CUDA, gloo on CPU) and leave it
     on every way out. A normal exit first waits for every rank, so that no process ends (and has torchrun
     stop the others) while rank 0 still writes or prints."""
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    size = world_size_from_env()
+    rank, local_rank, size = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device = rank_device(device_name, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -84,7 +80,12 @@ def process_group(device_name: str) -> Iterator[World]:
     try:
         yield World(rank, local_rank, size, device)
         dist.barrier()
+        # from here on each rank only tears down and exits; after a stop with a non-zero exit, the first rank
+        # out makes torchrun SIGTERM the rest: let them finish their exit (and status) instead of dying in it
+        with contextlib.suppress(ValueError):  # ValueError: not the main thread
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
     finally:
+        gc.collect()  # the wrapped model's cycles hold on to the group's work objects: free them while it lives
         dist.destroy_process_group()
 
 
@@ -133,8 +134,8 @@ def wrap(model: nn.Module, parallel: str, world: World, dtype: torch.dtype) -> n
 
         # our buffers are fixed position tables: broadcasting them in every forward is wasted work, and a
         # broadcast in a forward that only some ranks run (an evaluation) would deadlock (the flag was renamed)
-        no_buffer_sync = {"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters \
-            else {"broadcast_buffers": False}
+        renamed = "forward_sync_buffers" in inspect.signature(DDP).parameters
+        no_buffer_sync = {"forward_sync_buffers": False} if renamed else {"broadcast_buffers": False}
         return DDP(model, device_ids=[world.device.index] if world.device.type == "cuda" else None, **no_buffer_sync)
     assert parallel == "fsdp", parallel  # TrainConfig checked it
     from torch.distributed.device_mesh import init_device_mesh
@@ -215,10 +216,11 @@ def gather_objects(obj, world: World) -> list:
 # --- full states for the checkpoint files ---
 
 
-def _full(cpu_offload: bool = True, broadcast: bool = False):
+def _full(cpu_offload: bool = True):
+    """Options for torch's state-dict helpers: whole (unsharded) states, on rank 0's CPU when offloaded."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload, broadcast_from_rank0=broadcast)
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
 
 
 def is_ddp(model: nn.Module) -> bool:

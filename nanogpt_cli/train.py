@@ -435,7 +435,7 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
     if peak and world:
         peak *= world.size  # MFU of all the GPUs together
     show.on_start(RunStarted(step=state.step, max_iters=cfg.max_iters,
-                             device=f"{world.size} x {device.type} ({cfg.parallel})" if world else str(device),
+                             device=f"{world.size} x {device.type}, {cfg.parallel}" if world else str(device),
                              dtype=str(dtype).replace("torch.", ""), params=params,
                              tokens_per_iter=tokens_per_iter, run_dir=str(run_dir), resume=plan.resume,
                              model=model_cfg.to_dict(), train=cfg.to_dict()))

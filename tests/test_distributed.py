@@ -7,6 +7,7 @@ wrote and the launcher's exit status.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,7 +30,8 @@ SMALL = ["--preset", "tiny", "--batch-size", "4", "--max-iters", "6", "--eval-in
 
 
 def env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=path)
 
 
 def launch(procs: int, *args: str) -> list[str]:
@@ -133,6 +135,8 @@ def test_sigterm_to_one_rank_stops_both_after_a_save(char_data, tmp_path):
             os.killpg(launcher.pid, signal.SIGKILL)
     assert launcher.returncode != 0
     assert (out + err).count(f"nanogpt train --out {run} --resume") == 1, out + err
+    # torchrun's failure report: both ranks ended with SIGTERM's 143 (none was killed by torchrun on the way out)
+    assert re.findall(r"exitcode\s*:\s*(-?\d+)", err) == ["143", "143"], err[-3000:]
     state = json.loads((run / "trainer.json").read_text())
     assert state["step"] > 0
     result = runner.invoke(app, ["train", "--out", str(run), "--resume", "--max-iters", str(state["step"] + 2),
@@ -150,6 +154,15 @@ def rank_of(pid: int) -> int | None:
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     rank = next((v for v in environ if v.startswith(b"RANK=")), None)
     return int(rank[5:]) if rank else None
+
+
+def test_evaluation_batches_are_dealt_out_with_equal_passes():
+    from nanogpt_cli.distributed import World, eval_share, micro_share
+
+    worlds = [World(rank, rank, 2, torch.device("cpu")) for rank in (0, 1)]
+    assert [eval_share(3, w) for w in worlds] == [([0, 2], 2), ([1, 1], 1)]  # rank 1 repeats its batch, uncounted
+    assert [eval_share(4, w) for w in worlds] == [([0, 2], 2), ([1, 3], 2)]
+    assert [list(micro_share(4, w)) for w in worlds] == [[0, 1], [2, 3]]
 
 
 def test_accumulation_not_divisible_by_processes_is_one_sentence(char_data, tmp_path, monkeypatch):
