@@ -136,7 +136,7 @@ def test_sigterm_to_one_rank_stops_both_after_a_save(char_data, tmp_path):
     assert launcher.returncode != 0
     assert (out + err).count(f"nanogpt train --out {run} --resume") == 1, out + err
     # torchrun's failure report: both ranks ended with SIGTERM's 143 (none was killed by torchrun on the way out)
-    assert re.findall(r"exitcode\s*:\s*(-?\d+)", err) == ["143", "143"], err[-3000:]
+    assert re.findall(r"exitcode\s*:\s*(-?\d+) \(pid", err) == ["143", "143"], err[-3000:]
     state = json.loads((run / "trainer.json").read_text())
     assert state["step"] > 0
     result = runner.invoke(app, ["train", "--out", str(run), "--resume", "--max-iters", str(state["step"] + 2),
@@ -175,3 +175,4 @@ def test_accumulation_not_divisible_by_processes_is_one_sentence(char_data, tmp_
     assert result.exit_code == 1
     assert "--gradient-accumulation-steps (3) counts micro-batches over all processes" in result.output
     assert not (tmp_path / "run").exists()
+
