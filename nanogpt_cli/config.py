@@ -21,7 +21,8 @@ from nanogpt_cli.errors import NanoGPTError
 
 POS_ENCODINGS = ("rope", "sinusoidal", "learned")
 NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "gelu_tanh", "swiglu")
+MLPS = ("gelu", "gelu_tanh", "swiglu", "relu2")
+OPTIMIZERS = ("adamw", "muon")
 LR_SCHEDULES = ("cosine", "constant", "wsd")
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype's names besides auto; torch.<name> is the dtype
 
@@ -41,9 +42,13 @@ class GPTConfig:
     rope_theta: float = 10000.0  # RoPE base frequency
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-5  # epsilon of the norm layers
-    mlp: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2's approximation) | swiglu
+    mlp: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2's approximation) | swiglu | relu2 (squared ReLU)
     mlp_hidden: int | None = None  # MLP hidden width; None: 4*n_embd (gelu) or ~8/3*n_embd rounded to 64 (swiglu)
     tie_embeddings: bool = True  # the LM head shares the token embedding matrix
+    # modded-nanogpt / nanochat block options; off by default, so older checkpoints load unchanged
+    qk_norm: bool = False  # RMSNorm (with a gain per head dimension) on queries and keys, before RoPE
+    logit_softcap: float | None = None  # logits -> C * tanh(logits / C), in fp32 (Gemma 2); None: off
+    zero_init_proj: bool = False  # start each residual branch's output projection at zero (init only)
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -68,6 +73,8 @@ class GPTConfig:
             raise ValueError(f"--mlp-hidden must be a positive integer, got {self.mlp_hidden}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.logit_softcap is not None and self.logit_softcap <= 0:
+            raise ValueError(f"--logit-softcap must be positive, got {self.logit_softcap}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError("--rope-theta and --norm-eps must be positive")
 

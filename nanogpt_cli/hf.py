@@ -107,6 +107,9 @@ def to_hf(model: GPT):
     import transformers
 
     c = model.config
+    if c.qk_norm or c.logit_softcap is not None:  # zero_init_proj changes only the init: it converts
+        raise ValueError("GPT-2 and Llama have no QK-norm or logit soft-capping, so a model trained with --qk-norm "
+                         "or --logit-softcap does not convert to Hugging Face")
     if c.pos_encoding == "learned" and c.norm == "layernorm" and c.mlp == "gelu_tanh" and c.bias:
         kind = "gpt2"
         hf_config = transformers.GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
