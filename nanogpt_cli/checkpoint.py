@@ -171,32 +171,46 @@ def load_for_inference(checkpoint: str | Path, last: bool = False, device: str =
 # --- optimizer and trainer state ---
 
 
-def save_optimizer(path: Path, optimizer: torch.optim.Optimizer, step: int) -> None:
-    """Per-parameter state tensors as `state.<index>.<name>`; the param groups (lr, betas, ...) as JSON."""
-    sd = optimizer.state_dict()
-    tensors = {}
-    for index, state in sd["state"].items():
-        for name, value in state.items():
-            tensors[f"state.{index}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
-    metadata = {"param_groups": json.dumps(sd["param_groups"]), "step": json.dumps(step)}
+def _optimizer_parts(optimizer) -> list[tuple[str, torch.optim.Optimizer]]:
+    """(key prefix, optimizer) for each optimizer in one: "" for a lone one (the original layout), "opt<j>." for
+    each of several (optim.Optimizers: Muon and AdamW)."""
+    parts = getattr(optimizer, "optimizers", [optimizer])
+    return [("" if len(parts) == 1 else f"opt{j}.", part) for j, part in enumerate(parts)]
+
+
+def save_optimizer(path: Path, optimizer, step: int) -> None:
+    """Per-parameter state tensors as `<prefix>state.<index>.<name>`; each optimizer's param groups (lr, betas,
+    ...) as JSON in `<prefix>param_groups`. A lone optimizer has no prefix."""
+    tensors, metadata = {}, {"step": json.dumps(step)}
+    for prefix, part in _optimizer_parts(optimizer):
+        sd = part.state_dict()
+        for index, state in sd["state"].items():
+            for name, value in state.items():
+                tensors[f"{prefix}state.{index}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
+        metadata[f"{prefix}param_groups"] = json.dumps(sd["param_groups"])
     atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata))
 
 
-def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> int:
-    """Restore the optimizer from save_optimizer's file; returns the step it was saved at."""
+def load_optimizer(path: Path, optimizer) -> int:
+    """Restore the optimizer(s) from save_optimizer's file; returns the step it was saved at."""
     from safetensors.torch import load_file
 
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata()
     tensors = load_file(str(path))
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        _, index, name = key.split(".", 2)
-        state.setdefault(int(index), {})[name] = value
-    groups = json.loads(metadata["param_groups"])
-    for group in groups:  # JSON has no tuples; the optimizers keep betas as one
-        group.update({k: tuple(v) for k, v in group.items() if k != "params" and isinstance(v, list)})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
+    parts = _optimizer_parts(optimizer)
+    if sum(k.endswith("param_groups") for k in metadata) != len(parts):
+        raise NanoGPTError(f"{path} holds the state of a different optimizer than this run's --optimizer")
+    for prefix, part in parts:
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            if key.startswith(prefix + "state."):
+                _, index, name = key[len(prefix):].split(".", 2)
+                state.setdefault(int(index), {})[name] = value
+        groups = json.loads(metadata[f"{prefix}param_groups"])
+        for group in groups:  # JSON has no tuples; the optimizers keep betas (and Muon its coefficients) as one
+            group.update({k: tuple(v) for k, v in group.items() if k != "params" and isinstance(v, list)})
+        part.load_state_dict({"state": state, "param_groups": groups})
     return json.loads(metadata["step"])
 
 

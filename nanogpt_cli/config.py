@@ -129,6 +129,10 @@ class TrainConfig:
     beta1: float = 0.9  # AdamW's first-moment decay
     beta2: float = 0.99  # AdamW's second-moment decay (0.95 for large models)
     grad_clip: float = 1.0  # clip the global grad norm to this; 0 disables
+    optimizer: str = "adamw"  # adamw | muon (Muon for the matrices inside the blocks, AdamW for the rest)
+    muon_lr: float = 0.02  # Muon's peak learning rate; the schedule scales it like --learning-rate
+    muon_momentum: float = 0.95  # Muon's momentum (Nesterov)
+    muon_momentum_warmup: int = 0  # updates over which Muon's momentum rises from 0.85 to --muon-momentum
     eval_interval: int = 250  # evaluate every this many updates (and at the end)
     eval_iters: int = 20  # batches per split in each evaluation
     log_interval: int = 10  # progress line every this many updates
@@ -156,6 +160,10 @@ class TrainConfig:
             raise ValueError(f"--wsd-decay-frac must be in (0, 1], got {self.wsd_decay_frac}")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError("--grad-clip and --weight-decay must be >= 0")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.muon_lr <= 0 or not 0.0 <= self.muon_momentum < 1.0 or self.muon_momentum_warmup < 0:
+            raise ValueError("--muon-lr must be positive, --muon-momentum in [0, 1) and --muon-momentum-warmup >= 0")
         if self.stop_at is not None and self.stop_at <= 0:
             raise ValueError(f"--stop-at must be a positive integer, got {self.stop_at}")
 

@@ -27,6 +27,7 @@ from nanogpt_cli.data import load_meta, open_split
 from nanogpt_cli.device import autocast_for, peak_flops, resolve_device, resolve_dtype
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
+from nanogpt_cli.optim import make_optimizer, set_lr
 
 @dataclass
 class TrainResult:
@@ -129,13 +130,6 @@ def optimizer_step(model, optimizer, micro_batches, ctx, scaler, grad_clip: floa
     return total
 
 
-def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    # the fused kernel is one call for all parameters (CUDA and CPU); mps falls back to foreach
-    fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(model.optimizer_groups(cfg.weight_decay), lr=cfg.learning_rate,
-                             betas=(cfg.beta1, cfg.beta2), fused=fused)
-
-
 # --- the run plan: every input of a run, resolved once ---
 
 
@@ -205,6 +199,10 @@ def _plan_resume(run_dir: ckpt.RunDir, model_over: dict[str, Any], train_over: d
         raise NanoGPTError(f"--resume takes the architecture from {run_dir}; drop "
                            + ", ".join(f"--{flag(k)}" for k in sorted(model_over)))
     saved = run_dir.read_config()
+    saved_optimizer = saved["train"].get("optimizer", "adamw")
+    if train_over.get("optimizer", saved_optimizer) != saved_optimizer:
+        raise NanoGPTError(f"--resume continues the run's --optimizer {saved_optimizer}; it cannot change to "
+                           f"{train_over['optimizer']} (start a new run with --init-from instead)")
     saved_train = {k: v for k, v in saved["train"].items() if k not in ("stop_at", "out")}  # out: older runs
     model_cfg, train_cfg = build_configs({**saved["model"], **saved_train, **train_over})
     step = json.loads((run_dir / ckpt.TRAINER).read_text())["step"]
@@ -394,8 +392,7 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
         model.train()
         while state.step < end:
             lr = lr_at(state.step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(optimizer, lr, state.step, cfg)
             micro = [batches.get_batch("train") for _ in range(cfg.gradient_accumulation_steps)]
             t_step = time.perf_counter()
             loss = optimizer_step(compiled, optimizer, micro, ctx, scaler, cfg.grad_clip)
