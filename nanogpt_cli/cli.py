@@ -238,7 +238,7 @@ def sample(
     top_p: Annotated[float, typer.Option(help="Keep the fewest tokens whose probability reaches P (1: off).")] = 1.0,
     min_p: Annotated[float, typer.Option(help="Drop tokens below P x the top token's probability (0: off).")] = 0.0,
     repetition_penalty: Annotated[float, typer.Option(help="Above 1 discourages tokens already present.")] = 1.0,
-    num_samples: Annotated[int, typer.Option(help="How many samples.")] = 1,
+    num_samples: Annotated[int, typer.Option(help="How many samples (decoded together as one batch).")] = 1,
     seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same text.")] = 1337,
     stop: Annotated[Optional[list[str]], typer.Option(help="End a sample at this text (repeatable).")] = None,
     ignore_eot: Annotated[bool, typer.Option("--ignore-eot", help="Keep going past the end-of-text token.")] = False,

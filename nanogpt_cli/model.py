@@ -403,11 +403,23 @@ class GPT(nn.Module):
     def generate_tokens(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                         top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                         repetition_penalty: float = 1.0, use_cache: bool = True,
-                        generator: torch.Generator | None = None, vocab_size: int | None = None
-                        ) -> Iterator[torch.Tensor]:
+                        generator: torch.Generator | None = None, vocab_size: int | None = None,
+                        prompt_tails: list[list[int]] | None = None) -> Iterator[torch.Tensor]:
         """The generation loop: yields the next token of every row (B,), up to max_new_tokens times; a caller
         that stops early (a stop text, end of text) just stops iterating. vocab_size: never pick a token at
-        or above it (a padded head has rows the tokenizer lacks). See process_logits for the filters."""
+        or above it (a padded head has rows the tokenizer lacks). See process_logits for the filters.
+
+        Prompts of different lengths: idx holds the part all rows have (the shortest prompt's length) and
+        prompt_tails the rest of each row's prompt. Those tokens are fed in place of sampled ones, one step at a
+        time, so every row stays at the same position and one cache serves the batch with no padding or masks
+        (each row computes exactly what it would alone). The loop then runs max_new_tokens + the longest tail
+        steps, and row r's first len(prompt_tails[r]) tokens are its own prompt's."""
+        forced = None
+        if prompt_tails is not None and any(prompt_tails):
+            forced = torch.full((idx.size(0), max(map(len, prompt_tails))), -1, dtype=torch.long, device=idx.device)
+            for r, tail in enumerate(prompt_tails):
+                forced[r, :len(tail)] = torch.tensor(tail, dtype=torch.long)
+            max_new_tokens += forced.size(1)
         if max_new_tokens <= 0:
             return
         seen = None
@@ -423,6 +435,8 @@ class GPT(nn.Module):
                 filtered = process_logits(logits, temperature, top_k, top_p, min_p, repetition_penalty,
                                           seen[:, :logits.size(-1)] if seen is not None else None)
                 token = sample_token(filtered, temperature, generator)  # (B,)
+                if forced is not None and i < forced.size(1):  # rows still inside their prompt take its token
+                    token = torch.where(forced[:, i] >= 0, forced[:, i], token)
                 yield token
                 if seen is not None:
                     seen.scatter_(1, token[:, None], True)
