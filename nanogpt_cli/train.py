@@ -362,7 +362,7 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
         _capture_rng(state, batches, scaler)
         run_dir.save(model, optimizer, state, dict(weights_meta, val_loss=val_loss), is_best)
 
-    def evaluate_and_save() -> None:
+    def evaluate_and_save(checkpoint: bool = True) -> None:
         nonlocal last, eval_s, t_window
         t_eval = time.perf_counter()
         losses = {s: estimate_loss(compiled, eval_sets[s], ctx) for s in ("train", "val")}
@@ -375,7 +375,8 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
                          lr=lr_at(max(state.step - 1, 0), cfg), tokens=state.tokens,
                          elapsed_s=round(elapsed_before + t_eval - t0, 3), best_val_loss=state.best_val_loss)
         run_dir.append_metrics(last.record())
-        save(losses["val"], is_best)
+        if checkpoint:
+            save(losses["val"], is_best)
         show.on_eval(last)
         spent = time.perf_counter() - t_eval
         eval_s += spent
@@ -387,8 +388,8 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
     start_step = state.step
     stopped = None
     with StopSignals() as signals:
-        if not plan.resume:
-            evaluate_and_save()
+        if not plan.resume:  # the loss at init, for the record; a checkpoint of it would resume nothing
+            evaluate_and_save(checkpoint=False)
         model.train()
         while state.step < end:
             lr = lr_at(state.step, cfg)

@@ -110,7 +110,7 @@ def test_sigint_leaves_a_resumable_checkpoint(char_data, tmp_path):
            "tiny", "--max-iters", "1000000", "--eval-interval", "1000000", "--out", str(run), "--device", "cpu"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
-    while not (run / "trainer.json").exists() and time.time() < deadline:  # the step-0 checkpoint
+    while not (run / "metrics.jsonl").exists() and time.time() < deadline:  # the step-0 evaluation
         time.sleep(0.1)
     time.sleep(1.0)  # let it take some steps
     proc.send_signal(signal.SIGINT)
