@@ -39,6 +39,46 @@ class Optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
 
+def orthogonalize(G: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
+    """Muon's quintic Newton-Schulz iteration, as torch.optim.Muon computes it but in fp32: G (m, n) -> roughly
+    the nearest semi-orthogonal matrix (U V^T of G's SVD, with singular values near 1)."""
+    a, b, c = coefficients
+    X = G.float()
+    if X.size(0) > X.size(1):
+        X = X.T
+    X = X / X.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        A = X @ X.T
+        X = torch.addmm(X, torch.addmm(A, A, A, beta=b, alpha=c), X, beta=a)
+    return X.T if G.size(0) > G.size(1) else X
+
+
+class CPUMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.optim.Optimizer):
+    """torch.optim.Muon with its orthogonalisation in fp32. torch's runs it in bf16, and this machine's CPU
+    multiplies bf16 matrices of these shapes 10-25x slower than fp32 (a 4 x 128 model's Muon step took 3.3 s in
+    bf16 and 0.2 s in fp32, on a busy machine). The update is torch's (Nesterov momentum, Newton-Schulz, the "original" shape
+    scaling sqrt(max(1, rows / cols)), decoupled weight decay) and so are the state and the param groups: a
+    checkpoint moves between the two."""
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        assert closure is None, "CPUMuon.step takes no closure"
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
+                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update.to(p.dtype), alpha=-lr * max(1.0, p.size(0) / p.size(1)) ** 0.5)
+
+
 def muon_params(model: GPT) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(the 2-D weight matrices inside the blocks, everything else)."""
     inner, rest = [], []
@@ -58,7 +98,8 @@ def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device):
         raise NanoGPTError(f"--optimizer muon needs torch.optim.Muon (torch 2.9 or newer); this is torch "
                            f"{torch.__version__}: upgrade torch or use --optimizer adamw")
     inner, rest = muon_params(model)
-    muon = torch.optim.Muon(inner, lr=cfg.muon_lr, momentum=muon_momentum_at(0, cfg), weight_decay=cfg.weight_decay)
+    muon_class = CPUMuon if device.type == "cpu" else torch.optim.Muon
+    muon = muon_class(inner, lr=cfg.muon_lr, momentum=muon_momentum_at(0, cfg), weight_decay=cfg.weight_decay)
     matrices = [p for p in rest if p.dim() >= 2]  # the embedding and an untied head: decayed, as with AdamW alone
     others = [p for p in rest if p.dim() < 2]
     groups = [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": others, "weight_decay": 0.0}]
