@@ -336,3 +336,23 @@ def test_the_schedule_scales_both_optimizers_and_warms_muons_momentum():
     assert muon.param_groups[0]["momentum"] == pytest.approx(0.9)  # half way from 0.85 to 0.95
     set_lr(opt, lr_at(0, cfg), 10, cfg)
     assert muon.param_groups[0]["momentum"] == 0.95 and muon.param_groups[0]["lr"] == pytest.approx(0.02)
+
+
+def test_the_cpu_muon_makes_torchs_muon_update_in_fp32():
+    from nanogpt_cli.optim import CPUMuon
+
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(48, 16)), torch.nn.Parameter(torch.randn(16, 40))]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    a = CPUMuon(ours, lr=0.02, momentum=0.9, weight_decay=0.1)
+    b = torch.optim.Muon(theirs, lr=0.02, momentum=0.9, weight_decay=0.1)
+    for _ in range(3):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        a.step()
+        b.step()
+    for p, q in zip(ours, theirs):  # torch's orthogonalises in bf16: equal to its precision
+        torch.testing.assert_close(p, q, atol=2e-3, rtol=0)
+        assert not torch.equal(p, torch.zeros_like(p))
+    b.load_state_dict(a.state_dict())  # the same state: checkpoints move between them
