@@ -116,8 +116,8 @@ def train(
     data: Annotated[Optional[str], typer.Option(help="Dataset name under --data-dir (made by nanogpt prepare).")
                     ] = None,
     data_dir: Annotated[Optional[str], typer.Option(help=DATA_DIR_HELP[:-1] + " (default data).")] = None,
-    preset: Annotated[Optional[str], typer.Option(help="Named config: tiny, cpu-char, shakespeare-char, gpt2-124m, "
-                                                       "gpt2-350m.")] = None,
+    preset: Annotated[Optional[str], typer.Option(help="Named config: tiny, cpu-char, cpu-fast, shakespeare-char, "
+                                                       "gpt2-124m, gpt2-350m.")] = None,
     config: Annotated[Optional[Path], typer.Option(help="TOML file of config keys; flags override it.")] = None,
     out: Annotated[Optional[Path], typer.Option(help="Run folder (default checkpoints/DATA-TIMESTAMP).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out where it stopped.")] = False,
