@@ -180,40 +180,62 @@ def load_for_inference(checkpoint: str | Path, last: bool = False, device: str =
 # --- optimizer and trainer state ---
 
 
-def save_optimizer(path: Path, optimizer: torch.optim.Optimizer, step: int, state: dict | None = None) -> None:
-    """Per-parameter state tensors as `state.<index>.<name>`; the param groups (lr, betas, ...) as JSON. state:
-    the state dict when it is not optimizer.state_dict() (gathered from the shards of many processes)."""
-    sd = optimizer.state_dict() if state is None else state
-    tensors = {}
-    for index, state in sd["state"].items():
-        for name, value in state.items():
-            tensors[f"state.{index}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
-    metadata = {"param_groups": json.dumps(sd["param_groups"]), "step": json.dumps(step)}
+def optimizer_parts(optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside one: itself, or each of several (optim.Optimizers: Muon and AdamW)."""
+    return list(getattr(optimizer, "optimizers", [optimizer]))
+
+
+def _prefixes(n: int) -> list[str]:
+    # a lone optimizer has no prefix (the original layout); each of several has "opt<j>."
+    return [""] if n == 1 else [f"opt{j}." for j in range(n)]
+
+
+def save_optimizer(path: Path, optimizer, step: int, state: dict | None = None) -> None:
+    """Per-parameter state tensors as `<prefix>state.<index>.<name>`; each optimizer's param groups (lr, betas,
+    ...) as JSON in `<prefix>param_groups`. state: the state dict of a lone optimizer when it is not
+    optimizer.state_dict() (gathered from the shards of many processes)."""
+    parts = optimizer_parts(optimizer)
+    sds = [state] if state is not None and len(parts) == 1 else [part.state_dict() for part in parts]
+    tensors, metadata = {}, {"step": json.dumps(step)}
+    for prefix, sd in zip(_prefixes(len(sds)), sds):
+        for index, param_state in sd["state"].items():
+            for name, value in param_state.items():
+                tensors[f"{prefix}state.{index}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
+        metadata[f"{prefix}param_groups"] = json.dumps(sd["param_groups"])
     atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata))
 
 
-def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> int:
-    """Restore the optimizer from save_optimizer's file; returns the step it was saved at."""
-    sd, step = read_optimizer(path)
-    optimizer.load_state_dict(sd)
-    return step
-
-
-def read_optimizer(path: Path) -> tuple[dict[str, Any], int]:
-    """save_optimizer's file as an optimizer state dict (parameters by position), and the step it was saved at."""
+def read_optimizer(path: Path, optimizer) -> tuple[list[dict[str, Any]], int]:
+    """save_optimizer's file as one state dict per optimizer part of `optimizer` (parameters by position), and
+    the step it was saved at; a file of another kind of optimizer is one sentence."""
     from safetensors.torch import load_file
 
     with safe_open(str(path), framework="pt") as f:
         metadata = f.metadata()
     tensors = load_file(str(path))
-    state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        _, index, name = key.split(".", 2)
-        state.setdefault(int(index), {})[name] = value
-    groups = json.loads(metadata["param_groups"])
-    for group in groups:  # JSON has no tuples; the optimizers keep betas as one
-        group.update({k: tuple(v) for k, v in group.items() if k != "params" and isinstance(v, list)})
-    return {"state": state, "param_groups": groups}, json.loads(metadata["step"])
+    n = len(optimizer_parts(optimizer))
+    if sum(k.endswith("param_groups") for k in metadata) != n:
+        raise NanoGPTError(f"{path} holds the state of a different optimizer than this run's --optimizer")
+    sds = []
+    for prefix in _prefixes(n):
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            if key.startswith(prefix + "state."):
+                _, index, name = key[len(prefix):].split(".", 2)
+                state.setdefault(int(index), {})[name] = value
+        groups = json.loads(metadata[f"{prefix}param_groups"])
+        for group in groups:  # JSON has no tuples; the optimizers keep betas (and Muon its coefficients) as one
+            group.update({k: tuple(v) for k, v in group.items() if k != "params" and isinstance(v, list)})
+        sds.append({"state": state, "param_groups": groups})
+    return sds, json.loads(metadata["step"])
+
+
+def load_optimizer(path: Path, optimizer) -> int:
+    """Restore the optimizer(s) from save_optimizer's file; returns the step it was saved at."""
+    sds, step = read_optimizer(path, optimizer)
+    for part, sd in zip(optimizer_parts(optimizer), sds):
+        part.load_state_dict(sd)
+    return step
 
 
 def encode_rng(state: torch.Tensor) -> str:

@@ -229,11 +229,12 @@ def is_ddp(model: nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
-def full_states(model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> tuple[dict, dict]:
+def full_states(model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> tuple[dict, dict | None]:
     """The model's and the optimizer's whole states for rank 0 to save, laid out as in one process; {} on the
-    other ranks. Every rank must call it (FSDP gathers the shards)."""
-    if is_ddp(model):  # every rank holds all of it already
-        return (unwrap(model).state_dict(), optimizer.state_dict()) if world.main else ({}, {})
+    other ranks. Every rank must call it (FSDP gathers the shards). With DDP every rank holds all of it
+    already: the optimizer's state is then None, meaning the optimizer's own (it may be several, Muon's)."""
+    if is_ddp(model):
+        return (unwrap(model).state_dict() if world.main else {}), None
     return full_model_state(model), full_optimizer_state(model, optimizer)
 
 

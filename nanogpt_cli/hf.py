@@ -105,6 +105,9 @@ def require(module: str):
 def hf_kind(c: GPTConfig) -> str:
     """The stock architecture that computes exactly what this config computes, or one sentence saying why none
     does, naming the closest one and the flags to change."""
+    if c.qk_norm or c.logit_softcap is not None:  # --zero-init-proj changes only the init: it converts
+        raise NanoGPTError("no stock Hugging Face architecture has QK-norm or logit soft-capping; a model trained "
+                           "with --qk-norm or --logit-softcap does not convert (train without them to export)")
     gelu = c.mlp in ("gelu", "gelu_tanh")
     if c.pos_encoding in ("learned", "sinusoidal"):
         if c.norm == "layernorm" and gelu:

@@ -88,8 +88,18 @@ def activation(h: torch.Tensor, mlp: str) -> torch.Tensor:
     if mlp == "swiglu":
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
+    if mlp == "relu2":  # squared ReLU (So et al. 2021, Primer): as cheap as ReLU, trains like GELU or better
+        return F.relu(h).square()
     # exact GELU is ~3x cheaper than the tanh form on CPU; GPT-2's weights need the tanh form
     return F.gelu(h, approximate="tanh" if mlp == "gelu_tanh" else "none")
+
+
+def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's logit soft-capping, cap * tanh(logits / cap), in fp32: a smooth bound on the logits' size that
+    keeps early training from making them large. None: the logits as they are."""
+    if cap is None:
+        return logits
+    return cap * torch.tanh(logits.float() / cap)
 
 
 def make_norm(config: GPTConfig) -> nn.Module:
@@ -106,16 +116,22 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # fused q, k, v
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        if config.qk_norm:  # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen3): bounded attention logits
+            self.q_norm = nn.RMSNorm(config.head_size, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(config.head_size, eps=config.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, x, cos=None, sin=None, cache: KVCache | None = None, layer: int = 0):
         B, T, C = x.size()
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, self.head_size)  # (B, T, 3, nh, hs)
+        qk = qkv[:, :, :2]  # (B, T, 2, nh, hs)
+        if self.q_norm is not None:  # per head, before RoPE
+            qk = torch.stack([self.q_norm(qkv[:, :, 0]), self.k_norm(qkv[:, :, 1])], dim=2)
         if self.rope:
             # rotate q and k together: one set of elementwise ops instead of two
-            qk = apply_rope(qkv[:, :, :2], cos, sin)  # (B, T, 2, nh, hs); cos, sin: (T, 1, 1, hs)
-            q, k = qk.unbind(dim=2)
-        else:
-            q, k = qkv[:, :, 0], qkv[:, :, 1]
+            qk = apply_rope(qk, cos, sin)  # (B, T, 2, nh, hs); cos, sin: (T, 1, 1, hs)
+        q, k = qk.unbind(dim=2)
         v = qkv[:, :, 2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
         if cache is None:
@@ -181,6 +197,8 @@ class LayerWeights(NamedTuple):
     """One block's weights as decode_step reads them (norms as functions with their weights bound)."""
 
     ln_1: Callable[[torch.Tensor], torch.Tensor]
+    q_norm: Callable[[torch.Tensor], torch.Tensor] | None  # --qk-norm; None when off
+    k_norm: Callable[[torch.Tensor], torch.Tensor] | None
     w_qkv: torch.Tensor
     b_qkv: torch.Tensor | None
     w_o: torch.Tensor
@@ -203,6 +221,7 @@ class DecodePlan(NamedTuple):
     cos: torch.Tensor | None  # RoPE tables (block_size, 1, 1, hs)
     sin: torch.Tensor | None
     act: Callable[[torch.Tensor], torch.Tensor]
+    logit_softcap: float | None
     n_head: int
     head_size: int
     n_embd: int
@@ -232,10 +251,14 @@ class GPT(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
         # GPT-2: scale the init of each residual branch's output by 1/sqrt(2 * n_layer), as the
-        # residual stream sums 2 * n_layer of them
+        # residual stream sums 2 * n_layer of them; --zero-init-proj starts them at zero instead, so every
+        # block begins as the identity (modded-nanogpt, nanochat)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                if config.zero_init_proj:
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
     @staticmethod
     def _init_weights(module):
@@ -269,7 +292,7 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if last_only:
             x = x[:, -1:]  # (B, 1, C): generation needs only the next token's logits
-        logits = self.lm_head(x)  # (B, T, V)
+        logits = softcap(self.lm_head(x), self.config.logit_softcap)  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
@@ -287,14 +310,17 @@ class GPT(nn.Module):
         a microsecond, and a small model's token makes ~100 of them. Tensors are shared, not copied."""
         cfg = self.config
 
-        def as_function(module: nn.Module):  # a norm module -> a one-argument function, weights bound
+        def as_function(module: nn.Module | None):  # a norm module -> a one-argument function, weights bound
+            if module is None:
+                return None
             shape, weight, eps = module.normalized_shape, module.weight, module.eps
             if isinstance(module, nn.RMSNorm):
                 return lambda x: F.rms_norm(x, shape, weight, eps)
             bias = module.bias
             return lambda x: torch.layer_norm(x, shape, weight, bias, eps)
 
-        layers = [LayerWeights(ln_1=as_function(b.ln_1), w_qkv=b.attn.c_attn.weight, b_qkv=b.attn.c_attn.bias,
+        layers = [LayerWeights(ln_1=as_function(b.ln_1), q_norm=as_function(b.attn.q_norm),
+                               k_norm=as_function(b.attn.k_norm), w_qkv=b.attn.c_attn.weight, b_qkv=b.attn.c_attn.bias,
                                w_o=b.attn.c_proj.weight, b_o=b.attn.c_proj.bias, ln_2=as_function(b.ln_2),
                                w_fc=b.mlp.c_fc.weight, b_fc=b.mlp.c_fc.bias, w_proj=b.mlp.c_proj.weight,
                                b_proj=b.mlp.c_proj.bias) for b in self.transformer.h]
@@ -306,6 +332,7 @@ class GPT(nn.Module):
         return DecodePlan(layers=layers, wte=self.transformer.wte.weight, ln_f=as_function(self.transformer.ln_f),
                           head=self.lm_head.weight, pos_table=pos_table, cos=getattr(self, "rope_cos", None),
                           sin=getattr(self, "rope_sin", None), act=lambda h: activation(h, cfg.mlp),
+                          logit_softcap=cfg.logit_softcap,
                           n_head=cfg.n_head, head_size=cfg.head_size, n_embd=cfg.n_embd)
 
     def decode_step(self, idx: torch.Tensor, cache: KVCache, plan: DecodePlan | None = None) -> torch.Tensor:
@@ -327,6 +354,8 @@ class GPT(nn.Module):
         for i, w in enumerate(p.layers):
             qkv = F.linear(w.ln_1(x), w.w_qkv, w.b_qkv).view(B, 3, nh, hs)  # T = 1 folded away
             qk = qkv.narrow(1, 0, 2)  # (B, 2, nh, hs)
+            if w.q_norm is not None:
+                qk = torch.stack([w.q_norm(qkv.select(1, 0)), w.k_norm(qkv.select(1, 1))], dim=1)
             if rope:
                 qk = apply_rope(qk, cos, sin)
             k_all, v_all = cache.k[i], cache.v[i]  # (B, nh, block_size, hs)
@@ -338,7 +367,7 @@ class GPT(nn.Module):
             x = x + F.linear(y.view(B, 1, C), w.w_o, w.b_o)
             x = x + F.linear(act(F.linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj)
         cache.pos += 1
-        return F.linear(p.ln_f(x[:, -1]), p.head)  # (B, V)
+        return softcap(F.linear(p.ln_f(x[:, -1]), p.head), p.logit_softcap)  # (B, V)
 
     @torch.inference_mode()
     def next_logits(self, idx: torch.Tensor, use_cache: bool = True) -> Iterator[torch.Tensor]:
@@ -374,11 +403,23 @@ class GPT(nn.Module):
     def generate_tokens(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                         top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
                         repetition_penalty: float = 1.0, use_cache: bool = True,
-                        generator: torch.Generator | None = None, vocab_size: int | None = None
-                        ) -> Iterator[torch.Tensor]:
+                        generator: torch.Generator | None = None, vocab_size: int | None = None,
+                        prompt_tails: list[list[int]] | None = None) -> Iterator[torch.Tensor]:
         """The generation loop: yields the next token of every row (B,), up to max_new_tokens times; a caller
         that stops early (a stop text, end of text) just stops iterating. vocab_size: never pick a token at
-        or above it (a padded head has rows the tokenizer lacks). See process_logits for the filters."""
+        or above it (a padded head has rows the tokenizer lacks). See process_logits for the filters.
+
+        Prompts of different lengths: idx holds the part all rows have (the shortest prompt's length) and
+        prompt_tails the rest of each row's prompt. Those tokens are fed in place of sampled ones, one step at a
+        time, so every row stays at the same position and one cache serves the batch with no padding or masks
+        (each row computes exactly what it would alone). The loop then runs max_new_tokens + the longest tail
+        steps, and row r's first len(prompt_tails[r]) tokens are its own prompt's."""
+        forced = None
+        if prompt_tails is not None and any(prompt_tails):
+            forced = torch.full((idx.size(0), max(map(len, prompt_tails))), -1, dtype=torch.long, device=idx.device)
+            for r, tail in enumerate(prompt_tails):
+                forced[r, :len(tail)] = torch.tensor(tail, dtype=torch.long)
+            max_new_tokens += forced.size(1)
         if max_new_tokens <= 0:
             return
         seen = None
@@ -394,6 +435,8 @@ class GPT(nn.Module):
                 filtered = process_logits(logits, temperature, top_k, top_p, min_p, repetition_penalty,
                                           seen[:, :logits.size(-1)] if seen is not None else None)
                 token = sample_token(filtered, temperature, generator)  # (B,)
+                if forced is not None and i < forced.size(1):  # rows still inside their prompt take its token
+                    token = torch.where(forced[:, i] >= 0, forced[:, i], token)
                 yield token
                 if seen is not None:
                     seen.scatter_(1, token[:, None], True)

@@ -2,6 +2,7 @@
 
     sampler = Sampler.load("checkpoints/shk")
     for piece in sampler.stream("ROMEO:", SampleSettings(max_new_tokens=100)): print(piece, end="")
+    results = sampler.generate_many(["ROMEO:", "JULIET:"], SampleSettings())   # one batch, one KV cache
 
 Each step's next-token logits go through, in this order: the repetition penalty (on the raw logits),
 temperature, top-k, top-p, then min-p; temperature 0 takes the most likely token (greedy).
@@ -10,7 +11,9 @@ temperature, top-k, top-p, then min-p; temperature 0 takes the most likely token
 from __future__ import annotations
 
 import codecs
+import dataclasses
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,61 +94,151 @@ class Sampler:
         cut = max(0, len(ids) - self.block_size)
         return ids[cut:], cut
 
+    def stream_many(self, prompts: list[str], settings: SampleSettings,
+                    generator: torch.Generator | None = None) -> Iterator[Piece]:
+        """Continue every prompt at once, as one batch through the KV cache, and yield each sample's text as it
+        is produced: Piece(row, text, result), result set on the piece that ends its row. Each row ends on its
+        own (length, end-of-text, stop text); the batch runs until all have. Prompts of different lengths are
+        not padded: the shared prefix length is prefilled together and each longer prompt's remaining tokens are
+        fed one step at a time (GPT.generate_tokens), so each row's text is what sampling it alone computes,
+        up to float rounding (with temperature > 0 the random draws differ, as the rows share the generator)."""
+        if not prompts:
+            return
+        encoded = [self.encode_prompt(p)[0] for p in prompts]
+        shared = min(map(len, encoded))
+        generator = generator or torch.Generator(device=self.device).manual_seed(settings.seed)
+        eot = None if settings.ignore_eot else self.tokenizer.eot_id
+        rows = [_Row(self.tokenizer, settings, eot, skip=len(ids) - shared) for ids in encoded]
+        idx = torch.tensor([ids[:shared] for ids in encoded], dtype=torch.long, device=self.device)
+        t0 = time.perf_counter()
+        tokens = self.model.generate_tokens(idx, settings.max_new_tokens, settings.temperature, settings.top_k,
+                                            settings.top_p, settings.min_p, settings.repetition_penalty,
+                                            settings.use_cache, generator, vocab_size=self.tokenizer.vocab_size,
+                                            prompt_tails=[ids[shared:] for ids in encoded])
+        try:
+            if settings.max_new_tokens == 0:
+                tokens = iter(())
+            left = len(rows)
+            for token in tokens:
+                for r, tid in enumerate(token.tolist()):
+                    row = rows[r]
+                    if row.done:
+                        continue
+                    text = row.feed(tid)
+                    if row.done:
+                        left -= 1
+                        yield Piece(r, text, row.result(prompts[r], time.perf_counter() - t0))
+                    elif text:
+                        yield Piece(r, text)
+                if left == 0:
+                    break
+            for r, row in enumerate(rows):  # max_new_tokens 0
+                if not row.done:
+                    yield Piece(r, row.finish(), row.result(prompts[r], time.perf_counter() - t0))
+        finally:
+            if hasattr(tokens, "close"):
+                tokens.close()
+
     def stream(self, prompt: str, settings: SampleSettings, generator: torch.Generator | None = None,
                result: dict | None = None) -> Iterator[str]:
         """Yield the continuation's text as it is produced. Multi-byte characters split across tokens are
         held back until complete, and so is any text that may be the start of a stop string."""
-        ids, _ = self.encode_prompt(prompt)
-        generator = generator or torch.Generator(device=self.device).manual_seed(settings.seed)
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        eot = None if settings.ignore_eot else self.tokenizer.eot_id
-        text, emitted, reason, out_ids = "", 0, "length", []
-        idx = torch.tensor([ids], dtype=torch.long, device=self.device)
-        t0 = time.perf_counter()
-        tokens = self.model.generate_tokens(idx, settings.max_new_tokens, settings.temperature, settings.top_k,
-                                            settings.top_p, settings.min_p, settings.repetition_penalty,
-                                            settings.use_cache, generator, vocab_size=self.tokenizer.vocab_size)
-        for token in tokens:
-            tid = int(token[0])
-            out_ids.append(tid)
-            if tid == eot:
-                reason = "eot"
-                break
-            text += decoder.decode(self.tokenizer.decode_bytes([tid]))
-            # a stop text cannot start before `emitted`: any text that could begin one is held back
-            hit = min((i for i in (text.find(s, emitted) for s in settings.stop) if i >= 0), default=-1)
-            if hit >= 0:
-                text, reason = text[:hit], "stop"
-                break
-            safe = len(text) - _held_back(text, settings.stop)
-            if safe > emitted:
-                yield text[emitted:safe]
-                emitted = safe
-        tokens.close()
-        if reason == "length":
-            text += decoder.decode(b"", final=True)
-        if len(text) > emitted:
-            yield text[emitted:]
-        if result is not None:
-            result.update(text=text, tokens=len(out_ids), token_ids=out_ids, stop_reason=reason,
-                          elapsed_s=time.perf_counter() - t0)
+        for piece in self.stream_many([prompt], settings, generator):
+            if piece.text:
+                yield piece.text
+            if piece.result is not None and result is not None:
+                result.update(dataclasses.asdict(piece.result))
+
+    def generate_many(self, prompts: list[str], settings: SampleSettings,
+                      generator: torch.Generator | None = None) -> list[SampleResult]:
+        """One sample per prompt, generated together as one batch (see stream_many)."""
+        results: list[SampleResult | None] = [None] * len(prompts)
+        for piece in self.stream_many(prompts, settings, generator):
+            if piece.result is not None:
+                results[piece.row] = piece.result
+        return results
 
     def generate(self, prompt: str, settings: SampleSettings, generator: torch.Generator | None = None
                  ) -> SampleResult:
-        info: dict = {}
-        text = "".join(self.stream(prompt, settings, generator, info))
-        assert text == info["text"]
-        return SampleResult(prompt=prompt, text=text, tokens=info["tokens"], token_ids=info["token_ids"],
-                            stop_reason=info["stop_reason"], elapsed_s=info["elapsed_s"])
+        return self.generate_many([prompt], settings, generator)[0]
 
     def samples(self, prompt: str, settings: SampleSettings, num_samples: int = 1) -> Iterator[Iterator[str]]:
-        """num_samples continuations of one prompt, one after another, all drawn from one generator seeded
-        with settings.seed (so the same seed gives the same set); each is a stream of text pieces."""
+        """num_samples continuations of one prompt, decoded together as one batch and handed out one after
+        another: each is a stream of text pieces, and reading sample i drives the whole batch, keeping the
+        later samples' text until their turn. So a terminal shows sample 1 live, then each next one at once up
+        to where the batch is, then live. The same seed gives the same set."""
         if num_samples < 1:
             raise NanoGPTError(f"--num-samples must be at least 1, got {num_samples}")
-        generator = torch.Generator(device=self.device).manual_seed(settings.seed)
-        for _ in range(num_samples):
-            yield self.stream(prompt, settings, generator)
+        pieces = self.stream_many([prompt] * num_samples, settings)
+        held: list[deque[str]] = [deque() for _ in range(num_samples)]
+        done = [False] * num_samples
+
+        def one(row: int) -> Iterator[str]:
+            while True:
+                while held[row]:
+                    yield held[row].popleft()
+                if done[row]:
+                    return
+                piece = next(pieces)  # never exhausted while a row is not done
+                if piece.text:
+                    held[piece.row].append(piece.text)
+                done[piece.row] = done[piece.row] or piece.result is not None
+
+        for row in range(num_samples):
+            yield one(row)
+
+
+@dataclass
+class Piece:
+    """New text of one sample in a batch; `result` is set on the piece that ends that sample."""
+
+    row: int  # which prompt
+    text: str
+    result: SampleResult | None = None
+
+
+class _Row:
+    """One sample's text as its tokens arrive: incremental UTF-8 decoding, end of text, stop texts, and how much
+    of the text is safe to show (a stop text cannot start before `emitted`: text that could begin one is held)."""
+
+    def __init__(self, tokenizer: Tokenizer, settings: SampleSettings, eot: int | None, skip: int):
+        self.tokenizer, self.stop, self.eot, self.limit = tokenizer, settings.stop, eot, settings.max_new_tokens
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.skip = skip  # tokens of this row's own prompt still to come (GPT.generate_tokens' prompt_tails)
+        self.text, self.emitted, self.reason, self.ids, self.done = "", 0, "length", [], False
+
+    def feed(self, tid: int) -> str:
+        """Take the row's next token; return the text that became safe to show (all of it when the row ends)."""
+        if self.skip:
+            self.skip -= 1
+            return ""
+        self.ids.append(tid)
+        if tid == self.eot:
+            self.reason = "eot"
+            return self.finish()
+        self.text += self.decoder.decode(self.tokenizer.decode_bytes([tid]))
+        hit = min((i for i in (self.text.find(s, self.emitted) for s in self.stop) if i >= 0), default=-1)
+        if hit >= 0:
+            self.text, self.reason = self.text[:hit], "stop"
+            return self.finish()
+        if len(self.ids) >= self.limit:
+            return self.finish()
+        safe = len(self.text) - _held_back(self.text, self.stop)
+        out = self.text[self.emitted:safe] if safe > self.emitted else ""
+        self.emitted = max(self.emitted, safe)
+        return out
+
+    def finish(self) -> str:
+        self.done = True
+        if self.reason == "length":
+            self.text += self.decoder.decode(b"", final=True)
+        out = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return out
+
+    def result(self, prompt: str, elapsed_s: float) -> SampleResult:
+        return SampleResult(prompt=prompt, text=self.text, tokens=len(self.ids), token_ids=self.ids,
+                            stop_reason=self.reason, elapsed_s=elapsed_s)
 
 
 def _encodable(tokenizer: Tokenizer, text: str) -> bool:

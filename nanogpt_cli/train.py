@@ -30,6 +30,7 @@ from nanogpt_cli.data import load_meta, open_split
 from nanogpt_cli.device import autocast_for, peak_flops, resolve_device, resolve_dtype
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
+from nanogpt_cli.optim import make_optimizer, set_lr
 
 @dataclass
 class TrainResult:
@@ -151,13 +152,6 @@ def optimizer_step(model, optimizer, micro_batches, ctx, scaler, grad_clip: floa
     return total
 
 
-def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    # the fused kernel is one call for all parameters (CUDA and CPU); mps falls back to foreach
-    fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(model.optimizer_groups(cfg.weight_decay), lr=cfg.learning_rate,
-                             betas=(cfg.beta1, cfg.beta2), fused=fused)
-
-
 # --- the run plan: every input of a run, resolved once ---
 
 
@@ -236,6 +230,10 @@ def _plan_resume(run_dir: ckpt.RunDir, model_over: dict[str, Any], train_over: d
         raise NanoGPTError(f"--resume takes the architecture from {run_dir}; drop "
                            + ", ".join(f"--{flag(k)}" for k in sorted(model_over)))
     saved = run_dir.read_config()
+    saved_optimizer = saved["train"].get("optimizer", "adamw")
+    if train_over.get("optimizer", saved_optimizer) != saved_optimizer:
+        raise NanoGPTError(f"--resume continues the run's --optimizer {saved_optimizer}; it cannot change to "
+                           f"{train_over['optimizer']} (start a new run with --init-from instead)")
     saved_train = {k: v for k, v in saved["train"].items() if k not in ("stop_at", "out")}  # out: older runs
     model_cfg, train_cfg = build_configs({**saved["model"], **saved_train, **train_over})
     step = json.loads((run_dir / ckpt.TRAINER).read_text())["step"]
@@ -414,11 +412,12 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
 
     if saved:
         state = saved.state
-        optimizer_state, _ = ckpt.read_optimizer(saved.optimizer)
-        if world:
-            dist.load_optimizer_state(wrapped, optimizer, optimizer_state)
-        else:
-            optimizer.load_state_dict(optimizer_state)
+        optimizer_states, _ = ckpt.read_optimizer(saved.optimizer, optimizer)
+        for part, sd in zip(ckpt.optimizer_parts(optimizer), optimizer_states):
+            if world:
+                dist.load_optimizer_state(wrapped, part, sd)
+            else:
+                part.load_state_dict(sd)
         _restore_rng(state, batches, scaler, world, cfg.seed)
         if main:
             run_dir.truncate_metrics(state.step)
@@ -467,7 +466,7 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
             return estimate_loss(compiled, eval_sets[split], ctx)
         return dist.mean_loss(eval_losses(compiled, eval_sets[split], ctx), counted, cfg.eval_iters)
 
-    def evaluate_and_save() -> None:
+    def evaluate_and_save(checkpoint: bool = True) -> None:
         nonlocal last, eval_s, t_window
         t_eval = time.perf_counter()
         losses = {s: losses_on(s) for s in ("train", "val")}
@@ -481,7 +480,8 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
                          elapsed_s=round(elapsed_before + t_eval - t0, 3), best_val_loss=state.best_val_loss)
         if main:
             run_dir.append_metrics(last.record())
-        save(losses["val"], is_best)
+        if checkpoint:
+            save(losses["val"], is_best)
         show.on_eval(last)
         spent = time.perf_counter() - t_eval
         eval_s += spent
@@ -493,13 +493,12 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
     start_step = state.step
     stopped = None
     with StopSignals(abort_on_second=world is None) as signals:
-        if not plan.resume:
-            evaluate_and_save()
+        if not plan.resume:  # the loss at init, for the record; a checkpoint of it would resume nothing
+            evaluate_and_save(checkpoint=False)
         model.train()
         while state.step < end:
             lr = lr_at(state.step, cfg)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            set_lr(optimizer, lr, state.step, cfg)
             starts = [batches.draw("train") for _ in range(cfg.gradient_accumulation_steps)]
             micro = [batches.load("train", starts[i]) for i in mine]
             t_step = time.perf_counter()

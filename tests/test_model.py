@@ -9,18 +9,23 @@ import torch
 from nanogpt_cli import hf
 from nanogpt_cli.config import GPTConfig
 from conftest import tiny_config
-from nanogpt_cli.model import GPT, apply_rope, process_logits, rope_tables, sinusoidal_table
+from nanogpt_cli.model import GPT, activation, apply_rope, process_logits, rope_tables, sinusoidal_table
 
 POS = ["rope", "sinusoidal", "learned"]
+# the block options of issue 11, alone and together (zero_init_proj only changes the init: tested on its own)
+OPTIONS = [{}, dict(qk_norm=True), dict(mlp="relu2"), dict(logit_softcap=3.0),
+           dict(qk_norm=True, mlp="relu2", logit_softcap=3.0)]
+OPTION_IDS = ["plain", "qk_norm", "relu2", "softcap", "all"]
 
 
 tiny = tiny_config
 
 
+@pytest.mark.parametrize("opts", OPTIONS, ids=OPTION_IDS)
 @pytest.mark.parametrize("pos", POS)
-def test_future_tokens_never_change_earlier_logits(pos):
+def test_future_tokens_never_change_earlier_logits(pos, opts):
     torch.manual_seed(0)
-    model = GPT(tiny(pos_encoding=pos)).eval()
+    model = GPT(tiny(pos_encoding=pos, **opts)).eval()
     idx = torch.randint(0, 61, (1, 16))
     base, _ = model(idx)
     for t in range(15):
@@ -31,11 +36,12 @@ def test_future_tokens_never_change_earlier_logits(pos):
         assert not torch.allclose(logits[0, t + 1:], base[0, t + 1:]), "the change had no effect at all"
 
 
+@pytest.mark.parametrize("opts", OPTIONS, ids=OPTION_IDS)
 @pytest.mark.parametrize("pos", POS)
 @pytest.mark.parametrize("mlp,norm", [("gelu", "layernorm"), ("swiglu", "rmsnorm")])
-def test_cached_decode_equals_full_forward(pos, mlp, norm):
+def test_cached_decode_equals_full_forward(pos, mlp, norm, opts):
     torch.manual_seed(0)
-    model = GPT(tiny(pos_encoding=pos, mlp=mlp, norm=norm, bias=True)).eval()
+    model = GPT(tiny(**{**dict(pos_encoding=pos, mlp=mlp, norm=norm, bias=True), **opts})).eval()
     idx = torch.randint(0, 61, (3, 16))
     full, _ = model(idx)
     cache = model.new_cache(3)
@@ -46,12 +52,14 @@ def test_cached_decode_equals_full_forward(pos, mlp, norm):
     torch.testing.assert_close(cached, full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("opts", OPTIONS, ids=OPTION_IDS)
 @pytest.mark.parametrize("pos", POS)
 @pytest.mark.parametrize("mlp,norm,bias", [("gelu", "layernorm", False), ("gelu_tanh", "layernorm", True),
                                            ("swiglu", "rmsnorm", False)])
-def test_the_decode_step_equals_the_module_forward(pos, mlp, norm, bias):
+def test_the_decode_step_equals_the_module_forward(pos, mlp, norm, bias, opts):
     torch.manual_seed(0)
-    model = GPT(tiny(pos_encoding=pos, mlp=mlp, norm=norm, bias=bias)).eval()
+    kw = {**dict(pos_encoding=pos, mlp=mlp, norm=norm, bias=bias), **opts}
+    model = GPT(tiny(**kw)).eval()
     idx = torch.randint(0, 61, (2, 16))
     with torch.inference_mode():
         a, b = model.new_cache(2), model.new_cache(2)
@@ -63,10 +71,11 @@ def test_the_decode_step_equals_the_module_forward(pos, mlp, norm, bias):
             got = model.decode_step(idx[:, t:t + 1], b, plan)
             torch.testing.assert_close(got, expected[:, -1], atol=1e-5, rtol=0)
         assert a.pos == b.pos == 16
-        half = GPT(tiny(pos_encoding=pos, mlp=mlp, norm=norm, bias=bias)).eval().to(torch.bfloat16)
+        half = GPT(tiny(**kw)).eval().to(torch.bfloat16)
         cache = half.new_cache(2)
         half(idx[:, :4], cache=cache)
-        assert half.decode_step(idx[:, 4:5], cache).dtype == torch.bfloat16
+        expected_dtype = torch.float32 if opts.get("logit_softcap") else torch.bfloat16  # the cap runs in fp32
+        assert half.decode_step(idx[:, 4:5], cache).dtype == expected_dtype
 
 
 @pytest.mark.parametrize("pos", POS)
@@ -97,6 +106,43 @@ def test_cached_decode_past_the_context_equals_a_forward_over_the_kept_window(po
         expected, _ = model(idx[:, t + 1 - held:t + 1])
         torch.testing.assert_close(got[t], expected[:, -1], atol=1e-5, rtol=0)
     assert model.generate(idx[:, :3], 60, temperature=0.0).shape == (1, 63)
+
+
+def test_block_options_do_what_they_say():
+    torch.manual_seed(0)
+    x = torch.randint(0, 61, (2, 16))
+    capped = GPT(tiny(logit_softcap=2.0)).eval()
+    with torch.no_grad():
+        capped.lm_head.weight.mul_(1000.0)  # huge raw logits ...
+        logits, _ = capped(x)
+        raw = capped.lm_head(capped.transformer.ln_f(torch.randn(4, 32)))
+    assert raw.abs().max() > 100  # the cap is what holds them
+    assert logits.dtype == torch.float32 and logits.abs().max() <= 2.0
+    normed = GPT(tiny(qk_norm=True))
+    names = {n for n, _ in normed.named_parameters()}
+    assert {"transformer.h.0.attn.q_norm.weight", "transformer.h.0.attn.k_norm.weight"} <= names
+    assert not any("q_norm" in n for n, _ in GPT(tiny()).named_parameters())  # old checkpoints load unchanged
+    h = torch.tensor([-2.0, -0.5, 0.0, 1.5])
+    relu2 = GPT(tiny(mlp="relu2")).transformer.h[0].mlp
+    assert relu2.c_fc.out_features == 4 * 32
+    torch.testing.assert_close(activation(h, "relu2"), torch.tensor([0.0, 0.0, 0.0, 2.25]))
+
+
+def test_zero_init_projections_start_each_block_as_the_identity_and_still_train():
+    torch.manual_seed(0)
+    model = GPT(tiny(zero_init_proj=True))
+    projections = [b.attn.c_proj.weight for b in model.transformer.h] + [b.mlp.c_proj.weight for b in model.transformer.h]
+    assert all(p.abs().sum() == 0 for p in projections)
+    x = torch.randint(0, 61, (4, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = None
+    for _ in range(30):
+        _, loss = model(x, torch.roll(x, -1, dims=1))
+        first = first if first is not None else loss.item()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert all(p.abs().sum() > 0 for p in projections) and loss.item() < first - 1.0
 
 
 def test_sampling_with_a_seed_repeats():
@@ -223,6 +269,7 @@ def test_process_logits_filters_in_documented_order():
     (dict(pos_encoding="alibi"), "--pos-encoding must be one of rope, sinusoidal, learned"),
     (dict(norm="batchnorm"), "--norm must be one of"),
     (dict(mlp="relu"), "--mlp must be one of"),
+    (dict(logit_softcap=0.0), "--logit-softcap must be positive"),
     (dict(dropout=1.5), "--dropout must be in [0, 1)"),
 ])
 def test_invalid_configs_fail_with_their_message(kw, message):
@@ -270,8 +317,14 @@ def test_from_hf_matches_reference_logits_and_round_trips(kind):
         torch.testing.assert_close(back(idx).logits, ref(idx).logits, atol=1e-5, rtol=0)
 
 
-def test_to_hf_refuses_a_model_with_no_counterpart():
+LLAMA_SHAPE = dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+
+
+@pytest.mark.parametrize("cfg", [dict(norm="rmsnorm"), dict(LLAMA_SHAPE, qk_norm=True),
+                                 dict(LLAMA_SHAPE, logit_softcap=30.0), dict(LLAMA_SHAPE, mlp="relu2")],
+                         ids=["rmsnorm-gelu", "qk_norm", "softcap", "relu2"])
+def test_to_hf_refuses_a_model_with_no_counterpart(cfg):
     from nanogpt_cli.errors import NanoGPTError
 
-    with pytest.raises(NanoGPTError, match="no stock Hugging Face architecture computes"):
-        hf.to_hf(GPT(tiny(norm="rmsnorm")))
+    with pytest.raises(NanoGPTError, match="no stock Hugging Face architecture"):
+        hf.to_hf(GPT(tiny(**cfg)))

@@ -90,6 +90,45 @@ def test_stop_text_ends_the_sample_before_it(sampler):
     assert "".join(sampler.stream("", settings)) == cut
 
 
+def test_a_batch_of_prompts_gives_each_the_text_it_gets_alone(sampler, gpt2_checkpoint):
+    prompts = ["KING:", "the", "", "thou art the king of the"]  # different lengths: no padding, tails fed in
+    # greedy runs past the context of 16; the penalty keeps this briefly trained model from repeating one character
+    settings = SampleSettings(max_new_tokens=40, temperature=0.0, repetition_penalty=3.0)
+    batch = sampler.generate_many(prompts, settings)
+    for prompt, result in zip(prompts, batch):
+        alone = sampler.generate(prompt, settings)
+        assert result.token_ids == alone.token_ids and result.text == alone.text, prompt
+        assert result.prompt == prompt and result.tokens == 40
+    assert len({r.text for r in batch}) == len(prompts)
+    bpe = Sampler.load(gpt2_checkpoint, device="cpu")  # tokens that split characters: each row decodes its own
+    settings = SampleSettings(max_new_tokens=30, temperature=0.0, ignore_eot=True)
+    prompts = ["naïve café 🙂", "a"]
+    pieces = ["", ""]
+    for piece in bpe.stream_many(prompts, settings):
+        pieces[piece.row] += piece.text
+    for prompt, text in zip(prompts, pieces):
+        alone = bpe.generate(prompt, settings)
+        assert text == alone.text == bpe.tokenizer.decode(alone.token_ids)
+
+
+def test_a_stop_text_ends_only_its_own_sample(sampler):
+    settings = SampleSettings(max_new_tokens=60, temperature=0.0, repetition_penalty=3.0)
+    free_a, free_b = (r.text for r in sampler.generate_many(["KING:", "the"], settings))
+    stop = next(free_a[i:i + 3] for i in range(5, 40) if free_a[i:i + 3] not in free_b)
+    settings.stop = [stop]
+    stopped = sampler.generate_many(["KING:", "the"], settings)
+    assert stopped[0].text == free_a[:free_a.find(stop)] and stopped[0].stop_reason == "stop"
+    assert stopped[1].text == free_b and stopped[1].stop_reason == "length"
+
+
+def test_samples_are_one_batch_read_one_after_another(sampler):
+    settings = SampleSettings(max_new_tokens=30, temperature=1.0, seed=5)
+    streams = list(sampler.samples("the", settings, num_samples=3))
+    texts = ["".join(s) for s in reversed(streams)]  # reading the last first still gives each its own text
+    assert texts[::-1] == [r.text for r in sampler.generate_many(["the"] * 3, settings)]
+    assert len(set(texts)) == 3
+
+
 def test_end_of_text_stops_a_bpe_model_unless_ignored(tmp_path):
     tok = build_tokenizer("gpt2")
     cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=True,

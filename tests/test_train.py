@@ -110,7 +110,7 @@ def test_sigint_leaves_a_resumable_checkpoint(char_data, tmp_path):
            "tiny", "--max-iters", "1000000", "--eval-interval", "1000000", "--out", str(run), "--device", "cpu"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
-    while not (run / "trainer.json").exists() and time.time() < deadline:  # the step-0 checkpoint
+    while not (run / "metrics.jsonl").exists() and time.time() < deadline:  # the step-0 evaluation
         time.sleep(0.1)
     time.sleep(1.0)  # let it take some steps
     proc.send_signal(signal.SIGINT)
@@ -286,3 +286,73 @@ def test_a_config_file_can_name_the_run_folder(char_data, tmp_path, monkeypatch)
     Path("run.toml").write_text('out = "from-toml"\nmax_iters = 4\n')
     assert run_cli("train", "--config", "run.toml", "--resume", "--quiet")[0] == 0
     assert json.loads((tmp_path / "from-toml" / "trainer.json").read_text())["step"] == 4
+
+
+def test_muon_trains_a_tiny_model_lower_than_adamw_in_the_same_steps(char_data, tmp_path):
+    data_dir, name = char_data
+    over = dict(max_iters=40, eval_interval=40, eval_iters=8, learning_rate=3e-3)
+    adamw = train(tiny_plan(data_dir, name, tmp_path / "adamw", **over))
+    muon = train(tiny_plan(data_dir, name, tmp_path / "muon", optimizer="muon", muon_lr=0.02, **over))
+    assert muon.val_loss < adamw.val_loss - 0.02, (muon.val_loss, adamw.val_loss)
+    with safe_open(str(tmp_path / "muon" / "optimizer.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert any(k.startswith("opt0.state.") and k.endswith("momentum_buffer") for k in keys)  # Muon's
+    assert any(k.startswith("opt1.state.") and k.endswith("exp_avg_sq") for k in keys)  # AdamW's
+
+
+def test_a_stopped_and_resumed_muon_run_equals_an_uninterrupted_one(char_data, tmp_path):
+    data_dir, name = char_data
+    over = dict(max_iters=24, eval_interval=8, optimizer="muon", muon_momentum_warmup=10,
+                gradient_accumulation_steps=2)
+    whole = tmp_path / "whole"
+    train(tiny_plan(data_dir, name, whole, **over))
+    parts = tmp_path / "parts"
+    train(tiny_plan(data_dir, name, parts, stop_at=13, **over))
+    with pytest.raises(NanoGPTError, match="cannot change to adamw"):
+        resumed(parts, optimizer="adamw")
+    train(resumed(parts))
+    assert metrics(parts) == [dict(m, elapsed_s=p["elapsed_s"]) for m, p in zip(metrics(whole), metrics(parts))]
+    a, _ = ckpt.load_model(whole, last=True)
+    b, _ = ckpt.load_model(parts, last=True)
+    for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), n
+
+
+def test_the_schedule_scales_both_optimizers_and_warms_muons_momentum():
+    from nanogpt_cli.optim import make_optimizer, set_lr
+
+    cfg = TrainConfig(optimizer="muon", learning_rate=1e-3, muon_lr=0.02, muon_momentum=0.95,
+                      muon_momentum_warmup=10, warmup_iters=0, max_iters=100, min_lr=1e-4)
+    model = GPT(tiny_config(bias=True, qk_norm=True))
+    opt = make_optimizer(model, cfg, torch.device("cpu"))
+    muon, adamw = opt.optimizers
+    assert all(p.dim() == 2 for g in muon.param_groups for p in g["params"])
+    assert model.transformer.wte.weight in adamw.param_groups[0]["params"]
+    n = sum(len(g["params"]) for g in opt.param_groups)
+    assert n == len(list(model.parameters()))
+    set_lr(opt, lr_at(100, cfg), 5, cfg)  # the end of the decay: both at a tenth of their peak
+    assert adamw.param_groups[0]["lr"] == pytest.approx(1e-4)
+    assert muon.param_groups[0]["lr"] == pytest.approx(2e-3)
+    assert muon.param_groups[0]["momentum"] == pytest.approx(0.9)  # half way from 0.85 to 0.95
+    set_lr(opt, lr_at(0, cfg), 10, cfg)
+    assert muon.param_groups[0]["momentum"] == 0.95 and muon.param_groups[0]["lr"] == pytest.approx(0.02)
+
+
+def test_the_cpu_muon_makes_torchs_muon_update_in_fp32():
+    from nanogpt_cli.optim import CPUMuon
+
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(48, 16)), torch.nn.Parameter(torch.randn(16, 40))]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    a = CPUMuon(ours, lr=0.02, momentum=0.9, weight_decay=0.1)
+    b = torch.optim.Muon(theirs, lr=0.02, momentum=0.9, weight_decay=0.1)
+    for _ in range(3):
+        for p, q in zip(ours, theirs):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        a.step()
+        b.step()
+    for p, q in zip(ours, theirs):  # torch's orthogonalises in bf16: equal to its precision
+        torch.testing.assert_close(p, q, atol=2e-3, rtol=0)
+        assert not torch.equal(p, torch.zeros_like(p))
+    b.load_state_dict(a.state_dict())  # the same state: checkpoints move between them

@@ -1,0 +1,124 @@
+"""The one-token decode step: today's plan-based step (GPT.decode_step) against torch.compile of the same step
+written for a static cache shape (attention over the whole preallocated cache with a mask, the position a
+tensor, so one compiled graph serves every position).
+
+    python benchmarks/bench_decode.py                      # cpu-char and shakespeare-char shapes, batch 1 and 5
+    python benchmarks/bench_decode.py --device cuda --tokens 500
+
+Prints ms per token for both, the speed-up, the one-off compile time and whether the two agree (max |diff|).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import sync, table  # noqa: E402
+
+from nanogpt_cli.config import GPTConfig  # noqa: E402
+from nanogpt_cli.model import GPT, DecodePlan, KVCache, apply_rope, softcap  # noqa: E402
+from nanogpt_cli.train import resolve_device  # noqa: E402
+
+
+def static_step(p: DecodePlan, idx: torch.Tensor, pos: torch.Tensor, k_cache: list[torch.Tensor],
+                v_cache: list[torch.Tensor]) -> torch.Tensor:
+    """decode_step with shapes that never change: pos is a 1-element tensor, attention covers the whole cache
+    (block_size keys) and masks the ones not written yet. (B, V)"""
+    B = idx.size(0)
+    nh, hs, C = p.n_head, p.head_size, p.n_embd
+    S = k_cache[0].size(2)
+    x = F.embedding(idx, p.wte)  # (B, 1, C)
+    rope = p.pos_table is None
+    if rope:
+        cos, sin = p.cos.index_select(0, pos)[0], p.sin.index_select(0, pos)[0]  # (1, 1, hs)
+    else:
+        x = x + p.pos_table.index_select(0, pos)
+    mask = (torch.arange(S, device=idx.device) <= pos).view(1, 1, 1, S)
+    for i, w in enumerate(p.layers):
+        qkv = F.linear(w.ln_1(x), w.w_qkv, w.b_qkv).view(B, 3, nh, hs)
+        qk = qkv[:, :2]
+        if w.q_norm is not None:
+            qk = torch.stack([w.q_norm(qkv[:, 0]), w.k_norm(qkv[:, 1])], dim=1)
+        if rope:
+            qk = apply_rope(qk, cos, sin)
+        k_cache[i].index_copy_(2, pos, qk[:, 1].unsqueeze(2))  # (B, nh, S, hs)
+        v_cache[i].index_copy_(2, pos, qkv[:, 2].unsqueeze(2))
+        q = qk[:, 0].unsqueeze(2)  # (B, nh, 1, hs)
+        y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask)
+        x = x + F.linear(y.reshape(B, 1, C), w.w_o, w.b_o)
+        x = x + F.linear(p.act(F.linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj)
+    return softcap(F.linear(p.ln_f(x[:, -1]), p.head), p.logit_softcap)
+
+
+def bench(cfg: GPTConfig, batch: int, tokens: int, device: torch.device) -> list:
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (batch, 4), device=device)
+    ids = torch.randint(0, cfg.vocab_size, (batch, tokens), device=device)
+    n = min(tokens, cfg.block_size - 4)
+    with torch.inference_mode():
+        plan = model.decode_plan()
+
+        def eager() -> tuple[float, torch.Tensor]:
+            cache = model.new_cache(batch)
+            model(prompt, cache=cache)
+            sync(device)
+            t0 = time.perf_counter()
+            for t in range(n):
+                out = model.decode_step(ids[:, t:t + 1], cache, plan)
+            sync(device)
+            return (time.perf_counter() - t0) / n, out
+
+        compiled = torch.compile(static_step, dynamic=False, fullgraph=True)
+
+        def static(fn) -> tuple[float, torch.Tensor]:
+            cache = model.new_cache(batch)
+            model(prompt, cache=cache)
+            positions = torch.arange(cfg.block_size, device=device)
+            sync(device)
+            t0 = time.perf_counter()
+            for t in range(n):
+                out = fn(plan, ids[:, t:t + 1], positions[4 + t:5 + t], cache.k, cache.v)
+            sync(device)
+            return (time.perf_counter() - t0) / n, out
+
+        t0 = time.perf_counter()
+        static(compiled)  # compiles once
+        compile_s = time.perf_counter() - t0
+        eager()
+        runs = {"eager": [], "compiled": []}
+        outs = {}
+        for _ in range(3):  # interleaved: drift hits both alike
+            dt, outs["eager"] = eager()
+            runs["eager"].append(dt)
+            dt, outs["compiled"] = static(compiled)
+            runs["compiled"].append(dt)
+    e, c = min(runs["eager"]), min(runs["compiled"])
+    diff = (outs["eager"].float() - outs["compiled"].float()).abs().max().item()
+    return [f"{cfg.n_layer}x{cfg.n_embd}, ctx {cfg.block_size}", batch, f"{e * 1000:.3f}", f"{c * 1000:.3f}",
+            f"{e / c:.2f}x", f"{compile_s:.0f} s", f"{diff:.1e}"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokens", type=int, default=200)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 5])
+    args = p.parse_args()
+    device = resolve_device(args.device)
+    shapes = [GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128),
+              GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)]
+    rows = [bench(cfg, b, args.tokens, device) for cfg in shapes for b in args.batches]
+    table(f"one-token decode step on {device} ({torch.get_num_threads()} threads), ms per token",
+          ["model", "batch", "plan-based step", "torch.compile, static cache", "speed-up", "compile", "max |diff|"],
+          rows)
+
+
+if __name__ == "__main__":
+    main()
