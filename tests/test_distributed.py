@@ -128,7 +128,7 @@ def test_sigterm_to_one_rank_stops_both_after_a_save(char_data, tmp_path):
         env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.time() + 60
-        while not (run / "trainer.json").exists() and time.time() < deadline:  # the step-0 checkpoint
+        while not (run / "metrics.jsonl").exists() and time.time() < deadline:  # the step-0 evaluation
             time.sleep(0.1)
         time.sleep(1.0)  # let it take some steps
         rank1 = next(pid for pid in workers(launcher.pid) if rank_of(pid) == 1)
