@@ -339,8 +339,10 @@ class StopSignals:
 
 
 def non_finite(step: int, run_dir: ckpt.RunDir) -> NanoGPTError:
-    return NanoGPTError(f"the loss became non-finite at step {step}; the last good checkpoint in {run_dir} is kept; "
-                        "try a lower --learning-rate or --dtype float32")
+    kept = (f"the last good checkpoint in {run_dir} is kept" if (run_dir / ckpt.LAST).is_file()
+            else "no checkpoint had been saved yet")
+    return NanoGPTError(f"the loss became non-finite at step {step}; {kept}; try a lower --learning-rate or "
+                        "--dtype float32")
 
 
 # --- many processes ---

@@ -187,12 +187,15 @@ def test_fine_tuning_starts_from_the_given_weights(char_data, tmp_path):
 def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
-    plan = tiny_plan(data_dir, name, run, max_iters=50, eval_interval=5, learning_rate=1e12, grad_clip=0.0,
-                     warmup_iters=0, log_interval=1)
-    with pytest.raises(NanoGPTError, match="non-finite"):
-        train(plan)
-    meta = ckpt.read_metadata(run / "model.safetensors")
-    assert math.isfinite(meta["val_loss"])
+    with pytest.raises(NanoGPTError, match="non-finite at step [0-9]+; no checkpoint had been saved yet"):
+        train(tiny_plan(data_dir, name, tmp_path / "early", max_iters=50, learning_rate=1e12, grad_clip=0.0,
+                        warmup_iters=0, log_interval=1))
+    train(tiny_plan(data_dir, name, run, max_iters=50, eval_interval=5, stop_at=10, log_interval=1))
+    kept = (run / "model.safetensors").read_bytes()
+    with pytest.raises(NanoGPTError, match="non-finite at step 1[1-9]; the last good checkpoint .* is kept"):
+        train(plan_run({"learning_rate": 1e12, "grad_clip": 0.0}, out=run, resume=True))
+    assert (run / "model.safetensors").read_bytes() == kept
+    assert math.isfinite(ckpt.read_metadata(run / "model.safetensors")["val_loss"])
 
 
 def run_cli(*args):
