@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from nanogpt_cli.config import MODEL_FIELDS, TRAIN_FIELDS
+from nanogpt_cli.config import MODEL_FIELDS, TRAIN_FIELDS, flag
 from nanogpt_cli.errors import NanoGPTError
 
 CONFIG_FIELDS = MODEL_FIELDS | TRAIN_FIELDS
@@ -21,14 +21,23 @@ CONFIG_FIELDS = MODEL_FIELDS | TRAIN_FIELDS
 app = typer.Typer(
     help="Prepare text, train a small GPT, sample from it and evaluate it.\n\n"
     "Example: nanogpt prepare examples/tinyshakespeare.txt --name shk --tokenizer char",
-    no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish and PowerShell
     pretty_exceptions_enable=False,
+    # click's plain help: wraps to the terminal (80 columns included) without cutting flag names or showing
+    # <bool> after flags; usage errors become one line in main()
+    rich_markup_mode=None,
 )
 eval_app = typer.Typer(help="Evaluate a trained model.\n\n"
                        "Example: nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char",
-                       no_args_is_help=True)
+                       rich_markup_mode=None)
 app.add_typer(eval_app, name="eval")
+
+
+@eval_app.callback(invoke_without_command=True)
+def _eval_root(ctx: typer.Context):
+    if ctx.invoked_subcommand is None:
+        print(ctx.get_help())
+        raise typer.Exit(0)
 
 
 def fail(message: str) -> typer.Exit:
@@ -63,6 +72,26 @@ def one_line_errors(command):
             raise fail(str(e)) from None
 
     return run
+
+
+def show_config_defaults(command):
+    """Train's config options default to None ("not given", so a preset or config file can fill them); their
+    help shows the value they stand for when nothing sets them."""
+    import dataclasses
+    import typing
+
+    from nanogpt_cli.config import GPTConfig, TrainConfig
+
+    defaults = {f.name: f.default for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)}
+    defaults.pop("vocab_size")  # the dataset's, not the dataclass's
+    for name, hint in typing.get_type_hints(command, include_extras=True).items():
+        value = defaults.get(name)
+        for info in getattr(hint, "__metadata__", ()):
+            if value not in (None, "") and hasattr(info, "show_default"):
+                info.show_default = (flag(name) if value else f"no-{flag(name)}") if isinstance(value, bool) \
+                    else str(value)
+                command.__annotations__[name] = hint  # the evaluated hint, so Typer sees this OptionInfo
+    return command
 
 
 # options that several commands share
@@ -111,6 +140,7 @@ def prepare(
 
 
 @app.command()
+@show_config_defaults
 @one_line_errors
 def train(
     data: Annotated[Optional[str], typer.Option(help="Dataset name under --data-dir (made by nanogpt prepare).")
@@ -323,8 +353,22 @@ def perplexity(
 
 
 def main():
+    """The console script. Typer runs in click's non-standalone mode so that a usage error (unknown option, bad
+    value, missing argument) becomes the same one line and exit code 1 as every other error, not a panel and 2."""
     try:
-        app()
+        code = app(standalone_mode=False)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         raise SystemExit(130)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        raise SystemExit(1)
+    except Exception as e:
+        if not (callable(getattr(e, "format_message", None)) and hasattr(e, "exit_code")):
+            raise  # not a usage error: a bug, shown as a traceback
+        ctx = getattr(e, "ctx", None)
+        hint = f"; see {ctx.command_path} --help" if ctx is not None else ""
+        message = " ".join(e.format_message().split()).rstrip(".")
+        fail(f"{message[:1].lower()}{message[1:]}{hint}")
+        raise SystemExit(1) from None
+    raise SystemExit(code if isinstance(code, int) else 0)
