@@ -102,6 +102,14 @@ DTYPE_HELP = "auto, float32, bfloat16 or float16."
 Device = Annotated[str, typer.Option(help=DEVICE_HELP)]
 Dtype = Annotated[str, typer.Option(help=DTYPE_HELP)]
 DATA_DIR_HELP = "Folder of prepared datasets."
+Threads = Annotated[Optional[int], typer.Option(help="CPU threads (default: torch's choice, one per core); fewer "
+                                                     "help on a busy machine.", show_default=False)]
+
+
+def note(message: str) -> None:
+    from nanogpt_cli.ui import err_console
+
+    err_console.print(f"note: {message}", highlight=False, soft_wrap=True, markup=False)
 
 # --- commands: thin typed functions over the library, each wrapped by one_line_errors ---
 
@@ -156,6 +164,9 @@ def train(
     init_from: Annotated[Optional[str], typer.Option(help="Start from these weights (run folder or .safetensors) "
                                                           "with a fresh optimizer.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")] = False,
+    last: Annotated[bool, typer.Option("--last", help="With --init-from RUN: its last weights, not its best.")
+                    ] = False,
+    threads: Threads = None,
     # model
     vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary (default: the dataset's; larger pads it).",
                                                       rich_help_panel="Model")] = None,
@@ -227,8 +238,19 @@ def train(
     from nanogpt_cli.train import train as run_training
     from nanogpt_cli.ui import TrainDisplay, console, train_table
 
+    from nanogpt_cli.device import set_threads
+
+    set_threads(threads)
+    if last and init_from is None:
+        raise NanoGPTError("--last picks the weights of --init-from RUN; give --init-from or drop --last")
     plan = plan_run(flags, load_toml(config) if config else {}, out=out, resume=resume, force=force,
-                    init_from=init_from)
+                    init_from=init_from, init_last=last)
+    for message in plan.notes:
+        note(message)
+    if plan.complete:
+        console.print(f"{plan.run_dir} is already complete: step {plan.step:,} of --max-iters "
+                      f"{plan.train.max_iters:,}; raise --max-iters to train it further")
+        return
     with TrainDisplay(quiet) as display:
         result = run_training(plan, display)
     console.print(train_table(result))
@@ -248,7 +270,7 @@ def sample(
     prompt_file: Annotated[Optional[Path], typer.Option(help="Read the prompt from this file.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per sample.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 is greedy; lower is more conservative.")] = 0.8,
-    top_k: Annotated[int, typer.Option(help="Keep only the K most likely tokens.")] = 200,
+    top_k: Annotated[int, typer.Option(help="Keep only the K most likely tokens (0: off).")] = 200,
     top_p: Annotated[float, typer.Option(help="Keep the fewest tokens whose probability reaches P (1: off).")] = 1.0,
     min_p: Annotated[float, typer.Option(help="Drop tokens below P x the top token's probability (0: off).")] = 0.0,
     repetition_penalty: Annotated[float, typer.Option(help="Above 1 discourages tokens already present.")] = 1.0,
@@ -258,10 +280,12 @@ def sample(
     ignore_eot: Annotated[bool, typer.Option("--ignore-eot", help="Keep going past the end-of-text token.")] = False,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print text as it is generated.")] = True,
     last: Last = False,
-    interactive: Annotated[bool, typer.Option("--interactive", "-i", help="Ask for prompts in a loop.")] = False,
+    interactive: Annotated[bool, typer.Option("--interactive", "-i", help="Ask for prompts in a loop (--prompt "
+                                                                           "is the first).")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the whole context every token.")] = False,
     device: Device = "auto",
     dtype: Dtype = "auto",
+    threads: Threads = None,
 ):
     """Generate text from a trained model, streamed as it is written.
 
@@ -273,11 +297,14 @@ def sample(
     if prompt is not None and prompt_file is not None:
         raise NanoGPTError("give --prompt or --prompt-file, not both")
     if prompt_file is not None:
-        try:
-            prompt = prompt_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise NanoGPTError(f"cannot read --prompt-file {prompt_file}: {e.strerror or e}") from None
-    settings = SampleSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        from nanogpt_cli.files import read_text_file
+
+        prompt = read_text_file(prompt_file, "--prompt-file")
+    from nanogpt_cli.device import set_threads
+
+    set_threads(threads)
+    settings = SampleSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k or None,
+                              top_p=top_p,
                               min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or [],
                               ignore_eot=ignore_eot, use_cache=not no_cache)
     sampler = Sampler.load(checkpoint, last=last, device=device, dtype=dtype)
@@ -300,11 +327,16 @@ def sample(
 
     if not interactive:
         return run(prompt or "")
+    first = prompt  # --prompt (or --prompt-file) with --interactive is the first prompt
     while True:
-        try:
-            text = input("prompt> ")
-        except EOFError:
-            break
+        if first is not None:
+            text, first = first, None
+            print(f"prompt> {text}")
+        else:
+            try:
+                text = input("prompt> ")
+            except EOFError:
+                break
         try:
             run(text)
         except NanoGPTError as e:  # a bad prompt should not end the session
@@ -326,6 +358,7 @@ def perplexity(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     device: Device = "auto",
     dtype: Dtype = "float32",
+    threads: Threads = None,
 ):
     """Score every token of a dataset split or text files once: loss, perplexity, bits per byte.
 
@@ -341,6 +374,9 @@ def perplexity(
         raise NanoGPTError(f"--split must be train or val, got {split!r}")
     if batch_size < 1:
         raise NanoGPTError(f"--batch-size must be at least 1, got {batch_size}")
+    from nanogpt_cli.device import set_threads
+
+    set_threads(threads)
     loaded = load_for_inference(checkpoint, last=last, device=device, dtype=dtype)
     if data is not None:
         result = perplexity_of_split(loaded.model, loaded.tokenizer, data_dir, data, split, stride, batch_size)

@@ -20,7 +20,8 @@ from torch.nn import functional as F
 from nanogpt_cli.data import load_meta, open_split
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
-from nanogpt_cli.tokenizer import Tokenizer
+from nanogpt_cli.files import read_text_file
+from nanogpt_cli.tokenizer import Tokenizer, describe_difference
 
 
 @dataclass
@@ -105,9 +106,10 @@ def text_bytes(tokenizer: Tokenizer, tokens, chunk: int = 1 << 20) -> int:
 def perplexity_of_split(model: GPT, tokenizer: Tokenizer, data_dir: Path, name: str, split: str,
                         stride: int | None = None, batch_size: int = 8) -> EvalResult:
     meta = load_meta(data_dir, name)
-    if meta["tokenizer"] != tokenizer.describe():
-        raise NanoGPTError(f"dataset '{name}' was prepared with another tokenizer ({meta['tokenizer']['name']}) "
-                           f"than the checkpoint's ({tokenizer.name})")
+    differ = describe_difference(meta["tokenizer"], tokenizer.describe(), f"dataset '{name}'", "the checkpoint")
+    if differ:
+        raise NanoGPTError(f"dataset '{name}' was prepared with another tokenizer than the checkpoint's ({differ}); "
+                           "score data prepared with the checkpoint's tokenizer, or use --input FILE")
     tokens = open_split(data_dir, name, split)
     stride = stride or default_stride(model.config.block_size)
     t0 = time.perf_counter()
@@ -123,12 +125,7 @@ def perplexity_of_files(model: GPT, tokenizer: Tokenizer, paths: list[Path], str
     stride = stride or default_stride(model.config.block_size)
     t0 = time.perf_counter()
     for path in paths:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise NanoGPTError(f"input file {path} does not exist") from None
-        except UnicodeDecodeError:
-            raise NanoGPTError(f"input file {path} is not UTF-8 text") from None
+        text = read_text_file(path, "--input")
         tokens = tokenizer.encode(text)  # a char tokenizer names the characters it does not know
         nll, n = score_tokens(model, tokens, stride, batch_size)
         nll_total, n_total = nll_total + nll, n_total + n

@@ -13,7 +13,7 @@ import json
 import math
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +27,7 @@ from nanogpt_cli.data import load_meta, open_split
 from nanogpt_cli.device import autocast_for, peak_flops, resolve_device, resolve_dtype
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
+from nanogpt_cli.tokenizer import describe_difference
 
 @dataclass
 class TrainResult:
@@ -150,6 +151,13 @@ class RunPlan:
     init_weights: Path | None = None  # --init-from: the weights file to start from
     resume: bool = False
     force: bool = False
+    step: int = 0  # where the run starts: 0, or the step a resumed run stopped at
+    notes: list[str] = field(default_factory=list)  # things the user should know before it starts (warnings)
+
+    @property
+    def complete(self) -> bool:
+        """A resumed run that has already done its --max-iters."""
+        return self.resume and self.step >= self.train.max_iters
 
 
 def default_run_dir(data: str) -> Path:
@@ -157,11 +165,13 @@ def default_run_dir(data: str) -> Path:
 
 
 def plan_run(flags: dict[str, Any], file_values: dict[str, Any] | None = None, out: str | Path | None = None,
-             resume: bool = False, force: bool = False, init_from: str | None = None) -> RunPlan:
+             resume: bool = False, force: bool = False, init_from: str | None = None,
+             init_last: bool = False) -> RunPlan:
     """The effective configs of a run. Fresh: preset < config file < flags, with the vocabulary from the dataset.
-    Resume: the saved run's configs, flags and file applied to training fields only. --init-from: the
-    checkpoint's architecture (dropout may change), training fields as for a fresh run. `preset` and `out` may
-    come from the flags or the config file (flags win)."""
+    Resume: the saved run's configs; the same preset, file and flags may be given again (values equal to the
+    saved architecture are accepted, differing ones refused), and training fields they give apply.
+    --init-from: the checkpoint's architecture (dropout may change; best weights unless init_last), training
+    fields as for a fresh run. `preset` and `out` may come from the flags or the config file (flags win)."""
     values = {**(file_values or {}), **flags}
     preset = values.pop("preset", None)
     out = out or values.pop("out", None)
@@ -170,9 +180,13 @@ def plan_run(flags: dict[str, Any], file_values: dict[str, Any] | None = None, o
         raise NanoGPTError("--resume needs --out: the run folder to continue")
     run_dir = ckpt.RunDir(out or default_run_dir(values.get("data") or "run"))
     run_dir.check(resume, force)
-    model_over, train_over = split_values(values)
+    split_values(values)  # unknown keys are refused first
     if resume:
-        return _plan_resume(run_dir, model_over, train_over)
+        if init_from is not None:
+            raise NanoGPTError("--resume continues a run with its own weights; drop --init-from")
+        return _plan_resume(run_dir, preset, values)
+    notes: list[str] = []
+    explicit_model, _ = split_values(values)
     values = {**(preset_values(preset) if preset else {}), **values}
     model_values, train_values = split_values(values)
     _, train_cfg = build_configs(train_values)
@@ -181,37 +195,80 @@ def plan_run(flags: dict[str, Any], file_values: dict[str, Any] | None = None, o
     meta = load_meta(Path(train_cfg.data_dir), train_cfg.data)
     init_weights = None
     if init_from is not None:
-        init_weights = ckpt.resolve_weights(init_from, last=True)
+        init_weights = ckpt.resolve_weights(init_from, last=init_last)
         weights_meta = ckpt.read_metadata(init_weights)
-        if weights_meta.get("tokenizer") != meta["tokenizer"]:
-            raise NanoGPTError(f"--init-from {init_from} was trained with a different tokenizer or vocabulary than "
-                               f"dataset '{train_cfg.data}'; prepare the data with the checkpoint's tokenizer")
-        extra = set(model_over) - {"dropout"}
+        differ = describe_difference(meta["tokenizer"], weights_meta.get("tokenizer") or {},
+                                     f"dataset '{train_cfg.data}'", "the checkpoint")
+        if differ:
+            raise NanoGPTError(f"--init-from {init_from} was trained with another tokenizer than dataset "
+                               f"'{train_cfg.data}' ({differ}); prepare the data with the checkpoint's tokenizer")
+        extra = set(explicit_model) - {"dropout"}
         if extra:
             raise NanoGPTError("--init-from takes the architecture from the checkpoint; drop "
                                + ", ".join(f"--{flag(k)}" for k in sorted(extra)))
-        model_values = {**weights_meta["config"], **model_over}
-    elif "vocab_size" not in model_values or model_values["vocab_size"] < meta["vocab_size"]:
+        model_values = {**weights_meta["config"], **{k: v for k, v in model_values.items() if k == "dropout"}}
+        val = weights_meta.get("val_loss")
+        notes.append(f"--init-from: starting from {init_weights} (step {weights_meta.get('step')}"
+                     + (f", val loss {val:.4f}" if isinstance(val, (int, float)) else "") + ")")
+    elif "vocab_size" not in model_values:
         model_values["vocab_size"] = meta["vocab_size"]
     model_cfg, train_cfg = build_configs({**model_values, **train_values})
     if model_cfg.vocab_size < meta["vocab_size"]:
-        raise NanoGPTError(f"the model's vocabulary ({model_cfg.vocab_size:,}) is smaller than dataset "
-                           f"'{train_cfg.data}' needs ({meta['vocab_size']:,} tokens)")
-    return RunPlan(model_cfg, train_cfg, run_dir, meta, init_weights=init_weights, force=force)
+        raise NanoGPTError(f"--vocab-size {model_cfg.vocab_size:,} is smaller than the {meta['vocab_size']:,} tokens "
+                           f"of dataset '{train_cfg.data}'; drop it to use the dataset's, or give at least that")
+    notes += _warnings(model_cfg, train_cfg)
+    return RunPlan(model_cfg, train_cfg, run_dir, meta, init_weights=init_weights, force=force, notes=notes)
 
 
-def _plan_resume(run_dir: ckpt.RunDir, model_over: dict[str, Any], train_over: dict[str, Any]) -> RunPlan:
-    if model_over:
-        raise NanoGPTError(f"--resume takes the architecture from {run_dir}; drop "
-                           + ", ".join(f"--{flag(k)}" for k in sorted(model_over)))
+def _warnings(model_cfg: GPTConfig, cfg: TrainConfig) -> list[str]:
+    notes = []
+    if cfg.warmup_iters >= cfg.max_iters:
+        notes.append(f"--warmup-iters ({cfg.warmup_iters:,}) is not below --max-iters ({cfg.max_iters:,}): the "
+                     "learning rate never reaches its peak")
+    if cfg.dtype == "float16" and resolve_device(cfg.device).type == "cpu":
+        notes.append("--dtype float16 on the CPU runs the GPU's fp16 path (autocast and grad scaler) and is slow "
+                     "there; use bfloat16 or float32 for speed")
+    return notes
+
+
+def _plan_resume(run_dir: ckpt.RunDir, preset: str | None, given: dict[str, Any]) -> RunPlan:
     saved = run_dir.read_config()
+    state, notes = run_dir.check_resumable()
+    # the command that started the run may be given again: what it says must agree with the saved run
+    from_preset = preset_values(preset) if preset else {}
+    said = {**from_preset, **given}
+    model_said, _ = split_values(said)
+    differ = [k for k, v in model_said.items() if saved["model"].get(k) != v]
+    if differ:
+        def where(k):
+            return f"--preset {preset} gives" if k not in given else "given"
+        raise NanoGPTError(f"--resume takes the architecture from {run_dir}; these differ from it: " + ", ".join(
+            f"--{flag(k)} (saved {saved['model'].get(k)!r}, {where(k)} {model_said[k]!r})" for k in sorted(differ)))
+    preset_only = [k for k, v in from_preset.items() if k not in given and k in saved["train"]
+                   and saved["train"][k] != v]
+    if preset_only:
+        raise NanoGPTError(f"--preset {preset} would change the resumed run's " + ", ".join(
+            f"--{flag(k)} (saved {saved['train'][k]!r}, preset {from_preset[k]!r})" for k in sorted(preset_only))
+            + "; drop --preset when resuming, or give those flags")
+    _, train_over = split_values(given)
     saved_train = {k: v for k, v in saved["train"].items() if k not in ("stop_at", "out")}  # out: older runs
     model_cfg, train_cfg = build_configs({**saved["model"], **saved_train, **train_over})
-    step = json.loads((run_dir / ckpt.TRAINER).read_text())["step"]
-    if train_cfg.stop_at is not None and train_cfg.stop_at <= step:  # refused before anything in the run changes
-        raise NanoGPTError(f"--stop-at {train_cfg.stop_at} is not after the run's step {step}")
+    plan_step = state.step
+    if state.step < train_cfg.max_iters and train_cfg.stop_at is not None and train_cfg.stop_at <= state.step:
+        raise NanoGPTError(f"--stop-at {train_cfg.stop_at} is not after the run's step {state.step}")
     meta = load_meta(Path(train_cfg.data_dir), train_cfg.data)
-    return RunPlan(model_cfg, train_cfg, run_dir, meta, resume=True)
+    saved_meta = saved.get("dataset") or {}
+    differ_tok = describe_difference(meta["tokenizer"], saved_meta.get("tokenizer", meta["tokenizer"]),
+                                     f"dataset '{train_cfg.data}' now", "the run")
+    if differ_tok:
+        raise NanoGPTError(f"dataset '{train_cfg.data}' was prepared again with another tokenizer since {run_dir} "
+                           f"started ({differ_tok}); prepare it as before, or start a new run")
+    if saved_meta.get("created") and meta.get("created") != saved_meta.get("created") and \
+            train_cfg.data == saved["train"].get("data"):
+        notes.append(f"dataset '{train_cfg.data}' was prepared again since this run started (then "
+                     f"{saved_meta['created']}, now {meta.get('created')}); the run continues on the new data")
+    notes += _warnings(model_cfg, train_cfg)
+    return RunPlan(model_cfg, train_cfg, run_dir, meta, resume=True, step=plan_step, notes=notes)
 
 
 # --- what the loop tells the display ---

@@ -147,7 +147,9 @@ def test_sample_cli_prints_prompt_and_continuation_and_separates_samples(trained
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["--min-p", "1"], "--min-p must be in [0, 1)"),
-    (["--top-k", "0"], "--top-k must be at least 1"),
+    (["--top-k", "-1"], "--top-k must be at least 1"),
+    (["--temperature", "nan"], "--temperature must be a finite number"),
+    (["--repetition-penalty", "inf"], "--repetition-penalty must be a finite number"),
     (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
     (["--prompt", "λx"], "no token for 'x' 'λ'"),
 ])
@@ -162,7 +164,7 @@ def test_missing_or_invalid_checkpoints_are_one_sentence(tmp_path):
     junk.write_bytes(b"\x00not a checkpoint at all")
     plain = tmp_path / "plain.safetensors"
     save_file({"w": torch.zeros(2)}, str(plain))
-    cases = [(tmp_path / "missing", "does not exist"), (junk, "is not a valid safetensors checkpoint"),
+    cases = [(tmp_path / "missing", "does not exist"), (junk, "is truncated or damaged"),
              (plain, "not a nanogpt checkpoint"), (tmp_path, "no checkpoint in")]
     for path, message in cases:
         out = runner.invoke(app, ["sample", "--checkpoint", str(path)])

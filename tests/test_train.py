@@ -179,7 +179,7 @@ def test_fine_tuning_starts_from_the_given_weights(char_data, tmp_path):
     from nanogpt_cli.data import prepare
 
     prepare(str(other), "abc", tokenizer="char", data_dir=data_dir)
-    with pytest.raises(NanoGPTError, match="different tokenizer"):
+    with pytest.raises(NanoGPTError, match="another tokenizer.*3 characters in dataset 'abc' vs"):
         plan_run({"preset": "tiny", "data": "abc", "data_dir": str(data_dir)}, out=tmp_path / "x",
                  init_from=str(base))
 
@@ -205,7 +205,13 @@ def run_cli(*args):
     (["--block-size", "100000"], "fewer than --block-size + 1"),
     (["--preset", "huge"], "unknown preset 'huge'"),
     (["--n-embd", "31"], "--n-embd (31) must be divisible by --n-head (2)"),
-    (["--dtype", "float16", "--device", "cpu"], "--dtype float16 needs a CUDA GPU"),
+    (["--learning-rate", "nan"], "--learning-rate must be a finite number, got nan"),
+    (["--beta2", "inf"], "--beta2 must be a finite number, got inf"),
+    (["--min-lr", "0.1", "--learning-rate", "0.01"], "--min-lr (0.1) is above --learning-rate (0.01)"),
+    (["--vocab-size", "10"], "--vocab-size 10 is smaller than the"),
+    (["--resume", "--force"], "give one of them"),
+    (["--last"], "give --init-from or drop --last"),
+    (["--config", "."], "--config . is a folder"),
     (["--init-from", "missing-run"], "checkpoint missing-run does not exist"),
 ])
 def test_bad_train_input_is_one_sentence_and_writes_nothing(char_data, tmp_path, args, message):
