@@ -290,6 +290,8 @@ class RunStarted:
 
 @dataclass
 class StepLogged:
+    """One progress line: also a line of metrics.jsonl (kind "train")."""
+
     step: int
     loss: float  # this update's mean training loss
     lr: float
@@ -298,11 +300,21 @@ class StepLogged:
     ms_per_iter: float  # since the last log line, evaluations and checkpoints left out
     tokens_per_s: float
     mfu: float | None
+    skipped: int = 0  # fp16: updates since the last line that the grad scaler skipped (inf/NaN gradients)
+    scale: float | None = None  # fp16: the grad scaler's loss scale now
+
+    def record(self) -> dict[str, Any]:
+        record = dict(kind="train", step=self.step, loss=self.loss, lr=self.lr, tokens=self.tokens,
+                      elapsed_s=round(self.elapsed_s, 3), tokens_per_s=round(self.tokens_per_s, 1))
+        if self.scale is not None:
+            record.update(skipped=self.skipped, scale=self.scale)
+        return record
 
 
 @dataclass
 class Evaluated:
-    """One evaluation: also the line written to metrics.jsonl (all fields but best_val_loss)."""
+    """One evaluation: also a line of metrics.jsonl (kind "eval"; all fields but best_val_loss). Lines of runs
+    from before train lines existed have no kind: they are evaluations."""
 
     step: int
     train_loss: float
@@ -313,7 +325,7 @@ class Evaluated:
     best_val_loss: float
 
     def record(self) -> dict[str, Any]:
-        return dict(step=self.step, train_loss=self.train_loss, val_loss=self.val_loss, lr=self.lr,
+        return dict(kind="eval", step=self.step, train_loss=self.train_loss, val_loss=self.val_loss, lr=self.lr,
                     tokens=self.tokens, elapsed_s=self.elapsed_s)
 
 
@@ -322,6 +334,7 @@ class Display(Protocol):
     def on_step(self, event: StepLogged) -> None: ...
     def on_eval(self, event: Evaluated) -> None: ...
     def on_save(self, step: int) -> None: ...
+    def on_status(self, text: str) -> None: ...  # what happens before the first step (no long silences)
 
 
 class NoDisplay:
@@ -335,6 +348,9 @@ class NoDisplay:
         pass
 
     def on_save(self, step: int) -> None:
+        pass
+
+    def on_status(self, text: str) -> None:
         pass
 
 
@@ -381,9 +397,11 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere and newer
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(cfg.seed)
+    show.on_status("loading the data")
     batches = Batches(Path(cfg.data_dir), cfg.data, model_cfg.block_size, cfg.batch_size, device, cfg.seed)
     eval_sets = {s: batches.fixed_batches(s, cfg.eval_iters, cfg.seed + 1 + i) for i, s in enumerate(("train", "val"))}
 
+    show.on_status("building the model")
     model = GPT(model_cfg)
     if plan.init_weights is not None:
         ckpt.load_weights(model, plan.init_weights)
@@ -444,10 +462,14 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
     t_window, step_window = t0, state.step
     first_s = 0.0
     start_step = state.step
+    skipped = 0  # fp16 updates the scaler skipped since the last log line
     stopped = None
     with StopSignals() as signals:
         if not plan.resume:
+            show.on_status("first evaluation")
             evaluate_and_save()
+        if cfg.compile:
+            show.on_status("compiling the model (the first step takes a while)")
         model.train()
         while state.step < end:
             lr = lr_at(state.step, cfg)
@@ -455,7 +477,10 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
                 group["lr"] = lr
             micro = [batches.get_batch("train") for _ in range(cfg.gradient_accumulation_steps)]
             t_step = time.perf_counter()
+            scale = scaler.get_scale() if scaler.is_enabled() else None  # fp16 only: a sync per step
             loss = optimizer_step(compiled, optimizer, micro, ctx, scaler, cfg.grad_clip)
+            if scale is not None and scaler.get_scale() < scale:  # the scaler backs off only when it skips
+                skipped += 1
             if state.step == start_step:  # the first step warms up (and with --compile, compiles): not speed
                 first_s = time.perf_counter() - t_step
             state.step += 1
@@ -467,9 +492,13 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
                 now = time.perf_counter()
                 dt = (now - t_window) / max(1, state.step - step_window)
                 t_window, step_window = now, state.step
-                show.on_step(StepLogged(step=state.step, loss=loss_value, lr=lr, tokens=state.tokens,
-                                        elapsed_s=now - t0, ms_per_iter=dt * 1000, tokens_per_s=tokens_per_iter / dt,
-                                        mfu=flops_per_iter / dt / peak if peak else None))
+                logged = StepLogged(step=state.step, loss=loss_value, lr=lr, tokens=state.tokens,
+                                    elapsed_s=elapsed_before + now - t0, ms_per_iter=dt * 1000,
+                                    tokens_per_s=tokens_per_iter / dt, mfu=flops_per_iter / dt / peak if peak else None,
+                                    skipped=skipped, scale=scaler.get_scale() if scaler.is_enabled() else None)
+                run_dir.append_metrics(logged.record())
+                show.on_step(logged)
+                skipped = 0
             if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters:
                 evaluate_and_save()
             if signals.received:

@@ -113,27 +113,37 @@ class TrainDisplay:
         if self.live:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(bar_width=10), MofNCompleteColumn(),
                                      TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console)
             self.progress.start()
             self.task = self.progress.add_task("train", total=e.max_iters, completed=e.step, stats="")
+
+    def on_status(self, text: str) -> None:
+        """What happens before the first step (loading, building, compiling, first evaluation)."""
+        if not self.quiet:
+            console.print(f"{text} ...", style="dim" if console.is_terminal else None)
 
     def on_step(self, e) -> None:
         if self.quiet:
             return
         eta = (self.max_iters - e.step) * e.ms_per_iter / 1000
-        parts = [f"loss {e.loss:.4f}"]
+        # (priority, text) in display order; on a narrow terminal the lowest priorities go first
+        parts = [(0, f"loss {e.loss:.4f}")]
         if self.val_loss is not None:
-            parts.append(f"val {self.val_loss:.4f}")
-        parts += [f"lr {e.lr:.2e}", f"{e.tokens_per_s:,.0f} tok/s", f"{e.ms_per_iter:.1f} ms/it"]
+            parts.append((2, f"val {self.val_loss:.4f}"))
+        parts += [(5, f"lr {e.lr:.2e}"), (3, f"{e.tokens_per_s:,.0f} tok/s"), (4, f"{e.ms_per_iter:.1f} ms/it")]
         if e.mfu is not None:
-            parts.append(f"MFU {e.mfu:.1%}")
-        parts.append(f"ETA {_fmt_eta(eta)}")
-        stats = " | ".join(parts)
+            parts.append((6, f"MFU {e.mfu:.1%}"))
+        if e.scale is not None:
+            parts.append((1 if e.skipped else 7, f"fp16 scale {e.scale:g}" + (
+                f", skipped {e.skipped} (overflow)" if e.skipped else "")))
+        parts.append((1, f"ETA {_fmt_eta(eta)}"))
         if self.progress is not None:
-            self.progress.update(self.task, completed=e.step, stats=stats)
+            # the bar's own columns: "train", a bar of at least 10, "1234/5000", the elapsed time, and spaces
+            room = console.width - (6 + 11 + 2 * len(f"{self.max_iters}") + 2 + 8 + 4)
+            self.progress.update(self.task, completed=e.step, stats=fit_fields(parts, room))
         elif e.step > self.start_step:
-            console.print(f"step {e.step:>6,}/{self.max_iters:,} | {stats}")
+            console.print(f"step {e.step:>6,}/{self.max_iters:,} | {fit_fields(parts, 10**6)}")
 
     def on_eval(self, e) -> None:
         if self.quiet:
@@ -146,6 +156,15 @@ class TrainDisplay:
     def on_save(self, step: int) -> None:
         if not self.quiet:
             console.print(f"step {step:>6,}: checkpoint saved")
+
+
+def fit_fields(parts: list[tuple[int, str]], width: int) -> str:
+    """Join (priority, text) fields with " | ", dropping the least important (highest number) until the line
+    fits in width characters; the first field always stays."""
+    parts = list(parts)
+    while len(parts) > 1 and len(" | ".join(t for _, t in parts)) > width:
+        parts.remove(max(parts[1:], key=lambda p: p[0]))
+    return " | ".join(t for _, t in parts)
 
 
 def train_table(result):

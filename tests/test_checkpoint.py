@@ -79,7 +79,9 @@ def test_run_folders_resolve_to_best_then_last(tmp_path):
 
 
 def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The evaluation lines of metrics.jsonl (train-step lines have kind "train")."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in lines if m.get("kind", "eval") == "eval"]
 
 
 def test_a_save_cut_short_between_its_renames_resumes_from_the_previous_one(char_data, tmp_path):

@@ -30,8 +30,9 @@ def test_prepare_train_resume_sample_eval_end_to_end(tmp_path):
     assert "--resume" in out and "step     20" in out
     out = ok("train", "--out", run, "--resume")
     assert "resuming at step 20" in out
-    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 20, 40]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if m["kind"] == "eval"] == [0, 20, 40]
+    assert [m["step"] for m in lines if m["kind"] == "train"] == [10, 20, 30, 40]  # every --log-interval
     out = ok("sample", "--checkpoint", run, "--prompt", "THE KING:", "--max-new-tokens", "30", "--seed", "3")
     assert out.startswith("THE KING:") and len(out) > len("THE KING:") + 20
     result = json.loads(ok("eval", "perplexity", "--checkpoint", run, "--data", "play", "--data-dir", data, "--json"))
