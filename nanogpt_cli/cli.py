@@ -139,6 +139,9 @@ def prepare(
     """
     from nanogpt_cli.data import prepare as prepare_data
     from nanogpt_cli.ui import console, prepare_progress, prepare_table
+    from nanogpt_cli.files import check_creatable
+
+    check_creatable(data_dir, "--data-dir")
 
     with prepare_progress() as progress:
         result = prepare_data(source, name, tokenizer=tokenizer, val_fraction=val_fraction, data_dir=data_dir,

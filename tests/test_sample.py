@@ -1,5 +1,6 @@
 """Sampling: seeds, greedy, the cache, streaming, stop texts, end-of-text, prompts, and bad input."""
 
+import json
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -170,3 +171,23 @@ def test_missing_or_invalid_checkpoints_are_one_sentence(tmp_path):
         out = runner.invoke(app, ["sample", "--checkpoint", str(path)])
         assert out.exit_code == 1, path
         assert message in out.output and "Traceback" not in out.output
+
+
+def test_top_k_0_means_no_top_k(trained_run):
+    def text(*args):
+        out = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "--prompt", "KING:", "--max-new-tokens",
+                                  "40", "--seed", "2", "--temperature", "1.5", *args])
+        assert out.exit_code == 0, out.output
+        return out.output
+
+    vocab = str(len(json.loads((trained_run / "config.json").read_text())["dataset"]["tokenizer"]["chars"]))
+    assert text("--top-k", "0") == text("--top-k", vocab)  # all tokens kept
+    assert text("--top-k", "0") != text("--top-k", "2")
+
+
+def test_prompt_with_interactive_is_the_first_prompt(trained_run):
+    out = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "-i", "--prompt", "QUEEN:",
+                              "--max-new-tokens", "5", "--temperature", "0"], input="KING:\n")
+    assert out.exit_code == 0, out.output
+    first, second = out.output.split("prompt> ")[1:3]
+    assert first.startswith("QUEEN:\nQUEEN:") and second.startswith("KING:")
