@@ -9,7 +9,8 @@ Layout of a run folder:
     best.safetensors       the weights with the lowest validation loss so far
     optimizer.safetensors  the optimizer's state tensors; its hyperparameters as JSON metadata
     trainer.json           step, tokens, best val loss, RNG states, grad-scaler state
-    metrics.jsonl          one JSON object per evaluation
+    metrics.jsonl          one JSON object per evaluation (kind "eval") and per --log-interval (kind "train")
+    loss.png               the loss curves, when matplotlib is installed
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from nanogpt_cli.tokenizer import Tokenizer, tokenizer_from_description
 
 LAST, BEST = "model.safetensors", "best.safetensors"
 OPTIMIZER, TRAINER, CONFIG, METRICS = "optimizer.safetensors", "trainer.json", "config.json", "metrics.jsonl"
+LOSS_PLOT = "loss.png"  # drawn from metrics.jsonl at the end of `nanogpt train` when matplotlib is installed
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
@@ -284,7 +286,7 @@ class RunDir:
     """The one owner of a run folder's layout (see the module docstring): its checks, the staged multi-file
     save and the resume with its recovery from a save cut short, config.json and metrics.jsonl."""
 
-    FILES = (LAST, BEST, OPTIMIZER, TRAINER, CONFIG, METRICS)
+    FILES = (LAST, BEST, OPTIMIZER, TRAINER, CONFIG, METRICS, LOSS_PLOT)
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

@@ -170,6 +170,9 @@ def train(
     last: Annotated[bool, typer.Option("--last", help="With --init-from RUN: its last weights, not its best.")
                     ] = False,
     threads: Threads = None,
+    tracker: Annotated[Optional[str], typer.Option(help="Also log to tensorboard or wandb (offline unless "
+                                                        "WANDB_MODE=online); needs the track extra.",
+                                                   show_default=False)] = None,
     # model
     vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary (default: the dataset's; larger pads it).",
                                                       rich_help_panel="Model")] = None,
@@ -254,9 +257,23 @@ def train(
         console.print(f"{plan.run_dir} is already complete: step {plan.step:,} of --max-iters "
                       f"{plan.train.max_iters:,}; raise --max-iters to train it further")
         return
-    with TrainDisplay(quiet) as display:
-        result = run_training(plan, display)
+    from nanogpt_cli.trackers import Tee, open_tracker
+
+    sink = open_tracker(tracker) if tracker else None  # a missing extra is refused before training
+    try:
+        with TrainDisplay(quiet) as display:
+            result = run_training(plan, Tee(display, sink) if sink else display)
+    finally:
+        if sink is not None:
+            sink.close()
     console.print(train_table(result))
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot extra: a picture of the run's curves
+        from nanogpt_cli.checkpoint import LOSS_PLOT
+        from nanogpt_cli.plot import write_png
+
+        write_png([plan.run_dir.path], plan.run_dir / LOSS_PLOT)
     resume_with = f"nanogpt train --out {plan.run_dir} --resume"
     if result.stopped in ("SIGINT", "SIGTERM"):
         fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}")
@@ -389,6 +406,76 @@ def perplexity(
         print(json.dumps(result.to_dict()))
     else:
         console.print(eval_table(result))
+
+
+@app.command()
+@one_line_errors
+def runs(
+    folder: Annotated[Path, typer.Argument(help="A folder of run folders (or one run).")] = Path("checkpoints"),
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object per run instead of a table.")
+                        ] = False,
+):
+    """List the runs in a folder: dataset, size, progress, best val loss, last update, status.
+
+    Example: nanogpt runs checkpoints
+    """
+    from nanogpt_cli.runs import list_runs
+    from nanogpt_cli.ui import console, runs_table
+
+    found = list_runs(folder)
+    if json_out:
+        for run in found:
+            print(json.dumps(run.to_dict()))
+    elif not found:
+        console.print(f"no runs in {folder}")
+    else:
+        console.print(runs_table(found, folder))
+        for run in found:
+            if run.problem:
+                console.print(f"{run.name}: {run.problem}", markup=False)
+
+
+@app.command()
+@one_line_errors
+def info(
+    path: Annotated[Path, typer.Argument(help="A run folder or a .safetensors weights file.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+):
+    """Describe a run or weights file: config, parameters, FLOPs per token, tokenizer, losses, files.
+
+    Example: nanogpt info checkpoints/shk
+    """
+    from nanogpt_cli.runs import inspect_path
+    from nanogpt_cli.ui import console, info_table
+
+    result = inspect_path(path)
+    if json_out:
+        print(json.dumps(result.to_dict()))
+    else:
+        console.print(info_table(result))
+
+
+@app.command()
+@one_line_errors
+def plot(
+    runs: Annotated[list[Path], typer.Argument(help="Run folders to draw (one or more).")],
+    out: Annotated[Optional[Path], typer.Option(help="Write a .png/.svg/.pdf here instead of drawing in the "
+                                                     "terminal.")] = None,
+):
+    """Draw train and val loss against tokens seen, for one or several runs.
+
+    Example: nanogpt plot checkpoints/shk checkpoints/shk-wsd --out loss.png
+    """
+    from nanogpt_cli.plot import terminal_plot, write_png
+    from nanogpt_cli.ui import console
+
+    if out is not None:
+        from nanogpt_cli.files import check_creatable
+
+        check_creatable(out.parent if str(out.parent) else Path("."), "the folder of --out")
+        console.print(f"wrote {write_png(runs, out)}")
+    else:
+        print(terminal_plot(runs, width=min(console.width, 100), height=20, color=console.is_terminal))
 
 
 def main():

@@ -196,3 +196,73 @@ def eval_table(result):
         ("time", f"{result.elapsed_s:.2f} s"),
         ("throughput", f"{result.tokens_per_s:,.0f} tokens/s"),
     ])
+
+
+# --- runs and info ---
+
+
+def _loss(value) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "-"
+
+
+def _count(value) -> str:
+    if not isinstance(value, int):
+        return "-"
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f}{unit}"
+    return str(value)
+
+
+def runs_table(runs, root):
+    """The rows of `nanogpt runs` (runs.RunSummary), one per run."""
+    from rich.table import Table
+
+    table = Table(title=f"runs in {root} (times UTC)", title_justify="left")
+    for name, justify in (("run", "left"), ("dataset", "left"), ("params", "right"), ("steps", "right"),
+                          ("best val", "right"), ("tokens", "right"), ("updated", "left"), ("status", "left")):
+        table.add_column(name, justify=justify, overflow="fold")
+    for r in runs:
+        steps = f"{r.step:,}" if r.step is not None else "-"
+        if r.max_iters is not None:
+            steps += f"/{r.max_iters:,}"
+        status = {"finished": "[green]finished[/]", "damaged": "[red]damaged[/]"}.get(r.status, r.status)
+        table.add_row(r.name, r.dataset or "-", _count(r.params), steps, _loss(r.best_val_loss), _count(r.tokens),
+                      r.updated[5:16].replace("T", " "), status)
+    return table
+
+
+def info_table(info):
+    """`nanogpt info` of a runs.Info: the summary, then the files with sizes and whether each loads."""
+    from rich.console import Group
+    from rich.table import Table
+
+    rows = [("kind", info.kind)]
+    if info.status:
+        rows.append(("status", info.status))
+    if info.model:
+        m = info.model
+        rows.append(("model", f"{m['n_layer']} layers x {m['n_embd']} wide, {m['n_head']} heads, context "
+                              f"{m['block_size']:,}, {m['pos_encoding']}, {m['norm']}, {m['mlp']}"))
+    if info.params is not None:
+        rows += [("parameters", f"{info.params:,} ({info.params_non_embedding:,} non-embedding)"),
+                 ("FLOPs per token", f"{info.flops_per_token:,} (training, full context)")]
+    rows += [("tokenizer", info.tokenizer or "-"), ("dataset", info.dataset or "-")]
+    if info.step is not None:
+        rows.append(("step", f"{info.step:,}" + (f" of {info.max_iters:,}" if info.max_iters else "")))
+    if info.tokens is not None:
+        rows.append(("tokens seen", f"{info.tokens:,}"))
+    if info.train_loss is not None:
+        rows.append(("last train loss", _loss(info.train_loss)))
+    if info.val_loss is not None:
+        rows.append(("last val loss", _loss(info.val_loss)))
+    if info.best_val_loss is not None:
+        rows.append(("best val loss", _loss(info.best_val_loss)))
+    files = Table(title="files", title_justify="left")
+    files.add_column("file")
+    files.add_column("bytes", justify="right")
+    files.add_column("loads")
+    files.add_column("", overflow="fold")
+    for f in info.files:
+        files.add_row(f.name, f"{f.bytes:,}", "yes" if f.loads else "[red]no[/]", f.note)
+    return Group(summary_table(info.path, rows), files)
