@@ -218,10 +218,13 @@ def runs_table(runs, root):
     """The rows of `nanogpt runs` (runs.RunSummary), one per run."""
     from rich.table import Table
 
-    table = Table(title=f"runs in {root} (times UTC)", title_justify="left")
+    from rich import box
+
+    table = Table(title=f"runs in {root} (times UTC)", title_justify="left", box=box.SIMPLE_HEAD)
+    # names fold when the terminal is narrow; the numbers and the status never do
     for name, justify in (("run", "left"), ("dataset", "left"), ("params", "right"), ("steps", "right"),
                           ("best val", "right"), ("tokens", "right"), ("updated", "left"), ("status", "left")):
-        table.add_column(name, justify=justify, overflow="fold")
+        table.add_column(name, justify=justify, overflow="fold", no_wrap=name not in ("run", "dataset"))
     for r in runs:
         steps = f"{r.step:,}" if r.step is not None else "-"
         if r.max_iters is not None:
