@@ -398,10 +398,14 @@ def perplexity(
 
     set_threads(threads)
     loaded = load_for_inference(checkpoint, last=last, device=device, dtype=dtype)
-    if data is not None:
-        result = perplexity_of_split(loaded.model, loaded.tokenizer, data_dir, data, split, stride, batch_size)
-    else:
-        result = perplexity_of_files(loaded.model, loaded.tokenizer, input, stride, batch_size)
+    from nanogpt_cli.ui import eval_progress
+
+    with eval_progress() as progress:  # a bar on a terminal: tokens scored, rate, time left
+        if data is not None:
+            result = perplexity_of_split(loaded.model, loaded.tokenizer, data_dir, data, split, stride, batch_size,
+                                         progress)
+        else:
+            result = perplexity_of_files(loaded.model, loaded.tokenizer, input, stride, batch_size, progress)
     if json_out:
         print(json.dumps(result.to_dict()))
     else:

@@ -32,6 +32,7 @@ import json
 import os
 import shutil
 import time
+import urllib.error
 import urllib.request
 from array import array
 from collections.abc import Callable, Iterator
@@ -238,6 +239,7 @@ def _resolve_source(source: str, text_column: str, subset: str | None, split: st
                     raw_bytes: bool, stack: contextlib.ExitStack) -> _Source:
     path = Path(source).expanduser()
     if not path.exists() and source.startswith("hf:"):
+        _offline_unless_hub_reachable()
         stack.enter_context(_quiet_datasets(progress_bars=True))
         return _hf_source(source[3:], text_column, subset, split, streaming)
     downloaded = not path.exists() and source == "shakespeare"
@@ -385,8 +387,8 @@ def _hf_source(repo: str, text_column: str, subset: str | None, split: str, stre
         raise NanoGPTError(f"hf:{repo} is not a dataset on the Hugging Face hub, or it is gated or private "
                            "(log in with `hf auth login`)") from None
     except ConnectionError:
-        raise NanoGPTError(f"could not reach the Hugging Face hub to load hf:{repo} (offline?); load it once "
-                           "while online so it is cached, or pass a local file") from None
+        raise NanoGPTError(f"could not reach the Hugging Face hub to load hf:{repo} ({_hub_unreachable or 'offline?'})"
+                           "; load it once while online so it is cached, or pass a local file") from None
     except Exception as e:  # a missing subset or split: datasets' message lists the valid ones
         raise NanoGPTError(f"could not load hf:{repo}: {_first_line(e)}") from None
     label = f"hf:{repo}"
@@ -403,6 +405,33 @@ def _hf_source(repo: str, text_column: str, subset: str | None, split: str, stre
 
     meta = {"subset": subset, "split": split, "text_column": text_column}
     return _Source(label=label, pieces=pieces, total=None if streaming else len(ds), meta=meta)
+
+
+_hub_unreachable = ""  # why the hub was switched offline, for the error message
+
+
+def _offline_unless_hub_reachable(timeout_s: float = 3.0) -> None:
+    """Ask the hub once, with a short timeout; when it does not answer, switch the hub libraries to offline mode
+    (cached datasets still load), instead of their ~30 s of retries before the same failure."""
+    import sys
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint + "/api/whoami-v2", method="HEAD"),
+                               timeout=timeout_s).close()
+        return
+    except urllib.error.HTTPError:
+        return  # it answered (401 without a token): reachable
+    except (OSError, ValueError):
+        pass
+    global _hub_unreachable
+    _hub_unreachable = f"it did not answer within {timeout_s:g} s, so only the local cache was searched"
+    os.environ["HF_HUB_OFFLINE"] = "1"  # read when the hub libraries are imported...
+    for module, name in (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE")):
+        if module in sys.modules:  # ...and where this process imported them already, set where they keep it
+            setattr(sys.modules[module], name, True)
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ def prepare_progress():
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
     if not console.is_terminal:
-        return contextlib.nullcontext(None)
+        return contextlib.nullcontext(_stage_lines())
 
     @contextlib.contextmanager
     def bar():
@@ -34,6 +34,52 @@ def prepare_progress():
                 if stage not in tasks:
                     tasks[stage] = progress.add_task(stage, total=total)
                 progress.update(tasks[stage], completed=done, total=total)
+
+            yield update
+
+    return bar()
+
+
+def _stage_lines():
+    """Progress for pipes and logs: one line as each stage completes, with its time."""
+    import time
+
+    started: dict[str, float] = {}
+    finished: set[str] = set()
+
+    def update(stage: str, done: int, total: int | None) -> None:
+        started.setdefault(stage, time.perf_counter())
+        if total is not None and done >= total and stage not in finished:
+            finished.add(stage)
+            console.print(f"{stage}: done in {time.perf_counter() - started[stage]:.1f} s")
+
+    return update
+
+
+def eval_progress():
+    """A context manager yielding a `progress(label, done, total)` callback for `eval perplexity` on a terminal:
+    tokens scored, rate and time left; None elsewhere."""
+    import contextlib
+
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn)
+
+    if not console.is_terminal:
+        return contextlib.nullcontext(None)
+
+    @contextlib.contextmanager
+    def bar():
+        with Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                      TextColumn("tokens {task.fields[rate]}"), TimeRemainingColumn(), console=err_console,
+                      transient=True) as progress:
+            tasks: dict[str, int] = {}
+
+            def update(label: str, done: int, total: int | None) -> None:
+                if label not in tasks:
+                    tasks[label] = progress.add_task(label, total=total, rate="")
+                task = progress.tasks[tasks[label]]
+                speed = task.speed
+                progress.update(tasks[label], completed=done, total=total,
+                                rate=f"{speed:,.0f}/s" if speed else "")
 
             yield update
 
@@ -140,7 +186,7 @@ class TrainDisplay:
         parts.append((1, f"ETA {_fmt_eta(eta)}"))
         if self.progress is not None:
             # the bar's own columns: "train", a bar of at least 10, "1234/5000", the elapsed time, and spaces
-            room = console.width - (6 + 11 + 2 * len(f"{self.max_iters}") + 2 + 8 + 4)
+            room = console.width - (6 + 11 + (2 * len(f"{self.max_iters}") + 2) + 8)
             self.progress.update(self.task, completed=e.step, stats=fit_fields(parts, room))
         elif e.step > self.start_step:
             console.print(f"step {e.step:>6,}/{self.max_iters:,} | {fit_fields(parts, 10**6)}")

@@ -113,3 +113,17 @@ def test_hub_dataset_offline(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert not (tmp_path / "data").exists()
+
+
+def test_hub_dataset_unreachable_fails_fast_without_the_offline_switch(tmp_path):
+    # no HF_HUB_OFFLINE: every request goes to a closed local port; prepare asks the hub once, then goes offline
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "NO_PROXY", "no_proxy")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9",
+               https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9")
+    proc = subprocess.run([sys.executable, "-m", "nanogpt_cli", "prepare", "hf:nobody/nothing", "--name", "x",
+                           "--data-dir", str(tmp_path / "data")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("error: could not reach the Hugging Face hub to load hf:nobody/nothing (it did not "
+                                  "answer within 3 s, so only the local cache was searched)")
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
