@@ -142,12 +142,17 @@ def prepare(
     from nanogpt_cli.files import check_creatable
 
     check_creatable(data_dir, "--data-dir")
+    earlier = data_dir / name / "meta.json"
+    replacing = earlier.is_file()
 
     with prepare_progress() as progress:
         result = prepare_data(source, name, tokenizer=tokenizer, val_fraction=val_fraction, data_dir=data_dir,
                               text_column=text_column, subset=subset, split=split, streaming=streaming,
                               max_docs=max_docs, num_proc=num_proc, progress=progress)
     console.print(prepare_table(result))
+    if replacing:  # said after the table, where it is seen: runs trained on the old data see the new
+        console.print(f"replaced the dataset that was in {result.path}; runs trained on it continue on the new data "
+                      "when resumed")
 
 
 @app.command()

@@ -14,7 +14,8 @@ Validation is held-out text:
 - one document: the head (1 - val_fraction of its tokens) trains, the contiguous tail validates;
 - several documents: document i validates when floor((i+1)*f) > floor(i*f), i.e. every (1/f)-th document:
   an exact, deterministic share spread over the whole source. When that picks none (fewer than 1/f documents),
-  the last document validates.
+  the last document validates; when the documents it picks hold more than 2f of the tokens (a few files), the
+  tail of the token stream validates instead, cut at a document boundary within a quarter of its length.
 
 Memory stays bounded: text is read and tokenized in batches and the token ids go straight to disk. Everything
 is written into DATA_DIR/.NAME.tmp-PID and renamed into place at the end, so a failed or interrupted prepare
@@ -77,12 +78,13 @@ class PrepareResult:
     vocab_size: int
     dtype: str  # of the .bin files
     documents: int
-    val_documents: int  # documents in val.bin; with one document its tail is val
+    val_documents: int  # documents in val.bin (wholly or in part); with one document its tail is val
     characters: int
     train_tokens: int
     val_tokens: int
     bytes_on_disk: int  # train.bin + val.bin + meta.json
     elapsed_s: float
+    val_split: str = "documents"  # "tail" (of the token stream) or "documents" (every (1/f)-th)
 
     @property
     def tokens(self) -> int:
@@ -142,7 +144,8 @@ def prepare(source: str, name: str, tokenizer: str = "gpt2", val_fraction: float
             tick.finish()
             if documents == 0:
                 raise NanoGPTError(f"{src.label} has no text")
-            n_train, n_val, val_documents = _split(all_path, tmp_dir, dtype, doc_ends, val_fraction, progress)
+            n_train, n_val, val_documents, val_split = _split(all_path, tmp_dir, dtype, doc_ends, val_fraction,
+                                                              progress)
             if min(n_train, n_val) < MIN_SPLIT_TOKENS:
                 raise NanoGPTError(
                     f"{src.label} is too small to split: {n_train + n_val:,} tokens give {n_train:,} train and "
@@ -159,7 +162,7 @@ def prepare(source: str, name: str, tokenizer: str = "gpt2", val_fraction: float
                 "dtype": dtype,
                 "documents": documents,
                 "val_documents": val_documents,
-                "val_split": "tail" if documents == 1 else "documents",
+                "val_split": val_split,
                 "val_fraction": val_fraction,
                 "characters": characters,
                 "train_tokens": n_train,
@@ -183,7 +186,7 @@ def prepare(source: str, name: str, tokenizer: str = "gpt2", val_fraction: float
     return PrepareResult(name=name, path=final_dir, source=source, tokenizer=tok.name, vocab_size=tok.vocab_size,
                          dtype=dtype, documents=documents, val_documents=val_documents, characters=characters,
                          train_tokens=n_train, val_tokens=n_val, bytes_on_disk=bytes_on_disk,
-                         elapsed_s=time.perf_counter() - t0)
+                         elapsed_s=time.perf_counter() - t0, val_split=val_split)
 
 
 def load_meta(data_dir: Path, name: str) -> dict[str, Any]:
@@ -566,16 +569,30 @@ def _write_tokens(pieces: Pieces, tok: Tokenizer, path: Path, dtype: str, num_pr
 
 
 def _split(all_path: Path, out_dir: Path, dtype: str, doc_ends: np.ndarray, val_fraction: float,
-           progress: Progress | None) -> tuple[int, int, int]:
-    """all.bin -> train.bin + val.bin as the module docstring says; returns (train tokens, val tokens, val docs)."""
+           progress: Progress | None) -> tuple[int, int, int, str]:
+    """all.bin -> train.bin + val.bin as the module docstring says; returns (train tokens, val tokens, val docs,
+    "tail" or "documents")."""
     itemsize = np.dtype(dtype).itemsize
     n = all_path.stat().st_size // itemsize
     train_path, val_path = out_dir / "train.bin", out_dir / "val.bin"
     tick = _Ticker(progress, "splitting", n)
-    if len(doc_ends) <= 1:
+    i = np.arange(len(doc_ends))
+    in_val = np.floor((i + 1) * val_fraction) > np.floor(i * val_fraction)
+    if len(doc_ends) > 1 and not in_val.any():
+        in_val[-1] = True
+    doc_lengths = np.diff(np.concatenate(([0], doc_ends)))
+    if len(doc_ends) <= 1 or doc_lengths[in_val].sum() > 2 * val_fraction * n:
+        # one text, or a few documents where whole ones would put far more than val_fraction into val (2 files:
+        # 55 %): the tail of the token stream validates, cut at a document boundary when one is close
         n_val = round(n * val_fraction)
+        boundaries = doc_ends[:-1]
+        if len(boundaries):
+            near = int(boundaries[np.argmin(np.abs(boundaries - (n - n_val)))])
+            if abs(near - (n - n_val)) <= n_val // 4:
+                n_val = n - near
+        val_documents = max(1, int((doc_ends > n - n_val).sum()))
         if min(n_val, n - n_val) < MIN_SPLIT_TOKENS:
-            return n - n_val, n_val, 1
+            return n - n_val, n_val, val_documents, "tail"
         tokens = np.memmap(all_path, dtype=dtype, mode="r")
         with open(val_path, "wb") as fv:
             for start in range(n - n_val, n, SPLIT_TOKENS):
@@ -585,12 +602,8 @@ def _split(all_path: Path, out_dir: Path, dtype: str, doc_ends: np.ndarray, val_
         os.replace(all_path, train_path)
         os.truncate(train_path, (n - n_val) * itemsize)
         tick.finish()
-        return n - n_val, n_val, 1
+        return n - n_val, n_val, val_documents, "tail"
 
-    i = np.arange(len(doc_ends))
-    in_val = np.floor((i + 1) * val_fraction) > np.floor(i * val_fraction)
-    if not in_val.any():
-        in_val[-1] = True
     tokens = np.memmap(all_path, dtype=dtype, mode="r")
     n_val = 0
     with open(train_path, "wb") as ft, open(val_path, "wb") as fv:
@@ -610,7 +623,7 @@ def _split(all_path: Path, out_dir: Path, dtype: str, doc_ends: np.ndarray, val_
     del tokens
     all_path.unlink()
     tick.finish()
-    return n - n_val, n_val, int(in_val.sum())
+    return n - n_val, n_val, int(in_val.sum()), "documents"
 
 
 def _replace_dir(new: Path, final: Path) -> None:

@@ -41,7 +41,8 @@ def prepare_progress():
 
 
 def _stage_lines():
-    """Progress for pipes and logs: one line as each stage completes, with its time."""
+    """Progress for pipes and logs: one line on stderr as each stage completes, with its time (stdout keeps
+    only the summary)."""
     import time
 
     started: dict[str, float] = {}
@@ -51,7 +52,7 @@ def _stage_lines():
         started.setdefault(stage, time.perf_counter())
         if total is not None and done >= total and stage not in finished:
             finished.add(stage)
-            console.print(f"{stage}: done in {time.perf_counter() - started[stage]:.1f} s")
+            err_console.print(f"{stage}: done in {time.perf_counter() - started[stage]:.1f} s")
 
     return update
 
@@ -111,6 +112,9 @@ def prepare_table(result):
         ("characters", f"{result.characters:,}"),
         ("train tokens", f"{result.train_tokens:,}"),
         ("val tokens", f"{result.val_tokens:,} ({share:.1%})"),
+        ("validation", "whole documents" if result.val_split == "documents" else
+         "the tail of the text" if result.documents == 1 else
+         "the tail of the tokens (too few documents to hold out whole ones)"),
         ("vocabulary size", f"{result.vocab_size:,}"),
         ("bytes on disk", f"{result.bytes_on_disk:,}"),
         ("time", f"{result.elapsed_s:.2f} s"),
