@@ -255,7 +255,8 @@ def _plan_resume(run_dir: ckpt.RunDir, preset: str | None, given: dict[str, Any]
     model_cfg, train_cfg = build_configs({**saved["model"], **saved_train, **train_over})
     plan_step = state.step
     if state.step < train_cfg.max_iters and train_cfg.stop_at is not None and train_cfg.stop_at <= state.step:
-        raise NanoGPTError(f"--stop-at {train_cfg.stop_at} is not after the run's step {state.step}")
+        raise NanoGPTError(f"--stop-at {train_cfg.stop_at} is not after the run's step {state.step}; drop it (or "
+                           "raise it) to continue the run")
     meta = load_meta(Path(train_cfg.data_dir), train_cfg.data)
     saved_meta = saved.get("dataset") or {}
     differ_tok = describe_difference(meta["tokenizer"], saved_meta.get("tokenizer", meta["tokenizer"]),

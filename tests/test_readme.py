@@ -30,7 +30,7 @@ def command_lines() -> list[list[str]]:
 @pytest.mark.parametrize("args", command_lines(), ids=lambda a: " ".join(a[:2]))
 def test_readme_commands_use_real_flags(args):
     path = [a for a in args[:2] if not a.startswith("-") and a in ("prepare", "train", "sample", "eval",
-                                                                        "perplexity")]
+                                                                        "perplexity", "runs", "info", "plot")]
     help_text = CliRunner().invoke(app, [*path, "--help"], terminal_width=200).output
     for flag in (a for a in args if a.startswith("--")):
         assert flag in help_text, f"README uses {flag} with nanogpt {' '.join(path)}, which has no such flag"
