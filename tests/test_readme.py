@@ -21,6 +21,8 @@ def command_lines() -> list[list[str]]:
         for line in block.splitlines():
             line = line.removeprefix("$ ")
             for part in line.split("&&"):
+                if not part.strip().startswith("nanogpt "):  # output lines may hold unbalanced quotes
+                    continue
                 words = shlex.split(part.strip())
                 if words[:1] == ["nanogpt"]:
                     out.append(words[1:])
