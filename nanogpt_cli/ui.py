@@ -169,9 +169,10 @@ class TrainDisplay:
             self.task = self.progress.add_task("train", total=e.max_iters, completed=e.step, stats="")
 
     def on_status(self, text: str) -> None:
-        """What happens before the first step (loading, building, compiling, first evaluation)."""
-        if not self.quiet:
-            console.print(f"{text} ...", style="dim" if console.is_terminal else None)
+        """What happens before the first step (loading, building, compiling, first evaluation): on a terminal
+        always; in pipes and logs only once the run's start line is out (an error before it stays one line)."""
+        if not self.quiet and (self.live or self.max_iters):
+            console.print(f"{text} ...", style="dim" if self.live else None)
 
     def on_step(self, e) -> None:
         if self.quiet:
