@@ -9,7 +9,6 @@ trainer.json, so a run stopped and resumed gives the same losses as one that was
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import time
