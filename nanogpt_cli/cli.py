@@ -252,6 +252,9 @@ def train(
     from nanogpt_cli.device import set_threads
 
     set_threads(threads)
+    from nanogpt_cli.trackers import Tee, open_tracker
+
+    sink = open_tracker(tracker) if tracker else None  # an unknown name or a missing extra: refused first
     if last and init_from is None:
         raise NanoGPTError("--last picks the weights of --init-from RUN; give --init-from or drop --last")
     plan = plan_run(flags, load_toml(config) if config else {}, out=out, resume=resume, force=force,
@@ -262,9 +265,6 @@ def train(
         console.print(f"{plan.run_dir} is already complete: step {plan.step:,} of --max-iters "
                       f"{plan.train.max_iters:,}; raise --max-iters to train it further")
         return
-    from nanogpt_cli.trackers import Tee, open_tracker
-
-    sink = open_tracker(tracker) if tracker else None  # a missing extra is refused before training
     try:
         with TrainDisplay(quiet) as display:
             result = run_training(plan, Tee(display, sink) if sink else display)
