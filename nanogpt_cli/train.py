@@ -418,7 +418,7 @@ def train(plan: RunPlan, display: Display | None = None) -> TrainResult:
         state = ckpt.TrainerState()
         run_dir.start(plan.force)
     run_dir.write_config({"model": model_cfg.to_dict(), "train": cfg.to_dict(), "dataset": plan.dataset})
-    weights_meta = dict(tokenizer=plan.dataset["tokenizer"], dataset=plan.dataset.get("name", ""))
+    weights_meta = dict(tokenizer=plan.dataset["tokenizer"], dataset=plan.dataset.get("name") or cfg.data)
 
     compiled = torch.compile(model) if cfg.compile else model
     tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * model_cfg.block_size

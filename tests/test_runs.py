@@ -60,6 +60,7 @@ def test_info_of_a_run_and_of_a_weights_file(three_runs):
     assert broken["status"] == "damaged" and not {f["name"]: f for f in broken["files"]}["trainer.json"]["loads"]
     weights = json.loads(ok("info", three_runs / "done" / "best.safetensors", "--json"))
     assert weights["kind"] == "weights" and weights["step"] in (3, 6) and weights["params"] == info["params"]
+    assert weights["dataset"] == info["dataset"] == "play"
     assert "FLOPs per token" in ok("info", three_runs / "done")
 
 
