@@ -9,7 +9,8 @@ Layout of a run folder:
     best.safetensors       the weights with the lowest validation loss so far
     optimizer.safetensors  the optimizer's state tensors; its hyperparameters as JSON metadata
     trainer.json           step, tokens, best val loss, RNG states, grad-scaler state
-    metrics.jsonl          one JSON object per evaluation
+    metrics.jsonl          one JSON object per evaluation (kind "eval") and per --log-interval (kind "train")
+    loss.png               the loss curves, when matplotlib is installed
 """
 
 from __future__ import annotations
@@ -31,11 +32,13 @@ from nanogpt_cli import __version__
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.device import resolve_device, resolve_inference_dtype
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.files import check_creatable
 from nanogpt_cli.model import GPT
 from nanogpt_cli.tokenizer import Tokenizer, tokenizer_from_description
 
 LAST, BEST = "model.safetensors", "best.safetensors"
 OPTIMIZER, TRAINER, CONFIG, METRICS = "optimizer.safetensors", "trainer.json", "config.json", "metrics.jsonl"
+LOSS_PLOT = "loss.png"  # drawn from metrics.jsonl at the end of `nanogpt train` when matplotlib is installed
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
@@ -71,22 +74,56 @@ def save_model(path: Path, model: GPT, meta: dict[str, Any], state: dict[str, to
 
 
 def resolve_weights(path: str | Path, last: bool = False) -> Path:
-    """A weights file from a run folder (best, or last with last=True) or a file path, with a clear error."""
+    """A weights file from a run folder (best, or last with last=True) or a file path, with a clear error; a
+    damaged file is refused with a pointer to an intact one where the folder has it."""
     path = Path(path)
     if path.is_dir():
         names = [LAST] if last else [BEST, LAST]
         for name in names:
             if (path / name).is_file():
+                _check_intact(path / name)
                 return path / name
         found = sorted(p.name for p in path.iterdir())
-        raise NanoGPTError(f"no checkpoint in {path}: it holds {', '.join(found) or 'nothing'}")
+        hint = ""
+        if last and (path / BEST).is_file() and damage(path / BEST) is None:
+            hint = f"; its {BEST} is intact: use it without --last"
+        raise NanoGPTError(f"no checkpoint in {path}: it holds {', '.join(found) or 'nothing'}{hint}")
     if not path.exists():
         runs = sorted(p.name for p in path.parent.glob("*") if (p / LAST).is_file()) if path.parent.is_dir() else []
         hint = f"; runs in {path.parent}: {', '.join(runs)}" if runs else ""
         raise NanoGPTError(f"checkpoint {path} does not exist{hint}")
+    _check_intact(path)
     return path
 
 
+def damage(path: Path) -> str | None:
+    """Why a weights or optimizer file cannot be read ("missing", "truncated or damaged: ..."), None if it can."""
+    if not path.is_file():
+        return "missing"
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.metadata()
+    except (SafetensorError, OSError, ValueError) as e:
+        return f"truncated or damaged: {e}"
+    return None
+
+
+def _check_intact(path: Path) -> None:
+    """Refuse a damaged weights file, naming an intact alternative in its run folder: best for last and the
+    other way round (the --last flag switches), or the previous save kept during a save that was cut short."""
+    problem = damage(path)
+    if problem is None:
+        return
+    hints = []
+    other = {LAST: BEST, BEST: LAST}.get(path.name)
+    if other and damage(path.parent / other) is None:
+        step = file_step(path.parent / other)
+        use = "with --last" if other == LAST else "without --last"
+        hints.append(f"its {other} (step {step}) is intact: use it {use}")
+    if damage(_prev(path)) is None:
+        hints.append(f"the previous save {_prev(path).name} is intact: move it to {path.name} to use it")
+    hint = f"; {'; '.join(hints)}" if hints else ""
+    raise NanoGPTError(f"{path} is {problem}{hint}")
 def read_metadata(path: Path) -> dict[str, Any]:
     """The metadata of a nanogpt weights file, JSON values decoded."""
     try:
@@ -106,10 +143,13 @@ def read_metadata(path: Path) -> dict[str, Any]:
 
 
 def file_step(path: Path) -> int | None:
-    """The training step a weights or optimizer file was saved at (None if it has none)."""
-    with safe_open(str(path), framework="pt") as f:
-        step = (f.metadata() or {}).get("step")
-    return json.loads(step) if step is not None else None
+    """The training step a weights or optimizer file was saved at (None if it has none or cannot be read)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            step = (f.metadata() or {}).get("step")
+        return json.loads(step) if step is not None else None
+    except (SafetensorError, OSError, ValueError):
+        return None
 
 
 def load_model(path: str | Path, last: bool = False, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
@@ -289,7 +329,7 @@ class RunDir:
     """The one owner of a run folder's layout (see the module docstring): its checks, the staged multi-file
     save and the resume with its recovery from a save cut short, config.json and metrics.jsonl."""
 
-    FILES = (LAST, BEST, OPTIMIZER, TRAINER, CONFIG, METRICS)
+    FILES = (LAST, BEST, OPTIMIZER, TRAINER, CONFIG, METRICS, LOSS_PLOT)
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -307,8 +347,10 @@ class RunDir:
         """A run folder must be new, empty, or (with --resume / --force) a run; anything else is refused."""
         if self.path.exists() and not self.path.is_dir():
             raise NanoGPTError(f"--out {self.path} is a file, not a folder")
+        if resume and force:
+            raise NanoGPTError("--resume continues the run in --out and --force deletes it; give one of them")
         if resume:
-            if not (self.path / TRAINER).is_file() or not (self.path / CONFIG).is_file():
+            if not self.has_run():
                 raise NanoGPTError(f"--resume: {self.path} holds no run to resume (no {TRAINER} and {CONFIG}); "
                                    "start it without --resume")
         elif self.has_run() and not force:
@@ -316,6 +358,8 @@ class RunDir:
                                "start over (this deletes it)")
         elif not self.has_run() and self.path.is_dir() and any(self.path.iterdir()):
             raise NanoGPTError(f"--out {self.path} holds other files and no run; choose a new or empty folder")
+        elif not self.has_run():
+            check_creatable(self.path, "--out")
 
     def start(self, force: bool) -> None:
         """A fresh run: with --force delete the files of the run there, and nothing else."""
@@ -330,19 +374,74 @@ class RunDir:
         write_json(self.path / CONFIG, {**config, "version": __version__})
 
     def read_config(self) -> dict[str, Any]:
-        return json.loads((self.path / CONFIG).read_text(encoding="utf-8"))
+        config = self._read_json(CONFIG)
+        if not isinstance(config, dict) or not {"model", "train"} <= set(config):
+            raise NanoGPTError(f"{self.path / CONFIG} is damaged (no model and train config in it){self._init_hint()}")
+        return config
+
+    def read_trainer(self) -> TrainerState:
+        try:
+            return TrainerState.from_json(self._read_json(TRAINER))
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, NanoGPTError):
+                raise
+            raise NanoGPTError(f"{self.path / TRAINER} is damaged (missing {e}){self._init_hint()}") from None
+
+    def _read_json(self, name: str) -> Any:
+        path = self.path / name
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise NanoGPTError(f"{path} is missing{self._init_hint()}") from None
+        except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise NanoGPTError(f"{path} is damaged ({_first_line(e)}){self._init_hint()}") from None
+
+    def _init_hint(self) -> str:
+        """How to go on when the run cannot be resumed: its weights, if intact, start a new run."""
+        for name in (BEST, LAST):
+            if damage(self.path / name) is None:
+                flag = "" if name == BEST else " --last"
+                return (f"; its {name} (step {file_step(self.path / name)}) is intact: start a new run from it with "
+                        f"`nanogpt train --init-from {self.path}{flag} --out NEW_FOLDER ...` (fresh optimizer)")
+        return ""
 
     def append_metrics(self, record: dict[str, Any]) -> None:
         with open(self.path / METRICS, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
+    def read_metrics(self) -> tuple[list[dict[str, Any]], int]:
+        """The records of metrics.jsonl, and how many lines were skipped because they are not JSON objects (a
+        crash mid-write tears the last line)."""
+        path = self.path / METRICS
+        if not path.is_file():
+            return [], 0
+        return read_jsonl(path)
+
     def truncate_metrics(self, step: int) -> None:
-        """Drop metric lines written after the checkpoint we resume from (they will be written again)."""
+        """Drop metric lines written after the checkpoint we resume from (they will be written again), and
+        lines torn by a crash."""
         path = self.path / METRICS
         if not path.is_file():
             return
-        lines = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= step]
-        atomic_write(path, lambda tmp: tmp.write_text("".join(ln + "\n" for ln in lines)))
+        records, _ = read_jsonl(path)
+        lines = [json.dumps(r) for r in records if r.get("step", 0) <= step]
+        atomic_write(path, lambda tmp: tmp.write_text("".join(ln + "\n" for ln in lines), encoding="utf-8"))
+
+    def check_resumable(self) -> tuple[TrainerState, list[str]]:
+        """Everything a resume reads, checked before anything is written: the trainer state, and weights and
+        optimizer files saved at its step (or their kept predecessors). Returns the state and notes to show."""
+        state = self.read_trainer()
+        for name in (LAST, OPTIMIZER):
+            if _matching(self.path / name, state.step) is None:
+                problem = damage(self.path / name)
+                if problem is None:
+                    problem = f"from step {file_step(self.path / name)}, not the trainer's step {state.step}"
+                raise NanoGPTError(f"cannot resume {self.path}: {name} is {problem}{self._init_hint()}")
+        notes = []
+        _, torn = self.read_metrics()
+        if torn:
+            notes.append(f"{self.path / METRICS}: skipped {torn} damaged line(s) (a crash while writing?)")
+        return state, notes
 
     # --- save and restore ---
 
@@ -382,7 +481,7 @@ class RunDir:
     def latest(self) -> SavePoint:
         """The last complete save, to resume from. A save cut short between its renames leaves newer files
         beside the older trainer.json: their predecessors are still there as hard links, so those are taken."""
-        state = TrainerState.from_json(json.loads((self.path / TRAINER).read_text()))
+        state = self.read_trainer()
         weights, optim = (_matching(self.path / name, state.step) for name in (LAST, OPTIMIZER))
         if weights is None or optim is None:
             found = {name: file_step(self.path / name) for name in (LAST, OPTIMIZER)}
@@ -400,6 +499,27 @@ class SavePoint:
     state: TrainerState
     weights: Path
     optimizer: Path
+
+
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of a .jsonl file, and how many non-empty lines were not one (skipped)."""
+    records, bad = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            bad += 1
+    return records, bad
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip() or type(e).__name__).splitlines()[0]
 
 
 def _prev(path: Path) -> Path:

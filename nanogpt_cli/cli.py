@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import sys
@@ -14,7 +15,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from nanogpt_cli.config import MODEL_FIELDS, TRAIN_FIELDS
+from nanogpt_cli.config import MODEL_FIELDS, TRAIN_FIELDS, flag
 from nanogpt_cli.errors import NanoGPTError
 
 CONFIG_FIELDS = MODEL_FIELDS | TRAIN_FIELDS
@@ -22,14 +23,23 @@ CONFIG_FIELDS = MODEL_FIELDS | TRAIN_FIELDS
 app = typer.Typer(
     help="Prepare text, train a small GPT, sample from it and evaluate it.\n\n"
     "Example: nanogpt prepare examples/tinyshakespeare.txt --name shk --tokenizer char",
-    no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish and PowerShell
     pretty_exceptions_enable=False,
+    # click's plain help: wraps to the terminal (80 columns included) without cutting flag names or showing
+    # <bool> after flags; usage errors become one line in main()
+    rich_markup_mode=None,
 )
 eval_app = typer.Typer(help="Evaluate a trained model.\n\n"
                        "Example: nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char",
-                       no_args_is_help=True)
+                       rich_markup_mode=None)
 app.add_typer(eval_app, name="eval")
+
+
+@eval_app.callback(invoke_without_command=True)
+def _eval_root(ctx: typer.Context):
+    if ctx.invoked_subcommand is None:
+        print(ctx.get_help())
+        raise typer.Exit(0)
 
 
 def fail(message: str) -> typer.Exit:
@@ -70,6 +80,24 @@ def prints() -> bool:
     """Whether this process prints: always, except under torchrun, where rank 0 speaks for all (they meet the
     same errors, as they read the same files and agree on losses and stop signals)."""
     return os.environ.get("RANK", "0") == "0"
+def show_config_defaults(command):
+    """Train's config options default to None ("not given", so a preset or config file can fill them); their
+    help shows the value they stand for when nothing sets them."""
+    import dataclasses
+    import typing
+
+    from nanogpt_cli.config import GPTConfig, TrainConfig
+
+    defaults = {f.name: f.default for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)}
+    defaults.pop("vocab_size")  # the dataset's, not the dataclass's
+    for name, hint in typing.get_type_hints(command, include_extras=True).items():
+        value = defaults.get(name)
+        for info in getattr(hint, "__metadata__", ()):
+            if value not in (None, "") and hasattr(info, "show_default"):
+                info.show_default = (flag(name) if value else f"no-{flag(name)}") if isinstance(value, bool) \
+                    else str(value)
+                command.__annotations__[name] = hint  # the evaluated hint, so Typer sees this OptionInfo
+    return command
 
 
 # options that several commands share
@@ -81,6 +109,14 @@ DTYPE_HELP = "auto, float32, bfloat16 or float16."
 Device = Annotated[str, typer.Option(help=DEVICE_HELP)]
 Dtype = Annotated[str, typer.Option(help=DTYPE_HELP)]
 DATA_DIR_HELP = "Folder of prepared datasets."
+Threads = Annotated[Optional[int], typer.Option(help="CPU threads (default: torch's choice, one per core); fewer "
+                                                     "help on a busy machine.", show_default=False)]
+
+
+def note(message: str) -> None:
+    from nanogpt_cli.ui import err_console
+
+    err_console.print(f"note: {message}", highlight=False, soft_wrap=True, markup=False)
 
 # --- commands: thin typed functions over the library, each wrapped by one_line_errors ---
 
@@ -118,7 +154,12 @@ def prepare(
     """
     from nanogpt_cli.data import interrupted_prepare
     from nanogpt_cli.data import prepare as prepare_data
+    from nanogpt_cli.files import check_creatable
     from nanogpt_cli.ui import console, err_console, prepare_progress, prepare_table
+
+    check_creatable(data_dir, "--data-dir")
+    earlier = data_dir / name / "meta.json"
+    replacing = earlier.is_file()
 
     try:
         with prepare_progress() as progress:
@@ -131,9 +172,13 @@ def prepare(
         err_console.print(f"interrupted; {kept}" if kept else "interrupted", highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     console.print(prepare_table(result))
+    if replacing:  # said after the table, where it is seen: runs trained on the old data see the new
+        console.print(f"replaced the dataset that was in {result.path}; runs trained on it continue on the new data "
+                      "when resumed")
 
 
 @app.command()
+@show_config_defaults
 @one_line_errors
 def train(
     data: Annotated[Optional[str], typer.Option(help="Dataset name under --data-dir (made by nanogpt prepare).")
@@ -150,6 +195,12 @@ def train(
                                                           "Hugging Face folder or hf:NAME) with a fresh optimizer.")
                          ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")] = False,
+    last: Annotated[bool, typer.Option("--last", help="With --init-from RUN: its last weights, not its best.")
+                    ] = False,
+    threads: Threads = None,
+    tracker: Annotated[Optional[str], typer.Option(help="Also log to tensorboard or wandb (offline unless "
+                                                        "WANDB_MODE=online); needs the track extra.",
+                                                   show_default=False)] = None,
     # model
     vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary (default: the dataset's; larger pads it).",
                                                       rich_help_panel="Model")] = None,
@@ -239,15 +290,40 @@ def train(
     from nanogpt_cli.train import train as run_training
     from nanogpt_cli.ui import TrainDisplay, console, train_table
 
+    from nanogpt_cli.device import set_threads
+
+    set_threads(threads)
+    from nanogpt_cli.trackers import Tee, open_tracker
+
+    sink = open_tracker(tracker) if tracker and prints() else None  # unknown or missing extra: refused first
+    if last and init_from is None:
+        raise NanoGPTError("--last picks the weights of --init-from RUN; give --init-from or drop --last")
     plan = plan_run(flags, load_toml(config) if config else {}, out=out, resume=resume, force=force,
-                    init_from=init_from)
+                    init_from=init_from, init_last=last)
+    if prints():
+        for message in plan.notes:
+            note(message)
+    if plan.complete:
+        if prints():
+            console.print(f"{plan.run_dir} is already complete: step {plan.step:,} of --max-iters "
+                          f"{plan.train.max_iters:,}; raise --max-iters to train it further")
+        return
     # under torchrun the process group is left only after rank 0 has printed, so no rank ends (and has
     # torchrun stop the others) before
     with processes(plan.train) as world:
-        with TrainDisplay(quiet or not prints()) as display:
-            result = run_training(plan, display, world)
+        try:
+            with TrainDisplay(quiet or not prints()) as display:
+                result = run_training(plan, Tee(display, sink) if sink else display, world)
+        finally:
+            if sink is not None:
+                sink.close()
         if prints():
             console.print(train_table(result))
+            if importlib.util.find_spec("matplotlib") is not None:  # the plot extra: a picture of the curves
+                from nanogpt_cli.checkpoint import LOSS_PLOT
+                from nanogpt_cli.plot import write_png
+
+                write_png([plan.run_dir.path], plan.run_dir / LOSS_PLOT)
             resume_with = f"nanogpt train --out {plan.run_dir} --resume"
             if result.stopped in ("SIGINT", "SIGTERM"):
                 fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}")
@@ -265,20 +341,23 @@ def sample(
     prompt_file: Annotated[Optional[Path], typer.Option(help="Read the prompt from this file.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per sample.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 is greedy; lower is more conservative.")] = 0.8,
-    top_k: Annotated[int, typer.Option(help="Keep only the K most likely tokens.")] = 200,
+    top_k: Annotated[int, typer.Option(help="Keep only the K most likely tokens (0: off).")] = 200,
     top_p: Annotated[float, typer.Option(help="Keep the fewest tokens whose probability reaches P (1: off).")] = 1.0,
     min_p: Annotated[float, typer.Option(help="Drop tokens below P x the top token's probability (0: off).")] = 0.0,
     repetition_penalty: Annotated[float, typer.Option(help="Above 1 discourages tokens already present.")] = 1.0,
     num_samples: Annotated[int, typer.Option(help="How many samples (decoded together as one batch).")] = 1,
     seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same text.")] = 1337,
-    stop: Annotated[Optional[list[str]], typer.Option(help="End a sample at this text (repeatable).")] = None,
+    stop: Annotated[Optional[list[str]], typer.Option(help="End a sample at this text (repeatable).",
+                                                      metavar="<text>")] = None,
     ignore_eot: Annotated[bool, typer.Option("--ignore-eot", help="Keep going past the end-of-text token.")] = False,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print text as it is generated.")] = True,
     last: Last = False,
-    interactive: Annotated[bool, typer.Option("--interactive", "-i", help="Ask for prompts in a loop.")] = False,
+    interactive: Annotated[bool, typer.Option("--interactive", "-i", help="Ask for prompts in a loop (--prompt "
+                                                                           "is the first).")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the whole context every token.")] = False,
     device: Device = "auto",
     dtype: Dtype = "auto",
+    threads: Threads = None,
 ):
     """Generate text from a trained model, streamed as it is written.
 
@@ -290,11 +369,14 @@ def sample(
     if prompt is not None and prompt_file is not None:
         raise NanoGPTError("give --prompt or --prompt-file, not both")
     if prompt_file is not None:
-        try:
-            prompt = prompt_file.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise NanoGPTError(f"cannot read --prompt-file {prompt_file}: {e.strerror or e}") from None
-    settings = SampleSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+        from nanogpt_cli.files import read_text_file
+
+        prompt = read_text_file(prompt_file, "--prompt-file")
+    from nanogpt_cli.device import set_threads
+
+    set_threads(threads)
+    settings = SampleSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k or None,
+                              top_p=top_p,
                               min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or [],
                               ignore_eot=ignore_eot, use_cache=not no_cache)
     sampler = Sampler.load(checkpoint, last=last, device=device, dtype=dtype)
@@ -317,11 +399,16 @@ def sample(
 
     if not interactive:
         return run(prompt or "")
+    first = prompt  # --prompt (or --prompt-file) with --interactive is the first prompt
     while True:
-        try:
-            text = input("prompt> ")
-        except EOFError:
-            break
+        if first is not None:
+            text, first = first, None
+            print(f"prompt> {text}")
+        else:
+            try:
+                text = input("prompt> ")
+            except EOFError:
+                break
         try:
             run(text)
         except NanoGPTError as e:  # a bad prompt should not end the session
@@ -335,7 +422,8 @@ def perplexity(
     data: Annotated[Optional[str], typer.Option(help="A prepared dataset to score.")] = None,
     data_dir: Annotated[Path, typer.Option(help=DATA_DIR_HELP)] = Path("data"),
     split: Annotated[str, typer.Option(help="train or val.")] = "val",
-    input: Annotated[Optional[list[Path]], typer.Option(help="Text file(s) to score instead (repeatable).")] = None,
+    input: Annotated[Optional[list[Path]], typer.Option(help="Text file(s) to score instead (repeatable).",
+                                                        metavar="<path>")] = None,
     stride: Annotated[Optional[int], typer.Option(help="Tokens between window starts (default half the context).")
                       ] = None,
     batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = 32,
@@ -343,6 +431,7 @@ def perplexity(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     device: Device = "auto",
     dtype: Dtype = "float32",
+    threads: Threads = None,
 ):
     """Score every token of a dataset split or text files once: loss, perplexity, bits per byte.
 
@@ -358,11 +447,18 @@ def perplexity(
         raise NanoGPTError(f"--split must be train or val, got {split!r}")
     if batch_size < 1:
         raise NanoGPTError(f"--batch-size must be at least 1, got {batch_size}")
+    from nanogpt_cli.device import set_threads
+
+    set_threads(threads)
     loaded = load_for_inference(checkpoint, last=last, device=device, dtype=dtype)
-    if data is not None:
-        result = perplexity_of_split(loaded.model, loaded.tokenizer, data_dir, data, split, stride, batch_size)
-    else:
-        result = perplexity_of_files(loaded.model, loaded.tokenizer, input, stride, batch_size)
+    from nanogpt_cli.ui import eval_progress
+
+    with eval_progress() as progress:  # a bar on a terminal: tokens scored, rate, time left
+        if data is not None:
+            result = perplexity_of_split(loaded.model, loaded.tokenizer, data_dir, data, split, stride, batch_size,
+                                         progress)
+        else:
+            result = perplexity_of_files(loaded.model, loaded.tokenizer, input, stride, batch_size, progress)
     if json_out:
         print(json.dumps(result.to_dict()))
     else:
@@ -396,9 +492,93 @@ def export(
                       soft_wrap=True, highlight=False)
 
 
+@app.command()
+@one_line_errors
+def runs(
+    folder: Annotated[Path, typer.Argument(help="A folder of run folders (or one run).")] = Path("checkpoints"),
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object per run instead of a table.")
+                        ] = False,
+):
+    """List the runs in a folder: dataset, size, progress, best val loss, last update, status.
+
+    Example: nanogpt runs checkpoints
+    """
+    from nanogpt_cli.runs import list_runs
+    from nanogpt_cli.ui import console, runs_table
+
+    found = list_runs(folder)
+    if json_out:
+        for run in found:
+            print(json.dumps(run.to_dict()))
+    elif not found:
+        console.print(f"no runs in {folder}")
+    else:
+        console.print(runs_table(found, folder))
+        for run in found:
+            if run.problem:
+                console.print(f"{run.name}: {run.problem}", markup=False)
+
+
+@app.command()
+@one_line_errors
+def info(
+    path: Annotated[Path, typer.Argument(help="A run folder or a .safetensors weights file.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+):
+    """Describe a run or weights file: config, parameters, FLOPs per token, tokenizer, losses, files.
+
+    Example: nanogpt info checkpoints/shk
+    """
+    from nanogpt_cli.runs import inspect_path
+    from nanogpt_cli.ui import console, info_table
+
+    result = inspect_path(path)
+    if json_out:
+        print(json.dumps(result.to_dict()))
+    else:
+        console.print(info_table(result))
+
+
+@app.command()
+@one_line_errors
+def plot(
+    runs: Annotated[list[Path], typer.Argument(help="Run folders to draw (one or more).")],
+    out: Annotated[Optional[Path], typer.Option(help="Write a .png/.svg/.pdf here instead of drawing in the "
+                                                     "terminal.")] = None,
+):
+    """Draw train and val loss against tokens seen, for one or several runs.
+
+    Example: nanogpt plot checkpoints/shk checkpoints/shk-wsd --out loss.png
+    """
+    from nanogpt_cli.plot import terminal_plot, write_png
+    from nanogpt_cli.ui import console
+
+    if out is not None:
+        from nanogpt_cli.files import check_creatable
+
+        check_creatable(out.parent if str(out.parent) else Path("."), "the folder of --out")
+        console.print(f"wrote {write_png(runs, out)}")
+    else:
+        print(terminal_plot(runs, width=min(console.width, 100), height=20, color=console.is_terminal))
+
+
 def main():
+    """The console script. Typer runs in click's non-standalone mode so that a usage error (unknown option, bad
+    value, missing argument) becomes the same one line and exit code 1 as every other error, not a panel and 2."""
     try:
-        app()
+        code = app(standalone_mode=False)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         raise SystemExit(130)
+    except typer.Abort:
+        print("aborted", file=sys.stderr)
+        raise SystemExit(1)
+    except Exception as e:
+        if not (callable(getattr(e, "format_message", None)) and hasattr(e, "exit_code")):
+            raise  # not a usage error: a bug, shown as a traceback
+        ctx = getattr(e, "ctx", None)
+        hint = f"; see {ctx.command_path} --help" if ctx is not None else ""
+        message = " ".join(e.format_message().split()).rstrip(".")
+        fail(f"{message[:1].lower()}{message[1:]}{hint}")
+        raise SystemExit(1) from None
+    raise SystemExit(code if isinstance(code, int) else 0)

@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +54,7 @@ class GPTConfig:
     zero_init_proj: bool = False  # start each residual branch's output projection at zero (init only)
 
     def __post_init__(self):
+        check_finite(self)
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -145,6 +148,7 @@ class TrainConfig:
     parallel: str = "ddp"  # under torchrun: ddp (weights replicated) | fsdp (weights sharded, FSDP2)
 
     def __post_init__(self):
+        check_finite(self)
         for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "eval_interval", "eval_iters",
                      "log_interval"):
             value = getattr(self, name)
@@ -154,6 +158,9 @@ class TrainConfig:
             raise ValueError(f"--warmup-iters must be >= 0, got {self.warmup_iters}")
         if self.learning_rate <= 0 or self.min_lr < 0:
             raise ValueError("--learning-rate must be positive and --min-lr non-negative")
+        if self.min_lr > self.learning_rate:
+            raise ValueError(f"--min-lr ({self.min_lr:g}) is above --learning-rate ({self.learning_rate:g}): the "
+                             "schedule decays from the peak down to --min-lr")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if self.parallel not in PARALLEL:
@@ -215,6 +222,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                       eval_interval=1000, eval_iters=200),
 }
 
+def check_finite(config) -> None:
+    """NaN and infinity pass every comparison-based check below, so they are refused first, by flag."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"--{flag(f.name)} must be a finite number, got {value}")
+
+
 MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(GPTConfig))
 TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 
@@ -232,10 +247,10 @@ def preset_values(name: str) -> dict[str, Any]:
 
 def load_toml(path: Path) -> dict[str, Any]:
     """A run config file: flat keys, or [model] and [train] tables, named like the config fields."""
+    from nanogpt_cli.files import read_text_file
+
     try:
-        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise NanoGPTError(f"config file {path} does not exist") from None
+        raw = tomllib.loads(read_text_file(path, "--config"))
     except tomllib.TOMLDecodeError as e:
         raise NanoGPTError(f"config file {path} is not valid TOML: {e}") from None
     values: dict[str, Any] = {}
@@ -245,9 +260,14 @@ def load_toml(path: Path) -> dict[str, Any]:
         else:
             values[key] = value
     values = {k.replace("-", "_"): v for k, v in values.items()}
-    unknown = set(values) - MODEL_FIELDS - TRAIN_FIELDS - {"preset", "out"}
+    known = MODEL_FIELDS | TRAIN_FIELDS | {"preset", "out"}
+    unknown = sorted(set(values) - known)
     if unknown:
-        raise NanoGPTError(f"unknown key(s) in {path}: {', '.join(sorted(unknown))}")
+        named = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            named.append(f"{key} (did you mean {close[0]}?)" if close else key)
+        raise NanoGPTError(f"unknown key(s) in {path}: {', '.join(named)}")
     return values
 
 

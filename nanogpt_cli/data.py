@@ -17,7 +17,8 @@ Validation is held-out text:
 - one document: the head (1 - val_fraction of its tokens) trains, the contiguous tail validates;
 - several documents: document i validates when floor((i+1)*f) > floor(i*f), i.e. every (1/f)-th document:
   an exact, deterministic share spread over the whole source. When that picks none (fewer than 1/f documents),
-  the last document validates;
+  the last document validates; when it holds more than 2f of the tokens (a few long files), the tail of the
+  token stream validates instead;
 - `val_tokens=K`: the first K tokens of the stream validate, so even a partial prepare has its validation.
 
 Memory stays bounded: text is read in batches, tokenized by `num_proc` worker processes (in order, so the
@@ -41,6 +42,7 @@ import os
 import shutil
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -113,6 +115,7 @@ class PrepareResult:
     source_bytes: int | None = None  # bytes read from local files (None for hub datasets)
     num_proc: int = 1
     resumed_documents: int = 0  # documents that an earlier, interrupted prepare had already written
+    val_split: str = "documents"  # "documents" (every (1/f)-th), "tail" (of the token stream) or "head" (--val-tokens)
 
     @property
     def tokens(self) -> int:
@@ -246,7 +249,7 @@ def prepare(source: str, name: str, tokenizer: str = "gpt2", val_fraction: float
                          characters=state.characters, train_tokens=n_train, val_tokens=n_val,
                          shards={s: len(w.shards) for s, w in stream.writers.items()}, bytes_on_disk=bytes_on_disk,
                          elapsed_s=time.perf_counter() - t0, source_bytes=src.total if src.unit == "bytes" else None,
-                         num_proc=num_proc, resumed_documents=resumed_documents)
+                         num_proc=num_proc, resumed_documents=resumed_documents, val_split=stream.val_split)
 
 
 def interrupted_prepare(data_dir: Path, name: str) -> str | None:
@@ -367,6 +370,7 @@ def _resolve_source(source: str, text_column: str, subset: str | None, split: st
                     raw_bytes: bool, stack: contextlib.ExitStack) -> _Source:
     path = Path(source).expanduser()
     if not path.exists() and source.startswith("hf:"):
+        _offline_unless_hub_reachable()
         stack.enter_context(_quiet_datasets(progress_bars=True))
         return _hf_source(source[3:], text_column, subset, split, streaming)
     downloaded = not path.exists() and source == "shakespeare"
@@ -514,8 +518,8 @@ def _hf_source(repo: str, text_column: str, subset: str | None, split: str, stre
         raise NanoGPTError(f"hf:{repo} is not a dataset on the Hugging Face hub, or it is gated or private "
                            "(log in with `hf auth login`)") from None
     except ConnectionError:
-        raise NanoGPTError(f"could not reach the Hugging Face hub to load hf:{repo} (offline?); load it once "
-                           "while online so it is cached, or pass a local file") from None
+        raise NanoGPTError(f"could not reach the Hugging Face hub to load hf:{repo} ({_hub_unreachable or 'offline?'})"
+                           "; load it once while online so it is cached, or pass a local file") from None
     except Exception as e:  # a missing subset or split: datasets' message lists the valid ones
         raise NanoGPTError(f"could not load hf:{repo}: {_first_line(e)}") from None
     label = f"hf:{repo}"
@@ -552,6 +556,33 @@ def _import_datasets():
         else:
             os.environ["USE_TORCH"] = saved
     return datasets
+
+
+_hub_unreachable = ""  # why the hub was switched offline, for the error message
+
+
+def _offline_unless_hub_reachable(timeout_s: float = 3.0) -> None:
+    """Ask the hub once, with a short timeout; when it does not answer, switch the hub libraries to offline mode
+    (cached datasets still load), instead of their ~30 s of retries before the same failure."""
+    import sys
+
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint + "/api/whoami-v2", method="HEAD"),
+                               timeout=timeout_s).close()
+        return
+    except urllib.error.HTTPError:
+        return  # it answered (401 without a token): reachable
+    except (OSError, ValueError):
+        pass
+    global _hub_unreachable
+    _hub_unreachable = f"it did not answer within {timeout_s:g} s, so only the local cache was searched"
+    os.environ["HF_HUB_OFFLINE"] = "1"  # read when the hub libraries are imported...
+    for module, name in (("huggingface_hub.constants", "HF_HUB_OFFLINE"), ("datasets.config", "HF_HUB_OFFLINE")):
+        if module in sys.modules:  # ...and where this process imported them already, set where they keep it
+            setattr(sys.modules[module], name, True)
 
 
 @contextlib.contextmanager
@@ -991,8 +1022,10 @@ class _Stream:
             n_val = round(train.tokens * self.val_fraction)
             if min(n_val, train.tokens - n_val) < MIN_SPLIT_TOKENS:
                 return st.documents  # too small: the caller says so
-        else:  # fewer than 1/f documents: the last one validates
-            n_val = st.doc_tokens
+        else:  # fewer than 1/f documents: the last one validates, unless it holds far more than the share
+            n_val, share = st.doc_tokens, round(train.tokens * self.val_fraction)
+            if n_val > 2 * share:  # a few long files: the tail of the token stream validates instead
+                self.val_split, n_val = "tail", share
         for block in train.take_tail(n_val):
             val.write(block)
         val.finish()

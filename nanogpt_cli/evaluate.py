@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,7 +21,11 @@ from torch.nn import functional as F
 from nanogpt_cli.data import load_meta, open_split
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
-from nanogpt_cli.tokenizer import Tokenizer
+from nanogpt_cli.files import read_text_file
+from nanogpt_cli.tokenizer import Tokenizer, describe_difference
+
+
+Progress = Callable[[str, int, int], None]  # (what is scored, targets scored so far, all targets)
 
 
 @dataclass
@@ -45,11 +50,12 @@ def default_stride(block_size: int) -> int:
 
 
 @torch.no_grad()
-def score_tokens(model: GPT, tokens: np.ndarray | torch.Tensor | list[int], stride: int | None, batch_size: int
-                 ) -> tuple[float, int]:
+def score_tokens(model: GPT, tokens: np.ndarray | torch.Tensor | list[int], stride: int | None, batch_size: int,
+                 progress: Progress | None = None, label: str = "scoring") -> tuple[float, int]:
     """Sum of NLL (nats) and count over tokens[1:], each predicted once. Windows of block_size tokens start
     every `stride` tokens; a window scores only the targets the previous one did not, so each token sees at
-    least block_size - stride tokens of context (fewer only at the very start). stride None: default_stride."""
+    least block_size - stride tokens of context (fewer only at the very start). stride None: default_stride.
+    progress(label, targets scored, all targets) is called after each batch."""
     block_size = model.config.block_size
     stride = stride or default_stride(block_size)
     if not 1 <= stride <= block_size:
@@ -82,6 +88,8 @@ def score_tokens(model: GPT, tokens: np.ndarray | torch.Tensor | list[int], stri
         nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.to(device).reshape(-1),
                               ignore_index=-1, reduction="sum")
         total += nll.cpu().double()  # float64 on the CPU: MPS has none
+        if progress is not None:
+            progress(label, min(group[-1][0] + group[-1][1], n_targets), n_targets)
     return total.item(), n_targets
 
 
@@ -103,35 +111,34 @@ def text_bytes(tokenizer: Tokenizer, tokens, chunk: int = 1 << 20) -> int:
 
 
 def perplexity_of_split(model: GPT, tokenizer: Tokenizer, data_dir: Path, name: str, split: str,
-                        stride: int | None = None, batch_size: int = 8) -> EvalResult:
+                        stride: int | None = None, batch_size: int = 8, progress: Progress | None = None
+                        ) -> EvalResult:
     meta = load_meta(data_dir, name)
-    if meta["tokenizer"] != tokenizer.describe():
-        raise NanoGPTError(f"dataset '{name}' was prepared with another tokenizer ({meta['tokenizer']['name']}) "
-                           f"than the checkpoint's ({tokenizer.name})")
+    differ = describe_difference(meta["tokenizer"], tokenizer.describe(), f"dataset '{name}'", "the checkpoint")
+    if differ:
+        raise NanoGPTError(f"dataset '{name}' was prepared with another tokenizer than the checkpoint's ({differ}); "
+                           "score data prepared with the checkpoint's tokenizer, or use --input FILE")
     stride = stride or default_stride(model.config.block_size)
     t0 = time.perf_counter()
     nll, n, n_bytes = 0.0, 0, 0
-    for tokens in open_split(data_dir, name, split):  # each shard on its own, like files; sums are pooled
-        shard_nll, shard_n = score_tokens(model, tokens, stride, batch_size)
+    shards = open_split(data_dir, name, split)
+    for i, tokens in enumerate(shards):  # each shard on its own, like files; sums are pooled
+        label = f"{name}/{split}" + (f" ({i + 1}/{len(shards.paths)})" if len(shards.paths) > 1 else "")
+        shard_nll, shard_n = score_tokens(model, tokens, stride, batch_size, progress, label)
         nll, n, n_bytes = nll + shard_nll, n + shard_n, n_bytes + text_bytes(tokenizer, tokens[1:])
     return _result(nll, n, n_bytes, time.perf_counter() - t0, stride, f"{name}/{split}")
 
 
 def perplexity_of_files(model: GPT, tokenizer: Tokenizer, paths: list[Path], stride: int | None = None,
-                        batch_size: int = 8) -> EvalResult:
+                        batch_size: int = 8, progress: Progress | None = None) -> EvalResult:
     """Each file is scored on its own (its first token has no context and is not scored); sums are pooled."""
     nll_total, n_total, bytes_total = 0.0, 0, 0
     stride = stride or default_stride(model.config.block_size)
     t0 = time.perf_counter()
     for path in paths:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise NanoGPTError(f"input file {path} does not exist") from None
-        except UnicodeDecodeError:
-            raise NanoGPTError(f"input file {path} is not UTF-8 text") from None
+        text = read_text_file(path, "--input")
         tokens = tokenizer.encode(text)  # a char tokenizer names the characters it does not know
-        nll, n = score_tokens(model, tokens, stride, batch_size)
+        nll, n = score_tokens(model, tokens, stride, batch_size, progress, str(path))
         nll_total, n_total = nll_total + nll, n_total + n
         bytes_total += text_bytes(tokenizer, tokens[1:])
     source = ", ".join(str(p) for p in paths)

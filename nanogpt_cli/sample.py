@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import math
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ from nanogpt_cli.tokenizer import Tokenizer
 class SampleSettings:
     max_new_tokens: int = 256  # tokens to generate per sample
     temperature: float = 0.8  # 0: greedy; below 1 sharper, above 1 flatter
-    top_k: int | None = 200  # keep the k most likely tokens (None: all)
+    top_k: int | None = 200  # keep the k most likely tokens (None or 0: all)
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches p (1: all)
     min_p: float = 0.0  # drop tokens below min_p x the top probability (0: none)
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the text (1: off)
@@ -39,6 +40,11 @@ class SampleSettings:
     use_cache: bool = True
 
     def __post_init__(self):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise NanoGPTError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+        if self.top_k == 0:  # as in other tools: 0 turns top-k off
+            self.top_k = None
         if self.max_new_tokens < 0:
             raise NanoGPTError(f"--max-new-tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:

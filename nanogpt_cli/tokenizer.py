@@ -239,3 +239,22 @@ def tokenizer_from_description(desc: dict[str, Any]) -> Tokenizer:
         raise NanoGPTError(f"the {name} tokenizer has {tok.vocab_size:,} tokens here but {expected:,} where the "
                            "data was prepared; prepare the data again with this version")
     return tok
+
+
+
+def describe_difference(a: dict[str, Any], b: dict[str, Any], a_name: str, b_name: str) -> str:
+    """How two tokenizer descriptions differ, in words ("" when they are the same): the names, or for two char
+    tokenizers their vocabularies ("the vocabulary: 69 characters in the dataset vs 65 in the checkpoint, ...")."""
+    if a == b:
+        return ""
+    if a.get("name") != b.get("name"):
+        return f"{a.get('name')} in {a_name} vs {b.get('name')} in {b_name}"
+    if a.get("name") == "char":
+        ca, cb = set(a.get("chars", "")), set(b.get("chars", ""))
+        text = f"the char vocabulary: {len(ca)} characters in {a_name} vs {len(cb)} in {b_name}"
+        for only, name in ((ca - cb, a_name), (cb - ca, b_name)):
+            if only:
+                shown = " ".join(repr(c) for c in sorted(only)[:8]) + (" ..." if len(only) > 8 else "")
+                text += f"; only in {name}: {shown}"
+        return text
+    return f"the vocabulary: {a.get('vocab_size')} tokens in {a_name} vs {b.get('vocab_size')} in {b_name}"

@@ -10,12 +10,11 @@ trainer.json, so a run stopped and resumed gives the same losses as one that was
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,6 +30,7 @@ from nanogpt_cli.device import autocast_for, peak_flops, resolve_device, resolve
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
 from nanogpt_cli.optim import make_optimizer, set_lr
+from nanogpt_cli.tokenizer import describe_difference
 
 @dataclass
 class TrainResult:
@@ -167,6 +167,13 @@ class RunPlan:
     init_model: GPT | None = None  # --init-from a Hugging Face model: its weights, converted once while planning
     resume: bool = False
     force: bool = False
+    step: int = 0  # where the run starts: 0, or the step a resumed run stopped at
+    notes: list[str] = field(default_factory=list)  # things the user should know before it starts (warnings)
+
+    @property
+    def complete(self) -> bool:
+        """A resumed run that has already done its --max-iters."""
+        return self.resume and self.step >= self.train.max_iters
 
 
 def default_run_dir(data: str) -> Path:
@@ -174,11 +181,13 @@ def default_run_dir(data: str) -> Path:
 
 
 def plan_run(flags: dict[str, Any], file_values: dict[str, Any] | None = None, out: str | Path | None = None,
-             resume: bool = False, force: bool = False, init_from: str | None = None) -> RunPlan:
+             resume: bool = False, force: bool = False, init_from: str | None = None,
+             init_last: bool = False) -> RunPlan:
     """The effective configs of a run. Fresh: preset < config file < flags, with the vocabulary from the dataset.
-    Resume: the saved run's configs, flags and file applied to training fields only. --init-from: the
-    checkpoint's architecture (dropout may change), training fields as for a fresh run. `preset` and `out` may
-    come from the flags or the config file (flags win)."""
+    Resume: the saved run's configs; the same preset, file and flags may be given again (values equal to the
+    saved architecture are accepted, differing ones refused), and training fields they give apply.
+    --init-from: the checkpoint's architecture (dropout may change; best weights unless init_last), training
+    fields as for a fresh run. `preset` and `out` may come from the flags or the config file (flags win)."""
     values = {**(file_values or {}), **flags}
     preset = values.pop("preset", None)
     out = out or values.pop("out", None)
@@ -187,9 +196,13 @@ def plan_run(flags: dict[str, Any], file_values: dict[str, Any] | None = None, o
         raise NanoGPTError("--resume needs --out: the run folder to continue")
     run_dir = ckpt.RunDir(out or default_run_dir(values.get("data") or "run"))
     run_dir.check(resume, force)
-    model_over, train_over = split_values(values)
+    split_values(values)  # unknown keys are refused first
     if resume:
-        return _plan_resume(run_dir, model_over, train_over)
+        if init_from is not None:
+            raise NanoGPTError("--resume continues a run with its own weights; drop --init-from")
+        return _plan_resume(run_dir, preset, values)
+    notes: list[str] = []
+    explicit_model, _ = split_values(values)
     values = {**(preset_values(preset) if preset else {}), **values}
     model_values, train_values = split_values(values)
     _, train_cfg = build_configs(train_values)
@@ -200,47 +213,93 @@ def plan_run(flags: dict[str, Any], file_values: dict[str, Any] | None = None, o
     if init_from is not None:
         if hf.is_hf_source(init_from):
             init_model, weights_meta = ckpt.load_model(init_from)
+            source = init_from
         else:
-            init_weights = ckpt.resolve_weights(init_from, last=True)
+            init_weights = ckpt.resolve_weights(init_from, last=init_last)
             weights_meta = ckpt.read_metadata(init_weights)
-        if weights_meta.get("tokenizer") != meta["tokenizer"]:
-            theirs, ours = (weights_meta.get("tokenizer") or {}).get("name"), meta["tokenizer"]["name"]
-            if theirs != ours:
-                raise NanoGPTError(f"--init-from {init_from} uses the {theirs} tokenizer but dataset "
-                                   f"'{train_cfg.data}' was prepared with {ours}; prepare it with --tokenizer {theirs}")
-            raise NanoGPTError(f"--init-from {init_from} was trained with a different tokenizer or vocabulary than "
-                               f"dataset '{train_cfg.data}'; prepare the data with the checkpoint's tokenizer")
-        extra = set(model_over) - {"dropout"}
+            source = init_weights
+        theirs, ours = (weights_meta.get("tokenizer") or {}).get("name"), meta["tokenizer"]["name"]
+        if theirs != ours:
+            raise NanoGPTError(f"--init-from {init_from} uses the {theirs} tokenizer but dataset "
+                               f"'{train_cfg.data}' was prepared with {ours}; prepare it with --tokenizer {theirs}")
+        differ = describe_difference(meta["tokenizer"], weights_meta.get("tokenizer") or {},
+                                     f"dataset '{train_cfg.data}'", "the checkpoint")
+        if differ:
+            raise NanoGPTError(f"--init-from {init_from} was trained with another tokenizer than dataset "
+                               f"'{train_cfg.data}' ({differ}); prepare the data with the checkpoint's tokenizer")
+        extra = set(explicit_model) - {"dropout"}
         if extra:
             raise NanoGPTError("--init-from takes the architecture from the checkpoint; drop "
                                + ", ".join(f"--{flag(k)}" for k in sorted(extra)))
-        model_values = {**weights_meta["config"], **model_over}
-    elif "vocab_size" not in model_values or model_values["vocab_size"] < meta["vocab_size"]:
+        model_values = {**weights_meta["config"], **{k: v for k, v in model_values.items() if k == "dropout"}}
+        val = weights_meta.get("val_loss")
+        notes.append(f"--init-from: starting from {source} (step {weights_meta.get('step')}"
+                     + (f", val loss {val:.4f}" if isinstance(val, (int, float)) else "") + ")")
+    elif "vocab_size" not in model_values:
         model_values["vocab_size"] = meta["vocab_size"]
     model_cfg, train_cfg = build_configs({**model_values, **train_values})
     if model_cfg.vocab_size < meta["vocab_size"]:
-        raise NanoGPTError(f"the model's vocabulary ({model_cfg.vocab_size:,}) is smaller than dataset "
-                           f"'{train_cfg.data}' needs ({meta['vocab_size']:,} tokens)")
+        raise NanoGPTError(f"--vocab-size {model_cfg.vocab_size:,} is smaller than the {meta['vocab_size']:,} tokens "
+                           f"of dataset '{train_cfg.data}'; drop it to use the dataset's, or give at least that")
+    notes += _warnings(model_cfg, train_cfg)
     return RunPlan(model_cfg, train_cfg, run_dir, meta, init_weights=init_weights, init_model=init_model,
-                   force=force)
+                   force=force, notes=notes)
 
 
-def _plan_resume(run_dir: ckpt.RunDir, model_over: dict[str, Any], train_over: dict[str, Any]) -> RunPlan:
-    if model_over:
-        raise NanoGPTError(f"--resume takes the architecture from {run_dir}; drop "
-                           + ", ".join(f"--{flag(k)}" for k in sorted(model_over)))
+def _warnings(model_cfg: GPTConfig, cfg: TrainConfig) -> list[str]:
+    notes = []
+    if cfg.warmup_iters >= cfg.max_iters:
+        notes.append(f"--warmup-iters ({cfg.warmup_iters:,}) is not below --max-iters ({cfg.max_iters:,}): the "
+                     "learning rate never reaches its peak")
+    if cfg.dtype == "float16" and resolve_device(cfg.device).type == "cpu":
+        notes.append("--dtype float16 on the CPU runs the GPU's fp16 path (autocast and grad scaler) and is slow "
+                     "there; use bfloat16 or float32 for speed")
+    return notes
+
+
+def _plan_resume(run_dir: ckpt.RunDir, preset: str | None, given: dict[str, Any]) -> RunPlan:
     saved = run_dir.read_config()
+    state, notes = run_dir.check_resumable()
+    # the command that started the run may be given again: what it says must agree with the saved run
+    from_preset = preset_values(preset) if preset else {}
+    said = {**from_preset, **given}
+    model_said, _ = split_values(said)
+    differ = [k for k, v in model_said.items() if saved["model"].get(k) != v]
+    if differ:
+        def where(k):
+            return f"--preset {preset} gives" if k not in given else "given"
+        raise NanoGPTError(f"--resume takes the architecture from {run_dir}; these differ from it: " + ", ".join(
+            f"--{flag(k)} (saved {saved['model'].get(k)!r}, {where(k)} {model_said[k]!r})" for k in sorted(differ)))
+    preset_only = [k for k, v in from_preset.items() if k not in given and k in saved["train"]
+                   and saved["train"][k] != v]
+    if preset_only:
+        raise NanoGPTError(f"--preset {preset} would change the resumed run's " + ", ".join(
+            f"--{flag(k)} (saved {saved['train'][k]!r}, preset {from_preset[k]!r})" for k in sorted(preset_only))
+            + "; drop --preset when resuming, or give those flags")
+    _, train_over = split_values(given)
     saved_optimizer = saved["train"].get("optimizer", "adamw")
     if train_over.get("optimizer", saved_optimizer) != saved_optimizer:
         raise NanoGPTError(f"--resume continues the run's --optimizer {saved_optimizer}; it cannot change to "
                            f"{train_over['optimizer']} (start a new run with --init-from instead)")
     saved_train = {k: v for k, v in saved["train"].items() if k not in ("stop_at", "out")}  # out: older runs
     model_cfg, train_cfg = build_configs({**saved["model"], **saved_train, **train_over})
-    step = json.loads((run_dir / ckpt.TRAINER).read_text())["step"]
-    if train_cfg.stop_at is not None and train_cfg.stop_at <= step:  # refused before anything in the run changes
-        raise NanoGPTError(f"--stop-at {train_cfg.stop_at} is not after the run's step {step}")
+    plan_step = state.step
+    if state.step < train_cfg.max_iters and train_cfg.stop_at is not None and train_cfg.stop_at <= state.step:
+        raise NanoGPTError(f"--stop-at {train_cfg.stop_at} is not after the run's step {state.step}; drop it (or "
+                           "raise it) to continue the run")
     meta = load_meta(Path(train_cfg.data_dir), train_cfg.data)
-    return RunPlan(model_cfg, train_cfg, run_dir, meta, resume=True)
+    saved_meta = saved.get("dataset") or {}
+    differ_tok = describe_difference(meta["tokenizer"], saved_meta.get("tokenizer", meta["tokenizer"]),
+                                     f"dataset '{train_cfg.data}' now", "the run")
+    if differ_tok:
+        raise NanoGPTError(f"dataset '{train_cfg.data}' was prepared again with another tokenizer since {run_dir} "
+                           f"started ({differ_tok}); prepare it as before, or start a new run")
+    if saved_meta.get("created") and meta.get("created") != saved_meta.get("created") and \
+            train_cfg.data == saved["train"].get("data"):
+        notes.append(f"dataset '{train_cfg.data}' was prepared again since this run started (then "
+                     f"{saved_meta['created']}, now {meta.get('created')}); the run continues on the new data")
+    notes += _warnings(model_cfg, train_cfg)
+    return RunPlan(model_cfg, train_cfg, run_dir, meta, resume=True, step=plan_step, notes=notes)
 
 
 # --- what the loop tells the display ---
@@ -262,6 +321,8 @@ class RunStarted:
 
 @dataclass
 class StepLogged:
+    """One progress line: also a line of metrics.jsonl (kind "train")."""
+
     step: int
     loss: float  # this update's mean training loss
     lr: float
@@ -270,11 +331,21 @@ class StepLogged:
     ms_per_iter: float  # since the last log line, evaluations and checkpoints left out
     tokens_per_s: float
     mfu: float | None
+    skipped: int = 0  # fp16: updates since the last line that the grad scaler skipped (inf/NaN gradients)
+    scale: float | None = None  # fp16: the grad scaler's loss scale now
+
+    def record(self) -> dict[str, Any]:
+        record = dict(kind="train", step=self.step, loss=self.loss, lr=self.lr, tokens=self.tokens,
+                      elapsed_s=round(self.elapsed_s, 3), tokens_per_s=round(self.tokens_per_s, 1))
+        if self.scale is not None:
+            record.update(skipped=self.skipped, scale=self.scale)
+        return record
 
 
 @dataclass
 class Evaluated:
-    """One evaluation: also the line written to metrics.jsonl (all fields but best_val_loss)."""
+    """One evaluation: also a line of metrics.jsonl (kind "eval"; all fields but best_val_loss). Lines of runs
+    from before train lines existed have no kind: they are evaluations."""
 
     step: int
     train_loss: float
@@ -285,7 +356,7 @@ class Evaluated:
     best_val_loss: float
 
     def record(self) -> dict[str, Any]:
-        return dict(step=self.step, train_loss=self.train_loss, val_loss=self.val_loss, lr=self.lr,
+        return dict(kind="eval", step=self.step, train_loss=self.train_loss, val_loss=self.val_loss, lr=self.lr,
                     tokens=self.tokens, elapsed_s=self.elapsed_s)
 
 
@@ -294,6 +365,7 @@ class Display(Protocol):
     def on_step(self, event: StepLogged) -> None: ...
     def on_eval(self, event: Evaluated) -> None: ...
     def on_save(self, step: int) -> None: ...
+    def on_status(self, text: str) -> None: ...  # what happens before the first step (no long silences)
 
 
 class NoDisplay:
@@ -307,6 +379,9 @@ class NoDisplay:
         pass
 
     def on_save(self, step: int) -> None:
+        pass
+
+    def on_status(self, text: str) -> None:
         pass
 
 
@@ -386,12 +461,14 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere and newer
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(cfg.seed)
+    show.on_status("loading the data")
     batches = Batches(Path(cfg.data_dir), cfg.data, model_cfg.block_size, cfg.batch_size, device, cfg.seed)
     # under torchrun each rank evaluates a share of the fixed batches, and the losses are summed over ranks
     share, counted = dist.eval_share(cfg.eval_iters, world) if world else (None, cfg.eval_iters)
     eval_sets = {s: batches.fixed_batches(s, cfg.eval_iters, cfg.seed + 1 + i, share)
                  for i, s in enumerate(("train", "val"))}
 
+    show.on_status("building the model")
     model = GPT(model_cfg)
     if plan.init_weights is not None:
         ckpt.load_weights(model, plan.init_weights)
@@ -429,7 +506,7 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
             run_dir.start(plan.force)
     if main:
         run_dir.write_config({"model": model_cfg.to_dict(), "train": cfg.to_dict(), "dataset": plan.dataset})
-    weights_meta = dict(tokenizer=plan.dataset["tokenizer"], dataset=plan.dataset.get("name", ""))
+    weights_meta = dict(tokenizer=plan.dataset["tokenizer"], dataset=plan.dataset.get("name") or cfg.data)
 
     compiled = torch.compile(wrapped) if cfg.compile else wrapped
     peak = peak_flops(device)
@@ -493,10 +570,14 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
     t_window, step_window = t0, state.step
     first_s = 0.0
     start_step = state.step
+    skipped = 0  # fp16 updates the scaler skipped since the last log line
     stopped = None
     with StopSignals(abort_on_second=world is None) as signals:
         if not plan.resume:  # the loss at init, for the record; a checkpoint of it would resume nothing
+            show.on_status("first evaluation")
             evaluate_and_save(checkpoint=False)
+        if cfg.compile:
+            show.on_status("compiling the model (the first step takes a while)")
         model.train()
         while state.step < end:
             lr = lr_at(state.step, cfg)
@@ -504,7 +585,10 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
             starts = [batches.draw("train") for _ in range(cfg.gradient_accumulation_steps)]
             micro = [batches.load("train", starts[i]) for i in mine]
             t_step = time.perf_counter()
+            scale = scaler.get_scale() if scaler.is_enabled() else None  # fp16 only: a sync per step
             loss = optimizer_step(compiled, optimizer, micro, ctx, scaler, cfg.grad_clip, sync)
+            if scale is not None and scaler.get_scale() < scale:  # the scaler backs off only when it skips
+                skipped += 1
             if state.step == start_step:  # the first step warms up (and with --compile, compiles): not speed
                 first_s = time.perf_counter() - t_step
             state.step += 1
@@ -516,9 +600,14 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
                 now = time.perf_counter()
                 dt = (now - t_window) / max(1, state.step - step_window)
                 t_window, step_window = now, state.step
-                show.on_step(StepLogged(step=state.step, loss=loss_value, lr=lr, tokens=state.tokens,
-                                        elapsed_s=now - t0, ms_per_iter=dt * 1000, tokens_per_s=tokens_per_iter / dt,
-                                        mfu=flops_per_iter / dt / peak if peak else None))
+                logged = StepLogged(step=state.step, loss=loss_value, lr=lr, tokens=state.tokens,
+                                    elapsed_s=elapsed_before + now - t0, ms_per_iter=dt * 1000,
+                                    tokens_per_s=tokens_per_iter / dt, mfu=flops_per_iter / dt / peak if peak else None,
+                                    skipped=skipped, scale=scaler.get_scale() if scaler.is_enabled() else None)
+                if main:
+                    run_dir.append_metrics(logged.record())
+                show.on_step(logged)
+                skipped = 0
             if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters:
                 evaluate_and_save()
             received = signals.received

@@ -24,7 +24,7 @@ def prepare_progress():
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn
 
     if not console.is_terminal:
-        return contextlib.nullcontext(None)
+        return contextlib.nullcontext(_stage_lines())
 
     @contextlib.contextmanager
     def bar():
@@ -43,6 +43,53 @@ def prepare_progress():
                 rate = f"{speed / 1e6:,.1f} MB/s" if p.unit == "bytes" else f"{speed:,.0f} docs/s"
                 progress.update(task_id, completed=p.done, total=p.total, documents=p.documents, tokens=p.tokens,
                                 rate=rate)
+
+            yield update
+
+    return bar()
+
+
+def _stage_lines():
+    """Progress for pipes and logs: one line on stderr as each stage completes, with its time (stdout keeps
+    only the summary)."""
+    import time
+
+    started: dict[str, float] = {}
+    finished: set[str] = set()
+
+    def update(stage: str, done: int, total: int | None) -> None:
+        started.setdefault(stage, time.perf_counter())
+        if total is not None and done >= total and stage not in finished:
+            finished.add(stage)
+            err_console.print(f"{stage}: done in {time.perf_counter() - started[stage]:.1f} s")
+
+    return update
+
+
+def eval_progress():
+    """A context manager yielding a `progress(label, done, total)` callback for `eval perplexity` on a terminal:
+    tokens scored, rate and time left; None elsewhere."""
+    import contextlib
+
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn)
+
+    if not console.is_terminal:
+        return contextlib.nullcontext(None)
+
+    @contextlib.contextmanager
+    def bar():
+        with Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
+                      TextColumn("tokens {task.fields[rate]}"), TimeRemainingColumn(), console=err_console,
+                      transient=True) as progress:
+            tasks: dict[str, int] = {}
+
+            def update(label: str, done: int, total: int | None) -> None:
+                if label not in tasks:
+                    tasks[label] = progress.add_task(label, total=total, rate="")
+                task = progress.tasks[tasks[label]]
+                speed = task.speed
+                progress.update(tasks[label], completed=done, total=total,
+                                rate=f"{speed:,.0f}/s" if speed else "")
 
             yield update
 
@@ -78,6 +125,10 @@ def prepare_table(result):
         ("train tokens", f"{result.train_tokens:,}"),
         ("val tokens", f"{result.val_tokens:,} ({share:.1%})"),
         ("shards", f"{result.shards['train']:,} train, {result.shards['val']:,} val"),
+        ("validation", "whole documents" if result.val_split == "documents" else
+         f"the first {result.val_tokens:,} tokens (--val-tokens)" if result.val_split == "head" else
+         "the tail of the text" if result.documents == 1 else
+         "the tail of the tokens (too few documents to hold out whole ones)"),
         ("vocabulary size", f"{result.vocab_size:,}"),
         ("bytes on disk", f"{result.bytes_on_disk:,}"),
         ("time", f"{result.elapsed_s:.2f} s ({result.num_proc} process{'es' if result.num_proc > 1 else ''})"),
@@ -129,27 +180,38 @@ class TrainDisplay:
         if self.live:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            self.progress = Progress(TextColumn("[bold]train"), BarColumn(bar_width=10), MofNCompleteColumn(),
                                      TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console)
             self.progress.start()
             self.task = self.progress.add_task("train", total=e.max_iters, completed=e.step, stats="")
+
+    def on_status(self, text: str) -> None:
+        """What happens before the first step (loading, building, compiling, first evaluation): on a terminal
+        always; in pipes and logs only once the run's start line is out (an error before it stays one line)."""
+        if not self.quiet and (self.live or self.max_iters):
+            console.print(f"{text} ...", style="dim" if self.live else None)
 
     def on_step(self, e) -> None:
         if self.quiet:
             return
         eta = (self.max_iters - e.step) * e.ms_per_iter / 1000
-        parts = [f"loss {e.loss:.4f}"]
+        # (priority, text) in display order; on a narrow terminal the lowest priorities go first
+        parts = [(0, f"loss {e.loss:.4f}")]
         if self.val_loss is not None:
-            parts.append(f"val {self.val_loss:.4f}")
-        parts += [f"lr {e.lr:.2e}", f"{e.tokens_per_s:,.0f} tok/s", f"{e.ms_per_iter:.1f} ms/it"]
+            parts.append((2, f"val {self.val_loss:.4f}"))
+        parts += [(5, f"lr {e.lr:.2e}"), (3, f"{e.tokens_per_s:,.0f} tok/s"), (4, f"{e.ms_per_iter:.1f} ms/it")]
         if e.mfu is not None:
-            parts.append(f"MFU {e.mfu:.1%}")
-        parts.append(f"ETA {_fmt_eta(eta)}")
-        stats = " | ".join(parts)
+            parts.append((6, f"MFU {e.mfu:.1%}"))
+        if e.scale is not None:
+            parts.append((1 if e.skipped else 7, f"fp16 scale {e.scale:g}" + (
+                f", skipped {e.skipped} (overflow)" if e.skipped else "")))
+        parts.append((1, f"ETA {_fmt_eta(eta)}"))
         if self.progress is not None:
-            self.progress.update(self.task, completed=e.step, stats=stats)
+            # the bar's own columns: "train", a bar of at least 10, "1234/5000", the elapsed time, and spaces
+            room = console.width - (6 + 11 + (2 * len(f"{self.max_iters}") + 2) + 8)
+            self.progress.update(self.task, completed=e.step, stats=fit_fields(parts, room))
         elif e.step > self.start_step:
-            console.print(f"step {e.step:>6,}/{self.max_iters:,} | {stats}")
+            console.print(f"step {e.step:>6,}/{self.max_iters:,} | {fit_fields(parts, 10**6)}")
 
     def on_eval(self, e) -> None:
         if self.quiet:
@@ -162,6 +224,15 @@ class TrainDisplay:
     def on_save(self, step: int) -> None:
         if not self.quiet:
             console.print(f"step {step:>6,}: checkpoint saved")
+
+
+def fit_fields(parts: list[tuple[int, str]], width: int) -> str:
+    """Join (priority, text) fields with " | ", dropping the least important (highest number) until the line
+    fits in width characters; the first field always stays."""
+    parts = list(parts)
+    while len(parts) > 1 and len(" | ".join(t for _, t in parts)) > width:
+        parts.remove(max(parts[1:], key=lambda p: p[0]))
+    return " | ".join(t for _, t in parts)
 
 
 def train_table(result):
@@ -193,3 +264,76 @@ def eval_table(result):
         ("time", f"{result.elapsed_s:.2f} s"),
         ("throughput", f"{result.tokens_per_s:,.0f} tokens/s"),
     ])
+
+
+# --- runs and info ---
+
+
+def _loss(value) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else "-"
+
+
+def _count(value) -> str:
+    if not isinstance(value, int):
+        return "-"
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= size:
+            return f"{value / size:.1f}{unit}"
+    return str(value)
+
+
+def runs_table(runs, root):
+    """The rows of `nanogpt runs` (runs.RunSummary), one per run."""
+    from rich.table import Table
+
+    from rich import box
+
+    table = Table(title=f"runs in {root} (times UTC)", title_justify="left", box=box.SIMPLE_HEAD)
+    # names fold when the terminal is narrow; the numbers and the status never do
+    for name, justify in (("run", "left"), ("dataset", "left"), ("params", "right"), ("steps", "right"),
+                          ("best val", "right"), ("tokens", "right"), ("updated", "left"), ("status", "left")):
+        table.add_column(name, justify=justify, overflow="fold", no_wrap=name not in ("run", "dataset"))
+    for r in runs:
+        steps = f"{r.step:,}" if r.step is not None else "-"
+        if r.max_iters is not None:
+            steps += f"/{r.max_iters:,}"
+        status = {"finished": "[green]finished[/]", "damaged": "[red]damaged[/]"}.get(r.status, r.status)
+        table.add_row(r.name, r.dataset or "-", _count(r.params), steps, _loss(r.best_val_loss), _count(r.tokens),
+                      r.updated[5:16].replace("T", " "), status)
+    return table
+
+
+def info_table(info):
+    """`nanogpt info` of a runs.Info: the summary, then the files with sizes and whether each loads."""
+    from rich.console import Group
+    from rich.table import Table
+
+    rows = [("kind", info.kind)]
+    if info.status:
+        rows.append(("status", info.status))
+    if info.model:
+        m = info.model
+        rows.append(("model", f"{m['n_layer']} layers x {m['n_embd']} wide, {m['n_head']} heads, context "
+                              f"{m['block_size']:,}, {m['pos_encoding']}, {m['norm']}, {m['mlp']}"))
+    if info.params is not None:
+        rows += [("parameters", f"{info.params:,} ({info.params_non_embedding:,} non-embedding)"),
+                 ("FLOPs per token", f"{info.flops_per_token:,} (training, full context)")]
+    rows += [("tokenizer", info.tokenizer or "-"), ("dataset", info.dataset or "-")]
+    if info.step is not None:
+        rows.append(("step", f"{info.step:,}" + (f" of {info.max_iters:,}" if info.max_iters else "")))
+    if info.tokens is not None:
+        rows.append(("tokens seen", f"{info.tokens:,}"))
+    if info.train_loss is not None:
+        rows.append(("last train loss", _loss(info.train_loss)))
+    if info.val_loss is not None:
+        rows.append(("last val loss", _loss(info.val_loss)))
+    if info.best_val_loss is not None:
+        rows.append(("best val loss", _loss(info.best_val_loss)))
+    files = Table(title="files", title_justify="left")
+    files.add_column("file")
+    files.add_column("bytes", justify="right")
+    files.add_column("loads")
+    files.add_column("", overflow="fold")
+    for f in info.files:
+        files.add_row(f.name, f"{f.bytes:,}", "yes" if f.loads else "[red]no[/]", f.note)
+    return Group(summary_table(info.path, rows), files)

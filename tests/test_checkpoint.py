@@ -79,7 +79,9 @@ def test_run_folders_resolve_to_best_then_last(tmp_path):
 
 
 def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The evaluation lines of metrics.jsonl (train-step lines have kind "train")."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in lines if m.get("kind", "eval") == "eval"]
 
 
 def test_a_save_cut_short_between_its_renames_resumes_from_the_previous_one(char_data, tmp_path):
@@ -98,5 +100,90 @@ def test_a_save_cut_short_between_its_renames_resumes_from_the_previous_one(char
     assert result.step == 6
     assert metrics(run) == [dict(m, elapsed_s=p["elapsed_s"]) for m, p in zip(metrics(whole), metrics(run))]
     (run / "trainer.json").write_text(json.dumps(dict(json.loads((run / "trainer.json").read_text()), step=3)))
-    with pytest.raises(NanoGPTError, match="from different steps"):
+    with pytest.raises(NanoGPTError, match="model.safetensors is from step 6, not the trainer's step 3"):
         train(plan_run({}, out=run, resume=True))
+
+
+# --- damaged run folders are one sentence with a way forward (issue 12) ---
+
+
+@pytest.fixture
+def stopped_run(char_data, tmp_path):
+    """A tiny run stopped at step 4 of 8 (evaluated at 2 and 4, so best and last both exist)."""
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    train(tiny_plan(data_dir, name, run, max_iters=8, eval_interval=2, stop_at=4))
+    return run
+
+
+def cli(*args):
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert "Traceback" not in result.output
+    return result.exit_code, result.output
+
+
+def truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def test_a_truncated_last_weights_file_points_to_best(stopped_run):
+    truncate(stopped_run / "model.safetensors")
+    with pytest.raises(NanoGPTError, match=r"cannot resume .*model.safetensors is truncated or damaged.*"
+                                           r"best.safetensors \(step \d\) is intact.*--init-from"):
+        plan_run({}, out=stopped_run, resume=True)
+    code, output = cli("sample", "--checkpoint", stopped_run, "--last", "--max-new-tokens", "2")
+    assert code == 1 and "model.safetensors is truncated or damaged" in output
+    assert "its best.safetensors (step" in output and "use it without --last" in output
+    assert cli("sample", "--checkpoint", stopped_run, "--max-new-tokens", "2")[0] == 0  # best still works
+
+
+def test_a_truncated_best_points_to_last(stopped_run, char_data):
+    data_dir, name = char_data
+    truncate(stopped_run / "best.safetensors")
+    code, output = cli("eval", "perplexity", "--checkpoint", stopped_run, "--data", name, "--data-dir", data_dir)
+    assert code == 1 and "best.safetensors is truncated or damaged" in output and "use it with --last" in output
+    code, output = cli("train", "--data", name, "--data-dir", data_dir, "--init-from", stopped_run, "--out",
+                       stopped_run.parent / "tuned", "--max-iters", "1")
+    assert code == 1 and "best.safetensors is truncated or damaged" in output and "use it with --last" in output
+    assert plan_run({}, out=stopped_run, resume=True).step == 4  # resuming needs only last, optimizer, trainer
+
+
+@pytest.mark.parametrize("name,damage,message", [
+    ("optimizer.safetensors", "truncate", "optimizer.safetensors is truncated or damaged"),
+    ("optimizer.safetensors", "delete", "optimizer.safetensors is missing"),
+    ("trainer.json", "garbage", "trainer.json is damaged"),
+    ("trainer.json", "delete", "trainer.json is missing"),
+    ("trainer.json", "empty object", "trainer.json is damaged (missing 'step')"),
+    ("config.json", "garbage", "config.json is damaged"),
+    ("config.json", "delete", "config.json is missing"),
+])
+def test_damaged_resume_files_are_one_sentence_naming_the_way_on(stopped_run, name, damage, message):
+    path = stopped_run / name
+    if damage == "truncate":
+        truncate(path)
+    elif damage == "delete":
+        path.unlink()
+    elif damage == "garbage":
+        path.write_bytes(b'{"step": 4, "tok\xff')
+    else:
+        path.write_text("{}")
+    before = {p.name: p.read_bytes() for p in stopped_run.iterdir()}
+    code, output = cli("train", "--out", stopped_run, "--resume")
+    assert code == 1 and message in output, output
+    assert "is intact: start a new run from it with `nanogpt train --init-from" in output
+    assert {p.name: p.read_bytes() for p in stopped_run.iterdir()} == before  # nothing changed
+
+
+def test_a_torn_last_metrics_line_is_skipped_with_a_note(stopped_run):
+    with open(stopped_run / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "eval", "step": 6, "train_lo')  # a crash mid-line
+    plan = plan_run({}, out=stopped_run, resume=True)
+    assert any("skipped 1 damaged line" in n for n in plan.notes)
+    train(plan)
+    lines = [json.loads(x) for x in (stopped_run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if m["kind"] == "eval"] == [0, 2, 4, 6, 8]

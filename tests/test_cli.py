@@ -30,8 +30,9 @@ def test_prepare_train_resume_sample_eval_end_to_end(tmp_path):
     assert "--resume" in out and "step     20" in out
     out = ok("train", "--out", run, "--resume")
     assert "resuming at step 20" in out
-    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 20, 40]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines if m["kind"] == "eval"] == [0, 20, 40]
+    assert [m["step"] for m in lines if m["kind"] == "train"] == [10, 20, 30, 40]  # every --log-interval
     out = ok("sample", "--checkpoint", run, "--prompt", "THE KING:", "--max-new-tokens", "30", "--seed", "3")
     assert out.startswith("THE KING:") and len(out) > len("THE KING:") + 20
     result = json.loads(ok("eval", "perplexity", "--checkpoint", run, "--data", "play", "--data-dir", data, "--json"))
@@ -61,3 +62,68 @@ def test_train_has_an_option_for_every_config_field():
     options = set(inspect.signature(cli.train).parameters)
     fields = {f.name for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)}
     assert fields - options == set()
+
+
+# --- usage errors, help width, files named by flags (issue 12) ---
+
+
+def run_main(*args, **kw):
+    """The console script as users run it (click's standalone mode is off there)."""
+    return subprocess.run([sys.executable, "-m", "nanogpt_cli", *map(str, args)], capture_output=True, text=True,
+                          **kw)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "--no-such-flag"], "error: no such option: --no-such-flag"),
+    (["train", "--max-iters", "ten"], "error: invalid value for '--max-iters'"),
+    (["sample"], "error: missing option '--checkpoint'; see"),
+    (["prepare"], "error: missing argument 'source'; see"),
+    (["nonsense"], "error: no such command 'nonsense'"),
+])
+def test_usage_errors_are_one_line_and_exit_1(args, message):
+    out = run_main(*args)
+    assert out.returncode == 1
+    assert out.stderr.startswith(message) and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert "╭" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_help_fits_80_columns_with_whole_flag_names_and_no_bool_placeholder():
+    import os
+
+    for command in ([], ["prepare"], ["train"], ["sample"], ["eval", "perplexity"]):
+        out = run_main(*command, "--help", env={**os.environ, "COLUMNS": "80"})
+        assert out.returncode == 0
+        lines = out.stdout.splitlines()
+        assert max(map(len, lines)) <= 80 and "…" not in out.stdout and "<bool>" not in out.stdout
+    train_help = run_main("train", "--help", env={**os.environ, "COLUMNS": "80"}).stdout
+    assert "--gradient-accumulation-steps" in train_help and "(2000)]" in " ".join(train_help.split())
+
+
+@pytest.mark.parametrize("setup,args,message", [
+    ("latin1", ["sample", "--checkpoint", "{run}", "--prompt-file", "{file}"], "--prompt-file {file} is not UTF-8"),
+    ("binary", ["sample", "--checkpoint", "{run}", "--prompt-file", "{file}"], "--prompt-file {file} is a binary"),
+    ("folder", ["sample", "--checkpoint", "{run}", "--prompt-file", "{tmp}"], "--prompt-file {tmp} is a folder"),
+    ("folder", ["eval", "perplexity", "--checkpoint", "{run}", "--input", "{tmp}"], "--input {tmp} is a folder"),
+    ("latin1", ["eval", "perplexity", "--checkpoint", "{run}", "--input", "{file}"], "--input {file} is not UTF-8"),
+    ("latin1", ["train", "--config", "{file}"], "--config {file} is not UTF-8"),
+    ("latin1", ["train", "--data", "x", "--out", "{file}/run"], "cannot create --out {file}/run: {file} is a file"),
+    ("latin1", ["prepare", "{file}", "--name", "x", "--data-dir", "{file}/d"], "cannot create --data-dir {file}/d"),
+])
+def test_paths_the_os_rejects_are_one_sentence(trained_run, tmp_path, setup, args, message):
+    file = tmp_path / "f.txt"
+    file.write_bytes({"latin1": "café ROMEO".encode("latin-1"), "binary": b"\x00\x01\x02"}.get(setup, b"x"))
+    fill = dict(run=trained_run, file=file, tmp=tmp_path)
+    out = runner.invoke(app, [a.format(**fill) for a in args])
+    assert out.exit_code == 1 and message.format(**fill) in out.output, out.output
+    assert "Traceback" not in out.output and len(out.output.strip().splitlines()) == 1
+
+
+def test_an_unknown_toml_key_suggests_the_closest(tmp_path):
+    from nanogpt_cli.config import load_toml
+    from nanogpt_cli.errors import NanoGPTError
+
+    toml = tmp_path / "run.toml"
+    toml.write_text("learning_rte = 1e-3\n[model]\nn_layers = 2\n")
+    with pytest.raises(NanoGPTError, match=r"learning_rte \(did you mean learning_rate\?\), "
+                                           r"n_layers \(did you mean n_layer\?\)"):
+        load_toml(toml)

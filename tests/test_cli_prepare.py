@@ -25,7 +25,7 @@ def assert_fails(result, message: str) -> None:
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)  # not an escaped error
-    lines = result.output.strip().splitlines()
+    lines = [ln for ln in result.output.strip().splitlines() if ": done in " not in ln]  # stage lines (stderr)
     assert len(lines) == 1 and lines[0].startswith("error: "), result.output
     assert message in lines[0], result.output
 
@@ -147,3 +147,24 @@ def test_hub_dataset_offline(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert not (tmp_path / "data").exists()
+
+
+def test_hub_dataset_unreachable_fails_fast_without_the_offline_switch(tmp_path):
+    # no HF_HUB_OFFLINE: every request goes to a closed local port; prepare asks the hub once, then goes offline
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "NO_PROXY", "no_proxy")}
+    env.update(HF_HOME=str(tmp_path / "hf"), HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9",
+               https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9")
+    proc = subprocess.run([sys.executable, "-m", "nanogpt_cli", "prepare", "hf:nobody/nothing", "--name", "x",
+                           "--data-dir", str(tmp_path / "data")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("error: could not reach the Hugging Face hub to load hf:nobody/nothing (it did not "
+                                  "answer within 3 s, so only the local cache was searched)")
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_preparing_an_existing_name_says_it_replaced_it(text_file, data_dir):
+    args = (str(text_file), "--name", "play", "--tokenizer", "char", "--data-dir", str(data_dir))
+    assert "replaced" not in prepare(*args).output
+    again = prepare(*args)
+    assert again.exit_code == 0 and f"replaced the dataset that was in {data_dir / 'play'}" in again.output

@@ -57,3 +57,14 @@ def test_bad_values_name_their_flag(values, message):
 def test_derived_values_are_properties():
     cfg = GPTConfig(n_embd=384, n_head=6)
     assert cfg.head_size == 64 and cfg.hidden_size == 4 * 384
+
+
+def test_the_example_run_toml_is_valid():
+    from pathlib import Path
+
+    from nanogpt_cli.config import build_configs, load_toml, preset_values
+
+    values = load_toml(Path(__file__).resolve().parent.parent / "examples" / "run.toml")
+    preset, _ = values.pop("preset"), values.pop("out")
+    model, train = build_configs({**preset_values(preset), **values})
+    assert (model.n_layer, train.data, train.max_iters) == (4, "shakespeare-char", 2000)

@@ -113,9 +113,10 @@ def test_few_documents_still_give_validation_one(tmp_path, data_dir):
     path = write_jsonl(tmp_path / "few.jsonl", [{"text": "alpha beta"}, {"text": "gamma delta"},
                                                 {"text": "epsilon zeta eta"}])
     result = prepare(str(path), "few", tokenizer="byte", data_dir=data_dir)
-    assert result.val_documents == 1
-    assert bytes(read_split(data_dir, "few", "val")) == b"\n\nepsilon zeta eta"  # the last one, "\n\n"-separated
-    assert bytes(read_split(data_dir, "few", "train")) == b"alpha beta\n\ngamma delta"
+    # the last document would be 44 % of the bytes: the tail of the stream (10 %) validates instead
+    assert result.val_documents == 1 and result.val_split == "tail"
+    assert bytes(read_split(data_dir, "few", "val")) == b" eta"
+    assert bytes(read_split(data_dir, "few", "train")) == b"alpha beta\n\ngamma delta\n\nepsilon zeta"
 
 
 def test_parquet_with_another_text_column_skips_missing_rows(tmp_path, data_dir):
@@ -537,3 +538,15 @@ def test_two_prepares_of_one_name_do_not_write_at_once(tmp_path, data_dir):
             prepare(str(source), "busy", tokenizer="byte", data_dir=data_dir)
         assert partial.is_dir()  # the other prepare's folder is left alone
     assert prepare(str(source), "busy", tokenizer="byte", data_dir=data_dir).documents == 20
+def test_a_few_files_are_split_by_tokens_not_by_whole_documents(tmp_path, data_dir):
+    folder = tmp_path / "two"
+    folder.mkdir()
+    for name, seed in (("a.txt", 1), ("b.txt", 2)):
+        (folder / name).write_text(make_text(lines=120, seed=seed), encoding="utf-8")
+    result = prepare(str(folder), "two", tokenizer="char", data_dir=data_dir)
+    share = result.val_tokens / result.tokens
+    assert 0.09 < share < 0.11 and result.val_split == "tail" and result.val_documents == 1
+    assert load_meta(data_dir, "two")["val_split"] == "tail"
+    # many documents keep the whole-document rule
+    many = write_jsonl(tmp_path / "many.jsonl", [{"text": make_text(lines=3, seed=i)} for i in range(40)])
+    assert prepare(str(many), "many", tokenizer="char", data_dir=data_dir).val_split == "documents"

@@ -1,5 +1,6 @@
 """Sampling: seeds, greedy, the cache, streaming, stop texts, end-of-text, prompts, and bad input."""
 
+import json
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -186,7 +187,9 @@ def test_sample_cli_prints_prompt_and_continuation_and_separates_samples(trained
     (["--top-p", "0"], "--top-p must be in (0, 1]"),
     (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
     (["--min-p", "1"], "--min-p must be in [0, 1)"),
-    (["--top-k", "0"], "--top-k must be at least 1"),
+    (["--top-k", "-1"], "--top-k must be at least 1"),
+    (["--temperature", "nan"], "--temperature must be a finite number"),
+    (["--repetition-penalty", "inf"], "--repetition-penalty must be a finite number"),
     (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
     (["--prompt", "λx"], "no token for 'x' 'λ'"),
 ])
@@ -201,9 +204,29 @@ def test_missing_or_invalid_checkpoints_are_one_sentence(tmp_path):
     junk.write_bytes(b"\x00not a checkpoint at all")
     plain = tmp_path / "plain.safetensors"
     save_file({"w": torch.zeros(2)}, str(plain))
-    cases = [(tmp_path / "missing", "does not exist"), (junk, "is not a valid safetensors checkpoint"),
+    cases = [(tmp_path / "missing", "does not exist"), (junk, "is truncated or damaged"),
              (plain, "not a nanogpt checkpoint"), (tmp_path, "no checkpoint in")]
     for path, message in cases:
         out = runner.invoke(app, ["sample", "--checkpoint", str(path)])
         assert out.exit_code == 1, path
         assert message in out.output and "Traceback" not in out.output
+
+
+def test_top_k_0_means_no_top_k(trained_run):
+    def text(*args):
+        out = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "--prompt", "KING:", "--max-new-tokens",
+                                  "40", "--seed", "2", "--temperature", "1.5", *args])
+        assert out.exit_code == 0, out.output
+        return out.output
+
+    vocab = str(len(json.loads((trained_run / "config.json").read_text())["dataset"]["tokenizer"]["chars"]))
+    assert text("--top-k", "0") == text("--top-k", vocab)  # all tokens kept
+    assert text("--top-k", "0") != text("--top-k", "2")
+
+
+def test_prompt_with_interactive_is_the_first_prompt(trained_run):
+    out = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "-i", "--prompt", "QUEEN:",
+                              "--max-new-tokens", "5", "--temperature", "0"], input="KING:\n")
+    assert out.exit_code == 0, out.output
+    first, second = out.output.split("prompt> ")[1:3]
+    assert first.startswith("QUEEN:\nQUEEN:") and second.startswith("KING:")

@@ -30,7 +30,9 @@ def resumed(run_dir, **flags):
 
 
 def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The evaluation lines of metrics.jsonl (train-step lines have kind "train")."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in lines if m.get("kind", "eval") == "eval"]
 
 
 def test_lr_schedules_hit_their_endpoints():
@@ -179,7 +181,7 @@ def test_fine_tuning_starts_from_the_given_weights(char_data, tmp_path):
     from nanogpt_cli.data import prepare
 
     prepare(str(other), "abc", tokenizer="char", data_dir=data_dir)
-    with pytest.raises(NanoGPTError, match="different tokenizer"):
+    with pytest.raises(NanoGPTError, match="another tokenizer.*3 characters in dataset 'abc' vs"):
         plan_run({"preset": "tiny", "data": "abc", "data_dir": str(data_dir)}, out=tmp_path / "x",
                  init_from=str(base))
 
@@ -208,7 +210,13 @@ def run_cli(*args):
     (["--block-size", "100000"], "fewer than --block-size + 1"),
     (["--preset", "huge"], "unknown preset 'huge'"),
     (["--n-embd", "31"], "--n-embd (31) must be divisible by --n-head (2)"),
-    (["--dtype", "float16", "--device", "cpu"], "--dtype float16 needs a CUDA GPU"),
+    (["--learning-rate", "nan"], "--learning-rate must be a finite number, got nan"),
+    (["--beta2", "inf"], "--beta2 must be a finite number, got inf"),
+    (["--min-lr", "0.1", "--learning-rate", "0.01"], "--min-lr (0.1) is above --learning-rate (0.01)"),
+    (["--vocab-size", "10"], "--vocab-size 10 is smaller than the"),
+    (["--resume", "--force"], "give one of them"),
+    (["--last"], "give --init-from or drop --last"),
+    (["--config", "."], "--config . is a folder"),
     (["--init-from", "missing-run"], "checkpoint missing-run does not exist"),
 ])
 def test_bad_train_input_is_one_sentence_and_writes_nothing(char_data, tmp_path, args, message):
@@ -359,3 +367,112 @@ def test_the_cpu_muon_makes_torchs_muon_update_in_fp32():
         torch.testing.assert_close(p, q, atol=2e-3, rtol=0)
         assert not torch.equal(p, torch.zeros_like(p))
     b.load_state_dict(a.state_dict())  # the same state: checkpoints move between them
+# --- resuming with the command that started the run (issue 12) ---
+
+
+def test_resume_accepts_the_starting_command_and_names_what_differs(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    start = ["train", "--data", name, "--data-dir", str(data_dir), "--preset", "tiny", "--n-layer", "1",
+             "--max-iters", "4", "--eval-interval", "2", "--dtype", "float32", "--out", str(run), "--quiet"]
+    assert run_cli(*start, "--stop-at", "2")[0] == 0
+    code, output = run_cli(*start, "--n-layer", "3", "--resume")
+    assert code == 1 and "--n-layer (saved 1, given 3)" in output
+    code, output = run_cli(*[a for a in start if a not in ("--n-layer", "1")], "--resume")
+    assert code == 1 and "--n-layer (saved 1, --preset tiny gives 2)" in output
+    code, output = run_cli(*start, "--resume")  # the same command plus --resume
+    assert code == 0, output
+    assert json.loads((run / "trainer.json").read_text())["step"] == 4
+    before = {p.name: p.read_bytes() for p in run.iterdir()}
+    code, output = run_cli(*start, "--resume")
+    assert code == 0 and "is already complete: step 4 of --max-iters 4" in output and "tokens/s" not in output
+    assert {p.name: p.read_bytes() for p in run.iterdir()} == before
+
+
+def test_warnings_and_notes_before_a_run(char_data, tmp_path):
+    data_dir, name = char_data
+    plan = tiny_plan(data_dir, name, tmp_path / "a", max_iters=5, warmup_iters=5)
+    assert any("--warmup-iters (5) is not below --max-iters (5)" in n for n in plan.notes)
+    plan = tiny_plan(data_dir, name, tmp_path / "b", dtype="float16")
+    assert any("float16 on the CPU" in n and "slow" in n for n in plan.notes)
+
+
+def test_init_from_takes_best_unless_last_and_says_which(char_data, tmp_path):
+    data_dir, name = char_data
+    base = tmp_path / "base"
+    train(tiny_plan(data_dir, name, base, max_iters=4, eval_interval=2, learning_rate=3e-2))
+    # make the last weights differ from the best by hand: best is step 2's copy
+    best_step = ckpt.read_metadata(base / "best.safetensors")["step"]
+    flags = {"data": name, "data_dir": str(data_dir), "dtype": "float32", "device": "cpu"}
+    plan = plan_run(flags, out=tmp_path / "t1", init_from=str(base))
+    assert plan.init_weights == base / "best.safetensors"
+    assert any(f"best.safetensors (step {best_step}" in n for n in plan.notes)
+    plan = plan_run(flags, out=tmp_path / "t2", init_from=str(base), init_last=True)
+    assert plan.init_weights == base / "model.safetensors"
+    assert any("model.safetensors (step 4" in n for n in plan.notes)
+
+
+def test_a_dataset_prepared_again_under_a_run_is_named(tmp_path):
+    from nanogpt_cli.data import prepare
+
+    from conftest import make_text
+
+    data_dir, text = tmp_path / "data", tmp_path / "a.txt"
+    text.write_text(make_text(lines=300, seed=5), encoding="utf-8")
+    prepare(str(text), "d", tokenizer="char", data_dir=data_dir)
+    run = tmp_path / "run"
+    train(tiny_plan(data_dir, "d", run, max_iters=4, eval_interval=2, stop_at=2))
+    time.sleep(1.1)  # meta.json's "created" has second resolution
+    prepare(str(text), "d", tokenizer="char", data_dir=data_dir)
+    plan = resumed(run)
+    assert any("dataset 'd' was prepared again since this run started" in n for n in plan.notes)
+    text.write_text(make_text(lines=300, seed=5) + "~^", encoding="utf-8")
+    prepare(str(text), "d", tokenizer="char", data_dir=data_dir)
+    with pytest.raises(NanoGPTError, match=r"prepared again with another tokenizer.*only in dataset 'd' now: '\^' '~'"):
+        resumed(run)
+
+
+def test_metrics_hold_a_train_line_per_log_interval(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    train(tiny_plan(data_dir, name, run, max_iters=6, eval_interval=6, log_interval=2))
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["kind"], m["step"]) for m in lines] == [("eval", 0), ("train", 2), ("train", 4), ("train", 6),
+                                                       ("eval", 6)]
+    assert all(math.isfinite(m["loss"]) and m["tokens"] == m["step"] * 8 * 32 for m in lines if m["kind"] == "train")
+
+
+# --- fp16 with its grad scaler, on the CPU (issue 12) ---
+
+
+def test_fp16_trains_skips_an_overflow_step_and_resumes_the_scaler_exactly(char_data, tmp_path):
+    data_dir, name = char_data
+    fp16 = dict(dtype="float16", max_iters=8, eval_interval=4, log_interval=1, warmup_iters=0)
+    whole, run = tmp_path / "whole", tmp_path / "run"
+    train(tiny_plan(data_dir, name, whole, **fp16))
+    m = metrics(whole)
+    assert m[-1]["val_loss"] < m[0]["val_loss"] - 0.3  # it learns in fp16
+    train(tiny_plan(data_dir, name, run, stop_at=4, **fp16))
+    train(resumed(run))
+    trainer = lambda r: json.loads((r / "trainer.json").read_text())  # noqa: E731
+    assert trainer(whole)["scaler"] == trainer(run)["scaler"] and trainer(run)["scaler"]["scale"] == 65536.0
+    assert [x["val_loss"] for x in metrics(run)] == [x["val_loss"] for x in metrics(whole)]
+
+    # a saved scale so large that the next step's fp16 gradients overflow: the scaler must skip that update
+    forced = tmp_path / "forced"
+    train(tiny_plan(data_dir, name, forced, stop_at=2, **fp16))
+    state = trainer(forced)
+    state["scaler"]["scale"] = 2.0 ** 100
+    (forced / "trainer.json").write_text(json.dumps(state))
+    weights_before = (forced / "model.safetensors").read_bytes()
+    train(plan_run({"stop_at": 3}, out=forced, resume=True))
+    after = trainer(forced)
+    assert after["step"] == 3 and after["scaler"]["scale"] == 2.0 ** 99  # backed off once
+    lines = [json.loads(x) for x in (forced / "metrics.jsonl").read_text().splitlines()]
+    step3 = [x for x in lines if x["kind"] == "train" and x["step"] == 3][0]
+    assert step3["skipped"] == 1 and step3["scale"] == 2.0 ** 99
+    from safetensors.torch import load
+
+    old = load(weights_before)
+    new = {k: v for k, v in ckpt.load_model(forced, last=True)[0].state_dict().items() if k in old}
+    assert all(torch.equal(old[k], new[k]) for k in old)  # the skipped update left the weights as they were

@@ -1,0 +1,215 @@
+"""What is in a run folder or a weights file, read without loading the weights: `nanogpt runs` and `nanogpt info`.
+
+    for run in list_runs(Path("checkpoints")): print(run.name, run.status)
+    info = inspect_path(Path("checkpoints/shk")); print(info.to_dict())
+
+Nothing here writes; a damaged file is reported (status "damaged", or "loads": false), never raised.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanogpt_cli import checkpoint as ckpt
+from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.model import GPT
+
+STATUSES = {
+    "finished": "step reached --max-iters",
+    "resumable": "stopped before --max-iters; `nanogpt train --out RUN --resume` continues it",
+    "stopped": "weights but no trainer state: start from it with --init-from",
+    "damaged": "a file it needs cannot be read",
+}
+
+
+@dataclass
+class RunSummary:
+    """One row of `nanogpt runs`."""
+
+    name: str
+    path: str
+    dataset: str | None
+    params: int | None  # non-embedding parameters
+    step: int | None
+    max_iters: int | None
+    best_val_loss: float | None
+    tokens: int | None
+    updated: str  # ISO time of the newest file in the folder
+    status: str  # one of STATUSES
+    problem: str | None = None  # why it is damaged
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def model_counts(config: GPTConfig) -> tuple[int, int, int]:
+    """(all parameters, non-embedding parameters, training FLOPs per token) of a config, from a model built on
+    the meta device: shapes only, no memory, so a GPT-2-sized run costs nothing to inspect."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return model.num_params(non_embedding=False), model.num_params(), model.flops_per_token()
+
+
+def summarize_run(path: Path) -> RunSummary:
+    run = ckpt.RunDir(path)
+    files = [p for p in path.iterdir() if p.is_file()]
+    updated = max((p.stat().st_mtime for p in files), default=path.stat().st_mtime)
+    summary = RunSummary(name=path.name, path=str(path), dataset=None, params=None, step=None, max_iters=None,
+                         best_val_loss=None, tokens=None, status="damaged",
+                         updated=datetime.fromtimestamp(updated, timezone.utc).isoformat(timespec="seconds"))
+    try:
+        config = run.read_config()
+        summary.dataset = config["train"].get("data")
+        summary.max_iters = config["train"].get("max_iters")
+        summary.params = model_counts(GPTConfig.from_dict(config["model"]))[1]
+    except (NanoGPTError, TypeError, ValueError) as e:
+        summary.problem = str(e)
+        return summary
+    if not (path / ckpt.TRAINER).is_file() and not (path / ckpt.OPTIMIZER).is_file():
+        meta = _weights_meta(path / ckpt.LAST)
+        if meta is None:
+            summary.problem = f"{path / ckpt.LAST} is {ckpt.damage(path / ckpt.LAST)}"
+            return summary
+        summary.step, summary.tokens, summary.status = meta.get("step"), meta.get("tokens"), "stopped"
+        return summary
+    try:
+        state, _ = run.check_resumable()
+    except NanoGPTError as e:
+        summary.problem = str(e)
+        return summary
+    summary.step, summary.tokens, summary.best_val_loss = state.step, state.tokens, state.best_val_loss
+    summary.status = "finished" if summary.max_iters is not None and state.step >= summary.max_iters else "resumable"
+    return summary
+
+
+def list_runs(root: Path) -> list[RunSummary]:
+    """Every run folder directly under root (or root itself when it is one), newest first."""
+    root = Path(root)
+    if not root.is_dir():
+        raise NanoGPTError(f"{root} is not a folder of runs")
+    folders = [root] if ckpt.RunDir(root).has_run() else sorted(
+        p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and ckpt.RunDir(p).has_run())
+    return sorted((summarize_run(p) for p in folders), key=lambda r: r.updated, reverse=True)
+
+
+# --- info ---
+
+
+@dataclass
+class FileInfo:
+    name: str
+    bytes: int
+    loads: bool
+    note: str = ""  # the step it holds, its record count, or why it does not load
+
+
+@dataclass
+class Info:
+    """Everything `nanogpt info` shows about a run folder or a weights file."""
+
+    path: str
+    kind: str  # "run" or "weights"
+    model: dict[str, Any] | None = None
+    params: int | None = None
+    params_non_embedding: int | None = None
+    flops_per_token: int | None = None  # training FLOPs per token at the full context (6N + attention)
+    tokenizer: str | None = None  # name and vocabulary size, in words
+    dataset: str | None = None
+    step: int | None = None
+    max_iters: int | None = None
+    tokens: int | None = None
+    train_loss: float | None = None  # of the last evaluation
+    val_loss: float | None = None
+    best_val_loss: float | None = None
+    status: str | None = None
+    files: list[FileInfo] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def inspect_path(path: str | Path) -> Info:
+    path = Path(path)
+    if path.is_dir():
+        return _inspect_run(path)
+    if not path.exists():
+        raise NanoGPTError(f"{path} does not exist; give a run folder or a .safetensors file")
+    meta = ckpt.read_metadata(path)  # one sentence when it is not a nanogpt weights file
+    info = Info(path=str(path), kind="weights", step=meta.get("step"), tokens=meta.get("tokens"),
+                val_loss=meta.get("val_loss"), dataset=meta.get("dataset") or None)
+    _fill_model(info, meta.get("config"), meta.get("tokenizer"))
+    info.files = [_file_info(path)]
+    return info
+
+
+def _inspect_run(path: Path) -> Info:
+    if not ckpt.RunDir(path).has_run():
+        raise NanoGPTError(f"{path} holds no run (no {ckpt.CONFIG}, {ckpt.TRAINER} or {ckpt.LAST})")
+    summary = summarize_run(path)
+    info = Info(path=str(path), kind="run", dataset=summary.dataset, step=summary.step, max_iters=summary.max_iters,
+                tokens=summary.tokens, best_val_loss=summary.best_val_loss, status=summary.status)
+    config = None
+    try:
+        config = ckpt.RunDir(path).read_config()
+    except NanoGPTError:
+        pass
+    if config is not None:
+        _fill_model(info, config["model"], (config.get("dataset") or {}).get("tokenizer"))
+    else:
+        meta = _weights_meta(path / ckpt.BEST) or _weights_meta(path / ckpt.LAST)
+        if meta is not None:
+            _fill_model(info, meta.get("config"), meta.get("tokenizer"))
+    records, _ = ckpt.RunDir(path).read_metrics()
+    evals = [r for r in records if r.get("kind", "eval") == "eval"]
+    if evals:
+        info.train_loss, info.val_loss = evals[-1].get("train_loss"), evals[-1].get("val_loss")
+    info.files = [_file_info(p) for p in sorted(path.iterdir()) if p.is_file() and not p.name.startswith(".")]
+    return info
+
+
+def _fill_model(info: Info, config: dict[str, Any] | None, tokenizer: dict[str, Any] | None) -> None:
+    if config is not None:
+        try:
+            cfg = GPTConfig.from_dict(config)
+            info.model = cfg.to_dict()
+            info.params, info.params_non_embedding, info.flops_per_token = model_counts(cfg)
+        except (TypeError, ValueError):
+            pass
+    if isinstance(tokenizer, dict):
+        info.tokenizer = f"{tokenizer.get('name')} ({tokenizer.get('vocab_size', '?'):,} tokens)" \
+            if isinstance(tokenizer.get("vocab_size"), int) else str(tokenizer.get("name"))
+
+
+def _weights_meta(path: Path) -> dict[str, Any] | None:
+    try:
+        return ckpt.read_metadata(path) if ckpt.damage(path) is None else None
+    except NanoGPTError:
+        return None
+
+
+def _file_info(path: Path) -> FileInfo:
+    size = path.stat().st_size
+    if path.suffix == ".safetensors":
+        problem = ckpt.damage(path)
+        if problem is not None:
+            return FileInfo(path.name, size, False, problem)
+        step = ckpt.file_step(path)
+        return FileInfo(path.name, size, True, f"step {step}" if step is not None else "")
+    if path.suffix == ".jsonl":
+        records, bad = ckpt.read_jsonl(path)
+        note = f"{len(records):,} records" + (f", {bad} damaged line(s) skipped" if bad else "")
+        return FileInfo(path.name, size, True, note)
+    if path.suffix == ".json":
+        try:
+            json.loads(path.read_text(encoding="utf-8"))
+            return FileInfo(path.name, size, True)
+        except (OSError, ValueError) as e:
+            return FileInfo(path.name, size, False, f"not valid JSON: {str(e).splitlines()[0]}")
+    return FileInfo(path.name, size, True)

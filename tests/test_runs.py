@@ -1,0 +1,118 @@
+"""The daily-use commands around runs: `runs`, `info`, `plot`, loss.png, trackers and shell completion."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from nanogpt_cli.cli import app
+from nanogpt_cli.train import train
+from conftest import tiny_plan
+
+runner = CliRunner()
+
+
+def ok(*args):
+    result = runner.invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.fixture(scope="module")
+def three_runs(char_data, tmp_path_factory):
+    """A finished run, a run stopped half-way, and a copy of the finished one with a broken trainer.json."""
+    import shutil
+
+    data_dir, name = char_data
+    root = tmp_path_factory.mktemp("runs")
+    train(tiny_plan(data_dir, name, root / "done", max_iters=6, eval_interval=3, log_interval=2))
+    train(tiny_plan(data_dir, name, root / "half", max_iters=6, eval_interval=3, log_interval=2, stop_at=3))
+    shutil.copytree(root / "done", root / "broken")
+    (root / "broken" / "trainer.json").write_text("{")
+    return root
+
+
+def test_runs_lists_every_run_with_its_status(three_runs):
+    rows = {r["name"]: r for r in map(json.loads, ok("runs", three_runs, "--json").splitlines())}
+    assert {n: r["status"] for n, r in rows.items()} == {"done": "finished", "half": "resumable",
+                                                        "broken": "damaged"}
+    assert rows["done"]["step"] == 6 and rows["half"]["step"] == 3 and rows["half"]["max_iters"] == 6
+    assert rows["done"]["tokens"] == 6 * 8 * 32 and rows["done"]["params"] > 0
+    assert "trainer.json is damaged" in rows["broken"]["problem"]
+    table = ok("runs", three_runs)
+    assert "finished" in table and "resumable" in table and "damaged" in table and "3/6" in table
+
+
+def test_runs_of_a_missing_folder_is_one_sentence(tmp_path):
+    result = runner.invoke(app, ["runs", str(tmp_path / "nope")])
+    assert result.exit_code == 1 and "is not a folder of runs" in result.output
+
+
+def test_info_of_a_run_and_of_a_weights_file(three_runs):
+    info = json.loads(ok("info", three_runs / "half", "--json"))
+    assert info["kind"] == "run" and info["status"] == "resumable" and info["step"] == 3
+    assert info["params"] > info["params_non_embedding"] > 0 and info["flops_per_token"] > 6 * info["params"] / 2
+    assert info["tokenizer"].startswith("char (") and info["model"]["n_layer"] == 2
+    files = {f["name"]: f for f in info["files"]}
+    assert files["model.safetensors"]["loads"] and files["model.safetensors"]["note"] == "step 3"
+    assert files["metrics.jsonl"]["note"].endswith("records")
+    broken = json.loads(ok("info", three_runs / "broken", "--json"))
+    assert broken["status"] == "damaged" and not {f["name"]: f for f in broken["files"]}["trainer.json"]["loads"]
+    weights = json.loads(ok("info", three_runs / "done" / "best.safetensors", "--json"))
+    assert weights["kind"] == "weights" and weights["step"] in (3, 6) and weights["params"] == info["params"]
+    assert weights["dataset"] == info["dataset"] == "play"
+    assert "FLOPs per token" in ok("info", three_runs / "done")
+
+
+def test_plot_draws_in_the_terminal_and_to_a_file(three_runs, tmp_path):
+    pytest.importorskip("plotext")
+    text = ok("plot", three_runs / "done", three_runs / "half")
+    assert "done train" in text and "half val" in text and "tokens seen" in text
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "loss.png"
+    assert "wrote" in ok("plot", three_runs / "done", "--out", out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    result = runner.invoke(app, ["plot", str(tmp_path)])
+    assert result.exit_code == 1 and "has no metrics.jsonl" in result.output
+
+
+def test_training_writes_loss_png_and_feeds_tensorboard(char_data, tmp_path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    ok("train", "--data", name, "--data-dir", data_dir, "--preset", "tiny", "--max-iters", "4", "--eval-interval",
+       "2", "--log-interval", "1", "--dtype", "float32", "--out", run, "--tracker", "tensorboard", "--quiet")
+    assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    assert [s.step for s in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    val = [s.value for s in events.Scalars("eval/val_loss")]
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert val == pytest.approx([m["val_loss"] for m in metrics if m["kind"] == "eval"])
+
+
+def test_wandb_runs_offline_without_network(char_data, tmp_path, monkeypatch, no_network):
+    pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    ok("train", "--data", name, "--data-dir", data_dir, "--preset", "tiny", "--max-iters", "2", "--eval-interval",
+       "2", "--dtype", "float32", "--out", run, "--tracker", "wandb", "--quiet")
+    offline = list((run / "wandb").glob("offline-run-*/*.wandb"))
+    assert len(offline) == 1 and offline[0].stat().st_size > 0
+
+
+def test_an_unknown_tracker_is_one_sentence(char_data, tmp_path):
+    data_dir, name = char_data
+    result = runner.invoke(app, ["train", "--data", name, "--data-dir", str(data_dir), "--preset", "tiny",
+                                 "--out", str(tmp_path / "r"), "--tracker", "mlflow"])
+    assert result.exit_code == 1 and "--tracker must be one of tensorboard, wandb, got 'mlflow'" in result.output
+
+
+def test_shell_completion_is_offered():
+    out = ok("--help")
+    assert "--install-completion" in out and "--show-completion" in out
