@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from nanogpt_cli import checkpoint as ckpt
-from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
 from nanogpt_cli.train import plan_run, train
