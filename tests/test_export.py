@@ -322,3 +322,14 @@ def test_sample_and_eval_read_an_export_as_they_read_the_run(trained_run, char_d
     (run_text, run_loss), (hf_text, hf_loss) = outputs.values()
     assert hf_text == run_text and len(run_text) > 40
     assert hf_loss == pytest.approx(run_loss, abs=1e-5)
+
+
+def test_a_hub_model_that_cannot_be_reached_is_one_sentence(tmp_path):
+    import os
+    import subprocess
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([sys.executable, "-m", "nanogpt_cli", "sample", "--checkpoint", "hf:nobody/nothing"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("error: could not load hf:nobody/nothing from the Hugging Face hub (offline")
