@@ -123,11 +123,15 @@ def hf_kind(c: GPTConfig) -> str:
         return "llama"
     if c.norm == "layernorm" and gelu:
         return "gpt_neox"
-    if c.mlp == "swiglu":
-        raise NanoGPTError("no stock Hugging Face architecture computes RoPE with --norm layernorm and --mlp swiglu; "
-                           "the closest, LlamaForCausalLM, needs --norm rmsnorm")
-    raise NanoGPTError(f"no stock Hugging Face architecture computes RoPE with --norm rmsnorm and --mlp {c.mlp}; the "
-                       "closest, LlamaForCausalLM, needs --mlp swiglu (or GPTNeoXForCausalLM: --norm layernorm)")
+    # the closest: Llama when the MLP is SwiGLU or the norm RMSNorm, else GPT-NeoX; name only the flags that differ
+    if c.mlp == "swiglu" or (c.norm == "rmsnorm" and not gelu):
+        closest, needs = "LlamaForCausalLM", [f for f in ("--norm rmsnorm" if c.norm != "rmsnorm" else "",
+                                                          "--mlp swiglu" if c.mlp != "swiglu" else "") if f]
+    else:
+        closest, needs = "GPTNeoXForCausalLM", [f for f in ("--norm layernorm" if c.norm != "layernorm" else "",
+                                                            "--mlp gelu" if not gelu else "") if f]
+    raise NanoGPTError(f"no stock Hugging Face architecture computes RoPE with --norm {c.norm} and --mlp {c.mlp}; "
+                       f"the closest, {closest}, needs {' '.join(needs)}")
 
 
 def _check_kind(hf_config) -> str:

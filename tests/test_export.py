@@ -198,8 +198,11 @@ def test_gguf_gpt2_shape_and_metadata(tmp_path):
 
 @pytest.mark.parametrize("flags, fmt, tokenizer, message", [
     (dict(pos_encoding="learned", norm="rmsnorm"), "hf", "byte", "closest, GPT2LMHeadModel, needs --norm layernorm"),
-    (dict(norm="rmsnorm"), "hf", "byte", "LlamaForCausalLM, needs --mlp swiglu"),
-    (dict(mlp="swiglu"), "hf", "byte", "LlamaForCausalLM, needs --norm rmsnorm"),
+    (dict(norm="rmsnorm"), "hf", "byte", "closest, GPTNeoXForCausalLM, needs --norm layernorm$"),
+    (dict(mlp="swiglu"), "hf", "byte", "closest, LlamaForCausalLM, needs --norm rmsnorm$"),
+    (dict(mlp="relu2"), "hf", "byte", "closest, GPTNeoXForCausalLM, needs --mlp gelu$"),
+    (dict(norm="rmsnorm", mlp="relu2"), "hf", "byte", "closest, LlamaForCausalLM, needs --mlp swiglu$"),
+    (dict(norm="rmsnorm", mlp="swiglu", qk_norm=True), "hf", "byte", "no stock Hugging Face architecture has QK"),
     (dict(), "hf", "cl100k_base", "the cl100k_base tokenizer does not export"),
     (dict(), "gguf", "gpt2", "not RoPE with LayerNorm and GELU"),
     (dict(pos_encoding="learned"), "gguf", "gpt2", "needs --mlp gelu_tanh"),
