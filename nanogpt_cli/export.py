@@ -89,7 +89,7 @@ def export_hf(model: GPT, desc: dict[str, Any], out: Path, force: bool = False) 
     _check_target(out, force)
     eot_id = tok.token_to_id(eot) if eot is not None else None
     special = {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": None}
-    hf_model = hf.to_hf(model.float().cpu(), special)
+    hf_model = hf.to_hf(model, special)  # float32 on the CPU, whatever the model's dtype and device
     _, extra = hf.hf_config_for(model.config, kind, special)
 
     tmp = _staging(out)

@@ -78,13 +78,17 @@ def quiet_transformers():
     """transformers' own progress bars and warnings ("Loading weights ...") off: our commands print one summary
     line, or one error sentence."""
     logging = require("transformers").utils.logging
-    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    hub_logging = require("huggingface_hub").utils.logging  # its retry warnings; download bars stay
+    verbosity, hub_verbosity, bars = logging.get_verbosity(), hub_logging.get_verbosity(), \
+        logging.is_progress_bar_enabled()
     logging.set_verbosity_error()
+    hub_logging.set_verbosity_error()
     logging.disable_progress_bar()
     try:
         yield
     finally:
         logging.set_verbosity(verbosity)
+        hub_logging.set_verbosity(hub_verbosity)
         if bars:
             logging.enable_progress_bar()
 
@@ -119,11 +123,15 @@ def hf_kind(c: GPTConfig) -> str:
         return "llama"
     if c.norm == "layernorm" and gelu:
         return "gpt_neox"
-    if c.mlp == "swiglu":
-        raise NanoGPTError("no stock Hugging Face architecture computes RoPE with --norm layernorm and --mlp swiglu; "
-                           "the closest, LlamaForCausalLM, needs --norm rmsnorm")
-    raise NanoGPTError(f"no stock Hugging Face architecture computes RoPE with --norm rmsnorm and --mlp {c.mlp}; the "
-                       "closest, LlamaForCausalLM, needs --mlp swiglu (or GPTNeoXForCausalLM: --norm layernorm)")
+    # the closest: Llama when the MLP is SwiGLU or the norm RMSNorm, else GPT-NeoX; name only the flags that differ
+    if c.mlp == "swiglu" or (c.norm == "rmsnorm" and not gelu):
+        closest, needs = "LlamaForCausalLM", [f for f in ("--norm rmsnorm" if c.norm != "rmsnorm" else "",
+                                                          "--mlp swiglu" if c.mlp != "swiglu" else "") if f]
+    else:
+        closest, needs = "GPTNeoXForCausalLM", [f for f in ("--norm layernorm" if c.norm != "layernorm" else "",
+                                                            "--mlp gelu" if not gelu else "") if f]
+    raise NanoGPTError(f"no stock Hugging Face architecture computes RoPE with --norm {c.norm} and --mlp {c.mlp}; "
+                       f"the closest, {closest}, needs {' '.join(needs)}")
 
 
 def _check_kind(hf_config) -> str:
@@ -404,7 +412,7 @@ def is_hf_source(source: str | Path) -> bool:
     if str(source).startswith("hf:"):
         return True
     path = Path(source)
-    if not (path / "config.json").is_file() or (path / "model.safetensors").is_file() and _is_ours(path):
+    if not (path / "config.json").is_file() or ((path / "model.safetensors").is_file() and _is_ours(path)):
         return False
     try:
         return "model_type" in json.loads((path / "config.json").read_text(encoding="utf-8"))
@@ -436,7 +444,8 @@ def load_pretrained(source: str | Path) -> tuple[GPT, dict[str, Any]]:
         raise NanoGPTError(f"{name} is not a folder holding a Hugging Face model")
     kwargs = {} if online else {"local_files_only": True}
     try:
-        hf_config = transformers.AutoConfig.from_pretrained(name, **kwargs)
+        with quiet_transformers():
+            hf_config = transformers.AutoConfig.from_pretrained(name, **kwargs)
     except OSError as e:
         if online:
             raise NanoGPTError(f"could not load {where} from the Hugging Face hub (offline, misspelt, or gated?): "
@@ -446,7 +455,8 @@ def load_pretrained(source: str | Path) -> tuple[GPT, dict[str, Any]]:
         raise NanoGPTError(f"{where}: {_first_line(e)}") from None
     _check_kind(hf_config)
     try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(name, **kwargs)
+        with quiet_transformers():
+            tokenizer = transformers.AutoTokenizer.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         raise NanoGPTError(f"{where} has no tokenizer that loads ({_first_line(e)})") from None
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -198,8 +198,11 @@ def test_gguf_gpt2_shape_and_metadata(tmp_path):
 
 @pytest.mark.parametrize("flags, fmt, tokenizer, message", [
     (dict(pos_encoding="learned", norm="rmsnorm"), "hf", "byte", "closest, GPT2LMHeadModel, needs --norm layernorm"),
-    (dict(norm="rmsnorm"), "hf", "byte", "LlamaForCausalLM, needs --mlp swiglu"),
-    (dict(mlp="swiglu"), "hf", "byte", "LlamaForCausalLM, needs --norm rmsnorm"),
+    (dict(norm="rmsnorm"), "hf", "byte", "closest, GPTNeoXForCausalLM, needs --norm layernorm$"),
+    (dict(mlp="swiglu"), "hf", "byte", "closest, LlamaForCausalLM, needs --norm rmsnorm$"),
+    (dict(mlp="relu2"), "hf", "byte", "closest, GPTNeoXForCausalLM, needs --mlp gelu$"),
+    (dict(norm="rmsnorm", mlp="relu2"), "hf", "byte", "closest, LlamaForCausalLM, needs --mlp swiglu$"),
+    (dict(norm="rmsnorm", mlp="swiglu", qk_norm=True), "hf", "byte", "no stock Hugging Face architecture has QK"),
     (dict(), "hf", "cl100k_base", "the cl100k_base tokenizer does not export"),
     (dict(), "gguf", "gpt2", "not RoPE with LayerNorm and GELU"),
     (dict(pos_encoding="learned"), "gguf", "gpt2", "needs --mlp gelu_tanh"),
@@ -322,3 +325,14 @@ def test_sample_and_eval_read_an_export_as_they_read_the_run(trained_run, char_d
     (run_text, run_loss), (hf_text, hf_loss) = outputs.values()
     assert hf_text == run_text and len(run_text) > 40
     assert hf_loss == pytest.approx(run_loss, abs=1e-5)
+
+
+def test_a_hub_model_that_cannot_be_reached_is_one_sentence(tmp_path):
+    import os
+    import subprocess
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    proc = subprocess.run([sys.executable, "-m", "nanogpt_cli", "sample", "--checkpoint", "hf:nobody/nothing"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("error: could not load hf:nobody/nothing from the Hugging Face hub (offline")

@@ -16,9 +16,11 @@ README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 def command_lines() -> list[list[str]]:
     """Each `nanogpt ...` invocation in the README's code blocks, as argument lists without `nanogpt`."""
-    blocks = re.findall(r"```(?:bash)?\n(.*?)```", README, flags=re.S)
+    blocks = re.findall(r"```(\w*)\n(.*?)```", README, flags=re.S)  # every block, so openings and closings pair up
     out = []
-    for block in blocks:
+    for language, block in blocks:
+        if language not in ("", "bash"):
+            continue
         for line in block.splitlines():
             line = line.removeprefix("$ ")
             for part in line.split("&&"):
@@ -35,7 +37,7 @@ def command_lines() -> list[list[str]]:
 @pytest.mark.parametrize("args", command_lines(), ids=lambda a: " ".join(a[:2]))
 def test_readme_commands_use_real_flags(args):
     path = [a for a in args[:2] if not a.startswith("-") and a in ("prepare", "train", "sample", "eval",
-                                                                        "perplexity", "runs", "info", "plot")]
+                                                                        "perplexity", "runs", "info", "plot", "export")]
     help_text = CliRunner().invoke(app, [*path, "--help"], terminal_width=200).output
     for flag in (a for a in args if a.startswith("--")):
         assert flag in help_text, f"README uses {flag} with nanogpt {' '.join(path)}, which has no such flag"
