@@ -32,13 +32,14 @@ from nanogpt_cli.tokenizer import build_tokenizer  # noqa: E402
 CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # Tiny Shakespeare's 65
 
 
-def models(contexts: list[int]) -> list[tuple[str, GPTConfig]]:
+def models(contexts: list[int], large: bool = True) -> list[tuple[str, GPTConfig]]:
     out = []
     for T in contexts:
         cfg = GPTConfig(vocab_size=65, block_size=T, n_layer=4, n_head=4, n_embd=128)
         out.append((f"cpu-char 4x128, ctx {T}", cfg))
-    out.append(("shakespeare-char 6x384, ctx 256",
-                GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)))
+    if large:
+        out.append(("shakespeare-char 6x384, ctx 256",
+                    GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)))
     return out
 
 
@@ -48,11 +49,12 @@ def main():
     p.add_argument("--contexts", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--device", default="auto")
     p.add_argument("--num-samples", type=int, nargs="+", default=[1, 5, 20])
+    p.add_argument("--no-large", action="store_true", help="leave out the shakespeare-char model")
     args = p.parse_args()
     tok = build_tokenizer("char", [CHARS])
     rows, eval_rows, batch_rows = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for label, cfg in models(args.contexts):
+        for label, cfg in models(args.contexts, large=not args.no_large):
             torch.manual_seed(0)
             path = Path(tmp) / f"{cfg.block_size}-{cfg.n_embd}.safetensors"
             ckpt.save_model(path, GPT(cfg), {"tokenizer": tok.describe(), "step": 0})

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_train.py                      # 2000 iters with --dtype auto, then float32
     python benchmarks/bench_train.py --max-iters 300 --dtypes auto
+    python benchmarks/bench_train.py --presets cpu-char cpu-fast --dtypes auto   # with Muon and the block options
 
 The recipe (nanoGPT README, "I only have a macbook"): 4 layers, 4 heads, 128 wide, context 64, batch 12,
 2000 iters, lr 1e-3 decayed over 2000 iters, dropout 0, eval 20 iters. On these 2 cores nanoGPT's train.py
@@ -75,19 +76,20 @@ def main():
     p.add_argument("--max-iters", type=int, default=2000)
     p.add_argument("--dtypes", nargs="+", default=["auto", "float32"])
     p.add_argument("--compile", action="store_true", help="also torch.compile the model")
+    p.add_argument("--presets", nargs="+", default=["cpu-char"], help="cpu-char (the recipe) and/or cpu-fast")
     args = p.parse_args()
     device = resolve_device("auto")
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp) / "data"
         prepare(str(shakespeare_path()), "shakespeare-char", tokenizer="char", data_dir=data_dir)
         rows = []
-        for dtype_name in args.dtypes:
+        for preset, dtype_name in [(p_, d) for p_ in args.presets for d in args.dtypes]:
             dtype = resolve_dtype(dtype_name, device)
             peak = matmul_peak(device, dtype)
-            run = Path(tmp) / f"run-{dtype_name}"
+            run = Path(tmp) / f"run-{preset}-{dtype_name}"
             values = dict(data="shakespeare-char", data_dir=str(data_dir), dtype=dtype_name, max_iters=args.max_iters,
                           lr_decay_iters=args.max_iters, compile=args.compile, log_interval=args.max_iters)
-            plan = plan_run({"preset": "cpu-char", **values}, out=run)
+            plan = plan_run({"preset": preset, **values}, out=run)
             model_cfg, cfg = plan.model, plan.train
             evals = []
 
@@ -99,7 +101,7 @@ def main():
             from nanogpt_cli.model import GPT
 
             flops_per_iter = GPT(model_cfg).flops_per_token() * cfg.batch_size * model_cfg.block_size
-            rows.append([f"ours, --dtype {dtype_name} ({str(dtype).replace('torch.', '')})",
+            rows.append([f"ours, {preset}, --dtype {dtype_name} ({str(dtype).replace('torch.', '')})",
                          f"{result.ms_per_iter:.1f}", f"{result.tokens_per_s:,.0f}",
                          f"{flops_per_iter / (result.ms_per_iter / 1000) / peak:.1%} of {peak / 1e9:,.0f} GFLOP/s",
                          f"{evals[-1].val_loss:.4f}", f"{result.elapsed_s:.0f} s",
