@@ -49,8 +49,10 @@ def train(procs: int, *args: str, ok: bool = True) -> subprocess.CompletedProces
     return proc
 
 
-def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+def metrics(run: Path, kind: str = "eval") -> list[dict]:
+    """The evaluation lines of metrics.jsonl, or with kind="train" the progress lines (every --log-interval)."""
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in lines if m.get("kind", "eval") == kind]
 
 
 def assert_same_run(a: Path, b: Path, tol: float = 1e-5) -> None:
@@ -60,6 +62,11 @@ def assert_same_run(a: Path, b: Path, tol: float = 1e-5) -> None:
         assert x["tokens"] == y["tokens"] and x["lr"] == y["lr"]
         assert x["train_loss"] == pytest.approx(y["train_loss"], abs=tol)
         assert x["val_loss"] == pytest.approx(y["val_loss"], abs=tol)
+    # every update's training loss (all-reduced over the processes), as logged
+    ta, tb = metrics(a, "train"), metrics(b, "train")
+    assert [m["step"] for m in ta] == [m["step"] for m in tb] == list(range(1, 7))
+    for x, y in zip(ta, tb):
+        assert x["loss"] == pytest.approx(y["loss"], abs=tol)
     wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
     assert wa.keys() == wb.keys()
     for name in wa:
