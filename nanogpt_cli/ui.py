@@ -57,11 +57,12 @@ def _stage_lines():
     started: dict[str, float] = {}
     finished: set[str] = set()
 
-    def update(stage: str, done: int, total: int | None) -> None:
-        started.setdefault(stage, time.perf_counter())
-        if total is not None and done >= total and stage not in finished:
-            finished.add(stage)
-            err_console.print(f"{stage}: done in {time.perf_counter() - started[stage]:.1f} s")
+    def update(p) -> None:  # a data.PrepareProgress
+        started.setdefault(p.stage, time.perf_counter())
+        if p.total is not None and p.done >= p.total and p.stage not in finished:
+            finished.add(p.stage)
+            counts = f", {p.documents:,} documents, {p.tokens:,} tokens" if p.tokens else ""
+            err_console.print(f"{p.stage}: done in {time.perf_counter() - started[p.stage]:.1f} s{counts}")
 
     return update
 

@@ -50,7 +50,8 @@ def train(procs: int, *args: str, ok: bool = True) -> subprocess.CompletedProces
 
 
 def metrics(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [m for m in lines if m.get("kind", "eval") == "eval"]  # train lines carry timings
 
 
 def assert_same_run(a: Path, b: Path, tol: float = 1e-5) -> None:

