@@ -158,8 +158,7 @@ def prepare(
     from nanogpt_cli.ui import console, err_console, prepare_progress, prepare_table
 
     check_creatable(data_dir, "--data-dir")
-    earlier = data_dir / name / "meta.json"
-    replacing = earlier.is_file()
+    replacing = (data_dir / name / "meta.json").is_file() and not resume  # --resume continues, not replaces
 
     try:
         with prepare_progress() as progress:

@@ -604,7 +604,8 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
                                     elapsed_s=elapsed_before + now - t0, ms_per_iter=dt * 1000,
                                     tokens_per_s=tokens_per_iter / dt, mfu=flops_per_iter / dt / peak if peak else None,
                                     skipped=skipped, scale=scaler.get_scale() if scaler.is_enabled() else None)
-                if main:
+                # one writer (rank 0); not at --stop-at's step, so a stopped-and-resumed run writes the same lines
+                if main and (state.step % cfg.log_interval == 0 or state.step == cfg.max_iters):
                     run_dir.append_metrics(logged.record())
                 show.on_step(logged)
                 skipped = 0

@@ -61,7 +61,8 @@ def _stage_lines():
         started.setdefault(p.stage, time.perf_counter())
         if p.total is not None and p.done >= p.total and p.stage not in finished:
             finished.add(p.stage)
-            err_console.print(f"{p.stage}: done in {time.perf_counter() - started[p.stage]:.1f} s")
+            counts = f", {p.documents:,} documents, {p.tokens:,} tokens" if p.tokens else ""
+            err_console.print(f"{p.stage}: done in {time.perf_counter() - started[p.stage]:.1f} s{counts}")
 
     return update
 
