@@ -46,7 +46,10 @@ def fail(message: str) -> typer.Exit:
     """Print one styled error line on stderr and return the exit to raise."""
     from nanogpt_cli.ui import err_console
 
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.markup import escape
+
+    # escaped: a message may hold brackets that are text, not styles (pip install -e ".[hf]")
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(1)
 
 
@@ -411,7 +414,7 @@ def sample(
         try:
             run(text)
         except NanoGPTError as e:  # a bad prompt should not end the session
-            err_console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+            fail(str(e))
 
 
 @eval_app.command()

@@ -53,6 +53,8 @@ class TensorBoardTracker:
                              global_step=e.step)
 
     def on_step(self, e) -> None:
+        if not e.recorded:
+            return
         self.writer.add_scalar("train/loss", e.loss, e.step)
         self.writer.add_scalar("train/lr", e.lr, e.step)
         self.writer.add_scalar("train/tokens_per_s", e.tokens_per_s, e.step)
@@ -86,6 +88,8 @@ class WandbTracker:
                                    settings=self.wandb.Settings(silent=True, console="off"))
 
     def on_step(self, e) -> None:
+        if not e.recorded:
+            return
         record = {"train/loss": e.loss, "train/lr": e.lr, "train/tokens_per_s": e.tokens_per_s, "tokens": e.tokens}
         if e.scale is not None:
             record["train/fp16_scale"] = e.scale

@@ -232,9 +232,10 @@ def plan_run(flags: dict[str, Any], file_values: dict[str, Any] | None = None, o
             raise NanoGPTError("--init-from takes the architecture from the checkpoint; drop "
                                + ", ".join(f"--{flag(k)}" for k in sorted(extra)))
         model_values = {**weights_meta["config"], **{k: v for k, v in model_values.items() if k == "dropout"}}
-        val = weights_meta.get("val_loss")
-        notes.append(f"--init-from: starting from {source} (step {weights_meta.get('step')}"
-                     + (f", val loss {val:.4f}" if isinstance(val, (int, float)) else "") + ")")
+        step, val = weights_meta.get("step"), weights_meta.get("val_loss")  # a Hugging Face model has neither
+        known = ([f"step {step}"] if step is not None else []) + \
+            ([f"val loss {val:.4f}"] if isinstance(val, (int, float)) else [])
+        notes.append(f"--init-from: starting from {source}" + (f" ({', '.join(known)})" if known else ""))
     elif "vocab_size" not in model_values:
         model_values["vocab_size"] = meta["vocab_size"]
     model_cfg, train_cfg = build_configs({**model_values, **train_values})
@@ -333,6 +334,9 @@ class StepLogged:
     mfu: float | None
     skipped: int = 0  # fp16: updates since the last line that the grad scaler skipped (inf/NaN gradients)
     scale: float | None = None  # fp16: the grad scaler's loss scale now
+    # False for the line at --stop-at's step, which metrics.jsonl and the trackers leave out, so a stopped and
+    # resumed run records the same lines as an uninterrupted one
+    recorded: bool = True
 
     def record(self) -> dict[str, Any]:
         record = dict(kind="train", step=self.step, loss=self.loss, lr=self.lr, tokens=self.tokens,
@@ -603,9 +607,9 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
                 logged = StepLogged(step=state.step, loss=loss_value, lr=lr, tokens=state.tokens,
                                     elapsed_s=elapsed_before + now - t0, ms_per_iter=dt * 1000,
                                     tokens_per_s=tokens_per_iter / dt, mfu=flops_per_iter / dt / peak if peak else None,
-                                    skipped=skipped, scale=scaler.get_scale() if scaler.is_enabled() else None)
-                # one writer (rank 0); not at --stop-at's step, so a stopped-and-resumed run writes the same lines
-                if main and (state.step % cfg.log_interval == 0 or state.step == cfg.max_iters):
+                                    skipped=skipped, scale=scaler.get_scale() if scaler.is_enabled() else None,
+                                    recorded=state.step % cfg.log_interval == 0 or state.step == cfg.max_iters)
+                if main and logged.recorded:  # one writer, rank 0
                     run_dir.append_metrics(logged.record())
                 show.on_step(logged)
                 skipped = 0

@@ -113,7 +113,7 @@ def prepare_table(result):
     """The summary of a `PrepareResult`."""
     share = result.val_tokens / max(result.tokens, 1)
     documents = f"{result.documents:,}"
-    if result.documents > 1:
+    if result.documents > 1 and result.val_split == "documents":  # a tail of the tokens is no whole document
         documents += f" ({result.val_documents:,} in val)"
     throughput = f"{result.tokens_per_s:,.0f} tokens/s"
     if result.source_bytes is not None:

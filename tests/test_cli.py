@@ -127,3 +127,10 @@ def test_an_unknown_toml_key_suggests_the_closest(tmp_path):
     with pytest.raises(NanoGPTError, match=r"learning_rte \(did you mean learning_rate\?\), "
                                            r"n_layers \(did you mean n_layer\?\)"):
         load_toml(toml)
+
+
+def test_an_error_keeps_its_brackets():
+    # rich would read "[hf]" in 'pip install -e ".[hf]"' as a style and drop it
+    result = runner.invoke(app, ["train", "--tracker", "x[hf]"])
+    assert result.exit_code == 1
+    assert "got 'x[hf]'" in result.output
