@@ -22,10 +22,9 @@ from typing import Any
 import torch
 
 from nanogpt_cli.config import GPTConfig
+from nanogpt_cli import errors
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
-
-INSTALL_HINT = 'pip install -e ".[hf]"'
 
 # ours <- theirs, per block; {i} is the layer. A tuple on the right is concatenated along dim 0 (fused).
 GPT2_BLOCK = {
@@ -95,12 +94,7 @@ def quiet_transformers():
 
 def require(module: str):
     """Import an optional dependency of the hf extra, or say in one sentence how to install it."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise NanoGPTError(f"this command needs the {module.split('.')[0]} package: {INSTALL_HINT}") from None
+    return errors.require(module, "hf")
 
 
 # --- which architecture ---------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanogpt_cli import checkpoint as ckpt
-from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.errors import NanoGPTError, require
 
 
 @dataclass
@@ -45,10 +45,7 @@ def _load_all(runs: list[Path]) -> list[Curves]:
 
 def write_png(runs: list[Path], out: Path) -> Path:
     """Draw the curves of the runs into out (png, svg or pdf by its suffix) with matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise NanoGPTError("plotting to a file needs matplotlib: pip install 'nanogpt-cli[plot]'") from None
+    matplotlib = require("matplotlib", "plot", "plotting to a file")
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
@@ -75,11 +72,7 @@ def write_png(runs: list[Path], out: Path) -> Path:
 def terminal_plot(runs: list[Path], width: int | None = None, height: int | None = None, color: bool = True
                   ) -> str:
     """The curves drawn with plotext as text for the terminal (plain text without color)."""
-    try:
-        import plotext as plx
-    except ImportError:
-        raise NanoGPTError("plotting in the terminal needs plotext: pip install 'nanogpt-cli[plot]' (or pass "
-                           "--out loss.png)") from None
+    plx = require("plotext", "plot", "plotting in the terminal", also=" (or pass --out loss.png)")
     curves = _load_all(runs)
     plx.clear_figure()
     plx.theme("pro" if color else "clear")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.errors import NanoGPTError, require
 
 TRACKERS = ("tensorboard", "wandb")
 
@@ -38,11 +38,8 @@ class Tee:
 
 class TensorBoardTracker:
     def __init__(self):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise NanoGPTError("--tracker tensorboard needs tensorboard: pip install 'nanogpt-cli[track]'") from None
-        self._writer_class = SummaryWriter
+        board = require("torch.utils.tensorboard", "track", "--tracker tensorboard", package="tensorboard")
+        self._writer_class = board.SummaryWriter
         self.writer = None
 
     def on_start(self, e) -> None:
@@ -73,11 +70,7 @@ class TensorBoardTracker:
 
 class WandbTracker:
     def __init__(self):
-        try:
-            import wandb
-        except ImportError:
-            raise NanoGPTError("--tracker wandb needs wandb: pip install 'nanogpt-cli[track]'") from None
-        self.wandb = wandb
+        self.wandb = require("wandb", "track", "--tracker wandb")
         self.run = None
 
     def on_start(self, e) -> None:

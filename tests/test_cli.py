@@ -134,3 +134,12 @@ def test_an_error_keeps_its_brackets():
     result = runner.invoke(app, ["train", "--tracker", "x[hf]"])
     assert result.exit_code == 1
     assert "got 'x[hf]'" in result.output
+
+
+def test_a_missing_extra_names_its_install_command():
+    from nanogpt_cli.errors import NanoGPTError, require
+
+    with pytest.raises(NanoGPTError, match=r'^plotting to a file needs the no_such_module package: '
+                                           r'pip install -e "\.\[plot\]"$'):
+        require("no_such_module.sub", "plot", "plotting to a file")
+    assert require("json", "plot").dumps([1]) == "[1]"
