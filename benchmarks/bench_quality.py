@@ -14,6 +14,7 @@ Run it on a quiet machine: a busy one slows the two runs unequally.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -28,20 +29,24 @@ from nanogpt_cli.train import NoDisplay, plan_run, train  # noqa: E402
 
 
 class Curve(NoDisplay):
-    """The (step, wall seconds, val loss) of every evaluation."""
+    """The (step, wall seconds, val loss) of every evaluation, and the ms/iter of every progress line."""
 
     def __init__(self):
         self.points: list[tuple[int, float, float]] = []
+        self.speeds: list[tuple[int, float]] = []
 
     def on_eval(self, event) -> None:
         self.points.append((event.step, event.elapsed_s, event.val_loss))
+
+    def on_step(self, event) -> None:
+        self.speeds.append((event.step, event.ms_per_iter))
 
 
 def run(preset: str, data_dir: Path, out: Path, **over):
     curve = Curve()
     plan = plan_run({"preset": preset, "data": "shakespeare-char", "data_dir": str(data_dir), **over}, out=out)
     result = train(plan, curve)
-    return result, curve.points, plan
+    return result, curve, plan
 
 
 def val_at(points: list[tuple[int, float, float]], seconds: float) -> float | None:
@@ -63,21 +68,25 @@ def main():
         runs = {}
         n = args.baseline_iters
         if args.budget_s is None:
-            result, points, _ = run("cpu-char", data_dir, Path(tmp) / "base", max_iters=n, lr_decay_iters=n,
-                                    dtype=args.dtype)
-            runs[f"cpu-char (nanoGPT's recipe), {n:,} iters"] = (result, points)
+            result, curve, _ = run("cpu-char", data_dir, Path(tmp) / "base", max_iters=n, lr_decay_iters=n,
+                                   dtype=args.dtype)
+            runs[f"cpu-char (nanoGPT's recipe), {n:,} iters"] = (result, curve.points)
             budget = result.elapsed_s
         else:
             budget = args.budget_s
-        # probe: speed of a training step and cost of one evaluation, here and now
-        probe, probe_points, plan = run(args.fast, data_dir, Path(tmp) / "probe", max_iters=30, eval_interval=30,
-                                        dtype=args.dtype)
-        step_s = probe.ms_per_iter / 1000
-        eval_s = max(0.0, (probe.elapsed_s - 30 * step_s) / max(1, len(probe_points)))
-        every = plan.train.eval_interval
-        iters = max(10, int((budget - 2 * eval_s) / (step_s + eval_s / every)))
-        result, points, _ = run(args.fast, data_dir, Path(tmp) / "fast", max_iters=iters, dtype=args.dtype)
-        runs[f"{args.fast}, {iters:,} iters"] = (result, points)
+        # probe: the speed of a training step and the cost of one evaluation, here and now. A step's time swings
+        # by +-20 % from one 5-step window to the next on a shared machine, so the median of the windows after
+        # the first 15 steps is the estimate (a mean over a short probe over-estimated it by ~25 %)
+        probe, curve, plan = run(args.fast, data_dir, Path(tmp) / "probe", max_iters=60, eval_interval=60,
+                                 log_interval=5, dtype=args.dtype)
+        step_s = statistics.median(ms for step, ms in curve.speeds if step > 15) / 1000
+        eval_s = max(0.0, (probe.elapsed_s - probe.step * probe.ms_per_iter / 1000) / len(curve.points))
+        evals = 2 + budget / step_s / plan.train.eval_interval  # step 0, every eval_interval, the last step
+        iters = max(10, int((budget - evals * eval_s) / step_s))
+        print(f"probe: {step_s * 1000:.0f} ms per step, {eval_s:.1f} s per evaluation: {iters} iterations fit "
+              f"{budget:.0f} s")
+        result, curve, _ = run(args.fast, data_dir, Path(tmp) / "fast", max_iters=iters, dtype=args.dtype)
+        runs[f"{args.fast}, {iters:,} iters"] = (result, curve.points)
 
     rows = [[name, f"{r.step:,}", f"{r.ms_per_iter:.1f}", f"{r.elapsed_s:.0f} s", f"{points[-1][2]:.4f}",
              f"{val_at(points, budget) or float('nan'):.4f}"] for name, (r, points) in runs.items()]

@@ -128,6 +128,19 @@ def test_block_options_do_what_they_say():
     torch.testing.assert_close(activation(h, "relu2"), torch.tensor([0.0, 0.0, 0.0, 2.25]))
 
 
+def test_squared_relu_backward_is_autograds():
+    """relu2's hand-written backward gives the gradient autograd derives for relu(h).square(), in fp64 to
+    gradcheck's finite differences too (h keeps away from 0, where the derivative's kink would fool them)."""
+    torch.manual_seed(0)
+    h = torch.randn(3, 5, 16, dtype=torch.float64)
+    h = (h + h.sign() * 0.1).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: activation(t, "relu2"), (h,))
+    g = torch.randn(3, 5, 16, dtype=torch.float64)
+    ours, = torch.autograd.grad(activation(h, "relu2"), h, g)
+    autograds, = torch.autograd.grad(torch.relu(h).square(), h, g)
+    torch.testing.assert_close(ours, autograds, rtol=0, atol=0)
+
+
 def test_zero_init_projections_start_each_block_as_the_identity_and_still_train():
     torch.manual_seed(0)
     model = GPT(tiny(zero_init_proj=True))
