@@ -358,6 +358,7 @@ class Evaluated:
     tokens: int
     elapsed_s: float
     best_val_loss: float
+    saved: bool = True  # a checkpoint was written after it (never at step 0, where it would resume nothing)
 
     def record(self) -> dict[str, Any]:
         return dict(kind="eval", step=self.step, train_loss=self.train_loss, val_loss=self.val_loss, lr=self.lr,
@@ -560,7 +561,8 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
             state.best_val_loss = losses["val"]
         last = Evaluated(step=state.step, train_loss=losses["train"], val_loss=losses["val"],
                          lr=lr_at(max(state.step - 1, 0), cfg), tokens=state.tokens,
-                         elapsed_s=round(elapsed_before + t_eval - t0, 3), best_val_loss=state.best_val_loss)
+                         elapsed_s=round(elapsed_before + t_eval - t0, 3), best_val_loss=state.best_val_loss,
+                         saved=checkpoint)
         if main:
             run_dir.append_metrics(last.record())
         if checkpoint:

@@ -219,7 +219,7 @@ class TrainDisplay:
             return
         self.val_loss = e.val_loss
         line = (f"step {e.step:>6,}: train loss {e.train_loss:.4f}, val loss {e.val_loss:.4f}"
-                f" (best {e.best_val_loss:.4f}), checkpoint saved")
+                f" (best {e.best_val_loss:.4f})" + (", checkpoint saved" if e.saved else ""))
         (self.progress.console if self.progress is not None else console).print(line)
 
     def on_save(self, step: int) -> None:

@@ -28,6 +28,8 @@ def test_prepare_train_resume_sample_eval_end_to_end(tmp_path):
     out = ok("train", "--data", "play", "--data-dir", data, "--preset", "tiny", "--max-iters", "40",
              "--eval-interval", "20", "--out", run, "--stop-at", "20", "--dtype", "float32")
     assert "--resume" in out and "step     20" in out
+    evals = {line.split(":")[0].split()[-1]: line for line in out.splitlines() if "val loss" in line}
+    assert "checkpoint saved" not in evals["0"] and "checkpoint saved" in evals["20"]  # none at step 0
     out = ok("train", "--out", run, "--resume")
     assert "resuming at step 20" in out
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
