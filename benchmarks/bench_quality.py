@@ -6,15 +6,15 @@ both (a table, and benchmarks/bench_quality.png when matplotlib is installed).
     python benchmarks/bench_quality.py --baseline-iters 500  # a quicker look
 
 The budget is the wall time of the recipe's training loop, evaluations and checkpoints included (imports and
-data preparation are the same for both and left out). cpu-fast's iteration count is then fitted to that
-budget from a short probe of its speed on this machine, so its schedule (warm-up, stable, decay) ends on time.
-Run it on a quiet machine: a busy one slows the two runs unequally.
+data preparation are the same for both and left out). cpu-fast then trains with `--max-time` set to that
+budget: it stops when the time is spent, and its schedule (warm-up, stable, decay) follows the time, so it
+ends its decay on time at whatever speed the machine runs. Run it on a quiet machine: a busy one slows the two
+runs unequally.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -29,17 +29,13 @@ from nanogpt_cli.train import NoDisplay, plan_run, train  # noqa: E402
 
 
 class Curve(NoDisplay):
-    """The (step, wall seconds, val loss) of every evaluation, and the ms/iter of every progress line."""
+    """The (step, wall seconds, val loss) of every evaluation."""
 
     def __init__(self):
         self.points: list[tuple[int, float, float]] = []
-        self.speeds: list[tuple[int, float]] = []
 
     def on_eval(self, event) -> None:
         self.points.append((event.step, event.elapsed_s, event.val_loss))
-
-    def on_step(self, event) -> None:
-        self.speeds.append((event.step, event.ms_per_iter))
 
 
 def run(preset: str, data_dir: Path, out: Path, **over):
@@ -74,19 +70,11 @@ def main():
             budget = result.elapsed_s
         else:
             budget = args.budget_s
-        # probe: the speed of a training step and the cost of one evaluation, here and now. A step's time swings
-        # by +-20 % from one 5-step window to the next on a shared machine, so the median of the windows after
-        # the first 15 steps is the estimate (a mean over a short probe over-estimated it by ~25 %)
-        probe, curve, plan = run(args.fast, data_dir, Path(tmp) / "probe", max_iters=60, eval_interval=60,
-                                 log_interval=5, dtype=args.dtype)
-        step_s = statistics.median(ms for step, ms in curve.speeds if step > 15) / 1000
-        eval_s = max(0.0, (probe.elapsed_s - probe.step * probe.ms_per_iter / 1000) / len(curve.points))
-        evals = 2 + budget / step_s / plan.train.eval_interval  # step 0, every eval_interval, the last step
-        iters = max(10, int((budget - evals * eval_s) / step_s))
-        print(f"probe: {step_s * 1000:.0f} ms per step, {eval_s:.1f} s per evaluation: {iters} iterations fit "
-              f"{budget:.0f} s")
-        result, curve, _ = run(args.fast, data_dir, Path(tmp) / "fast", max_iters=iters, dtype=args.dtype)
-        runs[f"{args.fast}, {iters:,} iters"] = (result, curve.points)
+        # --max-time: the run ends when the budget is spent, and its schedule (warm-up, stable, decay) follows the
+        # time, so it ends its decay on time however fast this machine runs it today
+        result, curve, _ = run(args.fast, data_dir, Path(tmp) / "fast", max_iters=10**6, max_time=budget,
+                               dtype=args.dtype)
+        runs[f"{args.fast}, --max-time {budget:.0f}"] = (result, curve.points)
 
     rows = [[name, f"{r.step:,}", f"{r.ms_per_iter:.1f}", f"{r.elapsed_s:.0f} s", f"{points[-1][2]:.4f}",
              f"{val_at(points, budget) or float('nan'):.4f}"] for name, (r, points) in runs.items()]

@@ -276,6 +276,9 @@ def train(
                                                     rich_help_panel="Training")] = None,
     stop_at: Annotated[Optional[int], typer.Option(help="Stop after update K as if interrupted.",
                                                    rich_help_panel="Training")] = None,
+    max_time: Annotated[Optional[float], typer.Option(help="End after this many seconds of training; the LR schedule "
+                                                           "then follows the time spent.",
+                                                      rich_help_panel="Training")] = None,
     parallel: Annotated[Optional[str], typer.Option(help="Under torchrun: ddp (weights on every GPU) or fsdp "
                                                          "(sharded).", rich_help_panel="Training")] = None,
 ):

@@ -145,6 +145,9 @@ class TrainConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     compile: bool = False  # torch.compile the model
     stop_at: int | None = None  # end after this update as if interrupted (the schedule still follows max_iters)
+    max_time: float | None = None  # seconds: end the run by then, evaluations included (the last one's length is
+    # kept free for the final one); the schedule runs on the share of the time spent or of lr_decay_iters done,
+    # whichever is further
     parallel: str = "ddp"  # under torchrun: ddp (weights replicated) | fsdp (weights sharded, FSDP2)
 
     def __post_init__(self):
@@ -178,6 +181,8 @@ class TrainConfig:
         if self.optimizer == "muon" and self.parallel == "fsdp":
             raise ValueError("--optimizer muon needs whole matrices, which --parallel fsdp shards across processes; "
                              "use --parallel ddp with muon")
+        if self.max_time is not None and self.max_time <= 0:
+            raise ValueError(f"--max-time must be a positive number of seconds, got {self.max_time}")
         if self.stop_at is not None and self.stop_at <= 0:
             raise ValueError(f"--stop-at must be a positive integer, got {self.stop_at}")
 
@@ -199,14 +204,15 @@ PRESETS: dict[str, dict[str, Any]] = {
                      dropout=0.0, eval_iters=20, learning_rate=1e-3, min_lr=1e-4,
                      warmup_iters=100, beta2=0.99),
     # the cpu-char budget spent better (issue 11): Muon on the block matrices, QK-norm, squared ReLU, soft-capped
-    # logits, zero-initialised projections, a warmup-stable-decay schedule and twice the context. Twice the tokens
-    # per step plus Muon's orthogonalisation (about 0.6x the forward and backward FLOPs of cpu-char's small
-    # batch) make a step ~2.7x cpu-char's in FLOPs, hence 740 iterations for about its 2000; measured at equal
-    # tokens, context 128 beat context 64 (val 1.84 against 1.91 after 576k tokens); see bench_quality.py
-    "cpu-fast": dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=12, max_iters=740, dropout=0.0,
+    # logits, zero-initialised projections, a warmup-stable-decay schedule, twice the context and a third more
+    # batch. A step costs ~3x cpu-char's on a CPU (twice the context, 4/3 the rows, Muon's Newton-Schulz), so
+    # 600 iterations take about the wall time of its 2000. Tuned at equal steps (val after 800 x 12 rows, or
+    # 600 x 16): WSD decay share 0.3 / 0.5 / 0.7 gave 1.621 / 1.615 / 1.607, 16 rows x 600 1.601, 24 x 400 1.645,
+    # --muon-lr 0.03 1.634, AdamW lr 4e-3 1.628; context 128 beat 64 at equal tokens. See bench_quality.py
+    "cpu-fast": dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=16, max_iters=600, dropout=0.0,
                      qk_norm=True, mlp="relu2", logit_softcap=30.0, zero_init_proj=True, optimizer="muon",
                      muon_lr=0.02, muon_momentum=0.95, muon_momentum_warmup=100, learning_rate=2e-3, min_lr=1e-4,
-                     lr_schedule="wsd", wsd_decay_frac=0.3, warmup_iters=50, eval_iters=20, eval_interval=250,
+                     lr_schedule="wsd", wsd_decay_frac=0.7, warmup_iters=50, eval_iters=20, eval_interval=250,
                      beta2=0.99),
     # nanoGPT's config/train_shakespeare_char.py: a few minutes on a GPU
     "shakespeare-char": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, batch_size=64,

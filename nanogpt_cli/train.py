@@ -51,11 +51,15 @@ class TrainResult:
 # --- small pure helpers ---
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: TrainConfig, time_frac: float | None = None) -> float:
     """Learning rate for update `step` (0-based): linear warmup, then cosine / constant / warmup-stable-decay
-    down to min_lr at lr_decay_iters, and min_lr after it."""
+    down to min_lr at lr_decay_iters, and min_lr after it. With --max-time, `time_frac` is the share of it spent:
+    after the warmup (always counted in updates) the schedule stands at the step or at that share of
+    lr_decay_iters, whichever is further, so a run cut short by the clock still ends its decay on time."""
     if step < cfg.warmup_iters:
         return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
+    if time_frac is not None:
+        step = max(step, math.ceil(time_frac * cfg.decay_iters))
     if cfg.lr_schedule == "constant":
         return cfg.learning_rate
     decay_iters = cfg.decay_iters
@@ -456,6 +460,9 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
     if world:
         from nanogpt_cli import distributed as dist
 
+        if plan.train.max_time is not None:
+            raise NanoGPTError("--max-time runs in one process only: under torchrun each rank's clock would set its "
+                               "own learning rate; use --max-iters")
         dist.barrier()  # every rank has planned (looked at the run folder) before rank 0 changes it
     main = world is None or world.main
     show = display or NoDisplay()
@@ -528,6 +535,7 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
 
     last: Evaluated | None = None
     end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
+    lr = lr_at(max(state.step - 1, 0), cfg)  # the last update's rate, for the evaluation lines; the loop sets it
     elapsed_before = state.elapsed_s
     eval_s = 0.0  # time spent evaluating and saving, left out of the speed figures
 
@@ -551,7 +559,7 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
         return dist.mean_loss(eval_losses(compiled, eval_sets[split], ctx), counted, cfg.eval_iters)
 
     def evaluate_and_save(checkpoint: bool = True) -> None:
-        nonlocal last, eval_s, t_window
+        nonlocal last, eval_s, t_window, reserve
         t_eval = time.perf_counter()
         losses = {s: losses_on(s) for s in ("train", "val")}
         if not all(math.isfinite(v) for v in losses.values()):
@@ -560,7 +568,7 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
         if is_best:
             state.best_val_loss = losses["val"]
         last = Evaluated(step=state.step, train_loss=losses["train"], val_loss=losses["val"],
-                         lr=lr_at(max(state.step - 1, 0), cfg), tokens=state.tokens,
+                         lr=lr, tokens=state.tokens,
                          elapsed_s=round(elapsed_before + t_eval - t0, 3), best_val_loss=state.best_val_loss,
                          saved=checkpoint)
         if main:
@@ -570,7 +578,16 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
         show.on_eval(last)
         spent = time.perf_counter() - t_eval
         eval_s += spent
+        reserve = spent
         t_window += spent  # the next progress line reports training speed only
+
+    reserve = 0.0  # --max-time: the last evaluation's length, kept free for the final one
+
+    def clock() -> float | None:
+        """--max-time: the share of it spent, out of the time left once the final evaluation is set aside."""
+        if cfg.max_time is None:
+            return None
+        return (elapsed_before + time.perf_counter() - t0) / max(cfg.max_time - reserve, 1e-9)
 
     t0 = time.perf_counter()
     t_window, step_window = t0, state.step
@@ -586,7 +603,10 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
             show.on_status("compiling the model (the first step takes a while)")
         model.train()
         while state.step < end:
-            lr = lr_at(state.step, cfg)
+            time_frac = clock()
+            if time_frac is not None and time_frac >= 1.0 and (state.step > start_step or plan.resume):
+                break  # spent by the evaluation just saved, or before a resume: nothing is left unsaved
+            lr = lr_at(state.step, cfg, time_frac)
             set_lr(optimizer, lr, state.step, cfg)
             starts = [batches.draw("train") for _ in range(cfg.gradient_accumulation_steps)]
             micro = [batches.load("train", starts[i]) for i in mine]
@@ -615,8 +635,11 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
                     run_dir.append_metrics(logged.record())
                 show.on_step(logged)
                 skipped = 0
-            if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters:
+            out_of_time = cfg.max_time is not None and clock() >= 1.0
+            if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters or out_of_time:
                 evaluate_and_save()
+            if out_of_time:
+                break
             received = signals.received
             if world:  # once per step, so that every rank stops after the same one
                 received = {code: name for name, code in STOP_CODES.items()}[

@@ -160,6 +160,7 @@ class TrainDisplay:
         self.val_loss: float | None = None
         self.start_step = 0
         self.max_iters = 0
+        self.max_time: float | None = None
 
     def __enter__(self):
         return self
@@ -174,6 +175,7 @@ class TrainDisplay:
         import json
 
         self.start_step, self.max_iters = e.step, e.max_iters
+        self.max_time = e.train.get("max_time")
         console.print(f"model: {json.dumps(e.model)}\ntrain: {json.dumps(e.train)}")
         verb = "resuming at step" if e.resume else "training from step"
         console.print(f"{verb} {e.step:,} of {e.max_iters:,} on {e.device} ({e.dtype}): "
@@ -196,6 +198,8 @@ class TrainDisplay:
         if self.quiet:
             return
         eta = (self.max_iters - e.step) * e.ms_per_iter / 1000
+        if self.max_time is not None:  # --max-time ends the run first when its time runs out sooner
+            eta = max(0.0, min(eta, self.max_time - e.elapsed_s))
         # (priority, text) in display order; on a narrow terminal the lowest priorities go first
         parts = [(0, f"loss {e.loss:.4f}")]
         if self.val_loss is not None:

@@ -278,6 +278,27 @@ def test_resume_keeps_elapsed_time_and_refuses_a_stop_at_behind_it(char_data, tm
     assert metrics(run)[-1]["elapsed_s"] >= first > 0
 
 
+def test_the_schedule_follows_the_time_or_the_steps_whichever_is_further():
+    cfg = TrainConfig(learning_rate=1e-3, min_lr=1e-4, warmup_iters=10, max_iters=1000)
+    assert lr_at(5, cfg, time_frac=0.9) == lr_at(5, cfg)  # the warmup counts updates only
+    assert lr_at(20, cfg, time_frac=0.0) == lr_at(20, cfg)
+    assert lr_at(20, cfg, time_frac=0.5) == lr_at(500, cfg)  # the clock is further along
+    assert lr_at(900, cfg, time_frac=0.5) == lr_at(900, cfg)  # the steps are
+    assert lr_at(20, cfg, time_frac=1.0) == pytest.approx(1e-4)
+
+
+def test_max_time_ends_the_run_on_time_with_its_decay_done_and_a_final_evaluation(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    result = train(tiny_plan(data_dir, name, run, max_iters=10**6, eval_interval=10**6, max_time=1.5))
+    assert 10 < result.step < 10**6 and 1.0 < result.elapsed_s < 10  # by 1.5 s, its final evaluation included
+    evals = [m for m in metrics(run) if m["kind"] == "eval"]
+    assert [m["step"] for m in evals] == [0, result.step]  # the last update is evaluated and saved
+    assert evals[-1]["lr"] < 0.2 * 3e-3  # tiny's peak is 3e-3: the cosine is (nearly) at its end
+    assert json.loads((run / "trainer.json").read_text())["step"] == result.step
+    assert train(resumed(run)).step == result.step  # its time is spent: resuming trains nothing
+
+
 def test_a_toml_value_of_the_wrong_type_names_its_flag(char_data, tmp_path):
     data_dir, name = char_data
     toml = tmp_path / "run.toml"
