@@ -300,9 +300,12 @@ class TrainerState:
     scaler: dict[str, Any] | None = None  # the fp16 grad scaler's state
     # under torchrun: each rank's dropout generators, {"cpu": state, "cuda": state or None} in rank order
     rng_ranks: list[dict[str, torch.Tensor | None]] | None = None
+    eval_s: float = 0.0  # the last evaluation's length: --max-time keeps it free for the final one
+    max_time_spent: float | None = None  # the --max-time that ended the run; None: the clock did not end it
 
     def to_json(self) -> dict[str, Any]:
         return dict(step=self.step, tokens=self.tokens, best_val_loss=self.best_val_loss, elapsed_s=self.elapsed_s,
+                    eval_s=self.eval_s, max_time_spent=self.max_time_spent,
                     version=__version__, rng_torch=_maybe(encode_rng, self.rng_torch),
                     rng_batches=_maybe(encode_rng, self.rng_batches), rng_cuda=[encode_rng(s) for s in self.rng_cuda],
                     scaler=self.scaler, rng_ranks=None if self.rng_ranks is None else
@@ -311,7 +314,8 @@ class TrainerState:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainerState:
         return cls(step=d["step"], tokens=d["tokens"], best_val_loss=d["best_val_loss"],
-                   elapsed_s=d.get("elapsed_s", 0.0), rng_torch=_maybe(decode_rng, d.get("rng_torch")),
+                   elapsed_s=d.get("elapsed_s", 0.0), eval_s=d.get("eval_s", 0.0),
+                   max_time_spent=d.get("max_time_spent"), rng_torch=_maybe(decode_rng, d.get("rng_torch")),
                    rng_batches=_maybe(decode_rng, d.get("rng_batches")),
                    rng_cuda=[decode_rng(s) for s in d.get("rng_cuda") or []], scaler=d.get("scaler"),
                    rng_ranks=None if d.get("rng_ranks") is None else

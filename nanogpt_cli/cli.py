@@ -309,7 +309,10 @@ def train(
         for message in plan.notes:
             note(message)
     if plan.complete:
-        if prints():
+        if prints() and plan.time_over:
+            console.print(f"{plan.run_dir} is already complete: its --max-time {plan.time_spent:g} s was spent at "
+                          f"step {plan.step:,}; raise --max-time to train it further")
+        elif prints():
             console.print(f"{plan.run_dir} is already complete: step {plan.step:,} of --max-iters "
                           f"{plan.train.max_iters:,}; raise --max-iters to train it further")
         return
@@ -334,6 +337,8 @@ def train(
                 fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}")
             if result.stopped == "stop_at":
                 console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_with}")
+            if result.stopped == "max_time":
+                console.print(f"ended at step {result.step:,}: --max-time {plan.train.max_time:g} s was spent")
     if result.stopped in ("SIGINT", "SIGTERM"):
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
 

@@ -22,7 +22,7 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
 
 STATUSES = {
-    "finished": "step reached --max-iters",
+    "finished": "step reached --max-iters, or --max-time was spent",
     "resumable": "stopped before --max-iters; `nanogpt train --out RUN --resume` continues it",
     "stopped": "weights but no trainer state: start from it with --init-from",
     "damaged": "a file it needs cannot be read",
@@ -85,7 +85,8 @@ def summarize_run(path: Path) -> RunSummary:
         summary.problem = str(e)
         return summary
     summary.step, summary.tokens, summary.best_val_loss = state.step, state.tokens, state.best_val_loss
-    summary.status = "finished" if summary.max_iters is not None and state.step >= summary.max_iters else "resumable"
+    finished = (summary.max_iters is not None and state.step >= summary.max_iters) or state.max_time_spent is not None
+    summary.status = "finished" if finished else "resumable"
     return summary
 
 

@@ -45,7 +45,7 @@ class TrainResult:
     tokens_per_s: float  # training speed: evaluations and checkpoints left out
     ms_per_iter: float  # likewise
     mfu: float | None  # model FLOPs utilisation against the device's known peak (CUDA only)
-    stopped: str | None = None  # None: finished; "stop_at", "SIGINT", "SIGTERM"
+    stopped: str | None = None  # None: finished; "max_time" (finished by the clock), "stop_at", "SIGINT", "SIGTERM"
 
 
 # --- small pure helpers ---
@@ -173,11 +173,16 @@ class RunPlan:
     force: bool = False
     step: int = 0  # where the run starts: 0, or the step a resumed run stopped at
     notes: list[str] = field(default_factory=list)  # things the user should know before it starts (warnings)
+    time_spent: float | None = None  # a resumed run that --max-time ended: the --max-time it ended under
 
     @property
     def complete(self) -> bool:
-        """A resumed run that has already done its --max-iters."""
-        return self.resume and self.step >= self.train.max_iters
+        """A resumed run that has already done its --max-iters, or spent a --max-time not raised since."""
+        return self.resume and (self.step >= self.train.max_iters or self.time_over)
+
+    @property
+    def time_over(self) -> bool:
+        return self.time_spent is not None and (self.train.max_time or 0) <= self.time_spent
 
 
 def default_run_dir(data: str) -> Path:
@@ -304,7 +309,8 @@ def _plan_resume(run_dir: ckpt.RunDir, preset: str | None, given: dict[str, Any]
         notes.append(f"dataset '{train_cfg.data}' was prepared again since this run started (then "
                      f"{saved_meta['created']}, now {meta.get('created')}); the run continues on the new data")
     notes += _warnings(model_cfg, train_cfg)
-    return RunPlan(model_cfg, train_cfg, run_dir, meta, resume=True, step=plan_step, notes=notes)
+    return RunPlan(model_cfg, train_cfg, run_dir, meta, resume=True, step=plan_step, notes=notes,
+                   time_spent=state.max_time_spent)
 
 
 # --- what the loop tells the display ---
@@ -540,6 +546,8 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
     eval_s = 0.0  # time spent evaluating and saving, left out of the speed figures
 
     def save(val_loss: float | None, is_best: bool) -> None:
+        nonlocal saved_at
+        saved_at = state.step
         state.elapsed_s = elapsed_before + time.perf_counter() - t0
         _capture_rng(state, batches, scaler, world)
         if not world:
@@ -559,7 +567,7 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
         return dist.mean_loss(eval_losses(compiled, eval_sets[split], ctx), counted, cfg.eval_iters)
 
     def evaluate_and_save(checkpoint: bool = True) -> None:
-        nonlocal last, eval_s, t_window, reserve
+        nonlocal last, eval_s, t_window
         t_eval = time.perf_counter()
         losses = {s: losses_on(s) for s in ("train", "val")}
         if not all(math.isfinite(v) for v in losses.values()):
@@ -578,16 +586,23 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
         show.on_eval(last)
         spent = time.perf_counter() - t_eval
         eval_s += spent
-        reserve = spent
+        state.eval_s = spent  # --max-time keeps this much free for the final evaluation (saved with the next save)
         t_window += spent  # the next progress line reports training speed only
 
-    reserve = 0.0  # --max-time: the last evaluation's length, kept free for the final one
+    def elapsed_now() -> float:
+        return elapsed_before + time.perf_counter() - t0
 
-    def clock() -> float | None:
+    def time_share() -> float | None:
         """--max-time: the share of it spent, out of the time left once the final evaluation is set aside."""
         if cfg.max_time is None:
             return None
-        return (elapsed_before + time.perf_counter() - t0) / max(cfg.max_time - reserve, 1e-9)
+        return elapsed_now() / max(cfg.max_time - state.eval_s, 1e-9)
+
+    saved_at = None  # the step of the last checkpoint this call wrote
+    if plan.complete:  # --max-time spent (and not raised since): nothing to train
+        end = state.step
+    state.max_time_spent = None
+    step_s = 0.0  # the last update's length: --max-time ends the run when the next would not fit
 
     t0 = time.perf_counter()
     t_window, step_window = t0, state.step
@@ -603,10 +618,7 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
             show.on_status("compiling the model (the first step takes a while)")
         model.train()
         while state.step < end:
-            time_frac = clock()
-            if time_frac is not None and time_frac >= 1.0 and (state.step > start_step or plan.resume):
-                break  # spent by the evaluation just saved, or before a resume: nothing is left unsaved
-            lr = lr_at(state.step, cfg, time_frac)
+            lr = lr_at(state.step, cfg, time_share())
             set_lr(optimizer, lr, state.step, cfg)
             starts = [batches.draw("train") for _ in range(cfg.gradient_accumulation_steps)]
             micro = [batches.load("train", starts[i]) for i in mine]
@@ -615,11 +627,16 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
             loss = optimizer_step(compiled, optimizer, micro, ctx, scaler, cfg.grad_clip, sync)
             if scale is not None and scaler.get_scale() < scale:  # the scaler backs off only when it skips
                 skipped += 1
+            step_s = time.perf_counter() - t_step
             if state.step == start_step:  # the first step warms up (and with --compile, compiles): not speed
-                first_s = time.perf_counter() - t_step
+                first_s = step_s
             state.step += 1
             state.tokens += tokens_per_iter
-            if state.step % cfg.log_interval == 0 or state.step == end:
+            due = state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters
+            # --max-time: end now if another update and the final evaluation (after the one due now) would not fit
+            out_of_time = cfg.max_time is not None and state.step < cfg.max_iters and \
+                elapsed_now() + step_s + state.eval_s * (2 if due else 1) >= cfg.max_time
+            if state.step % cfg.log_interval == 0 or state.step == end or out_of_time:
                 loss_value = (dist.mean_all(loss, world) if world else loss).item()
                 if not math.isfinite(loss_value):
                     raise non_finite(state.step, run_dir)
@@ -630,26 +647,26 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
                                     elapsed_s=elapsed_before + now - t0, ms_per_iter=dt * 1000,
                                     tokens_per_s=tokens_per_iter / dt, mfu=flops_per_iter / dt / peak if peak else None,
                                     skipped=skipped, scale=scaler.get_scale() if scaler.is_enabled() else None,
-                                    recorded=state.step % cfg.log_interval == 0 or state.step == cfg.max_iters)
+                                    recorded=state.step % cfg.log_interval == 0 or state.step == cfg.max_iters
+                                    or out_of_time)
                 if main and logged.recorded:  # one writer, rank 0
                     run_dir.append_metrics(logged.record())
                 show.on_step(logged)
                 skipped = 0
-            out_of_time = cfg.max_time is not None and clock() >= 1.0
-            if state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters or out_of_time:
-                evaluate_and_save()
             if out_of_time:
-                break
+                state.max_time_spent = cfg.max_time  # saved with the final checkpoint: a resume trains no more
+            if due or out_of_time:
+                evaluate_and_save()
             received = signals.received
             if world:  # once per step, so that every rank stops after the same one
                 received = {code: name for name, code in STOP_CODES.items()}[
                     dist.max_int(STOP_CODES[received], world)]
-            if received:
-                stopped = received
+            if received or out_of_time:
+                stopped = received or "max_time"
                 break
-        if state.step == end and end < cfg.max_iters:
+        if not stopped and state.step == end and end < cfg.max_iters and not plan.complete:
             stopped = "stop_at"
-        if stopped and state.step % cfg.eval_interval != 0:
+        if stopped and saved_at != state.step:
             save(last.val_loss if last else None, False)
             show.on_save(state.step)
 

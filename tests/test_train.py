@@ -291,12 +291,29 @@ def test_max_time_ends_the_run_on_time_with_its_decay_done_and_a_final_evaluatio
     data_dir, name = char_data
     run = tmp_path / "run"
     result = train(tiny_plan(data_dir, name, run, max_iters=10**6, eval_interval=10**6, max_time=1.5))
-    assert 10 < result.step < 10**6 and 1.0 < result.elapsed_s < 10  # by 1.5 s, its final evaluation included
-    evals = [m for m in metrics(run) if m["kind"] == "eval"]
+    assert result.stopped == "max_time" and 10 < result.step < 10**6
+    assert 1.0 < result.elapsed_s <= 1.5 + 0.5  # by 1.5 s, its final evaluation included (a step's slack)
+    evals = metrics(run)
     assert [m["step"] for m in evals] == [0, result.step]  # the last update is evaluated and saved
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-2]["kind"] == "train" and lines[-2]["step"] == result.step  # and logged
     assert evals[-1]["lr"] < 0.2 * 3e-3  # tiny's peak is 3e-3: the cosine is (nearly) at its end
-    assert json.loads((run / "trainer.json").read_text())["step"] == result.step
-    assert train(resumed(run)).step == result.step  # its time is spent: resuming trains nothing
+    state = json.loads((run / "trainer.json").read_text())
+    assert state["step"] == result.step and state["max_time_spent"] == 1.5 and state["eval_s"] > 0
+    again = resumed(run)
+    assert again.complete and again.time_over  # its time is spent: resuming trains nothing ...
+    assert train(again).step == result.step
+    more = resumed(run, max_time=3.0)  # ... unless --max-time is raised
+    assert not more.complete
+    assert train(more).step > result.step
+
+
+def test_max_time_and_stop_at_on_the_same_step_save_once(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    result = train(tiny_plan(data_dir, name, run, max_iters=100, max_time=1e-3, stop_at=1))
+    assert result.step == 1 and result.stopped == "max_time"
+    assert [m["step"] for m in metrics(run)] == [0, 1]
 
 
 def test_a_toml_value_of_the_wrong_type_names_its_flag(char_data, tmp_path):
