@@ -311,9 +311,24 @@ def test_max_time_ends_the_run_on_time_with_its_decay_done_and_a_final_evaluatio
 def test_max_time_and_stop_at_on_the_same_step_save_once(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
-    result = train(tiny_plan(data_dir, name, run, max_iters=100, max_time=1e-3, stop_at=1))
+    from nanogpt_cli.train import NoDisplay
+
+    class Saves(NoDisplay):  # every checkpoint the run reports: with an evaluation, or on its own
+        def __init__(self):
+            self.steps = []
+
+        def on_eval(self, e):
+            if e.saved:
+                self.steps.append(e.step)
+
+        def on_save(self, step):
+            self.steps.append(step)
+
+    saves = Saves()
+    result = train(tiny_plan(data_dir, name, run, max_iters=100, max_time=1e-3, stop_at=1), saves)
     assert result.step == 1 and result.stopped == "max_time"
     assert [m["step"] for m in metrics(run)] == [0, 1]
+    assert saves.steps == [1]
 
 
 def test_a_toml_value_of_the_wrong_type_names_its_flag(char_data, tmp_path):
