@@ -21,3 +21,8 @@ def require(module: str, extra: str, what: str = "this command", package: str | 
     except ImportError:
         raise NanoGPTError(f"{what} needs the {package or module.split('.')[0]} package: "
                            f'pip install -e ".[{extra}]"{also}') from None
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message, or its class name when it has none: for one-sentence errors."""
+    return (str(e).strip() or type(e).__name__).splitlines()[0]

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from nanogpt_cli import data
+from nanogpt_cli.data import pipeline, shards, sources, tokenizing
 from nanogpt_cli.cli import app
 
 runner = CliRunner()
@@ -53,16 +54,16 @@ def test_an_interrupted_prepare_says_how_to_resume_and_resumes(monkeypatch, tmp_
     texts = [f"document number {i} " * 20 for i in range(40)]
     source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     four = f"4 documents, {sum(map(len, texts[:4])) + 3 * 2:,} tokens, 1 complete shard"  # bytes and "\n\n"s
-    monkeypatch.setattr(data, "BATCH_DOCS", 4)
+    monkeypatch.setattr(tokenizing, "BATCH_DOCS", 4)
     args = [str(source), "--name", "docs", "--data-dir", str(data_dir), "--tokenizer", "byte", "--shard-tokens", "900"]
-    checkpoint = data._Stream.checkpoint
+    checkpoint = shards.SplitStream.checkpoint
 
     def checkpoint_then_ctrl_c(self):
         checkpoint(self)
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(data._Stream, "checkpoint", checkpoint_then_ctrl_c)
+        m.setattr(shards.SplitStream, "checkpoint", checkpoint_then_ctrl_c)
         result = prepare(*args)
     assert result.exit_code == 130
     partial = data_dir / ".docs.partial"
@@ -130,7 +131,7 @@ def test_tiktoken_encoding_offline(text_file, data_dir, no_network):
 
 
 def test_shakespeare_offline(monkeypatch, tmp_path, data_dir):
-    monkeypatch.setattr(data, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # a closed port: like offline
+    monkeypatch.setattr(sources, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # a closed port: like offline
     monkeypatch.setenv("NANOGPT_CACHE", str(tmp_path / "cache"))
     assert_fails(prepare("shakespeare", "--name", "shk", "--data-dir", str(data_dir)),
                  "pass a local copy instead, e.g. nanogpt prepare examples/tinyshakespeare.txt")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 
 from conftest import make_text, tiny_plan
 from nanogpt_cli import data
+from nanogpt_cli.data import pipeline, shards, sources, tokenizing
 from nanogpt_cli.data import load_meta, open_split, prepare, token_dtype
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.tokenizer import tokenizer_from_description
@@ -65,8 +67,8 @@ def test_reading_in_small_pieces_gives_the_same_tokens(monkeypatch, tmp_path, da
     text = make_text(lines=400, seed=1) + "tail   \n\n  with spaces  \r\n"
     path = tmp_path / "long.txt"
     path.write_text(text, encoding="utf-8", newline="")
-    monkeypatch.setattr(data, "READ_BYTES", 64)
-    monkeypatch.setattr(data, "BATCH_CHARS", 300)
+    monkeypatch.setattr(sources, "READ_BYTES", 64)
+    monkeypatch.setattr(tokenizing, "BATCH_CHARS", 300)
     prepare(str(path), "pieces", tokenizer="gpt2", data_dir=data_dir, num_proc=2)
     assert read_split(data_dir, "pieces", "train") + read_split(data_dir, "pieces", "val") == \
         tiktoken_gpt2.encode_ordinary(text)
@@ -241,8 +243,8 @@ def shakespeare_url(monkeypatch, tmp_path):
     origin = tmp_path / "origin" / "input.txt"
     origin.parent.mkdir()
     origin.write_text(make_text(seed=3), encoding="utf-8")
-    monkeypatch.setattr(data, "SHAKESPEARE_URL", origin.as_uri())
-    monkeypatch.setattr(data, "SHAKESPEARE_SHA256", hashlib.sha256(origin.read_bytes()).hexdigest())
+    monkeypatch.setattr(sources, "SHAKESPEARE_URL", origin.as_uri())
+    monkeypatch.setattr(sources, "SHAKESPEARE_SHA256", hashlib.sha256(origin.read_bytes()).hexdigest())
     monkeypatch.setenv("NANOGPT_CACHE", str(tmp_path / "cache"))
     return origin
 
@@ -258,7 +260,7 @@ def test_shakespeare_is_downloaded_checked_and_cached(shakespeare_url, tmp_path,
 
 
 def test_shakespeare_checksum_mismatch(shakespeare_url, monkeypatch, tmp_path, data_dir):
-    monkeypatch.setattr(data, "SHAKESPEARE_SHA256", "0" * 64)
+    monkeypatch.setattr(sources, "SHAKESPEARE_SHA256", "0" * 64)
     with pytest.raises(NanoGPTError, match=r"has sha256 [0-9a-f]{64}, not 0{64}; it was not kept"):
         prepare("shakespeare", "shk", tokenizer="char", data_dir=data_dir)
     assert not (tmp_path / "cache" / "tinyshakespeare.txt").exists()
@@ -306,7 +308,7 @@ def test_shards_are_the_unsharded_stream_cut_in_pieces(kind, tmp_path, data_dir)
 
 def test_one_or_two_worker_processes_write_the_same_bytes(monkeypatch, tmp_path, data_dir):
     source = docs_jsonl(tmp_path / "docs.jsonl", 120)
-    monkeypatch.setattr(data, "BATCH_DOCS", 8)  # many batches, so the workers' results must be put in order
+    monkeypatch.setattr(tokenizing, "BATCH_DOCS", 8)  # many batches, so the workers' results must be put in order
     prepare(str(source), "one", tokenizer="gpt2", data_dir=data_dir, shard_tokens=500)
     prepare(str(source), "two", tokenizer="gpt2", data_dir=data_dir, shard_tokens=500, num_proc=2)
     assert dataset_files(data_dir / "one") == dataset_files(data_dir / "two")
@@ -330,7 +332,7 @@ def test_max_tokens_and_val_tokens_take_the_head_of_the_stream(tmp_path, data_di
 def interrupt_after_checkpoints(monkeypatch, n: int) -> None:
     """Ctrl-C right after the n-th checkpoint (a shard was completed and the position saved)."""
     calls = []
-    checkpoint = data._Stream.checkpoint
+    checkpoint = shards.SplitStream.checkpoint
 
     def then_interrupt(self):
         checkpoint(self)
@@ -338,12 +340,12 @@ def interrupt_after_checkpoints(monkeypatch, n: int) -> None:
         if len(calls) == n:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(data._Stream, "checkpoint", then_interrupt)
+    monkeypatch.setattr(shards.SplitStream, "checkpoint", then_interrupt)
 
 
 def test_an_interrupted_prepare_is_kept_named_and_resumed(monkeypatch, tmp_path, data_dir):
     source = docs_jsonl(tmp_path / "docs.jsonl", 60)
-    monkeypatch.setattr(data, "BATCH_DOCS", 4)
+    monkeypatch.setattr(tokenizing, "BATCH_DOCS", 4)
     prepare(str(source), "whole", tokenizer="char", data_dir=data_dir, shard_tokens=2000)
     with monkeypatch.context() as m:
         interrupt_after_checkpoints(m, 3)
@@ -376,7 +378,7 @@ def test_a_hub_source_resumes_streamed_or_not(streaming, monkeypatch, tmp_path, 
     for part in range(2):
         texts = [f"doc {part}.{i}: " + make_text(lines=2, seed=10 * part + i) for i in range(40)]
         pq.write_table(pa.table({"text": texts}), tmp_path / "corpus" / "web" / f"part-{part}.parquet")
-    monkeypatch.setattr(data, "BATCH_DOCS", 4)
+    monkeypatch.setattr(tokenizing, "BATCH_DOCS", 4)
     options = dict(tokenizer="byte", data_dir=data_dir, shard_tokens=1500, streaming=streaming)
     prepare("hf:corpus/web", "whole", **options)
     with monkeypatch.context() as m:
@@ -402,8 +404,8 @@ def test_a_prepare_stopped_inside_a_document_resumes_there(kind, monkeypatch, tm
         source.mkdir()
         for i in range(5):
             (source / f"{i}.txt").write_text(make_text(lines=80, seed=i), encoding="utf-8")
-    monkeypatch.setattr(data, "READ_BYTES", 200)  # a text comes in many pieces ...
-    monkeypatch.setattr(data, "BATCH_DOCS", 3)  # ... and batches, so checkpoints fall inside documents
+    monkeypatch.setattr(sources, "READ_BYTES", 200)  # a text comes in many pieces ...
+    monkeypatch.setattr(tokenizing, "BATCH_DOCS", 3)  # ... and batches, so checkpoints fall inside documents
     prepare(str(source), "whole", tokenizer="gpt2", data_dir=data_dir, shard_tokens=300)
     with monkeypatch.context() as m:
         interrupt_after_checkpoints(m, 4)
@@ -417,29 +419,55 @@ def test_a_prepare_stopped_inside_a_document_resumes_there(kind, monkeypatch, tm
 CHILD = """
 import sys, time
 from pathlib import Path
-from nanogpt_cli import data
+from nanogpt_cli.data import prepare, shards, tokenizing
 
-data.BATCH_DOCS = 8
-encode = data._encode
-data._encode = lambda *args: (time.sleep(0.01), encode(*args))[1]  # slow enough to be killed half way
-data.prepare(sys.argv[1], "web", tokenizer="gpt2", data_dir=Path(sys.argv[2]), shard_tokens=1000)
+tokenizing.BATCH_DOCS = 8
+add = shards.SplitStream.add
+shards.SplitStream.add = lambda *args: (time.sleep(0.01), add(*args))[1]  # slow enough to be killed half way
+prepare(sys.argv[1], "web", tokenizer="gpt2", data_dir=Path(sys.argv[2]), shard_tokens=1000, num_proc=int(sys.argv[3]))
 """
 
 
-def kill_when_checkpointed(source: Path, data_dir: Path) -> None:
-    """Run a prepare in a child process and SIGKILL it once its first shard is complete."""
+def kill_when_checkpointed(source: Path, data_dir: Path, num_proc: int = 1) -> list[int]:
+    """Run a prepare in a child process and SIGKILL it once its first shard is complete; returns the processes
+    it had started (Linux only, else [])."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(source), str(data_dir)], env=env,
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(source), str(data_dir), str(num_proc)], env=env,
                              stderr=subprocess.PIPE, text=True)
     checkpoint = data_dir / ".web.partial" / "progress.json"
     try:
         while not checkpoint.exists() and child.poll() is None:
             time.sleep(0.005)
+        started = descendants(child.pid)
     finally:
         child.kill()
         _, err = child.communicate()
     assert checkpoint.exists(), err
     assert not (data_dir / "web").exists()  # it died half way
+    return started
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid`, from /proc (empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (an orphan's zombie waits for init to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet folder"])
@@ -463,6 +491,20 @@ def test_a_killed_prepare_resumes_to_the_same_bytes(kind, tmp_path, data_dir):
     assert not (data_dir / ".web.partial").exists()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker processes in /proc")
+def test_a_killed_prepare_leaves_no_worker_behind(tmp_path, data_dir):
+    source = docs_jsonl(tmp_path / "docs.jsonl", 400)
+    workers = kill_when_checkpointed(source, data_dir, num_proc=2)
+    assert len(workers) >= 2  # the two tokenizer processes (and multiprocessing's resource tracker)
+    deadline = time.monotonic() + 60  # they go at once on Linux; a bound, not a measurement
+    while any(map(running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [pid for pid in workers if running(pid)]
+    for pid in left:  # do not leave them to the next test either
+        os.kill(pid, 9)
+    assert left == [], "worker processes outlived the prepare that started them"
+
+
 # --- training reads shards ---
 
 
@@ -474,8 +516,8 @@ def test_windows_stay_inside_one_shard_and_are_drawn_by_size(tmp_path):
     for i, n in enumerate(counts):  # shard i holds 1000 * i + position: a token says where it came from
         paths.append(tmp_path / f"train-{i:05d}.bin")
         (np.arange(n) + 1000 * i).astype(np.uint16).tofile(paths[-1])
-    shards = data.TokenShards(paths, counts, "uint16")
-    windows = shards.windows(4000, 9, torch.Generator().manual_seed(0)).astype(np.int64)
+    split = data.TokenShards(paths, counts, "uint16")
+    windows = split.windows(4000, 9, torch.Generator().manual_seed(0)).astype(np.int64)
     assert windows.shape == (4000, 9)
     shard = windows // 1000
     assert (shard == shard[:, :1]).all() and (np.diff(windows, axis=1) == 1).all()  # one shard, consecutive
@@ -533,7 +575,7 @@ def test_two_prepares_of_one_name_do_not_write_at_once(tmp_path, data_dir):
     source = docs_jsonl(tmp_path / "docs.jsonl", 20)
     partial = data_dir / ".busy.partial"
     partial.mkdir(parents=True)
-    with data._locked(partial):  # as a prepare running in another process holds it
+    with pipeline._locked(partial):  # as a prepare running in another process holds it
         with pytest.raises(NanoGPTError, match=r"another prepare is writing .*\.busy\.partial; wait for it"):
             prepare(str(source), "busy", tokenizer="byte", data_dir=data_dir)
         assert partial.is_dir()  # the other prepare's folder is left alone

@@ -1,0 +1,125 @@
+"""Read a prepared dataset: meta.json and the token shards of its splits. All that training and eval import.
+
+    train = open_split(Path("data"), "shk", "train"); x = train.windows(8, 257, torch.Generator())
+
+DATA_DIR/NAME holds SPLIT-00000.bin, SPLIT-00001.bin, ... (flat token ids, uint16 or uint32) and meta.json,
+which lists each split's shards with their token counts and sha256. Datasets from before shards (train.bin,
+val.bin, no shard list) still load. This module needs only numpy (and torch to draw windows).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nanogpt_cli.errors import NanoGPTError
+
+SPLITS = ("train", "val")
+META = "meta.json"
+
+
+def load_meta(data_dir: Path, name: str) -> dict[str, Any]:
+    """The meta.json of a prepared dataset, or a NanoGPTError that names the datasets there are."""
+    data_dir = Path(data_dir)
+    meta_path = data_dir / name / META
+    if not meta_path.is_file():
+        existing = list_datasets(data_dir)
+        hint = f"these exist: {', '.join(existing)}" if existing else \
+            f"run `nanogpt prepare SOURCE --name {name} --data-dir {data_dir}` first"
+        raise NanoGPTError(f"no dataset {name!r} in {data_dir}/; {hint}")
+    try:
+        return json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise NanoGPTError(f"{meta_path} is unreadable ({e}); prepare the dataset again") from None
+
+
+def list_datasets(data_dir: Path) -> list[str]:
+    """Names of the prepared datasets in data_dir."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        return []
+    return sorted(p.name for p in data_dir.iterdir() if not p.name.startswith(".") and (p / META).is_file())
+
+
+class TokenShards:
+    """The tokens of one split: its shard files in order, each memory-mapped (read-only) on first use.
+
+    `windows` draws fixed-length windows uniformly from all the windows that lie inside one shard, so a shard
+    is drawn in proportion to its size and no window spans two files. With one shard the draws are exactly
+    those of `torch.randint(len - length + 1)`, as before shards.
+    """
+
+    def __init__(self, paths: list[Path], counts: list[int], dtype: str):
+        self.paths, self.counts, self.dtype = list(paths), list(counts), np.dtype(dtype)
+        self._maps: dict[int, np.memmap] = {}
+
+    def __len__(self) -> int:
+        return sum(self.counts)
+
+    def __iter__(self) -> Iterator[np.memmap]:
+        return (self.shard(i) for i in range(len(self.paths)))
+
+    def shard(self, i: int) -> np.memmap:
+        if i not in self._maps:
+            self._maps[i] = np.memmap(self.paths[i], dtype=self.dtype, mode="r")
+        return self._maps[i]
+
+    def num_windows(self, length: int) -> int:
+        return sum(max(0, n - length + 1) for n in self.counts)
+
+    def starts(self, count: int, length: int, generator) -> list[tuple[int, int]]:
+        """(shard, offset) of `count` random windows of `length` tokens; the draws come from `generator`
+        (a torch.Generator), so saving its state saves the position in the stream of batches."""
+        import torch
+
+        per_shard = np.array([max(0, n - length + 1) for n in self.counts], dtype=np.int64)
+        total = int(per_shard.sum())
+        if total == 0:
+            raise NanoGPTError(f"no shard of {self.paths[0].parent} holds {length:,} tokens (the longest has "
+                               f"{max(self.counts):,})")
+        ix = torch.randint(total, (count,), generator=generator).numpy()
+        ends = np.cumsum(per_shard)
+        shard = np.searchsorted(ends, ix, side="right")
+        offset = ix - (ends[shard] - per_shard[shard])
+        return list(zip(shard.tolist(), offset.tolist()))
+
+    def windows(self, count: int, length: int, generator) -> np.ndarray:
+        """`count` random windows of `length` tokens as an array (count, length) of the shards' dtype."""
+        return self.read(self.starts(count, length, generator), length)
+
+    def read(self, starts: list[tuple[int, int]], length: int) -> np.ndarray:
+        """The windows of `length` tokens at these (shard, offset) starts, as an array (len(starts), length)."""
+        return np.stack([self.shard(s)[o:o + length] for s, o in starts])
+
+
+def open_split(data_dir: Path, name: str, split: str) -> TokenShards:
+    """The shards of one split ('train' or 'val'), checked against meta.json; old datasets have one file."""
+    if split not in SPLITS:
+        raise NanoGPTError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
+    meta = load_meta(data_dir, name)
+    folder = Path(data_dir) / name
+    shards = meta.get("shards", {}).get(split) or [{"file": f"{split}.bin", "tokens": meta[f"{split}_tokens"]}]
+    dtype = np.dtype(meta["dtype"])
+    for shard in shards:
+        path = folder / shard["file"]
+        expected = shard["tokens"] * dtype.itemsize
+        size = path.stat().st_size if path.is_file() else -1
+        if size != expected or size == 0:
+            raise NanoGPTError(f"{path} should hold {shard['tokens']:,} tokens ({expected:,} bytes) but "
+                               f"{'is missing' if size < 0 else f'has {size:,} bytes'}; prepare the dataset again")
+    return TokenShards([folder / s["file"] for s in shards], [s["tokens"] for s in shards], meta["dtype"])
+
+
+def sha256_file(path: Path, h=None):
+    """The hex sha256 of a file (meta.json records one per shard); with `h` given, that hash object updated
+    with the file (to go on hashing)."""
+    digest = h if h is not None else hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest if h is not None else digest.hexdigest()
