@@ -150,6 +150,8 @@ def prepare(
                         ] = 1,
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted prepare of --name (or start "
                                                           "one if there is none).")] = False,
+    encoding: Annotated[str, typer.Option(help="Text encoding of .txt/.md/.jsonl/.json/.csv files, e.g. cp1252 or "
+                                               "latin-1.")] = "utf-8",
 ):
     """Tokenize text into DATA_DIR/NAME: train-00000.bin, ..., val-00000.bin, ... and meta.json.
 
@@ -168,7 +170,8 @@ def prepare(
             result = prepare_data(source, name, tokenizer=tokenizer, val_fraction=val_fraction, data_dir=data_dir,
                                   text_column=text_column, subset=subset, split=split, streaming=streaming,
                                   max_docs=max_docs, num_proc=num_proc, shard_tokens=shard_tokens,
-                                  max_tokens=max_tokens, val_tokens=val_tokens, resume=resume, progress=progress)
+                                  max_tokens=max_tokens, val_tokens=val_tokens, resume=resume, encoding=encoding,
+                                  progress=progress)
     except KeyboardInterrupt:  # the partial prepare is kept: say where and how to continue it
         kept = interrupted_prepare(data_dir, name)
         err_console.print(f"interrupted; {kept}" if kept else "interrupted", highlight=False, soft_wrap=True)

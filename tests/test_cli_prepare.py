@@ -13,6 +13,8 @@ from typer.testing import CliRunner
 from nanogpt_cli import data
 from nanogpt_cli.data import pipeline, shards, sources, tokenizing
 from nanogpt_cli.cli import app
+from nanogpt_cli.data import open_split
+from nanogpt_cli.tokenizer import tokenizer_from_description
 
 runner = CliRunner()
 
@@ -85,6 +87,7 @@ def bad_inputs(tmp_path):
     latin1.write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
     jsonl = tmp_path / "rows.jsonl"
     jsonl.write_text('{"body": "a", "title": "b"}\n{"body": "c", "title": "d"}\n')
+    (tmp_path / "cp1252.txt").write_bytes(b"text\x81")  # a byte that cp1252 leaves undefined
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("hi")
     return tmp_path
@@ -94,7 +97,11 @@ def bad_inputs(tmp_path):
     (["missing.txt"], "missing.txt does not exist; SOURCE is a text file"),
     (["empty.txt"], "empty.txt is empty"),
     (["image.txt"], "image.txt is not UTF-8 text"),
-    (["latin1.txt"], "latin1.txt is not UTF-8 text (invalid byte near offset 3); use --tokenizer byte"),
+    (["latin1.txt"], "latin1.txt is not UTF-8 text (invalid byte near offset 3); pass its encoding with --encoding "
+                     "(e.g. --encoding cp1252), or use --tokenizer byte"),
+    (["latin1.txt", "--encoding", "klingon"], "unknown --encoding 'klingon'; give a Python codec name"),
+    (["cp1252.txt", "--encoding", "cp1252"], "cp1252.txt is not cp1252 text (invalid byte near offset 4); pass its "
+                                             "encoding with --encoding, or use --tokenizer byte"),
     (["tiny.txt", "--tokenizer", "wordpiece"], "unknown tokenizer 'wordpiece'; choose one of gpt2, char, byte"),
     (["rows.jsonl"], "has no column 'text'; its columns are body, title (choose one with --text-column)"),
     (["tiny.txt", "--val-fraction", "0"], "--val-fraction must be between 0 and 1 (exclusive), got 0.0"),
@@ -169,3 +176,18 @@ def test_preparing_an_existing_name_says_it_replaced_it(text_file, data_dir):
     assert "replaced" not in prepare(*args).output
     again = prepare(*args)
     assert again.exit_code == 0 and f"replaced the dataset that was in {data_dir / 'play'}" in again.output
+
+
+def test_encoding_reads_text_that_is_not_utf8(tmp_path, data_dir):
+    text = "caf\xe9 cr\xe8me \u20ac2, \u201cquoted\u201d \u2014 na\xefve\n" * 20
+    path = tmp_path / "windows.txt"
+    path.write_bytes(text.encode("cp1252"))
+    args = [str(path), "--name", "w", "--tokenizer", "char", "--data-dir", str(data_dir)]
+    assert_fails(prepare(*args), "windows.txt is not UTF-8 text (invalid byte near offset 3); pass its encoding with "
+                                 "--encoding (e.g. --encoding cp1252)")
+    result = prepare(*args, "--encoding", "cp1252")
+    assert result.exit_code == 0, result.output
+    meta = json.loads((data_dir / "w" / "meta.json").read_text())
+    tok = tokenizer_from_description(meta["tokenizer"])
+    ids = [t for split in ("train", "val") for shard in open_split(data_dir, "w", split) for t in shard.tolist()]
+    assert tok.decode(ids) == text and meta["encoding"] == "cp1252"

@@ -141,6 +141,18 @@ def test_csv_source(tmp_path, data_dir):
     assert result.documents == 3 and result.characters == len("first, rowsecond rowthird row")
 
 
+@pytest.mark.parametrize("suffix", [".csv", ".jsonl"])
+def test_structured_files_in_another_encoding(suffix, tmp_path, data_dir):
+    rows = ["caf\xe9 cr\xe8me \u20ac2", "\u201cquoted\u201d \u2014 na\xefve", "stra\xdfe"]
+    path = tmp_path / f"rows{suffix}"
+    lines = ["text"] + rows if suffix == ".csv" else [json.dumps({"text": r}, ensure_ascii=False) for r in rows]
+    path.write_bytes("".join(line + "\n" for line in lines).encode("cp1252"))
+    result = prepare(str(path), "rows", tokenizer="byte", data_dir=data_dir, encoding="cp1252")
+    stream = bytes(read_split(data_dir, "rows", "train") + read_split(data_dir, "rows", "val"))
+    assert result.documents == 3 and stream.decode("utf-8") == "\n\n".join(rows)  # the byte tokenizer sees UTF-8
+    assert load_meta(data_dir, "rows")["encoding"] == "cp1252"
+
+
 def test_folder_and_glob_sources(tmp_path, data_dir):
     folder = tmp_path / "texts"
     (folder / "sub").mkdir(parents=True)
@@ -432,8 +444,10 @@ def kill_when_checkpointed(source: Path, data_dir: Path, num_proc: int = 1) -> l
     """Run a prepare in a child process and SIGKILL it once its first shard is complete; returns the processes
     it had started (Linux only, else [])."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(source), str(data_dir), str(num_proc)], env=env,
-                             stderr=subprocess.PIPE, text=True)
+    log = source.with_name("child.err")  # a file, not a pipe: a worker left behind would hold a pipe open
+    with open(log, "w") as err:
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(source), str(data_dir), str(num_proc)], env=env,
+                                 stderr=err)
     checkpoint = data_dir / ".web.partial" / "progress.json"
     try:
         while not checkpoint.exists() and child.poll() is None:
@@ -441,8 +455,8 @@ def kill_when_checkpointed(source: Path, data_dir: Path, num_proc: int = 1) -> l
         started = descendants(child.pid)
     finally:
         child.kill()
-        _, err = child.communicate()
-    assert checkpoint.exists(), err
+        child.wait()
+    assert checkpoint.exists(), log.read_text()
     assert not (data_dir / "web").exists()  # it died half way
     return started
 
