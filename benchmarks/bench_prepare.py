@@ -107,10 +107,10 @@ def run_prepare(corpus: Path, data_dir: Path, num_proc: int) -> dict:
 def serial_share(corpus: Path, data_dir: Path) -> tuple[float, float]:
     """(seconds tokenizing, seconds in everything else) of one in-process prepare with one process."""
     sys.path.insert(0, str(ROOT))
-    from nanogpt_cli import data
+    from nanogpt_cli.data import prepare, tokenizing
 
     spent = [0.0]
-    encode = data._encode
+    encode = tokenizing.encode_batch
 
     def timed(*args):
         t = time.perf_counter()
@@ -118,12 +118,12 @@ def serial_share(corpus: Path, data_dir: Path) -> tuple[float, float]:
         spent[0] += time.perf_counter() - t
         return out
 
-    data.prepare(str(corpus), "warm-up", tokenizer="gpt2", data_dir=data_dir, max_docs=10)  # imports, tokenizer
-    data._encode = timed
+    prepare(str(corpus), "warm-up", tokenizer="gpt2", data_dir=data_dir, max_docs=10)  # imports, tokenizer
+    tokenizing.encode_batch = timed
     t0 = time.perf_counter()
-    data.prepare(str(corpus), "serial", tokenizer="gpt2", data_dir=data_dir)
+    prepare(str(corpus), "serial", tokenizer="gpt2", data_dir=data_dir)
     total = time.perf_counter() - t0
-    data._encode = encode
+    tokenizing.encode_batch = encode
     return spent[0], total - spent[0]
 
 

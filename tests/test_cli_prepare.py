@@ -6,14 +6,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
 
-from nanogpt_cli import data
-from nanogpt_cli.data import pipeline, shards, sources, tokenizing
 from nanogpt_cli.cli import app
-from nanogpt_cli.data import open_split
+from nanogpt_cli.data import open_split, shards, sources, tokenizing
 from nanogpt_cli.tokenizer import tokenizer_from_description
 
 runner = CliRunner()
@@ -191,3 +190,23 @@ def test_encoding_reads_text_that_is_not_utf8(tmp_path, data_dir):
     tok = tokenizer_from_description(meta["tokenizer"])
     ids = [t for split in ("train", "val") for shard in open_split(data_dir, "w", split) for t in shard.tolist()]
     assert tok.decode(ids) == text and meta["encoding"] == "cp1252"
+
+
+def test_the_stage_line_counts_what_every_worker_wrote(monkeypatch, tmp_path, data_dir):
+    source = tmp_path / "docs.jsonl"
+    source.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(64)))
+    monkeypatch.setattr(tokenizing, "BATCH_DOCS", 8)  # 8 batches, up to 4 of them in flight with 2 workers
+    add = shards.SplitStream.add
+
+    def slow_add(*args):  # the writing lags the reading by more than the progress interval
+        time.sleep(0.15)
+        return add(*args)
+
+    monkeypatch.setattr(shards.SplitStream, "add", slow_add)
+    result = prepare(str(source), "--name", "docs", "--tokenizer", "byte", "--num-proc", "2", "--data-dir",
+                     str(data_dir))
+    assert result.exit_code == 0, result.output
+    meta = json.loads((data_dir / "docs" / "meta.json").read_text())
+    stage = [line for line in result.output.splitlines() if line.startswith("tokenizing: done in ")]
+    assert len(stage) == 1 and stage[0].endswith(f" s, 64 documents, {meta['train_tokens'] + meta['val_tokens']:,} "
+                                                 "tokens"), result.output

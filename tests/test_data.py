@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import subprocess
 import sys
 import time
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import make_text, tiny_plan
+
 from nanogpt_cli import data
-from nanogpt_cli.data import pipeline, shards, sources, tokenizing
-from nanogpt_cli.data import load_meta, open_split, prepare, token_dtype
+from nanogpt_cli.data import (
+    load_meta,
+    open_split,
+    pipeline,
+    prepare,
+    shards,
+    sources,
+    token_dtype,
+    tokenizing,
+)
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.tokenizer import tokenizer_from_description
 

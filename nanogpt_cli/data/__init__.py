@@ -18,11 +18,24 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nanogpt_cli.data.reader import SPLITS, TokenShards, list_datasets, load_meta, open_split
+from nanogpt_cli.data.reader import (
+    SPLITS,
+    TokenShards,
+    list_datasets,
+    load_meta,
+    open_split,
+)
 
 if TYPE_CHECKING:
-    from nanogpt_cli.data.pipeline import (PrepareOptions, PrepareProgress, PrepareResult, Progress,
-                                           interrupted_prepare, prepare, prepare_with)
+    from nanogpt_cli.data.pipeline import (
+        PrepareOptions,
+        PrepareProgress,
+        PrepareResult,
+        Progress,
+        interrupted_prepare,
+        prepare,
+        prepare_with,
+    )
     from nanogpt_cli.data.shards import SHARD_TOKENS, token_dtype
     from nanogpt_cli.data.sources import cache_dir, download_shakespeare
 
@@ -33,8 +46,9 @@ _LAZY = {
     "sources": ("cache_dir", "download_shakespeare"),
 }
 
-__all__ = ["SPLITS", "TokenShards", "list_datasets", "load_meta", "open_split",
-           *(name for names in _LAZY.values() for name in names)]
+__all__ = ["SHARD_TOKENS", "SPLITS", "PrepareOptions", "PrepareProgress", "PrepareResult", "Progress", "TokenShards",
+           "cache_dir", "download_shakespeare", "interrupted_prepare", "list_datasets", "load_meta", "open_split",
+           "prepare", "prepare_with", "token_dtype"]
 
 
 def __getattr__(name: str):

@@ -26,12 +26,23 @@ from typing import Any
 
 from nanogpt_cli import __version__
 from nanogpt_cli.data.reader import META
-from nanogpt_cli.data.shards import (CHECKPOINT, DOC_SEPARATOR, MIN_SPLIT_TOKENS, SHARD_TOKENS, Checkpoint,
-                                     SplitStream)
+from nanogpt_cli.data.shards import (
+    CHECKPOINT,
+    DOC_SEPARATOR,
+    MIN_SPLIT_TOKENS,
+    SHARD_TOKENS,
+    Checkpoint,
+    SplitStream,
+)
 from nanogpt_cli.data.sources import DEFAULT_ENCODING, Source, resolve_source
 from nanogpt_cli.data.tokenizing import batches, encoded, first_docs, skip
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.tokenizer import Tokenizer, build_tokenizer, check_tokenizer_name, tokenizer_from_description
+from nanogpt_cli.tokenizer import (
+    Tokenizer,
+    build_tokenizer,
+    check_tokenizer_name,
+    tokenizer_from_description,
+)
 
 PARTIAL = ".{name}.partial"  # the staging folder in DATA_DIR, kept after an interruption for --resume
 LOCK = "lock"  # in the staging folder: held by the prepare that writes it

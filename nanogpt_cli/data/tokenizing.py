@@ -21,7 +21,12 @@ import numpy as np
 
 from nanogpt_cli.data.sources import Pieces
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.tokenizer import ByteTokenizer, CharTokenizer, Tokenizer, tokenizer_from_description
+from nanogpt_cli.tokenizer import (
+    ByteTokenizer,
+    CharTokenizer,
+    Tokenizer,
+    tokenizer_from_description,
+)
 
 # batch sizes: they bound memory, not results
 BATCH_CHARS = 1 << 20  # characters sent to a worker process at once
