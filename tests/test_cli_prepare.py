@@ -98,7 +98,8 @@ def bad_inputs(tmp_path):
     (["image.txt"], "image.txt is not UTF-8 text"),
     (["latin1.txt"], "latin1.txt is not UTF-8 text (invalid byte near offset 3); pass its encoding with --encoding "
                      "(e.g. --encoding cp1252), or use --tokenizer byte"),
-    (["latin1.txt", "--encoding", "klingon"], "unknown --encoding 'klingon'; give a Python codec name"),
+    (["latin1.txt", "--encoding", "klingon"], "unknown --encoding 'klingon'; give a Python text encoding"),
+    (["latin1.txt", "--encoding", "base64"], "unknown --encoding 'base64'; give a Python text encoding"),
     (["cp1252.txt", "--encoding", "cp1252"], "cp1252.txt is not cp1252 text (invalid byte near offset 4); pass its "
                                              "encoding with --encoding, or use --tokenizer byte"),
     (["tiny.txt", "--tokenizer", "wordpiece"], "unknown tokenizer 'wordpiece'; choose one of gpt2, char, byte"),

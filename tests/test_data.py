@@ -525,6 +525,11 @@ def test_a_killed_prepare_leaves_no_worker_behind(tmp_path, data_dir):
     for pid in left:  # do not leave them to the next test either
         os.kill(pid, 9)
     assert left == [], "worker processes outlived the prepare that started them"
+    resumed = prepare(str(source), "web", tokenizer="gpt2", data_dir=data_dir, shard_tokens=1000, resume=True,
+                      num_proc=2)
+    assert 0 < resumed.resumed_documents < resumed.documents == 400
+    prepare(str(source), "whole", tokenizer="gpt2", data_dir=data_dir, shard_tokens=1000)
+    assert dataset_files(data_dir / "web") == dataset_files(data_dir / "whole")
 
 
 # --- training reads shards ---

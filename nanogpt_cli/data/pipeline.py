@@ -137,10 +137,12 @@ class PrepareOptions:
                                f"({self.max_tokens:,}) to leave tokens to train on")
         check_tokenizer_name(self.tokenizer)
         try:
-            codecs.getincrementaldecoder(self.encoding)
+            text_codec = getattr(codecs.lookup(self.encoding), "_is_text_encoding", True)  # not base64, rot13...
         except LookupError:
-            raise NanoGPTError(f"unknown --encoding {self.encoding!r}; give a Python codec name such as utf-8, "
-                               "cp1252 or latin-1") from None
+            text_codec = False
+        if not text_codec:
+            raise NanoGPTError(f"unknown --encoding {self.encoding!r}; give a Python text encoding such as utf-8, "
+                               "cp1252 or latin-1")
 
     @property
     def final_dir(self) -> Path:
