@@ -181,9 +181,7 @@ def prepare_with(opts: PrepareOptions, progress: Progress | None = None) -> Prep
             stream = SplitStream(stage.path, tok, state, val_fraction=opts.val_fraction, val_tokens=opts.val_tokens,
                                  max_docs=opts.max_docs, max_tokens=opts.max_tokens, shard_tokens=opts.shard_tokens)
             _tokenize(src, stream, opts.num_proc, progress)
-            # from here on the shards change in place (the tail of train may move to val): a prepare stopped now
-            # starts over rather than resume from files that no longer match the checkpoint
-            (stage.path / CHECKPOINT).unlink(missing_ok=True)
+            stage.drop_checkpoint()
             n_train, n_val = _finish_splits(stream, src, opts)
             bytes_on_disk = stage.commit(_meta(opts, src, stream), final_dir)
     return PrepareResult(name=opts.name, path=final_dir, source=opts.source, tokenizer=tok.name,
@@ -329,6 +327,11 @@ class Staging:
         for p in self.path.iterdir():
             if p.name != LOCK:
                 p.unlink()
+
+    def drop_checkpoint(self) -> None:
+        """From here on the shards change in place (the tail of train may move to val): a prepare stopped now
+        starts over rather than resume from files that no longer match the checkpoint."""
+        (self.path / CHECKPOINT).unlink(missing_ok=True)
 
     def commit(self, meta: dict[str, Any], final_dir: Path) -> int:
         """Write meta.json and put the folder in place of `final_dir`; returns the bytes on disk."""

@@ -271,7 +271,6 @@ _hub_unreachable = ""  # why the hub was switched offline, for the error message
 def offline_unless_hub_reachable(timeout_s: float = 3.0) -> None:
     """Ask the hub once, with a short timeout; when it does not answer, switch the hub libraries to offline mode
     (cached datasets still load), instead of their ~30 s of retries before the same failure."""
-    import sys
 
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
         return
