@@ -442,6 +442,7 @@ def kill_when_checkpointed(source: Path, data_dir: Path) -> None:
     assert not (data_dir / "web").exists()  # it died half way
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["jsonl", "parquet folder"])
 def test_a_killed_prepare_resumes_to_the_same_bytes(kind, tmp_path, data_dir):
     if kind == "jsonl":
