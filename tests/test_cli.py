@@ -48,6 +48,7 @@ def test_every_help_has_a_purpose_and_an_example(command):
     assert "Usage:" in out
 
 
+@pytest.mark.slow
 def test_python_dash_m_runs_the_same_app():
     out = subprocess.run([sys.executable, "-m", "nanogpt_cli", "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("nanogpt ")
@@ -75,6 +76,7 @@ def run_main(*args, **kw):
                           **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", [
     (["train", "--no-such-flag"], "error: no such option: --no-such-flag"),
     (["train", "--max-iters", "ten"], "error: invalid value for '--max-iters'"),
@@ -89,6 +91,7 @@ def test_usage_errors_are_one_line_and_exit_1(args, message):
     assert "╭" not in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_help_fits_80_columns_with_whole_flag_names_and_no_bool_placeholder():
     import os
 

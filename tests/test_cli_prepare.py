@@ -144,6 +144,7 @@ def test_shakespeare_offline(monkeypatch, tmp_path, data_dir):
                  "pass a local copy instead, e.g. nanogpt prepare examples/tinyshakespeare.txt")
 
 
+@pytest.mark.slow
 def test_hub_dataset_offline(tmp_path):
     # the hub's offline switch is read when huggingface_hub is imported, so this runs in a fresh process
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
@@ -157,6 +158,7 @@ def test_hub_dataset_offline(tmp_path):
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.slow
 def test_hub_dataset_unreachable_fails_fast_without_the_offline_switch(tmp_path):
     # no HF_HUB_OFFLINE: every request goes to a closed local port; prepare asks the hub once, then goes offline
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "NO_PROXY", "no_proxy")}

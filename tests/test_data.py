@@ -492,6 +492,7 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["jsonl", "parquet folder"])
 def test_a_killed_prepare_resumes_to_the_same_bytes(kind, tmp_path, data_dir):
     if kind == "jsonl":

@@ -24,6 +24,7 @@ from nanogpt_cli.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
+pytestmark = pytest.mark.slow  # every test here starts torchrun or the CLI
 # eval_iters 3: an odd number, so the two ranks evaluate unequal shares and one makes a padding pass
 SMALL = ["--preset", "tiny", "--batch-size", "4", "--max-iters", "6", "--eval-interval", "2", "--eval-iters", "3",
          "--log-interval", "1", "--dtype", "float32", "--device", "cpu"]
@@ -134,10 +135,11 @@ def test_sigterm_to_one_rank_stops_both_after_a_save(char_data, tmp_path):
                "--eval-interval", "100000", "--out", str(run)),
         env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        deadline = time.time() + 60
-        while not (run / "metrics.jsonl").exists() and time.time() < deadline:  # the step-0 evaluation
-            time.sleep(0.1)
-        time.sleep(1.0)  # let it take some steps
+        deadline, logged = time.monotonic() + 60, run / "metrics.jsonl"
+        while launcher.poll() is None and time.monotonic() < deadline:  # until rank 0 logs a step (--log-interval 1)
+            if logged.exists() and '"kind": "train"' in logged.read_text():
+                break
+            time.sleep(0.05)
         rank1 = next(pid for pid in workers(launcher.pid) if rank_of(pid) == 1)
         os.kill(rank1, signal.SIGTERM)
         out, err = launcher.communicate(timeout=60)

@@ -22,6 +22,7 @@ from nanogpt_cli.sample import Sampler, SampleSettings
 from nanogpt_cli.tokenizer import build_tokenizer
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # transformers takes seconds to import and to build its models
 pytest.importorskip("tokenizers")
 
 MIXED = "Ünïcödé — “quoth” the king, 🙂 naïve café; 東京 ok\n\tTabs,  two spaces and 1234 digits.\n"

@@ -315,6 +315,7 @@ def hf_reference(kind: str):
     return transformers.LlamaForCausalLM(config).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_from_hf_matches_reference_logits_and_round_trips(kind):
     torch.manual_seed(0)

@@ -1,52 +1,130 @@
-"""The README stays true: every nanogpt command line it shows (torchrun's too) uses flags that exist, and CI runs
-its test command."""
+"""The README stays true: every nanogpt command line it shows (torchrun's too) uses flags that exist, its cheap
+commands run as written in a fresh folder and print what it shows, and CI runs its test command."""
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from nanogpt_cli.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+COMMANDS = ("prepare", "train", "sample", "eval", "perplexity", "runs", "info", "plot", "export")
 
 
-def command_lines() -> list[list[str]]:
-    """Each `nanogpt ...` invocation in the README's code blocks, as argument lists without `nanogpt`."""
-    blocks = re.findall(r"```(\w*)\n(.*?)```", README, flags=re.S)  # every block, so openings and closings pair up
+class Command(NamedTuple):
+    kind: str  # "nanogpt" or "torchrun"
+    args: list[str]  # nanogpt's arguments (for torchrun: those after -m nanogpt_cli)
+    setup: bool  # part of a `pip install ... && ...` chain: installs, and trains for minutes
+    shown: list[str]  # the output the README shows under it
+
+
+def commands() -> list[Command]:
+    """Each `nanogpt ...` and `torchrun ... -m nanogpt_cli ...` invocation in the README's code blocks, in order."""
     out = []
-    for language, block in blocks:
+    for language, block in re.findall(r"```(\w*)\n(.*?)```", README, flags=re.S):  # all, so fences pair up
         if language not in ("", "bash"):
             continue
-        for line in block.splitlines():
-            line = line.removeprefix("$ ")
-            for part in line.split("&&"):
-                if not part.strip().startswith("nanogpt "):  # output lines may hold unbalanced quotes
-                    continue
-                words = shlex.split(part.strip())
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            if language == "" and not line.startswith("$ "):
+                continue  # an output line: it may hold unbalanced quotes
+            shown = []
+            for later in lines[i + 1:]:
+                if later.startswith("$ "):
+                    break
+                shown.append(later)
+            parts = [p.strip() for p in line.removeprefix("$ ").split("&&")]
+            setup = parts[0].startswith("pip install")
+            for part in parts:
+                words = shlex.split(part)
                 if words[:1] == ["nanogpt"]:
-                    out.append(words[1:])
-                elif words[:1] == ["torchrun"] and "nanogpt_cli" in words:  # torchrun ... -m nanogpt_cli ARGS
-                    out.append(words[words.index("nanogpt_cli") + 1:])
+                    out.append(Command("nanogpt", words[1:], setup, shown if language == "" else []))
+                elif words[:1] == ["torchrun"] and "nanogpt_cli" in words:
+                    out.append(Command("torchrun", words, setup, shown if language == "" else []))
     return out
 
 
-@pytest.mark.parametrize("args", command_lines(), ids=lambda a: " ".join(a[:2]))
-def test_readme_commands_use_real_flags(args):
-    path = [a for a in args[:2] if not a.startswith("-") and a in ("prepare", "train", "sample", "eval",
-                                                                        "perplexity", "runs", "info", "plot", "export")]
+def nanogpt_args(command: Command) -> list[str]:
+    words = command.args
+    return words[words.index("nanogpt_cli") + 1:] if command.kind == "torchrun" else words
+
+
+@pytest.mark.parametrize("command", commands(), ids=lambda c: " ".join(nanogpt_args(c)[:2]))
+def test_readme_commands_use_real_flags(command):
+    args = nanogpt_args(command)
+    path = [a for a in args[:2] if not a.startswith("-") and a in COMMANDS]
     help_text = CliRunner().invoke(app, [*path, "--help"], terminal_width=200).output
     for flag in (a for a in args if a.startswith("--")):
         assert flag in help_text, f"README uses {flag} with nanogpt {' '.join(path)}, which has no such flag"
 
 
 def test_the_readme_shows_every_command_and_ci_runs_its_test_command():
-    shown = {tuple(a[:2]) if a[0] == "eval" else (a[0],) for a in command_lines()}
-    assert {("prepare",), ("train",), ("sample",), ("eval", "perplexity")} <= shown
+    shown = {tuple(nanogpt_args(c)[:2]) if c.args[0] == "eval" else (c.args[0],) for c in commands()}
+    assert {("prepare",), ("train",), ("sample",), ("eval", "perplexity"), ("export",), ("runs",), ("info",),
+            ("plot",), ("torchrun",)} <= shown
     test_command = 'pip install torch==2.13.0 -e ".[dev]" && pytest'
-    assert test_command in README
+    assert test_command in README and 'pytest -m "not slow"' in README
     ci = (ROOT / ".ci" / "run").read_text()
     assert 'pip install torch==2.13.0 -e ".[dev]"' in ci and "\npytest" in ci
+    assert "\nruff check .\n" in ci and "\nruff format --check .\n" in ci
+
+
+def tiny(args: list[str]) -> list[str]:
+    """A train command with the tiny preset in place of its own: the README's flags, a model that trains in
+    seconds."""
+    if "--preset" in args:
+        i = args.index("--preset")
+        return [*args[:i], "--preset", "tiny", *args[i + 2:]]
+    return [*args, "--preset", "tiny"]
+
+
+def digits(line: str) -> str:
+    return re.sub(r"[\d,.]+", "#", line.rstrip())
+
+
+@pytest.mark.slow
+def test_the_readme_examples_run_as_written_and_print_what_it_shows(tmp_path):
+    """The examples run one after another in a fresh folder: every nanogpt command as written (train with the
+    tiny preset), torchrun's on the CPU. The set-up chain is left out (it installs, then trains for minutes).
+    Each command must succeed and print the first line the README shows (numbers aside)."""
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    runner = CliRunner()
+    ran = []
+    cwd, threads = os.getcwd(), torch.get_num_threads()
+    os.chdir(tmp_path)
+    torch.set_num_threads(1)  # tiny models: more threads only wait on each other, badly so on a busy machine
+    try:
+        for command in (c for c in commands() if not c.setup):
+            if command.kind == "torchrun":
+                if "--device" not in command.args or "cpu" not in command.args:
+                    continue  # GPUs only: its flags are checked above
+                args = command.args[command.args.index("torchrun") + 1:]
+                proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], env=env,
+                                      capture_output=True, text=True, timeout=300)
+                assert proc.returncode == 0, proc.stderr[-3000:]
+                output = proc.stdout
+            else:
+                args = tiny(command.args) if command.args[0] == "train" else command.args
+                result = runner.invoke(app, args, terminal_width=100)
+                assert result.exit_code == 0, f"nanogpt {shlex.join(args)}:\n{result.output}"
+                output = result.stdout
+            first_shown = next((line for line in command.shown if line.strip()), None)
+            if first_shown is not None and "..." not in first_shown:
+                first = next((line for line in output.splitlines() if line.strip()), "")
+                assert digits(first).startswith(digits(first_shown)), f"{shlex.join(command.args)} printed:\n{output}"
+            ran.append(command.args[0])
+    finally:
+        os.chdir(cwd)
+        torch.set_num_threads(threads)
+    assert {"prepare", "train", "sample", "eval", "export", "runs", "info", "plot", "torchrun"} <= set(ran)
