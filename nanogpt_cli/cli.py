@@ -328,10 +328,9 @@ def train(
         if prints():
             console.print(train_table(result))
             if importlib.util.find_spec("matplotlib") is not None:  # the plot extra: a picture of the curves
-                from nanogpt_cli.checkpoint import LOSS_PLOT
                 from nanogpt_cli.plot import write_png
 
-                write_png([plan.run_dir.path], plan.run_dir / LOSS_PLOT)
+                write_png([plan.run_dir.path], plan.run_dir.loss_plot_path)
             resume_with = f"nanogpt train --out {plan.run_dir} --resume"
             if result.stopped in ("SIGINT", "SIGTERM"):
                 fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}")
@@ -447,7 +446,7 @@ def perplexity(
 
     Example: nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char --split val
     """
-    from nanogpt_cli.checkpoint import load_for_inference
+    from nanogpt_cli.loading import load_for_inference
     from nanogpt_cli.evaluate import perplexity_of_files, perplexity_of_split
     from nanogpt_cli.ui import console, eval_table
 

@@ -21,3 +21,10 @@ def require(module: str, extra: str, what: str = "this command", package: str | 
     except ImportError:
         raise NanoGPTError(f"{what} needs the {package or module.split('.')[0]} package: "
                            f'pip install -e ".[{extra}]"{also}') from None
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none): what a one-sentence error
+    quotes of a library's multi-line one."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 
 from nanogpt_cli import checkpoint as ckpt
+from nanogpt_cli.loading import load_model
+from nanogpt_cli.rundir import RunDir, resolve_weights
 from nanogpt_cli import hf
 from nanogpt_cli.config import GPTConfig, TrainConfig, build_configs, flag, preset_values, split_values
 from nanogpt_cli.data import load_meta, open_split
@@ -165,7 +167,7 @@ class RunPlan:
 
     model: GPTConfig
     train: TrainConfig
-    run_dir: ckpt.RunDir
+    run_dir: RunDir
     dataset: dict[str, Any]  # the prepared dataset's meta.json
     init_weights: Path | None = None  # --init-from: the weights file to start from
     init_model: GPT | None = None  # --init-from a Hugging Face model: its weights, converted once while planning
@@ -203,7 +205,7 @@ def plan_run(flags: dict[str, Any], file_values: dict[str, Any] | None = None, o
     values.pop("out", None)
     if resume and out is None:
         raise NanoGPTError("--resume needs --out: the run folder to continue")
-    run_dir = ckpt.RunDir(out or default_run_dir(values.get("data") or "run"))
+    run_dir = RunDir(out or default_run_dir(values.get("data") or "run"))
     run_dir.check(resume, force)
     split_values(values)  # unknown keys are refused first
     if resume:
@@ -221,10 +223,10 @@ def plan_run(flags: dict[str, Any], file_values: dict[str, Any] | None = None, o
     init_weights = init_model = None
     if init_from is not None:
         if hf.is_hf_source(init_from):
-            init_model, weights_meta = ckpt.load_model(init_from)
+            init_model, weights_meta = load_model(init_from)
             source = init_from
         else:
-            init_weights = ckpt.resolve_weights(init_from, last=init_last)
+            init_weights = resolve_weights(init_from, last=init_last)
             weights_meta = ckpt.read_metadata(init_weights)
             source = init_weights
         theirs, ours = (weights_meta.get("tokenizer") or {}).get("name"), meta["tokenizer"]["name"]
@@ -267,7 +269,7 @@ def _warnings(model_cfg: GPTConfig, cfg: TrainConfig) -> list[str]:
     return notes
 
 
-def _plan_resume(run_dir: ckpt.RunDir, preset: str | None, given: dict[str, Any]) -> RunPlan:
+def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any]) -> RunPlan:
     saved = run_dir.read_config()
     state, notes = run_dir.check_resumable()
     # the command that started the run may be given again: what it says must agree with the saved run
@@ -428,8 +430,8 @@ class StopSignals:
             signal.signal(sig, old)
 
 
-def non_finite(step: int, run_dir: ckpt.RunDir) -> NanoGPTError:
-    kept = (f"the last good checkpoint in {run_dir} is kept" if (run_dir / ckpt.LAST).is_file()
+def non_finite(step: int, run_dir: RunDir) -> NanoGPTError:
+    kept = (f"the last good checkpoint in {run_dir} is kept" if run_dir.last_path.is_file()
             else "no checkpoint had been saved yet")
     return NanoGPTError(f"the loss became non-finite at step {step}; {kept}; try a lower --learning-rate or "
                         "--dtype float32")
@@ -492,7 +494,7 @@ def train(plan: RunPlan, display: Display | None = None, world=None) -> TrainRes
         ckpt.load_weights(model, plan.init_weights)
     elif plan.init_model is not None:
         model.load_state_dict(plan.init_model.state_dict())  # copies in place: a tied head stays tied
-    saved = run_dir.latest() if plan.resume else None
+    saved = run_dir.restore() if plan.resume else None
     if saved:
         ckpt.load_weights(model, saved.weights)  # on every rank, before DDP or FSDP takes the model over
     model.to(device)
