@@ -291,8 +291,9 @@ def train(
     if preset is not None:
         flags["preset"] = preset
     from nanogpt_cli.config import load_toml
-    from nanogpt_cli.train import plan_run, processes
-    from nanogpt_cli.train import train as run_training
+    from nanogpt_cli.distributed import open_world
+    from nanogpt_cli.plan import plan_run
+    from nanogpt_cli.trainer import Trainer
     from nanogpt_cli.ui import TrainDisplay, console, train_table
 
     from nanogpt_cli.device import set_threads
@@ -318,10 +319,10 @@ def train(
         return
     # under torchrun the process group is left only after rank 0 has printed, so no rank ends (and has
     # torchrun stop the others) before
-    with processes(plan.train) as world:
+    with open_world(plan.train) as world:
         try:
             with TrainDisplay(quiet or not prints()) as display:
-                result = run_training(plan, Tee(display, sink) if sink else display, world)
+                result = Trainer(plan, Tee(display, sink) if sink else display, world).fit()
         finally:
             if sink is not None:
                 sink.close()

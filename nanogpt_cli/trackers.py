@@ -18,7 +18,7 @@ TRACKERS = ("tensorboard", "wandb")
 
 
 class Tee:
-    """Hands every trainer event (train.Display) to several displays in turn."""
+    """Hands every trainer event (events.Display) to several displays in turn."""
 
     def __init__(self, *displays):
         self.displays = [d for d in displays if d is not None]

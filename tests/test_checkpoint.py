@@ -12,7 +12,8 @@ from nanogpt_cli.loading import load_model
 from nanogpt_cli.rundir import resolve_weights
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
-from nanogpt_cli.train import plan_run, train
+from nanogpt_cli.plan import plan_run
+from nanogpt_cli.trainer import train
 from conftest import tiny_config, tiny_plan
 
 

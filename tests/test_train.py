@@ -19,7 +19,9 @@ from nanogpt_cli.cli import app
 from nanogpt_cli.config import GPTConfig, TrainConfig
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
-from nanogpt_cli.train import lr_at, optimizer_step, plan_run, train
+from nanogpt_cli.optim import lr_at
+from nanogpt_cli.plan import plan_run
+from nanogpt_cli.trainer import optimizer_step, train
 from conftest import tiny_config, tiny_plan
 
 runner = CliRunner()
@@ -312,7 +314,7 @@ def test_max_time_ends_the_run_on_time_with_its_decay_done_and_a_final_evaluatio
 def test_max_time_and_stop_at_on_the_same_step_save_once(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
-    from nanogpt_cli.train import NoDisplay
+    from nanogpt_cli.events import NoDisplay
 
     class Saves(NoDisplay):  # every checkpoint the run reports: with an evaluation, or on its own
         def __init__(self):

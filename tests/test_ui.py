@@ -6,7 +6,7 @@ import pytest
 from rich.console import Console
 
 from nanogpt_cli import ui
-from nanogpt_cli.train import Evaluated, RunStarted, StepLogged
+from nanogpt_cli.events import Evaluated, RunStarted, StepLogged
 
 
 def terminal(monkeypatch, width):
