@@ -15,7 +15,7 @@ import torch
 
 from nanogpt_cli import hf
 from nanogpt_cli.checkpoint import load_weights, read_metadata
-from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.config import Dtype, GPTConfig
 from nanogpt_cli.device import resolve_device, resolve_inference_dtype
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
@@ -57,7 +57,7 @@ class InferenceModel:
 
 
 def load_for_inference(checkpoint: str | Path, last: bool = False, device: str = "auto",
-                       dtype: str = "auto") -> InferenceModel:
+                       dtype: Dtype = Dtype.auto) -> InferenceModel:
     """The one loader that sample and eval share. Inference casts the weights once instead of autocasting
     every call; `auto` picks the dtype from the device and the size of the weights (device.py)."""
     dev = resolve_device(device)

@@ -13,7 +13,7 @@ from typing import Any
 
 from nanogpt_cli import hf
 from nanogpt_cli.checkpoint import read_metadata
-from nanogpt_cli.config import GPTConfig, TrainConfig, build_configs, flag, preset_values, split_values
+from nanogpt_cli.config import Dtype, GPTConfig, TrainConfig, build_configs, flag, preset_values, split_values
 from nanogpt_cli.data import load_meta
 from nanogpt_cli.device import resolve_device
 from nanogpt_cli.errors import NanoGPTError
@@ -133,7 +133,7 @@ def _warnings(model_cfg: GPTConfig, cfg: TrainConfig) -> list[str]:
     if cfg.warmup_iters >= cfg.max_iters:
         notes.append(f"--warmup-iters ({cfg.warmup_iters:,}) is not below --max-iters ({cfg.max_iters:,}): the "
                      "learning rate never reaches its peak")
-    if cfg.dtype == "float16" and resolve_device(cfg.device).type == "cpu":
+    if cfg.dtype == Dtype.float16 and resolve_device(cfg.device).type == "cpu":
         notes.append("--dtype float16 on the CPU runs the GPU's fp16 path (autocast and grad scaler) and is slow "
                      "there; use bfloat16 or float32 for speed")
     return notes
