@@ -190,3 +190,18 @@ def test_a_torn_last_metrics_line_is_skipped_with_a_note(stopped_run):
     train(plan)
     lines = [json.loads(x) for x in (stopped_run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if m["kind"] == "eval"] == [0, 2, 4, 6, 8]
+
+
+def test_only_rundir_knows_the_run_folder_file_names():
+    # one owner per file format: every other module asks RunDir (its docstring lists the layout)
+    from pathlib import Path
+
+    import nanogpt_cli
+    from nanogpt_cli import rundir
+
+    names = [rundir.BEST, rundir.OPTIMIZER, rundir.TRAINER, rundir.METRICS]
+    package = Path(nanogpt_cli.__file__).parent
+    for path in package.rglob("*.py"):
+        if path.name != "rundir.py":
+            text = path.read_text(encoding="utf-8")
+            assert not [n for n in names if n in text], path
