@@ -2,7 +2,7 @@
 
     tracker = open_tracker("tensorboard"); train(plan, Tee(TrainDisplay(), tracker)); tracker.close()
 
-metrics.jsonl in the run folder stays the source of truth; a tracker is a copy for its viewer. TensorBoard
+The run folder's metrics file stays the source of truth; a tracker is a copy for its viewer. TensorBoard
 logs go to RUN/tensorboard (view with `tensorboard --logdir RUN`); wandb runs offline unless WANDB_MODE says
 otherwise, into RUN/wandb (upload later with `wandb sync`), so it needs no network and no account.
 """
