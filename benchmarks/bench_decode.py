@@ -23,7 +23,7 @@ from common import sync, table  # noqa: E402
 
 from nanogpt_cli.config import GPTConfig  # noqa: E402
 from nanogpt_cli.model import GPT, DecodePlan, KVCache, apply_rope, softcap  # noqa: E402
-from nanogpt_cli.train import resolve_device  # noqa: E402
+from nanogpt_cli.device import resolve_device  # noqa: E402
 
 
 def static_step(p: DecodePlan, idx: torch.Tensor, pos: torch.Tensor, k_cache: list[torch.Tensor],

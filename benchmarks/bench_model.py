@@ -19,7 +19,7 @@ from common import matmul_peak, sync, table  # noqa: E402
 
 from nanogpt_cli.config import GPTConfig, preset_values, split_values  # noqa: E402
 from nanogpt_cli.model import GPT  # noqa: E402
-from nanogpt_cli.train import resolve_device  # noqa: E402
+from nanogpt_cli.device import resolve_device  # noqa: E402
 
 
 def bench(preset: str, device: torch.device, dtype: torch.dtype, batch_size: int, iters: int) -> dict:

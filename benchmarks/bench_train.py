@@ -23,7 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import matmul_peak, shakespeare_path, table  # noqa: E402
 
 from nanogpt_cli.data import prepare  # noqa: E402
-from nanogpt_cli.train import NoDisplay, plan_run, resolve_device, resolve_dtype, train  # noqa: E402
+from nanogpt_cli.device import resolve_device, resolve_dtype  # noqa: E402
+from nanogpt_cli.events import NoDisplay  # noqa: E402
+from nanogpt_cli.plan import plan_run  # noqa: E402
+from nanogpt_cli.trainer import train  # noqa: E402
 
 NANOGPT = {"ms_per_iter": (40, 52), "tokens_per_s": (15_000, 19_000), "val_loss_2000": 1.886, "val_loss_300": 2.396}
 
@@ -37,7 +40,8 @@ def interleaved(device: torch.device, dtype_names: list[str], rounds: int = 5, s
 
     from nanogpt_cli.config import GPTConfig, TrainConfig, preset_values, split_values
     from nanogpt_cli.model import GPT
-    from nanogpt_cli.train import autocast_for, make_optimizer
+    from nanogpt_cli.device import autocast_for
+    from nanogpt_cli.optim import make_optimizer
 
     model_kw, _ = split_values(preset_values("cpu-char"))
     torch.manual_seed(0)

@@ -7,19 +7,22 @@ TrainResult's figures (and the GPU's peak memory) as JSON. Started by common.tra
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 
-from nanogpt_cli.train import plan_run, train
+from nanogpt_cli.distributed import open_world
+from nanogpt_cli.plan import plan_run
+from nanogpt_cli.trainer import train
 
 
 def main() -> None:
     flags, run_dir, result_path = json.loads(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
-    result = train(plan_run(flags, out=run_dir))
-    if os.environ.get("RANK", "0") == "0":
+    plan = plan_run(flags, out=run_dir)
+    with open_world(plan.train) as world:  # under torchrun: this process's place in the group
+        result = train(plan, world=world)
+    if world.main:
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
         result_path.write_text(json.dumps(dict(
             ms_per_iter=result.ms_per_iter, tokens_per_s=result.tokens_per_s, mfu=result.mfu, peak_bytes=peak,

@@ -15,10 +15,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from nanogpt_cli.config import MODEL_FIELDS, TRAIN_FIELDS, flag
+from nanogpt_cli.config import Dtype, TrainConfig, field_help, flag
 from nanogpt_cli.errors import NanoGPTError
-
-CONFIG_FIELDS = MODEL_FIELDS | TRAIN_FIELDS
 
 app = typer.Typer(
     help="Prepare text, train a small GPT, sample from it and evaluate it.\n\n"
@@ -83,35 +81,64 @@ def prints() -> bool:
     """Whether this process prints: always, except under torchrun, where rank 0 speaks for all (they meet the
     same errors, as they read the same files and agree on losses and stop signals)."""
     return os.environ.get("RANK", "0") == "0"
-def show_config_defaults(command):
-    """Train's config options default to None ("not given", so a preset or config file can fill them); their
-    help shows the value they stand for when nothing sets them."""
+def config_options(command):
+    """`command`'s own options plus one option per field of GPTConfig and TrainConfig, generated from each
+    field's type (a Choice offers its choices), help text, panel and default, as config.py declares them. The
+    options given reach `command` as one dict, `flags`; the others stay unset, so a preset or config file can
+    fill them, and their help shows the value they stand for when nothing does."""
     import dataclasses
+    import inspect
     import typing
 
-    from nanogpt_cli.config import GPTConfig, TrainConfig
+    from nanogpt_cli.config import MAIN, GPTConfig, TrainConfig
 
-    defaults = {f.name: f.default for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)}
-    defaults.pop("vocab_size")  # the dataset's, not the dataclass's
-    for name, hint in typing.get_type_hints(command, include_extras=True).items():
-        value = defaults.get(name)
-        for info in getattr(hint, "__metadata__", ()):
-            if value not in (None, "") and hasattr(info, "show_default"):
-                info.show_default = (flag(name) if value else f"no-{flag(name)}") if isinstance(value, bool) \
-                    else str(value)
-                command.__annotations__[name] = hint  # the evaluated hint, so Typer sees this OptionInfo
-    return command
+    hints = typing.get_type_hints(command, include_extras=True)
+    own = [p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
+           for p in inspect.signature(command).parameters.values()
+           if p.name != "flags"]
+    generated = [(cls, f) for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)]
+    options = {f.name: config_option(cls, f) for cls, f in generated}
+    first = [options[f.name] for cls, f in generated if f.metadata.get("panel") == MAIN]  # beside the command's own
+
+    @functools.wraps(command)
+    def run(**kwargs):
+        given = {name: kwargs.pop(name) for name in options}
+        return command(**kwargs, flags={k: v for k, v in given.items() if v is not None})
+
+    params = first + own + [p for p in options.values() if p not in first]
+    run.__signature__ = inspect.Signature(params)
+    run.__annotations__ = {p.name: p.annotation for p in params}
+    return run
+
+
+def config_option(cls, field):
+    """The CLI option of one config field: --name (--name/--no-name for a bool), of the field's type."""
+    import inspect
+
+    from nanogpt_cli.config import field_types
+
+    kind, _ = field_types(cls)[field.name]
+    name, default = flag(field.name), field.default
+    if default in (None, "") or not field.metadata.get("default_shown", True):
+        shown = False
+    elif kind is bool:
+        shown = name if default else f"no-{name}"
+    else:
+        shown = str(default)
+    option = typer.Option(*([f"--{name}/--no-{name}"] if kind is bool else []), help=field.metadata["help"],
+                          show_default=shown, rich_help_panel=field.metadata.get("panel", cls.PANEL) or None)
+    return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                             annotation=Annotated[Optional[kind], option])
 
 
 # options that several commands share
 Checkpoint = Annotated[str, typer.Option(help="Run folder (its best weights), a .safetensors file, or a Hugging "
                                               "Face model folder or hf:NAME.")]
 Last = Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")]
-DEVICE_HELP = "auto, cpu, cuda, cuda:N or mps."
-DTYPE_HELP = "auto, float32, bfloat16 or float16."
-Device = Annotated[str, typer.Option(help=DEVICE_HELP)]
-Dtype = Annotated[str, typer.Option(help=DTYPE_HELP)]
-DATA_DIR_HELP = "Folder of prepared datasets."
+Device = Annotated[str, typer.Option(help=field_help(TrainConfig, "device"))]
+DtypeOption = Annotated[Dtype, typer.Option(help="Precision the weights are cast to (auto: from the device and "
+                                                 "their size).")]
+DATA_DIR_HELP = field_help(TrainConfig, "data_dir")
 Threads = Annotated[Optional[int], typer.Option(help="CPU threads (default: torch's choice, one per core); fewer "
                                                      "help on a busy machine.", show_default=False)]
 
@@ -183,12 +210,9 @@ def prepare(
 
 
 @app.command()
-@show_config_defaults
+@config_options
 @one_line_errors
 def train(
-    data: Annotated[Optional[str], typer.Option(help="Dataset name under --data-dir (made by nanogpt prepare).")
-                    ] = None,
-    data_dir: Annotated[Optional[str], typer.Option(help=DATA_DIR_HELP[:-1] + " (default data).")] = None,
     preset: Annotated[Optional[str], typer.Option(help="Named config: tiny, cpu-char, cpu-fast, shakespeare-char, "
                                                        "gpt2-124m, gpt2-350m.")] = None,
     config: Annotated[Optional[Path], typer.Option(help="TOML file of config keys; flags override it.")] = None,
@@ -206,97 +230,18 @@ def train(
     tracker: Annotated[Optional[str], typer.Option(help="Also log to tensorboard or wandb (offline unless "
                                                         "WANDB_MODE=online); needs the track extra.",
                                                    show_default=False)] = None,
-    # model
-    vocab_size: Annotated[Optional[int], typer.Option(help="Vocabulary (default: the dataset's; larger pads it).",
-                                                      rich_help_panel="Model")] = None,
-    n_layer: Annotated[Optional[int], typer.Option(help="Transformer blocks.", rich_help_panel="Model")] = None,
-    n_head: Annotated[Optional[int], typer.Option(help="Attention heads.", rich_help_panel="Model")] = None,
-    n_embd: Annotated[Optional[int], typer.Option(help="Residual width.", rich_help_panel="Model")] = None,
-    block_size: Annotated[Optional[int], typer.Option(help="Context length.", rich_help_panel="Model")] = None,
-    dropout: Annotated[Optional[float], typer.Option(help="Dropout rate.", rich_help_panel="Model")] = None,
-    bias: Annotated[Optional[bool], typer.Option("--bias/--no-bias", help="Biases in linear and norm layers.",
-                                                 rich_help_panel="Model")] = None,
-    pos_encoding: Annotated[Optional[str], typer.Option(help="rope, sinusoidal or learned.",
-                                                        rich_help_panel="Model")] = None,
-    rope_theta: Annotated[Optional[float], typer.Option(help="RoPE base.", rich_help_panel="Model")] = None,
-    norm: Annotated[Optional[str], typer.Option(help="layernorm or rmsnorm.", rich_help_panel="Model")] = None,
-    norm_eps: Annotated[Optional[float], typer.Option(help="Norm epsilon.", rich_help_panel="Model")] = None,
-    mlp: Annotated[Optional[str], typer.Option(help="gelu, gelu_tanh, swiglu or relu2 (squared ReLU).",
-                                               rich_help_panel="Model")] = None,
-    mlp_hidden: Annotated[Optional[int], typer.Option(help="MLP hidden width.", rich_help_panel="Model")] = None,
-    tie_embeddings: Annotated[Optional[bool], typer.Option("--tie-embeddings/--no-tie-embeddings",
-                                                           help="Share the embedding with the LM head.",
-                                                           rich_help_panel="Model")] = None,
-    qk_norm: Annotated[Optional[bool], typer.Option("--qk-norm/--no-qk-norm", help="RMSNorm on queries and keys.",
-                                                    rich_help_panel="Model")] = None,
-    logit_softcap: Annotated[Optional[float], typer.Option(help="Soft-cap the logits at C with tanh.",
-                                                           rich_help_panel="Model")] = None,
-    zero_init_proj: Annotated[Optional[bool], typer.Option("--zero-init-proj/--no-zero-init-proj",
-                                                           help="Start output projections at zero.",
-                                                           rich_help_panel="Model")] = None,
-    # training
-    batch_size: Annotated[Optional[int], typer.Option(help="Sequences per micro-batch.",
-                                                      rich_help_panel="Training")] = None,
-    gradient_accumulation_steps: Annotated[Optional[int], typer.Option(help="Micro-batches per update.",
-                                                                       rich_help_panel="Training")] = None,
-    max_iters: Annotated[Optional[int], typer.Option(help="Optimizer updates in the run.",
-                                                     rich_help_panel="Training")] = None,
-    learning_rate: Annotated[Optional[float], typer.Option(help="Peak learning rate.",
-                                                           rich_help_panel="Training")] = None,
-    min_lr: Annotated[Optional[float], typer.Option(help="Final learning rate.", rich_help_panel="Training")] = None,
-    lr_schedule: Annotated[Optional[str], typer.Option(help="cosine, constant or wsd.",
-                                                       rich_help_panel="Training")] = None,
-    wsd_decay_frac: Annotated[Optional[float], typer.Option(help="wsd: share of the decay iters spent decaying.",
-                                                            rich_help_panel="Training")] = None,
-    warmup_iters: Annotated[Optional[int], typer.Option(help="Linear warmup updates.",
-                                                        rich_help_panel="Training")] = None,
-    lr_decay_iters: Annotated[Optional[int], typer.Option(help="Updates until --min-lr (default --max-iters).",
-                                                          rich_help_panel="Training")] = None,
-    weight_decay: Annotated[Optional[float], typer.Option(help="AdamW weight decay on matrices.",
-                                                          rich_help_panel="Training")] = None,
-    beta1: Annotated[Optional[float], typer.Option(help="AdamW beta1.", rich_help_panel="Training")] = None,
-    beta2: Annotated[Optional[float], typer.Option(help="AdamW beta2.", rich_help_panel="Training")] = None,
-    grad_clip: Annotated[Optional[float], typer.Option(help="Clip the gradient norm (0: off).",
-                                                       rich_help_panel="Training")] = None,
-    optimizer: Annotated[Optional[str], typer.Option(help="adamw, or muon (Muon on the block matrices, AdamW on "
-                                                          "the rest).", rich_help_panel="Training")] = None,
-    muon_lr: Annotated[Optional[float], typer.Option(help="Muon's peak learning rate.",
-                                                     rich_help_panel="Training")] = None,
-    muon_momentum: Annotated[Optional[float], typer.Option(help="Muon's momentum.",
-                                                           rich_help_panel="Training")] = None,
-    muon_momentum_warmup: Annotated[Optional[int], typer.Option(help="Updates to raise Muon's momentum from 0.85.",
-                                                                rich_help_panel="Training")] = None,
-    eval_interval: Annotated[Optional[int], typer.Option(help="Evaluate and checkpoint every N updates.",
-                                                         rich_help_panel="Training")] = None,
-    eval_iters: Annotated[Optional[int], typer.Option(help="Batches per split in an evaluation.",
-                                                      rich_help_panel="Training")] = None,
-    log_interval: Annotated[Optional[int], typer.Option(help="Progress every N updates.",
-                                                        rich_help_panel="Training")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed.", rich_help_panel="Training")] = None,
-    device: Annotated[Optional[str], typer.Option(help=DEVICE_HELP, rich_help_panel="Training")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help=DTYPE_HELP, rich_help_panel="Training")] = None,
-    compile: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="torch.compile the model.",
-                                                    rich_help_panel="Training")] = None,
-    stop_at: Annotated[Optional[int], typer.Option(help="Stop after update K as if interrupted.",
-                                                   rich_help_panel="Training")] = None,
-    max_time: Annotated[Optional[float], typer.Option(help="End after this many seconds of training; the LR schedule "
-                                                           "then follows the time spent.",
-                                                      rich_help_panel="Training")] = None,
-    parallel: Annotated[Optional[str], typer.Option(help="Under torchrun: ddp (weights on every GPU) or fsdp "
-                                                         "(sharded).", rich_help_panel="Training")] = None,
+    flags: Optional[dict] = None,  # the config options given (config_options)
 ):
     """Train a GPT on a prepared dataset, with checkpoints you can resume.
 
     Example: nanogpt train --data shakespeare-char --preset cpu-char --out checkpoints/shk
     """
-    # every option named like a config field is an override; None means not given
-    flags = {k: v for k, v in locals().items() if k in CONFIG_FIELDS and v is not None}
-    if preset is not None:
-        flags["preset"] = preset
+    flags = dict(flags or {}, **({"preset": preset} if preset is not None else {}))
     from nanogpt_cli.config import load_toml
-    from nanogpt_cli.train import plan_run, processes
-    from nanogpt_cli.train import train as run_training
-    from nanogpt_cli.ui import TrainDisplay, console, train_table
+    from nanogpt_cli.distributed import open_world
+    from nanogpt_cli.plan import plan_run
+    from nanogpt_cli.trainer import Trainer
+    from nanogpt_cli.ui import TrainDisplay, console
 
     from nanogpt_cli.device import set_threads
 
@@ -321,29 +266,35 @@ def train(
         return
     # under torchrun the process group is left only after rank 0 has printed, so no rank ends (and has
     # torchrun stop the others) before
-    with processes(plan.train) as world:
+    with open_world(plan.train) as world:
         try:
             with TrainDisplay(quiet or not prints()) as display:
-                result = run_training(plan, Tee(display, sink) if sink else display, world)
+                result = Trainer(plan, Tee(display, sink) if sink else display, world).fit()
         finally:
             if sink is not None:
                 sink.close()
         if prints():
-            console.print(train_table(result))
-            if importlib.util.find_spec("matplotlib") is not None:  # the plot extra: a picture of the curves
-                from nanogpt_cli.checkpoint import LOSS_PLOT
-                from nanogpt_cli.plot import write_png
-
-                write_png([plan.run_dir.path], plan.run_dir / LOSS_PLOT)
-            resume_with = f"nanogpt train --out {plan.run_dir} --resume"
-            if result.stopped in ("SIGINT", "SIGTERM"):
-                fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}")
-            if result.stopped == "stop_at":
-                console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_with}")
-            if result.stopped == "max_time":
-                console.print(f"ended at step {result.step:,}: --max-time {plan.train.max_time:g} s was spent")
+            report_training(plan, result)
     if result.stopped in ("SIGINT", "SIGTERM"):
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
+
+
+def report_training(plan, result) -> None:
+    """The summary table, the loss curves' picture (with the plot extra) and how the run ended."""
+    from nanogpt_cli.ui import console, train_table
+
+    console.print(train_table(result))
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot extra: a picture of the curves
+        from nanogpt_cli.plot import write_png
+
+        write_png([plan.run_dir.path], plan.run_dir.loss_plot_path)
+    resume_with = f"nanogpt train --out {plan.run_dir} --resume"
+    if result.stopped in ("SIGINT", "SIGTERM"):
+        fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}")
+    if result.stopped == "stop_at":
+        console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_with}")
+    if result.stopped == "max_time":
+        console.print(f"ended at step {result.step:,}: --max-time {plan.train.max_time:g} s was spent")
 
 
 @app.command()
@@ -369,7 +320,7 @@ def sample(
                                                                            "is the first).")] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the whole context every token.")] = False,
     device: Device = "auto",
-    dtype: Dtype = "auto",
+    dtype: DtypeOption = Dtype.auto,
     threads: Threads = None,
 ):
     """Generate text from a trained model, streamed as it is written.
@@ -443,14 +394,14 @@ def perplexity(
     last: Last = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     device: Device = "auto",
-    dtype: Dtype = "float32",
+    dtype: DtypeOption = Dtype.float32,
     threads: Threads = None,
 ):
     """Score every token of a dataset split or text files once: loss, perplexity, bits per byte.
 
     Example: nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char --split val
     """
-    from nanogpt_cli.checkpoint import load_for_inference
+    from nanogpt_cli.loading import load_for_inference
     from nanogpt_cli.evaluate import perplexity_of_files, perplexity_of_split
     from nanogpt_cli.ui import console, eval_table
 

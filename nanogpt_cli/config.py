@@ -10,9 +10,13 @@ import difflib
 import json
 import math
 import sys
+import enum
+import functools
+import types as types_module
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -21,58 +25,120 @@ else:  # pragma: no cover - Python 3.10
 
 from nanogpt_cli.errors import NanoGPTError
 
-POS_ENCODINGS = ("rope", "sinusoidal", "learned")
-NORMS = ("layernorm", "rmsnorm")
-MLPS = ("gelu", "gelu_tanh", "swiglu", "relu2")
-OPTIMIZERS = ("adamw", "muon")
-LR_SCHEDULES = ("cosine", "constant", "wsd")
-DTYPES = ("float32", "bfloat16", "float16")  # --dtype's names besides auto; torch.<name> is the dtype
-PARALLEL = ("ddp", "fsdp")
+class Choice(str, enum.Enum):
+    """A config value from a fixed list: a str (it compares, hashes and serialises as its value) whose CLI
+    option offers exactly these choices."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:  # error messages quote the value as the user wrote it
+        return repr(self.value)
+
+
+class PosEncoding(Choice):
+    rope = "rope"
+    sinusoidal = "sinusoidal"
+    learned = "learned"
+
+
+class Norm(Choice):
+    layernorm = "layernorm"
+    rmsnorm = "rmsnorm"
+
+
+class MLP(Choice):
+    gelu = "gelu"
+    gelu_tanh = "gelu_tanh"
+    swiglu = "swiglu"
+    relu2 = "relu2"
+
+
+class OptimizerName(Choice):
+    adamw = "adamw"
+    muon = "muon"
+
+
+class LRSchedule(Choice):
+    cosine = "cosine"
+    constant = "constant"
+    wsd = "wsd"
+
+
+class Dtype(Choice):
+    """--dtype: auto picks one from the device (device.py); each other name is torch.<name>."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Parallel(Choice):
+    ddp = "ddp"
+    fsdp = "fsdp"
+
+
+MAIN = ""  # the panel of the command's own options, for config fields shown among them
+
+
+def setting(default: Any, help: str, panel: str | None = None, default_shown: bool = True) -> Any:
+    """A config field with its CLI option's help text (and panel: the class's PANEL unless given) declared
+    beside it; `nanogpt train` generates its options from these (cli.config_options). default_shown=False: the
+    help does not show the default (it says what applies instead)."""
+    metadata: dict[str, Any] = {"help": help, "default_shown": default_shown}
+    if panel is not None:
+        metadata["panel"] = panel
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def field_help(cls: type, name: str) -> str:
+    """A config field's help text, for a command that offers the same option outside the config."""
+    return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
 
 
 @dataclass
 class GPTConfig:
     """The architecture. A checkpoint stores this as JSON and is rebuilt from it."""
 
-    vocab_size: int = 50304  # tokens in the vocabulary (the dataset's meta.json sets it for training)
-    block_size: int = 256  # context length in tokens
-    n_layer: int = 6  # transformer blocks
-    n_head: int = 6  # attention heads per block
-    n_embd: int = 384  # residual stream width
-    dropout: float = 0.0  # dropout on attention weights, residual branches and embeddings
-    bias: bool = False  # biases in Linear and LayerNorm layers (GPT-2 has them)
-    pos_encoding: str = "rope"  # rope | sinusoidal | learned
-    rope_theta: float = 10000.0  # RoPE base frequency
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    norm_eps: float = 1e-5  # epsilon of the norm layers
-    mlp: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2's approximation) | swiglu | relu2 (squared ReLU)
-    mlp_hidden: int | None = None  # MLP hidden width; None: 4*n_embd (gelu) or ~8/3*n_embd rounded to 64 (swiglu)
-    tie_embeddings: bool = True  # the LM head shares the token embedding matrix
+    PANEL: ClassVar[str] = "Model"
+
+    # the dataset's meta.json sets it for training
+    vocab_size: int = setting(50304, "Vocabulary (default: the dataset's; larger pads it).", default_shown=False)
+    block_size: int = setting(256, "Context length.")
+    n_layer: int = setting(6, "Transformer blocks.")
+    n_head: int = setting(6, "Attention heads.")
+    n_embd: int = setting(384, "Residual width.")
+    dropout: float = setting(0.0, "Dropout rate.")  # on attention weights, residual branches and embeddings
+    bias: bool = setting(False, "Biases in linear and norm layers.")  # GPT-2 has them
+    pos_encoding: PosEncoding = setting(PosEncoding.rope, "Position encoding.")
+    rope_theta: float = setting(10000.0, "RoPE base.")
+    norm: Norm = setting(Norm.layernorm, "Norm layers.")
+    norm_eps: float = setting(1e-5, "Norm epsilon.")
+    # gelu is exact (erf), gelu_tanh GPT-2's approximation
+    mlp: MLP = setting(MLP.gelu, "MLP activation; relu2 is squared ReLU.")
+    # None: 4*n_embd (gelu) or ~8/3*n_embd rounded to 64 (swiglu)
+    mlp_hidden: int | None = setting(None, "MLP hidden width.")
+    tie_embeddings: bool = setting(True, "Share the embedding with the LM head.")
     # modded-nanogpt / nanochat block options; off by default, so older checkpoints load unchanged
-    qk_norm: bool = False  # RMSNorm (with a gain per head dimension) on queries and keys, before RoPE
-    logit_softcap: float | None = None  # logits -> C * tanh(logits / C), in fp32 (Gemma 2); None: off
-    zero_init_proj: bool = False  # start each residual branch's output projection at zero (init only)
+    qk_norm: bool = setting(False, "RMSNorm on queries and keys.")  # with a gain per head dimension, before RoPE
+    logit_softcap: float | None = setting(None, "Soft-cap the logits at C with tanh.")  # in fp32 (Gemma 2)
+    zero_init_proj: bool = setting(False, "Start output projections at zero.")  # each residual branch's; init only
 
     def __post_init__(self):
-        check_finite(self)
+        check_values(self)
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"--{flag(name)} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head != 0:
             raise ValueError(f"--n-embd ({self.n_embd}) must be divisible by --n-head ({self.n_head})")
-        if self.pos_encoding not in POS_ENCODINGS:
-            raise ValueError(f"--pos-encoding must be one of {', '.join(POS_ENCODINGS)}, got {self.pos_encoding!r}")
         if self.pos_encoding == "rope" and self.head_size % 2 != 0:
             raise ValueError(
                 f"RoPE needs an even head size, but --n-embd {self.n_embd} / --n-head {self.n_head} = {self.head_size}"
             )
         if self.pos_encoding == "sinusoidal" and self.n_embd % 2 != 0:
             raise ValueError(f"sinusoidal positions need an even --n-embd, got {self.n_embd}")
-        if self.norm not in NORMS:
-            raise ValueError(f"--norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
-        if self.mlp not in MLPS:
-            raise ValueError(f"--mlp must be one of {', '.join(MLPS)}, got {self.mlp!r}")
         if self.mlp_hidden is not None and self.mlp_hidden <= 0:
             raise ValueError(f"--mlp-hidden must be a positive integer, got {self.mlp_hidden}")
         if not 0.0 <= self.dropout < 1.0:
@@ -118,40 +184,45 @@ class GPTConfig:
 class TrainConfig:
     """How to train. Field names follow nanoGPT's train.py; one iteration is one optimizer update."""
 
-    data: str = ""  # dataset name under data_dir (written by `nanogpt prepare`)
-    data_dir: str = "data"  # folder holding prepared datasets
-    batch_size: int = 12  # sequences per micro-batch
-    gradient_accumulation_steps: int = 1  # micro-batches per optimizer update
-    max_iters: int = 2000  # optimizer updates in the whole run
-    learning_rate: float = 1e-3  # peak learning rate
-    min_lr: float = 1e-4  # learning rate at the end of the decay
-    lr_schedule: str = "cosine"  # cosine | constant | wsd (warmup-stable-decay)
-    warmup_iters: int = 100  # linear warmup updates
-    lr_decay_iters: int | None = None  # updates until min_lr; None: max_iters
-    wsd_decay_frac: float = 0.2  # wsd: fraction of lr_decay_iters spent decaying
-    weight_decay: float = 0.1  # AdamW decay on matrices (not on biases, norms)
-    beta1: float = 0.9  # AdamW's first-moment decay
-    beta2: float = 0.99  # AdamW's second-moment decay (0.95 for large models)
-    grad_clip: float = 1.0  # clip the global grad norm to this; 0 disables
-    optimizer: str = "adamw"  # adamw | muon (Muon for the matrices inside the blocks, AdamW for the rest)
-    muon_lr: float = 0.02  # Muon's peak learning rate; the schedule scales it like --learning-rate
-    muon_momentum: float = 0.95  # Muon's momentum (Nesterov)
-    muon_momentum_warmup: int = 0  # updates over which Muon's momentum rises from 0.85 to --muon-momentum
-    eval_interval: int = 250  # evaluate every this many updates (and at the end)
-    eval_iters: int = 20  # batches per split in each evaluation
-    log_interval: int = 10  # progress line every this many updates
-    seed: int = 1337  # seeds the init, the batches, dropout and the evaluation batches
-    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    compile: bool = False  # torch.compile the model
-    stop_at: int | None = None  # end after this update as if interrupted (the schedule still follows max_iters)
-    max_time: float | None = None  # seconds: end the run by then, evaluations included (the last one's length is
-    # kept free for the final one); the schedule runs on the share of the time spent or of lr_decay_iters done,
-    # whichever is further
-    parallel: str = "ddp"  # under torchrun: ddp (weights replicated) | fsdp (weights sharded, FSDP2)
+    PANEL: ClassVar[str] = "Training"
+
+    data: str = setting("", "Dataset name under --data-dir (made by nanogpt prepare).", panel=MAIN)
+    data_dir: str = setting("data", "Folder of prepared datasets.", panel=MAIN)
+    batch_size: int = setting(12, "Sequences per micro-batch.")
+    gradient_accumulation_steps: int = setting(1, "Micro-batches per update.")
+    max_iters: int = setting(2000, "Optimizer updates in the run.")
+    learning_rate: float = setting(1e-3, "Peak learning rate.")
+    min_lr: float = setting(1e-4, "Final learning rate.")  # at the end of the decay
+    lr_schedule: LRSchedule = setting(LRSchedule.cosine, "Learning rate schedule; wsd is warmup-stable-decay.")
+    wsd_decay_frac: float = setting(0.2, "wsd: share of the decay iters spent decaying.")
+    warmup_iters: int = setting(100, "Linear warmup updates.")
+    lr_decay_iters: int | None = setting(None, "Updates until --min-lr (default --max-iters).")
+    weight_decay: float = setting(0.1, "AdamW weight decay on matrices.")  # not on biases, norms
+    beta1: float = setting(0.9, "AdamW beta1.")
+    beta2: float = setting(0.99, "AdamW beta2.")  # 0.95 for large models
+    grad_clip: float = setting(1.0, "Clip the gradient norm (0: off).")
+    optimizer: OptimizerName = setting(OptimizerName.adamw, "muon: Muon on the block matrices, AdamW on the rest.")
+    muon_lr: float = setting(0.02, "Muon's peak learning rate.")  # the schedule scales it like --learning-rate
+    muon_momentum: float = setting(0.95, "Muon's momentum.")  # Nesterov
+    muon_momentum_warmup: int = setting(0, "Updates to raise Muon's momentum from 0.85.")
+    eval_interval: int = setting(250, "Evaluate and checkpoint every N updates.")  # and at the end
+    eval_iters: int = setting(20, "Batches per split in an evaluation.")
+    log_interval: int = setting(10, "Progress every N updates.")
+    # seeds the init, the batches, dropout and the evaluation batches
+    seed: int = setting(1337, "Random seed.")
+    device: str = setting("auto", "auto, cpu, cuda, cuda:N or mps.")
+    dtype: Dtype = setting(Dtype.auto, "Training precision (auto: from the device).")
+    compile: bool = setting(False, "torch.compile the model.")
+    # the schedule still follows max_iters
+    stop_at: int | None = setting(None, "Stop after update K as if interrupted.")
+    # evaluations included (the last one's length is kept free for the final one); the schedule runs on the share
+    # of the time spent or of lr_decay_iters done, whichever is further
+    max_time: float | None = setting(None, "End after this many seconds of training; the LR schedule then follows "
+                                           "the time spent.")
+    parallel: Parallel = setting(Parallel.ddp, "Under torchrun: ddp (weights on every GPU) or fsdp (sharded).")
 
     def __post_init__(self):
-        check_finite(self)
+        check_values(self)
         for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "eval_interval", "eval_iters",
                      "log_interval"):
             value = getattr(self, name)
@@ -164,18 +235,10 @@ class TrainConfig:
         if self.min_lr > self.learning_rate:
             raise ValueError(f"--min-lr ({self.min_lr:g}) is above --learning-rate ({self.learning_rate:g}): the "
                              "schedule decays from the peak down to --min-lr")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
-        if self.parallel not in PARALLEL:
-            raise ValueError(f"--parallel must be one of {', '.join(PARALLEL)}, got {self.parallel!r}")
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         if not 0.0 < self.wsd_decay_frac <= 1.0:
             raise ValueError(f"--wsd-decay-frac must be in (0, 1], got {self.wsd_decay_frac}")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ValueError("--grad-clip and --weight-decay must be >= 0")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.muon_lr <= 0 or not 0.0 <= self.muon_momentum < 1.0 or self.muon_momentum_warmup < 0:
             raise ValueError("--muon-lr must be positive, --muon-momentum in [0, 1) and --muon-momentum-warmup >= 0")
         if self.optimizer == "muon" and self.parallel == "fsdp":
@@ -229,16 +292,32 @@ PRESETS: dict[str, dict[str, Any]] = {
                       eval_interval=1000, eval_iters=200),
 }
 
-def check_finite(config) -> None:
-    """NaN and infinity pass every comparison-based check below, so they are refused first, by flag."""
+MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(GPTConfig))
+TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, tuple[type, bool]]:
+    """Each field's type, as (int | float | bool | str | a Choice, whether None is allowed)."""
+    types = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = typing.get_args(hint) if isinstance(hint, types_module.UnionType) else (hint,)
+        kinds = [a for a in args if a is not type(None)]
+        if name in {f.name for f in dataclasses.fields(cls)}:
+            types[name] = (kinds[0], len(kinds) < len(args))
+    return types
+
+
+def check_values(config) -> None:
+    """NaN and infinity pass every comparison-based check, so they are refused first, by flag; a choice field
+    holds one of its choices (a value built outside build_configs may be its name)."""
     for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"--{flag(f.name)} must be a finite number, got {value}")
-
-
-MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(GPTConfig))
-TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
+        kind, _ = field_types(type(config))[f.name]
+        if issubclass(kind, Choice) and value not in [c.value for c in kind]:
+            raise ValueError(f"--{flag(f.name)} must be one of {', '.join(c.value for c in kind)}, got {value!r}")
 
 
 def flag(name: str) -> str:
@@ -288,26 +367,30 @@ def split_values(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     return model, train
 
 
-_KINDS = {"int": (int,), "float": (int, float), "bool": (bool,), "str": (str,)}
-_NAMES = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "text"}
+_NAMES = {int: "a whole number", float: "a number", bool: "true or false", str: "text"}
 
 
-def check_types(values: dict[str, Any]) -> None:
-    """Config-file values of the wrong type, named by their flag (the CLI's flags are typed already)."""
-    annotations = {f.name: f.type for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)}
-    for key, value in values.items():
-        kind = str(annotations[key]).replace(" | None", "")
-        if value is None and str(annotations[key]).endswith("| None"):
-            continue
-        is_bool = isinstance(value, bool)
-        if not isinstance(value, _KINDS[kind]) or (is_bool and kind != "bool"):
-            raise NanoGPTError(f"--{flag(key)} must be {_NAMES[kind]}, got {value!r}")
+def parse_value(key: str, value: Any) -> Any:
+    """A config-file (or saved config.json) value in its field's type: a whole number where a number is
+    asked for becomes a float, a choice's name its Choice; the wrong type is refused, named by its flag.
+    The CLI's options are parsed into these types already."""
+    kind, optional = {**field_types(GPTConfig), **field_types(TrainConfig)}[key]
+    if value is None and optional:
+        return None
+    if issubclass(kind, Choice):
+        if value not in [c.value for c in kind] or isinstance(value, bool):
+            raise NanoGPTError(f"--{flag(key)} must be one of {', '.join(c.value for c in kind)}, got {value!r}")
+        return kind(value)
+    accepted = (int, float) if kind is float else (kind,)
+    if not isinstance(value, accepted) or (isinstance(value, bool) and kind is not bool):
+        raise NanoGPTError(f"--{flag(key)} must be {_NAMES[kind]}, got {value!r}")
+    return kind(value)
 
 
 def build_configs(values: dict[str, Any]) -> tuple[GPTConfig, TrainConfig]:
-    """Both configs from merged values; a validation error becomes one NanoGPTError sentence."""
-    model_kw, train_kw = split_values(values)
-    check_types(values)
+    """Both configs from merged values, each parsed into its field's type; a validation error becomes one
+    NanoGPTError sentence."""
+    model_kw, train_kw = split_values({k: parse_value(k, v) for k, v in values.items()})
     try:
         return GPTConfig(**model_kw), TrainConfig(**train_kw)
     except (ValueError, TypeError) as e:

@@ -1,6 +1,6 @@
 """Devices and precisions: which device `auto` means, which dtype `auto` means there, and peak FLOP/s.
 
-    device = resolve_device("auto"); dtype = resolve_dtype("auto", device)
+    device = resolve_device("auto"); dtype = resolve_dtype(Dtype.auto, device)
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from nanogpt_cli.config import DTYPES
+from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, for MFU; a device not listed gets no MFU.
@@ -47,10 +47,14 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+# --dtype's names (besides auto) and the torch dtypes they stand for: the one table of this vocabulary
+TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.bfloat16: torch.bfloat16, Dtype.float16: torch.float16}
+
+
+def resolve_dtype(name: Dtype, device: torch.device) -> torch.dtype:
     """auto: bf16 where the hardware supports it (CUDA, or a CPU with native bf16), else fp16 on older
     CUDA GPUs, else fp32."""
-    if name == "auto":
+    if name == Dtype.auto:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         if device.type == "cpu" and cpu_has_bf16():
@@ -58,7 +62,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return torch.float32
     # float16 runs anywhere: torch's autocast and GradScaler work on the CPU too (slowly), so the path that
     # T4/V100-class GPUs take is exercised by the CPU tests
-    return dtype_named(name)
+    return TORCH_DTYPES[Dtype(name)]
 
 
 def autocast_for(device: torch.device, dtype: torch.dtype):
@@ -78,25 +82,18 @@ def peak_flops_of(device_name: str) -> float | None:
     return next((PEAK_FLOPS[k] for k in sorted(PEAK_FLOPS, key=len, reverse=True) if k in device_name), None)
 
 
-def resolve_inference_dtype(name: str, device: torch.device, weight_bytes: int) -> torch.dtype:
+def resolve_inference_dtype(name: Dtype, device: torch.device, weight_bytes: int) -> torch.dtype:
     """The dtype to cast weights to for sampling and evaluation. auto: bf16 on CUDA GPUs that have it; on a
     CPU with native bf16, bf16 once the fp32 weights outgrow its caches (> 16 MB: one-token decoding then
     streams every weight from memory, and half the bytes is ~1.6x the speed), else fp32, where small models
     are bound by per-op overhead that narrower types do not remove."""
-    if name == "auto":
+    if name == Dtype.auto:
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         if device.type == "cpu" and cpu_has_bf16() and weight_bytes > 16 * 2**20:
             return torch.bfloat16
         return torch.float32
-    return dtype_named(name)
-
-
-def dtype_named(name: str) -> torch.dtype:
-    """--dtype's value (other than auto) as a torch dtype."""
-    if name not in DTYPES:
-        raise NanoGPTError(f"--dtype must be one of auto, {', '.join(DTYPES)}, got {name!r}")
-    return getattr(torch, name)
+    return TORCH_DTYPES[Dtype(name)]
 
 
 def set_threads(n: int | None) -> None:

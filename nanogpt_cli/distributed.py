@@ -1,8 +1,10 @@
-"""Many processes under torchrun: the process group, the DDP / FSDP2 wrappers, the collectives the training
-loop needs, and full (unsharded) states for rank 0 to save. train.py imports this only when WORLD_SIZE > 1.
+"""The world a run trains in: one process (`World`, whose collectives return their input and whose `wrap`
+returns the model unchanged) or the processes of a torchrun launch (`ProcessGroup`: DDP / FSDP2 wrappers, the
+collectives the training loop needs, full (unsharded) states for rank 0 to save). The loop calls the same
+methods on either and never asks how many processes there are; only the CLI (or a library caller) opens one.
 
-    with distributed.process_group("auto") as world:
-        model = distributed.wrap(model, "fsdp", world, dtype)
+    with distributed.open_world(cfg) as world:
+        model = world.wrap(model, "fsdp", dtype)
 
 World-size invariance: --gradient-accumulation-steps G counts micro-batches per update over all ranks. Every
 rank draws all G from the one seeded stream and keeps its G / W (`micro_share`), and each rank's loss is
@@ -24,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nanogpt_cli.config import TrainConfig
+from nanogpt_cli.device import resolve_device
 from nanogpt_cli.errors import NanoGPTError
 
 # A collective that waits this long means a rank is gone or stuck: fail rather than hang forever. Long enough
@@ -33,15 +37,129 @@ TIMEOUT = timedelta(minutes=15)
 
 @dataclass(frozen=True)
 class World:
-    rank: int  # this process among all of them, 0 .. size - 1
-    local_rank: int  # this process on its node: its GPU
-    size: int  # processes in all
+    """One process: it is rank 0 of 1, it writes and prints, and every collective returns its input."""
+
     device: torch.device
+    rank: int = 0  # this process among all of them, 0 .. size - 1
+    local_rank: int = 0  # this process on its node: its GPU
+    size: int = 1  # processes in all
 
     @property
     def main(self) -> bool:
         """Rank 0 writes the run folder and prints."""
         return self.rank == 0
+
+    def describe(self, parallel: str) -> str:
+        return str(self.device)
+
+    def wrap(self, model: nn.Module, parallel: str, dtype: torch.dtype) -> nn.Module:
+        """The model ready for training; optimizers are built on the result's parameters."""
+        return model
+
+    def seed_dropout(self, seed: int) -> None:
+        """Each rank its own dropout masks, as its own batches (one process keeps torch's stream as it is)."""
+
+    def micro_share(self, n_micro: int) -> range:
+        """The micro-batches (indices into the G of one update) this process runs."""
+        return range(n_micro)
+
+    def eval_share(self, n_batches: int) -> tuple[list[int], int]:
+        """The evaluation batches this process runs, and how many of them count."""
+        return list(range(n_batches)), n_batches
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        """Backward passes inside reduce the gradients over ranks only when enabled."""
+        return contextlib.nullcontext()
+
+    def mean_loss(self, losses: torch.Tensor, counted: int, n_batches: int) -> float:
+        """The mean of all processes' evaluation losses, from this one's per-batch losses."""
+        return losses.mean().item()
+
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def max_int(self, value: int) -> int:
+        return value
+
+    def barrier(self) -> None:
+        pass
+
+    def gather_objects(self, obj) -> list | None:
+        """Every rank's obj in rank order; None in one process, where there is only this one."""
+        return None
+
+    def full_states(self, model: nn.Module, optimizer) -> tuple[dict | None, dict | None]:
+        """The model's and the optimizer's whole states for rank 0 to save; None: the objects' own."""
+        return None, None
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict) -> None:
+        optimizer.load_state_dict(sd)
+
+
+@dataclass(frozen=True)
+class ProcessGroup(World):
+    """One process of a torchrun launch, in the process group that open_world joined."""
+
+    def describe(self, parallel: str) -> str:
+        return f"{self.size} x {self.device.type}, {parallel}"
+
+    def wrap(self, model: nn.Module, parallel: str, dtype: torch.dtype) -> nn.Module:
+        return wrap(model, parallel, self, dtype)
+
+    def seed_dropout(self, seed: int) -> None:
+        torch.manual_seed(seed + self.rank)
+
+    def micro_share(self, n_micro: int) -> range:
+        return micro_share(n_micro, self)
+
+    def eval_share(self, n_batches: int) -> tuple[list[int], int]:
+        return eval_share(n_batches, self)
+
+    def gradient_sync(self, model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        return gradient_sync(model, enabled)
+
+    def mean_loss(self, losses: torch.Tensor, counted: int, n_batches: int) -> float:
+        return mean_loss(losses, counted, n_batches)
+
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        return sum_all(t) / self.size
+
+    def max_int(self, value: int) -> int:
+        return max_int(value, self)
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def gather_objects(self, obj) -> list:
+        return gather_objects(obj, self)
+
+    def full_states(self, model: nn.Module, optimizer) -> tuple[dict | None, dict | None]:
+        return full_states(model, optimizer, self)
+
+    def load_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict) -> None:
+        load_optimizer_state(model, optimizer, sd)
+
+
+def launched_size() -> int:
+    """How many processes torchrun started (1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+@contextlib.contextmanager
+def open_world(cfg: TrainConfig) -> Iterator[World]:
+    """`with open_world(cfg) as world:` one process's World, or under torchrun this process's place in the
+    process group, joined here and left on every way out. What the group cannot do is refused first, before
+    any process waits for another."""
+    n = launched_size()
+    if n <= 1:
+        yield World(resolve_device(cfg.device))
+        return
+    per_rank(cfg.gradient_accumulation_steps, n)
+    if cfg.max_time is not None:
+        raise NanoGPTError("--max-time runs in one process only: under torchrun each rank's clock would set its "
+                           "own learning rate; use --max-iters")
+    with process_group(cfg.device) as world:
+        yield world
 
 
 def rank_device(name: str, local_rank: int) -> torch.device:
@@ -78,7 +196,7 @@ def process_group(device_name: str) -> Iterator[World]:
     else:
         dist.init_process_group("gloo", timeout=TIMEOUT)
     try:
-        yield World(rank, local_rank, size, device)
+        yield ProcessGroup(device, rank, local_rank, size)
         dist.barrier()
         # from here on each rank only tears down and exits; after a stop with a non-zero exit, the first rank
         # out makes torchrun SIGTERM the rest: let them finish their exit (and status) instead of dying in it
@@ -196,14 +314,6 @@ def sum_all(t: torch.Tensor) -> torch.Tensor:
     t = t.detach().clone()
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
-
-
-def mean_all(t: torch.Tensor, world: World) -> torch.Tensor:
-    return sum_all(t) / world.size
-
-
-def barrier() -> None:
-    dist.barrier()
 
 
 def gather_objects(obj, world: World) -> list:

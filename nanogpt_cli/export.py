@@ -45,9 +45,9 @@ def export(source: str | Path, fmt: str, out: str | Path, last: bool = False, fo
 
 def load_source(source: str | Path, last: bool = False) -> tuple[GPT, dict[str, Any]]:
     """Our model and tokenizer description from one of our checkpoints or a Hugging Face model."""
-    from nanogpt_cli import checkpoint as ckpt
+    from nanogpt_cli.loading import load_model
 
-    model, meta = ckpt.load_model(source, last=last)
+    model, meta = load_model(source, last=last)
     if "tokenizer" not in meta:
         raise NanoGPTError(f"{source} has no tokenizer in its metadata, so it cannot be exported with one")
     return model, meta["tokenizer"]

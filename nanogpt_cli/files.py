@@ -1,13 +1,17 @@
-"""Paths the user names on the command line: read a text file or check that a folder can be made, each
-failure one sentence that names the flag (a folder where a file was expected, a binary file, no permission).
+"""Files: paths the user names on the command line (read a text file, check that a folder can be made; each
+failure one sentence that names the flag), and the one atomic write that every file we write goes through.
 
     text = read_text_file(Path("prompt.txt"), "--prompt-file")
+    write_json(run_path / "notes.json", {"ok": True})   # a crash mid-write leaves the previous file intact
 """
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from nanogpt_cli.errors import NanoGPTError
 
@@ -48,3 +52,36 @@ def check_creatable(path: str | Path, what: str) -> None:
         raise NanoGPTError(f"cannot create {what} {path}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise NanoGPTError(f"cannot create {what} {path}: no permission to write in {parent}")
+
+
+def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
+    """Run write(tmp) on a temporary file beside path, then rename it into place: a crash mid-write
+    leaves the previous file intact."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json(path: str | Path, obj: Any) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8"))
+
+
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The JSON objects of a .jsonl file, and how many non-empty lines were not one (skipped)."""
+    records, bad = [], 0
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            bad += 1
+    return records, bad

@@ -23,7 +23,7 @@ import torch
 
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli import errors
-from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.errors import NanoGPTError, first_line
 from nanogpt_cli.model import GPT
 
 # ours <- theirs, per block; {i} is the layer. A tuple on the right is concatenated along dim 0 (fused).
@@ -443,16 +443,16 @@ def load_pretrained(source: str | Path) -> tuple[GPT, dict[str, Any]]:
     except OSError as e:
         if online:
             raise NanoGPTError(f"could not load {where} from the Hugging Face hub (offline, misspelt, or gated?): "
-                               f"{_first_line(e)}") from None
-        raise NanoGPTError(f"{where} holds no readable Hugging Face config.json ({_first_line(e)})") from None
+                               f"{first_line(e)}") from None
+        raise NanoGPTError(f"{where} holds no readable Hugging Face config.json ({first_line(e)})") from None
     except ValueError as e:
-        raise NanoGPTError(f"{where}: {_first_line(e)}") from None
+        raise NanoGPTError(f"{where}: {first_line(e)}") from None
     _check_kind(hf_config)
     try:
         with quiet_transformers():
             tokenizer = transformers.AutoTokenizer.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
-        raise NanoGPTError(f"{where} has no tokenizer that loads ({_first_line(e)})") from None
+        raise NanoGPTError(f"{where} has no tokenizer that loads ({first_line(e)})") from None
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise NanoGPTError(f"{where} has only a slow tokenizer; nanogpt reads tokenizer.json")
@@ -461,14 +461,9 @@ def load_pretrained(source: str | Path) -> tuple[GPT, dict[str, Any]]:
         with quiet_transformers():
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
-        raise NanoGPTError(f"could not load the weights of {where} ({_first_line(e)})") from None
+        raise NanoGPTError(f"could not load the weights of {where} ({first_line(e)})") from None
     model = from_hf(hf_model)
     if desc["vocab_size"] > model.config.vocab_size:
         raise NanoGPTError(f"{where} has {desc['vocab_size']:,} tokens but only {model.config.vocab_size:,} rows of "
                            "embeddings")
     return model, desc
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -9,6 +9,8 @@ biases stay with AdamW. The two are stepped, scaled, clipped and checkpointed as
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from nanogpt_cli.config import TrainConfig
@@ -126,3 +128,27 @@ def set_lr(optimizer: torch.optim.Optimizer | Optimizers, lr: float, step: int, 
                 group["momentum"] = muon_momentum_at(step, cfg)
             else:
                 group["lr"] = lr
+
+
+def lr_at(step: int, cfg: TrainConfig, time_frac: float | None = None) -> float:
+    """Learning rate for update `step` (0-based): linear warmup, then cosine / constant / warmup-stable-decay
+    down to min_lr at lr_decay_iters, and min_lr after it. With --max-time, `time_frac` is the share of it spent:
+    after the warmup (always counted in updates) the schedule stands at the step or at that share of
+    lr_decay_iters, whichever is further, so a run cut short by the clock still ends its decay on time."""
+    if step < cfg.warmup_iters:
+        return cfg.learning_rate * (step + 1) / (cfg.warmup_iters + 1)
+    if time_frac is not None:
+        step = max(step, math.ceil(time_frac * cfg.decay_iters))
+    if cfg.lr_schedule == "constant":
+        return cfg.learning_rate
+    decay_iters = cfg.decay_iters
+    if step >= decay_iters:
+        return cfg.min_lr
+    if cfg.lr_schedule == "wsd":
+        decay_start = max(cfg.warmup_iters, decay_iters - round(cfg.wsd_decay_frac * decay_iters))
+        if step < decay_start:
+            return cfg.learning_rate
+        frac = (step - decay_start) / max(1, decay_iters - decay_start)
+        return cfg.learning_rate + frac * (cfg.min_lr - cfg.learning_rate)
+    frac = (step - cfg.warmup_iters) / max(1, decay_iters - cfg.warmup_iters)
+    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * frac)) * (cfg.learning_rate - cfg.min_lr)

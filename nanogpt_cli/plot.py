@@ -1,9 +1,9 @@
-"""Loss curves from runs' metrics.jsonl: train and val loss against tokens seen, for one run or several.
+"""Loss curves from runs' metrics: train and val loss against tokens seen, for one run or several.
 
     write_png([Path("checkpoints/shk")], Path("loss.png"))   # matplotlib (the `plot` extra)
     print(terminal_plot([Path("checkpoints/shk")]))          # plotext (the `plot` extra, plotext<6), in the terminal
 
-metrics.jsonl is the source of truth: train lines (kind "train", one per --log-interval) give the train curve,
+The run folder's metrics are the source of truth: train lines (kind "train", one per --log-interval) give the train curve,
 evaluation lines the val curve. Runs from before train lines existed draw their evaluations' train loss.
 """
 
@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanogpt_cli import checkpoint as ckpt
 from nanogpt_cli.errors import NanoGPTError, require
+from nanogpt_cli.files import atomic_write
+from nanogpt_cli.rundir import RunDir
 
 
 @dataclass
@@ -24,14 +25,14 @@ class Curves:
 
 
 def load_curves(run: Path) -> Curves:
-    run = Path(run)
-    if not (run / ckpt.METRICS).is_file():
-        raise NanoGPTError(f"{run} has no {ckpt.METRICS}: give run folders made by `nanogpt train`")
-    records, _ = ckpt.RunDir(run).read_metrics()
+    run_dir = RunDir(run)
+    if not run_dir.metrics_path.is_file():
+        raise NanoGPTError(f"{run} has no {run_dir.metrics_path.name}: give run folders made by `nanogpt train`")
+    records, _ = run_dir.read_metrics()
     steps = [r for r in records if r.get("kind") == "train" and "loss" in r]
     evals = [r for r in records if r.get("kind", "eval") == "eval" and "val_loss" in r]
     train = [(r["tokens"], r["loss"]) for r in steps] or [(r["tokens"], r["train_loss"]) for r in evals]
-    return Curves(run.name, train, [(r["tokens"], r["val_loss"]) for r in evals])
+    return Curves(run_dir.path.name, train, [(r["tokens"], r["val_loss"]) for r in evals])
 
 
 def _load_all(runs: list[Path]) -> list[Curves]:
@@ -64,7 +65,7 @@ def write_png(runs: list[Path], out: Path) -> Path:
     ax.legend()
     fig.tight_layout()
     out = Path(out)
-    ckpt.atomic_write(out, lambda tmp: fig.savefig(tmp, format=out.suffix.lstrip(".") or "png"))
+    atomic_write(out, lambda tmp: fig.savefig(tmp, format=out.suffix.lstrip(".") or "png"))
     plt.close(fig)
     return out
 

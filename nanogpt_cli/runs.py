@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 
-from nanogpt_cli import checkpoint as ckpt
+from nanogpt_cli.checkpoint import damage, file_step, read_metadata
 from nanogpt_cli.config import GPTConfig
-from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.errors import NanoGPTError, first_line
+from nanogpt_cli.files import read_jsonl
 from nanogpt_cli.model import GPT
+from nanogpt_cli.rundir import RunDir
 
 STATUSES = {
     "finished": "step reached --max-iters, or --max-time was spent",
@@ -58,7 +60,7 @@ def model_counts(config: GPTConfig) -> tuple[int, int, int]:
 
 
 def summarize_run(path: Path) -> RunSummary:
-    run = ckpt.RunDir(path)
+    run = RunDir(path)
     files = [p for p in path.iterdir() if p.is_file()]
     updated = max((p.stat().st_mtime for p in files), default=path.stat().st_mtime)
     summary = RunSummary(name=path.name, path=str(path), dataset=None, params=None, step=None, max_iters=None,
@@ -72,10 +74,10 @@ def summarize_run(path: Path) -> RunSummary:
     except (NanoGPTError, TypeError, ValueError) as e:
         summary.problem = str(e)
         return summary
-    if not (path / ckpt.TRAINER).is_file() and not (path / ckpt.OPTIMIZER).is_file():
-        meta = _weights_meta(path / ckpt.LAST)
+    if not run.has_trainer_state():
+        meta = _weights_meta(run.last_path)
         if meta is None:
-            summary.problem = f"{path / ckpt.LAST} is {ckpt.damage(path / ckpt.LAST)}"
+            summary.problem = f"{run.last_path} is {damage(run.last_path)}"
             return summary
         summary.step, summary.tokens, summary.status = meta.get("step"), meta.get("tokens"), "stopped"
         return summary
@@ -95,8 +97,8 @@ def list_runs(root: Path) -> list[RunSummary]:
     root = Path(root)
     if not root.is_dir():
         raise NanoGPTError(f"{root} is not a folder of runs")
-    folders = [root] if ckpt.RunDir(root).has_run() else sorted(
-        p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and ckpt.RunDir(p).has_run())
+    folders = [root] if RunDir(root).has_run() else sorted(
+        p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and RunDir(p).has_run())
     return sorted((summarize_run(p) for p in folders), key=lambda r: r.updated, reverse=True)
 
 
@@ -142,7 +144,7 @@ def inspect_path(path: str | Path) -> Info:
         return _inspect_run(path)
     if not path.exists():
         raise NanoGPTError(f"{path} does not exist; give a run folder or a .safetensors file")
-    meta = ckpt.read_metadata(path)  # one sentence when it is not a nanogpt weights file
+    meta = read_metadata(path)  # one sentence when it is not a nanogpt weights file
     info = Info(path=str(path), kind="weights", step=meta.get("step"), tokens=meta.get("tokens"),
                 val_loss=meta.get("val_loss"), dataset=meta.get("dataset") or None)
     _fill_model(info, meta.get("config"), meta.get("tokenizer"))
@@ -151,23 +153,24 @@ def inspect_path(path: str | Path) -> Info:
 
 
 def _inspect_run(path: Path) -> Info:
-    if not ckpt.RunDir(path).has_run():
-        raise NanoGPTError(f"{path} holds no run (no {ckpt.CONFIG}, {ckpt.TRAINER} or {ckpt.LAST})")
+    run = RunDir(path)
+    if not run.has_run():
+        raise NanoGPTError(f"{path} holds no run ({run.no_run_reason()})")
     summary = summarize_run(path)
     info = Info(path=str(path), kind="run", dataset=summary.dataset, step=summary.step, max_iters=summary.max_iters,
                 tokens=summary.tokens, best_val_loss=summary.best_val_loss, status=summary.status)
     config = None
     try:
-        config = ckpt.RunDir(path).read_config()
+        config = run.read_config()
     except NanoGPTError:
         pass
     if config is not None:
         _fill_model(info, config["model"], (config.get("dataset") or {}).get("tokenizer"))
     else:
-        meta = _weights_meta(path / ckpt.BEST) or _weights_meta(path / ckpt.LAST)
+        meta = next(filter(None, map(_weights_meta, (run.best_path, run.last_path))), None)
         if meta is not None:
             _fill_model(info, meta.get("config"), meta.get("tokenizer"))
-    records, _ = ckpt.RunDir(path).read_metrics()
+    records, _ = run.read_metrics()
     evals = [r for r in records if r.get("kind", "eval") == "eval"]
     if evals:
         info.train_loss, info.val_loss = evals[-1].get("train_loss"), evals[-1].get("val_loss")
@@ -190,7 +193,7 @@ def _fill_model(info: Info, config: dict[str, Any] | None, tokenizer: dict[str, 
 
 def _weights_meta(path: Path) -> dict[str, Any] | None:
     try:
-        return ckpt.read_metadata(path) if ckpt.damage(path) is None else None
+        return read_metadata(path) if damage(path) is None else None
     except NanoGPTError:
         return None
 
@@ -198,13 +201,13 @@ def _weights_meta(path: Path) -> dict[str, Any] | None:
 def _file_info(path: Path) -> FileInfo:
     size = path.stat().st_size
     if path.suffix == ".safetensors":
-        problem = ckpt.damage(path)
+        problem = damage(path)
         if problem is not None:
             return FileInfo(path.name, size, False, problem)
-        step = ckpt.file_step(path)
+        step = file_step(path)
         return FileInfo(path.name, size, True, f"step {step}" if step is not None else "")
     if path.suffix == ".jsonl":
-        records, bad = ckpt.read_jsonl(path)
+        records, bad = read_jsonl(path)
         note = f"{len(records):,} records" + (f", {bad} damaged line(s) skipped" if bad else "")
         return FileInfo(path.name, size, True, note)
     if path.suffix == ".json":
@@ -212,5 +215,5 @@ def _file_info(path: Path) -> FileInfo:
             json.loads(path.read_text(encoding="utf-8"))
             return FileInfo(path.name, size, True)
         except (OSError, ValueError) as e:
-            return FileInfo(path.name, size, False, f"not valid JSON: {str(e).splitlines()[0]}")
+            return FileInfo(path.name, size, False, f"not valid JSON: {first_line(e)}")
     return FileInfo(path.name, size, True)

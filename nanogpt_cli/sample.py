@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from nanogpt_cli.checkpoint import InferenceModel, load_for_inference
+from nanogpt_cli.loading import InferenceModel, load_for_inference
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.tokenizer import Tokenizer
 

@@ -2,7 +2,7 @@
 
     tracker = open_tracker("tensorboard"); train(plan, Tee(TrainDisplay(), tracker)); tracker.close()
 
-metrics.jsonl in the run folder stays the source of truth; a tracker is a copy for its viewer. TensorBoard
+The run folder's metrics file stays the source of truth; a tracker is a copy for its viewer. TensorBoard
 logs go to RUN/tensorboard (view with `tensorboard --logdir RUN`); wandb runs offline unless WANDB_MODE says
 otherwise, into RUN/wandb (upload later with `wandb sync`), so it needs no network and no account.
 """
@@ -18,7 +18,7 @@ TRACKERS = ("tensorboard", "wandb")
 
 
 class Tee:
-    """Hands every trainer event (train.Display) to several displays in turn."""
+    """Hands every trainer event (events.Display) to several displays in turn."""
 
     def __init__(self, *displays):
         self.displays = [d for d in displays if d is not None]

@@ -149,7 +149,7 @@ def _fmt_eta(seconds: float) -> str:
 
 
 class TrainDisplay:
-    """Shows the trainer's events (train.Display): a live rich progress bar on a terminal, plain log lines
+    """Shows the trainer's events (events.Display): a live rich progress bar on a terminal, plain log lines
     elsewhere, or nothing with quiet (errors still go to stderr)."""
 
     def __init__(self, quiet: bool = False):

@@ -7,9 +7,13 @@ import pytest
 import torch
 
 from nanogpt_cli import checkpoint as ckpt
+from nanogpt_cli.files import atomic_write, write_json
+from nanogpt_cli.loading import load_model
+from nanogpt_cli.rundir import resolve_weights
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
-from nanogpt_cli.train import plan_run, train
+from nanogpt_cli.plan import plan_run
+from nanogpt_cli.trainer import train
 from conftest import tiny_config, tiny_plan
 
 
@@ -23,7 +27,7 @@ def test_save_load_gives_identical_logits_and_keeps_ties(tmp_path, tie):
     model = tiny(tie_embeddings=tie, pos_encoding="learned", bias=True)
     path = tmp_path / "m.safetensors"
     ckpt.save_model(path, model, {"step": 7, "tokenizer": {"name": "byte", "vocab_size": 256}})
-    loaded, meta = ckpt.load_model(path)
+    loaded, meta = load_model(path)
     assert meta["step"] == 7 and meta["tokenizer"]["name"] == "byte" and meta["format"] == "nanogpt"
     assert loaded.config == model.config
     x = torch.randint(0, 50, (2, 16))
@@ -49,14 +53,14 @@ def test_optimizer_state_round_trips(tmp_path):
 
 def test_a_failed_write_keeps_the_previous_file(tmp_path):
     path = tmp_path / "f.json"
-    ckpt.write_json(path, {"v": 1})
+    write_json(path, {"v": 1})
 
     def broken(tmp):
         tmp.write_text("half")
         raise RuntimeError("disk full")
 
     with pytest.raises(RuntimeError):
-        ckpt.atomic_write(path, broken)
+        atomic_write(path, broken)
     assert json.loads(path.read_text()) == {"v": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["f.json"]
 
@@ -69,12 +73,12 @@ def test_rng_state_round_trips():
 def test_run_folders_resolve_to_best_then_last(tmp_path):
     model = tiny()
     ckpt.save_model(tmp_path / "model.safetensors", model, {"step": 2})
-    assert ckpt.resolve_weights(tmp_path) == tmp_path / "model.safetensors"
+    assert resolve_weights(tmp_path) == tmp_path / "model.safetensors"
     ckpt.save_model(tmp_path / "best.safetensors", model, {"step": 1})
-    assert ckpt.resolve_weights(tmp_path) == tmp_path / "best.safetensors"
-    assert ckpt.resolve_weights(tmp_path, last=True) == tmp_path / "model.safetensors"
+    assert resolve_weights(tmp_path) == tmp_path / "best.safetensors"
+    assert resolve_weights(tmp_path, last=True) == tmp_path / "model.safetensors"
     with pytest.raises(NanoGPTError, match="does not exist; runs in"):
-        ckpt.resolve_weights(tmp_path.parent / "nope")
+        resolve_weights(tmp_path.parent / "nope")
 
 
 def metrics(run_dir):
@@ -186,3 +190,18 @@ def test_a_torn_last_metrics_line_is_skipped_with_a_note(stopped_run):
     train(plan)
     lines = [json.loads(x) for x in (stopped_run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines if m["kind"] == "eval"] == [0, 2, 4, 6, 8]
+
+
+def test_only_rundir_knows_the_run_folder_file_names():
+    # one owner per file format: every other module asks RunDir (its docstring lists the layout)
+    from pathlib import Path
+
+    import nanogpt_cli
+    from nanogpt_cli import rundir
+
+    names = [rundir.BEST, rundir.OPTIMIZER, rundir.TRAINER, rundir.METRICS]
+    package = Path(nanogpt_cli.__file__).parent
+    for path in package.rglob("*.py"):
+        if path.name != "rundir.py":
+            text = path.read_text(encoding="utf-8")
+            assert not [n for n in names if n in text], path

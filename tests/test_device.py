@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from nanogpt_cli.config import Dtype
 from nanogpt_cli.device import peak_flops_of, resolve_device, resolve_dtype, resolve_inference_dtype
 from nanogpt_cli.errors import NanoGPTError
 
@@ -21,9 +22,17 @@ def test_dtypes_on_cpu():
     assert resolve_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
     assert resolve_dtype("float16", cpu) == torch.float16  # the fp16 path (autocast + scaler) runs on CPUs too
     assert resolve_inference_dtype("auto", cpu, weight_bytes=1000) == torch.float32  # small: overhead-bound
-    for resolve in (lambda name: resolve_inference_dtype(name, cpu, 0), lambda name: resolve_dtype(name, cpu)):
-        with pytest.raises(NanoGPTError, match="--dtype must be one of auto, float32, bfloat16, float16"):
-            resolve("fp8")
+    assert resolve_inference_dtype(Dtype.bfloat16, cpu, 0) == resolve_dtype(Dtype.bfloat16, cpu) == torch.bfloat16
+
+
+@pytest.mark.parametrize("command", [["train"], ["sample", "--checkpoint", "x"], ["eval", "perplexity", "--checkpoint", "x"]])
+def test_a_dtype_is_parsed_once_at_the_flag(command):
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    result = CliRunner().invoke(app, [*command, "--dtype", "fp8"])
+    assert result.exit_code != 0 and "'fp8' is not one of 'auto', 'float32', 'bfloat16', 'float16'" in result.output
 
 
 def test_devices():

@@ -170,12 +170,16 @@ def rank_of(pid: int) -> int | None:
 
 
 def test_evaluation_batches_are_dealt_out_with_equal_passes():
-    from nanogpt_cli.distributed import World, eval_share, micro_share
+    from nanogpt_cli.distributed import ProcessGroup, World
 
-    worlds = [World(rank, rank, 2, torch.device("cpu")) for rank in (0, 1)]
-    assert [eval_share(3, w) for w in worlds] == [([0, 2], 2), ([1, 1], 1)]  # rank 1 repeats its batch, uncounted
-    assert [eval_share(4, w) for w in worlds] == [([0, 2], 2), ([1, 3], 2)]
-    assert [list(micro_share(4, w)) for w in worlds] == [[0, 1], [2, 3]]
+    worlds = [ProcessGroup(torch.device("cpu"), rank, rank, 2) for rank in (0, 1)]
+    assert [w.eval_share(3) for w in worlds] == [([0, 2], 2), ([1, 1], 1)]  # rank 1 repeats its batch, uncounted
+    assert [w.eval_share(4) for w in worlds] == [([0, 2], 2), ([1, 3], 2)]
+    assert [list(w.micro_share(4)) for w in worlds] == [[0, 1], [2, 3]]
+    one = World(torch.device("cpu"))  # one process: all the work, and collectives that return their input
+    assert one.eval_share(3) == ([0, 1, 2], 3) and list(one.micro_share(4)) == [0, 1, 2, 3]
+    model, loss = torch.nn.Linear(2, 2), torch.tensor(1.5)
+    assert one.wrap(model, "fsdp", torch.float32) is model and one.mean(loss) is loss and one.max_int(2) == 2
 
 
 def test_accumulation_not_divisible_by_processes_is_one_sentence(char_data, tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 from typer.testing import CliRunner
 
-from nanogpt_cli import checkpoint as ckpt
+from nanogpt_cli.loading import load_model
 from nanogpt_cli.cli import app
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.data import prepare
@@ -40,7 +40,7 @@ def test_every_token_is_scored_once_with_its_window_context(stride):
 
 def test_split_perplexity_is_exp_of_the_mean_nll_and_agrees_with_the_trainer(trained_run, char_data):
     data_dir, name = char_data
-    model, meta = ckpt.load_model(trained_run, last=True)
+    model, meta = load_model(trained_run, last=True)
     tok = build_tokenizer("char", [json.loads((data_dir / name / "meta.json").read_text())["tokenizer"]["chars"]])
     bs = model.config.block_size
     result = perplexity_of_split(model, tok, data_dir, name, "val", stride=bs)

@@ -284,7 +284,8 @@ def save_random_gpt2(folder: Path, desc: dict, n_embd: int = 32) -> None:
 
 def test_init_from_a_hugging_face_folder_trains_and_saves_our_run(char_data, tmp_path):
     from nanogpt_cli.data import load_meta
-    from nanogpt_cli.train import plan_run, train
+    from nanogpt_cli.plan import plan_run
+    from nanogpt_cli.trainer import train
 
     data_dir, name = char_data
     save_random_gpt2(tmp_path / "gpt2", load_meta(data_dir, name)["tokenizer"])

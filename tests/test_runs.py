@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from nanogpt_cli.cli import app
-from nanogpt_cli.train import train
+from nanogpt_cli.trainer import train
 from conftest import tiny_plan
 
 runner = CliRunner()

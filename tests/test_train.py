@@ -14,11 +14,14 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from nanogpt_cli import checkpoint as ckpt
+from nanogpt_cli.loading import load_model
 from nanogpt_cli.cli import app
 from nanogpt_cli.config import GPTConfig, TrainConfig
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
-from nanogpt_cli.train import lr_at, optimizer_step, plan_run, train
+from nanogpt_cli.optim import lr_at
+from nanogpt_cli.plan import plan_run
+from nanogpt_cli.trainer import optimizer_step, train
 from conftest import tiny_config, tiny_plan
 
 runner = CliRunner()
@@ -77,10 +80,10 @@ def test_a_tiny_model_lowers_its_loss_and_checkpoints_are_valid(char_data, tmp_p
         assert (run / name_).is_file()
     assert not list(run.glob(".*tmp*"))
 
-    model, _ = ckpt.load_model(run, last=True)
+    model, _ = load_model(run, last=True)
     assert model.lm_head.weight is model.transformer.wte.weight
     x = torch.randint(0, model_cfg.vocab_size, (2, 16))
-    reloaded, _ = ckpt.load_model(run / "model.safetensors")
+    reloaded, _ = load_model(run / "model.safetensors")
     torch.testing.assert_close(model(x)[0], reloaded(x)[0], rtol=0, atol=0)
 
 
@@ -98,8 +101,8 @@ def test_a_stopped_and_resumed_run_equals_an_uninterrupted_one(char_data, tmp_pa
     result = train(plan)
     assert result.step == 30 and result.stopped is None
     assert metrics(parts) == [dict(m, elapsed_s=p["elapsed_s"]) for m, p in zip(metrics(whole), metrics(parts))]
-    a, _ = ckpt.load_model(whole, last=True)
-    b, _ = ckpt.load_model(parts, last=True)
+    a, _ = load_model(whole, last=True)
+    b, _ = load_model(parts, last=True)
     for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(p, q), n
 
@@ -312,7 +315,7 @@ def test_max_time_ends_the_run_on_time_with_its_decay_done_and_a_final_evaluatio
 def test_max_time_and_stop_at_on_the_same_step_save_once(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
-    from nanogpt_cli.train import NoDisplay
+    from nanogpt_cli.events import NoDisplay
 
     class Saves(NoDisplay):  # every checkpoint the run reports: with an evaluation, or on its own
         def __init__(self):
@@ -376,8 +379,8 @@ def test_a_stopped_and_resumed_muon_run_equals_an_uninterrupted_one(char_data, t
         resumed(parts, optimizer="adamw")
     train(resumed(parts))
     assert metrics(parts) == [dict(m, elapsed_s=p["elapsed_s"]) for m, p in zip(metrics(whole), metrics(parts))]
-    a, _ = ckpt.load_model(whole, last=True)
-    b, _ = ckpt.load_model(parts, last=True)
+    a, _ = load_model(whole, last=True)
+    b, _ = load_model(parts, last=True)
     for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(p, q), n
 
@@ -527,5 +530,5 @@ def test_fp16_trains_skips_an_overflow_step_and_resumes_the_scaler_exactly(char_
     from safetensors.torch import load
 
     old = load(weights_before)
-    new = {k: v for k, v in ckpt.load_model(forced, last=True)[0].state_dict().items() if k in old}
+    new = {k: v for k, v in load_model(forced, last=True)[0].state_dict().items() if k in old}
     assert all(torch.equal(old[k], new[k]) for k in old)  # the skipped update left the weights as they were

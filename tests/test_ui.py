@@ -6,7 +6,7 @@ import pytest
 from rich.console import Console
 
 from nanogpt_cli import ui
-from nanogpt_cli.train import Evaluated, RunStarted, StepLogged
+from nanogpt_cli.events import Evaluated, RunStarted, StepLogged
 
 
 def terminal(monkeypatch, width):
@@ -46,7 +46,7 @@ def test_fit_fields_drops_the_least_important_first():
 
 
 def test_eval_reports_progress_up_to_every_token(trained_run):
-    from nanogpt_cli.checkpoint import load_for_inference
+    from nanogpt_cli.loading import load_for_inference
     from nanogpt_cli.evaluate import score_tokens
 
     model = load_for_inference(trained_run, device="cpu", dtype="float32").model

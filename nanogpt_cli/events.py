@@ -1,0 +1,111 @@
+"""What the trainer tells a display: typed events, the Display protocol they go through, and the result of a
+run. The CLI's display (ui.TrainDisplay) and the trackers implement Display; the trainer prints nothing.
+
+    result = Trainer(plan, display=NoDisplay()).fit(); print(result.val_loss)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+
+@dataclass
+class RunStarted:
+    step: int
+    max_iters: int
+    device: str
+    dtype: str
+    params: int  # non-embedding parameters
+    tokens_per_iter: int
+    run_dir: str
+    resume: bool
+    model: dict[str, Any]
+    train: dict[str, Any]
+
+
+@dataclass
+class StepLogged:
+    """One progress line: also a line of the run's metrics (kind "train")."""
+
+    step: int
+    loss: float  # this update's mean training loss
+    lr: float
+    tokens: int
+    elapsed_s: float
+    ms_per_iter: float  # since the last log line, evaluations and checkpoints left out
+    tokens_per_s: float
+    mfu: float | None
+    skipped: int = 0  # fp16: updates since the last line that the grad scaler skipped (inf/NaN gradients)
+    scale: float | None = None  # fp16: the grad scaler's loss scale now
+    # False for the line at --stop-at's step, which the metrics file and the trackers leave out, so a stopped and
+    # resumed run records the same lines as an uninterrupted one
+    recorded: bool = True
+
+    def record(self) -> dict[str, Any]:
+        record = dict(kind="train", step=self.step, loss=self.loss, lr=self.lr, tokens=self.tokens,
+                      elapsed_s=round(self.elapsed_s, 3), tokens_per_s=round(self.tokens_per_s, 1))
+        if self.scale is not None:
+            record.update(skipped=self.skipped, scale=self.scale)
+        return record
+
+
+@dataclass
+class Evaluated:
+    """One evaluation: also a line of the run's metrics (kind "eval"; all fields but best_val_loss). Lines of runs
+    from before train lines existed have no kind: they are evaluations."""
+
+    step: int
+    train_loss: float
+    val_loss: float
+    lr: float
+    tokens: int
+    elapsed_s: float
+    best_val_loss: float
+    saved: bool = True  # a checkpoint was written after it (never at step 0, where it would resume nothing)
+
+    def record(self) -> dict[str, Any]:
+        return dict(kind="eval", step=self.step, train_loss=self.train_loss, val_loss=self.val_loss, lr=self.lr,
+                    tokens=self.tokens, elapsed_s=self.elapsed_s)
+
+
+class Display(Protocol):
+    def on_start(self, event: RunStarted) -> None: ...
+    def on_step(self, event: StepLogged) -> None: ...
+    def on_eval(self, event: Evaluated) -> None: ...
+    def on_save(self, step: int) -> None: ...
+    def on_status(self, text: str) -> None: ...  # what happens before the first step (no long silences)
+
+
+class NoDisplay:
+    def on_start(self, event: RunStarted) -> None:
+        pass
+
+    def on_step(self, event: StepLogged) -> None:
+        pass
+
+    def on_eval(self, event: Evaluated) -> None:
+        pass
+
+    def on_save(self, step: int) -> None:
+        pass
+
+    def on_status(self, text: str) -> None:
+        pass
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int  # optimizer updates done
+    tokens: int  # training tokens seen
+    train_loss: float | None  # last evaluated mean loss (nats/token)
+    val_loss: float | None
+    eval_step: int | None  # the step those two losses were measured at
+    best_val_loss: float | None
+    elapsed_s: float  # wall time of this invocation's loop, evaluations and checkpoints included
+    tokens_per_s: float  # training speed: evaluations and checkpoints left out
+    ms_per_iter: float  # likewise
+    mfu: float | None  # model FLOPs utilisation against the device's known peak (CUDA only)
+    stopped: str | None = None  # None: finished; "max_time" (finished by the clock), "stop_at", "SIGINT", "SIGTERM"

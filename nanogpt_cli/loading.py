@@ -1,0 +1,70 @@
+"""Loading a model for inference from any source: a run folder (its best weights, or its last with last=True),
+a .safetensors file of ours, a Hugging Face folder, or hf:NAME. `sample`, `eval` and `export` share it.
+
+    loaded = load_for_inference("checkpoints/shk")   # model on its device and dtype, tokenizer, metadata
+    model, meta = load_model("hf:gpt2")               # the model alone, float32 on the CPU
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanogpt_cli import hf
+from nanogpt_cli.checkpoint import load_weights, read_metadata
+from nanogpt_cli.config import Dtype, GPTConfig
+from nanogpt_cli.device import resolve_device, resolve_inference_dtype
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.model import GPT
+from nanogpt_cli.rundir import resolve_weights
+from nanogpt_cli.tokenizer import Tokenizer, tokenizer_from_description
+
+
+def load_model(path: str | Path, last: bool = False, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
+    """The model rebuilt from a checkpoint alone (its config is in the metadata), and that metadata. A Hugging
+    Face model (hf:NAME, or a folder holding a transformers config.json) is converted, and its metadata holds
+    the config and our description of its tokenizer (see hf.py)."""
+    if hf.is_hf_source(path):
+        model, tokenizer = hf.load_pretrained(path)
+        return model.to(device), {"config": model.config.to_dict(), "tokenizer": tokenizer, "source": str(path)}
+    path = resolve_weights(path, last)
+    meta = read_metadata(path)
+    try:
+        config = GPTConfig.from_dict(meta["config"])
+    except (TypeError, ValueError) as e:
+        raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None
+    model = GPT(config)
+    load_weights(model, path)
+    return model.to(device), meta
+
+
+@dataclass
+class InferenceModel:
+    """A checkpoint ready to run: the model cast to its inference dtype on its device, and its tokenizer."""
+
+    model: GPT
+    tokenizer: Tokenizer
+    meta: dict[str, Any]  # the weights file's metadata (config, tokenizer, step, ...)
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def block_size(self) -> int:
+        return self.model.config.block_size
+
+
+def load_for_inference(checkpoint: str | Path, last: bool = False, device: str = "auto",
+                       dtype: Dtype = Dtype.auto) -> InferenceModel:
+    """The one loader that sample and eval share. Inference casts the weights once instead of autocasting
+    every call; `auto` picks the dtype from the device and the size of the weights (device.py)."""
+    dev = resolve_device(device)
+    model, meta = load_model(checkpoint, last=last)
+    if "tokenizer" not in meta:
+        raise NanoGPTError(f"{checkpoint} has no tokenizer in its metadata, so its text cannot be decoded")
+    tokenizer = tokenizer_from_description(meta["tokenizer"])
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cast = resolve_inference_dtype(dtype, dev, weight_bytes)
+    return InferenceModel(model.to(device=dev, dtype=cast).eval(), tokenizer, meta, dev, cast)

@@ -1,0 +1,471 @@
+"""Training: one loop for every world size and every loss, over random windows of a prepared dataset, with
+exact resume.
+
+    result = Trainer(plan_run({"preset": "cpu-char", "data": "shk"}, out="checkpoints/shk")).fit()
+    Trainer(plan, loss=masked_loss, trainable=lora_parameters).fit()   # fine-tuning reuses the same loop
+
+Reproducibility: the training batches come from their own seeded generator, dropout from torch's global
+RNG, and evaluation from fixed batches drawn with a separate seed; the run folder keeps every generator's
+state, so a run stopped and resumed gives the same losses as one that was not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from nanogpt_cli.checkpoint import TrainerState, load_weights
+from nanogpt_cli.device import autocast_for, peak_flops, resolve_device, resolve_dtype
+from nanogpt_cli.distributed import World, launched_size
+from nanogpt_cli.data import open_split
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.events import Display, Evaluated, NoDisplay, RunStarted, StepLogged, TrainResult
+from nanogpt_cli.model import GPT
+from nanogpt_cli.optim import lr_at, make_optimizer, set_lr
+from nanogpt_cli.plan import RunPlan
+from nanogpt_cli.rundir import RunDir, SavePoint
+
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # (model, x, y) -> mean loss, a scalar
+Trainable = Callable[[GPT], Iterable[nn.Parameter]]  # the parameters to train; every other one is frozen
+
+
+def next_token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Pre-training's loss: the mean cross-entropy of each next token (nats/token), as the model computes it."""
+    _, loss = model(x, y)
+    return loss
+
+
+# --- data ---
+
+
+class Batches:
+    """Random (block_size + 1)-token windows from the train and val shards, never across two shards."""
+
+    def __init__(self, data_dir: Path, name: str, block_size: int, batch_size: int, device: torch.device,
+                 seed: int):
+        self.splits = {s: open_split(data_dir, name, s) for s in ("train", "val")}
+        for split, tokens in self.splits.items():
+            if tokens.num_windows(block_size + 1) == 0:
+                longest = f" (the longest of its {len(tokens.counts)} shards has {max(tokens.counts):,})" \
+                    if len(tokens.counts) > 1 else ""
+                raise NanoGPTError(f"the {split} split of '{name}' has {len(tokens):,} tokens{longest}, fewer than "
+                                   f"--block-size + 1 = {block_size + 1}; use a smaller --block-size or more data")
+        self.block_size, self.batch_size, self.device = block_size, batch_size, device
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def draw(self, split: str, generator: torch.Generator | None = None) -> list[tuple[int, int]]:
+        """Where the windows of one batch start, (shard, offset) each: the random part, which every rank
+        draws alike."""
+        return self.splits[split].starts(self.batch_size, self.block_size + 1, generator or self.generator)
+
+    def load(self, split: str, starts: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        data, T = self.splits[split], self.block_size
+        windows = torch.from_numpy(data.read(starts, T + 1).astype(np.int64))
+        x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each
+        if self.device.type == "cuda":
+            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
+        return x.to(self.device), y.to(self.device)
+
+    def get_batch(self, split: str, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.load(split, self.draw(split, generator))
+
+    def fixed_batches(self, split: str, n: int, seed: int,
+                      share: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The same n batches at every evaluation: curves move because the model does, not the sample. Under
+        torchrun a rank loads only its share of them (indices into the n)."""
+        g = torch.Generator().manual_seed(seed)
+        starts = [self.draw(split, g) for _ in range(n)]
+        return [self.load(split, starts[i]) for i in (range(n) if share is None else share)]
+
+
+@torch.no_grad()
+def eval_losses(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], ctx,
+                loss_fn: LossFn = next_token_loss) -> torch.Tensor:
+    """The mean loss of each batch. (n,)"""
+    was_training = model.training
+    model.eval()
+    losses = []
+    for x, y in batches:
+        with ctx:
+            loss = loss_fn(model, x, y)
+        losses.append(loss.float())
+    model.train(was_training)
+    return torch.stack(losses)
+
+
+def optimizer_step(model, optimizer, micro_batches, ctx, scaler, grad_clip: float, sync=None,
+                   loss_fn: LossFn = next_token_loss) -> torch.Tensor:
+    """One update from a list of (x, y) micro-batches (gradient accumulation); returns their mean loss. Under
+    torchrun they are this rank's share, and sync(enabled) skips the gradient reduction on all but the last."""
+    total = torch.zeros((), device=micro_batches[0][0].device)
+    for i, (x, y) in enumerate(micro_batches):
+        with sync(i == len(micro_batches) - 1) if sync else contextlib.nullcontext():
+            with ctx:
+                loss = loss_fn(model, x, y)
+            loss = loss / len(micro_batches)
+            scaler.scale(loss).backward()
+        total += loss.detach()
+    if grad_clip > 0:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return total
+
+
+# --- time: the budget and the speed ---
+
+
+class Clock:
+    """A run's wall time and what it went to: the time of earlier invocations, this one's, the time spent
+    evaluating and saving (left out of the speed figures), the first update (warm-up or compilation, also left
+    out), and --max-time's budget, which keeps the last evaluation's length free for the final one."""
+
+    def __init__(self, before: float, max_time: float | None, last_eval_s: float, step: int):
+        self.before, self.max_time, self.last_eval_s = before, max_time, last_eval_s
+        self.t0 = time.perf_counter()
+        self.window_t, self.window_step = self.t0, step  # since the last progress line
+        self.set_aside_s = 0.0  # evaluating and saving
+        self.step_s = self.first_s = 0.0  # the last update's length; the first one's
+
+    def elapsed(self, at: float | None = None) -> float:
+        """Wall time of every invocation so far (up to `at`, a perf_counter time)."""
+        return self.before + (time.perf_counter() if at is None else at) - self.t0
+
+    def share(self) -> float | None:
+        """--max-time: the share of it spent, out of the time left once the final evaluation is set aside."""
+        if self.max_time is None:
+            return None
+        return self.elapsed() / max(self.max_time - self.last_eval_s, 1e-9)
+
+    def out_of_time(self, due: bool) -> bool:
+        """Whether another update and the final evaluation (after the one due now) would not fit."""
+        return self.max_time is not None and \
+            self.elapsed() + self.step_s + self.last_eval_s * (2 if due else 1) >= self.max_time
+
+    def stepped(self, started: float, first: bool) -> None:
+        self.step_s = time.perf_counter() - started
+        if first:
+            self.first_s = self.step_s
+
+    def window(self, step: int) -> tuple[float, float]:
+        """(seconds per update since the last progress line, elapsed now), and a new window starts."""
+        now = time.perf_counter()
+        dt = (now - self.window_t) / max(1, step - self.window_step)
+        self.window_t, self.window_step = now, step
+        return dt, self.elapsed(now)
+
+    def set_aside(self, started: float) -> None:
+        """An evaluation (and its save) that began at `started` is over: its time is not training time."""
+        self.last_eval_s = time.perf_counter() - started
+        self.set_aside_s += self.last_eval_s
+        self.window_t += self.last_eval_s  # the next progress line reports training speed only
+
+    def training_time(self, done: int) -> tuple[int, float, float]:
+        """(updates timed, their seconds, this invocation's seconds): the warm-up step is left out when there
+        are others."""
+        elapsed = time.perf_counter() - self.t0
+        timed = done - 1 if done > 1 else done
+        return timed, max(elapsed - self.set_aside_s - (self.first_s if done > 1 else 0.0), 1e-9), elapsed
+
+
+class StopSignals:
+    """Ctrl-C / SIGTERM set a flag; the loop finishes its step, saves and stops. A second Ctrl-C aborts, except
+    under torchrun, which passes a terminal's Ctrl-C on to its workers a second time (and kills them itself
+    if they have not ended 30 s later)."""
+
+    def __init__(self, abort_on_second: bool = True):
+        self.abort_on_second = abort_on_second
+        self.received: str | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: no handlers, Ctrl-C works as usual
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.received is not None and signum == signal.SIGINT and self.abort_on_second:
+            raise KeyboardInterrupt
+        self.received = self.received or signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+STOP_CODES = {None: 0, "SIGINT": 1, "SIGTERM": 2}  # reduced with max: a signal to any rank stops them all
+
+
+def non_finite(step: int, run_dir: RunDir) -> NanoGPTError:
+    kept = (f"the last good checkpoint in {run_dir} is kept" if run_dir.last_path.is_file()
+            else "no checkpoint had been saved yet")
+    return NanoGPTError(f"the loss became non-finite at step {step}; {kept}; try a lower --learning-rate or "
+                        "--dtype float32")
+
+
+# --- the trainer ---
+
+
+class Trainer:
+    """Trains (or resumes) a planned run in a world of one process or many. `loss` scores a batch and `trainable`
+    picks the parameters the optimizer updates: pre-training takes the defaults (next-token cross-entropy,
+    every parameter); fine-tuning passes its own (a masked loss; adapters only) and reuses the loop. The display
+    gets typed events; nothing here prints. Rank 0 writes the run folder."""
+
+    def __init__(self, plan: RunPlan, display: Display | None = None, world: World | None = None,
+                 loss: LossFn = next_token_loss, trainable: Trainable | None = None):
+        if world is None:
+            if launched_size() > 1:
+                raise NanoGPTError("under torchrun every process trains in the process group: open it with "
+                                   "`with distributed.open_world(plan.train) as world:` and pass world=world")
+            world = World(resolve_device(plan.train.device))
+        self.plan, self.cfg, self.run_dir, self.world = plan, plan.train, plan.run_dir, world
+        self.show = display or NoDisplay()
+        self.loss_fn, self.trainable = loss, trainable
+        self.last: Evaluated | None = None  # the latest evaluation
+        self.saved_at: int | None = None  # the step of the last checkpoint this call wrote
+        self.stopped: str | None = None
+        self.skipped = 0  # fp16 updates the scaler skipped since the last progress line
+
+    def fit(self) -> TrainResult:
+        self._setup()
+        self._loop()
+        return self._result()
+
+    # --- the loop ---
+
+    def _loop(self) -> None:
+        cfg, state = self.cfg, self.state
+        with self.signals:
+            if not self.plan.resume:  # the loss at init, for the record; a checkpoint of it would resume nothing
+                self.show.on_status("first evaluation")
+                self.evaluate(checkpoint=False)
+            if cfg.compile:
+                self.show.on_status("compiling the model (the first step takes a while)")
+            self.model.train()
+            while state.step < self.end:
+                loss = self.train_step()
+                due = state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters
+                out_of_time = state.step < cfg.max_iters and self.clock.out_of_time(due)
+                if state.step % cfg.log_interval == 0 or state.step == self.end or out_of_time:
+                    self.log(loss, recorded=state.step % cfg.log_interval == 0 or state.step == cfg.max_iters
+                             or out_of_time)
+                if out_of_time:
+                    state.max_time_spent = cfg.max_time  # saved with the final checkpoint: a resume trains no more
+                if due or out_of_time:
+                    self.evaluate()
+                received = self.stop_requested()
+                if received or out_of_time:
+                    self.stopped = received or "max_time"
+                    break
+            if not self.stopped and state.step == self.end < cfg.max_iters and not self.plan.complete:
+                self.stopped = "stop_at"
+            if self.stopped and self.saved_at != state.step:
+                self.save(self.last.val_loss if self.last else None, is_best=False)
+                self.show.on_save(state.step)
+
+    def train_step(self) -> torch.Tensor:
+        """One optimizer update at the scheduled learning rate; returns its mean loss (a tensor: no sync)."""
+        cfg, state, scaler = self.cfg, self.state, self.scaler
+        self.lr = lr_at(state.step, cfg, self.clock.share())
+        set_lr(self.optimizer, self.lr, state.step, cfg)
+        # every rank draws each update's micro-batches from the one stream, and runs its own share of them
+        starts = [self.batches.draw("train") for _ in range(cfg.gradient_accumulation_steps)]
+        micro = [self.batches.load("train", starts[i]) for i in self.world.micro_share(len(starts))]
+        started = time.perf_counter()
+        scale = scaler.get_scale() if scaler.is_enabled() else None  # fp16 only: a sync per step
+        loss = optimizer_step(self.compiled, self.optimizer, micro, self.ctx, scaler, cfg.grad_clip,
+                              lambda enabled: self.world.gradient_sync(self.wrapped, enabled), self.loss_fn)
+        if scale is not None and scaler.get_scale() < scale:  # the scaler backs off only when it skips
+            self.skipped += 1
+        self.clock.stepped(started, first=state.step == self.start_step)  # the first step warms up: not speed
+        state.step += 1
+        state.tokens += self.tokens_per_iter
+        return loss
+
+    def log(self, loss: torch.Tensor, recorded: bool) -> None:
+        """A progress line (and, when recorded, a metrics line): the loss averaged over ranks, and the speed."""
+        state, scaler = self.state, self.scaler
+        value = self.world.mean(loss).item()
+        if not math.isfinite(value):
+            raise non_finite(state.step, self.run_dir)
+        dt, elapsed = self.clock.window(state.step)
+        logged = StepLogged(step=state.step, loss=value, lr=self.lr, tokens=state.tokens, elapsed_s=elapsed,
+                            ms_per_iter=dt * 1000, tokens_per_s=self.tokens_per_iter / dt,
+                            mfu=self.flops_per_iter / dt / self.peak if self.peak else None, skipped=self.skipped,
+                            scale=scaler.get_scale() if scaler.is_enabled() else None, recorded=recorded)
+        if self.world.main and logged.recorded:  # one writer, rank 0
+            self.run_dir.append_metrics(logged.record())
+        self.show.on_step(logged)
+        self.skipped = 0
+
+    def evaluate(self, checkpoint: bool = True) -> None:
+        """Both splits' loss on the fixed evaluation batches, a metrics line, and (unless told not to) a save."""
+        state, cfg = self.state, self.cfg
+        started = time.perf_counter()
+        losses = {s: self.world.mean_loss(eval_losses(self.compiled, self.eval_sets[s], self.ctx, self.loss_fn),
+                                          self.eval_counted, cfg.eval_iters) for s in ("train", "val")}
+        if not all(math.isfinite(v) for v in losses.values()):
+            raise non_finite(state.step, self.run_dir)
+        is_best = state.best_val_loss is None or losses["val"] < state.best_val_loss
+        if is_best:
+            state.best_val_loss = losses["val"]
+        self.last = Evaluated(step=state.step, train_loss=losses["train"], val_loss=losses["val"], lr=self.lr,
+                              tokens=state.tokens, elapsed_s=round(self.clock.elapsed(started), 3),
+                              best_val_loss=state.best_val_loss, saved=checkpoint)
+        if self.world.main:
+            self.run_dir.append_metrics(self.last.record())
+        if checkpoint:
+            self.save(losses["val"], is_best)
+        self.show.on_eval(self.last)
+        self.clock.set_aside(started)
+
+    def stop_requested(self) -> str | None:
+        """A signal any rank received ("SIGINT", "SIGTERM"), agreed by all once per step, or None."""
+        code = self.world.max_int(STOP_CODES[self.signals.received])
+        return {code: name for name, code in STOP_CODES.items()}[code]
+
+    def save(self, val_loss: float | None, is_best: bool) -> None:
+        state = self.state
+        self.saved_at = state.step
+        state.elapsed_s = self.clock.elapsed()
+        state.eval_s = self.clock.last_eval_s  # --max-time keeps this much free for the final evaluation
+        self._capture_rng()
+        model_state, optimizer_state = self.world.full_states(self.wrapped, self.optimizer)  # every rank takes part
+        try:
+            if self.world.main:
+                self.run_dir.save(self.model, self.optimizer, state, dict(self.weights_meta, val_loss=val_loss),
+                                  is_best, model_state, optimizer_state)
+        finally:
+            self.world.barrier()  # no rank goes on (or ends) before the save is complete
+
+    # --- before the loop ---
+
+    def _setup(self) -> None:
+        plan, cfg, world = self.plan, self.cfg, self.world
+        world.barrier()  # every rank has planned (looked at the run folder) before rank 0 changes it
+        device = world.device
+        dtype = resolve_dtype(cfg.dtype, device)
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere and newer
+            torch.backends.cudnn.allow_tf32 = True
+        torch.manual_seed(cfg.seed)
+        self.show.on_status("loading the data")
+        self.batches = Batches(Path(cfg.data_dir), cfg.data, plan.model.block_size, cfg.batch_size, device, cfg.seed)
+        # each rank evaluates a share of the fixed batches, and the losses are summed over ranks
+        share, self.eval_counted = world.eval_share(cfg.eval_iters)
+        self.eval_sets = {s: self.batches.fixed_batches(s, cfg.eval_iters, cfg.seed + 1 + i, share)
+                          for i, s in enumerate(("train", "val"))}
+        self.show.on_status("building the model")
+        saved = self.run_dir.restore() if plan.resume else None
+        self.model = self._build_model(saved)
+        self.tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * plan.model.block_size  # all ranks'
+        self.flops_per_iter = self.model.flops_per_token() * self.tokens_per_iter
+        params = self.model.num_params()
+        world.seed_dropout(cfg.seed)
+        self.wrapped = world.wrap(self.model, cfg.parallel, dtype)
+        self.optimizer = make_optimizer(self.model, cfg, device)  # FSDP has sharded the parameters in place
+        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        self.ctx = autocast_for(device, dtype)
+        self.state = self._restore(saved) if saved else TrainerState()
+        if world.main:
+            if not saved:
+                self.run_dir.start(plan.force)
+            self.run_dir.write_config({"model": plan.model.to_dict(), "train": cfg.to_dict(), "dataset": plan.dataset})
+        self.weights_meta = dict(tokenizer=plan.dataset["tokenizer"], dataset=plan.dataset.get("name") or cfg.data)
+        self.compiled = torch.compile(self.wrapped) if cfg.compile else self.wrapped
+        self.peak = peak_flops(device)
+        if self.peak:
+            self.peak *= world.size  # MFU of all the GPUs together
+        self.show.on_start(RunStarted(step=self.state.step, max_iters=cfg.max_iters,
+                                      device=world.describe(cfg.parallel), dtype=str(dtype).replace("torch.", ""),
+                                      params=params, tokens_per_iter=self.tokens_per_iter,
+                                      run_dir=str(self.run_dir), resume=plan.resume, model=plan.model.to_dict(),
+                                      train=cfg.to_dict()))
+        self.end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
+        if plan.complete:  # --max-time spent (and not raised since): nothing to train
+            self.end = self.state.step
+        self.start_step = self.state.step
+        self.state.max_time_spent = None
+        self.lr = lr_at(max(self.state.step - 1, 0), cfg)  # the last update's rate, for evaluation lines
+        self.signals = StopSignals(abort_on_second=world.size == 1)
+        self.clock = Clock(self.state.elapsed_s, cfg.max_time, self.state.eval_s, self.state.step)
+
+    def _build_model(self, saved: SavePoint | None) -> GPT:
+        """The model on its device with its starting weights, and only the trainable parameters unfrozen."""
+        model = GPT(self.plan.model)
+        if self.plan.init_weights is not None:
+            load_weights(model, self.plan.init_weights)
+        elif self.plan.init_model is not None:
+            model.load_state_dict(self.plan.init_model.state_dict())  # copies in place: a tied head stays tied
+        if saved:
+            saved.load_weights(model)  # on every rank, before DDP or FSDP takes the model over
+        if self.trainable is not None:  # it may add modules (adapters) first, so before the model moves
+            keep = {id(p) for p in self.trainable(model)}
+            for p in model.parameters():
+                p.requires_grad_(id(p) in keep)
+        return model.to(self.world.device)
+
+    def _restore(self, saved: SavePoint) -> TrainerState:
+        """A resumed run's optimizer, generators and grad scaler, as they were at its last save."""
+        state, world = saved.state, self.world
+        saved.load_optimizer(self.optimizer, lambda part, sd: world.load_optimizer_state(self.wrapped, part, sd))
+        self.batches.generator.set_state(state.rng_batches)
+        if state.scaler and self.scaler.is_enabled():
+            self.scaler.load_state_dict(state.scaler)
+        ranks, device = state.rng_ranks or [], self.batches.device
+        if len(ranks) == world.size > 1:  # as many processes as were saved: each continues its own dropout
+            torch.set_rng_state(ranks[world.rank]["cpu"])
+            if ranks[world.rank]["cuda"] is not None and device.type == "cuda":
+                torch.cuda.set_rng_state(ranks[world.rank]["cuda"], device)
+        elif world.rank > 0:  # another world size: dropout cannot continue as it was anyway
+            torch.manual_seed(self.cfg.seed + world.rank + state.step)
+        else:
+            torch.set_rng_state(state.rng_torch)
+            if state.rng_cuda and torch.cuda.is_available():  # as many GPUs as this machine has of those saved
+                for i, s in enumerate(state.rng_cuda[:torch.cuda.device_count()]):
+                    torch.cuda.set_rng_state(s, i)
+        if world.main:
+            self.run_dir.truncate_metrics(state.step)
+        return state
+
+    def _capture_rng(self) -> None:
+        state, device = self.state, self.batches.device
+        state.rng_torch = torch.get_rng_state()
+        state.rng_batches = self.batches.generator.get_state()
+        state.rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        state.scaler = self.scaler.state_dict() if self.scaler.is_enabled() else None
+        # under torchrun every rank's dropout generators (rank 0's are also the ones above); None in one process
+        state.rng_ranks = self.world.gather_objects(
+            {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None})
+
+    def _result(self) -> TrainResult:
+        state, last = self.state, self.last
+        timed, train_s, elapsed = self.clock.training_time(state.step - self.start_step)
+        return TrainResult(run_dir=self.run_dir.path, step=state.step, tokens=state.tokens,
+                           train_loss=last.train_loss if last else None, val_loss=last.val_loss if last else None,
+                           eval_step=last.step if last else None, best_val_loss=state.best_val_loss,
+                           elapsed_s=elapsed, tokens_per_s=self.tokens_per_iter * timed / train_s if timed else 0.0,
+                           ms_per_iter=train_s / timed * 1000 if timed else 0.0,
+                           mfu=(self.flops_per_iter * timed / train_s / self.peak) if self.peak and timed else None,
+                           stopped=self.stopped)
+
+
+def train(plan: RunPlan, display: Display | None = None, world: World | None = None,
+          loss: LossFn = next_token_loss, trainable: Trainable | None = None) -> TrainResult:
+    """Train (or resume) the planned run: Trainer(...).fit()."""
+    return Trainer(plan, display, world, loss, trainable).fit()
