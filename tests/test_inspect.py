@@ -1,0 +1,154 @@
+"""nanogpt inspect: the explicit attention path against the model's forward, the head probes on heads built or
+trained to do one thing, the figures' files and sizes, and the JSON round trips, through the library and the CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from nanogpt_cli.checkpoint import InferenceModel, load_for_inference
+from nanogpt_cli.cli import app
+from nanogpt_cli.config import MLPS, NORMS, POS_ENCODINGS, GPTConfig
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.inspect import (AttentionMaps, HeadReport, attention_forward, attention_maps, position_views,
+                                 score_heads)
+from nanogpt_cli.inspect.heads import induction_scores, uniform_scores
+from nanogpt_cli.model import GPT
+from nanogpt_cli.tokenizer import build_tokenizer
+
+runner = CliRunner()
+PROMPT = "The king hath\nthee, good lord."
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return struct.unpack(">II", data[16:24])
+
+
+def ok(*args) -> str:
+    result = runner.invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def loaded_model(model: GPT, vocab: str = "abcdefghijklmnop") -> InferenceModel:
+    """A model built in the test, with a char tokenizer, as load_for_inference returns one."""
+    return InferenceModel(model.eval(), build_tokenizer("char", [vocab]), {}, torch.device("cpu"), torch.float32)
+
+
+# --- the explicit path ---
+
+
+def test_explicit_attention_path_computes_the_models_own_logits_for_every_kind_of_block():
+    """Every position scheme with every QK-norm x soft-cap choice, and with each norm and each MLP among them."""
+    worst = {}
+    combos = itertools.product(POS_ENCODINGS, itertools.product((False, True), (None, 8.0)))
+    for i, (pos, (qk_norm, cap)) in enumerate(combos):
+        norm, mlp, bias = NORMS[i % 2], MLPS[i % 4], i % 3 == 0
+        torch.manual_seed(i)
+        config = GPTConfig(vocab_size=37, block_size=12, n_layer=2, n_head=2, n_embd=16, pos_encoding=pos, norm=norm,
+                           mlp=mlp, qk_norm=qk_norm, logit_softcap=cap, bias=bias)
+        model = GPT(config).eval()
+        with torch.no_grad():  # weights large enough that the attention is far from uniform and logits are O(1)
+            for p in model.parameters():
+                p.normal_(0.0, 0.3)
+        idx = torch.randint(37, (2, 12))
+        with torch.no_grad():
+            expected, _ = model(idx)  # the fused kernel, no cache
+        logits, probs = attention_forward(model, idx)
+        assert probs.shape == (2, 2, 2, 12, 12)
+        assert expected.abs().max() > 0.5  # logits that are not all near zero, so the comparison means something
+        worst[(pos, norm, mlp, qk_norm, cap, bias)] = (logits - expected).abs().max().item()
+    bad = {k: v for k, v in worst.items() if v > 1e-5}
+    assert not bad, f"explicit path differs from forward: {bad}"
+    assert {k[1] for k in worst} == set(NORMS) and {k[2] for k in worst} == set(MLPS) and len(worst) == 12
+
+
+def test_every_attention_map_is_a_causal_distribution(trained_run):
+    loaded = load_for_inference(trained_run, device="cpu", dtype="float32")
+    maps = attention_maps(loaded, PROMPT)
+    L, nh, T, _ = maps.probs.shape
+    assert (L, nh, T) == (2, 2, len(PROMPT))
+    assert torch.allclose(maps.probs.sum(-1), torch.ones(L, nh, T), atol=1e-6)
+    above = torch.ones(T, T, dtype=torch.bool).triu(diagonal=1)
+    assert (maps.probs[..., above] == 0).all()  # exact zeros: the future is masked before the softmax
+    assert (maps.probs[..., ~above] >= 0).all()
+    assert maps.tokens == list(PROMPT) and maps.ids == loaded.tokenizer.encode(PROMPT)
+
+
+def test_a_prompt_longer_than_the_context_keeps_its_last_tokens(trained_run):
+    loaded = load_for_inference(trained_run, device="cpu", dtype="float32")
+    text = PROMPT * 3  # 3 x 31 characters; the context is 32
+    maps = attention_maps(loaded, text)
+    assert maps.cut == len(text) - 32 and "".join(maps.tokens) == text[-32:]
+
+
+# --- the head probes ---
+
+
+def one_hot_positions(n_head: int = 2) -> GPT:
+    """One layer, learned positions that are one-hot (position p is e_p), token embeddings zero and RMSNorm without
+    a gain to spoil it: every head's q and k are then whatever its c_attn rows make of the position alone."""
+    T = 16
+    model = GPT(GPTConfig(vocab_size=16, block_size=T, n_layer=1, n_head=n_head, n_embd=T * n_head, norm="rmsnorm",
+                          pos_encoding="learned")).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.transformer.wpe.weight[:, :T] = torch.eye(T)
+        for norm in (model.transformer.h[0].ln_1, model.transformer.h[0].ln_2, model.transformer.ln_f):
+            norm.weight.fill_(1.0)
+    return model
+
+
+def test_a_head_built_to_copy_the_previous_token_is_labelled_previous_token():
+    model = one_hot_positions()
+    T, C = 16, 32
+    shift = torch.diag(torch.ones(T - 1), diagonal=1)  # shift @ e_i = e_(i-1): the query of i is the key of i-1
+    with torch.no_grad():
+        w = model.transformer.h[0].attn.c_attn.weight  # (3C, C): q rows, then k rows, then v rows
+        w[:T, :T] = 10 * shift  # head 0's query; head 1 keeps zeros: uniform attention
+        w[C:C + T, :T] = torch.eye(T)  # head 0's key
+    report = score_heads(loaded_model(model), length=8)
+    prev, other = report.heads
+    assert prev.label == "previous-token" and prev.previous_token > 0.99
+    assert prev.mean_distance == pytest.approx(1.0, abs=0.01)
+    # head 1 attends evenly, so it scores exactly what uniform attention does, and is mixed
+    assert other.label == "mixed"
+    for score in ("previous_token", "first_token", "mean_distance", "induction"):
+        assert getattr(other, score) == pytest.approx(getattr(report.baseline, score), rel=1e-4)
+
+
+def test_a_head_built_to_attend_to_the_first_token_is_labelled_sink():
+    model = one_hot_positions(n_head=1)
+    T = 16
+    with torch.no_grad():
+        w = model.transformer.h[0].attn.c_attn.weight
+        w[0, :T] = 10.0  # every position's query is 40 e_0 (RMSNorm scales e_p by 4)
+        w[T, 0] = 1.0  # only position 0 has a key along it
+    (head,) = score_heads(loaded_model(model), length=8).heads
+    assert head.label == "sink" and head.first_token > 0.99
+
+
+def test_a_head_that_attends_to_itself_is_local():
+    model = one_hot_positions(n_head=1)
+    T = 16
+    with torch.no_grad():
+        w = model.transformer.h[0].attn.c_attn.weight
+        w[:T, :T] = 1.5 * torch.eye(T)  # q.k = 4 * 1.5 * 4 / sqrt(16) = 6 on itself, 0 elsewhere: ~98% on itself
+        w[T:2 * T, :T] = torch.eye(T)
+    (head,) = score_heads(loaded_model(model), length=8).heads
+    assert head.previous_token < 0.4 and head.label == "local"
+
+
+def test_score_heads_refuses_a_probe_that_does_not_fit():
+    with pytest.raises(NanoGPTError, match="--length must be between 2 and half the context"):
+        score_heads(loaded_model(one_hot_positions()), length=9)
