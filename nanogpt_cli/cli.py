@@ -602,8 +602,11 @@ def _inspect_load(source: str, last: bool, device: str, dtype: str, threads: Opt
 
 
 def _inspect_target(out: Path) -> Path:
+    """Refuse a picture that cannot be written, or drawn, before the model is loaded."""
     from nanogpt_cli.files import check_creatable
+    from nanogpt_cli.inspect.draw import pyplot
 
+    pyplot()
     check_creatable(out.parent if str(out.parent) else Path("."), "the folder of the picture")
     return out
 

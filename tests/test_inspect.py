@@ -152,3 +152,106 @@ def test_a_head_that_attends_to_itself_is_local():
 def test_score_heads_refuses_a_probe_that_does_not_fit():
     with pytest.raises(NanoGPTError, match="--length must be between 2 and half the context"):
         score_heads(loaded_model(one_hot_positions()), length=9)
+
+
+# --- positions ---
+
+
+@pytest.mark.parametrize("pos", POS_ENCODINGS)
+def test_position_views_describe_the_scheme(pos):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=16, block_size=20, n_layer=1, n_head=2, n_embd=16, pos_encoding=pos)).eval()
+    views = position_views(model)
+    assert views.kind == pos and pos in views.summary.lower().replace("rope", "rope")
+    if pos == "rope":
+        assert views.wavelengths.shape == (4,) and views.wavelengths[0] == pytest.approx(2 * torch.pi)
+        assert views.decay[0] == pytest.approx(1.0) and views.decay.abs().max() <= 1.0 + 1e-6
+        assert views.similarity is None
+    else:
+        assert views.table.shape == (20, 16) and views.similarity.shape == (20, 20)
+        assert torch.allclose(views.similarity.diagonal(), torch.ones(20), atol=1e-5)
+    if pos == "sinusoidal":  # the sinusoidal table's similarity depends only on the distance between positions
+        sim = views.similarity
+        assert torch.allclose(sim.diagonal(3), sim.diagonal(3)[0].expand(17), atol=1e-5)
+
+
+# --- the commands ---
+
+
+def test_attention_command_writes_the_grid_and_one_head_at_the_sizes_asked(trained_run, tmp_path):
+    grid, one = tmp_path / "grid.png", tmp_path / "pics" / "one.png"
+    out = ok("inspect", "attention", trained_run, "--prompt", PROMPT, "--out", grid, "--size", "900x700")
+    assert f"wrote {grid}" in out
+    assert png_size(grid) == (900, 700)
+    ok("inspect", "attention", trained_run, "--prompt", PROMPT, "--out", one, "--layer", "1", "--head", "0",
+       "--size", "640x480")
+    assert png_size(one) == (640, 480) and one.stat().st_size > 5000
+    default = tmp_path / "default.png"
+    ok("inspect", "attention", trained_run, "--prompt", PROMPT, "--out", default)
+    w, h = png_size(default)
+    assert w > 500 and h > 500 and default.stat().st_size > 20_000
+
+
+def test_attention_json_round_trips_to_the_librarys_maps(trained_run, tmp_path):
+    out = ok("inspect", "attention", trained_run, "--prompt", PROMPT, "--json")
+    printed = json.loads(out)
+    assert not (Path.cwd() / "attention.png").exists() or printed  # --json alone draws nothing
+    maps = AttentionMaps.from_dict(printed)
+    expected = attention_maps(load_for_inference(trained_run, device="cpu", dtype="float32"), PROMPT)
+    assert maps.tokens == expected.tokens and maps.ids == expected.ids
+    assert torch.equal(maps.probs, expected.probs)  # float32 -> JSON -> float32 is exact
+    assert AttentionMaps.from_dict(json.loads(json.dumps(maps.to_dict()))).to_dict() == printed
+    assert printed["n_layer"] == 2 and printed["n_head"] == 2 and printed["name"] == f"{trained_run.name} (step 60)"
+
+
+def test_heads_command_prints_the_table_json_and_plot(trained_run, tmp_path):
+    plot = tmp_path / "heads.png"
+    out = ok("inspect", "heads", trained_run, "--plot", plot, "--size", "1000x640")
+    for word in ("prev-token", "induction", "uniform", f"wrote {plot}"):
+        assert word in out
+    assert png_size(plot) == (1000, 640)
+    printed = json.loads(ok("inspect", "heads", trained_run, "--json", "--seed", "3"))
+    report = HeadReport.from_dict(printed)
+    assert report.to_dict() == printed and len(report.heads) == 4 and report.probe["seed"] == 3
+    assert {h.label for h in report.heads} <= {"previous-token", "induction", "sink", "local", "mixed"}
+    again = score_heads(load_for_inference(trained_run, device="cpu", dtype="float32"), seed=3)
+    assert [h.induction for h in again.heads] == [h.induction for h in report.heads]
+
+
+def test_positions_command_draws_the_scheme(trained_run, tmp_path):
+    out = ok("inspect", "positions", trained_run, "--out", tmp_path / "pos.png", "--size", "1200x400")
+    assert "RoPE" in out and png_size(tmp_path / "pos.png") == (1200, 400)
+
+
+def test_inspect_reads_a_hugging_face_export_as_it_reads_the_run(trained_run, tmp_path):
+    pytest.importorskip("transformers")
+    ok("export", trained_run, "--out", tmp_path / "hf")
+    from_run = json.loads(ok("inspect", "heads", trained_run, "--json"))
+    from_hf = json.loads(ok("inspect", "heads", tmp_path / "hf", "--json"))
+    for a, b in zip(from_run["heads"], from_hf["heads"]):
+        assert a["label"] == b["label"] and a["induction"] == pytest.approx(b["induction"], abs=1e-4)
+    maps = json.loads(ok("inspect", "attention", tmp_path / "hf", "--prompt", PROMPT, "--json"))
+    assert maps["tokens"] == list(PROMPT) and maps["name"] == "hf"
+    ok("inspect", "positions", tmp_path / "hf", "--out", tmp_path / "pos.png")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layer", "2"], "--layer must be between 0 and 1 (the model has 2 layers), got 2"),
+    (["--head", "-1"], "--head must be between 0 and 1"),
+    (["--size", "big"], "--size must be WIDTHxHEIGHT in pixels"),
+    (["--out", "pic.bmpx"], "cannot write"),
+])
+def test_attention_refuses_bad_input_in_one_line(trained_run, tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["inspect", "attention", str(trained_run), "--prompt", PROMPT, *args])
+    assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+    assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_attention_needs_a_prompt_and_matplotlib(trained_run, tmp_path, monkeypatch):
+    result = runner.invoke(app, ["inspect", "attention", str(trained_run)])
+    assert result.exit_code == 1 and "give the text to look at with --prompt or --prompt-file" in result.output
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    result = runner.invoke(app, ["inspect", "attention", str(trained_run), "--prompt", "The", "--out",
+                                 str(tmp_path / "a.png")])
+    assert result.exit_code == 1 and 'needs the matplotlib package: pip install -e ".[plot]"' in result.output

@@ -55,7 +55,8 @@ def shown(token: str) -> str:
     return "".join(out).replace("$", r"\$") or "∅"
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot drawing into files, or the one sentence on installing it (call it before slow work)."""
     matplotlib = require("matplotlib", "plot", "drawing the figures")
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
@@ -64,12 +65,13 @@ def _pyplot():
 
 
 def _save(fig, out: Path, size: tuple[int, int] | None) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     out = Path(out)
     if size is not None:
         fig.set_size_inches(size[0] / DPI, size[1] / DPI)
     fmt = out.suffix.lstrip(".").lower() or "png"
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(out, lambda tmp: fig.savefig(tmp, format=fmt, dpi=DPI))
     except ValueError as e:  # an unknown format: matplotlib names the ones it has
         raise NanoGPTError(f"cannot write {out}: {str(e).splitlines()[0]}") from None
@@ -82,7 +84,7 @@ def draw_attention(maps: AttentionMaps, out: Path, layer: int | None = None, hea
                    size: tuple[int, int] | None = None, max_tokens: int = MAX_TOKENS) -> Path:
     """Heatmaps of the attention: every layer (rows) x head (columns), or only the layer and/or head given.
     Each row of a heatmap is one token's attention over the tokens before it; the last max_tokens are drawn."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.colors import PowerNorm
 
     L, nh, T, _ = maps.probs.shape
@@ -101,8 +103,7 @@ def draw_attention(maps: AttentionMaps, out: Path, layer: int | None = None, hea
     fig, axes = plt.subplots(len(layers), len(heads), squeeze=False, dpi=DPI, layout="constrained",
                              figsize=(panel * len(heads) + 1.5, panel * len(layers) + 1.0))
     norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)  # square-root colours: weak weights stay visible
-    cmap = plt.get_cmap("viridis").copy()
-    cmap.set_bad("#f0f0f0")  # the future, which no token sees
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#f0f0f0")  # bad: the future, which no token sees
     future = torch.ones(n, n, dtype=torch.bool).triu(diagonal=1)
     image = None
     for r, li in enumerate(layers):
@@ -139,7 +140,7 @@ SCORES = (("previous_token", "previous-token score", "Blues"), ("induction", "in
 def draw_heads(report: HeadReport, out: Path, size: tuple[int, int] | None = None) -> Path:
     """The four scores as layers x heads grids with each cell's value written in it, the labels as a fifth grid,
     and what the labels mean."""
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.colors import ListedColormap
 
     L, nh = report.n_layer, report.n_head
@@ -199,7 +200,7 @@ LABEL_LEGEND = (f"induction: induction score >= {INDUCTION_MIN}\n"
 
 def draw_positions(views: PositionViews, name: str, out: Path, size: tuple[int, int] | None = None) -> Path:
     """Two or three panels describing the position scheme (see positions.py)."""
-    plt = _pyplot()
+    plt = pyplot()
     if views.kind == "rope":
         fig, axes = plt.subplots(1, 3, dpi=DPI, figsize=(17, 5.2), layout="constrained")
         pairs = len(views.wavelengths)
