@@ -52,7 +52,7 @@ def attention_forward(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, torc
     # dropout in the MLP would make the result a random draw, not the model's
     assert not model.training, "call model.eval() first"
     cfg = model.config
-    B, T = idx.size()
+    T = idx.size(1)
     if T > cfg.block_size:
         raise ValueError(f"{T} tokens exceed the context of {cfg.block_size}")
     tr = model.transformer
@@ -87,7 +87,7 @@ class AttentionMaps:
     cut: int = 0  # leading tokens of the prompt cut to fit the context
 
     def to_dict(self) -> dict[str, Any]:
-        L, nh, T, _ = self.probs.shape
+        L, nh = self.probs.shape[:2]
         return {"source": self.source, "name": self.name, "tokens": self.tokens, "ids": self.ids, "cut": self.cut,
                 "n_layer": L, "n_head": nh, "attention": self.probs.tolist()}
 

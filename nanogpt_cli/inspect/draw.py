@@ -16,7 +16,14 @@ import torch
 from nanogpt_cli.checkpoint import atomic_write
 from nanogpt_cli.errors import NanoGPTError, require
 from nanogpt_cli.inspect.attention import AttentionMaps, check_selection
-from nanogpt_cli.inspect.heads import INDUCTION_MIN, LABELS, LOCAL_SHARE, PREVIOUS_MIN, SINK_MIN, HeadReport
+from nanogpt_cli.inspect.heads import (
+    INDUCTION_MIN,
+    LABELS,
+    LOCAL_SHARE,
+    PREVIOUS_MIN,
+    SINK_MIN,
+    HeadReport,
+)
 from nanogpt_cli.inspect.positions import PositionViews
 
 DPI = 100
@@ -95,7 +102,7 @@ def draw_attention(maps: AttentionMaps, out: Path, layer: int | None = None, hea
     n = T - start
     labels = [shown(t) for t in maps.tokens[start:]]
     single = len(layers) * len(heads) == 1
-    panel = max(5.0, 0.16 * n) if single else min(7.0, max(1.8, 0.1 * n))  # inches
+    panel = max(5.0, 0.16 * n) if single else min(7.5, max(2.2, 0.125 * n))  # inches
     scale = min(1.0, MAX_FIGURE_IN / (panel * max(len(layers), len(heads))))
     panel *= scale
     font = min(9.0, 0.8 * panel * 72 / n)  # points: a label as tall as most of its row

@@ -158,11 +158,14 @@ def score_heads(loaded: InferenceModel, source: str = "", name: str = "", length
 
 def heads_table(report: HeadReport):
     """The scores as a rich Table, one row per head."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=f"attention heads of {report.name}" if report.name else None)
+    # a light box: the seven columns fit an 80-column terminal
+    table = Table(title=f"attention heads of {report.name}" if report.name else None, box=box.SIMPLE_HEAD,
+                  show_edge=False, collapse_padding=True)
     for column in ("layer", "head", "prev-token", "first-token", "distance", "induction", "label"):
-        table.add_column(column, justify="left" if column == "label" else "right")
+        table.add_column(column, justify="left" if column == "label" else "right", no_wrap=True)
     b = report.baseline
     for h in report.heads:
         table.add_row(str(h.layer), str(h.head), f"{h.previous_token:.2f}", f"{h.first_token:.2f}",
