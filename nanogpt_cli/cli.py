@@ -535,7 +535,6 @@ InspectSource = Annotated[str, typer.Argument(help="Run folder (its best weights
                                                    "Face model folder or hf:NAME.")]
 Size = Annotated[Optional[str], typer.Option(help="Picture size in pixels, WIDTHxHEIGHT (default: fits the "
                                                   "labels).", show_default=False)]
-InspectDtype = Annotated[str, typer.Option(help=DTYPE_HELP)]
 
 
 @inspect_app.callback(invoke_without_command=True)
@@ -545,8 +544,8 @@ def _inspect_root(ctx: typer.Context):
         raise typer.Exit(0)
 
 
-def _inspect_load(source: str, last: bool, device: str, dtype: str, threads: Optional[int]):
-    from nanogpt_cli.checkpoint import load_for_inference
+def _inspect_load(source: str, last: bool, device: str, dtype: Dtype, threads: Optional[int]):
+    from nanogpt_cli.loading import load_for_inference
     from nanogpt_cli.device import set_threads
     from nanogpt_cli.inspect import display_name
 
@@ -591,7 +590,7 @@ def inspect_attention(
     json_out: Annotated[bool, typer.Option("--json", help="Print the attention weights as JSON.")] = False,
     last: Last = False,
     device: Device = "auto",
-    dtype: InspectDtype = "float32",
+    dtype: DtypeOption = Dtype.float32,
     threads: Threads = None,
 ):
     """Draw every layer's and head's attention over a prompt's tokens as a grid of heatmaps.
@@ -642,7 +641,7 @@ def inspect_heads(
     json_out: Annotated[bool, typer.Option("--json", help="Print the scores as JSON instead of a table.")] = False,
     last: Last = False,
     device: Device = "auto",
-    dtype: InspectDtype = "float32",
+    dtype: DtypeOption = Dtype.float32,
     threads: Threads = None,
 ):
     """Score every head on standard probes and name what it does: previous-token, induction, sink, local, mixed.

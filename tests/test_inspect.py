@@ -13,9 +13,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from nanogpt_cli.checkpoint import InferenceModel, load_for_inference
+from nanogpt_cli.loading import InferenceModel, load_for_inference
 from nanogpt_cli.cli import app
-from nanogpt_cli.config import MLPS, NORMS, POS_ENCODINGS, GPTConfig
+from nanogpt_cli.config import MLP, GPTConfig, Norm, PosEncoding
+
+POS_ENCODINGS = tuple(p.value for p in PosEncoding)
+NORMS = tuple(n.value for n in Norm)
+MLPS = tuple(m.value for m in MLP)
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inspect import (
     AttentionMaps,

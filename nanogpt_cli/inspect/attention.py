@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from nanogpt_cli.checkpoint import InferenceModel
+from nanogpt_cli.loading import InferenceModel
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT, CausalSelfAttention, apply_rope, softcap
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from nanogpt_cli.checkpoint import atomic_write
+from nanogpt_cli.files import atomic_write
 from nanogpt_cli.errors import NanoGPTError, require
 from nanogpt_cli.inspect.attention import AttentionMaps, check_selection
 from nanogpt_cli.inspect.heads import (

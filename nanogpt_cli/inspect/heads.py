@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from nanogpt_cli.checkpoint import InferenceModel
+from nanogpt_cli.loading import InferenceModel
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inspect.attention import attention_forward
 
