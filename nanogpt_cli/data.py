@@ -366,6 +366,15 @@ class _Source:
     unit: str = "bytes"  # of tick and total: "bytes" for local files, "documents" for hub datasets
 
 
+@contextlib.contextmanager
+def open_source(source: str, text_column: str = "text", subset: str | None = None, split: str = "train",
+                streaming: bool = False) -> Iterator[_Source]:
+    """Any SOURCE that `prepare` reads, for other readers (tokenizer training): `.label`, `.total`, `.unit`, and
+    `.pieces(tick)`, which yields (text, ends a document) and calls tick(n) with the bytes or documents read."""
+    with contextlib.ExitStack() as stack:
+        yield _resolve_source(source, text_column, subset, split, streaming, raw_bytes=False, stack=stack)
+
+
 def _resolve_source(source: str, text_column: str, subset: str | None, split: str, streaming: bool,
                     raw_bytes: bool, stack: contextlib.ExitStack) -> _Source:
     path = Path(source).expanduser()
