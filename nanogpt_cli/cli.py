@@ -633,6 +633,8 @@ def export(
                       ] = "hf",
     last: Last = False,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+    quant: Annotated[Optional[str], typer.Option(help="gguf: the type of the weight matrices: f32 (default), f16, "
+                                                      "bf16, q8_0, q5_1, q5_0, q4_1 or q4_0.")] = None,
 ):
     """Write a run as a Hugging Face folder or a GGUF file that other tools load.
 
@@ -641,13 +643,17 @@ def export(
     from nanogpt_cli.export import export as export_run
     from nanogpt_cli.ui import console
 
-    result = export_run(run, format, out, last=last, force=force)
+    result = export_run(run, format, out, last=last, force=force, quant=quant)
     if result.format == "hf":
         console.print(f"wrote {result.path} ({result.architecture}, {result.tokenizer} tokenizer); load it with "
                       f"AutoModelForCausalLM.from_pretrained({str(result.path)!r})", soft_wrap=True, highlight=False)
     else:
-        console.print(f"wrote {result.path} (GGUF, {result.architecture}, {result.tokenizer} tokenizer, float32)",
-                      soft_wrap=True, highlight=False)
+        size = f"{result.bytes / 1e6:,.2f} MB"
+        if result.quant != "f32":
+            ratio = result.f32_bytes / max(result.bytes, 1)
+            size += f", {ratio:.1f}x smaller than float32 ({result.f32_bytes / 1e6:,.2f} MB)"
+        console.print(f"wrote {result.path} (GGUF, {result.architecture}, {result.tokenizer} tokenizer, {result.quant}: "
+                      f"{size})", soft_wrap=True, highlight=False)
 
 
 @app.command()
@@ -680,7 +686,7 @@ def runs(
 @app.command()
 @one_line_errors
 def info(
-    path: Annotated[Path, typer.Argument(help="A run folder or a .safetensors weights file.")],
+    path: Annotated[Path, typer.Argument(help="A run folder, a .safetensors weights file or a .gguf export.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ):
     """Describe a run or weights file: config, parameters, FLOPs per token, tokenizer, losses, files.

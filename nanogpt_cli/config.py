@@ -45,7 +45,9 @@ class GPTConfig:
     rope_theta: float = 10000.0  # RoPE base frequency
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-5  # epsilon of the norm layers
-    mlp: str = "gelu"  # gelu (exact, erf) | gelu_tanh (GPT-2's approximation) | swiglu | relu2 (squared ReLU)
+    # gelu_tanh (GPT-2's approximation of GELU, the one llama.cpp computes, so the default exports to GGUF) |
+    # gelu (exact, erf) | swiglu | relu2 (squared ReLU). Checkpoints store the value, so older ones keep theirs
+    mlp: str = "gelu_tanh"
     mlp_hidden: int | None = None  # MLP hidden width; None: 4*n_embd (gelu) or ~8/3*n_embd rounded to 64 (swiglu)
     tie_embeddings: bool = True  # the LM head shares the token embedding matrix
     # modded-nanogpt / nanochat block options; off by default, so older checkpoints load unchanged

@@ -92,7 +92,7 @@ def _texts(src, max_chars: int | None, counts: dict[str, int], progress: Progres
                 break
     finally:
         pieces.close()
-    if progress is not None:
+    if progress is not None and counts["characters"]:  # no text is an error, said once by the caller
         progress(PrepareProgress("reading text", done, done, src.unit, counts["documents"]))
         progress(PrepareProgress("learning merges", 0, None, "documents", counts["documents"]))
 

@@ -31,7 +31,8 @@ ARCHS = {  # our config flags -> the stock architecture that computes them
     "gpt2-sinusoidal": (dict(pos_encoding="sinusoidal", mlp="gelu", tie_embeddings=False), "GPT2LMHeadModel"),
     "llama": (dict(norm="rmsnorm", mlp="swiglu", rope_theta=500.0), "LlamaForCausalLM"),
     "llama-bias": (dict(norm="rmsnorm", mlp="swiglu", bias=True, tie_embeddings=False), "LlamaForCausalLM"),
-    "neox": (dict(), "GPTNeoXForCausalLM"),  # our default: RoPE, LayerNorm, exact GELU, no biases
+    "neox": (dict(mlp="gelu"), "GPTNeoXForCausalLM"),  # RoPE, LayerNorm, exact GELU, no biases (older runs)
+    "neox-default": (dict(), "GPTNeoXForCausalLM"),  # our default: the same with the tanh GELU
     "neox-bias": (dict(bias=True, mlp="gelu_tanh"), "GPTNeoXForCausalLM"),
 }
 
@@ -204,12 +205,18 @@ def test_gguf_gpt2_shape_and_metadata(tmp_path):
     (dict(norm="rmsnorm", mlp="relu2"), "hf", "byte", "closest, LlamaForCausalLM, needs --mlp swiglu$"),
     (dict(norm="rmsnorm", mlp="swiglu", qk_norm=True), "hf", "byte", "no stock Hugging Face architecture has QK"),
     (dict(), "hf", "cl100k_base", "the cl100k_base tokenizer does not export"),
-    (dict(), "gguf", "gpt2", "not RoPE with LayerNorm and GELU"),
-    (dict(pos_encoding="learned"), "gguf", "gpt2", "needs --mlp gelu_tanh"),
-    (dict(norm="rmsnorm", mlp="swiglu"), "gguf", "byte", "supports the gpt2 tokenizer only"),
+    (dict(mlp="gelu"), "gguf", "gpt2", "tanh approximation: GGUF export of a model with LayerNorm and GELU needs "
+                                       r"--mlp gelu_tanh \(or"),
+    (dict(pos_encoding="learned", mlp="gelu"), "gguf", "gpt2", "needs --mlp gelu_tanh"),
+    (dict(mlp="relu2"), "gguf", "byte", "needs a model llama.cpp computes exactly: .* needs --mlp gelu$"),
+    (dict(norm="rmsnorm", mlp="swiglu"), "gguf", "cl100k_base", "supports the gpt2, char, byte and trained "
+                                                                "tokenizers, not cl100k_base"),
+    (dict(), "gguf", "char", "of several UTF-8 bytes .*; prepare with --tokenizer byte or a trained tokenizer"),
 ])
 def test_unsupported_exports_are_one_sentence_and_write_nothing(flags, fmt, tokenizer, message, tmp_path):
     desc = {"name": tokenizer, "vocab_size": 256 if tokenizer == "byte" else 100277}
+    if tokenizer == "char":
+        desc = build_tokenizer("char", [MIXED]).describe()
     model = tiny_model(desc["vocab_size"], n_layer=1, **flags)
     out = tmp_path / ("model.gguf" if fmt == "gguf" else "export")
     with pytest.raises(NanoGPTError, match=message) as e:
@@ -242,7 +249,7 @@ def test_loading_what_is_not_a_usable_hf_model_is_one_sentence(tmp_path):
     # a tokenizer that is neither GPT-2's BPE nor one of our char/byte exports
     tk = pytest.importorskip("tokenizers")
     other = tk.Tokenizer(tk.models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
-    with pytest.raises(NanoGPTError, match="neither GPT-2's BPE nor a char or byte vocabulary"):
+    with pytest.raises(NanoGPTError, match="neither GPT-2's BPE nor a char, byte or trained vocabulary"):
         hf.describe_hf_tokenizer(other)
     # a model type with no counterpart
     config = transformers.GPTJConfig(vocab_size=10, n_positions=8, n_embd=8, n_layer=1, n_head=2, rotary_dim=4)
