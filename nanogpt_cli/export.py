@@ -148,8 +148,13 @@ def export_gguf(model: GPT, desc: dict[str, Any], out: Path, force: bool = False
         _replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    # what the same file holds in float32: its size less the tensors as written plus the tensors at 4 bytes a value
+    # the size of the same file in float32: its size less the tensors as written plus the tensors at 4 bytes a value
+    gguf = hf.require("gguf")
     tensors = gguf_file.gguf_tensors(model, arch)
-    written = sum(gguf_file._quantize(t, quant, hf.require("gguf"))[0].nbytes for t in tensors.values())
-    f32 = size - written + sum(t.nbytes for t in tensors.values())
+
+    def padded(n: int) -> int:  # each tensor starts on a 32-byte boundary
+        return gguf.GGUFWriter.ggml_pad(n, gguf.GGUF_DEFAULT_ALIGNMENT)
+
+    written = sum(padded(gguf_file._quantize(t, quant, gguf)[0].nbytes) for t in tensors.values())
+    f32 = size - written + sum(padded(t.nbytes) for t in tensors.values())
     return ExportResult(out, "gguf", arch, desc["name"], quant=quant, bytes=size, f32_bytes=f32)

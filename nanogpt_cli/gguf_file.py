@@ -109,14 +109,15 @@ def write_gguf(model: GPT, desc: dict[str, Any], path: Path, quant: str = "f32")
     arch = gguf_arch(c)
     vocab = gguf_vocabulary(desc, c.vocab_size, gguf)
     tensors = gguf_tensors(model, arch, gguf)
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = _writer_class(gguf)(str(path), arch)
     _metadata(writer, c, arch, quant, gguf)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(vocab["pre"])
     writer.add_token_list(vocab["tokens"])
     writer.add_token_types(vocab["types"])
-    if vocab["merges"]:
-        writer.add_token_merges(vocab["merges"])
+    # llama.cpp refuses a byte-level vocabulary without a merges key, even an empty one (char and byte)
+    writer.add_key_value(gguf.Keys.Tokenizer.MERGES, vocab["merges"], gguf.GGUFValueType.ARRAY,
+                         sub_type=gguf.GGUFValueType.STRING)
     if vocab["eot"] is not None:
         writer.add_bos_token_id(vocab["eot"])
         writer.add_eos_token_id(vocab["eot"])
@@ -130,6 +131,20 @@ def write_gguf(model: GPT, desc: dict[str, Any], path: Path, quant: str = "f32")
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def _writer_class(gguf):
+    """gguf's writer, able to write an empty array: the format has them (a count of 0) and llama.cpp reads them,
+    but the writer refuses one, having no first element to take the element type from."""
+
+    class Writer(gguf.GGUFWriter):
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+            if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
+                head = self._pack("I", vtype) if add_vtype else b""
+                return head + self._pack("I", sub_type) + self._pack("Q", 0)
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    return Writer
 
 
 def _metadata(writer, c: GPTConfig, arch: str, quant: str, gguf) -> None:
