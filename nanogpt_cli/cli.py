@@ -652,8 +652,8 @@ def export(
         if result.quant != "f32":
             ratio = result.f32_bytes / max(result.bytes, 1)
             size += f", {ratio:.1f}x smaller than float32 ({result.f32_bytes / 1e6:,.2f} MB)"
-        console.print(f"wrote {result.path} (GGUF, {result.architecture}, {result.tokenizer} tokenizer, {result.quant}: "
-                      f"{size})", soft_wrap=True, highlight=False)
+        console.print(f"wrote {result.path} (GGUF, {result.architecture}, {result.tokenizer} tokenizer, "
+                      f"{result.quant}: {size})", soft_wrap=True, highlight=False)
 
 
 @app.command()

@@ -263,7 +263,8 @@ def _meta(reader, path) -> dict[str, Any]:
                            "reads back its own GGUF exports only")
     file_type = fields["general.file_type"].contents() if "general.file_type" in fields else 0
     return {"config": json.loads(fields[CONFIG_KEY].contents()),
-            "tokenizer": json.loads(fields[TOKENIZER_KEY].contents()), "architecture": fields["general.architecture"].contents(), "file_type": int(file_type),
+            "tokenizer": json.loads(fields[TOKENIZER_KEY].contents()),
+            "architecture": fields["general.architecture"].contents(), "file_type": int(file_type),
             "source": str(path), "format": "gguf"}
 
 

@@ -48,8 +48,10 @@ PATTERNS = {
     "gpt4": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
             r"""|\s+(?!\S)|\s+""",
     # o200k_base's (GPT-4o): case-aware words, contractions attached
-    "gpt4o": r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
-             r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
+    "gpt4o": r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+             r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
+             r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+             r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
              r"""|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
     # nanochat's: GPT-4's with numbers in groups of two (better for small vocabularies)
     "nanochat": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]"""
@@ -196,7 +198,8 @@ class BPETokenizer(TiktokenTokenizer):
         self.ranks, self.pattern, self.pattern_name = ranks, pattern, pattern_name
         self.special_tokens = dict(special_tokens)
         try:
-            encoding = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks={t: i for i, t in enumerate(ranks)},
+            encoding = tiktoken.Encoding(name=name, pat_str=pattern,
+                                         mergeable_ranks={t: i for i, t in enumerate(ranks)},
                                          special_tokens=self.special_tokens)
         except ValueError as e:  # a pattern the regex engine rejects, or ids that collide
             raise NanoGPTError(f"the {name} tokenizer is not valid: {e}") from None

@@ -101,7 +101,8 @@ def test_training_is_deterministic_and_round_trips_any_text(sample_text):
     first, second = (train_bpe([sample_text], 300, "play", "gpt4") for _ in range(2))
     assert first.ranks == second.ranks and first.vocab_size == 300  # 256 bytes, 43 merges, end of text
     assert first.ranks[:256] == [bytes([b]) for b in range(256)] and first.special_tokens == {EOT: 299}
-    for text in (UNICODE, "🙂👍🏽 emoji joined by ZWJ: 👩‍👩‍👧", "\x00\x7f control and \ufeff BOM", sample_text[:200]):
+    edge_cases = ("🙂👍🏽 emoji joined by ZWJ: 👩‍👩‍👧", "\x00\x7f control and \ufeff BOM", "\U0010ffff last code point")
+    for text in (UNICODE, *edge_cases, sample_text[:200]):
         ids = first.encode(text)
         assert first.decode(ids) == text and b"".join(first.decode_bytes([i]) for i in ids) == text.encode()
     assert len(first.encode("the king")) < len("the king")  # it learnt the text's words
