@@ -157,11 +157,14 @@ def prepare(
     source: Annotated[str, typer.Argument(help="A .txt/.md file, a folder or glob of them, a .jsonl/.json/.parquet/"
                                                ".csv file, hf:OWNER/NAME, or shakespeare (downloaded once).")],
     name: Annotated[str, typer.Option(help="Dataset name: the folder DATA_DIR/NAME that training reads.")],
-    tokenizer: Annotated[str, typer.Option(help="gpt2, char, byte, or a tiktoken encoding such as cl100k_base.")
+    tokenizer: Annotated[str, typer.Option(help="gpt2, char, byte, a tiktoken encoding such as cl100k_base, or a "
+                                                "tokenizer trained by `nanogpt tokenizer train` (NAME or folder).")
                          ] = "gpt2",
     val_fraction: Annotated[float, typer.Option(help="Share held out for validation: the tail of one text, or "
                                                      "every (1/f)-th document.")] = 0.1,
     data_dir: Annotated[Path, typer.Option(help=DATA_DIR_HELP)] = Path("data"),
+    tokenizers_dir: Annotated[Path, typer.Option(help="Folder of trained tokenizers (for --tokenizer NAME).")
+                              ] = Path("tokenizers"),
     text_column: Annotated[str, typer.Option(help="Column with the text in .jsonl/.json/.parquet/.csv and hub "
                                                   "datasets.")] = "text",
     subset: Annotated[Optional[str], typer.Option(help="Hub dataset subset (configuration) name.")] = None,
@@ -190,6 +193,11 @@ def prepare(
     from nanogpt_cli.ui import console, err_console, prepare_progress, prepare_table
 
     check_creatable(data_dir, "--data-dir")
+    from nanogpt_cli.tokenizer import available_tokenizers, tokenizer_folder
+
+    trained = tokenizer_folder(tokenizer, tokenizers_dir) if tokenizer not in available_tokenizers() else None
+    if trained is not None:  # prepare reads a trained tokenizer from its folder
+        tokenizer = str(trained)
     replacing = (data_dir / name / "meta.json").is_file() and not resume  # --resume continues, not replaces
 
     try:
@@ -207,6 +215,146 @@ def prepare(
     if replacing:  # said after the table, where it is seen: runs trained on the old data see the new
         console.print(f"replaced the dataset that was in {result.path}; runs trained on it continue on the new data "
                       "when resumed")
+
+
+tokenizer_app = typer.Typer(help="Train your own BPE tokenizer and look at what a tokenizer does.\n\n"
+                            "Example: nanogpt tokenizer train examples/tinyshakespeare.txt --vocab-size 2048 "
+                            "--name shk2k", rich_markup_mode=None)
+app.add_typer(tokenizer_app, name="tokenizer")
+TOKENIZERS_DIR_HELP = "Folder of trained tokenizers."
+
+
+@tokenizer_app.callback(invoke_without_command=True)
+def _tokenizer_root(ctx: typer.Context):
+    if ctx.invoked_subcommand is None:
+        print(ctx.get_help())
+        raise typer.Exit(0)
+
+
+@tokenizer_app.command("train")
+@one_line_errors
+def tokenizer_train(
+    source: Annotated[str, typer.Argument(help="Any SOURCE prepare reads: a text file, a folder or glob, a "
+                                               ".jsonl/.json/.parquet/.csv file, hf:OWNER/NAME, or shakespeare.")],
+    name: Annotated[str, typer.Option(help="Tokenizer name: the folder TOKENIZERS_DIR/NAME that --tokenizer NAME "
+                                           "reads.")],
+    vocab_size: Annotated[int, typer.Option(help="Tokens in the vocabulary: 256 bytes + merges + special tokens.")
+                          ] = 8192,
+    pattern: Annotated[str, typer.Option(help="Pre-tokenization regex: gpt2, gpt4 (cl100k), gpt4o (o200k) or "
+                                              "nanochat.")] = "gpt4",
+    special: Annotated[Optional[list[str]], typer.Option(help="A special token (repeatable; default "
+                                                               "<|endoftext|>, which always comes first).",
+                                                          metavar="<text>", show_default=False)] = None,
+    max_chars: Annotated[Optional[int], typer.Option(help="Train on the first N characters only.")] = None,
+    tokenizers_dir: Annotated[Path, typer.Option(help=TOKENIZERS_DIR_HELP)] = Path("tokenizers"),
+    text_column: Annotated[str, typer.Option(help="Column with the text in .jsonl/.json/.parquet/.csv and hub "
+                                                  "datasets.")] = "text",
+    subset: Annotated[Optional[str], typer.Option(help="Hub dataset subset (configuration) name.")] = None,
+    split: Annotated[str, typer.Option(help="Hub dataset split to read.")] = "train",
+    streaming: Annotated[bool, typer.Option(help="Stream a hub dataset instead of downloading it first.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace TOKENIZERS_DIR/NAME if it exists.")] = False,
+):
+    """Train a byte-level BPE tokenizer (Hugging Face tokenizers' trainer; tiktoken encodes with it).
+
+    Example: nanogpt tokenizer train examples/tinyshakespeare.txt --vocab-size 2048 --name shk2k
+    """
+    from nanogpt_cli.tokenizer import EOT
+    from nanogpt_cli.tokenizer_train import train_tokenizer
+    from nanogpt_cli.ui import console, prepare_progress, summary_table
+
+    specials = [EOT] + [s for s in (special or []) if s != EOT]
+    with prepare_progress() as progress:
+        result = train_tokenizer(source, name, vocab_size, pattern, specials, max_chars, tokenizers_dir,
+                                 text_column=text_column, subset=subset, split=split, streaming=streaming, force=force,
+                                 progress=progress)
+    tok = result.tokenizer
+    console.print(summary_table(f"trained {result.path}", [
+        ("source", result.source),
+        ("characters", f"{result.characters:,} ({result.documents:,} document{'s' if result.documents != 1 else ''})"),
+        ("vocabulary size", f"{tok.vocab_size:,} (256 bytes, {len(tok.ranks) - 256:,} merges, "
+                            f"{len(tok.special_tokens)} special)"),
+        ("pattern", tok.pattern_name),
+        ("time", f"{result.elapsed_s:.2f} s ({result.chars_per_s / 1e6:,.2f} M characters/s)"),
+    ]))
+    if tok.vocab_size < result.requested_vocab_size:
+        note(f"the text ran out of pairs to merge: the vocabulary has {tok.vocab_size:,} tokens, not the "
+             f"{result.requested_vocab_size:,} of --vocab-size; train on more text for more")
+    console.print(f"use it with: nanogpt prepare SOURCE --name DATASET --tokenizer {name}"
+                  + (f" --tokenizers-dir {tokenizers_dir}" if tokenizers_dir != Path("tokenizers") else ""),
+                  markup=False)
+
+
+def _load_tokenizer(name: str, tokenizers_dir: Path):
+    from nanogpt_cli.tokenizer import build_tokenizer
+
+    if name == "char":
+        raise NanoGPTError("the char tokenizer's vocabulary comes from the text it is prepared from; name a "
+                           "dataset's tokenizer through its checkpoint instead")
+    return build_tokenizer(name, tokenizers_dir=tokenizers_dir)
+
+
+@tokenizer_app.command("info")
+@one_line_errors
+def tokenizer_info(
+    name: Annotated[str, typer.Argument(help="A trained tokenizer's NAME or folder, or gpt2, byte, cl100k_base.")],
+    tokenizers_dir: Annotated[Path, typer.Option(help=TOKENIZERS_DIR_HELP)] = Path("tokenizers"),
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+):
+    """Describe a tokenizer: vocabulary size, pattern, special tokens, longest tokens.
+
+    Example: nanogpt tokenizer info shk2k
+    """
+    from nanogpt_cli.tokenizer import BPETokenizer, tokenizer_folder
+    from nanogpt_cli.ui import console, summary_table
+
+    tok = _load_tokenizer(name, tokenizers_dir)
+    folder = tokenizer_folder(name, tokenizers_dir) if isinstance(tok, BPETokenizer) else None
+    info = {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id}
+    if isinstance(tok, BPETokenizer):
+        trained = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("trained", {})
+        longest = sorted(tok.ranks, key=len, reverse=True)[:3]
+        info.update(path=str(folder), pattern=tok.pattern_name or tok.pattern, merges=len(tok.ranks) - 256,
+                    special_tokens=tok.special_tokens, trained=trained,
+                    longest=[t.decode("utf-8", errors="replace") for t in longest])
+    if json_out:
+        print(json.dumps(info, ensure_ascii=False))
+        return
+    rows = [("vocabulary size", f"{tok.vocab_size:,}"),
+            ("end of text", "none" if tok.eot_id is None else f"id {tok.eot_id}")]
+    if isinstance(tok, BPETokenizer):
+        rows += [("folder", info["path"]), ("pattern", str(info["pattern"])), ("merges", f"{info['merges']:,}"),
+                 ("special tokens", ", ".join(f"{t} = {i}" for t, i in tok.special_tokens.items())),
+                 ("longest tokens", "  ".join(repr(t) for t in info["longest"]))]
+        if trained:
+            rows.append(("trained on", f"{trained.get('source')} ({trained.get('characters', 0):,} characters)"))
+    console.print(summary_table(f"tokenizer {tok.name}", rows))
+
+
+@tokenizer_app.command("encode")
+@one_line_errors
+def tokenizer_encode(
+    name: Annotated[str, typer.Argument(help="A trained tokenizer's NAME or folder, or gpt2, byte, cl100k_base.")],
+    text: Annotated[str, typer.Argument(help="The text to encode.")],
+    tokenizers_dir: Annotated[Path, typer.Option(help=TOKENIZERS_DIR_HELP)] = Path("tokenizers"),
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the pieces.")] = False,
+):
+    """Show the ids a tokenizer gives a text, and the piece of text each one stands for.
+
+    Example: nanogpt tokenizer encode shk2k "ROMEO: What light"
+    """
+    from nanogpt_cli.tokenizer import BPETokenizer
+
+    tok = _load_tokenizer(name, tokenizers_dir)
+    ids = tok.encode_special(text) if isinstance(tok, BPETokenizer) else tok.encode(text)
+    pieces = [tok.decode_bytes([i]).decode("utf-8", errors="backslashreplace") for i in ids]
+    if json_out:
+        print(json.dumps({"ids": ids, "pieces": pieces, "tokens": len(ids), "bytes": len(text.encode("utf-8"))},
+                         ensure_ascii=False))
+        return
+    print(" ".join(str(i) for i in ids))
+    print("|".join(pieces))
+    print(f"{len(ids):,} tokens for {len(text.encode('utf-8')):,} bytes "
+          f"({len(text.encode('utf-8')) / max(len(ids), 1):.2f} bytes per token)")
 
 
 @app.command()
@@ -439,6 +587,8 @@ def export(
                       ] = "hf",
     last: Last = False,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+    quant: Annotated[Optional[str], typer.Option(help="gguf: the type of the weight matrices: f32 (default), f16, "
+                                                      "bf16, q8_0, q5_1, q5_0, q4_1 or q4_0.")] = None,
 ):
     """Write a run as a Hugging Face folder or a GGUF file that other tools load.
 
@@ -447,13 +597,17 @@ def export(
     from nanogpt_cli.export import export as export_run
     from nanogpt_cli.ui import console
 
-    result = export_run(run, format, out, last=last, force=force)
+    result = export_run(run, format, out, last=last, force=force, quant=quant)
     if result.format == "hf":
         console.print(f"wrote {result.path} ({result.architecture}, {result.tokenizer} tokenizer); load it with "
                       f"AutoModelForCausalLM.from_pretrained({str(result.path)!r})", soft_wrap=True, highlight=False)
     else:
-        console.print(f"wrote {result.path} (GGUF, {result.architecture}, {result.tokenizer} tokenizer, float32)",
-                      soft_wrap=True, highlight=False)
+        size = f"{result.bytes / 1e6:,.2f} MB"
+        if result.quant != "f32":
+            ratio = result.f32_bytes / max(result.bytes, 1)
+            size += f", {ratio:.1f}x smaller than float32 ({result.f32_bytes / 1e6:,.2f} MB)"
+        console.print(f"wrote {result.path} (GGUF, {result.architecture}, {result.tokenizer} tokenizer, "
+                      f"{result.quant}: {size})", soft_wrap=True, highlight=False)
 
 
 @app.command()
@@ -486,7 +640,7 @@ def runs(
 @app.command()
 @one_line_errors
 def info(
-    path: Annotated[Path, typer.Argument(help="A run folder or a .safetensors weights file.")],
+    path: Annotated[Path, typer.Argument(help="A run folder, a .safetensors weights file or a .gguf export.")],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ):
     """Describe a run or weights file: config, parameters, FLOPs per token, tokenizer, losses, files.

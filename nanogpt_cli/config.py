@@ -115,8 +115,9 @@ class GPTConfig:
     rope_theta: float = setting(10000.0, "RoPE base.")
     norm: Norm = setting(Norm.layernorm, "Norm layers.")
     norm_eps: float = setting(1e-5, "Norm epsilon.")
-    # gelu is exact (erf), gelu_tanh GPT-2's approximation
-    mlp: MLP = setting(MLP.gelu, "MLP activation; relu2 is squared ReLU.")
+    # gelu_tanh is GPT-2's approximation of GELU and the one llama.cpp computes, so the default exports to GGUF;
+    # gelu is exact (erf). Checkpoints store the value, so older ones keep theirs
+    mlp: MLP = setting(MLP.gelu_tanh, "MLP activation; relu2 is squared ReLU.")
     # None: 4*n_embd (gelu) or ~8/3*n_embd rounded to 64 (swiglu)
     mlp_hidden: int | None = setting(None, "MLP hidden width.")
     tie_embeddings: bool = setting(True, "Share the embedding with the LM head.")

@@ -370,8 +370,57 @@ def tokenizers_object(desc: dict[str, Any]):
         tok = tk.Tokenizer(tk.models.BPE(vocab={ch: i for i, ch in enumerate(desc["chars"])}, merges=[]))
         tok.decoder = tk.decoders.Fuse()
         return tok, None
-    raise NanoGPTError(f"the {name} tokenizer does not export: only gpt2, char and byte vocabularies have an exact "
-                       "Hugging Face tokenizer here")
+    if desc.get("kind") == "bpe":
+        return _trained_bpe_object(desc, tk)
+    raise NanoGPTError(f"the {name} tokenizer does not export: only gpt2, char, byte and trained vocabularies have an "
+                       "exact Hugging Face tokenizer here")
+
+
+def _trained_bpe_object(desc: dict[str, Any], tk):
+    """A trained BPE as a byte-level `tokenizers` BPE: the ranks in GPT-2's byte alphabet, merges derived from the
+    ranks, the split pattern, and `ignore_merges` (a piece that is a whole token is that token, as in tiktoken)."""
+    from nanogpt_cli.tokenizer import EOT, PATTERNS, merges_from_ranks, spell_bytes, tokenizer_from_description
+
+    ours = tokenizer_from_description(desc)
+    vocab = {spell_bytes(t): i for i, t in enumerate(ours.ranks)}
+    merges = [(spell_bytes(a), spell_bytes(b)) for a, b in merges_from_ranks(ours.ranks)]
+    tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
+    if ours.pattern == PATTERNS["gpt2"]:  # the ByteLevel pre-tokenizer's own regex is GPT-2's
+        tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = tk.pre_tokenizers.Sequence([
+            tk.pre_tokenizers.Split(tk.Regex(ours.pattern), behavior="isolated"),
+            tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = tk.decoders.ByteLevel()
+    tok.add_special_tokens([tk.AddedToken(t, special=True, normalized=False)
+                            for t in sorted(ours.special_tokens, key=ours.special_tokens.get)])
+    return tok, EOT if EOT in ours.special_tokens else None
+
+
+def _describe_trained_bpe(backend, spec: dict[str, Any]) -> dict[str, Any] | None:
+    """Our description of a byte-level BPE that `_trained_bpe_object` wrote (ids 0..255 the bytes in order, the
+    ranks after them, special tokens last), or None when the tokenizer is not one."""
+    from nanogpt_cli.tokenizer import PATTERNS, BPETokenizer, byte_to_unicode
+
+    byte_of = {ch: b for b, ch in enumerate(byte_to_unicode())}
+    added = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
+    regular = sorted((i, t) for t, i in backend.get_vocab(with_added_tokens=False).items())
+    if [i for i, _ in regular] != list(range(len(regular))) or len(regular) < 256 or \
+            any(not set(t) <= byte_of.keys() for _, t in regular):
+        return None
+    ranks = [bytes(byte_of[ch] for ch in t) for _, t in regular]
+    if ranks[:256] != [bytes([b]) for b in range(256)]:
+        return None
+    pre = spec.get("pre_tokenizer") or {}
+    if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        pattern = PATTERNS["gpt2"]
+    elif pre.get("type") == "Sequence" and [p.get("type") for p in pre.get("pretokenizers", [])] == ["Split",
+                                                                                                   "ByteLevel"]:
+        pattern = pre["pretokenizers"][0].get("pattern", {}).get("Regex")
+    else:
+        return None
+    names = {v: k for k, v in PATTERNS.items()}
+    return BPETokenizer("bpe", ranks, pattern, added, names.get(pattern)).describe()
 
 
 def describe_hf_tokenizer(backend) -> dict[str, Any]:
@@ -390,12 +439,15 @@ def describe_hf_tokenizer(backend) -> dict[str, Any]:
             return build_tokenizer("gpt2").describe()
         if not merges and len(vocab) == 256 and vocab == {ch: b for b, ch in enumerate(byte_alphabet())}:
             return {"name": "byte", "vocab_size": 256}
+        trained = _describe_trained_bpe(backend, spec) if merges else None
+        if trained is not None:
+            return trained
         chars = "".join(sorted(vocab, key=vocab.get))
         if (not merges and decoder == "Fuse" and all(len(t) == 1 for t in vocab)
                 and sorted(vocab.values()) == list(range(len(vocab))) and chars == "".join(sorted(chars))):
             return {"name": "char", "vocab_size": len(chars), "chars": chars}
-    raise NanoGPTError("this Hugging Face tokenizer is neither GPT-2's BPE nor a char or byte vocabulary exported by "
-                       "nanogpt, so nanogpt cannot encode text for it")
+    raise NanoGPTError("this Hugging Face tokenizer is neither GPT-2's BPE nor a char, byte or trained vocabulary "
+                       "exported by nanogpt, so nanogpt cannot encode text for it")
 
 
 # --- loading a Hugging Face model -------------------------------------------------------------------------

@@ -30,6 +30,11 @@ def load_model(path: str | Path, last: bool = False, device: str | torch.device 
     if hf.is_hf_source(path):
         model, tokenizer = hf.load_pretrained(path)
         return model.to(device), {"config": model.config.to_dict(), "tokenizer": tokenizer, "source": str(path)}
+    from nanogpt_cli import gguf_file
+
+    if gguf_file.is_gguf(path):  # a GGUF file that nanogpt exported
+        model, meta = gguf_file.read_gguf(path)
+        return model.to(device), meta
     path = resolve_weights(path, last)
     meta = read_metadata(path)
     try:

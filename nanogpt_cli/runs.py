@@ -144,6 +144,14 @@ def inspect_path(path: str | Path) -> Info:
         return _inspect_run(path)
     if not path.exists():
         raise NanoGPTError(f"{path} does not exist; give a run folder or a .safetensors file")
+    if path.suffix.lower() == ".gguf":  # a GGUF file nanogpt exported: its metadata holds our config and tokenizer
+        from nanogpt_cli.gguf_file import read_gguf_meta
+
+        meta = read_gguf_meta(path)
+        info = Info(path=str(path), kind=f"gguf ({meta['architecture']})")
+        _fill_model(info, meta.get("config"), meta.get("tokenizer"))
+        info.files = [FileInfo(path.name, path.stat().st_size, True, "GGUF")]
+        return info
     meta = read_metadata(path)  # one sentence when it is not a nanogpt weights file
     info = Info(path=str(path), kind="weights", step=meta.get("step"), tokens=meta.get("tokens"),
                 val_loss=meta.get("val_loss"), dataset=meta.get("dataset") or None)

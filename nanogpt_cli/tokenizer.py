@@ -12,11 +12,16 @@ Kinds:
 - byte: the 256 byte values of the UTF-8 encoding; lossless for any input; no end-of-text token.
 - any other tiktoken encoding (cl100k_base, o200k_base, ...): through `tiktoken.get_encoding`, which downloads
   its file once and caches it (TIKTOKEN_CACHE_DIR).
+- a trained byte-level BPE (`train_bpe`, `nanogpt tokenizer train`): stored in TOKENIZERS_DIR/NAME as
+  `ranks.tiktoken` (tiktoken's own text format: base64 token, rank) and `tokenizer.json` (pattern, special
+  tokens); named by NAME or by the path of that folder, encoded by a tiktoken `Encoding` built from those files.
+  Its description carries the whole vocabulary, so a checkpoint alone can decode.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +35,28 @@ ASSETS_DIR = Path(__file__).parent / "assets" / "gpt2"
 # the sha256 of OpenAI's files, as in tiktoken_ext/openai_public.py; tiktoken's loader checks them
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+
+TOKENIZERS_DIR = Path("tokenizers")  # trained tokenizers, one folder per NAME, beside data/
+RANKS_FILE = "ranks.tiktoken"  # base64 of each token's bytes and its rank (= id), one per line, as tiktoken writes
+CONFIG_FILE = "tokenizer.json"  # the pattern, the special tokens and how it was trained
+EOT = "<|endoftext|>"
+# pre-tokenization: the text is cut into pieces by this regex and BPE merges only inside a piece. Spelled as the
+# Hugging Face tokenizers and llama.cpp spell them, so an export splits exactly as tiktoken does here.
+PATTERNS = {
+    "gpt2": r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
+    # cl100k_base's (GPT-4 and GPT-3.5); also Llama 3's
+    "gpt4": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+            r"""|\s+(?!\S)|\s+""",
+    # o200k_base's (GPT-4o): case-aware words, contractions attached
+    "gpt4o": r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
+             r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
+             r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+             r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
+             r"""|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+    # nanochat's: GPT-4's with numbers in groups of two (better for small vocabularies)
+    "nanochat": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]"""
+                r"""|\s+(?!\S)|\s+""",
+}
 
 
 class Tokenizer:
@@ -158,6 +185,165 @@ class ByteTokenizer(Tokenizer):
         return bytes(list(ids))
 
 
+class BPETokenizer(TiktokenTokenizer):
+    """A byte-level BPE trained here: ranks (token bytes, id = rank), a split pattern and special tokens after
+    the ranks. Encoded by tiktoken, like gpt2."""
+
+    kind = "bpe"
+
+    def __init__(self, name: str, ranks: list[bytes], pattern: str, special_tokens: dict[str, int],
+                 pattern_name: str | None = None):
+        import tiktoken
+
+        self.ranks, self.pattern, self.pattern_name = ranks, pattern, pattern_name
+        self.special_tokens = dict(special_tokens)
+        try:
+            encoding = tiktoken.Encoding(name=name, pat_str=pattern,
+                                         mergeable_ranks={t: i for i, t in enumerate(ranks)},
+                                         special_tokens=self.special_tokens)
+        except ValueError as e:  # a pattern the regex engine rejects, or ids that collide
+            raise NanoGPTError(f"the {name} tokenizer is not valid: {e}") from None
+        super().__init__(encoding)
+
+    def encode_special(self, text: str) -> list[int]:
+        """Like encode, but the special-token strings in `text` become their single ids."""
+        return self.enc.encode(text, allowed_special="all")
+
+    def describe(self) -> dict[str, Any]:
+        import base64
+
+        return {"name": self.name, "kind": self.kind, "vocab_size": self.vocab_size, "pattern": self.pattern,
+                "pattern_name": self.pattern_name, "special_tokens": self.special_tokens,
+                "ranks": [base64.b64encode(t).decode("ascii") for t in self.ranks]}
+
+    @classmethod
+    def from_description(cls, desc: dict[str, Any]) -> BPETokenizer:
+        import base64
+
+        try:
+            ranks = [base64.b64decode(t, validate=True) for t in desc["ranks"]]
+            return cls(desc["name"], ranks, desc["pattern"], desc["special_tokens"], desc.get("pattern_name"))
+        except (KeyError, TypeError, ValueError) as e:
+            raise NanoGPTError(f"the description of the trained tokenizer {desc.get('name')!r} is damaged "
+                               f"({type(e).__name__}: {e})") from None
+
+    def save(self, folder: Path, trained: dict[str, Any] | None = None) -> None:
+        """Write ranks.tiktoken and tokenizer.json into `folder` (which must exist)."""
+        import base64
+
+        lines = "".join(f"{base64.b64encode(t).decode('ascii')} {i}\n" for i, t in enumerate(self.ranks))
+        (folder / RANKS_FILE).write_text(lines, encoding="ascii")
+        config = {"format": "nanogpt-bpe", "version": 1, "name": self.name, "pattern_name": self.pattern_name,
+                  "pattern": self.pattern, "special_tokens": self.special_tokens, "vocab_size": self.vocab_size,
+                  **({"trained": trained} if trained else {})}
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, folder: Path) -> BPETokenizer:
+        """The tokenizer saved in `folder`; a damaged or foreign folder is one sentence."""
+        import base64
+
+        try:
+            config = json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+            if config.get("format") != "nanogpt-bpe":
+                raise ValueError(f"{CONFIG_FILE} is not a nanogpt tokenizer")
+            ranks = []
+            for i, line in enumerate((folder / RANKS_FILE).read_text(encoding="ascii").splitlines()):
+                token, rank = line.split()
+                if int(rank) != i:
+                    raise ValueError(f"line {i + 1} of {RANKS_FILE} has rank {rank}, not {i}")
+                ranks.append(base64.b64decode(token, validate=True))
+            return cls(config["name"], ranks, config["pattern"], config["special_tokens"], config.get("pattern_name"))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise NanoGPTError(f"{folder} does not hold a readable trained tokenizer ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+def check_bpe_settings(vocab_size: int, pattern: str, special_tokens: Sequence[str]) -> None:
+    """One sentence for settings `train_bpe` cannot train with, before any text is read."""
+    if pattern not in PATTERNS:
+        raise NanoGPTError(f"unknown --pattern {pattern!r}; choose one of {', '.join(PATTERNS)}")
+    if len(set(special_tokens)) != len(special_tokens) or not all(special_tokens):
+        raise NanoGPTError(f"the special tokens must be distinct and not empty, got {list(special_tokens)}")
+    smallest = 256 + len(special_tokens)
+    if vocab_size < smallest:
+        raise NanoGPTError(f"--vocab-size {vocab_size:,} is too small: a byte-level BPE holds the 256 byte values "
+                           f"and {len(special_tokens)} special token(s), so it needs at least {smallest:,}")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, name: str, pattern: str = "gpt4",
+              special_tokens: Sequence[str] = (EOT,)) -> BPETokenizer:
+    """A byte-level BPE of `vocab_size` tokens (fewer when the text runs out of pairs to merge) learnt from
+    `texts` by Hugging Face tokenizers' trainer: ids 0..255 are the bytes, then the merged tokens in the order
+    they were learnt, then the special tokens."""
+    from nanogpt_cli.errors import require
+
+    check_bpe_settings(vocab_size, pattern, special_tokens)
+    tk = require("tokenizers", "hf", what="training a tokenizer")
+    bpe = tk.Tokenizer(tk.models.BPE())
+    bpe.pre_tokenizer = tk.pre_tokenizers.Sequence([
+        tk.pre_tokenizers.Split(tk.Regex(PATTERNS[pattern]), behavior="isolated"),
+        tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size - len(special_tokens), show_progress=False,
+                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    bpe.train_from_iterator(texts, trainer=trainer)
+    # the trainer numbers tokens as it creates them: the 256 one-character tokens of the byte alphabet first,
+    # then each merged token when its first merge is learnt, which is the rank order tiktoken needs
+    byte_of = {ch: b for b, ch in enumerate(byte_to_unicode())}
+    merged = sorted((i, t) for t, i in bpe.get_vocab().items() if len(t) > 1)
+    ranks = [bytes([b]) for b in range(256)] + [bytes(byte_of[ch] for ch in t) for _, t in merged]
+    specials = {token: len(ranks) + i for i, token in enumerate(special_tokens)}
+    return BPETokenizer(name, ranks, PATTERNS[pattern], specials, pattern)
+
+
+def tokenizer_folder(spec: str, tokenizers_dir: Path = TOKENIZERS_DIR) -> Path | None:
+    """The folder of the trained tokenizer that `spec` names: a NAME in `tokenizers_dir`, or a folder path; None
+    when it names none (gpt2, char, byte and tiktoken's names are never looked up as folders)."""
+    if spec in BUILTIN or not spec:
+        return None
+    for folder in (Path(tokenizers_dir) / spec, Path(spec).expanduser()):
+        if (folder / CONFIG_FILE).is_file():
+            return folder
+    return None
+
+
+def merges_from_ranks(ranks: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """The BPE merges that make a merge-list tokenizer (Hugging Face, llama.cpp) encode as tiktoken does with
+    these ranks. tiktoken merges the adjacent pair whose concatenation has the lowest rank, so every split of a
+    token into two tokens is a merge, ranked by the token it makes (then by its parts)."""
+    rank = {t: i for i, t in enumerate(ranks)}
+    merges = []
+    for token, r in rank.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in rank and right in rank:
+                merges.append((r, rank[left], rank[right], left, right))
+    merges.sort()
+    return [(left, right) for *_, left, right in merges]
+
+
+@functools.cache
+def byte_to_unicode() -> tuple[str, ...]:
+    """GPT-2's printable stand-in for each byte 0..255, the alphabet byte-level BPE files (Hugging Face
+    tokenizer.json, GGUF) spell tokens in: printable Latin-1 bytes stand for themselves, the rest are shifted
+    to code points from 256 up, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return tuple(out)
+
+
+def spell_bytes(token: bytes) -> str:
+    """A token's bytes in GPT-2's byte alphabet (b' the' -> 'Ġthe')."""
+    alphabet = byte_to_unicode()
+    return "".join(alphabet[b] for b in token)
+
+
 def _codepoints(text: str) -> np.ndarray:
     # UTF-32 is one 4-byte unit per character, so this is the array of code points
     return np.frombuffer(text.encode("utf-32-le"), dtype="<u4")
@@ -192,16 +378,22 @@ def available_tokenizers() -> list[str]:
     return list(BUILTIN) + [n for n in tiktoken.list_encoding_names() if n not in BUILTIN]
 
 
-def check_tokenizer_name(name: str) -> None:
-    """Raise NanoGPTError listing the valid names when `name` is not one; costs no download."""
+def check_tokenizer_name(name: str, tokenizers_dir: Path = TOKENIZERS_DIR) -> None:
+    """Raise NanoGPTError listing the valid names when `name` is not one; costs no download. A trained
+    tokenizer is named by its NAME in `tokenizers_dir` or by the path of its folder."""
     valid = available_tokenizers()
-    if name not in valid:
-        raise NanoGPTError(f"unknown tokenizer {name!r}; choose one of {', '.join(valid)}")
+    if name not in valid and tokenizer_folder(name, tokenizers_dir) is None:
+        raise NanoGPTError(f"unknown tokenizer {name!r}; choose one of {', '.join(valid)}, or a tokenizer trained "
+                           f"with `nanogpt tokenizer train` (its NAME in {tokenizers_dir}/, or its folder)")
 
 
-def build_tokenizer(name: str, texts: Iterable[str] | None = None) -> Tokenizer:
+def build_tokenizer(name: str, texts: Iterable[str] | None = None,
+                    tokenizers_dir: Path = TOKENIZERS_DIR) -> Tokenizer:
     """The tokenizer called `name`. Only `char` reads `texts`: its vocabulary is their characters."""
-    check_tokenizer_name(name)
+    check_tokenizer_name(name, tokenizers_dir)
+    folder = tokenizer_folder(name, tokenizers_dir) if name not in available_tokenizers() else None
+    if folder is not None:
+        return BPETokenizer.load(folder)
     if name == "gpt2":
         return TiktokenTokenizer(_gpt2_encoding())
     if name == "byte":
@@ -228,10 +420,12 @@ def tokenizer_from_description(desc: dict[str, Any]) -> Tokenizer:
     if not isinstance(desc, dict) or not isinstance(desc.get("name"), str):
         raise NanoGPTError(f"not a tokenizer description: {desc!r}")
     name = desc["name"]
-    if name == "char":
+    if desc.get("kind") == BPETokenizer.kind:  # a trained BPE carries its whole vocabulary
+        tok: Tokenizer = BPETokenizer.from_description(desc)
+    elif name == "char":
         if not isinstance(desc.get("chars"), str):
             raise NanoGPTError("the char tokenizer description has no 'chars'")
-        tok: Tokenizer = CharTokenizer(desc["chars"])
+        tok = CharTokenizer(desc["chars"])
     else:
         tok = build_tokenizer(name)
     expected = desc.get("vocab_size")
@@ -257,4 +451,6 @@ def describe_difference(a: dict[str, Any], b: dict[str, Any], a_name: str, b_nam
                 shown = " ".join(repr(c) for c in sorted(only)[:8]) + (" ..." if len(only) > 8 else "")
                 text += f"; only in {name}: {shown}"
         return text
+    if a.get("vocab_size") == b.get("vocab_size"):
+        return f"the vocabulary: the same size ({a.get('vocab_size')} tokens), other tokens in {a_name} and {b_name}"
     return f"the vocabulary: {a.get('vocab_size')} tokens in {a_name} vs {b.get('vocab_size')} in {b_name}"

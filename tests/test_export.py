@@ -32,7 +32,8 @@ ARCHS = {  # our config flags -> the stock architecture that computes them
     "gpt2-sinusoidal": (dict(pos_encoding="sinusoidal", mlp="gelu", tie_embeddings=False), "GPT2LMHeadModel"),
     "llama": (dict(norm="rmsnorm", mlp="swiglu", rope_theta=500.0), "LlamaForCausalLM"),
     "llama-bias": (dict(norm="rmsnorm", mlp="swiglu", bias=True, tie_embeddings=False), "LlamaForCausalLM"),
-    "neox": (dict(), "GPTNeoXForCausalLM"),  # our default: RoPE, LayerNorm, exact GELU, no biases
+    "neox": (dict(mlp="gelu"), "GPTNeoXForCausalLM"),  # RoPE, LayerNorm, exact GELU, no biases (older runs)
+    "neox-default": (dict(), "GPTNeoXForCausalLM"),  # our default: the same with the tanh GELU
     "neox-bias": (dict(bias=True, mlp="gelu_tanh"), "GPTNeoXForCausalLM"),
 }
 
@@ -205,12 +206,18 @@ def test_gguf_gpt2_shape_and_metadata(tmp_path):
     (dict(norm="rmsnorm", mlp="relu2"), "hf", "byte", "closest, LlamaForCausalLM, needs --mlp swiglu$"),
     (dict(norm="rmsnorm", mlp="swiglu", qk_norm=True), "hf", "byte", "no stock Hugging Face architecture has QK"),
     (dict(), "hf", "cl100k_base", "the cl100k_base tokenizer does not export"),
-    (dict(), "gguf", "gpt2", "not RoPE with LayerNorm and GELU"),
-    (dict(pos_encoding="learned"), "gguf", "gpt2", "needs --mlp gelu_tanh"),
-    (dict(norm="rmsnorm", mlp="swiglu"), "gguf", "byte", "supports the gpt2 tokenizer only"),
+    (dict(mlp="gelu"), "gguf", "gpt2", "tanh approximation: GGUF export of a model with LayerNorm and GELU needs "
+                                       r"--mlp gelu_tanh \(or"),
+    (dict(pos_encoding="learned", mlp="gelu"), "gguf", "gpt2", "needs --mlp gelu_tanh"),
+    (dict(mlp="relu2"), "gguf", "byte", "needs a model llama.cpp computes exactly: .* needs --mlp gelu$"),
+    (dict(norm="rmsnorm", mlp="swiglu"), "gguf", "cl100k_base", "supports the gpt2, char, byte and trained "
+                                                                "tokenizers, not cl100k_base"),
+    (dict(), "gguf", "char", "of several UTF-8 bytes .*; prepare with --tokenizer byte or a trained tokenizer"),
 ])
 def test_unsupported_exports_are_one_sentence_and_write_nothing(flags, fmt, tokenizer, message, tmp_path):
     desc = {"name": tokenizer, "vocab_size": 256 if tokenizer == "byte" else 100277}
+    if tokenizer == "char":
+        desc = build_tokenizer("char", [MIXED]).describe()
     model = tiny_model(desc["vocab_size"], n_layer=1, **flags)
     out = tmp_path / ("model.gguf" if fmt == "gguf" else "export")
     with pytest.raises(NanoGPTError, match=message) as e:
@@ -243,7 +250,7 @@ def test_loading_what_is_not_a_usable_hf_model_is_one_sentence(tmp_path):
     # a tokenizer that is neither GPT-2's BPE nor one of our char/byte exports
     tk = pytest.importorskip("tokenizers")
     other = tk.Tokenizer(tk.models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
-    with pytest.raises(NanoGPTError, match="neither GPT-2's BPE nor a char or byte vocabulary"):
+    with pytest.raises(NanoGPTError, match="neither GPT-2's BPE nor a char, byte or trained vocabulary"):
         hf.describe_hf_tokenizer(other)
     # a model type with no counterpart
     config = transformers.GPTJConfig(vocab_size=10, n_positions=8, n_embd=8, n_layer=1, n_head=2, rotary_dim=4)
@@ -339,3 +346,133 @@ def test_a_hub_model_that_cannot_be_reached_is_one_sentence(tmp_path):
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("error: could not load hf:nobody/nothing from the Hugging Face hub (offline")
+
+
+# --- trained tokenizers, GGUF of the default config, quantized GGUF, reading our GGUF back -------------------
+
+ASCII = "ROMEO: What light through yonder window breaks?\nJULIET: Ay me! 1234, said she.\n" * 12
+
+
+def trained_bpe(pattern: str = "gpt4", vocab_size: int = 300):
+    from nanogpt_cli.tokenizer import train_bpe
+
+    from tests.conftest import make_text
+
+    return train_bpe([make_text(lines=150, seed=3)], vocab_size, "play", pattern)
+
+
+def fitted_model(tok, steps: int = 40, **flags) -> GPT:
+    """A default-config model (n_embd 32: whole q8_0 blocks) fitted a little to ASCII, so greedy text is
+    confident rather than random ties."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=2, n_head=2, n_embd=32, **flags))
+    data = torch.tensor(tok.encode(ASCII))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        starts = torch.randint(0, len(data) - 33, (8,))
+        x = torch.stack([data[s:s + 32] for s in starts])
+        y = torch.stack([data[s + 1:s + 33] for s in starts])
+        _, loss = model(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def hf_greedy(folder: Path, gguf_name: str, prompt_ids: list[int], n: int) -> list[int]:
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_name).eval()
+    out = ref.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def our_greedy(model: GPT, desc: dict, prompt: str, n: int, tmp_path: Path) -> list[int]:
+    save_model(tmp_path / "ours.safetensors", model, {"tokenizer": desc})
+    sampler = Sampler.load(tmp_path / "ours.safetensors", device="cpu", dtype="float32")
+    settings = SampleSettings(max_new_tokens=n, temperature=0, ignore_eot=True)
+    return sampler.generate(prompt, settings).token_ids
+
+
+@pytest.mark.parametrize("pattern", ["gpt2", "gpt4"])
+def test_a_trained_tokenizer_exports_to_hugging_face_with_our_ids(pattern, tmp_path):
+    tok = trained_bpe(pattern)
+    export_hf(tiny_model(tok.vocab_size, n_layer=1), tok.describe(), tmp_path / "export")
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    held_out = MIXED + "  The KING's 12345 men\r\n\n\n  "  # not in the training text
+    ids = tok.encode(held_out)
+    assert hf_tok(held_out)["input_ids"] == ids and hf_tok.decode(ids) == held_out
+    assert hf_tok.eos_token == "<|endoftext|>" and hf_tok.convert_tokens_to_ids("<|endoftext|>") == tok.eot_id
+    back = hf.describe_hf_tokenizer(hf_tok.backend_tokenizer)
+    assert {**back, "name": tok.name} == tok.describe()
+
+
+@pytest.mark.parametrize("tokenizer", ["char", "byte", "trained"])
+def test_gguf_of_the_default_config_reads_back_in_transformers_with_our_ids_and_greedy_text(tokenizer, tmp_path):
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    tok = trained_bpe() if tokenizer == "trained" else build_tokenizer(tokenizer, [ASCII])
+    model = fitted_model(tok)  # the default config: RoPE, LayerNorm, tanh GELU, no biases
+    path = tmp_path / "model.gguf"
+    assert export_gguf(model, tok.describe(), path).architecture == "starcoder2"
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    text = ASCII[:120] if tokenizer == "char" else MIXED + ASCII[:80]
+    assert hf_tok(text, add_special_tokens=False)["input_ids"] == tok.encode(text)
+    prompt = "ROMEO: What"
+    ours = our_greedy(model, tok.describe(), prompt, 20, tmp_path)
+    assert hf_greedy(tmp_path, path.name, tok.encode(prompt), 20) == ours
+
+
+def test_q8_0_gguf_keeps_the_greedy_text_and_is_smaller(tmp_path):
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    tok = build_tokenizer("char", [ASCII])
+    model = fitted_model(tok, steps=80)
+    full = export_gguf(model, tok.describe(), tmp_path / "f32.gguf")
+    q8 = export_gguf(model, tok.describe(), tmp_path / "q8.gguf", quant="q8_0")
+    f16 = export_gguf(model, tok.describe(), tmp_path / "f16.gguf", quant="f16")
+    assert q8.f32_bytes == full.bytes == full.f32_bytes and f16.bytes < full.bytes
+    assert q8.bytes < f16.bytes and q8.bytes < 0.5 * full.bytes
+    prompt = tok.encode("ROMEO: What")
+    greedy = {name: hf_greedy(tmp_path, name, prompt, 12) for name in ("f32.gguf", "q8.gguf", "f16.gguf")}
+    assert greedy["q8.gguf"][:10] == greedy["f32.gguf"][:10] == greedy["f16.gguf"][:10]
+    assert greedy["f32.gguf"] == our_greedy(model, tok.describe(), "ROMEO: What", 12, tmp_path)
+
+
+def test_sample_eval_and_info_read_a_gguf_we_wrote(tmp_path):
+    pytest.importorskip("gguf")
+    tok = build_tokenizer("char", [ASCII])
+    model = fitted_model(tok, steps=20)
+    save_model(tmp_path / "run.safetensors", model, {"tokenizer": tok.describe()})
+    runner = CliRunner()
+    made = runner.invoke(app, ["export", str(tmp_path / "run.safetensors"), "--format", "gguf", "--quant", "q8_0",
+                               "--out", str(tmp_path / "m.gguf")])
+    assert made.exit_code == 0 and "q8_0" in made.output and "x smaller than float32" in made.output, made.output
+    (tmp_path / "text.txt").write_text(ASCII[:400])
+    outputs = []
+    for source in ("run.safetensors", "m.gguf"):
+        sample = runner.invoke(app, ["sample", "--checkpoint", str(tmp_path / source), "--prompt", "ROMEO:",
+                                     "--temperature", "0", "--max-new-tokens", "30", "--device", "cpu"])
+        ppl = runner.invoke(app, ["eval", "perplexity", "--checkpoint", str(tmp_path / source), "--input",
+                                  str(tmp_path / "text.txt"), "--json", "--device", "cpu"])
+        assert sample.exit_code == 0 and ppl.exit_code == 0, sample.output + ppl.output
+        outputs.append((sample.output, json.loads(ppl.output.strip().splitlines()[-1])["loss"]))
+    assert outputs[1][0][:16] == outputs[0][0][:16] and len(outputs[1][0]) > 30
+    assert outputs[1][1] == pytest.approx(outputs[0][1], abs=0.02)  # q8_0 rounding, no more
+    info = runner.invoke(app, ["info", str(tmp_path / "m.gguf"), "--json"])
+    assert info.exit_code == 0, info.output
+    shown = json.loads(info.output)
+    assert shown["kind"] == "gguf (starcoder2)" and shown["model"]["n_embd"] == 32 and "char" in shown["tokenizer"]
+    (tmp_path / "foreign.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+    foreign = runner.invoke(app, ["sample", "--checkpoint", str(tmp_path / "foreign.gguf")])
+    assert foreign.exit_code == 1 and foreign.output.count("\n") == 1
+
+
+def test_gguf_refuses_a_pattern_llama_cpp_does_not_know_in_one_sentence(tmp_path):
+    pytest.importorskip("gguf")
+    tok = trained_bpe("nanochat")
+    out = tmp_path / "model.gguf"
+    with pytest.raises(NanoGPTError, match="llama.cpp has no pre-tokenizer for the split pattern of the play "
+                                           "tokenizer \\(nanochat\\); train it with --pattern gpt2, gpt4 or gpt4o"):
+        export_gguf(tiny_model(tok.vocab_size, n_layer=1), tok.describe(), out, quant="q8_0")
+    with pytest.raises(NanoGPTError, match="--quant must be one of f32, f16"):
+        export_gguf(tiny_model(tok.vocab_size, n_layer=1), trained_bpe().describe(), out, quant="q3")
+    assert nothing_written(tmp_path, out)

@@ -43,11 +43,11 @@ _LAZY = {
     "pipeline": ("PrepareOptions", "PrepareProgress", "PrepareResult", "Progress", "interrupted_prepare", "prepare",
                 "prepare_with"),
     "shards": ("SHARD_TOKENS", "token_dtype"),
-    "sources": ("cache_dir", "download_shakespeare"),
+    "sources": ("cache_dir", "download_shakespeare", "open_source"),
 }
 
 __all__ = ["SHARD_TOKENS", "SPLITS", "PrepareOptions", "PrepareProgress", "PrepareResult", "Progress", "TokenShards",
-           "cache_dir", "download_shakespeare", "interrupted_prepare", "list_datasets", "load_meta", "open_split",
+           "cache_dir", "download_shakespeare", "interrupted_prepare", "open_source", "list_datasets", "load_meta", "open_split",
            "prepare", "prepare_with", "token_dtype"]
 
 

@@ -52,6 +52,15 @@ class Source:
     unit: str = "bytes"  # of tick and total: "bytes" for local files, "documents" for hub datasets
 
 
+@contextlib.contextmanager
+def open_source(source: str, text_column: str = "text", subset: str | None = None, split: str = "train",
+                streaming: bool = False, encoding: str = DEFAULT_ENCODING) -> Iterator[Source]:
+    """Any SOURCE that `prepare` reads, for other readers (tokenizer training): `.label`, `.total`, `.unit`, and
+    `.pieces(tick)`, which yields (text, ends a document) and calls tick(n) with the bytes or documents read."""
+    with contextlib.ExitStack() as stack:
+        yield resolve_source(source, stack, text_column, subset, split, streaming, encoding=encoding)
+
+
 def resolve_source(source: str, stack: contextlib.ExitStack, text_column: str = "text", subset: str | None = None,
                    split: str = "train", streaming: bool = False, raw_bytes: bool = False,
                    encoding: str = DEFAULT_ENCODING) -> Source:

@@ -1,0 +1,309 @@
+"""GGUF files (llama.cpp, ollama, LM Studio): which llama.cpp architecture computes a model exactly, our weights
+and tokenizer under llama.cpp's names (float32, float16 or quantized), and reading a file we wrote back into
+our model.
+
+    write_gguf(model, tokenizer_desc, Path("shk.gguf"), quant="q8_0");  model, meta = read_gguf("shk.gguf")
+
+Architectures (`gguf_arch`): llama (RoPE, RMSNorm, SwiGLU, no biases), gpt2 (learned or sinusoidal positions,
+LayerNorm, tanh GELU) and starcoder2 (RoPE on the whole head, LayerNorm, tanh GELU: our default config). llama.cpp
+computes GELU with the tanh approximation only, so a model trained with the exact GELU (--mlp gelu) is refused
+rather than run slightly differently.
+
+Tokenizers: gpt2, byte, char (characters of one UTF-8 byte) and trained BPEs (gpt2, gpt4 and gpt4o patterns), all
+as llama.cpp's byte-level BPE ("gpt2" model): tokens spelled in GPT-2's byte alphabet in id order, merges derived
+from the ranks, and the pre-tokenizer llama.cpp knows for the pattern. Our config and tokenizer description ride
+along as `nanogpt.config` / `nanogpt.tokenizer` (llama.cpp ignores keys it does not know), so `read_gguf` rebuilds
+exactly what was exported.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from nanogpt_cli import hf
+from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.model import GPT
+
+QUANTS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # --quant: what gguf's writer can produce
+CONFIG_KEY, TOKENIZER_KEY = "nanogpt.config", "nanogpt.tokenizer"
+# our trained BPE's split patterns -> the llama.cpp pre-tokenizer that splits with the same regex
+PRE_TOKENIZERS = {"gpt2": "gpt-2", "gpt4": "llama-bpe", "gpt4o": "gpt-4o"}
+
+
+def gguf_arch(c: GPTConfig) -> str:
+    """llama, gpt2 or starcoder2: the llama.cpp architecture that computes this config exactly; else one sentence
+    naming the flags to change."""
+    try:
+        kind = hf.hf_kind(c)
+    except NanoGPTError as e:
+        raise NanoGPTError(f"GGUF export needs a model llama.cpp computes exactly: {e}") from None
+    if kind in ("gpt2", "gpt_neox") and c.mlp != "gelu_tanh":
+        raise NanoGPTError("llama.cpp computes GELU with the tanh approximation: GGUF export of a model with "
+                           "LayerNorm and GELU needs --mlp gelu_tanh (or --norm rmsnorm --mlp swiglu --no-bias)")
+    if kind == "llama" and c.bias:
+        raise NanoGPTError("GGUF export of a Llama-shaped model needs --no-bias")
+    return "starcoder2" if kind == "gpt_neox" else kind
+
+
+def gguf_vocabulary(desc: dict[str, Any], vocab_size: int, gguf) -> dict[str, Any]:
+    """The tokenizer as llama.cpp reads it: tokens in id order, their types, merges, pre-tokenizer, end-of-text id.
+    A padded vocabulary gets unused filler tokens, since llama.cpp wants one token per embedding row."""
+    from nanogpt_cli.tokenizer import BPETokenizer, byte_to_unicode, merges_from_ranks, spell_bytes, \
+        tokenizer_from_description
+
+    name, pre, merges, eot = desc["name"], "gpt-2", [], None
+    if desc.get("kind") == "bpe":
+        tok = tokenizer_from_description(desc)
+        assert isinstance(tok, BPETokenizer)
+        pattern = {v: k for k, v in _patterns().items()}.get(tok.pattern)
+        if pattern not in PRE_TOKENIZERS:
+            raise NanoGPTError(f"llama.cpp has no pre-tokenizer for the split pattern of the {name} tokenizer "
+                               f"({tok.pattern_name or 'custom'}); train it with --pattern gpt2, gpt4 or gpt4o to "
+                               "export it to GGUF")
+        pre = PRE_TOKENIZERS[pattern]
+        tokens = [spell_bytes(t) for t in tok.ranks] + sorted(tok.special_tokens, key=tok.special_tokens.get)
+        merges = [f"{spell_bytes(a)} {spell_bytes(b)}" for a, b in merges_from_ranks(tok.ranks)]
+        eot = tok.eot_id
+        control = set(tok.special_tokens.values())
+    elif name == "gpt2":
+        vocab, gpt2_merges = hf._gpt2_files()
+        tokens = sorted(vocab, key=vocab.get)
+        merges = [" ".join(m) for m in gpt2_merges]
+        eot = vocab["<|endoftext|>"]
+        control = {eot}
+    elif name == "byte":
+        tokens, control = list(byte_to_unicode()), set()
+    elif name == "char":
+        wide = [ch for ch in desc["chars"] if len(ch.encode("utf-8")) > 1]
+        if wide:
+            shown = " ".join(repr(ch) for ch in wide[:8]) + (" ..." if len(wide) > 8 else "")
+            raise NanoGPTError(f"the char vocabulary holds {len(wide)} character(s) of several UTF-8 bytes ({shown}), "
+                               "which llama.cpp's byte-level vocabulary can only build from tokens this model lacks; "
+                               "prepare with --tokenizer byte or a trained tokenizer to export to GGUF")
+        tokens, control = [spell_bytes(ch.encode("utf-8")) for ch in desc["chars"]], set()
+    else:
+        raise NanoGPTError(f"GGUF export supports the gpt2, char, byte and trained tokenizers, not {name}")
+    types = [gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL for i in range(len(tokens))]
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
+    types += [gguf.TokenType.UNUSED] * (vocab_size - len(types))
+    return {"tokens": tokens, "types": types, "merges": merges, "pre": pre, "eot": eot}
+
+
+def _patterns() -> dict[str, str]:
+    from nanogpt_cli.tokenizer import PATTERNS
+
+    return PATTERNS
+
+
+def write_gguf(model: GPT, desc: dict[str, Any], path: Path, quant: str = "f32") -> None:
+    """Write the model to `path` (checks first: a refusal writes nothing)."""
+    gguf = hf.require("gguf")
+    if quant not in QUANTS:
+        raise NanoGPTError(f"--quant must be one of {', '.join(QUANTS)}, got {quant!r}")
+    c = model.config
+    arch = gguf_arch(c)
+    vocab = gguf_vocabulary(desc, c.vocab_size, gguf)
+    tensors = gguf_tensors(model, arch, gguf)
+    writer = _writer_class(gguf)(str(path), arch)
+    _metadata(writer, c, arch, quant, gguf)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(vocab["pre"])
+    writer.add_token_list(vocab["tokens"])
+    writer.add_token_types(vocab["types"])
+    # llama.cpp refuses a byte-level vocabulary without a merges key, even an empty one (char and byte)
+    writer.add_key_value(gguf.Keys.Tokenizer.MERGES, vocab["merges"], gguf.GGUFValueType.ARRAY,
+                         sub_type=gguf.GGUFValueType.STRING)
+    if vocab["eot"] is not None:
+        writer.add_bos_token_id(vocab["eot"])
+        writer.add_eos_token_id(vocab["eot"])
+    writer.add_add_bos_token(False)
+    writer.add_string(CONFIG_KEY, c.to_json())
+    writer.add_string(TOKENIZER_KEY, json.dumps(desc, ensure_ascii=False))
+    for name, tensor in tensors.items():
+        data, qtype = _quantize(tensor, quant, gguf)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _writer_class(gguf):
+    """gguf's writer, able to write an empty array: the format has them (a count of 0) and llama.cpp reads them,
+    but the writer refuses one, having no first element to take the element type from."""
+
+    class Writer(gguf.GGUFWriter):
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+            if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
+                head = self._pack("I", vtype) if add_vtype else b""
+                return head + self._pack("I", sub_type) + self._pack("Q", 0)
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    return Writer
+
+
+def _metadata(writer, c: GPTConfig, arch: str, quant: str, gguf) -> None:
+    writer.add_name("nanogpt")
+    writer.add_context_length(c.block_size)
+    writer.add_embedding_length(c.n_embd)
+    writer.add_block_count(c.n_layer)
+    writer.add_feed_forward_length(c.hidden_size)
+    writer.add_head_count(c.n_head)
+    file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16"}.get(quant, f"MOSTLY_{quant.upper()}")
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
+    if arch in ("llama", "starcoder2"):
+        writer.add_head_count_kv(c.n_head)
+        writer.add_rope_freq_base(c.rope_theta)
+        writer.add_rope_dimension_count(c.head_size)
+        writer.add_vocab_size(c.vocab_size)
+    if arch == "llama":
+        writer.add_layer_norm_rms_eps(c.norm_eps)
+    else:
+        writer.add_layer_norm_eps(c.norm_eps)
+
+
+def _quantize(tensor: np.ndarray, quant: str, gguf):
+    """(data, raw type or None) for one tensor. Vectors (norms, biases) stay float32, as llama.cpp keeps them; a
+    matrix whose rows are not a whole number of quantization blocks falls back to float16, as llama.cpp's
+    converter does."""
+    if quant == "f32" or tensor.ndim == 1:
+        return tensor, None
+    qtype = getattr(gguf.GGMLQuantizationType, quant.upper())
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    if quant == "f16" or tensor.shape[-1] % block != 0:
+        return tensor.astype(np.float16), None
+    return gguf.quants.quantize(tensor, qtype), qtype
+
+
+def _llama_rope_order(w, n_head: int, inverse: bool = False):
+    """llama.cpp's Llama rotates interleaved pairs (x[2i], x[2i+1]); we and transformers rotate (x[i], x[i+hs/2]).
+    Reorder each head's rows of q and k so the two compute the same (the permutation llama.cpp's converter does);
+    `inverse` undoes it."""
+    rows = w.shape[0]
+    split = (n_head, rows // n_head // 2, 2) if inverse else (n_head, 2, rows // n_head // 2)
+    return w.reshape(*split, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _block_names(arch: str) -> dict[str, tuple[str, ...]]:
+    """Our block tensor -> the GGUF tensors it is cut into, in order along dim 0 (one name: the same tensor)."""
+    names = {"ln_1.weight": ("attn_norm",), "attn.c_proj.weight": ("attn_output",), "ln_2.weight": ("ffn_norm",),
+             "mlp.c_proj.weight": ("ffn_down",)}
+    if arch == "gpt2":
+        names.update({"attn.c_attn.weight": ("attn_qkv",), "mlp.c_fc.weight": ("ffn_up",)})
+    else:
+        names.update({"attn.c_attn.weight": ("attn_q", "attn_k", "attn_v"),
+                      "mlp.c_fc.weight": ("ffn_gate", "ffn_up") if arch == "llama" else ("ffn_up",)})
+    if arch != "llama":  # every linear and norm of llama.cpp's gpt2 and starcoder2 has a bias
+        names.update({k.replace(".weight", ".bias"): v for k, v in list(names.items())})
+    return names
+
+
+def gguf_tensors(model: GPT, arch: str, gguf=None) -> dict[str, np.ndarray]:
+    """GGUF tensor name -> float32 numpy array. A model without biases gets zero biases where llama.cpp wants them."""
+    c = model.config
+    sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    if arch == "gpt2":
+        sd["transformer.wpe.weight"] = (model.pos_table if c.pos_encoding == "sinusoidal"
+                                        else model.transformer.wpe.weight).detach().float().cpu().numpy()
+    out = {"token_embd.weight": sd["transformer.wte.weight"]}
+    if arch == "gpt2":
+        out["position_embd.weight"] = sd["transformer.wpe.weight"]
+    for i in range(c.n_layer):
+        p = f"transformer.h.{i}."
+        for ours, theirs in _block_names(arch).items():
+            weight = sd.get(p + ours)
+            if weight is None:  # a bias the model does not have
+                weight = np.zeros(sd[p + ours.replace(".bias", ".weight")].shape[0], dtype=np.float32)
+            for name, part in zip(theirs, np.split(weight, len(theirs), axis=0)):
+                if arch == "llama" and name in ("attn_q", "attn_k"):
+                    part = _llama_rope_order(part, c.n_head)
+                out[f"blk.{i}.{name}.{ours.rsplit('.', 1)[1]}"] = part
+    out["output_norm.weight"] = sd["transformer.ln_f.weight"]
+    if arch != "llama":
+        out["output_norm.bias"] = sd.get("transformer.ln_f.bias", np.zeros(c.n_embd, dtype=np.float32))
+    # the head is written even when tied: readers that do not re-tie (transformers' GGUF loader) still find it
+    out["output.weight"] = sd["lm_head.weight"]
+    return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+# --- reading a file we wrote --------------------------------------------------------------------------------
+
+
+def is_gguf(path: str | Path) -> bool:
+    path = Path(path)
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        return False
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def read_gguf_meta(path: str | Path) -> dict[str, Any]:
+    """Our config and tokenizer description from a GGUF file nanogpt wrote, plus its architecture and type."""
+    return _open(path)[0]
+
+
+def _open(path: str | Path):
+    gguf = hf.require("gguf")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise NanoGPTError(f"{path} is not a readable GGUF file ({e})") from None
+    return _meta(reader, path), reader
+
+
+def _meta(reader, path) -> dict[str, Any]:
+    fields = reader.fields
+    if CONFIG_KEY not in fields or TOKENIZER_KEY not in fields:
+        raise NanoGPTError(f"{path} is a GGUF file that nanogpt did not write (it has no {CONFIG_KEY}); nanogpt "
+                           "reads back its own GGUF exports only")
+    file_type = fields["general.file_type"].contents() if "general.file_type" in fields else 0
+    return {"config": json.loads(fields[CONFIG_KEY].contents()),
+            "tokenizer": json.loads(fields[TOKENIZER_KEY].contents()),
+            "architecture": fields["general.architecture"].contents(), "file_type": int(file_type),
+            "source": str(path), "format": "gguf"}
+
+
+def read_gguf(path: str | Path) -> tuple[GPT, dict[str, Any]]:
+    """Our model (float32) and metadata from a GGUF file `write_gguf` wrote; quantized tensors are dequantized."""
+    import torch
+
+    gguf = hf.require("gguf")
+    meta, reader = _open(path)
+    try:
+        config = GPTConfig.from_dict(meta["config"])
+    except (TypeError, ValueError) as e:
+        raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None
+    arch = gguf_arch(config)
+    tensors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(
+        [int(n) for n in reversed(t.shape)]).astype(np.float32) for t in reader.tensors}
+    model = GPT(config)
+    sd = model.state_dict()
+    ours: dict[str, np.ndarray] = {"transformer.wte.weight": tensors["token_embd.weight"],
+                                   "transformer.ln_f.weight": tensors["output_norm.weight"]}
+    if not config.tie_embeddings:
+        ours["lm_head.weight"] = tensors["output.weight"]
+    if "transformer.wpe.weight" in sd:
+        ours["transformer.wpe.weight"] = tensors["position_embd.weight"]
+    if "transformer.ln_f.bias" in sd:
+        ours["transformer.ln_f.bias"] = tensors["output_norm.bias"]
+    for i in range(config.n_layer):
+        for name, theirs in _block_names(arch).items():
+            if f"transformer.h.{i}.{name}" not in sd:
+                continue  # zero biases llama.cpp wanted
+            suffix = name.rsplit(".", 1)[1]
+            parts = [tensors[f"blk.{i}.{t}.{suffix}"] for t in theirs]
+            if arch == "llama" and len(parts) == 3:
+                parts[:2] = [_llama_rope_order(p, config.n_head, inverse=True) for p in parts[:2]]
+            ours[f"transformer.h.{i}.{name}"] = np.concatenate(parts, axis=0)
+    with torch.no_grad():
+        for name, value in ours.items():
+            if tuple(sd[name].shape) != value.shape:
+                raise NanoGPTError(f"{path} does not match its config: {name} is {value.shape}, not "
+                                   f"{tuple(sd[name].shape)}")
+            sd[name].copy_(torch.from_numpy(value))
+    return model.eval(), meta
