@@ -34,6 +34,9 @@ __all__ = [
     "KVCache",
     "SamplingParams",
     "StepToken",
+    "RowError",
+    "prompt_logprobs",
+    "token_logprobs",
     "decode_plan",
     "decode_step",
     "generate",
@@ -252,23 +255,57 @@ NOT_FINITE = ("the model's next-token probabilities are not finite numbers (NaN 
               "have diverged, or the temperature is too small or too large for them")
 
 
+class RowError(NanoGPTError):
+    """Some rows of a step cannot go on (non-finite probabilities); `rows` names them (Engine row ids, or
+    indices into the logits where sample_tokens raises it). The step changed nothing: remove them and step again."""
+
+    def __init__(self, message: str, rows: list[int]):
+        super().__init__(message)
+        self.rows = rows
+
+
 def sample_tokens(logits: torch.Tensor, temperature: float,
                   generators: Sequence[torch.Generator | None]) -> list[int]:
     """One token per row from processed logits (B, V), row r drawing from generators[r] (None: torch's global
-    one); greedy when temperature is 0. Non-finite probabilities raise NanoGPTError before torch.multinomial
-    sees them: on a GPU they would end the process with a device-side assert."""
+    one); greedy when temperature is 0. Non-finite probabilities raise RowError (a NanoGPTError) before
+    torch.multinomial sees them: on a GPU they would end the process with a device-side assert."""
     if temperature == 0:
         tokens = logits.argmax(dim=-1)  # (B,)
         # argmax picks a NaN or +inf when there is one: checking the picked logits checks them all
-        if not torch.isfinite(logits.gather(1, tokens[:, None])).all():
-            raise NanoGPTError(NOT_FINITE)
+        picked = logits.gather(1, tokens[:, None]).view(-1)
+        if not torch.isfinite(picked).all():
+            raise RowError(NOT_FINITE, (~torch.isfinite(picked)).nonzero().view(-1).tolist())
         return tokens.tolist()
     probs = logits.softmax(dim=-1)  # (B, V)
-    if not torch.isfinite(probs).all():
-        raise NanoGPTError(NOT_FINITE)
+    finite = torch.isfinite(probs).all(dim=-1)  # (B,)
+    if not finite.all():
+        raise RowError(NOT_FINITE, (~finite).nonzero().view(-1).tolist())
     if len(generators) == 1:
         return torch.multinomial(probs, 1, generator=generators[0]).view(-1).tolist()
     return torch.cat([torch.multinomial(probs[r], 1, generator=g) for r, g in enumerate(generators)]).tolist()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[tuple[float, list]]:
+    """For each row of raw logits (B, V): the log-probability (natural log) of tokens[row] under the model's own
+    distribution (before temperature and the filters), and the `top` most likely (token, logprob) pairs."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None]).view(-1).tolist()
+    if top <= 0:
+        return [(c, []) for c in chosen]
+    values, ids = logp.topk(min(top, logp.size(-1)), dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
+
+
+@torch.inference_mode()
+def prompt_logprobs(model: GPT, ids: Sequence[int], top: int = 0, vocab_size: int | None = None) -> list:
+    """token_logprobs of each prompt token after the ones before it (one forward over at most block_size
+    tokens); the first token has no context and gets None."""
+    if not 1 <= len(ids) <= model.config.block_size:
+        raise NanoGPTError(f"a prompt to score must have 1 to {model.config.block_size:,} tokens, got {len(ids):,}")
+    idx = torch.tensor([list(ids)], dtype=torch.long, device=model.transformer.wte.weight.device)
+    logits, _ = model(idx)  # (1, T, V)
+    logits = logits[0, :-1, :vocab_size or logits.size(-1)]
+    return [None, *token_logprobs(logits, ids[1:], top)] if len(ids) > 1 else [None]
 
 
 # --- the engine -----------------------------------------------------------------------------------------
@@ -283,16 +320,20 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; 0: the picked token's log-probability; N: also the N most likely
 
 
 @dataclass
 class StepToken:
     """One row's new token from Engine.step; finish is "length" or "stop" (a stop token) when it ended the row,
-    which has then left the batch."""
+    which has then left the batch. With SamplingParams.logprobs: the token's log-probability under the model
+    and the most likely (token, logprob) pairs (token_logprobs)."""
 
     row: int
     token: int
     finish: str | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -422,16 +463,21 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepToken]:
         """One token for every active row: sample from each row's logits with its own settings and generator,
-        end the rows that reached their length or a stop token, then run the others one token on."""
+        end the rows that reached their length or a stop token, then run the others one token on. A RowError
+        (rows whose probabilities are not finite) leaves every row as it was."""
         if not self.rows:
             return []
-        tokens = self._sample(self.logits[:, :self.vocab_size])
+        logits = self.logits[:, :self.vocab_size]
+        tokens = self._sample(logits)
         out = []
-        for row, token in zip(self.rows, tokens):
+        for slot, (row, token) in enumerate(zip(self.rows, tokens)):
             row.tokens.append(token)
             row.generated += 1
             finish = "stop" if token in row.stop_ids else "length" if row.generated >= row.max_new_tokens else None
             out.append(StepToken(row.id, token, finish))
+            if row.params.logprobs is not None:
+                (out[-1].logprob, out[-1].top_logprobs), = token_logprobs(logits[slot:slot + 1], [token],
+                                                                          row.params.logprobs)
         if self.seen is not None:
             self.seen[torch.arange(len(tokens)), torch.tensor(tokens)] = True
         for t in out:
@@ -482,7 +528,10 @@ class Engine:
         generators = [r.generator for r in rows]
         if all(g is generators[0] for g in generators) and generators[0] is None:
             generators = [None]  # one draw for the batch from torch's global generator
-        return sample_tokens(filtered, p.temperature, generators)
+        try:
+            return sample_tokens(filtered, p.temperature, generators)
+        except RowError as e:
+            raise RowError(str(e), [rows[i].id for i in e.rows]) from None
 
     def run(self) -> Iterator[StepToken]:
         """Step until every row has finished; yields each token as it comes."""

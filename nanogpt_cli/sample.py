@@ -122,7 +122,7 @@ class Sampler:
             return
         encoded = [self.encode_prompt(p)[0] for p in prompts]
         eot = None if settings.ignore_eot else self.tokenizer.eot_id
-        rows = [_Row(self.tokenizer, settings, eot) for _ in prompts]
+        rows = [TextStream(self.tokenizer, settings.stop, eot, settings.max_new_tokens) for _ in prompts]
         t0 = time.perf_counter()
         if settings.max_new_tokens == 0:
             for r, row in enumerate(rows):
@@ -203,12 +203,17 @@ class Piece:
     result: SampleResult | None = None
 
 
-class _Row:
-    """One sample's text as its tokens arrive: incremental UTF-8 decoding, end of text, stop texts, and how much
-    of the text is safe to show (a stop text cannot start before `emitted`: text that could begin one is held)."""
+class TextStream:
+    """One sample's text as its tokens arrive: incremental UTF-8 decoding (a character split across tokens is
+    held until complete), end of text, stop texts, and how much of the text is safe to show (a stop text
+    cannot start before `emitted`: text that could begin one is held). The server streams through it too.
 
-    def __init__(self, tokenizer: Tokenizer, settings: SampleSettings, eot: int | None):
-        self.tokenizer, self.stop, self.eot, self.limit = tokenizer, settings.stop, eot, settings.max_new_tokens
+        stream = TextStream(tokenizer, stop=["\n\n"], eot=tokenizer.eot_id, limit=100)
+        piece = stream.feed(token_id)   # new safe text; stream.done, stream.reason ("length", "stop", "eot")
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], eot: int | None, limit: int):
+        self.tokenizer, self.stop, self.eot, self.limit = tokenizer, stop, eot, limit
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text, self.emitted, self.reason, self.ids, self.done = "", 0, "length", [], False
 
