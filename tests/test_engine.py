@@ -225,3 +225,15 @@ def test_process_logits_filters_in_documented_order():
     raw = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
     seen = torch.tensor([[True, True, False, False]])
     assert process_logits(raw, repetition_penalty=2.0, seen=seen).tolist() == [[1.0, -2.0, 0.5, 3.0]]
+
+
+def test_sampling_draws_from_the_processed_distribution_and_never_a_filtered_token():
+    from nanogpt_cli.engine import sample_tokens
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0, 0.0]])).repeat(20_000, 1)  # two tokens at -inf
+    tokens = torch.tensor(sample_tokens(logits, 1.0, [torch.Generator().manual_seed(0)]))
+    freq = torch.bincount(tokens, minlength=5).float() / len(tokens)
+    torch.testing.assert_close(freq[:3], torch.tensor([0.5, 0.3, 0.2]), atol=0.02, rtol=0)
+    assert freq[3:].sum() == 0
+    one = [torch.Generator().manual_seed(7) for _ in range(3)]  # each row its own generator, same seed
+    assert len(set(sample_tokens(logits[:3], 1.0, one))) == 1
