@@ -337,3 +337,61 @@ def test_the_chat_page_in_a_real_browser_shows_the_greedy_reply(live, client, tm
         finally:
             browser.close()
     assert reply == expected and out.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_the_command_prints_its_url_and_a_signal_ends_open_streams_and_exits_0(model_path, sig):
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("NANOGPT_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "nanogpt_cli", "serve", str(model_path), "--port", "0",
+                             "--device", "cpu", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        line = _read_line(proc.stdout, 90)
+        assert line.startswith("serving tiny at http://127.0.0.1:") and line.rstrip().endswith("(Ctrl-C to stop)")
+        url = line.split(" at ")[1].split()[0]
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        body = json.dumps({"prompt": "Go", "max_tokens": 3000, "temperature": 0, "stream": True})
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        response.readline()  # streaming
+        proc.send_signal(getattr(signal, sig))
+        lines = [x for x in response.read().decode().split("\n") if x]
+        assert lines[-1] == "data: [DONE]" and "the server is stopping" in lines[-2]
+        assert proc.wait(30) == 0
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _read_line(stream, timeout: float) -> str:
+    """One line of a child's output, waiting at most timeout seconds."""
+    box: list[str] = []
+    reader = threading.Thread(target=lambda: box.append(stream.readline()), daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert box, f"no output within {timeout} s"
+    return box[0]
+
+
+def test_loopback_hosts_and_the_default_model_name():
+    from nanogpt_cli.serve import default_model_name, is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.5") and not is_loopback("example.com")
+    assert default_model_name("runs/shk/") == "shk" and default_model_name("a/b/model.safetensors") == "model"
+    assert default_model_name("hf:gpt2") == "gpt2"
+
+
+def test_a_non_loopback_host_without_a_key_is_warned_about(tmp_path):
+    out = CliRunner().invoke(app, ["serve", str(tmp_path / "missing.safetensors"), "--host", "0.0.0.0"],
+                             env={"NANOGPT_API_KEY": ""})
+    assert out.exit_code == 1
+    assert "reachable from other machines and no --api-key is set" in out.output

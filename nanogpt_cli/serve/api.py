@@ -209,7 +209,7 @@ class _Run:
                 seed = None if body.seed is None else body.seed + j  # choice j: its own seed, as a row alone
                 index = p * body.n + j
                 sink = (lambda event, i=index: loop.call_soon_threadsafe(self.queue.put_nowait, (i, event)))
-                self.jobs.append(Job(ids, params, max_tokens, stop, sink, seed))
+                self.jobs.append(Job(ids, params, max_tokens, stop, sink, seed, body.ignore_eos))
         self.open = set(range(len(self.jobs)))
 
     def submit(self) -> None:

@@ -50,6 +50,7 @@ class _Common(BaseModel):
     top_k: int | None = None
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    ignore_eos: bool = False  # go on past the end-of-text token
     # OpenAI fields accepted at their neutral value only
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0

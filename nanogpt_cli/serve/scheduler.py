@@ -64,6 +64,7 @@ class Job:
     stop: list[str]
     sink: Callable[[Any], None]
     seed: int | None = None
+    ignore_eos: bool = False
     row: int | None = None  # the engine's row id while it runs
     text: TextStream | None = None
     pending: list[int] = field(default_factory=list)  # tokens whose text is held back
@@ -175,10 +176,11 @@ class Scheduler:
             generator.manual_seed(job.seed)
         else:
             generator.seed()
-        job.text = TextStream(self.tokenizer, job.stop, self.eot, job.max_tokens)
+        eot = None if job.ignore_eos else self.eot
+        job.text = TextStream(self.tokenizer, job.stop, eot, job.max_tokens)
         try:
             job.row = self.engine.add(job.prompt, job.params, job.max_tokens, generator,
-                                      stop_ids=() if self.eot is None else (self.eot,))
+                                      stop_ids=() if eot is None else (eot,))
         except NanoGPTError as e:
             job.sink(Failed(str(e), 400))
             return
