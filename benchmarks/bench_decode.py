@@ -54,7 +54,8 @@ def static_step(p: DecodePlan, idx: torch.Tensor, pos: torch.Tensor, k_cache: li
         y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask)
         x = x + F.linear(y.reshape(B, 1, C), w.w_o, w.b_o)
         x = x + F.linear(p.act(F.linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj)
-    return softcap(F.linear(p.ln_f(x[:, -1]), p.head), p.logit_softcap)
+    h = p.ln_f(x[:, -1])
+    return softcap(h @ p.head_t if p.head_t is not None else F.linear(h, p.head), p.logit_softcap)
 
 
 def bench(cfg: GPTConfig, batch: int, tokens: int, device: torch.device) -> list:

@@ -237,3 +237,15 @@ def test_sampling_draws_from_the_processed_distribution_and_never_a_filtered_tok
     assert freq[3:].sum() == 0
     one = [torch.Generator().manual_seed(7) for _ in range(3)]  # each row its own generator, same seed
     assert len(set(sample_tokens(logits[:3], 1.0, one))) == 1
+
+
+def test_a_large_vocabulary_head_decodes_as_the_forward_does():
+    torch.manual_seed(0)
+    model = GPT(tiny(vocab_size=600, tie_embeddings=False)).eval()  # V >= 8 C: the plan keeps the head transposed
+    plan = decode_plan(model)
+    assert plan.head_t is not None and plan.head_t.shape == (32, 600)
+    idx = torch.randint(0, 600, (2, 8))
+    with torch.inference_mode():
+        cache = KVCache(model, 2)
+        model(idx[:, :7], cache=cache.view(0, 2))
+        torch.testing.assert_close(decode_step(plan, idx[:, 7], cache), model(idx)[0][:, -1], atol=1e-5, rtol=0)
