@@ -3,6 +3,7 @@ exported to GGUF, llama.cpp's own OpenAI server (PyPI's xllamacpp, used only her
 
     python benchmarks/bench_serve.py                                  # 1, 4 and 16 clients, both servers
     python benchmarks/bench_serve.py --clients 1 16 --requests 32 --max-tokens 64 --threads 1 --only nanogpt
+    python benchmarks/bench_serve.py --step        # the decode step alone, ours against llama.cpp's, batch 1 and 5
 
 The model is a 4 x 128 Llama-shaped GPT with the gpt2 vocabulary and random weights (speed does not depend on
 them). Each client sends streamed completions one after another (loopback only, a bounded number of requests,
@@ -152,6 +153,73 @@ def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
             "done": len(results)}
 
 
+def our_step(weights: Path, batch: int, tokens: int, threads: int) -> float:
+    """ms per engine step (sample, then one decode step) with `batch` greedy rows, after their prefill."""
+    import torch
+
+    from nanogpt_cli.checkpoint import load_for_inference
+    from nanogpt_cli.engine import Engine, SamplingParams
+
+    torch.set_num_threads(threads)
+    loaded = load_for_inference(weights, device="cpu", dtype="float32")
+    best = float("inf")
+    for _ in range(3):
+        engine = Engine(loaded.model, max_batch=batch, vocab_size=loaded.tokenizer.vocab_size)
+        engine.add_many([[464, 3290, 318, 257]] * batch, SamplingParams(temperature=0.0), tokens + 8)
+        for _ in range(8):  # warm up
+            engine.step()
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            engine.step()
+        best = min(best, (time.perf_counter() - t0) / tokens * 1000)
+    return best
+
+
+def llama_step(url: str, batch: int, tokens: int) -> float:
+    """ms per generated token of each of `batch` concurrent greedy requests, from llama.cpp's own timings."""
+    host, port = url.removeprefix("http://").split(":")
+    per_token: list[float] = []
+
+    def ask():
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        body = {"prompt": "The cat is a", "n_predict": tokens, "temperature": 0, "ignore_eos": True}
+        conn.request("POST", "/completion", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        per_token.append(json.loads(conn.getresponse().read())["timings"]["predicted_per_token_ms"])
+        conn.close()
+
+    best = float("inf")
+    for _ in range(3):
+        per_token.clear()
+        threads = [threading.Thread(target=ask, daemon=True) for _ in range(batch)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        best = min(best, statistics.median(per_token))
+    return best
+
+
+def step_table(args) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        weights, gguf = make_model(Path(tmp), block_size=1024)
+        proc, url = start("llama.cpp", weights, gguf, max(args.batches), 1024, args.threads)
+        try:
+            for b in args.batches:
+                theirs = llama_step(url, b, args.step_tokens)
+                ours = our_step(weights, b, args.step_tokens, args.threads)
+                rows.append([b, f"{ours:.2f}", f"{theirs:.2f}", f"{ours / theirs:.2f}x"])
+                print(" | ".join(map(str, rows[-1])), flush=True)
+        finally:
+            proc.stdin.close()
+            proc.terminate()
+            proc.wait(30)
+    load_avg = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    table(f"decode step, 4x128 Llama-shaped gpt2-vocab model, greedy, {args.step_tokens} tokens per row, "
+          f"{args.threads} thread(s), load average {load_avg}",
+          ["batch", "nanogpt engine ms/step", "llama.cpp ms/token", "ours / llama.cpp"], rows)
+
+
 def pct(values: list[float], q: float) -> str:
     if not values:
         return "-"
@@ -165,7 +233,12 @@ def main():
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="CPU threads for each server")
     p.add_argument("--only", choices=["nanogpt", "llama.cpp"], default=None)
+    p.add_argument("--step", action="store_true", help="the decode step alone instead (--batches, --step-tokens)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 5])
+    p.add_argument("--step-tokens", type=int, default=200)
     args = p.parse_args()
+    if args.step:
+        return step_table(args)
     slots, ctx = max(args.clients), 256
     rows, single = [], {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -32,15 +32,15 @@ __all__ = [
     "DecodePlan",
     "Engine",
     "KVCache",
+    "RowError",
     "SamplingParams",
     "StepToken",
-    "RowError",
-    "prompt_logprobs",
-    "token_logprobs",
     "decode_plan",
     "decode_step",
     "generate",
     "process_logits",
+    "prompt_logprobs",
+    "token_logprobs",
 ]
 
 

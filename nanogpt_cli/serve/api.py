@@ -28,7 +28,7 @@ from nanogpt_cli.engine import SamplingParams, prompt_logprobs
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.serve.chat import ChatTemplate, message_text
 from nanogpt_cli.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
-from nanogpt_cli.serve.scheduler import Delta, Done, Failed, Job, QueueFull, Scheduler
+from nanogpt_cli.serve.scheduler import Done, Failed, Job, QueueFull, Scheduler
 
 log = logging.getLogger("nanogpt.serve")
 
@@ -443,9 +443,11 @@ async def _chat_stream(run: _Run, head: dict, ids: list[int], include_usage: boo
                 break
             done = isinstance(event, Done)
             completion += event.completion_tokens if done else 0
-            lp = {"content": _chat_logprobs(state, event.logprobs)} if run.jobs[i].params.logprobs is not None else None
+            wants = run.jobs[i].params.logprobs is not None
+            lp = {"content": _chat_logprobs(state, event.logprobs)} if wants else None
             delta = {"content": event.text} if event.text or not done else {}
-            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": event.finish_reason if done else None}
+            reason = event.finish_reason if done else None
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
             yield _sse({**head, "choices": [choice], **extra})
         if include_usage:
             yield _sse({**head, "choices": [], "usage": _usage([ids], completion)})

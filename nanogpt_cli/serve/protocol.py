@@ -9,7 +9,7 @@ cannot honour are accepted only at their neutral value (frequency_penalty 0, ...
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
@@ -17,8 +17,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 class APIError(Exception):
     """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-             413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+    TYPES: ClassVar[dict[int, str]] = {400: "invalid_request_error", 401: "authentication_error",
+                                       404: "invalid_request_error", 413: "invalid_request_error",
+                                       500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
