@@ -254,6 +254,19 @@ def test_bad_inputs_get_their_status_openais_shape_and_exception_class(live, cli
     assert live.health()["status"] == "ok"
 
 
+def test_a_request_that_fails_in_the_engine_fails_alone(live, client, sampler):
+    async def both():
+        async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as ac:
+            bad = ac.completions.create(model="tiny", prompt="Boom", max_tokens=20, temperature=1e-45)
+            good = ac.completions.create(model="tiny", prompt="Fine", max_tokens=20, temperature=0)
+            return await asyncio.gather(bad, good, return_exceptions=True)
+
+    bad, good = asyncio.run(asyncio.wait_for(both(), 60))
+    assert isinstance(bad, openai.InternalServerError) and "not finite numbers" in bad.message
+    assert good.choices[0].text == greedy(sampler, "Fine", 20).text
+    assert live.health()["active_rows"] == 0
+
+
 def test_raw_stream_is_data_lines_ending_with_done_and_a_disconnect_frees_the_row(live):
     host, port = live.url.removeprefix("http://").split(":")
     body = json.dumps({"model": "tiny", "prompt": "Go", "max_tokens": 8, "temperature": 0, "stream": True})
