@@ -160,6 +160,12 @@ def test_a_checkpoint_chat_template_gives_the_token_ids_transformers_gives():
     assert ours == list(theirs)
 
 
+def test_a_hugging_face_folders_tokenizer_config_template_is_used(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[-1]['content'] }}!"}))
+    assert ChatTemplate.for_meta({}, None, tmp_path).render([{"role": "user", "content": "hey"}]) == "hey!"
+    assert ChatTemplate.for_meta({}, None, tmp_path / "nothing").name == "nanogpt-plain"
+
+
 def test_eight_concurrent_streams_each_get_their_solo_greedy_text(live, sampler):
     prompts = ["A", "The king", "naïve café 🙂", "Hello world, this is", "1 2 3", "Why", "Über", "x y"]
     lengths = [30, 12, 25, 40, 8, 33, 20, 50]

@@ -5,7 +5,8 @@
     template = ChatTemplate.for_meta(loaded.meta)
     text = template.render([{"role": "user", "content": "Hello"}])   # 'User: Hello\\n\\nAssistant:'
 
-A checkpoint whose metadata carries a `chat_template` string is formatted with it; a base model gets
+A checkpoint whose metadata carries a `chat_template` string (or a Hugging Face folder whose
+tokenizer_config.json does) is formatted with it; a base model gets
 DEFAULT_TEMPLATE, a plain transcript, plus stop texts that end the reply where the model starts a next turn.
 """
 
@@ -15,6 +16,7 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from nanogpt_cli.errors import NanoGPTError
@@ -59,10 +61,17 @@ class ChatTemplate:
     special: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token for the template
 
     @classmethod
-    def for_meta(cls, meta: dict[str, Any], eos_token: str | None = None) -> ChatTemplate:
-        """The checkpoint's own template when its metadata has one, else the plain default."""
+    def for_meta(cls, meta: dict[str, Any], eos_token: str | None = None, folder: Path | None = None) -> ChatTemplate:
+        """The checkpoint's own template when its metadata has one (or, for a Hugging Face folder, its
+        tokenizer_config.json), else the plain default."""
         special = {"bos_token": eos_token or "", "eos_token": eos_token or ""}
         source = meta.get("chat_template")
+        config = folder / "tokenizer_config.json" if folder is not None else None
+        if not isinstance(source, str) and config is not None and config.is_file():
+            try:
+                source = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+            except (OSError, ValueError):
+                source = None
         if isinstance(source, str) and source.strip():
             return cls(source, "checkpoint", [], special)
         return cls(DEFAULT_TEMPLATE, DEFAULT_NAME, list(DEFAULT_STOP), special)
