@@ -227,13 +227,16 @@ class _Run:
         """(choice index, Delta | Done | Failed) until every choice has ended; with request, a client that went
         away cancels the rest (checked every half second while nothing arrives)."""
         while self.open:
-            try:
-                index, event = await asyncio.wait_for(self.queue.get(), timeout=0.5)
-            except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
-                    self.cancel()
-                    return
-                continue
+            if request is None:  # a stream: Starlette cancels this generator when its client goes away
+                index, event = await self.queue.get()
+            else:
+                try:
+                    index, event = await asyncio.wait_for(self.queue.get(), timeout=0.5)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        self.cancel()
+                        return
+                    continue
             if isinstance(event, (Done, Failed)):
                 self.open.discard(index)
             yield index, event
