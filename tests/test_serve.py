@@ -414,3 +414,15 @@ def test_a_non_loopback_host_without_a_key_is_warned_about(tmp_path):
                              env={"NANOGPT_API_KEY": ""})
     assert out.exit_code == 1
     assert "reachable from other machines and no --api-key is set" in out.output
+
+
+def test_a_port_in_use_is_one_clear_error(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = CliRunner().invoke(app, ["serve", str(tmp_path / "missing.safetensors"), "--port", str(port)])
+    assert out.exit_code == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in out.output and "in use" in out.output

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import signal
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,10 +126,27 @@ def _server_class(uvicorn):
     return Server
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads, so that a port in use is one clear error at once."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        raise NanoGPTError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def serve(options: ServeOptions, on_ready: Callable[[str], None] | None = None) -> None:
     """Run the server until Ctrl-C or SIGTERM."""
-    server = build_server(options, on_ready)
+    sock = listen(options.host, options.port)
     try:
-        server.run()
+        server = build_server(options, on_ready)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            server.state.scheduler.stop()
     finally:
-        server.state.scheduler.stop()
+        sock.close()
