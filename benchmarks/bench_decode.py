@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import sync, table  # noqa: E402
 
 from nanogpt_cli.config import GPTConfig  # noqa: E402
-from nanogpt_cli.engine import DecodePlan, KVCache, decode_plan, decode_step  # noqa: E402
+from nanogpt_cli.engine import DecodePlan, KVCache, decode_plan, decode_step, head_logits  # noqa: E402
 from nanogpt_cli.model import GPT, apply_rope, softcap  # noqa: E402
 from nanogpt_cli.train import resolve_device  # noqa: E402
 
@@ -54,8 +54,7 @@ def static_step(p: DecodePlan, idx: torch.Tensor, pos: torch.Tensor, k_cache: li
         y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask)
         x = x + F.linear(y.reshape(B, 1, C), w.w_o, w.b_o)
         x = x + F.linear(p.act(F.linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj)
-    h = p.ln_f(x[:, -1])
-    return softcap(h @ p.head_t if p.head_t is not None else F.linear(h, p.head), p.logit_softcap)
+    return softcap(head_logits(p, p.ln_f(x[:, -1])), p.logit_softcap)
 
 
 def bench(cfg: GPTConfig, batch: int, tokens: int, device: torch.device) -> list:

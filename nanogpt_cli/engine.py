@@ -222,8 +222,18 @@ def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None 
         x = x + F.linear(y.view(B, 1, C), w.w_o, w.b_o)
         x = x + F.linear(act(F.linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj)
     cache.pos[:B] = [q + 1 for q in pos]
-    h = p.ln_f(x[:, -1])  # (B, C)
-    return softcap(h @ p.head_t if p.head_t is not None else F.linear(h, p.head), p.logit_softcap)  # (B, V)
+    return softcap(head_logits(p, p.ln_f(x[:, -1])), p.logit_softcap)  # (B, V)
+
+
+def head_logits(p: DecodePlan, h: torch.Tensor) -> torch.Tensor:
+    """h (B, C) @ head.T -> (B, V). On a CPU, with a large vocabulary, MKL's fastest form depends on B: one or
+    two rows, h against the transposed copy; more, head @ h.T, whose result is read through a transposed view
+    (128 x 50,257 on one thread: 0.7 against 2.9 ms at batch 1, 2.7 against 4.7 ms at batch 4)."""
+    if p.head_t is None:
+        return F.linear(h, p.head)
+    if h.size(0) <= 2:
+        return h @ p.head_t
+    return (p.head @ h.t()).t()
 
 
 # --- logits processing ----------------------------------------------------------------------------------

@@ -244,8 +244,10 @@ def test_a_large_vocabulary_head_decodes_as_the_forward_does():
     model = GPT(tiny(vocab_size=600, tie_embeddings=False)).eval()  # V >= 8 C: the plan keeps the head transposed
     plan = decode_plan(model)
     assert plan.head_t is not None and plan.head_t.shape == (32, 600)
-    idx = torch.randint(0, 600, (2, 8))
-    with torch.inference_mode():
-        cache = KVCache(model, 2)
-        model(idx[:, :7], cache=cache.view(0, 2))
-        torch.testing.assert_close(decode_step(plan, idx[:, 7], cache), model(idx)[0][:, -1], atol=1e-5, rtol=0)
+    for B in (2, 5):  # the two forms of the head's matmul
+        idx = torch.randint(0, 600, (B, 8))
+        with torch.inference_mode():
+            cache = KVCache(model, B)
+            model(idx[:, :7], cache=cache.view(0, B))
+            got = decode_step(plan, idx[:, 7], cache)
+            torch.testing.assert_close(got, model(idx)[0][:, -1], atol=1e-5, rtol=0)
