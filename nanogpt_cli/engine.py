@@ -416,35 +416,42 @@ class Engine:
         return self.add_many([prompt], params, max_new_tokens, [generator], stop_ids)[0]
 
     @torch.inference_mode()
-    def add_many(self, prompts: Sequence[Sequence[int]], params: SamplingParams = SamplingParams(),
-                 max_new_tokens: int = 256, generators: Sequence[torch.Generator | None] | None = None,
+    def add_many(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+                 max_new_tokens: int | Sequence[int] = 256, generators: Sequence[torch.Generator | None] | None = None,
                  stop_ids: Sequence[int] = ()) -> list[int]:
-        """add for several prompts with the same settings; prompts of one length are prefilled together."""
-        for prompt in prompts:
+        """add for several prompts at once (params and max_new_tokens: one for all, or one per prompt); runs of
+        prompts of one length are prefilled together, as one forward."""
+        n = len(prompts)
+        params = [params] * n if isinstance(params, SamplingParams) else list(params)
+        limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        for prompt, limit in zip(prompts, limits):
             if not 1 <= len(prompt) <= self.block_size:
                 raise NanoGPTError(f"a prompt must have 1 to {self.block_size:,} tokens (the model's context), "
                                    f"got {len(prompt):,}")
-        if len(prompts) > self.free:
-            raise NanoGPTError(f"{len(prompts)} new rows do not fit: {self.free} of {self.max_batch} are free")
-        if max_new_tokens < 1:
-            raise NanoGPTError(f"a row must generate at least one token, got max_new_tokens={max_new_tokens}")
-        generators = generators or [None] * len(prompts)
+            if limit < 1:
+                raise NanoGPTError(f"a row must generate at least one token, got max_new_tokens={limit}")
+        if n > self.free:
+            raise NanoGPTError(f"{n} new rows do not fit: {self.free} of {self.max_batch} are free")
+        generators = generators or [None] * n
         start = len(self.rows)
-        ids = []
-        for prompt, generator in zip(prompts, generators):
-            ids.append(self._next_id)
-            self.rows.append(_Row(self._next_id, list(prompt), params, generator, max_new_tokens, frozenset(stop_ids)))
+        for prompt, p, limit, generator in zip(prompts, params, limits, generators):
+            self.rows.append(_Row(self._next_id, list(prompt), p, generator, limit, frozenset(stop_ids)))
             self._next_id += 1
-        if params.repetition_penalty != 1.0:
-            if self.seen is None:
-                self.seen = torch.zeros(self.max_batch, self.model.config.vocab_size, dtype=torch.bool,
-                                        device=self.device)
-            for slot in range(start, len(self.rows)):
+        for slot in range(start, len(self.rows)):
+            if self.rows[slot].params.repetition_penalty != 1.0:
+                if self.seen is None:
+                    self.seen = torch.zeros(self.max_batch, self.model.config.vocab_size, dtype=torch.bool,
+                                            device=self.device)
                 self.seen[slot] = False
                 self.seen[slot, torch.tensor(self.rows[slot].tokens, device=self.device)] = True
-        new = self._prefill(start, len(self.rows))
+        try:
+            new = self._prefill(start, len(self.rows))
+        except Exception:
+            del self.rows[start:]  # the batch stays as it was
+            raise
         self.logits = new if self.logits is None or start == 0 else torch.cat([self.logits, new])
-        return ids
+        return [r.id for r in self.rows[start:]]
 
     def _prefill(self, start: int, stop: int) -> torch.Tensor:
         """Next-token logits (stop - start, V) for the rows in slots start..stop-1, filling their cache."""

@@ -66,6 +66,8 @@ class Job:
     seed: int | None = None
     ignore_eos: bool = False
     row: int | None = None  # the engine's row id while it runs
+    generator: torch.Generator | None = None
+    eot: int | None = None  # the end-of-text token that ends it (None with ignore_eos)
     text: TextStream | None = None
     pending: list[int] = field(default_factory=list)  # tokens whose text is held back
     pending_logprobs: list[StepToken] = field(default_factory=list)
@@ -154,8 +156,8 @@ class Scheduler:
                 self._drop(job)
             for fn, future in calls:
                 self._run_call(fn, future)
-            for job in admit:
-                self._admit(job)
+            if admit:
+                self._admit(admit)
             if self.engine.active:
                 self._step()
         self._shutdown()
@@ -170,25 +172,42 @@ class Scheduler:
         if job.row is not None and self._running.pop(job.row, None) is not None:
             self.engine.remove(job.row)
 
-    def _admit(self, job: Job) -> None:
-        generator = torch.Generator(device=self.device)
-        if job.seed is not None:
-            generator.manual_seed(job.seed)
-        else:
-            generator.seed()
-        eot = None if job.ignore_eos else self.eot
-        job.text = TextStream(self.tokenizer, job.stop, eot, job.max_tokens)
+    def _admit(self, jobs: list[Job]) -> None:
+        """Prefill the jobs into free rows, those of one prompt length together; a job the engine refuses fails
+        alone (then each is added on its own)."""
+        jobs = sorted(jobs, key=lambda job: len(job.prompt))
+        for job in jobs:
+            generator = torch.Generator(device=self.device)
+            if job.seed is not None:
+                generator.manual_seed(job.seed)
+            else:
+                generator.seed()
+            job.generator = generator
+            job.eot = None if job.ignore_eos else self.eot
+            job.text = TextStream(self.tokenizer, job.stop, job.eot, job.max_tokens)
+        groups = [[job for job in jobs if job.eot == eot] for eot in {job.eot for job in jobs}]
+        for group in groups:
+            try:
+                self._add(group)
+            except Exception:  # find the job at fault: each on its own
+                for job in group:
+                    self._add_alone(job)
+
+    def _add(self, jobs: list[Job]) -> None:
+        rows = self.engine.add_many([j.prompt for j in jobs], [j.params for j in jobs], [j.max_tokens for j in jobs],
+                                    [j.generator for j in jobs], stop_ids=() if jobs[0].eot is None else (jobs[0].eot,))
+        for job, row in zip(jobs, rows):
+            job.row = row
+            self._running[row] = job
+
+    def _add_alone(self, job: Job) -> None:
         try:
-            job.row = self.engine.add(job.prompt, job.params, job.max_tokens, generator,
-                                      stop_ids=() if eot is None else (eot,))
+            self._add([job])
         except NanoGPTError as e:
             job.sink(Failed(str(e), 400))
-            return
         except Exception as e:  # a request that fails inside the engine fails alone
             log.exception("prefill failed")
             job.sink(Failed(f"the model failed on this request: {e}", 500))
-            return
-        self._running[job.row] = job
 
     def _step(self) -> None:
         try:
