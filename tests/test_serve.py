@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import shutil
+import socket
 import threading
 import time
 from pathlib import Path
@@ -78,7 +79,7 @@ def get_json(url: str, path: str, method: str = "GET", body: bytes | None = None
 
 @pytest.fixture(scope="module")
 def live(model_path):
-    server = Live(ServeOptions(source=str(model_path), port=0, max_batch=16, api_key=KEY, max_tokens=2000,
+    server = Live(ServeOptions(source=str(model_path), port=0, max_batch=16, api_key=KEY, max_tokens=100_000,
                                max_n=4, max_body=50_000, device="cpu", dtype="float32"))
     yield server
     server.stop()
@@ -287,13 +288,29 @@ def test_raw_stream_is_data_lines_ending_with_done_and_a_disconnect_frees_the_ro
     assert len(lines) == 9 and json.loads(lines[0][6:])["object"] == "text_completion"
 
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    long = json.dumps({"model": "tiny", "prompt": "Go", "max_tokens": 2000, "temperature": 0, "stream": True})
+    # 100,000 tokens take minutes: a row that leaves within the bounded wait below left because its client did
+    long = json.dumps({"model": "tiny", "prompt": "Go", "max_tokens": 100_000, "temperature": 0, "stream": True})
     conn.request("POST", "/v1/completions", body=long, headers=headers)
     response = conn.getresponse()
     response.readline()  # the first event: the row is running
     assert live.health()["active_rows"] == 1
     conn.sock.close()  # the client goes away mid-stream
     conn.close()
+    _wait_idle(live)
+
+    whole = json.dumps({"model": "tiny", "prompt": "Go", "max_tokens": 100_000, "temperature": 0})
+    sock = socket.create_connection((host, int(port)), timeout=30)  # a whole (not streamed) answer, abandoned
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                 f"Content-Type: application/json\r\nContent-Length: {len(whole)}\r\n\r\n{whole}".encode())
+    deadline = time.monotonic() + 20
+    while live.health()["active_rows"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert live.health()["active_rows"] == 1
+    sock.close()
+    _wait_idle(live)
+
+
+def _wait_idle(live) -> None:
     deadline = time.monotonic() + 20
     while live.health()["active_rows"] and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -417,8 +434,6 @@ def test_a_non_loopback_host_without_a_key_is_warned_about(tmp_path):
 
 
 def test_a_port_in_use_is_one_clear_error(tmp_path):
-    import socket
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
