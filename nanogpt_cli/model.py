@@ -21,7 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from nanogpt_cli.config import GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "sinusoidal_table", "rope_tables", "apply_rope", "activation", "softcap"]
+__all__ = ["GPT", "Cache", "GPTConfig", "activation", "apply_rope", "rope_tables", "sinusoidal_table", "softcap"]
 
 
 # --- positions ---------------------------------------------------------------------------------------
