@@ -46,8 +46,7 @@ class ServeOptions:
                 raise NanoGPTError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
         if not 0 <= self.port <= 65535:
             raise NanoGPTError(f"--port must be between 0 and 65535, got {self.port}")
-        if self.api_key is None:
-            self.api_key = os.environ.get("NANOGPT_API_KEY") or None
+        self.api_key = self.api_key or os.environ.get("NANOGPT_API_KEY") or None  # an empty key is no key
 
 
 def default_model_name(source: str) -> str:
