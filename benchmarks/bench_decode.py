@@ -1,4 +1,4 @@
-"""The one-token decode step: today's plan-based step (GPT.decode_step) against torch.compile of the same step
+"""The one-token decode step: the engine's plan-based step (engine.decode_step) against torch.compile of the same step
 written for a static cache shape (attention over the whole preallocated cache with a mask, the position a
 tensor, so one compiled graph serves every position).
 
@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import sync, table  # noqa: E402
 
 from nanogpt_cli.config import GPTConfig  # noqa: E402
-from nanogpt_cli.model import GPT, DecodePlan, KVCache, apply_rope, softcap  # noqa: E402
+from nanogpt_cli.engine import DecodePlan, KVCache, decode_plan, decode_step, head_logits  # noqa: E402
+from nanogpt_cli.model import GPT, apply_rope, softcap  # noqa: E402
 from nanogpt_cli.device import resolve_device  # noqa: E402
 
 
@@ -53,7 +54,7 @@ def static_step(p: DecodePlan, idx: torch.Tensor, pos: torch.Tensor, k_cache: li
         y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask)
         x = x + F.linear(y.reshape(B, 1, C), w.w_o, w.b_o)
         x = x + F.linear(p.act(F.linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj)
-    return softcap(F.linear(p.ln_f(x[:, -1]), p.head), p.logit_softcap)
+    return softcap(head_logits(p, p.ln_f(x[:, -1])), p.logit_softcap)
 
 
 def bench(cfg: GPTConfig, batch: int, tokens: int, device: torch.device) -> list:
@@ -63,23 +64,23 @@ def bench(cfg: GPTConfig, batch: int, tokens: int, device: torch.device) -> list
     ids = torch.randint(0, cfg.vocab_size, (batch, tokens), device=device)
     n = min(tokens, cfg.block_size - 4)
     with torch.inference_mode():
-        plan = model.decode_plan()
+        plan = decode_plan(model)
 
         def eager() -> tuple[float, torch.Tensor]:
-            cache = model.new_cache(batch)
-            model(prompt, cache=cache)
+            cache = KVCache(model, batch)
+            model(prompt, cache=cache.view(0, batch))
             sync(device)
             t0 = time.perf_counter()
             for t in range(n):
-                out = model.decode_step(ids[:, t:t + 1], cache, plan)
+                out = decode_step(plan, ids[:, t:t + 1], cache)
             sync(device)
             return (time.perf_counter() - t0) / n, out
 
         compiled = torch.compile(static_step, dynamic=False, fullgraph=True)
 
         def static(fn) -> tuple[float, torch.Tensor]:
-            cache = model.new_cache(batch)
-            model(prompt, cache=cache)
+            cache = KVCache(model, batch)
+            model(prompt, cache=cache.view(0, batch))
             positions = torch.arange(cfg.block_size, device=device)
             sync(device)
             t0 = time.perf_counter()

@@ -1,7 +1,9 @@
-"""The GPT: a decoder-only Transformer with Pre-LN blocks, RoPE / sinusoidal / learned positions and a KV cache.
+"""The GPT: a decoder-only Transformer with Pre-LN blocks and RoPE / sinusoidal / learned positions.
 
     model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
     logits, loss = model(idx, targets)
+
+The architecture only: running it token by token (the KV cache, the decode step, sampling) is engine.py's.
 
 Shape legend: B batch, T tokens in this call, S tokens held in the KV cache, C n_embd, nh n_head,
 hs head size (C // nh), H MLP hidden width, V vocab_size.
@@ -10,8 +12,7 @@ hs head size (C // nh), H MLP hidden width, V vocab_size.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -20,7 +21,7 @@ from torch.autograd.function import once_differentiable
 
 from nanogpt_cli.config import GPTConfig
 
-__all__ = ["GPT", "GPTConfig", "KVCache", "sinusoidal_table", "rope_tables", "apply_rope", "process_logits"]
+__all__ = ["GPT", "Cache", "GPTConfig", "activation", "apply_rope", "rope_tables", "sinusoidal_table", "softcap"]
 
 
 # --- positions ---------------------------------------------------------------------------------------
@@ -53,29 +54,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, x.roll(half, dims=-1), sin)  # roll: (x1, x2) -> (x2, x1)
 
 
-# --- the KV cache -------------------------------------------------------------------------------------
+# --- the cache a forward can fill ---------------------------------------------------------------
 
 
-class KVCache:
-    """Keys and values of the tokens seen so far, preallocated for block_size tokens per layer."""
+class Cache(Protocol):
+    """What forward reads and writes when given a cache (engine.CacheView): the position of the first new
+    token, the dtype it holds, and update, which stores a layer's new keys and values and returns all held."""
 
-    def __init__(self, config: GPTConfig, batch_size: int, device, dtype):
-        shape = (batch_size, config.n_head, config.block_size, config.head_size)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.capacity, self.dtype = config.block_size, dtype
-        self.pos = 0  # tokens held, which is also the position of the next one
+    pos: int
+    dtype: torch.dtype
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this call's keys and values (B, nh, T, hs) and return all held ones (B, nh, S, hs)."""
-        T = k.size(2)
-        assert self.pos + T <= self.capacity, f"{self.pos} + {T} tokens overflow a cache of {self.capacity}"
-        self.k[layer][:, :, self.pos:self.pos + T] = k
-        self.v[layer][:, :, self.pos:self.pos + T] = v
-        return self.k[layer][:, :, :self.pos + T], self.v[layer][:, :, :self.pos + T]
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-# --- layers ---------------------------------------------------------------------------------------------
+# --- blocks -------------------------------------------------------------------------------------------
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -143,7 +135,7 @@ class CausalSelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos=None, sin=None, cache: KVCache | None = None, layer: int = 0):
+    def forward(self, x, cos=None, sin=None, cache: Cache | None = None, layer: int = 0):
         B, T, C = x.size()
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, self.head_size)  # (B, T, 3, nh, hs)
         qk = qkv[:, :, :2]  # (B, T, 2, nh, hs)
@@ -214,41 +206,6 @@ class Block(nn.Module):
 # --- the model ------------------------------------------------------------------------------------------
 
 
-class LayerWeights(NamedTuple):
-    """One block's weights as decode_step reads them (norms as functions with their weights bound)."""
-
-    ln_1: Callable[[torch.Tensor], torch.Tensor]
-    q_norm: Callable[[torch.Tensor], torch.Tensor] | None  # --qk-norm; None when off
-    k_norm: Callable[[torch.Tensor], torch.Tensor] | None
-    w_qkv: torch.Tensor
-    b_qkv: torch.Tensor | None
-    w_o: torch.Tensor
-    b_o: torch.Tensor | None
-    ln_2: Callable[[torch.Tensor], torch.Tensor]
-    w_fc: torch.Tensor
-    b_fc: torch.Tensor | None
-    w_proj: torch.Tensor
-    b_proj: torch.Tensor | None
-
-
-class DecodePlan(NamedTuple):
-    """Everything decode_step reads, looked up once per generation (GPT.decode_plan)."""
-
-    layers: list[LayerWeights]
-    wte: torch.Tensor
-    ln_f: Callable[[torch.Tensor], torch.Tensor]
-    head: torch.Tensor
-    pos_table: torch.Tensor | None  # learned or sinusoidal positions; None for RoPE
-    cos: torch.Tensor | None  # RoPE tables (block_size, 1, 1, hs)
-    sin: torch.Tensor | None
-    act: Callable[[torch.Tensor], torch.Tensor]
-    logit_softcap: float | None
-    n_head: int
-    head_size: int
-    n_embd: int
-
-
-
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -290,7 +247,7 @@ class GPT(nn.Module):
 
     # --- forward ---
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: Cache | None = None,
                 last_only: bool = False):
         """Logits (B, T, V) for every position (or (B, 1, V) with last_only) and the mean cross-entropy
         over targets (B, T) when given (ignore_index -1). With a cache, idx holds the new tokens only."""
@@ -319,161 +276,6 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
-    # --- generation ---
-
-    def new_cache(self, batch_size: int) -> KVCache:
-        w = self.transformer.wte.weight
-        dtype = torch.get_autocast_dtype(w.device.type) if torch.is_autocast_enabled(w.device.type) else w.dtype
-        return KVCache(self.config, batch_size, w.device, dtype)
-
-    def decode_plan(self) -> DecodePlan:
-        """What decode_step reads, looked up once per generation: each nn.Module attribute lookup costs about
-        a microsecond, and a small model's token makes ~100 of them. Tensors are shared, not copied."""
-        cfg = self.config
-
-        def as_function(module: nn.Module | None):  # a norm module -> a one-argument function, weights bound
-            if module is None:
-                return None
-            shape, weight, eps = module.normalized_shape, module.weight, module.eps
-            if isinstance(module, nn.RMSNorm):
-                return lambda x: F.rms_norm(x, shape, weight, eps)
-            bias = module.bias
-            return lambda x: torch.layer_norm(x, shape, weight, bias, eps)
-
-        layers = [LayerWeights(ln_1=as_function(b.ln_1), q_norm=as_function(b.attn.q_norm),
-                               k_norm=as_function(b.attn.k_norm), w_qkv=b.attn.c_attn.weight, b_qkv=b.attn.c_attn.bias,
-                               w_o=b.attn.c_proj.weight, b_o=b.attn.c_proj.bias, ln_2=as_function(b.ln_2),
-                               w_fc=b.mlp.c_fc.weight, b_fc=b.mlp.c_fc.bias, w_proj=b.mlp.c_proj.weight,
-                               b_proj=b.mlp.c_proj.bias) for b in self.transformer.h]
-        pos_table = None  # added to the embedding: learned or sinusoidal positions
-        if cfg.pos_encoding == "learned":
-            pos_table = self.transformer.wpe.weight
-        elif cfg.pos_encoding == "sinusoidal":
-            pos_table = self.pos_table
-        return DecodePlan(layers=layers, wte=self.transformer.wte.weight, ln_f=as_function(self.transformer.ln_f),
-                          head=self.lm_head.weight, pos_table=pos_table, cos=getattr(self, "rope_cos", None),
-                          sin=getattr(self, "rope_sin", None), act=lambda h: activation(h, cfg.mlp),
-                          logit_softcap=cfg.logit_softcap,
-                          n_head=cfg.n_head, head_size=cfg.head_size, n_embd=cfg.n_embd)
-
-    def decode_step(self, idx: torch.Tensor, cache: KVCache, plan: DecodePlan | None = None) -> torch.Tensor:
-        """Logits (B, V) after one new token per row, idx (B, 1), through the cache: the same computation as
-        forward(idx, cache=cache), written against the weights directly. Decoding a small model on a CPU is
-        bound by per-call overhead, and skipping the module calls and lookups makes a token ~1.5x cheaper
-        (tests check the two agree for every kind of block). Call it under torch.inference_mode()."""
-        p = plan or self.decode_plan()
-        pos, B = cache.pos, idx.size(0)
-        nh, hs, C = p.n_head, p.head_size, p.n_embd
-        x = torch.embedding(p.wte, idx)  # (B, 1, C)
-        rope = p.pos_table is None
-        if rope:
-            cos, sin = p.cos[pos], p.sin[pos]  # (1, 1, hs)
-        else:
-            x = x + p.pos_table[pos]
-        act = p.act
-        # narrow/select rather than x[:, :, a:b]: Python's tuple indexing costs a few microseconds a call
-        for i, w in enumerate(p.layers):
-            qkv = F.linear(w.ln_1(x), w.w_qkv, w.b_qkv).view(B, 3, nh, hs)  # T = 1 folded away
-            qk = qkv.narrow(1, 0, 2)  # (B, 2, nh, hs)
-            if w.q_norm is not None:
-                qk = torch.stack([w.q_norm(qkv.select(1, 0)), w.k_norm(qkv.select(1, 1))], dim=1)
-            if rope:
-                qk = apply_rope(qk, cos, sin)
-            k_all, v_all = cache.k[i], cache.v[i]  # (B, nh, block_size, hs)
-            k_all.select(2, pos).copy_(qk.select(1, 1))
-            v_all.select(2, pos).copy_(qkv.select(1, 2))
-            q = qk.narrow(1, 0, 1)  # (B, 1, nh, hs) viewed as (B, nh, 1, hs) below
-            q = q.view(B, nh, 1, hs) if q.dtype == k_all.dtype else q.view(B, nh, 1, hs).to(k_all.dtype)
-            y = F.scaled_dot_product_attention(q, k_all.narrow(2, 0, pos + 1), v_all.narrow(2, 0, pos + 1))
-            x = x + F.linear(y.view(B, 1, C), w.w_o, w.b_o)
-            x = x + F.linear(act(F.linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj)
-        cache.pos += 1
-        return softcap(F.linear(p.ln_f(x[:, -1]), p.head), p.logit_softcap)  # (B, V)
-
-    @torch.inference_mode()
-    def next_logits(self, idx: torch.Tensor, use_cache: bool = True) -> Iterator[torch.Tensor]:
-        """A coroutine over generation: yields the next-token logits (B, V) for idx, then for idx plus each
-        token sent in (a (B,) or (B, 1) tensor).
-
-        Without the cache every step is a full forward over the last block_size tokens (nanoGPT's way).
-        With it, a prefill then one-token steps; when the context is full the cache restarts from the last
-        half of the window (one batched forward), so a token costs the same however many came before, and
-        past the context each token sees between half and all of the last block_size tokens. Up to
-        block_size tokens the two paths compute the same logits."""
-        block_size = self.config.block_size
-        keep = max(1, block_size // 2)
-        idx = idx[:, -block_size:]
-        cache = self.new_cache(idx.size(0)) if use_cache else None
-        plan = self.decode_plan() if use_cache else None
-        new = idx
-        while True:
-            if cache is None:
-                logits, _ = self(idx, last_only=True)
-            elif cache.pos + new.size(1) > block_size:
-                cache.pos = 0  # the buffers are overwritten from the start
-                logits, _ = self(idx[:, -keep:], cache=cache, last_only=True)
-            elif new.size(1) == 1:
-                logits = self.decode_step(new, cache, plan)
-            else:
-                logits, _ = self(new, cache=cache, last_only=True)
-            token = yield (logits[:, -1] if logits.dim() == 3 else logits).float()
-            new = token.view(-1, 1).to(idx.device)
-            idx = torch.cat([idx, new], dim=1)[:, -block_size:]
-
-    @torch.inference_mode()
-    def generate_tokens(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                        top_k: int | None = None, top_p: float | None = None, min_p: float | None = None,
-                        repetition_penalty: float = 1.0, use_cache: bool = True,
-                        generator: torch.Generator | None = None, vocab_size: int | None = None,
-                        prompt_tails: list[list[int]] | None = None) -> Iterator[torch.Tensor]:
-        """The generation loop: yields the next token of every row (B,), up to max_new_tokens times; a caller
-        that stops early (a stop text, end of text) just stops iterating. vocab_size: never pick a token at
-        or above it (a padded head has rows the tokenizer lacks). See process_logits for the filters.
-
-        Prompts of different lengths: idx holds the part all rows have (the shortest prompt's length) and
-        prompt_tails the rest of each row's prompt. Those tokens are fed in place of sampled ones, one step at a
-        time, so every row stays at the same position and one cache serves the batch with no padding or masks
-        (each row computes exactly what it would alone). The loop then runs max_new_tokens + the longest tail
-        steps, and row r's first len(prompt_tails[r]) tokens are its own prompt's."""
-        forced = None
-        if prompt_tails is not None and any(prompt_tails):
-            forced = torch.full((idx.size(0), max(map(len, prompt_tails))), -1, dtype=torch.long, device=idx.device)
-            for r, tail in enumerate(prompt_tails):
-                forced[r, :len(tail)] = torch.tensor(tail, dtype=torch.long)
-            max_new_tokens += forced.size(1)
-        if max_new_tokens <= 0:
-            return
-        seen = None
-        if repetition_penalty != 1.0:
-            seen = torch.zeros(idx.size(0), self.config.vocab_size, dtype=torch.bool, device=idx.device)
-            seen.scatter_(1, idx, True)
-        steps = self.next_logits(idx, use_cache)
-        try:
-            logits = next(steps)
-            for i in range(max_new_tokens):
-                if vocab_size is not None and logits.size(-1) != vocab_size:
-                    logits = logits[:, :vocab_size]
-                filtered = process_logits(logits, temperature, top_k, top_p, min_p, repetition_penalty,
-                                          seen[:, :logits.size(-1)] if seen is not None else None)
-                token = sample_token(filtered, temperature, generator)  # (B,)
-                if forced is not None and i < forced.size(1):  # rows still inside their prompt take its token
-                    token = torch.where(forced[:, i] >= 0, forced[:, i], token)
-                yield token
-                if seen is not None:
-                    seen.scatter_(1, token[:, None], True)
-                if i + 1 < max_new_tokens:
-                    logits = steps.send(token)
-        finally:
-            steps.close()
-
-    @torch.inference_mode()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
-                 top_p: float | None = None, use_cache: bool = True, generator: torch.Generator | None = None):
-        """Continue idx (B, T) by max_new_tokens sampled tokens; temperature 0 is greedy. Returns (B, T + new)."""
-        new = [t[:, None] for t in self.generate_tokens(idx, max_new_tokens, temperature, top_k, top_p,
-                                                        use_cache=use_cache, generator=generator)]
-        return torch.cat([idx, *new], dim=1)
-
     # --- accounting ---
 
     def num_params(self, non_embedding: bool = True) -> int:
@@ -500,43 +302,3 @@ class GPT(nn.Module):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-
-
-# --- sampling -------------------------------------------------------------------------------------------
-
-
-def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                   top_p: float | None = None, min_p: float | None = None, repetition_penalty: float = 1.0,
-                   seen: torch.Tensor | None = None) -> torch.Tensor:
-    """Next-token logits (B, V) -> filtered logits, in this order: repetition penalty on the raw logits,
-    temperature, top-k, top-p, min-p. Filtered-out tokens get -inf. temperature 0 leaves the logits for an
-    argmax. seen: (B, V) bool of tokens already in the sequence, for the repetition penalty."""
-    logits = logits.float()
-    if repetition_penalty != 1.0 and seen is not None:
-        # CTRL (Keskar et al. 2019): make seen tokens less likely whatever the sign of their logit
-        penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
-        logits = torch.where(seen, penalized, logits)
-    if temperature > 0:
-        logits = logits / temperature
-    if top_k is not None and top_k < logits.size(-1):
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        # keep the smallest set of most likely tokens whose probability reaches top_p
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p  # mass before this token already reaches p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    if min_p is not None and min_p > 0.0:
-        probs = logits.softmax(dim=-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
-    return logits
-
-
-def sample_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One token per row from processed logits (B, V); greedy when temperature is 0. (B,)"""
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)

@@ -2,7 +2,10 @@
 
     sampler = Sampler.load("checkpoints/shk")
     for piece in sampler.stream("ROMEO:", SampleSettings(max_new_tokens=100)): print(piece, end="")
-    results = sampler.generate_many(["ROMEO:", "JULIET:"], SampleSettings())   # one batch, one KV cache
+    results = sampler.generate_many(["ROMEO:", "JULIET:"], SampleSettings())   # one batch on the engine
+
+A thin layer over engine.Engine: prompts to token ids, tokens to text (streamed at character boundaries,
+held back where it may begin a stop text), end-of-text and stop texts.
 
 Each step's next-token logits go through, in this order: the repetition penalty (on the raw logits),
 temperature, top-k, top-p, then min-p; temperature 0 takes the most likely token (greedy).
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from nanogpt_cli.engine import Engine, SamplingParams
 from nanogpt_cli.loading import InferenceModel, load_for_inference
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.tokenizer import Tokenizer
@@ -59,6 +63,12 @@ class SampleSettings:
             raise NanoGPTError(f"--repetition-penalty must be > 0, got {self.repetition_penalty}")
         if any(s == "" for s in self.stop):
             raise NanoGPTError("--stop takes a non-empty text")
+
+    @property
+    def params(self) -> SamplingParams:
+        """The engine's share of these settings."""
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                              repetition_penalty=self.repetition_penalty)
 
 
 @dataclass
@@ -102,48 +112,38 @@ class Sampler:
 
     def stream_many(self, prompts: list[str], settings: SampleSettings,
                     generator: torch.Generator | None = None) -> Iterator[Piece]:
-        """Continue every prompt at once, as one batch through the KV cache, and yield each sample's text as it
+        """Continue every prompt at once, as rows of one batch on the engine, and yield each sample's text as it
         is produced: Piece(row, text, result), result set on the piece that ends its row. Each row ends on its
-        own (length, end-of-text, stop text); the batch runs until all have. Prompts of different lengths are
-        not padded: the shared prefix length is prefilled together and each longer prompt's remaining tokens are
-        fed one step at a time (GPT.generate_tokens), so each row's text is what sampling it alone computes,
-        up to float rounding (with temperature > 0 the random draws differ, as the rows share the generator)."""
+        own (length, end-of-text, stop text) and leaves the batch at once. Prompts of different lengths are
+        not padded: each row keeps its own position in the KV cache, so its text is what sampling it alone
+        computes, up to float rounding. Row r draws from its own generator seeded with settings.seed + r (the
+        first row of a batch is the single sample of that seed), or, given `generator`, all rows from that."""
         if not prompts:
             return
         encoded = [self.encode_prompt(p)[0] for p in prompts]
-        shared = min(map(len, encoded))
-        generator = generator or torch.Generator(device=self.device).manual_seed(settings.seed)
         eot = None if settings.ignore_eot else self.tokenizer.eot_id
-        rows = [_Row(self.tokenizer, settings, eot, skip=len(ids) - shared) for ids in encoded]
-        idx = torch.tensor([ids[:shared] for ids in encoded], dtype=torch.long, device=self.device)
+        rows = [TextStream(self.tokenizer, settings.stop, eot, settings.max_new_tokens) for _ in prompts]
         t0 = time.perf_counter()
-        tokens = self.model.generate_tokens(idx, settings.max_new_tokens, settings.temperature, settings.top_k,
-                                            settings.top_p, settings.min_p, settings.repetition_penalty,
-                                            settings.use_cache, generator, vocab_size=self.tokenizer.vocab_size,
-                                            prompt_tails=[ids[shared:] for ids in encoded])
-        try:
-            if settings.max_new_tokens == 0:
-                tokens = iter(())
-            left = len(rows)
-            for token in tokens:
-                for r, tid in enumerate(token.tolist()):
-                    row = rows[r]
-                    if row.done:
-                        continue
-                    text = row.feed(tid)
-                    if row.done:
-                        left -= 1
-                        yield Piece(r, text, row.result(prompts[r], time.perf_counter() - t0))
-                    elif text:
-                        yield Piece(r, text)
-                if left == 0:
-                    break
-            for r, row in enumerate(rows):  # max_new_tokens 0
-                if not row.done:
-                    yield Piece(r, row.finish(), row.result(prompts[r], time.perf_counter() - t0))
-        finally:
-            if hasattr(tokens, "close"):
-                tokens.close()
+        if settings.max_new_tokens == 0:
+            for r, row in enumerate(rows):
+                yield Piece(r, row.finish(), row.result(prompts[r], time.perf_counter() - t0))
+            return
+        engine = Engine(self.model, max_batch=len(prompts), vocab_size=self.tokenizer.vocab_size,
+                        use_cache=settings.use_cache)
+        generators = [generator or torch.Generator(device=self.device).manual_seed(settings.seed + r)
+                      for r in range(len(prompts))]
+        ids = engine.add_many(encoded, settings.params, settings.max_new_tokens, generators,
+                              stop_ids=() if eot is None else (eot,))
+        which = {row_id: r for r, row_id in enumerate(ids)}
+        while engine.active:
+            for t in engine.step():
+                r = which[t.row]
+                text = rows[r].feed(t.token)
+                if rows[r].done:
+                    engine.remove(t.row)  # a stop text: the engine did not see it (no-op when it ended the row)
+                    yield Piece(r, text, rows[r].result(prompts[r], time.perf_counter() - t0))
+                elif text:
+                    yield Piece(r, text)
 
     def stream(self, prompt: str, settings: SampleSettings, generator: torch.Generator | None = None,
                result: dict | None = None) -> Iterator[str]:
@@ -203,21 +203,22 @@ class Piece:
     result: SampleResult | None = None
 
 
-class _Row:
-    """One sample's text as its tokens arrive: incremental UTF-8 decoding, end of text, stop texts, and how much
-    of the text is safe to show (a stop text cannot start before `emitted`: text that could begin one is held)."""
+class TextStream:
+    """One sample's text as its tokens arrive: incremental UTF-8 decoding (a character split across tokens is
+    held until complete), end of text, stop texts, and how much of the text is safe to show (a stop text
+    cannot start before `emitted`: text that could begin one is held). The server streams through it too.
 
-    def __init__(self, tokenizer: Tokenizer, settings: SampleSettings, eot: int | None, skip: int):
-        self.tokenizer, self.stop, self.eot, self.limit = tokenizer, settings.stop, eot, settings.max_new_tokens
+        stream = TextStream(tokenizer, stop=["\n\n"], eot=tokenizer.eot_id, limit=100)
+        piece = stream.feed(token_id)   # new safe text; stream.done, stream.reason ("length", "stop", "eot")
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], eot: int | None, limit: int):
+        self.tokenizer, self.stop, self.eot, self.limit = tokenizer, stop, eot, limit
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.skip = skip  # tokens of this row's own prompt still to come (GPT.generate_tokens' prompt_tails)
         self.text, self.emitted, self.reason, self.ids, self.done = "", 0, "length", [], False
 
     def feed(self, tid: int) -> str:
         """Take the row's next token; return the text that became safe to show (all of it when the row ends)."""
-        if self.skip:
-            self.skip -= 1
-            return ""
         self.ids.append(tid)
         if tid == self.eot:
             self.reason = "eot"

@@ -130,6 +130,18 @@ def test_samples_are_one_batch_read_one_after_another(sampler):
     assert len(set(texts)) == 3
 
 
+def test_a_seeded_sample_gives_the_same_text_alone_and_in_a_batch(sampler):
+    """Row r of a batch draws from its own generator seeded with seed + r, so each row is a sample that can be
+    reproduced alone, and the first of --num-samples N is the single sample of that seed."""
+    settings = SampleSettings(max_new_tokens=30, temperature=1.0, top_k=None, seed=7)
+    batch = sampler.generate_many(["the", "KING:", "thou art"], settings)
+    for r, prompt in enumerate(["the", "KING:", "thou art"]):
+        alone = sampler.generate(prompt, SampleSettings(max_new_tokens=30, temperature=1.0, top_k=None, seed=7 + r))
+        assert batch[r].token_ids == alone.token_ids, prompt
+    first = next(iter(sampler.samples("the", settings, num_samples=3)))
+    assert "".join(first) == batch[0].text
+
+
 def test_end_of_text_stops_a_bpe_model_unless_ignored(tmp_path):
     tok = build_tokenizer("gpt2")
     cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=True,

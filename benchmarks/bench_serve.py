@@ -1,0 +1,271 @@
+"""Serving under load: N concurrent streaming clients against `nanogpt serve` and, side by side on the same model
+exported to GGUF, llama.cpp's own OpenAI server (PyPI's xllamacpp, used only here).
+
+    python benchmarks/bench_serve.py                                  # 1, 4 and 16 clients, both servers
+    python benchmarks/bench_serve.py --clients 1 16 --requests 32 --max-tokens 64 --threads 1 --only nanogpt
+    python benchmarks/bench_serve.py --step        # the decode step alone, ours against llama.cpp's, batch 1 and 5
+
+The model is a 4 x 128 Llama-shaped GPT with the gpt2 vocabulary and random weights (speed does not depend on
+them). Each client sends streamed completions one after another (loopback only, a bounded number of requests,
+each with a time limit) and the table gives the aggregate generated tokens/s, time to first token and the
+time between streamed chunks (inter-token latency), p50 and p95.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LLAMA_SERVER = """
+import sys, time, xllamacpp as x
+p = x.CommonParams()
+p.model.path = sys.argv[1]
+p.n_parallel = int(sys.argv[2])
+p.n_ctx = int(sys.argv[2]) * int(sys.argv[3])
+p.cpuparams.n_threads = p.cpuparams_batch.n_threads = int(sys.argv[4])
+p.port = 0
+server = x.Server(p)
+print("listening", server.listening_address, flush=True)
+sys.stdin.read()  # until the benchmark closes our stdin
+"""
+
+
+def make_model(folder: Path, block_size: int) -> tuple[Path, Path]:
+    import torch
+
+    from nanogpt_cli import checkpoint as ckpt
+    from nanogpt_cli.config import GPTConfig
+    from nanogpt_cli.export import export
+    from nanogpt_cli.model import GPT
+    from nanogpt_cli.tokenizer import build_tokenizer
+
+    torch.manual_seed(0)
+    tok = build_tokenizer("gpt2")
+    cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=block_size, n_layer=4, n_head=4, n_embd=128,
+                    pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    weights = folder / "llama4x128.safetensors"
+    ckpt.save_model(weights, GPT(cfg), {"tokenizer": tok.describe(), "step": 0})
+    gguf = folder / "llama4x128.gguf"
+    export(weights, "gguf", gguf, force=True)
+    return weights, gguf
+
+
+def start(kind: str, weights: Path, gguf: Path, slots: int, ctx: int, threads: int) -> tuple[subprocess.Popen, str]:
+    """A server in its own process; returns it and its base URL once it listens (at most 120 s)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if kind == "nanogpt":
+        cmd = [sys.executable, "-m", "nanogpt_cli", "serve", str(weights), "--port", "0", "--max-batch", str(slots),
+               "--threads", str(threads), "--device", "cpu", "--dtype", "float32", "--max-queue", "1000"]
+    else:
+        cmd = [sys.executable, "-c", LLAMA_SERVER, str(gguf), str(slots), str(ctx), str(threads)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env=env)
+    box: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            if "http://" in line:
+                box.append(line)
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(120)
+    if not box:
+        proc.kill()
+        raise SystemExit(f"{kind} did not start within 120 s")
+    url = next(w for w in box[0].split() if w.startswith("http://"))
+    return proc, url.rstrip("/")
+
+
+def one_request(url: str, i: int, max_tokens: int, timeout: float) -> dict:
+    """One streamed completion: its generated tokens, time to first token and the gaps between chunks."""
+    host, port = url.removeprefix("http://").split(":")
+    body = {"prompt": f"Request number {i} says", "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    t0 = time.perf_counter()
+    times, tokens = [], None
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"{response.status}: {response.read()[:200]!r}")
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                times.append(time.perf_counter())
+    finally:
+        conn.close()
+    return {"tokens": tokens if tokens is not None else len(times), "ttft": times[0] - t0 if times else None,
+            "gaps": [b - a for a, b in zip(times, times[1:])]}
+
+
+def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
+    """`clients` threads send `requests` requests in all; aggregate tokens/s and latency percentiles."""
+    results, errors, lock = [], [], threading.Lock()
+    counter = iter(range(requests))
+
+    def client():
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                return
+            try:
+                r = one_request(url, i, max_tokens, timeout=120)
+            except Exception as e:  # reported below, never hidden
+                with lock:
+                    errors.append(str(e))
+                continue
+            with lock:
+                results.append(r)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    wall = time.perf_counter() - t0
+    ttft = sorted(r["ttft"] for r in results if r["ttft"] is not None)
+    gaps = sorted(g for r in results for g in r["gaps"])
+    return {"tok_s": sum(r["tokens"] for r in results) / wall, "ttft": ttft, "gaps": gaps, "errors": errors,
+            "done": len(results)}
+
+
+def our_step(weights: Path, batch: int, tokens: int, threads: int) -> float:
+    """ms per engine step (sample, then one decode step) with `batch` greedy rows, after their prefill."""
+    import torch
+
+    from nanogpt_cli.loading import load_for_inference
+    from nanogpt_cli.engine import Engine, SamplingParams
+
+    torch.set_num_threads(threads)
+    loaded = load_for_inference(weights, device="cpu", dtype="float32")
+    best = float("inf")
+    for _ in range(3):
+        engine = Engine(loaded.model, max_batch=batch, vocab_size=loaded.tokenizer.vocab_size)
+        engine.add_many([[464, 3290, 318, 257]] * batch, SamplingParams(temperature=0.0), tokens + 8)
+        for _ in range(8):  # warm up
+            engine.step()
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            engine.step()
+        best = min(best, (time.perf_counter() - t0) / tokens * 1000)
+    return best
+
+
+def llama_step(url: str, batch: int, tokens: int) -> float:
+    """ms per generated token of each of `batch` concurrent greedy requests, from llama.cpp's own timings."""
+    host, port = url.removeprefix("http://").split(":")
+    per_token: list[float] = []
+
+    def ask():
+        conn = http.client.HTTPConnection(host, int(port), timeout=120)
+        body = {"prompt": "The cat is a", "n_predict": tokens, "temperature": 0, "ignore_eos": True}
+        conn.request("POST", "/completion", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        per_token.append(json.loads(conn.getresponse().read())["timings"]["predicted_per_token_ms"])
+        conn.close()
+
+    best = float("inf")
+    for _ in range(3):
+        per_token.clear()
+        threads = [threading.Thread(target=ask, daemon=True) for _ in range(batch)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        best = min(best, statistics.median(per_token))
+    return best
+
+
+def step_table(args) -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        weights, gguf = make_model(Path(tmp), block_size=1024)
+        proc, url = start("llama.cpp", weights, gguf, max(args.batches), 1024, args.threads)
+        try:
+            for b in args.batches:
+                theirs = llama_step(url, b, args.step_tokens)
+                ours = our_step(weights, b, args.step_tokens, args.threads)
+                rows.append([b, f"{ours:.2f}", f"{theirs:.2f}", f"{ours / theirs:.2f}x"])
+                print(" | ".join(map(str, rows[-1])), flush=True)
+        finally:
+            proc.stdin.close()
+            proc.terminate()
+            proc.wait(30)
+    load_avg = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    table(f"decode step, 4x128 Llama-shaped gpt2-vocab model, greedy, {args.step_tokens} tokens per row, "
+          f"{args.threads} thread(s), load average {load_avg}",
+          ["batch", "nanogpt engine ms/step", "llama.cpp ms/token", "ours / llama.cpp"], rows)
+
+
+def pct(values: list[float], q: float) -> str:
+    if not values:
+        return "-"
+    return f"{values[min(len(values) - 1, int(q * len(values)))] * 1000:.1f}"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--requests", type=int, default=32, help="requests per client count (at least one per client)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for each server")
+    p.add_argument("--only", choices=["nanogpt", "llama.cpp"], default=None)
+    p.add_argument("--step", action="store_true", help="the decode step alone instead (--batches, --step-tokens)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 5])
+    p.add_argument("--step-tokens", type=int, default=200)
+    args = p.parse_args()
+    if args.step:
+        return step_table(args)
+    slots, ctx = max(args.clients), 256
+    rows, single = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        weights, gguf = make_model(Path(tmp), block_size=ctx)
+        for kind in [k for k in ("nanogpt", "llama.cpp") if args.only in (None, k)]:
+            proc, url = start(kind, weights, gguf, slots, ctx, args.threads)
+            try:
+                load(url, 1, 2, 8)  # warm up
+                for c in args.clients:
+                    r = load(url, c, max(args.requests, c), args.max_tokens)
+                    single.setdefault(kind, r["tok_s"])
+                    rows.append([kind, c, f"{r['done']}", f"{r['tok_s']:,.0f}", f"{r['tok_s'] / single[kind]:.1f}x",
+                                 pct(r["ttft"], 0.5), pct(r["ttft"], 0.95), pct(r["gaps"], 0.5), pct(r["gaps"], 0.95),
+                                 len(r["errors"])])
+                    print(" | ".join(map(str, rows[-1])), flush=True)
+                    if r["errors"]:
+                        print(f"  first error: {r['errors'][0]}", flush=True)
+            finally:
+                proc.stdin.close()
+                proc.terminate()
+                proc.wait(30)
+    load_avg = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    table(f"streamed completions of {args.max_tokens} tokens, 4x128 Llama-shaped gpt2-vocab model, {args.threads} "
+          f"thread(s) per server, load average {load_avg}",
+          ["server", "clients", "requests", "tokens/s", "vs 1 client", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms",
+           "ITL p95 ms", "errors"], rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,595 @@
+"""The inference engine: a KV cache with a position per row, the one-token decode step, logits processing and
+the token loop, for a batch whose rows start, finish and are replaced at different times.
+
+    engine = Engine(model, max_batch=8)
+    row = engine.add(prompt_ids, SamplingParams(temperature=0.8, top_k=200), max_new_tokens=100)
+    while engine.active:
+        for t in engine.step(): print(t.row, t.token, t.finish)   # one token for every row in the batch
+
+A row joins after its own prefill (`add`), takes one token per `step`, and leaves as soon as it finishes
+(its length, one of its stop tokens) or is removed (`remove`). Each row keeps its own sampling settings and
+its own random generator, so a seeded row draws the same tokens alone or among others. The model is only
+read: `model.py` holds the architecture, this module how to run it token by token.
+
+Shape legend as in model.py: B rows, S tokens held in the cache, C n_embd, nh n_head, hs head size, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.model import GPT, activation, apply_rope, softcap
+
+__all__ = [
+    "CacheView",
+    "DecodePlan",
+    "Engine",
+    "KVCache",
+    "RowError",
+    "SamplingParams",
+    "StepToken",
+    "decode_plan",
+    "decode_step",
+    "generate",
+    "process_logits",
+    "prompt_logprobs",
+    "token_logprobs",
+]
+
+
+# --- the KV cache -------------------------------------------------------------------------------------
+
+
+class KVCache:
+    """Keys and values for `rows` rows of block_size tokens per layer, and how many tokens each row holds
+    (`pos[r]`, which is also the position of its next token). Rows are slots: the engine keeps its active
+    rows in slots 0..n-1, so a step runs on the first n."""
+
+    def __init__(self, model: GPT, rows: int):
+        cfg, w = model.config, model.transformer.wte.weight
+        # under autocast the cache holds the autocast dtype, as the attention's k and v come out in it
+        dtype = torch.get_autocast_dtype(w.device.type) if torch.is_autocast_enabled(w.device.type) else w.dtype
+        shape = (rows, cfg.n_head, cfg.block_size, cfg.head_size)  # (B, nh, S, hs)
+        self.k = [torch.zeros(shape, device=w.device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, device=w.device, dtype=dtype) for _ in range(cfg.n_layer)]
+        self.capacity, self.dtype, self.rows = cfg.block_size, dtype, rows
+        self.pos = [0] * rows
+
+    def view(self, start: int, stop: int) -> CacheView:
+        """Rows start..stop-1, all at the position of row `start`, as GPT.forward takes a cache."""
+        return CacheView(self, start, stop, self.pos[start])
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy row src (its held tokens) into slot dst."""
+        n = self.pos[src]
+        for k in (*self.k, *self.v):
+            k[dst, :, :n].copy_(k[src, :, :n])
+        self.pos[dst] = n
+
+
+class CacheView:
+    """Some rows of a KVCache at one shared position: what GPT.forward reads and writes for a prefill
+    (`pos` and `update`). Writing goes straight into the cache; KVCache.pos follows on `update` of the last
+    layer (forward then also advances `view.pos`, which is this object's own)."""
+
+    def __init__(self, cache: KVCache, start: int, stop: int, pos: int):
+        self.cache, self.start, self.stop, self.pos, self.dtype = cache, start, stop, pos, cache.dtype
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store this call's keys and values (B, nh, T, hs) and return all the rows' held ones (B, nh, S, hs)."""
+        T, end = k.size(2), self.pos + k.size(2)
+        assert end <= self.cache.capacity, f"{self.pos} + {T} tokens overflow a cache of {self.cache.capacity}"
+        ks, vs = self.cache.k[layer][self.start:self.stop], self.cache.v[layer][self.start:self.stop]
+        ks[:, :, self.pos:end] = k
+        vs[:, :, self.pos:end] = v
+        if layer == len(self.cache.k) - 1:
+            self.cache.pos[self.start:self.stop] = [end] * (self.stop - self.start)
+        return ks[:, :, :end], vs[:, :, :end]
+
+
+# --- the decode step ------------------------------------------------------------------------------------
+
+
+class LayerWeights(NamedTuple):
+    """One block's weights as decode_step reads them (norms as functions with their weights bound)."""
+
+    ln_1: Callable[[torch.Tensor], torch.Tensor]
+    q_norm: Callable[[torch.Tensor], torch.Tensor] | None  # --qk-norm; None when off
+    k_norm: Callable[[torch.Tensor], torch.Tensor] | None
+    w_qkv: torch.Tensor
+    b_qkv: torch.Tensor | None
+    w_o: torch.Tensor
+    b_o: torch.Tensor | None
+    ln_2: Callable[[torch.Tensor], torch.Tensor]
+    w_fc: torch.Tensor
+    b_fc: torch.Tensor | None
+    w_proj: torch.Tensor
+    b_proj: torch.Tensor | None
+
+
+class DecodePlan(NamedTuple):
+    """Everything decode_step reads, looked up once per engine (decode_plan)."""
+
+    layers: list[LayerWeights]
+    wte: torch.Tensor
+    ln_f: Callable[[torch.Tensor], torch.Tensor]
+    head: torch.Tensor  # (V, C)
+    head_t: torch.Tensor | None  # (C, V) contiguous on a CPU, where it makes the head's matmul ~3x faster
+    pos_table: torch.Tensor | None  # learned or sinusoidal positions; None for RoPE
+    cos: torch.Tensor | None  # RoPE tables (block_size, 1, 1, hs)
+    sin: torch.Tensor | None
+    act: Callable[[torch.Tensor], torch.Tensor]
+    logit_softcap: float | None
+    n_head: int
+    head_size: int
+    n_embd: int
+
+
+def _as_function(module: nn.Module | None):
+    """A norm module -> a one-argument function with its weights bound (None stays None)."""
+    if module is None:
+        return None
+    shape, weight, eps = module.normalized_shape, module.weight, module.eps
+    if isinstance(module, nn.RMSNorm):
+        return lambda x: F.rms_norm(x, shape, weight, eps)
+    bias = module.bias
+    return lambda x: torch.layer_norm(x, shape, weight, bias, eps)
+
+
+def decode_plan(model: GPT) -> DecodePlan:
+    """What decode_step reads, looked up once: each nn.Module attribute lookup costs about a microsecond, and a
+    small model's token makes ~100 of them. Tensors are shared, not copied."""
+    cfg = model.config
+    layers = [LayerWeights(ln_1=_as_function(b.ln_1), q_norm=_as_function(b.attn.q_norm),
+                           k_norm=_as_function(b.attn.k_norm), w_qkv=b.attn.c_attn.weight, b_qkv=b.attn.c_attn.bias,
+                           w_o=b.attn.c_proj.weight, b_o=b.attn.c_proj.bias, ln_2=_as_function(b.ln_2),
+                           w_fc=b.mlp.c_fc.weight, b_fc=b.mlp.c_fc.bias, w_proj=b.mlp.c_proj.weight,
+                           b_proj=b.mlp.c_proj.bias) for b in model.transformer.h]
+    pos_table = None  # added to the embedding: learned or sinusoidal positions
+    if cfg.pos_encoding == "learned":
+        pos_table = model.transformer.wpe.weight
+    elif cfg.pos_encoding == "sinusoidal":
+        pos_table = model.pos_table
+    head = model.lm_head.weight
+    # MKL's kernel for x @ W.T with a tall, thin W (V x C, V in the tens of thousands) is ~3x slower than for
+    # x @ W.T stored contiguous (C x V): one copy of the head, once per engine, for the biggest matmul of a
+    # small model's token (1.2 against 4.3 ms for 128 x 50,257 at batch 1 on one thread); a GPU has no such gap
+    head_t = head.t().contiguous() if head.device.type == "cpu" and head.size(0) >= 8 * head.size(1) else None
+    return DecodePlan(layers=layers, wte=model.transformer.wte.weight, ln_f=_as_function(model.transformer.ln_f),
+                      head=head, head_t=head_t, pos_table=pos_table, cos=getattr(model, "rope_cos", None),
+                      sin=getattr(model, "rope_sin", None), act=lambda h: activation(h, cfg.mlp),
+                      logit_softcap=cfg.logit_softcap, n_head=cfg.n_head, head_size=cfg.head_size, n_embd=cfg.n_embd)
+
+
+def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None = None) -> torch.Tensor:
+    """Logits (B, V) after one new token for each of the cache's first n rows (idx (B,) or (B, 1)), each at its
+    own position: the same computation as GPT.forward through a cache, written against the weights directly.
+    Decoding a small model on a CPU is bound by per-call overhead, and skipping the module calls and lookups
+    makes a token ~1.5x cheaper (tests check the two agree for every kind of block). When every row is at the
+    same position (one prompt, or prompts of one length) attention needs no mask; otherwise each row's keys
+    past its own position are masked. Call it under torch.inference_mode()."""
+    B = idx.size(0) if n is None else n
+    nh, hs, C = p.n_head, p.head_size, p.n_embd
+    pos = cache.pos[:B]
+    first, last = min(pos), max(pos)
+    assert last < cache.capacity, f"a row at position {last} overflows a cache of {cache.capacity}"
+    x = torch.embedding(p.wte, idx.view(B, 1))  # (B, 1, C)
+    rope = p.pos_table is None
+    if first == last:
+        mask = rows = None
+        if rope:
+            cos, sin = p.cos[first], p.sin[first]  # (1, 1, hs)
+        else:
+            x = x + p.pos_table[first]
+    else:
+        at = torch.tensor(pos, device=idx.device)  # (B,)
+        rows = torch.arange(B, device=idx.device)
+        if rope:
+            cos, sin = p.cos[at], p.sin[at]  # (B, 1, 1, hs)
+        else:
+            x = x + p.pos_table[at].unsqueeze(1)
+        mask = (torch.arange(last + 1, device=idx.device) <= at[:, None]).view(B, 1, 1, last + 1)
+    whole = B == cache.rows
+    act = p.act
+    # narrow/select rather than x[:, :, a:b]: Python's tuple indexing costs a few microseconds a call
+    for i, w in enumerate(p.layers):
+        qkv = F.linear(w.ln_1(x), w.w_qkv, w.b_qkv).view(B, 3, nh, hs)  # T = 1 folded away
+        qk = qkv.narrow(1, 0, 2)  # (B, 2, nh, hs)
+        if w.q_norm is not None:
+            qk = torch.stack([w.q_norm(qkv.select(1, 0)), w.k_norm(qkv.select(1, 1))], dim=1)
+        if rope:
+            qk = apply_rope(qk, cos, sin)
+        k_all, v_all = cache.k[i], cache.v[i]  # (rows, nh, block_size, hs)
+        if not whole:
+            k_all, v_all = k_all.narrow(0, 0, B), v_all.narrow(0, 0, B)
+        if mask is None:
+            k_all.select(2, first).copy_(qk.select(1, 1))
+            v_all.select(2, first).copy_(qkv.select(1, 2))
+        else:
+            k_all[rows, :, at] = qk.select(1, 1).to(k_all.dtype)  # (B, nh, hs) into each row's own position
+            v_all[rows, :, at] = qkv.select(1, 2).to(v_all.dtype)
+        q = qk.narrow(1, 0, 1)  # (B, 1, nh, hs) viewed as (B, nh, 1, hs) below
+        q = q.view(B, nh, 1, hs) if q.dtype == k_all.dtype else q.view(B, nh, 1, hs).to(k_all.dtype)
+        y = F.scaled_dot_product_attention(q, k_all.narrow(2, 0, last + 1), v_all.narrow(2, 0, last + 1),
+                                           attn_mask=mask)
+        x = x + F.linear(y.view(B, 1, C), w.w_o, w.b_o)
+        x = x + F.linear(act(F.linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj)
+    cache.pos[:B] = [q + 1 for q in pos]
+    return softcap(head_logits(p, p.ln_f(x[:, -1])), p.logit_softcap)  # (B, V)
+
+
+def head_logits(p: DecodePlan, h: torch.Tensor) -> torch.Tensor:
+    """h (B, C) @ head.T -> (B, V). On a CPU, with a large vocabulary, MKL's fastest form depends on B: one or
+    two rows, h against the transposed copy; more, head @ h.T, whose result is read through a transposed view
+    (128 x 50,257 on one thread: 0.7 against 2.9 ms at batch 1, 2.7 against 4.7 ms at batch 4)."""
+    if p.head_t is None:
+        return F.linear(h, p.head)
+    if h.size(0) <= 2:
+        return h @ p.head_t
+    return (p.head @ h.t()).t()
+
+
+# --- logits processing ----------------------------------------------------------------------------------
+
+
+def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                   top_p: float | None = None, min_p: float | None = None, repetition_penalty: float = 1.0,
+                   seen: torch.Tensor | None = None) -> torch.Tensor:
+    """Next-token logits (B, V) -> filtered logits, in this order: repetition penalty on the raw logits,
+    temperature, top-k, top-p, min-p. Filtered-out tokens get -inf. temperature 0 leaves the logits for an
+    argmax. seen: (B, V) bool of tokens already in the sequence, for the repetition penalty."""
+    logits = logits.float()
+    if repetition_penalty != 1.0 and seen is not None:
+        # CTRL (Keskar et al. 2019): make seen tokens less likely whatever the sign of their logit
+        penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    if temperature > 0:
+        logits = logits / temperature
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        # keep the smallest set of most likely tokens whose probability reaches top_p
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p  # mass before this token already reaches p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if min_p is not None and min_p > 0.0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    return logits
+
+
+NOT_FINITE = ("the model's next-token probabilities are not finite numbers (NaN or infinity): its weights may "
+              "have diverged, or the temperature is too small or too large for them")
+
+
+class RowError(NanoGPTError):
+    """Some rows of a step cannot go on (non-finite probabilities); `rows` names them (Engine row ids, or
+    indices into the logits where sample_tokens raises it). The step changed nothing: remove them and step again."""
+
+    def __init__(self, message: str, rows: list[int]):
+        super().__init__(message)
+        self.rows = rows
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float,
+                  generators: Sequence[torch.Generator | None]) -> list[int]:
+    """One token per row from processed logits (B, V), row r drawing from generators[r] (one generator for all
+    rows when a single one is given; None: torch's global one); greedy when temperature is 0.
+
+    A draw is one uniform number per row, looked up in the row's cumulative probabilities (inverse transform
+    sampling): exactly torch.multinomial's distribution, with each row's randomness its own whatever else is
+    in the batch, and ~15x cheaper than torch.multinomial over a 50k vocabulary on a CPU. Non-finite
+    probabilities raise RowError (a NanoGPTError) naming the rows: torch.multinomial on a GPU would end the
+    process with a device-side assert instead."""
+    if temperature == 0:
+        tokens = logits.argmax(dim=-1)  # (B,)
+        # argmax picks a NaN or +inf when there is one: checking the picked logits checks them all
+        picked = logits.gather(1, tokens[:, None]).view(-1)
+        if not torch.isfinite(picked).all():
+            raise RowError(NOT_FINITE, (~torch.isfinite(picked)).nonzero().view(-1).tolist())
+        return tokens.tolist()
+    cdf = logits.softmax(dim=-1).cumsum_(dim=-1)  # (B, V)
+    total = cdf[:, -1]  # 1 up to rounding; NaN if any probability is
+    finite = torch.isfinite(total) & (total > 0)
+    if not finite.all():
+        raise RowError(NOT_FINITE, (~finite).nonzero().view(-1).tolist())
+    B = logits.size(0)
+    if len(generators) == 1:
+        u = torch.rand(B, generator=generators[0], device=logits.device)
+    else:
+        u = torch.cat([torch.rand(1, generator=g, device=logits.device) for g in generators])
+    # strictly below the total, so the search never lands past the last token with any probability
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x[:, None], right=True).view(-1).tolist()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[tuple[float, list]]:
+    """For each row of raw logits (B, V): the log-probability (natural log) of tokens[row] under the model's own
+    distribution (before temperature and the filters), and the `top` most likely (token, logprob) pairs."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (B, V)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None]).view(-1).tolist()
+    if top <= 0:
+        return [(c, []) for c in chosen]
+    values, ids = logp.topk(min(top, logp.size(-1)), dim=-1)
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]
+
+
+@torch.inference_mode()
+def prompt_logprobs(model: GPT, ids: Sequence[int], top: int = 0, vocab_size: int | None = None) -> list:
+    """token_logprobs of each prompt token after the ones before it (one forward over at most block_size
+    tokens); the first token has no context and gets None."""
+    if not 1 <= len(ids) <= model.config.block_size:
+        raise NanoGPTError(f"a prompt to score must have 1 to {model.config.block_size:,} tokens, got {len(ids):,}")
+    idx = torch.tensor([list(ids)], dtype=torch.long, device=model.transformer.wte.weight.device)
+    logits, _ = model(idx)  # (1, T, V)
+    logits = logits[0, :-1, :vocab_size or logits.size(-1)]
+    return [None, *token_logprobs(logits, ids[1:], top)] if len(ids) > 1 else [None]
+
+
+# --- the engine -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one row picks its tokens (process_logits gives the order); temperature 0 is greedy."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; 0: the picked token's log-probability; N: also the N most likely
+
+
+@dataclass
+class StepToken:
+    """One row's new token from Engine.step; finish is "length" or "stop" (a stop token) when it ended the row,
+    which has then left the batch. With SamplingParams.logprobs: the token's log-probability under the model
+    and the most likely (token, logprob) pairs (token_logprobs)."""
+
+    row: int
+    token: int
+    finish: str | None = None
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class _Row:
+    id: int
+    tokens: list[int]  # prompt and generated tokens (a restart past the context and the no-cache path read them)
+    params: SamplingParams
+    generator: torch.Generator | None
+    max_new_tokens: int
+    stop_ids: frozenset[int]
+    generated: int = 0
+
+
+class Engine:
+    """Rows of one batch decoded together through one KV cache, each with its own prompt length, position,
+    sampling settings and generator. Rows live in the cache's first `active` slots: one that leaves is
+    replaced by the last, so a step always runs on a contiguous block.
+
+    Past the context a row's cache restarts from the last half of its window (one prefill of that row), so a
+    token costs the same however many came before; use_cache=False recomputes each row's last block_size
+    tokens every step instead (nanoGPT's way). vocab_size: never pick a token at or above it (a padded head
+    has rows the tokenizer lacks)."""
+
+    def __init__(self, model: GPT, max_batch: int = 1, vocab_size: int | None = None, use_cache: bool = True):
+        if max_batch < 1:
+            raise NanoGPTError(f"an engine needs at least one row, got max_batch={max_batch}")
+        self.model, self.max_batch = model, max_batch
+        self.block_size = model.config.block_size
+        self.vocab_size = min(vocab_size or model.config.vocab_size, model.config.vocab_size)
+        self.device = model.transformer.wte.weight.device
+        with torch.inference_mode():
+            self.cache = KVCache(model, max_batch) if use_cache else None
+        self.plan = decode_plan(model)
+        self.rows: list[_Row] = []  # slot order
+        self.logits: torch.Tensor | None = None  # (active, V): each row's next-token logits
+        self.seen: torch.Tensor | None = None  # (max_batch, V) bool, once a row uses a repetition penalty
+        self._next_id = 0
+
+    @property
+    def active(self) -> int:
+        """Rows in the batch now."""
+        return len(self.rows)
+
+    @property
+    def free(self) -> int:
+        return self.max_batch - len(self.rows)
+
+    def add(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(), max_new_tokens: int = 256,
+            generator: torch.Generator | None = None, stop_ids: Sequence[int] = ()) -> int:
+        """Prefill one prompt into a free row and return the row's id; it takes its first token at the next
+        step."""
+        return self.add_many([prompt], params, max_new_tokens, [generator], stop_ids)[0]
+
+    @torch.inference_mode()
+    def add_many(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+                 max_new_tokens: int | Sequence[int] = 256, generators: Sequence[torch.Generator | None] | None = None,
+                 stop_ids: Sequence[int] = ()) -> list[int]:
+        """add for several prompts at once (params and max_new_tokens: one for all, or one per prompt); runs of
+        prompts of one length are prefilled together, as one forward."""
+        n = len(prompts)
+        params = [params] * n if isinstance(params, SamplingParams) else list(params)
+        limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        for prompt, limit in zip(prompts, limits):
+            if not 1 <= len(prompt) <= self.block_size:
+                raise NanoGPTError(f"a prompt must have 1 to {self.block_size:,} tokens (the model's context), "
+                                   f"got {len(prompt):,}")
+            if limit < 1:
+                raise NanoGPTError(f"a row must generate at least one token, got max_new_tokens={limit}")
+        if n > self.free:
+            raise NanoGPTError(f"{n} new rows do not fit: {self.free} of {self.max_batch} are free")
+        generators = generators or [None] * n
+        start = len(self.rows)
+        for prompt, p, limit, generator in zip(prompts, params, limits, generators):
+            self.rows.append(_Row(self._next_id, list(prompt), p, generator, limit, frozenset(stop_ids)))
+            self._next_id += 1
+        for slot in range(start, len(self.rows)):
+            if self.rows[slot].params.repetition_penalty != 1.0:
+                if self.seen is None:
+                    self.seen = torch.zeros(self.max_batch, self.model.config.vocab_size, dtype=torch.bool,
+                                            device=self.device)
+                self.seen[slot] = False
+                self.seen[slot, torch.tensor(self.rows[slot].tokens, device=self.device)] = True
+        try:
+            new = self._prefill(start, len(self.rows))
+        except Exception:
+            del self.rows[start:]  # the batch stays as it was
+            raise
+        self.logits = new if self.logits is None or start == 0 else torch.cat([self.logits, new])
+        return [r.id for r in self.rows[start:]]
+
+    def _prefill(self, start: int, stop: int) -> torch.Tensor:
+        """Next-token logits (stop - start, V) for the rows in slots start..stop-1, filling their cache."""
+        if self.cache is None:
+            return self._full_forward(self.rows[start:stop])
+        out, slot = [], start
+        while slot < stop:  # runs of equal length share one forward
+            n = len(self.rows[slot].tokens)
+            end = slot + 1
+            while end < stop and len(self.rows[end].tokens) == n:
+                end += 1
+            self.cache.pos[slot:end] = [0] * (end - slot)
+            idx = torch.tensor([r.tokens for r in self.rows[slot:end]], dtype=torch.long, device=self.device)
+            logits, _ = self.model(idx, cache=self.cache.view(slot, end), last_only=True)  # (b, 1, V)
+            out.append(logits[:, -1].float())
+            slot = end
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _full_forward(self, rows: list[_Row]) -> torch.Tensor:
+        """Logits (len(rows), V) from a forward over each row's last block_size tokens (no cache)."""
+        windows = [r.tokens[-self.block_size:] for r in rows]
+        if all(len(w) == len(windows[0]) for w in windows):
+            idx = torch.tensor(windows, dtype=torch.long, device=self.device)
+            return self.model(idx, last_only=True)[0][:, -1].float()
+        return torch.cat([self._full_forward([r]) for r in rows])
+
+    @torch.inference_mode()
+    def remove(self, row: int) -> None:
+        """Take a row out of the batch at once (finished by its caller, or cancelled); unknown ids are ignored."""
+        slot = next((s for s, r in enumerate(self.rows) if r.id == row), None)
+        if slot is None:
+            return
+        last = len(self.rows) - 1
+        if slot != last:  # the last row moves into the hole: the active rows stay slots 0..n-1
+            self.rows[slot] = self.rows[last]
+            if self.cache is not None:
+                self.cache.move(last, slot)
+            if self.seen is not None:
+                self.seen[slot] = self.seen[last]
+            self.logits[slot] = self.logits[last]
+        self.rows.pop()
+        self.logits = self.logits[:last] if last else None
+
+    @torch.inference_mode()
+    def step(self) -> list[StepToken]:
+        """One token for every active row: sample from each row's logits with its own settings and generator,
+        end the rows that reached their length or a stop token, then run the others one token on. A RowError
+        (rows whose probabilities are not finite) leaves every row as it was."""
+        if not self.rows:
+            return []
+        logits = self.logits[:, :self.vocab_size]
+        tokens = self._sample(logits)
+        out = []
+        for slot, (row, token) in enumerate(zip(self.rows, tokens)):
+            row.tokens.append(token)
+            row.generated += 1
+            finish = "stop" if token in row.stop_ids else "length" if row.generated >= row.max_new_tokens else None
+            out.append(StepToken(row.id, token, finish))
+            if row.params.logprobs is not None:
+                (out[-1].logprob, out[-1].top_logprobs), = token_logprobs(logits[slot:slot + 1], [token],
+                                                                          row.params.logprobs)
+        if self.seen is not None:
+            self.seen[torch.arange(len(tokens)), torch.tensor(tokens)] = True
+        for t in out:
+            if t.finish is not None:
+                self.remove(t.row)
+        if self.rows:
+            self.logits = self._advance()
+        return out
+
+    def _advance(self) -> torch.Tensor:
+        """Feed every row its newest token: next-token logits (active, V)."""
+        if self.cache is None:
+            return self._full_forward(self.rows)
+        keep = max(1, self.block_size // 2)
+        for slot, row in enumerate(self.rows):
+            if self.cache.pos[slot] >= self.block_size:  # full: restart from the last `keep` tokens
+                self.cache.pos[slot] = 0
+                if keep > 1:
+                    idx = torch.tensor([row.tokens[-keep:-1]], dtype=torch.long, device=self.device)
+                    self.model(idx, cache=self.cache.view(slot, slot + 1), last_only=True)
+        idx = torch.tensor([r.tokens[-1] for r in self.rows], dtype=torch.long, device=self.device)
+        return decode_step(self.plan, idx, self.cache, len(self.rows)).float()
+
+    def _sample(self, logits: torch.Tensor) -> list[int]:
+        """Each row's next token: rows with the same settings are processed together."""
+        rows = self.rows
+        first = rows[0].params
+        if all(r.params is first or r.params == first for r in rows):
+            return self._sample_group(logits, first, rows, None)
+        groups: dict[SamplingParams, list[int]] = {}
+        for slot, r in enumerate(rows):
+            groups.setdefault(r.params, []).append(slot)
+        tokens = [0] * len(rows)
+        for params, slots in groups.items():
+            index = torch.tensor(slots, device=logits.device)
+            picked = self._sample_group(logits[index], params, [rows[s] for s in slots], index)
+            for s, t in zip(slots, picked):
+                tokens[s] = t
+        return tokens
+
+    def _sample_group(self, logits: torch.Tensor, p: SamplingParams, rows: list[_Row],
+                      index: torch.Tensor | None) -> list[int]:
+        seen = None
+        if p.repetition_penalty != 1.0:
+            seen = self.seen[:len(self.rows)] if index is None else self.seen[index]
+            seen = seen[:, :logits.size(-1)]
+        filtered = process_logits(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, seen)
+        generators = [r.generator for r in rows]
+        if all(g is generators[0] for g in generators) and generators[0] is None:
+            generators = [None]  # one draw for the batch from torch's global generator
+        try:
+            return sample_tokens(filtered, p.temperature, generators)
+        except RowError as e:
+            raise RowError(str(e), [rows[i].id for i in e.rows]) from None
+
+    def run(self) -> Iterator[StepToken]:
+        """Step until every row has finished; yields each token as it comes."""
+        while self.rows:
+            yield from self.step()
+
+
+@torch.inference_mode()
+def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
+             generator: torch.Generator | None = None) -> torch.Tensor:
+    """Continue idx (B, T) by max_new_tokens tokens per row, every row drawing from `generator` (or torch's
+    global one); temperature 0 is greedy. Returns (B, T + max_new_tokens). The prompt's last block_size tokens
+    are what the model sees."""
+    if max_new_tokens <= 0:
+        return idx
+    B = idx.size(0)
+    engine = Engine(model, max_batch=B, use_cache=use_cache)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=1.0 if top_p is None else top_p)
+    prompts = [row[-model.config.block_size:] for row in idx.tolist()]
+    ids = engine.add_many(prompts, params, max_new_tokens, [generator] * B)
+    new: dict[int, list[int]] = {i: [] for i in ids}
+    for t in engine.run():
+        new[t.row].append(t.token)
+    out = torch.tensor([new[i] for i in ids], dtype=torch.long, device=idx.device)
+    return torch.cat([idx, out], dim=1)

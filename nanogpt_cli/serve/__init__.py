@@ -1,0 +1,152 @@
+"""`nanogpt serve`: an OpenAI-compatible HTTP server with continuous batching, and a chat page.
+
+    options = ServeOptions(source="checkpoints/shk", port=0)
+    serve(options, on_ready=print)   # blocks; Ctrl-C or SIGTERM ends in-flight streams and returns
+
+Modules: scheduler (the engine thread, continuous batching), api (routes and OpenAI shapes), protocol (request
+bodies and the error shape), chat (chat templates), page.html (the chat page). FastAPI and uvicorn come from
+the `serve` extra and are imported only here.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from nanogpt_cli.config import Dtype
+from nanogpt_cli.errors import NanoGPTError, require
+
+__all__ = ["ServeOptions", "build_server", "serve"]
+
+
+@dataclass
+class ServeOptions:
+    source: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_batch: int = 8  # rows decoded together
+    model_name: str | None = None  # default: the run's name
+    api_key: str | None = None  # default: $NANOGPT_API_KEY
+    device: str = "auto"
+    dtype: Dtype = Dtype.auto
+    last: bool = False
+    ui: bool = True
+    max_body: int = 1_000_000
+    max_tokens: int = 4096
+    max_n: int = 8
+    max_queue: int = 64
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_body", "max_tokens", "max_n", "max_queue"):
+            if getattr(self, name) < 1:
+                raise NanoGPTError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.port <= 65535:
+            raise NanoGPTError(f"--port must be between 0 and 65535, got {self.port}")
+        self.api_key = self.api_key or os.environ.get("NANOGPT_API_KEY") or None  # an empty key is no key
+
+
+def default_model_name(source: str) -> str:
+    """The run's name: a run folder's or a file's name, or hf:NAME's NAME."""
+    if source.startswith("hf:"):
+        return source[3:]
+    path = Path(source)
+    return path.stem if path.suffix == ".safetensors" else path.resolve().name
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def build_server(options: ServeOptions, on_ready: Callable[[str], None] | None = None):
+    """Load the model, start the engine thread and return an uvicorn Server for the app (not yet running)."""
+    require("fastapi", "serve", "nanogpt serve")
+    uvicorn = require("uvicorn", "serve", "nanogpt serve")
+    from nanogpt_cli.loading import load_for_inference
+    from nanogpt_cli.serve.api import Limits, ServerState, create_app
+    from nanogpt_cli.serve.chat import ChatTemplate
+    from nanogpt_cli.serve.scheduler import Scheduler
+
+    loaded = load_for_inference(options.source, last=options.last, device=options.device, dtype=options.dtype)
+    eos = "<|endoftext|>" if loaded.tokenizer.eot_id is not None else None
+    scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.device, options.max_batch, options.max_queue)
+    state = ServerState(scheduler=scheduler, model=loaded.model, tokenizer=loaded.tokenizer,
+                        model_name=options.model_name or default_model_name(options.source),
+                        template=ChatTemplate.for_meta(loaded.meta, eos, _folder(options.source)),
+                        api_key=options.api_key,
+                        limits=Limits(options.max_body, options.max_tokens, options.max_n), ui=options.ui)
+    config = uvicorn.Config(create_app(state), host=options.host, port=options.port, log_level="warning",
+                            timeout_graceful_shutdown=5, lifespan="off")
+    return _server_class(uvicorn)(config, state, on_ready)
+
+
+def _folder(source: str) -> Path | None:
+    path = Path(source)
+    return path if not source.startswith("hf:") and path.is_dir() else None
+
+
+def _server_class(uvicorn):
+    class Server(uvicorn.Server):
+        """uvicorn's server, which also ends the engine's work first when it stops (so open streams finish
+        and their connections close), says its URL once listening, and exits normally on a signal."""
+
+        def __init__(self, config, state, on_ready):
+            super().__init__(config)
+            self.state, self.on_ready, self.url = state, on_ready, None
+
+        async def startup(self, sockets=None):
+            self.state.scheduler.start()
+            await super().startup(sockets)
+            if self.started and self.servers:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                shown = f"[{host}]" if ":" in host else host
+                self.url = f"http://{shown}:{port}"
+                if self.on_ready is not None:
+                    self.on_ready(self.url)
+
+        async def shutdown(self, sockets=None):
+            self.state.scheduler.stop()  # every open stream gets its end, so its connection can close
+            await super().shutdown(sockets)
+
+        def handle_exit(self, sig, frame):
+            # a signal asks for a clean stop, exit code 0: do not re-raise it afterwards as uvicorn would
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+    return Server
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads, so that a port in use is one clear error at once."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        raise NanoGPTError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(options: ServeOptions, on_ready: Callable[[str], None] | None = None) -> None:
+    """Run the server until Ctrl-C or SIGTERM."""
+    sock = listen(options.host, options.port)
+    try:
+        server = build_server(options, on_ready)
+        try:
+            server.run(sockets=[sock])
+        finally:
+            server.state.scheduler.stop()
+    finally:
+        sock.close()

@@ -1,0 +1,484 @@
+"""The HTTP routes: OpenAI's completions, chat completions and models, a health check and the chat page.
+
+    app = create_app(state)   # a FastAPI app; uvicorn serves it (serve/__init__.py)
+
+Every request becomes one scheduler job per choice (`n`), so its choices are rows of the running batch.
+Answers and errors have OpenAI's shapes; streams are server-sent events ending with `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.sse import EventSourceResponse, format_sse_event
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanogpt_cli.engine import SamplingParams, prompt_logprobs
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.serve.chat import ChatTemplate, message_text
+from nanogpt_cli.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
+from nanogpt_cli.serve.scheduler import Done, Failed, Job, QueueFull, Scheduler
+
+log = logging.getLogger("nanogpt.serve")
+
+
+@dataclass
+class Limits:
+    max_body: int = 1_000_000  # bytes of a request body
+    max_tokens: int = 4096  # tokens a request may ask for, per choice
+    max_n: int = 8  # choices per request
+
+
+@dataclass
+class ServerState:
+    scheduler: Scheduler
+    model: Any  # the GPT
+    tokenizer: Any
+    model_name: str
+    template: ChatTemplate
+    api_key: str | None = None
+    limits: Limits = field(default_factory=Limits)
+    ui: bool = True
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def block_size(self) -> int:
+        return self.model.config.block_size
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="nanogpt", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.nanogpt = state
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        s = state.scheduler
+        return {"status": "ok", "model": state.model_name, "active_rows": s.active, "waiting": s.waiting,
+                "max_batch": s.engine.max_batch}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _authorize(state, request)
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "nanogpt",
+            "context_length": state.block_size, "chat_template": state.template.name}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        _authorize(state, request)
+        body = parse(CompletionRequest, await _read_json(request, state.limits.max_body))
+        return await _completions(state, request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        _authorize(state, request)
+        body = parse(ChatRequest, await _read_json(request, state.limits.max_body))
+        return await _chat(state, request, body)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        if not state.ui:
+            raise APIError(404, "the chat page is off on this server (--no-ui)", code="not_found")
+        text = resources.files("nanogpt_cli.serve").joinpath("page.html").read_text(encoding="utf-8")
+        return HTMLResponse(text.replace("{{MODEL_NAME}}", html.escape(state.model_name)))
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        message = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        return JSONResponse(APIError(e.status_code, message, code="not_found").body(), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)  # FastAPI's 422 body never reaches a client
+    async def validation_error(request: Request, e: RequestValidationError):
+        return JSONResponse(APIError(400, f"invalid request: {e.errors()[0].get('msg', '')}").body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        log.exception("unexpected error")
+        return JSONResponse(APIError(500, f"internal error: {e}").body(), status_code=500)
+
+
+def _authorize(state: ServerState, request: Request) -> None:
+    if state.api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    if not header.startswith("Bearer "):
+        raise APIError(401, "this server needs an API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+    if header[len("Bearer "):].strip() != state.api_key:
+        raise APIError(401, "incorrect API key", code="invalid_api_key")
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    """The body as JSON, refused with 413 past `limit` bytes (read no further) and 400 when it is not JSON."""
+    too_large = APIError(413, f"the request body is larger than this server's limit of {limit:,} bytes",
+                         code="body_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from None
+
+
+# --- shared by both routes ---------------------------------------------------------------------------
+
+
+def _check_model(state: ServerState, name: str | None) -> None:
+    if name not in (None, "", state.model_name):
+        raise APIError(404, f"no model '{name}' here; this server has '{state.model_name}'", param="model",
+                       code="model_not_found")
+
+
+def _encode(state: ServerState, text: str, param: str) -> list[int]:
+    try:
+        ids = state.tokenizer.encode(text) if text else _empty_prompt(state.tokenizer)
+    except NanoGPTError as e:
+        raise APIError(400, str(e), param=param) from None
+    return _check_length(state, ids, param)
+
+
+def _empty_prompt(tokenizer) -> list[int]:
+    """What an empty prompt starts from: end-of-text, or a newline (as `nanogpt sample` does)."""
+    if tokenizer.eot_id is not None:
+        return [tokenizer.eot_id]
+    try:
+        return tokenizer.encode("\n")
+    except NanoGPTError:
+        return [0]
+
+
+def _check_length(state: ServerState, ids: list[int], param: str) -> list[int]:
+    if len(ids) > state.block_size:
+        raise APIError(400, f"the prompt is {len(ids):,} tokens, more than the model's context of "
+                            f"{state.block_size:,} tokens", param=param, code="context_length_exceeded")
+    if any(not 0 <= i < state.tokenizer.vocab_size for i in ids):
+        raise APIError(400, f"token ids must be in [0, {state.tokenizer.vocab_size})", param=param)
+    return ids
+
+
+def _max_tokens(state: ServerState, value: int | None, default: int, param: str) -> int:
+    limit = state.limits.max_tokens
+    if value is None:
+        return min(default, limit)
+    if not 0 <= value <= limit:
+        raise APIError(400, f"{param} must be between 0 and {limit:,} (this server's limit), got {value}",
+                       param=param)
+    return value
+
+
+def _params(body, logprobs: int | None) -> SamplingParams:
+    return SamplingParams(temperature=body.temperature, top_k=body.top_k or None, top_p=body.top_p,
+                          min_p=body.min_p, repetition_penalty=body.repetition_penalty, logprobs=logprobs)
+
+
+class _Run:
+    """The jobs of one request and the queue their events arrive on (in the event loop's thread)."""
+
+    def __init__(self, state: ServerState, prompts: list[list[int]], body, params: SamplingParams,
+                 max_tokens: int, stop: list[str]):
+        self.state, self.queue = state, asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self.jobs = []
+        for p, ids in enumerate(prompts):
+            for j in range(body.n):
+                seed = None if body.seed is None else body.seed + j  # choice j: its own seed, as a row alone
+                index = p * body.n + j
+                sink = (lambda event, i=index: loop.call_soon_threadsafe(self.queue.put_nowait, (i, event)))
+                self.jobs.append(Job(ids, params, max_tokens, stop, sink, seed, body.ignore_eos))
+        self.open = set(range(len(self.jobs)))
+
+    def submit(self) -> None:
+        try:
+            self.state.scheduler.submit(self.jobs)
+        except QueueFull as e:
+            raise APIError(503, str(e), code="queue_full") from None
+
+    def cancel(self) -> None:
+        if self.open:
+            self.state.scheduler.cancel([self.jobs[i] for i in self.open])
+            self.open.clear()
+
+    async def events(self, request: Request | None = None):
+        """(choice index, Delta | Done | Failed) until every choice has ended; with request, a client that went
+        away cancels the rest (checked every 0.1 s; a stream's generator is cancelled by Starlette at once)."""
+        checked = time.monotonic()
+        while self.open:
+            if request is None:  # a stream: Starlette cancels this generator when its client goes away
+                index, event = await self.queue.get()
+            else:
+                try:
+                    index, event = await asyncio.wait_for(self.queue.get(), timeout=0.1)
+                except asyncio.TimeoutError:
+                    index = event = None
+                if time.monotonic() - checked >= 0.1:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        self.cancel()
+                        return
+                if event is None:
+                    continue
+            if isinstance(event, (Done, Failed)):
+                self.open.discard(index)
+            yield index, event
+
+
+def _usage(prompts: list[list[int]], completion: int) -> dict[str, int]:
+    prompt = sum(len(p) for p in prompts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _failure(event: Failed) -> APIError:
+    return APIError(event.status if event.status in (400, 503) else 500, event.message,
+                    code="server_stopping" if event.status == 503 else None)
+
+
+def _sse(data: Any) -> bytes:
+    return format_sse_event(data_str=data if isinstance(data, str) else json.dumps(data, ensure_ascii=False))
+
+
+# --- /v1/completions ---------------------------------------------------------------------------------
+
+
+async def _completions(state: ServerState, request: Request, body: CompletionRequest):
+    body.check(state.limits.max_n)
+    _check_model(state, body.model)
+    prompts, texts = _completion_prompts(state, body.prompt)
+    max_tokens = _max_tokens(state, body.max_tokens, 16, "max_tokens")
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    logs = [_CompletionLogprobs(state, body.logprobs) if body.logprobs is not None else None
+            for _ in range(len(prompts) * body.n)]
+    if body.echo and body.logprobs is not None:
+        for i, log_ in enumerate(logs):
+            ids = prompts[i // body.n]
+            scored = await asyncio.wrap_future(state.scheduler.call(
+                lambda ids=ids: prompt_logprobs(state.model, ids, body.logprobs, state.tokenizer.vocab_size)))
+            log_.add_prompt(ids, scored)
+    echo = [texts[i // body.n] if body.echo else "" for i in range(len(logs))]
+    if max_tokens == 0:  # nothing to generate: the prompt's own logprobs, with echo
+        choices = [{"index": i, "text": echo[i], "logprobs": logs[i] and logs[i].body(),
+                    "finish_reason": "length"} for i in range(len(logs))]
+        return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                "choices": choices, "usage": _usage(prompts, 0)}
+    run = _Run(state, prompts, body, _params(body, body.logprobs), max_tokens, body.stops)
+    run.submit()
+    head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return EventSourceResponse(_completion_stream(run, head, prompts, echo, logs, include_usage))
+    return await _completion_whole(run, request, head, prompts, echo, logs)
+
+
+def _completion_prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[str]]:
+    """OpenAI's four prompt forms -> token ids and texts: a string, strings, token ids, lists of token ids."""
+    if isinstance(prompt, str):
+        return [_encode(state, prompt, "prompt")], [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return [_encode(state, p, "prompt") for p in prompt], list(prompt)
+    lists = [prompt] if all(isinstance(p, int) for p in prompt) else prompt
+    ids = [_check_length(state, list(p), "prompt") if p else _empty_prompt(state.tokenizer) for p in lists]
+    return ids, [state.tokenizer.decode(p) for p in lists]
+
+
+class _CompletionLogprobs:
+    """The legacy completions logprobs object of one choice, built token by token."""
+
+    def __init__(self, state: ServerState, top: int):
+        self.tokenizer, self.top = state.tokenizer, top
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+        self.offset = 0
+
+    def _add(self, token: int, logprob: float | None, top: list | None) -> None:
+        text = self.tokenizer.decode([token])
+        self.tokens.append(text)
+        self.token_logprobs.append(logprob)
+        self.top_logprobs.append(None if top is None else {self.tokenizer.decode([i]): lp for i, lp in top})
+        self.text_offset.append(self.offset)
+        self.offset += len(text)
+
+    def add_prompt(self, ids: list[int], scored: list) -> None:
+        for token, s in zip(ids, scored):
+            self._add(token, None if s is None else s[0], None if s is None else s[1])
+
+    def add(self, steps) -> dict[str, list] | None:
+        start = len(self.tokens)
+        for t in steps:
+            self._add(t.token, t.logprob, t.top_logprobs)
+        return self.body(start)
+
+    def body(self, start: int = 0) -> dict[str, list]:
+        return {"tokens": self.tokens[start:], "token_logprobs": self.token_logprobs[start:],
+                "top_logprobs": self.top_logprobs[start:], "text_offset": self.text_offset[start:]}
+
+
+async def _completion_stream(run: _Run, head: dict, prompts, echo: list[str], logs: list, include_usage: bool):
+    completion = 0
+    try:
+        for i, text in enumerate(echo):
+            if text:
+                lp = logs[i] and logs[i].body()
+                yield _sse({**head, "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": None}]})
+        async for i, event in run.events():
+            if isinstance(event, Failed):
+                yield _sse(_failure(event).body())
+                run.cancel()
+                break
+            lp = logs[i] and logs[i].add(event.logprobs)
+            done = isinstance(event, Done)
+            completion += event.completion_tokens if done else 0
+            choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": event.finish_reason if done
+                      else None}
+            yield _sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage(prompts, completion)})
+        yield _sse("[DONE]")
+    finally:
+        run.cancel()  # a client that went away: its rows leave the batch
+
+
+async def _completion_whole(run: _Run, request: Request, head: dict, prompts, echo: list[str], logs: list):
+    texts, reasons, completion = list(echo), [None] * len(echo), 0
+    try:
+        async for i, event in run.events(request):
+            if isinstance(event, Failed):
+                raise _failure(event)
+            texts[i] += event.text
+            if logs[i] is not None:
+                logs[i].add(event.logprobs)
+            if isinstance(event, Done):
+                reasons[i], completion = event.finish_reason, completion + event.completion_tokens
+    finally:
+        run.cancel()
+    choices = [{"index": i, "text": texts[i], "logprobs": logs[i] and logs[i].body(), "finish_reason": reasons[i]}
+               for i in range(len(texts))]
+    return {**head, "choices": choices, "usage": _usage(prompts, completion)}
+
+
+# --- /v1/chat/completions ----------------------------------------------------------------------------
+
+
+async def _chat(state: ServerState, request: Request, body: ChatRequest):
+    body.check(state.limits.max_n)
+    _check_model(state, body.model)
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+    try:
+        messages = [{"role": m.role, "content": message_text(m.content)} for m in body.messages]
+        text = state.template.render(messages)
+    except NanoGPTError as e:
+        raise APIError(400, str(e), param="messages") from None
+    ids = _chat_tokens(state, text)
+    given, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
+                    else (body.max_tokens, "max_tokens"))
+    max_tokens = _max_tokens(state, given, max(1, state.block_size - len(ids)), param)  # default: fill the context
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
+    if max_tokens == 0:
+        choices = [{"index": i, "message": {"role": "assistant", "content": ""}, "logprobs": None,
+                    "finish_reason": "length"} for i in range(body.n)]
+        return {**head, "object": "chat.completion", "choices": choices, "usage": _usage([ids], 0)}
+    run = _Run(state, [ids], body, _params(body, logprobs), max_tokens, state.template.stop + body.stops)
+    run.submit()
+    if body.stream:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        return EventSourceResponse(_chat_stream(run, {**head, "object": "chat.completion.chunk"}, ids, include_usage))
+    return await _chat_whole(run, request, {**head, "object": "chat.completion"}, ids)
+
+
+def _chat_tokens(state: ServerState, text: str) -> list[int]:
+    """The rendered template's tokens; its end-of-text markers become the end-of-text token, as transformers
+    encodes a template's special tokens."""
+    eot, tokenizer = state.tokenizer.eot_id, state.tokenizer
+    marker = state.template.special.get("eos_token") if eot is not None else None
+    if not marker:
+        return _encode(state, text, "messages")
+    ids: list[int] = []
+    for k, part in enumerate(text.split(marker)):
+        if k:
+            ids.append(eot)
+        try:
+            ids += tokenizer.encode(part) if part else []
+        except NanoGPTError as e:
+            raise APIError(400, str(e), param="messages") from None
+    return _check_length(state, ids or _empty_prompt(tokenizer), "messages")
+
+
+def _chat_logprobs(state: ServerState, steps) -> list[dict] | None:
+    def entry(token: int, logprob: float) -> dict:
+        text = state.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(state.tokenizer.decode_bytes([token]))}
+
+    return [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs or []]}
+            for t in steps]
+
+
+async def _chat_stream(run: _Run, head: dict, ids: list[int], include_usage: bool):
+    completion, state = 0, run.state
+    extra = {"usage": None} if include_usage else {}
+    try:
+        for i in range(len(run.jobs)):  # the first chunk of each choice names the role
+            delta = {"role": "assistant", "content": ""}
+            yield _sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
+                        **extra})
+        async for i, event in run.events():
+            if isinstance(event, Failed):
+                yield _sse(_failure(event).body())
+                run.cancel()
+                break
+            done = isinstance(event, Done)
+            completion += event.completion_tokens if done else 0
+            wants = run.jobs[i].params.logprobs is not None
+            lp = {"content": _chat_logprobs(state, event.logprobs)} if wants else None
+            delta = {"content": event.text} if event.text or not done else {}
+            reason = event.finish_reason if done else None
+            choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
+            yield _sse({**head, "choices": [choice], **extra})
+        if include_usage:
+            yield _sse({**head, "choices": [], "usage": _usage([ids], completion)})
+        yield _sse("[DONE]")
+    finally:
+        run.cancel()
+
+
+async def _chat_whole(run: _Run, request: Request, head: dict, ids: list[int]):
+    n = len(run.jobs)
+    texts, reasons, logs, completion = [""] * n, [None] * n, [[] for _ in range(n)], 0
+    try:
+        async for i, event in run.events(request):
+            if isinstance(event, Failed):
+                raise _failure(event)
+            texts[i] += event.text
+            logs[i] += event.logprobs
+            if isinstance(event, Done):
+                reasons[i], completion = event.finish_reason, completion + event.completion_tokens
+    finally:
+        run.cancel()
+    with_logprobs = run.jobs[0].params.logprobs is not None
+    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                "logprobs": {"content": _chat_logprobs(run.state, logs[i])} if with_logprobs else None,
+                "finish_reason": reasons[i]} for i in range(n)]
+    return {**head, "choices": choices, "usage": _usage([ids], completion)}
