@@ -22,13 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import sync, table  # noqa: E402
 
 from nanogpt_cli.config import GPTConfig  # noqa: E402
+from nanogpt_cli.device import resolve_device  # noqa: E402
 from nanogpt_cli.engine import DecodePlan, KVCache, decode_plan, decode_step, head_logits  # noqa: E402
 from nanogpt_cli.model import GPT, apply_rope, softcap  # noqa: E402
-from nanogpt_cli.device import resolve_device  # noqa: E402
 
 
-def static_step(p: DecodePlan, idx: torch.Tensor, pos: torch.Tensor, k_cache: list[torch.Tensor],
-                v_cache: list[torch.Tensor]) -> torch.Tensor:
+def static_step(
+    p: DecodePlan, idx: torch.Tensor, pos: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]
+) -> torch.Tensor:
     """decode_step with shapes that never change: pos is a 1-element tensor, attention covers the whole cache
     (block_size keys) and masks the ones not written yet. (B, V)"""
     B = idx.size(0)
@@ -72,7 +73,7 @@ def bench(cfg: GPTConfig, batch: int, tokens: int, device: torch.device) -> list
             sync(device)
             t0 = time.perf_counter()
             for t in range(n):
-                out = decode_step(plan, ids[:, t:t + 1], cache)
+                out = decode_step(plan, ids[:, t : t + 1], cache)
             sync(device)
             return (time.perf_counter() - t0) / n, out
 
@@ -85,7 +86,7 @@ def bench(cfg: GPTConfig, batch: int, tokens: int, device: torch.device) -> list
             sync(device)
             t0 = time.perf_counter()
             for t in range(n):
-                out = fn(plan, ids[:, t:t + 1], positions[4 + t:5 + t], cache.k, cache.v)
+                out = fn(plan, ids[:, t : t + 1], positions[4 + t : 5 + t], cache.k, cache.v)
             sync(device)
             return (time.perf_counter() - t0) / n, out
 
@@ -102,8 +103,15 @@ def bench(cfg: GPTConfig, batch: int, tokens: int, device: torch.device) -> list
             runs["compiled"].append(dt)
     e, c = min(runs["eager"]), min(runs["compiled"])
     diff = (outs["eager"].float() - outs["compiled"].float()).abs().max().item()
-    return [f"{cfg.n_layer}x{cfg.n_embd}, ctx {cfg.block_size}", batch, f"{e * 1000:.3f}", f"{c * 1000:.3f}",
-            f"{e / c:.2f}x", f"{compile_s:.0f} s", f"{diff:.1e}"]
+    return [
+        f"{cfg.n_layer}x{cfg.n_embd}, ctx {cfg.block_size}",
+        batch,
+        f"{e * 1000:.3f}",
+        f"{c * 1000:.3f}",
+        f"{e / c:.2f}x",
+        f"{compile_s:.0f} s",
+        f"{diff:.1e}",
+    ]
 
 
 def main():
@@ -114,16 +122,20 @@ def main():
     p.add_argument("--small-only", action="store_true", help="only the cpu-char shape (compiling is slow)")
     args = p.parse_args()
     device = resolve_device(args.device)
-    shapes = [GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128),
-              GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)]
+    shapes = [
+        GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128),
+        GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384),
+    ]
     rows = []
     for cfg in shapes[:1] if args.small_only else shapes:
         for b in args.batches:
             rows.append(bench(cfg, b, args.tokens, device))
             print(" | ".join(map(str, rows[-1])), flush=True)
-    table(f"one-token decode step on {device} ({torch.get_num_threads()} threads), ms per token",
-          ["model", "batch", "plan-based step", "torch.compile, static cache", "speed-up", "compile", "max |diff|"],
-          rows)
+    table(
+        f"one-token decode step on {device} ({torch.get_num_threads()} threads), ms per token",
+        ["model", "batch", "plan-based step", "torch.compile, static cache", "speed-up", "compile", "max |diff|"],
+        rows,
+    )
 
 
 if __name__ == "__main__":

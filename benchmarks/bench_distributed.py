@@ -30,27 +30,47 @@ def main() -> None:
     p.add_argument("--max-iters", type=int, default=200)
     p.add_argument("--two-threads", action="store_true", help="add 1 process with 2 threads")
     args = p.parse_args()
-    runs = [("1 process, 1 thread", 1, 1, "ddp")] + ([("1 process, 2 threads", 1, 2, "ddp")] if args.two_threads
-                                                     else [])
+    runs = [("1 process, 1 thread", 1, 1, "ddp")] + (
+        [("1 process, 2 threads", 1, 2, "ddp")] if args.two_threads else []
+    )
     runs += [("2 processes, DDP, 1 thread each", 2, 1, "ddp"), ("2 processes, FSDP, 1 thread each", 2, 1, "fsdp")]
     rows, base = [], None
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         prepare(str(shakespeare_path()), "shakespeare-char", tokenizer="char", data_dir=tmp / "data")
         for label, procs, threads, parallel in runs:
-            flags = dict(preset="cpu-char", data="shakespeare-char", data_dir=str(tmp / "data"), device="cpu",
-                         dtype="float32", max_iters=args.max_iters, lr_decay_iters=args.max_iters,
-                         gradient_accumulation_steps=2, log_interval=args.max_iters, parallel=parallel)
+            flags = dict(
+                preset="cpu-char",
+                data="shakespeare-char",
+                data_dir=str(tmp / "data"),
+                device="cpu",
+                dtype="float32",
+                max_iters=args.max_iters,
+                lr_decay_iters=args.max_iters,
+                gradient_accumulation_steps=2,
+                log_interval=args.max_iters,
+                parallel=parallel,
+            )
             r = train_in_processes(flags, procs, tmp / f"run-{len(rows)}", threads=threads)
             if r is None:
                 rows.append([label, "failed", "", "", "", ""])
                 continue
             base = base or r["tokens_per_s"]
-            rows.append([label, f"{r['ms_per_iter']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                         f"{r['tokens_per_s'] / (procs * base):.0%}" if procs > 1 else "",
-                         f"{r['val_loss']:.4f}", f"{r['wall_s']:.0f} s"])
-    table(f"cpu-char recipe, {args.max_iters} updates of 2 x 12 x 64 tokens, float32, on the CPU",
-          ["run", "ms/iter", "tokens/s", "scaling efficiency", "final val loss", "wall (start to exit)"], rows)
+            rows.append(
+                [
+                    label,
+                    f"{r['ms_per_iter']:.1f}",
+                    f"{r['tokens_per_s']:,.0f}",
+                    f"{r['tokens_per_s'] / (procs * base):.0%}" if procs > 1 else "",
+                    f"{r['val_loss']:.4f}",
+                    f"{r['wall_s']:.0f} s",
+                ]
+            )
+    table(
+        f"cpu-char recipe, {args.max_iters} updates of 2 x 12 x 64 tokens, float32, on the CPU",
+        ["run", "ms/iter", "tokens/s", "scaling efficiency", "final val loss", "wall (start to exit)"],
+        rows,
+    )
 
 
 if __name__ == "__main__":

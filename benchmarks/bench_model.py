@@ -1,7 +1,7 @@
 """Forward + backward time and tokens/s of the model presets, fp32 against bf16 autocast, on this device.
 
-    python benchmarks/bench_model.py                       # shakespeare-char and gpt2-124m
-    python benchmarks/bench_model.py --presets cpu-char --iters 20
+python benchmarks/bench_model.py                       # shakespeare-char and gpt2-124m
+python benchmarks/bench_model.py --presets cpu-char --iters 20
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import matmul_peak, sync, table  # noqa: E402
 
 from nanogpt_cli.config import GPTConfig, preset_values, split_values  # noqa: E402
-from nanogpt_cli.model import GPT  # noqa: E402
 from nanogpt_cli.device import resolve_device  # noqa: E402
+from nanogpt_cli.model import GPT  # noqa: E402
 
 
 def bench(preset: str, device: torch.device, dtype: torch.dtype, batch_size: int, iters: int) -> dict:
@@ -63,12 +63,23 @@ def main():
     for preset in args.presets:
         results = {dt: bench(preset, device, dt, batch, iters) for dt in dtypes}
         for dt, r in results.items():
-            rows.append([preset, str(dt).replace("torch.", ""), f"{r['ms']:,.1f}", f"{r['tps']:,.0f}",
-                         f"{r['flops'] / 1e9:,.1f}", f"{r['flops'] / peaks[dt]:.1%}",
-                         f"{results[torch.float32]['ms'] / r['ms']:.2f}x"])
+            rows.append(
+                [
+                    preset,
+                    str(dt).replace("torch.", ""),
+                    f"{r['ms']:,.1f}",
+                    f"{r['tps']:,.0f}",
+                    f"{r['flops'] / 1e9:,.1f}",
+                    f"{r['flops'] / peaks[dt]:.1%}",
+                    f"{results[torch.float32]['ms'] / r['ms']:.2f}x",
+                ]
+            )
     peak_text = ", ".join(f"{str(dt).replace('torch.', '')} {v / 1e9:,.0f} GFLOP/s" for dt, v in peaks.items())
-    table(f"forward+backward on {device}, batch {batch}; measured matmul peak: {peak_text}",
-          ["preset", "dtype", "ms/iter", "tokens/s", "GFLOP/s", "of peak", "speed vs fp32"], rows)
+    table(
+        f"forward+backward on {device}, batch {batch}; measured matmul peak: {peak_text}",
+        ["preset", "dtype", "ms/iter", "tokens/s", "GFLOP/s", "of peak", "speed vs fp32"],
+        rows,
+    )
 
 
 if __name__ == "__main__":

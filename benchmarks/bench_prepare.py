@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from common import ROOT, table
 
 
@@ -75,8 +74,21 @@ def write_bytes() -> int:
 
 def run_prepare(corpus: Path, data_dir: Path, num_proc: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "nanogpt_cli", "prepare", str(corpus), "--name", "bench", "--data-dir",
-           str(data_dir), "--tokenizer", "gpt2", "--num-proc", str(num_proc)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanogpt_cli",
+        "prepare",
+        str(corpus),
+        "--name",
+        "bench",
+        "--data-dir",
+        str(data_dir),
+        "--tokenizer",
+        "gpt2",
+        "--num-proc",
+        str(num_proc),
+    ]
     written0 = write_bytes()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -99,9 +111,14 @@ def run_prepare(corpus: Path, data_dir: Path, num_proc: int) -> dict:
     written = write_bytes() - written0
     meta = json.loads((data_dir / "bench" / "meta.json").read_text())
     output = sum(p.stat().st_size for p in (data_dir / "bench").iterdir())
-    return dict(seconds=seconds, tokens=meta["train_tokens"] + meta["val_tokens"], peak_tree=peak,
-                peak_one=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, written=written,
-                output=output)
+    return dict(
+        seconds=seconds,
+        tokens=meta["train_tokens"] + meta["val_tokens"],
+        peak_tree=peak,
+        peak_one=resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        written=written,
+        output=output,
+    )
 
 
 def serial_share(corpus: Path, data_dir: Path) -> tuple[float, float]:
@@ -148,30 +165,64 @@ def main():
                 r = run_prepare(corpus, tmp / f"data-{mb}-{n}", n)
                 base.setdefault(mb, r)
                 mbs = corpus_bytes / 1e6 / r["seconds"]
-                rows.append([f"{mb} MB", n, f"{r['seconds']:.1f}", f"{mbs:.2f}", f"{r['tokens'] / r['seconds']:,.0f}",
-                             f"{base[mb]['seconds'] / r['seconds']:.2f}x", f"{r['tokens']:,}",
-                             f"{r['peak_tree'] / 2**20:,.0f}", f"{r['peak_one'] / 2**20:,.0f}",
-                             f"{r['output'] / 1e6:,.1f}", f"{r['written'] / 1e6:,.1f}",
-                             f"{r['written'] / r['output']:.2f}"])
+                rows.append(
+                    [
+                        f"{mb} MB",
+                        n,
+                        f"{r['seconds']:.1f}",
+                        f"{mbs:.2f}",
+                        f"{r['tokens'] / r['seconds']:,.0f}",
+                        f"{base[mb]['seconds'] / r['seconds']:.2f}x",
+                        f"{r['tokens']:,}",
+                        f"{r['peak_tree'] / 2**20:,.0f}",
+                        f"{r['peak_one'] / 2**20:,.0f}",
+                        f"{r['output'] / 1e6:,.1f}",
+                        f"{r['written'] / 1e6:,.1f}",
+                        f"{r['written'] / r['output']:.2f}",
+                    ]
+                )
                 print(rows[-1], flush=True)
-        table("nanogpt prepare, gpt2 tokenizer, jsonl of random-word documents",
-              ["corpus", "--num-proc", "seconds", "MB/s", "tokens/s", "speed-up", "tokens", "peak RSS tree MiB",
-               "largest process MiB", "output MB", "written MB", "written / output"], rows)
+        table(
+            "nanogpt prepare, gpt2 tokenizer, jsonl of random-word documents",
+            [
+                "corpus",
+                "--num-proc",
+                "seconds",
+                "MB/s",
+                "tokens/s",
+                "speed-up",
+                "tokens",
+                "peak RSS tree MiB",
+                "largest process MiB",
+                "output MB",
+                "written MB",
+                "written / output",
+            ],
+            rows,
+        )
 
         corpus = tmp / f"corpus-{sizes[0]}mb.jsonl"
         tokenize, other = serial_share(corpus, tmp / "serial")
         size_mb = corpus.stat().st_size / 1e6
         bytes_per_token = corpus.stat().st_size / base[sizes[0]]["tokens"]
-        print(f"\none process, {sizes[0]} MB: tokenizing {tokenize:.1f} s ({tokenize / (tokenize + other):.0%}), "
-              f"the rest (reading, ordering, writing, hashing) {other:.1f} s; {bytes_per_token:.2f} bytes/token. "
-              "Estimate with one core for the main process and workers on the others:")
+        print(
+            f"\none process, {sizes[0]} MB: tokenizing {tokenize:.1f} s ({tokenize / (tokenize + other):.0%}), "
+            f"the rest (reading, ordering, writing, hashing) {other:.1f} s; {bytes_per_token:.2f} bytes/token. "
+            "Estimate with one core for the main process and workers on the others:"
+        )
         rows = []
         for cores in (1, 2, 8, 32):
             seconds = tokenize + other if cores == 1 else max(tokenize / (cores - 1), other)
             rate = size_mb / seconds
             hours = 10e9 * bytes_per_token / 1e6 / rate / 3600
-            rows.append([cores, f"{rate:.1f}", f"{hours:.1f}", "main process" if other >= tokenize / max(cores - 1, 1)
-                         else "tokenizing"])
+            rows.append(
+                [
+                    cores,
+                    f"{rate:.1f}",
+                    f"{hours:.1f}",
+                    "main process" if other >= tokenize / max(cores - 1, 1) else "tokenizing",
+                ]
+            )
         table("estimate", ["cores", "MB/s", "hours for 10B gpt2 tokens", "bound by"], rows)
 
 

@@ -66,22 +66,36 @@ def main():
         runs = {}
         n = args.baseline_iters
         if args.budget_s is None:
-            result, curve, _ = run("cpu-char", data_dir, Path(tmp) / "base", max_iters=n, lr_decay_iters=n,
-                                   dtype=args.dtype)
+            result, curve, _ = run(
+                "cpu-char", data_dir, Path(tmp) / "base", max_iters=n, lr_decay_iters=n, dtype=args.dtype
+            )
             runs[f"cpu-char (nanoGPT's recipe), {n:,} iters"] = (result, curve.points)
             budget = result.elapsed_s
         else:
             budget = args.budget_s
         # --max-time: the run ends when the budget is spent, and its schedule (warm-up, stable, decay) follows the
         # time, so it ends its decay on time however fast this machine runs it today
-        result, curve, _ = run(args.fast, data_dir, Path(tmp) / "fast", max_iters=10**6, max_time=budget,
-                               dtype=args.dtype)
+        result, curve, _ = run(
+            args.fast, data_dir, Path(tmp) / "fast", max_iters=10**6, max_time=budget, dtype=args.dtype
+        )
         runs[f"{args.fast}, --max-time {budget:.0f}"] = (result, curve.points)
 
-    rows = [[name, f"{r.step:,}", f"{r.ms_per_iter:.1f}", f"{r.elapsed_s:.0f} s", f"{points[-1][2]:.4f}",
-             f"{val_at(points, budget) or float('nan'):.4f}"] for name, (r, points) in runs.items()]
-    table(f"Tiny Shakespeare char on {torch.get_num_threads()} threads: budget {budget:.0f} s",
-          ["run", "iters", "ms/iter", "wall", "final val loss", f"val loss within {budget:.0f} s"], rows)
+    rows = [
+        [
+            name,
+            f"{r.step:,}",
+            f"{r.ms_per_iter:.1f}",
+            f"{r.elapsed_s:.0f} s",
+            f"{points[-1][2]:.4f}",
+            f"{val_at(points, budget) or float('nan'):.4f}",
+        ]
+        for name, (r, points) in runs.items()
+    ]
+    table(
+        f"Tiny Shakespeare char on {torch.get_num_threads()} threads: budget {budget:.0f} s",
+        ["run", "iters", "ms/iter", "wall", "final val loss", f"val loss within {budget:.0f} s"],
+        rows,
+    )
     curve_rows = []
     for name, (_, points) in runs.items():
         curve_rows += [[name.split(",")[0], f"{step:,}", f"{t:.0f}", f"{v:.4f}"] for step, t, v in points]

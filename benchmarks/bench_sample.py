@@ -38,8 +38,12 @@ def models(contexts: list[int], large: bool = True) -> list[tuple[str, GPTConfig
         cfg = GPTConfig(vocab_size=65, block_size=T, n_layer=4, n_head=4, n_embd=128)
         out.append((f"cpu-char 4x128, ctx {T}", cfg))
     if large:
-        out.append(("shakespeare-char 6x384, ctx 256",
-                    GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384)))
+        out.append(
+            (
+                "shakespeare-char 6x384, ctx 256",
+                GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384),
+            )
+        )
     return out
 
 
@@ -72,10 +76,16 @@ def main():
             t0 = time.perf_counter()
             score_tokens(sampler.model, tokens, stride=cfg.block_size // 2, batch_size=32)
             eval_rows.append([label, f"{len(tokens) / (time.perf_counter() - t0):,.0f}"])
-    table(f"sampling {args.new_tokens} new tokens on {sampler.device} (tokens/s)",
-          ["model", "KV cache", "no cache", "cache / no cache"], rows)
-    table(f"--num-samples N: {args.new_tokens} new tokens per sample, KV cache (tokens/s over all samples)",
-          ["model", "N", "one batch", "one after another", "batch / sequential"], batch_rows)
+    table(
+        f"sampling {args.new_tokens} new tokens on {sampler.device} (tokens/s)",
+        ["model", "KV cache", "no cache", "cache / no cache"],
+        rows,
+    )
+    table(
+        f"--num-samples N: {args.new_tokens} new tokens per sample, KV cache (tokens/s over all samples)",
+        ["model", "N", "one batch", "one after another", "batch / sequential"],
+        batch_rows,
+    )
     table("perplexity eval, stride = half the context, batch 32", ["model", "tokens/s"], eval_rows)
 
 

@@ -55,8 +55,17 @@ def make_model(folder: Path, block_size: int) -> tuple[Path, Path]:
 
     torch.manual_seed(0)
     tok = build_tokenizer("gpt2")
-    cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=block_size, n_layer=4, n_head=4, n_embd=128,
-                    pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+    cfg = GPTConfig(
+        vocab_size=tok.vocab_size,
+        block_size=block_size,
+        n_layer=4,
+        n_head=4,
+        n_embd=128,
+        pos_encoding="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+        bias=False,
+    )
     weights = folder / "llama4x128.safetensors"
     ckpt.save_model(weights, GPT(cfg), {"tokenizer": tok.describe(), "step": 0})
     gguf = folder / "llama4x128.gguf"
@@ -68,12 +77,30 @@ def start(kind: str, weights: Path, gguf: Path, slots: int, ctx: int, threads: i
     """A server in its own process; returns it and its base URL once it listens (at most 120 s)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if kind == "nanogpt":
-        cmd = [sys.executable, "-m", "nanogpt_cli", "serve", str(weights), "--port", "0", "--max-batch", str(slots),
-               "--threads", str(threads), "--device", "cpu", "--dtype", "float32", "--max-queue", "1000"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "nanogpt_cli",
+            "serve",
+            str(weights),
+            "--port",
+            "0",
+            "--max-batch",
+            str(slots),
+            "--threads",
+            str(threads),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--max-queue",
+            "1000",
+        ]
     else:
         cmd = [sys.executable, "-c", LLAMA_SERVER, str(gguf), str(slots), str(ctx), str(threads)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=env)
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env
+    )
     box: list[str] = []
 
     def read():
@@ -95,8 +122,15 @@ def start(kind: str, weights: Path, gguf: Path, slots: int, ctx: int, threads: i
 def one_request(url: str, i: int, max_tokens: int, timeout: float) -> dict:
     """One streamed completion: its generated tokens, time to first token and the gaps between chunks."""
     host, port = url.removeprefix("http://").split(":")
-    body = {"prompt": f"Request number {i} says", "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "prompt": f"Request number {i} says",
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "seed": i,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
     t0 = time.perf_counter()
     times, tokens = [], None
@@ -116,8 +150,11 @@ def one_request(url: str, i: int, max_tokens: int, timeout: float) -> dict:
                 times.append(time.perf_counter())
     finally:
         conn.close()
-    return {"tokens": tokens if tokens is not None else len(times), "ttft": times[0] - t0 if times else None,
-            "gaps": [b - a for a, b in zip(times, times[1:])]}
+    return {
+        "tokens": tokens if tokens is not None else len(times),
+        "ttft": times[0] - t0 if times else None,
+        "gaps": [b - a for a, b in zip(times, times[1:])],
+    }
 
 
 def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
@@ -149,16 +186,21 @@ def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
     wall = time.perf_counter() - t0
     ttft = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     gaps = sorted(g for r in results for g in r["gaps"])
-    return {"tok_s": sum(r["tokens"] for r in results) / wall, "ttft": ttft, "gaps": gaps, "errors": errors,
-            "done": len(results)}
+    return {
+        "tok_s": sum(r["tokens"] for r in results) / wall,
+        "ttft": ttft,
+        "gaps": gaps,
+        "errors": errors,
+        "done": len(results),
+    }
 
 
 def our_step(weights: Path, batch: int, tokens: int, threads: int) -> float:
     """ms per engine step (sample, then one decode step) with `batch` greedy rows, after their prefill."""
     import torch
 
-    from nanogpt_cli.loading import load_for_inference
     from nanogpt_cli.engine import Engine, SamplingParams
+    from nanogpt_cli.loading import load_for_inference
 
     torch.set_num_threads(threads)
     loaded = load_for_inference(weights, device="cpu", dtype="float32")
@@ -215,9 +257,12 @@ def step_table(args) -> None:
             proc.terminate()
             proc.wait(30)
     load_avg = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    table(f"decode step, 4x128 Llama-shaped gpt2-vocab model, greedy, {args.step_tokens} tokens per row, "
-          f"{args.threads} thread(s), load average {load_avg}",
-          ["batch", "nanogpt engine ms/step", "llama.cpp ms/token", "ours / llama.cpp"], rows)
+    table(
+        f"decode step, 4x128 Llama-shaped gpt2-vocab model, greedy, {args.step_tokens} tokens per row, "
+        f"{args.threads} thread(s), load average {load_avg}",
+        ["batch", "nanogpt engine ms/step", "llama.cpp ms/token", "ours / llama.cpp"],
+        rows,
+    )
 
 
 def pct(values: list[float], q: float) -> str:
@@ -250,9 +295,20 @@ def main():
                 for c in args.clients:
                     r = load(url, c, max(args.requests, c), args.max_tokens)
                     single.setdefault(kind, r["tok_s"])
-                    rows.append([kind, c, f"{r['done']}", f"{r['tok_s']:,.0f}", f"{r['tok_s'] / single[kind]:.1f}x",
-                                 pct(r["ttft"], 0.5), pct(r["ttft"], 0.95), pct(r["gaps"], 0.5), pct(r["gaps"], 0.95),
-                                 len(r["errors"])])
+                    rows.append(
+                        [
+                            kind,
+                            c,
+                            f"{r['done']}",
+                            f"{r['tok_s']:,.0f}",
+                            f"{r['tok_s'] / single[kind]:.1f}x",
+                            pct(r["ttft"], 0.5),
+                            pct(r["ttft"], 0.95),
+                            pct(r["gaps"], 0.5),
+                            pct(r["gaps"], 0.95),
+                            len(r["errors"]),
+                        ]
+                    )
                     print(" | ".join(map(str, rows[-1])), flush=True)
                     if r["errors"]:
                         print(f"  first error: {r['errors'][0]}", flush=True)
@@ -261,10 +317,23 @@ def main():
                 proc.terminate()
                 proc.wait(30)
     load_avg = " ".join(f"{x:.1f}" for x in os.getloadavg())
-    table(f"streamed completions of {args.max_tokens} tokens, 4x128 Llama-shaped gpt2-vocab model, {args.threads} "
-          f"thread(s) per server, load average {load_avg}",
-          ["server", "clients", "requests", "tokens/s", "vs 1 client", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms",
-           "ITL p95 ms", "errors"], rows)
+    table(
+        f"streamed completions of {args.max_tokens} tokens, 4x128 Llama-shaped gpt2-vocab model, {args.threads} "
+        f"thread(s) per server, load average {load_avg}",
+        [
+            "server",
+            "clients",
+            "requests",
+            "tokens/s",
+            "vs 1 client",
+            "TTFT p50 ms",
+            "TTFT p95 ms",
+            "ITL p50 ms",
+            "ITL p95 ms",
+            "errors",
+        ],
+        rows,
+    )
 
 
 if __name__ == "__main__":

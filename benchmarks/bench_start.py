@@ -30,7 +30,8 @@ t_launch = float(sys.argv[1]); marks = {}
 def mark(name): marks.setdefault(name, time.time() - t_launch)
 mark("python up")
 import torch; mark("import torch")
-from nanogpt_cli.events import NoDisplay; from nanogpt_cli.plan import plan_run; from nanogpt_cli.trainer import train; mark("import nanogpt_cli")
+from nanogpt_cli.events import NoDisplay; from nanogpt_cli.plan import plan_run
+from nanogpt_cli.trainer import train; mark("import nanogpt_cli")
 plan = plan_run(json.loads(sys.argv[2]), out=sys.argv[3]); mark("plan the run")
 class Marks(NoDisplay):
     def on_start(self, e): mark("model and optimizer built")
@@ -53,18 +54,38 @@ def main():
     checkouts = [str(Path(c).resolve()) for c in args.checkouts]
     with tempfile.TemporaryDirectory() as tmp:
         data_dir = Path(tmp) / "data"
-        subprocess.run([sys.executable, "-c", "import sys; from nanogpt_cli.data import prepare; "
-                        "prepare(sys.argv[1], 'shk', tokenizer='char', data_dir=sys.argv[2])",
-                        str(shakespeare_path()), str(data_dir)], check=True, env=dict(os.environ, PYTHONPATH=checkouts[0]))
-        flags = dict(preset=args.preset, data="shk", data_dir=str(data_dir), max_iters=args.max_iters,
-                     log_interval=1, device="cpu")
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from nanogpt_cli.data import prepare; "
+                "prepare(sys.argv[1], 'shk', tokenizer='char', data_dir=sys.argv[2])",
+                str(shakespeare_path()),
+                str(data_dir),
+            ],
+            check=True,
+            env=dict(os.environ, PYTHONPATH=checkouts[0]),
+        )
+        flags = dict(
+            preset=args.preset,
+            data="shk",
+            data_dir=str(data_dir),
+            max_iters=args.max_iters,
+            log_interval=1,
+            device="cpu",
+        )
         times: dict[str, list[dict]] = {c: [] for c in checkouts}
-        for r in range(args.rounds):
+        for _ in range(args.rounds):
             for c in checkouts:
                 out = Path(tmp) / f"run-{len(times[c])}-{abs(hash(c))}"
                 env = dict(os.environ, PYTHONPATH=c)
-                proc = subprocess.run([sys.executable, "-c", CHILD, repr(time.time()), json.dumps(flags), str(out)],
-                                      env=env, capture_output=True, text=True, check=True)
+                proc = subprocess.run(
+                    [sys.executable, "-c", CHILD, repr(time.time()), json.dumps(flags), str(out)],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
                 times[c].append(json.loads(proc.stdout.strip().splitlines()[-1]))
     phases = list(times[checkouts[0]][0])
     rows = []
@@ -74,8 +95,11 @@ def main():
             ends = [statistics.median(m[phase] for m in times[c]) if all(phase in m for m in times[c]) else None]
             row.append("" if ends[0] is None else f"{ends[0]:.2f}")
         rows.append(row)
-    table(f"seconds from launch (median of {args.rounds}), preset {args.preset}, {args.max_iters} iters",
-          ["reached", *[Path(c).name for c in checkouts]], rows)
+    table(
+        f"seconds from launch (median of {args.rounds}), preset {args.preset}, {args.max_iters} iters",
+        ["reached", *[Path(c).name for c in checkouts]],
+        rows,
+    )
 
 
 if __name__ == "__main__":

@@ -53,11 +53,20 @@ def main() -> None:
                 step()
             times[n].append((time.perf_counter() - t0) / args.steps * 1000)
     base = statistics.median(times[default])
-    rows = [[f"{n} thread{'s' if n > 1 else ''}" + (" (default)" if n == default else ""),
-             f"{statistics.median(times[n]):.1f}", f"{min(times[n]):.1f}-{max(times[n]):.1f}",
-             f"{base / statistics.median(times[n]):.2f}x"] for n in settings]
-    table(f"{args.preset}: training step, ms (median of {args.blocks} blocks of {args.steps} steps)",
-          ["threads", "median ms/step", "range", "speed vs default"], rows)
+    rows = [
+        [
+            f"{n} thread{'s' if n > 1 else ''}" + (" (default)" if n == default else ""),
+            f"{statistics.median(times[n]):.1f}",
+            f"{min(times[n]):.1f}-{max(times[n]):.1f}",
+            f"{base / statistics.median(times[n]):.2f}x",
+        ]
+        for n in settings
+    ]
+    table(
+        f"{args.preset}: training step, ms (median of {args.blocks} blocks of {args.steps} steps)",
+        ["threads", "median ms/step", "range", "speed vs default"],
+        rows,
+    )
 
 
 if __name__ == "__main__":

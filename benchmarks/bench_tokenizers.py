@@ -26,14 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import shakespeare_path, table  # noqa: E402
 
-from nanogpt_cli.loading import load_for_inference  # noqa: E402
 from nanogpt_cli.data import prepare  # noqa: E402
 from nanogpt_cli.evaluate import perplexity_of_files  # noqa: E402
+from nanogpt_cli.events import NoDisplay  # noqa: E402
+from nanogpt_cli.loading import load_for_inference  # noqa: E402
+from nanogpt_cli.plan import plan_run  # noqa: E402
 from nanogpt_cli.runs import model_counts  # noqa: E402
 from nanogpt_cli.tokenizer import build_tokenizer  # noqa: E402
 from nanogpt_cli.tokenizer_train import train_tokenizer  # noqa: E402
-from nanogpt_cli.events import NoDisplay  # noqa: E402
-from nanogpt_cli.plan import plan_run  # noqa: E402
 from nanogpt_cli.trainer import train  # noqa: E402
 
 TRAINED = (512, 2048, 8192)
@@ -55,16 +55,36 @@ def quality(train_path: Path, val_path: Path, work: Path, seconds: float, tokeni
         data_dir = work / "data"
         spec = str(work / "tokenizers" / name) if name.startswith("bpe") else name
         prepared = prepare(str(train_path), name, tokenizer=spec, data_dir=data_dir)
-        plan = plan_run({"preset": "tiny", "data": name, "data_dir": str(data_dir), "device": "cpu",
-                         "dtype": "float32", "max_iters": 1_000_000, "eval_interval": 1_000_000, "max_time": seconds},
-                        out=work / "runs" / name)
+        plan = plan_run(
+            {
+                "preset": "tiny",
+                "data": name,
+                "data_dir": str(data_dir),
+                "device": "cpu",
+                "dtype": "float32",
+                "max_iters": 1_000_000,
+                "eval_interval": 1_000_000,
+                "max_time": seconds,
+            },
+            out=work / "runs" / name,
+        )
         result = train(plan, NoDisplay())
         loaded = load_for_inference(work / "runs" / name, last=True, device="cpu", dtype="float32")
         ev = perplexity_of_files(loaded.model, loaded.tokenizer, [val_path], batch_size=64)
         params, non_embedding, _ = model_counts(plan.model)
-        rows.append([name, f"{loaded.tokenizer.vocab_size:,}", f"{ev.tokens / ev.bytes:.3f}", f"{params:,}",
-                     f"{non_embedding:,}", f"{result.step:,}", f"{result.tokens / prepared.train_tokens:.2f}",
-                     f"{ev.loss:.3f}", f"{ev.bits_per_byte:.3f}"])
+        rows.append(
+            [
+                name,
+                f"{loaded.tokenizer.vocab_size:,}",
+                f"{ev.tokens / ev.bytes:.3f}",
+                f"{params:,}",
+                f"{non_embedding:,}",
+                f"{result.step:,}",
+                f"{result.tokens / prepared.train_tokens:.2f}",
+                f"{ev.loss:.3f}",
+                f"{ev.bits_per_byte:.3f}",
+            ]
+        )
         print(f"{name}: {rows[-1]}", file=sys.stderr, flush=True)
     return rows
 
@@ -89,8 +109,15 @@ def speed(text_path: Path, train_path: Path, work: Path, rounds: int) -> tuple[l
             ids = tok.encode(text)
         per_round = (time.perf_counter() - t0) / rounds
         base = base or per_round
-        encode_rows.append([Path(name).name, f"{len(ids):,}", f"{mb / per_round:.2f}",
-                            f"{len(ids) / per_round / 1e6:.2f}", f"{base / per_round:.2f}x"])
+        encode_rows.append(
+            [
+                Path(name).name,
+                f"{len(ids):,}",
+                f"{mb / per_round:.2f}",
+                f"{len(ids) / per_round / 1e6:.2f}",
+                f"{base / per_round:.2f}x",
+            ]
+        )
     return train_rows, encode_rows
 
 
@@ -104,8 +131,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("RAYON_NUM_THREADS", str(args.threads))  # the BPE trainer's threads
     text_path = shakespeare_path()
-    print(f"load before: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} cores; {args.threads} thread(s)",
-          file=sys.stderr)
+    print(
+        f"load before: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} cores; {args.threads} thread(s)",
+        file=sys.stderr,
+    )
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         train_path, val_path = split_text(text_path, work)
@@ -113,14 +142,31 @@ def main() -> None:
         names = args.only or ["gpt2", "char", "byte", *(f"bpe{s}" for s in TRAINED)]
         rows = quality(train_path, val_path, work, args.seconds, names)
         train_mb = train_path.stat().st_size / 1e6
-    table(f"tiny preset, {args.seconds:g} s of training each, Tiny Shakespeare val (bits per byte: lower is "
-          "better)", ["tokenizer", "vocab", "tokens/byte", "params", "non-embedding", "steps", "epochs",
-                      "val loss/token", "val bpb"], rows)
-    table(f"BPE training on the first 90% of Tiny Shakespeare ({train_mb:.2f} MB, Hugging "
-          "Face tokenizers' trainer)",
-          ["vocabulary", "seconds", "MB/s"], train_rows)
-    table("encoding all of Tiny Shakespeare (tiktoken, one thread)",
-          ["tokenizer", "tokens", "MB/s", "M tokens/s", "speed vs gpt2"], encode_rows)
+    table(
+        f"tiny preset, {args.seconds:g} s of training each, Tiny Shakespeare val (bits per byte: lower is better)",
+        [
+            "tokenizer",
+            "vocab",
+            "tokens/byte",
+            "params",
+            "non-embedding",
+            "steps",
+            "epochs",
+            "val loss/token",
+            "val bpb",
+        ],
+        rows,
+    )
+    table(
+        f"BPE training on the first 90% of Tiny Shakespeare ({train_mb:.2f} MB, Hugging Face tokenizers' trainer)",
+        ["vocabulary", "seconds", "MB/s"],
+        train_rows,
+    )
+    table(
+        "encoding all of Tiny Shakespeare (tiktoken, one thread)",
+        ["tokenizer", "tokens", "MB/s", "M tokens/s", "speed vs gpt2"],
+        encode_rows,
+    )
     print(f"load after: {os.getloadavg()[0]:.2f} (1 min)", file=sys.stderr)
 
 

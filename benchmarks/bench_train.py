@@ -39,8 +39,8 @@ def interleaved(device: torch.device, dtype_names: list[str], rounds: int = 5, s
     import time
 
     from nanogpt_cli.config import GPTConfig, TrainConfig, preset_values, split_values
-    from nanogpt_cli.model import GPT
     from nanogpt_cli.device import autocast_for
+    from nanogpt_cli.model import GPT
     from nanogpt_cli.optim import make_optimizer
 
     model_kw, _ = split_values(preset_values("cpu-char"))
@@ -59,7 +59,7 @@ def interleaved(device: torch.device, dtype_names: list[str], rounds: int = 5, s
         optimizer.zero_grad(set_to_none=True)
 
     times: dict[str, list[float]] = {name: [] for name in dtypes}
-    for name, dtype in dtypes.items():
+    for dtype in dtypes.values():
         for _ in range(5):
             step(dtype)
     for _ in range(rounds):
@@ -69,10 +69,20 @@ def interleaved(device: torch.device, dtype_names: list[str], rounds: int = 5, s
                 step(dtype)
             times[name].append((time.perf_counter() - t0) / steps * 1000)
     base = statistics.median(times[dtype_names[-1]])
-    rows = [[f"--dtype {name}", f"{statistics.median(t):.1f}", f"{min(t):.1f}-{max(t):.1f}",
-             f"{base / statistics.median(t):.2f}x"] for name, t in times.items()]
-    table(f"training step alone, interleaved: {rounds} rounds x {steps} steps",
-          ["run", "median ms/iter", "range", f"speed vs --dtype {dtype_names[-1]}"], rows)
+    rows = [
+        [
+            f"--dtype {name}",
+            f"{statistics.median(t):.1f}",
+            f"{min(t):.1f}-{max(t):.1f}",
+            f"{base / statistics.median(t):.2f}x",
+        ]
+        for name, t in times.items()
+    ]
+    table(
+        f"training step alone, interleaved: {rounds} rounds x {steps} steps",
+        ["run", "median ms/iter", "range", f"speed vs --dtype {dtype_names[-1]}"],
+        rows,
+    )
 
 
 def main():
@@ -91,33 +101,53 @@ def main():
             dtype = resolve_dtype(dtype_name, device)
             peak = matmul_peak(device, dtype)
             run = Path(tmp) / f"run-{preset}-{dtype_name}"
-            values = dict(data="shakespeare-char", data_dir=str(data_dir), dtype=dtype_name, max_iters=args.max_iters,
-                          lr_decay_iters=args.max_iters, compile=args.compile, log_interval=args.max_iters)
+            values = dict(
+                data="shakespeare-char",
+                data_dir=str(data_dir),
+                dtype=dtype_name,
+                max_iters=args.max_iters,
+                lr_decay_iters=args.max_iters,
+                compile=args.compile,
+                log_interval=args.max_iters,
+            )
             plan = plan_run({"preset": preset, **values}, out=run)
             model_cfg, cfg = plan.model, plan.train
-            evals = []
+            evals: list = []
 
             class Evals(NoDisplay):
-                def on_eval(self, event):
+                def on_eval(self, event, evals=evals):
                     evals.append(event)
 
             result = train(plan, Evals())
             from nanogpt_cli.model import GPT
 
             flops_per_iter = GPT(model_cfg).flops_per_token() * cfg.batch_size * model_cfg.block_size
-            rows.append([f"ours, {preset}, --dtype {dtype_name} ({str(dtype).replace('torch.', '')})",
-                         f"{result.ms_per_iter:.1f}", f"{result.tokens_per_s:,.0f}",
-                         f"{flops_per_iter / (result.ms_per_iter / 1000) / peak:.1%} of {peak / 1e9:,.0f} GFLOP/s",
-                         f"{evals[-1].val_loss:.4f}", f"{result.elapsed_s:.0f} s",
-                         f"{(sum(NANOGPT['ms_per_iter']) / 2) / result.ms_per_iter:.2f}x"])
-        ref_loss = NANOGPT["val_loss_2000"] if args.max_iters == 2000 else (
-            NANOGPT["val_loss_300"] if args.max_iters == 300 else float("nan"))
-        rows.append(["nanoGPT train.py (published, these cores)", "40-52", "15,000-19,000", "",
-                     f"{ref_loss:.3f}", "", "1.00x"])
+            rows.append(
+                [
+                    f"ours, {preset}, --dtype {dtype_name} ({str(dtype).replace('torch.', '')})",
+                    f"{result.ms_per_iter:.1f}",
+                    f"{result.tokens_per_s:,.0f}",
+                    f"{flops_per_iter / (result.ms_per_iter / 1000) / peak:.1%} of {peak / 1e9:,.0f} GFLOP/s",
+                    f"{evals[-1].val_loss:.4f}",
+                    f"{result.elapsed_s:.0f} s",
+                    f"{(sum(NANOGPT['ms_per_iter']) / 2) / result.ms_per_iter:.2f}x",
+                ]
+            )
+        ref_loss = (
+            NANOGPT["val_loss_2000"]
+            if args.max_iters == 2000
+            else (NANOGPT["val_loss_300"] if args.max_iters == 300 else float("nan"))
+        )
+        rows.append(
+            ["nanoGPT train.py (published, these cores)", "40-52", "15,000-19,000", "", f"{ref_loss:.3f}", "", "1.00x"]
+        )
     interleaved(device, args.dtypes)
-    table(f"nanoGPT CPU recipe, Tiny Shakespeare char, {args.max_iters} iters on {device} "
-          f"({torch.get_num_threads()} threads)",
-          ["run", "ms/iter", "tokens/s", "MFU", "final val loss", "whole run", "speed vs nanoGPT (46 ms)"], rows)
+    table(
+        f"nanoGPT CPU recipe, Tiny Shakespeare char, {args.max_iters} iters on {device} "
+        f"({torch.get_num_threads()} threads)",
+        ["run", "ms/iter", "tokens/s", "MFU", "final val loss", "whole run", "speed vs nanoGPT (46 ms)"],
+        rows,
+    )
 
 
 if __name__ == "__main__":

@@ -34,9 +34,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import shakespeare_path, table  # noqa: E402
 
 ITERS = 300
-RECIPE = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1", "--block_size=64",
-          "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128", f"--max_iters={ITERS}",
-          f"--lr_decay_iters={ITERS}", "--dropout=0.0"]  # nanoGPT README's "I only have a macbook" run
+RECIPE = [
+    "--device=cpu",
+    "--compile=False",
+    "--eval_iters=20",
+    "--log_interval=1",
+    "--block_size=64",
+    "--batch_size=12",
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_embd=128",
+    f"--max_iters={ITERS}",
+    f"--lr_decay_iters={ITERS}",
+    "--dropout=0.0",
+]  # nanoGPT README's "I only have a macbook" run
 EVAL_LINE = re.compile(r"step\s+([\d,]+): train loss ([\d.]+), val loss ([\d.]+)")
 
 
@@ -75,20 +86,77 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         ours = [sys.executable, "-m", "nanogpt_cli"]
-        subprocess.run(ours + ["prepare", str(shakespeare_path()), "--name", "shakespeare-char", "--tokenizer",
-                               "char", "--data-dir", str(tmp / "data")], check=True, capture_output=True)
+        subprocess.run(
+            ours
+            + [
+                "prepare",
+                str(shakespeare_path()),
+                "--name",
+                "shakespeare-char",
+                "--tokenizer",
+                "char",
+                "--data-dir",
+                str(tmp / "data"),
+            ],
+            check=True,
+            capture_output=True,
+        )
         tasks = {
             f"train, {ITERS} iters of the CPU recipe": (
-                ours + ["train", "--device", "cpu", "--data", "shakespeare-char", "--data-dir", str(tmp / "data"),
-                        "--preset", "cpu-char", "--max-iters", str(ITERS), "--lr-decay-iters", str(ITERS), "--out",
-                        str(tmp / "ours"), "--force"],
-                [sys.executable, "train.py", "config/train_shakespeare_char.py", *RECIPE,
-                 f"--out_dir={tmp / 'nano'}", "--wandb_log=False"]),
+                ours
+                + [
+                    "train",
+                    "--device",
+                    "cpu",
+                    "--data",
+                    "shakespeare-char",
+                    "--data-dir",
+                    str(tmp / "data"),
+                    "--preset",
+                    "cpu-char",
+                    "--max-iters",
+                    str(ITERS),
+                    "--lr-decay-iters",
+                    str(ITERS),
+                    "--out",
+                    str(tmp / "ours"),
+                    "--force",
+                ],
+                [
+                    sys.executable,
+                    "train.py",
+                    "config/train_shakespeare_char.py",
+                    *RECIPE,
+                    f"--out_dir={tmp / 'nano'}",
+                    "--wandb_log=False",
+                ],
+            ),
             "sample, 5 x 1,000 tokens": (
-                ours + ["sample", "--device", "cpu", "--checkpoint", str(tmp / "ours"), "--prompt", "ROMEO:",
-                        "--num-samples", "5", "--max-new-tokens", "1000"],
-                [sys.executable, "sample.py", f"--out_dir={tmp / 'nano'}", "--device=cpu", "--num_samples=5",
-                 "--max_new_tokens=1000", "--compile=False", "--start=ROMEO:"]),
+                ours
+                + [
+                    "sample",
+                    "--device",
+                    "cpu",
+                    "--checkpoint",
+                    str(tmp / "ours"),
+                    "--prompt",
+                    "ROMEO:",
+                    "--num-samples",
+                    "5",
+                    "--max-new-tokens",
+                    "1000",
+                ],
+                [
+                    sys.executable,
+                    "sample.py",
+                    f"--out_dir={tmp / 'nano'}",
+                    "--device=cpu",
+                    "--num_samples=5",
+                    "--max_new_tokens=1000",
+                    "--compile=False",
+                    "--start=ROMEO:",
+                ],
+            ),
         }
         walls = {task: ([], [], [], []) for task in tasks}  # ours wall, nanoGPT wall, ours cpu, nanoGPT cpu
         losses = {}
@@ -106,11 +174,21 @@ def main():
     rows = []
     for task, (wa, wb, ca, cb) in walls.items():
         ratios = [b / a for a, b in zip(wa, wb)]
-        rows.append([task, f"{statistics.median(wa):.1f} s", f"{statistics.median(wb):.1f} s",
-                     f"{statistics.median(ratios):.2f}x", f"{min(ratios):.2f}-{max(ratios):.2f}x",
-                     f"{statistics.median(ca):.0f} / {statistics.median(cb):.0f} s"])
-    table(f"whole process, median of {args.rounds} rounds (speed-up: nanoGPT's wall time / ours)",
-          ["task", "ours", "nanoGPT", "speed-up", "range", "CPU time (ours / nanoGPT)"], rows)
+        rows.append(
+            [
+                task,
+                f"{statistics.median(wa):.1f} s",
+                f"{statistics.median(wb):.1f} s",
+                f"{statistics.median(ratios):.2f}x",
+                f"{min(ratios):.2f}-{max(ratios):.2f}x",
+                f"{statistics.median(ca):.0f} / {statistics.median(cb):.0f} s",
+            ]
+        )
+    table(
+        f"whole process, median of {args.rounds} rounds (speed-up: nanoGPT's wall time / ours)",
+        ["task", "ours", "nanoGPT", "speed-up", "range", "CPU time (ours / nanoGPT)"],
+        rows,
+    )
     for task, (a, b) in losses.items():
         if a and b:
             print(f"{task}: last evaluation, ours step {a[0][0]} val {a[0][2]}; nanoGPT step {b[0][0]} val {b[0][2]}")

@@ -1,6 +1,6 @@
 """Shared by the benchmarks: the machine's measured matmul peak, timing, and the Tiny Shakespeare path.
 
-    peak = matmul_peak(torch.device("cpu"), torch.float32)   # FLOP/s, measured now, in this process
+peak = matmul_peak(torch.device("cpu"), torch.float32)   # FLOP/s, measured now, in this process
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def matmul_peak(device: torch.device, dtype: torch.dtype, n: int | None = None, 
         if device.type == "cuda" and reps % 10 == 0:
             sync(device)
     sync(device)
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0)
+    return 2 * n**3 * reps / (time.perf_counter() - t0)
 
 
 def table(title: str, header: list[str], rows: list[list]) -> None:
@@ -66,14 +66,21 @@ def train_in_processes(flags: dict, procs: int, run_dir: Path, threads: int | No
     """One `nanogpt train` run in a fresh process, or in `procs` under torchrun: the figures rank 0 reports
     (train_worker.py), or None after printing why it failed. threads: OMP_NUM_THREADS of each process."""
     result = run_dir.with_suffix(".json")
-    launcher = [sys.executable] if procs == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
+    launcher = (
+        [sys.executable]
+        if procs == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs)]
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     t0 = time.perf_counter()
-    proc = subprocess.run(launcher + [str(ROOT / "benchmarks" / "train_worker.py"), json.dumps(flags), str(run_dir),
-                                      str(result)], env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        launcher + [str(ROOT / "benchmarks" / "train_worker.py"), json.dumps(flags), str(run_dir), str(result)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if not result.is_file():
         print(f"--- {run_dir.name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
         return None

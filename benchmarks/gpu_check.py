@@ -60,21 +60,41 @@ def main() -> None:
         source.write_text(random_text(400_000 if gpus else 50_000))
         prepare(str(source), "random", tokenizer="gpt2" if gpus else "char", data_dir=tmp / "data")
         for n, compile, parallel in runs:
-            flags = dict(base, data="random", data_dir=str(tmp / "data"), compile=compile, parallel=parallel,
-                         max_iters=args.steps, eval_interval=args.steps, eval_iters=2, log_interval=args.steps,
-                         warmup_iters=5, gradient_accumulation_steps=args.accum * n)
+            flags = dict(
+                base,
+                data="random",
+                data_dir=str(tmp / "data"),
+                compile=compile,
+                parallel=parallel,
+                max_iters=args.steps,
+                eval_interval=args.steps,
+                eval_iters=2,
+                log_interval=args.steps,
+                warmup_iters=5,
+                gradient_accumulation_steps=args.accum * n,
+            )
             r = train_in_processes(flags, n, tmp / f"p{n}-{parallel}-{compile}")
             label = f"{n} process{'es, ' + parallel.upper() if n > 1 else ''}{', --compile' if compile else ''}"
             if r is None:
                 rows.append([label, "failed", "", "", "", "", ""])
                 continue
-            rows.append([label, f"{r['ms_per_iter']:.1f}", f"{r['tokens_per_s']:,.0f}",
-                         f"{r['mfu']:.1%}" if r["mfu"] is not None else "-",
-                         f"{r['peak_bytes'] / 2**30:.1f} GiB" if r["peak_bytes"] else "-",
-                         f"{r['train_loss']:.3f}", f"{r['wall_s']:.0f} s"])
-    table(f"{base['preset']}, {args.steps} updates, {base['dtype']}, random text, {args.accum} micro-batch(es) of "
-          f"{base['batch_size']} per process per update, on {where}",
-          ["run", "ms/iter", "tokens/s", "MFU", "peak memory", "train loss at the end", "wall (start to exit)"], rows)
+            rows.append(
+                [
+                    label,
+                    f"{r['ms_per_iter']:.1f}",
+                    f"{r['tokens_per_s']:,.0f}",
+                    f"{r['mfu']:.1%}" if r["mfu"] is not None else "-",
+                    f"{r['peak_bytes'] / 2**30:.1f} GiB" if r["peak_bytes"] else "-",
+                    f"{r['train_loss']:.3f}",
+                    f"{r['wall_s']:.0f} s",
+                ]
+            )
+    table(
+        f"{base['preset']}, {args.steps} updates, {base['dtype']}, random text, {args.accum} micro-batch(es) of "
+        f"{base['batch_size']} per process per update, on {where}",
+        ["run", "ms/iter", "tokens/s", "MFU", "peak memory", "train loss at the end", "wall (start to exit)"],
+        rows,
+    )
 
 
 if __name__ == "__main__":

@@ -24,9 +24,19 @@ def main() -> None:
         result = train(plan, world=world)
     if world.main:
         peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
-        result_path.write_text(json.dumps(dict(
-            ms_per_iter=result.ms_per_iter, tokens_per_s=result.tokens_per_s, mfu=result.mfu, peak_bytes=peak,
-            train_loss=result.train_loss, val_loss=result.val_loss, elapsed_s=result.elapsed_s)))
+        result_path.write_text(
+            json.dumps(
+                dict(
+                    ms_per_iter=result.ms_per_iter,
+                    tokens_per_s=result.tokens_per_s,
+                    mfu=result.mfu,
+                    peak_bytes=peak,
+                    train_loss=result.train_loss,
+                    val_loss=result.val_loss,
+                    elapsed_s=result.elapsed_s,
+                )
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.files import atomic_write
 from nanogpt_cli.model import GPT
 
-
 # --- weights ---
 
 
@@ -141,7 +140,7 @@ def read_optimizer(path: Path, optimizer) -> tuple[list[dict[str, Any]], int]:
         state: dict[int, dict[str, torch.Tensor]] = {}
         for key, value in tensors.items():
             if key.startswith(prefix + "state."):
-                _, index, name = key[len(prefix):].split(".", 2)
+                _, index, name = key[len(prefix) :].split(".", 2)
                 state.setdefault(int(index), {})[name] = value
         groups = json.loads(metadata[f"{prefix}param_groups"])
         for group in groups:  # JSON has no tuples; the optimizers keep betas (and Muon its coefficients) as one
@@ -189,22 +188,40 @@ class TrainerState:
     max_time_spent: float | None = None  # the --max-time that ended the run; None: the clock did not end it
 
     def to_json(self) -> dict[str, Any]:
-        return dict(step=self.step, tokens=self.tokens, best_val_loss=self.best_val_loss, elapsed_s=self.elapsed_s,
-                    eval_s=self.eval_s, max_time_spent=self.max_time_spent,
-                    version=__version__, rng_torch=_maybe(encode_rng, self.rng_torch),
-                    rng_batches=_maybe(encode_rng, self.rng_batches), rng_cuda=[encode_rng(s) for s in self.rng_cuda],
-                    scaler=self.scaler, rng_ranks=None if self.rng_ranks is None else
-                    [{k: _maybe(encode_rng, v) for k, v in r.items()} for r in self.rng_ranks])
+        return dict(
+            step=self.step,
+            tokens=self.tokens,
+            best_val_loss=self.best_val_loss,
+            elapsed_s=self.elapsed_s,
+            eval_s=self.eval_s,
+            max_time_spent=self.max_time_spent,
+            version=__version__,
+            rng_torch=_maybe(encode_rng, self.rng_torch),
+            rng_batches=_maybe(encode_rng, self.rng_batches),
+            rng_cuda=[encode_rng(s) for s in self.rng_cuda],
+            scaler=self.scaler,
+            rng_ranks=None
+            if self.rng_ranks is None
+            else [{k: _maybe(encode_rng, v) for k, v in r.items()} for r in self.rng_ranks],
+        )
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> TrainerState:
-        return cls(step=d["step"], tokens=d["tokens"], best_val_loss=d["best_val_loss"],
-                   elapsed_s=d.get("elapsed_s", 0.0), eval_s=d.get("eval_s", 0.0),
-                   max_time_spent=d.get("max_time_spent"), rng_torch=_maybe(decode_rng, d.get("rng_torch")),
-                   rng_batches=_maybe(decode_rng, d.get("rng_batches")),
-                   rng_cuda=[decode_rng(s) for s in d.get("rng_cuda") or []], scaler=d.get("scaler"),
-                   rng_ranks=None if d.get("rng_ranks") is None else
-                   [{k: _maybe(decode_rng, v) for k, v in r.items()} for r in d["rng_ranks"]])
+        return cls(
+            step=d["step"],
+            tokens=d["tokens"],
+            best_val_loss=d["best_val_loss"],
+            elapsed_s=d.get("elapsed_s", 0.0),
+            eval_s=d.get("eval_s", 0.0),
+            max_time_spent=d.get("max_time_spent"),
+            rng_torch=_maybe(decode_rng, d.get("rng_torch")),
+            rng_batches=_maybe(decode_rng, d.get("rng_batches")),
+            rng_cuda=[decode_rng(s) for s in d.get("rng_cuda") or []],
+            scaler=d.get("scaler"),
+            rng_ranks=None
+            if d.get("rng_ranks") is None
+            else [{k: _maybe(decode_rng, v) for k, v in r.items()} for r in d["rng_ranks"]],
+        )
 
 
 def _maybe(f, value):

@@ -1,6 +1,6 @@
 """The `nanogpt` command line: thin typed commands over the library. Nothing imports this module.
 
-    nanogpt prepare examples/tinyshakespeare.txt --name shakespeare-char --tokenizer char
+nanogpt prepare examples/tinyshakespeare.txt --name shakespeare-char --tokenizer char
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -27,9 +27,11 @@ app = typer.Typer(
     # <bool> after flags; usage errors become one line in main()
     rich_markup_mode=None,
 )
-eval_app = typer.Typer(help="Evaluate a trained model.\n\n"
-                       "Example: nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char",
-                       rich_markup_mode=None)
+eval_app = typer.Typer(
+    help="Evaluate a trained model.\n\n"
+    "Example: nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char",
+    rich_markup_mode=None,
+)
 app.add_typer(eval_app, name="eval")
 
 
@@ -42,9 +44,9 @@ def _eval_root(ctx: typer.Context):
 
 def fail(message: str) -> typer.Exit:
     """Print one styled error line on stderr and return the exit to raise."""
-    from nanogpt_cli.ui import err_console
-
     from rich.markup import escape
+
+    from nanogpt_cli.ui import err_console
 
     # escaped: a message may hold brackets that are text, not styles (pip install -e ".[hf]")
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
@@ -52,8 +54,9 @@ def fail(message: str) -> typer.Exit:
 
 
 @app.callback(invoke_without_command=True)
-def _root(ctx: typer.Context,
-          version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False):
+def _root(
+    ctx: typer.Context, version: Annotated[bool, typer.Option("--version", help="Print the version and exit.")] = False
+):
     if version:
         from nanogpt_cli import __version__
 
@@ -81,6 +84,8 @@ def prints() -> bool:
     """Whether this process prints: always, except under torchrun, where rank 0 speaks for all (they meet the
     same errors, as they read the same files and agree on losses and stop signals)."""
     return os.environ.get("RANK", "0") == "0"
+
+
 def config_options(command):
     """`command`'s own options plus one option per field of GPTConfig and TrainConfig, generated from each
     field's type (a Choice offers its choices), help text, panel and default, as config.py declares them. The
@@ -93,9 +98,11 @@ def config_options(command):
     from nanogpt_cli.config import MAIN, GPTConfig, TrainConfig
 
     hints = typing.get_type_hints(command, include_extras=True)
-    own = [p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
-           for p in inspect.signature(command).parameters.values()
-           if p.name != "flags"]
+    own = [
+        p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
+        for p in inspect.signature(command).parameters.values()
+        if p.name != "flags"
+    ]
     generated = [(cls, f) for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)]
     options = {f.name: config_option(cls, f) for cls, f in generated}
     first = [options[f.name] for cls, f in generated if f.metadata.get("panel") == MAIN]  # beside the command's own
@@ -125,22 +132,34 @@ def config_option(cls, field):
         shown = name if default else f"no-{name}"
     else:
         shown = str(default)
-    option = typer.Option(*([f"--{name}/--no-{name}"] if kind is bool else []), help=field.metadata["help"],
-                          show_default=shown, rich_help_panel=field.metadata.get("panel", cls.PANEL) or None)
-    return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                             annotation=Annotated[Optional[kind], option])
+    option = typer.Option(
+        *([f"--{name}/--no-{name}"] if kind is bool else []),
+        help=field.metadata["help"],
+        show_default=shown,
+        rich_help_panel=field.metadata.get("panel", cls.PANEL) or None,
+    )
+    return inspect.Parameter(
+        field.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind | None, option]
+    )
 
 
 # options that several commands share
-Checkpoint = Annotated[str, typer.Option(help="Run folder (its best weights), a .safetensors file, or a Hugging "
-                                              "Face model folder or hf:NAME.")]
+Checkpoint = Annotated[
+    str,
+    typer.Option(help="Run folder (its best weights), a .safetensors file, or a Hugging Face model folder or hf:NAME."),
+]
 Last = Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")]
 Device = Annotated[str, typer.Option(help=field_help(TrainConfig, "device"))]
-DtypeOption = Annotated[Dtype, typer.Option(help="Precision the weights are cast to (auto: from the device and "
-                                                 "their size).")]
+DtypeOption = Annotated[
+    Dtype, typer.Option(help="Precision the weights are cast to (auto: from the device and their size).")
+]
 DATA_DIR_HELP = field_help(TrainConfig, "data_dir")
-Threads = Annotated[Optional[int], typer.Option(help="CPU threads (default: torch's choice, one per core); fewer "
-                                                     "help on a busy machine.", show_default=False)]
+Threads = Annotated[
+    int | None,
+    typer.Option(
+        help="CPU threads (default: torch's choice, one per core); fewer help on a busy machine.", show_default=False
+    ),
+]
 
 
 def note(message: str) -> None:
@@ -148,40 +167,55 @@ def note(message: str) -> None:
 
     err_console.print(f"note: {message}", highlight=False, soft_wrap=True, markup=False)
 
+
 # --- commands: thin typed functions over the library, each wrapped by one_line_errors ---
 
 
 @app.command()
 @one_line_errors
 def prepare(
-    source: Annotated[str, typer.Argument(help="A .txt/.md file, a folder or glob of them, a .jsonl/.json/.parquet/"
-                                               ".csv file, hf:OWNER/NAME, or shakespeare (downloaded once).")],
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="A .txt/.md file, a folder or glob of them, a .jsonl/.json/.parquet/"
+            ".csv file, hf:OWNER/NAME, or shakespeare (downloaded once)."
+        ),
+    ],
     name: Annotated[str, typer.Option(help="Dataset name: the folder DATA_DIR/NAME that training reads.")],
-    tokenizer: Annotated[str, typer.Option(help="gpt2, char, byte, a tiktoken encoding such as cl100k_base, or a "
-                                                "tokenizer trained by `nanogpt tokenizer train` (NAME or folder).")
-                         ] = "gpt2",
-    val_fraction: Annotated[float, typer.Option(help="Share held out for validation: the tail of one text, or "
-                                                     "every (1/f)-th document.")] = 0.1,
+    tokenizer: Annotated[
+        str,
+        typer.Option(
+            help="gpt2, char, byte, a tiktoken encoding such as cl100k_base, or a "
+            "tokenizer trained by `nanogpt tokenizer train` (NAME or folder)."
+        ),
+    ] = "gpt2",
+    val_fraction: Annotated[
+        float, typer.Option(help="Share held out for validation: the tail of one text, or every (1/f)-th document.")
+    ] = 0.1,
     data_dir: Annotated[Path, typer.Option(help=DATA_DIR_HELP)] = Path("data"),
-    tokenizers_dir: Annotated[Path, typer.Option(help="Folder of trained tokenizers (for --tokenizer NAME).")
-                              ] = Path("tokenizers"),
-    text_column: Annotated[str, typer.Option(help="Column with the text in .jsonl/.json/.parquet/.csv and hub "
-                                                  "datasets.")] = "text",
-    subset: Annotated[Optional[str], typer.Option(help="Hub dataset subset (configuration) name.")] = None,
+    tokenizers_dir: Annotated[Path, typer.Option(help="Folder of trained tokenizers (for --tokenizer NAME).")] = Path(
+        "tokenizers"
+    ),
+    text_column: Annotated[
+        str, typer.Option(help="Column with the text in .jsonl/.json/.parquet/.csv and hub datasets.")
+    ] = "text",
+    subset: Annotated[str | None, typer.Option(help="Hub dataset subset (configuration) name.")] = None,
     split: Annotated[str, typer.Option(help="Hub dataset split to read.")] = "train",
     streaming: Annotated[bool, typer.Option(help="Stream a hub dataset instead of downloading it first.")] = False,
-    max_docs: Annotated[Optional[int], typer.Option(help="Keep only the first N documents.")] = None,
-    max_tokens: Annotated[Optional[int], typer.Option(help="Stop after N tokens (train and val together).")
-                          ] = None,
-    val_tokens: Annotated[Optional[int], typer.Option(help="Validate on the first N tokens of the stream instead "
-                                                           "of --val-fraction.")] = None,
+    max_docs: Annotated[int | None, typer.Option(help="Keep only the first N documents.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="Stop after N tokens (train and val together).")] = None,
+    val_tokens: Annotated[
+        int | None, typer.Option(help="Validate on the first N tokens of the stream instead of --val-fraction.")
+    ] = None,
     shard_tokens: Annotated[int, typer.Option(help="Tokens per shard file.")] = 100_000_000,
-    num_proc: Annotated[int, typer.Option(help="Tokenizer worker processes (the output does not depend on it).")
-                        ] = 1,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted prepare of --name (or start "
-                                                          "one if there is none).")] = False,
-    encoding: Annotated[str, typer.Option(help="Text encoding of .txt/.md/.jsonl/.json/.csv files, e.g. cp1252 or "
-                                               "latin-1.")] = "utf-8",
+    num_proc: Annotated[int, typer.Option(help="Tokenizer worker processes (the output does not depend on it).")] = 1,
+    resume: Annotated[
+        bool,
+        typer.Option("--resume", help="Continue an interrupted prepare of --name (or start one if there is none)."),
+    ] = False,
+    encoding: Annotated[
+        str, typer.Option(help="Text encoding of .txt/.md/.jsonl/.json/.csv files, e.g. cp1252 or latin-1.")
+    ] = "utf-8",
 ):
     """Tokenize text into DATA_DIR/NAME: train-00000.bin, ..., val-00000.bin, ... and meta.json.
 
@@ -202,24 +236,42 @@ def prepare(
 
     try:
         with prepare_progress() as progress:
-            result = prepare_data(source, name, tokenizer=tokenizer, val_fraction=val_fraction, data_dir=data_dir,
-                                  text_column=text_column, subset=subset, split=split, streaming=streaming,
-                                  max_docs=max_docs, num_proc=num_proc, shard_tokens=shard_tokens,
-                                  max_tokens=max_tokens, val_tokens=val_tokens, resume=resume, encoding=encoding,
-                                  progress=progress)
+            result = prepare_data(
+                source,
+                name,
+                tokenizer=tokenizer,
+                val_fraction=val_fraction,
+                data_dir=data_dir,
+                text_column=text_column,
+                subset=subset,
+                split=split,
+                streaming=streaming,
+                max_docs=max_docs,
+                num_proc=num_proc,
+                shard_tokens=shard_tokens,
+                max_tokens=max_tokens,
+                val_tokens=val_tokens,
+                resume=resume,
+                encoding=encoding,
+                progress=progress,
+            )
     except KeyboardInterrupt:  # the partial prepare is kept: say where and how to continue it
         kept = interrupted_prepare(data_dir, name)
         err_console.print(f"interrupted; {kept}" if kept else "interrupted", highlight=False, soft_wrap=True)
         raise typer.Exit(130) from None
     console.print(prepare_table(result))
     if replacing:  # said after the table, where it is seen: runs trained on the old data see the new
-        console.print(f"replaced the dataset that was in {result.path}; runs trained on it continue on the new data "
-                      "when resumed")
+        console.print(
+            f"replaced the dataset that was in {result.path}; runs trained on it continue on the new data when resumed"
+        )
 
 
-tokenizer_app = typer.Typer(help="Train your own BPE tokenizer and look at what a tokenizer does.\n\n"
-                            "Example: nanogpt tokenizer train examples/tinyshakespeare.txt --vocab-size 2048 "
-                            "--name shk2k", rich_markup_mode=None)
+tokenizer_app = typer.Typer(
+    help="Train your own BPE tokenizer and look at what a tokenizer does.\n\n"
+    "Example: nanogpt tokenizer train examples/tinyshakespeare.txt --vocab-size 2048 "
+    "--name shk2k",
+    rich_markup_mode=None,
+)
 app.add_typer(tokenizer_app, name="tokenizer")
 TOKENIZERS_DIR_HELP = "Folder of trained tokenizers."
 
@@ -234,22 +286,36 @@ def _tokenizer_root(ctx: typer.Context):
 @tokenizer_app.command("train")
 @one_line_errors
 def tokenizer_train(
-    source: Annotated[str, typer.Argument(help="Any SOURCE prepare reads: a text file, a folder or glob, a "
-                                               ".jsonl/.json/.parquet/.csv file, hf:OWNER/NAME, or shakespeare.")],
-    name: Annotated[str, typer.Option(help="Tokenizer name: the folder TOKENIZERS_DIR/NAME that --tokenizer NAME "
-                                           "reads.")],
-    vocab_size: Annotated[int, typer.Option(help="Tokens in the vocabulary: 256 bytes + merges + special tokens.")
-                          ] = 8192,
-    pattern: Annotated[str, typer.Option(help="Pre-tokenization regex: gpt2, gpt4 (cl100k), gpt4o (o200k) or "
-                                              "nanochat.")] = "gpt4",
-    special: Annotated[Optional[list[str]], typer.Option(help="A special token (repeatable; default "
-                                                               "<|endoftext|>, which always comes first).",
-                                                          metavar="<text>", show_default=False)] = None,
-    max_chars: Annotated[Optional[int], typer.Option(help="Train on the first N characters only.")] = None,
+    source: Annotated[
+        str,
+        typer.Argument(
+            help="Any SOURCE prepare reads: a text file, a folder or glob, a "
+            ".jsonl/.json/.parquet/.csv file, hf:OWNER/NAME, or shakespeare."
+        ),
+    ],
+    name: Annotated[
+        str, typer.Option(help="Tokenizer name: the folder TOKENIZERS_DIR/NAME that --tokenizer NAME reads.")
+    ],
+    vocab_size: Annotated[
+        int, typer.Option(help="Tokens in the vocabulary: 256 bytes + merges + special tokens.")
+    ] = 8192,
+    pattern: Annotated[
+        str, typer.Option(help="Pre-tokenization regex: gpt2, gpt4 (cl100k), gpt4o (o200k) or nanochat.")
+    ] = "gpt4",
+    special: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A special token (repeatable; default <|endoftext|>, which always comes first).",
+            metavar="<text>",
+            show_default=False,
+        ),
+    ] = None,
+    max_chars: Annotated[int | None, typer.Option(help="Train on the first N characters only.")] = None,
     tokenizers_dir: Annotated[Path, typer.Option(help=TOKENIZERS_DIR_HELP)] = Path("tokenizers"),
-    text_column: Annotated[str, typer.Option(help="Column with the text in .jsonl/.json/.parquet/.csv and hub "
-                                                  "datasets.")] = "text",
-    subset: Annotated[Optional[str], typer.Option(help="Hub dataset subset (configuration) name.")] = None,
+    text_column: Annotated[
+        str, typer.Option(help="Column with the text in .jsonl/.json/.parquet/.csv and hub datasets.")
+    ] = "text",
+    subset: Annotated[str | None, typer.Option(help="Hub dataset subset (configuration) name.")] = None,
     split: Annotated[str, typer.Option(help="Hub dataset split to read.")] = "train",
     streaming: Annotated[bool, typer.Option(help="Stream a hub dataset instead of downloading it first.")] = False,
     force: Annotated[bool, typer.Option("--force", help="Replace TOKENIZERS_DIR/NAME if it exists.")] = False,
@@ -264,32 +330,61 @@ def tokenizer_train(
 
     specials = [EOT] + [s for s in (special or []) if s != EOT]
     with prepare_progress() as progress:
-        result = train_tokenizer(source, name, vocab_size, pattern, specials, max_chars, tokenizers_dir,
-                                 text_column=text_column, subset=subset, split=split, streaming=streaming, force=force,
-                                 progress=progress)
+        result = train_tokenizer(
+            source,
+            name,
+            vocab_size,
+            pattern,
+            specials,
+            max_chars,
+            tokenizers_dir,
+            text_column=text_column,
+            subset=subset,
+            split=split,
+            streaming=streaming,
+            force=force,
+            progress=progress,
+        )
     tok = result.tokenizer
-    console.print(summary_table(f"trained {result.path}", [
-        ("source", result.source),
-        ("characters", f"{result.characters:,} ({result.documents:,} document{'s' if result.documents != 1 else ''})"),
-        ("vocabulary size", f"{tok.vocab_size:,} (256 bytes, {len(tok.ranks) - 256:,} merges, "
-                            f"{len(tok.special_tokens)} special)"),
-        ("pattern", tok.pattern_name),
-        ("time", f"{result.elapsed_s:.2f} s ({result.chars_per_s / 1e6:,.2f} M characters/s)"),
-    ]))
+    console.print(
+        summary_table(
+            f"trained {result.path}",
+            [
+                ("source", result.source),
+                (
+                    "characters",
+                    f"{result.characters:,} ({result.documents:,} document{'s' if result.documents != 1 else ''})",
+                ),
+                (
+                    "vocabulary size",
+                    f"{tok.vocab_size:,} (256 bytes, {len(tok.ranks) - 256:,} merges, "
+                    f"{len(tok.special_tokens)} special)",
+                ),
+                ("pattern", tok.pattern_name),
+                ("time", f"{result.elapsed_s:.2f} s ({result.chars_per_s / 1e6:,.2f} M characters/s)"),
+            ],
+        )
+    )
     if tok.vocab_size < result.requested_vocab_size:
-        note(f"the text ran out of pairs to merge: the vocabulary has {tok.vocab_size:,} tokens, not the "
-             f"{result.requested_vocab_size:,} of --vocab-size; train on more text for more")
-    console.print(f"use it with: nanogpt prepare SOURCE --name DATASET --tokenizer {name}"
-                  + (f" --tokenizers-dir {tokenizers_dir}" if tokenizers_dir != Path("tokenizers") else ""),
-                  markup=False)
+        note(
+            f"the text ran out of pairs to merge: the vocabulary has {tok.vocab_size:,} tokens, not the "
+            f"{result.requested_vocab_size:,} of --vocab-size; train on more text for more"
+        )
+    console.print(
+        f"use it with: nanogpt prepare SOURCE --name DATASET --tokenizer {name}"
+        + (f" --tokenizers-dir {tokenizers_dir}" if tokenizers_dir != Path("tokenizers") else ""),
+        markup=False,
+    )
 
 
 def _load_tokenizer(name: str, tokenizers_dir: Path):
     from nanogpt_cli.tokenizer import build_tokenizer
 
     if name == "char":
-        raise NanoGPTError("the char tokenizer's vocabulary comes from the text it is prepared from; name a "
-                           "dataset's tokenizer through its checkpoint instead")
+        raise NanoGPTError(
+            "the char tokenizer's vocabulary comes from the text it is prepared from; name a "
+            "dataset's tokenizer through its checkpoint instead"
+        )
     return build_tokenizer(name, tokenizers_dir=tokenizers_dir)
 
 
@@ -313,18 +408,29 @@ def tokenizer_info(
     if isinstance(tok, BPETokenizer):
         trained = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("trained", {})
         longest = sorted(tok.ranks, key=len, reverse=True)[:3]
-        info.update(path=str(folder), pattern=tok.pattern_name or tok.pattern, merges=len(tok.ranks) - 256,
-                    special_tokens=tok.special_tokens, trained=trained,
-                    longest=[t.decode("utf-8", errors="replace") for t in longest])
+        info.update(
+            path=str(folder),
+            pattern=tok.pattern_name or tok.pattern,
+            merges=len(tok.ranks) - 256,
+            special_tokens=tok.special_tokens,
+            trained=trained,
+            longest=[t.decode("utf-8", errors="replace") for t in longest],
+        )
     if json_out:
         print(json.dumps(info, ensure_ascii=False))
         return
-    rows = [("vocabulary size", f"{tok.vocab_size:,}"),
-            ("end of text", "none" if tok.eot_id is None else f"id {tok.eot_id}")]
+    rows = [
+        ("vocabulary size", f"{tok.vocab_size:,}"),
+        ("end of text", "none" if tok.eot_id is None else f"id {tok.eot_id}"),
+    ]
     if isinstance(tok, BPETokenizer):
-        rows += [("folder", info["path"]), ("pattern", str(info["pattern"])), ("merges", f"{info['merges']:,}"),
-                 ("special tokens", ", ".join(f"{t} = {i}" for t, i in tok.special_tokens.items())),
-                 ("longest tokens", "  ".join(repr(t) for t in info["longest"]))]
+        rows += [
+            ("folder", info["path"]),
+            ("pattern", str(info["pattern"])),
+            ("merges", f"{info['merges']:,}"),
+            ("special tokens", ", ".join(f"{t} = {i}" for t, i in tok.special_tokens.items())),
+            ("longest tokens", "  ".join(repr(t) for t in info["longest"])),
+        ]
         if trained:
             rows.append(("trained on", f"{trained.get('source')} ({trained.get('characters', 0):,} characters)"))
     console.print(summary_table(f"tokenizer {tok.name}", rows))
@@ -348,37 +454,52 @@ def tokenizer_encode(
     ids = tok.encode_special(text) if isinstance(tok, BPETokenizer) else tok.encode(text)
     pieces = [tok.decode_bytes([i]).decode("utf-8", errors="backslashreplace") for i in ids]
     if json_out:
-        print(json.dumps({"ids": ids, "pieces": pieces, "tokens": len(ids), "bytes": len(text.encode("utf-8"))},
-                         ensure_ascii=False))
+        print(
+            json.dumps(
+                {"ids": ids, "pieces": pieces, "tokens": len(ids), "bytes": len(text.encode("utf-8"))},
+                ensure_ascii=False,
+            )
+        )
         return
     print(" ".join(str(i) for i in ids))
     print("|".join(pieces))
-    print(f"{len(ids):,} tokens for {len(text.encode('utf-8')):,} bytes "
-          f"({len(text.encode('utf-8')) / max(len(ids), 1):.2f} bytes per token)")
+    print(
+        f"{len(ids):,} tokens for {len(text.encode('utf-8')):,} bytes "
+        f"({len(text.encode('utf-8')) / max(len(ids), 1):.2f} bytes per token)"
+    )
 
 
 @app.command()
 @config_options
 @one_line_errors
 def train(
-    preset: Annotated[Optional[str], typer.Option(help="Named config: tiny, cpu-char, cpu-fast, shakespeare-char, "
-                                                       "gpt2-124m, gpt2-350m.")] = None,
-    config: Annotated[Optional[Path], typer.Option(help="TOML file of config keys; flags override it.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Run folder (default checkpoints/DATA-TIMESTAMP).")] = None,
+    preset: Annotated[
+        str | None, typer.Option(help="Named config: tiny, cpu-char, cpu-fast, shakespeare-char, gpt2-124m, gpt2-350m.")
+    ] = None,
+    config: Annotated[Path | None, typer.Option(help="TOML file of config keys; flags override it.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Run folder (default checkpoints/DATA-TIMESTAMP).")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out where it stopped.")] = False,
-    force: Annotated[bool, typer.Option("--force", help="Start over in an --out that holds a run (deletes it).")
-                     ] = False,
-    init_from: Annotated[Optional[str], typer.Option(help="Start from these weights (run folder, .safetensors, "
-                                                          "Hugging Face folder or hf:NAME) with a fresh optimizer.")
-                         ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Start over in an --out that holds a run (deletes it).")
+    ] = False,
+    init_from: Annotated[
+        str | None,
+        typer.Option(
+            help="Start from these weights (run folder, .safetensors, "
+            "Hugging Face folder or hf:NAME) with a fresh optimizer."
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")] = False,
-    last: Annotated[bool, typer.Option("--last", help="With --init-from RUN: its last weights, not its best.")
-                    ] = False,
+    last: Annotated[bool, typer.Option("--last", help="With --init-from RUN: its last weights, not its best.")] = False,
     threads: Threads = None,
-    tracker: Annotated[Optional[str], typer.Option(help="Also log to tensorboard or wandb (offline unless "
-                                                        "WANDB_MODE=online); needs the track extra.",
-                                                   show_default=False)] = None,
-    flags: Optional[dict] = None,  # the config options given (config_options)
+    tracker: Annotated[
+        str | None,
+        typer.Option(
+            help="Also log to tensorboard or wandb (offline unless WANDB_MODE=online); needs the track extra.",
+            show_default=False,
+        ),
+    ] = None,
+    flags: dict | None = None,  # the config options given (config_options)
 ):
     """Train a GPT on a prepared dataset, with checkpoints you can resume.
 
@@ -386,12 +507,11 @@ def train(
     """
     flags = dict(flags or {}, **({"preset": preset} if preset is not None else {}))
     from nanogpt_cli.config import load_toml
+    from nanogpt_cli.device import set_threads
     from nanogpt_cli.distributed import open_world
     from nanogpt_cli.plan import plan_run
     from nanogpt_cli.trainer import Trainer
     from nanogpt_cli.ui import TrainDisplay, console
-
-    from nanogpt_cli.device import set_threads
 
     set_threads(threads)
     from nanogpt_cli.trackers import Tee, open_tracker
@@ -399,18 +519,29 @@ def train(
     sink = open_tracker(tracker) if tracker and prints() else None  # unknown or missing extra: refused first
     if last and init_from is None:
         raise NanoGPTError("--last picks the weights of --init-from RUN; give --init-from or drop --last")
-    plan = plan_run(flags, load_toml(config) if config else {}, out=out, resume=resume, force=force,
-                    init_from=init_from, init_last=last)
+    plan = plan_run(
+        flags,
+        load_toml(config) if config else {},
+        out=out,
+        resume=resume,
+        force=force,
+        init_from=init_from,
+        init_last=last,
+    )
     if prints():
         for message in plan.notes:
             note(message)
     if plan.complete:
         if prints() and plan.time_over:
-            console.print(f"{plan.run_dir} is already complete: its --max-time {plan.time_spent:g} s was spent at "
-                          f"step {plan.step:,}; raise --max-time to train it further")
+            console.print(
+                f"{plan.run_dir} is already complete: its --max-time {plan.time_spent:g} s was spent at "
+                f"step {plan.step:,}; raise --max-time to train it further"
+            )
         elif prints():
-            console.print(f"{plan.run_dir} is already complete: step {plan.step:,} of --max-iters "
-                          f"{plan.train.max_iters:,}; raise --max-iters to train it further")
+            console.print(
+                f"{plan.run_dir} is already complete: step {plan.step:,} of --max-iters "
+                f"{plan.train.max_iters:,}; raise --max-iters to train it further"
+            )
         return
     # under torchrun the process group is left only after rank 0 has printed, so no rank ends (and has
     # torchrun stop the others) before
@@ -449,8 +580,8 @@ def report_training(plan, result) -> None:
 @one_line_errors
 def sample(
     checkpoint: Checkpoint,
-    prompt: Annotated[Optional[str], typer.Option(help="Text to continue (empty: start a new text).")] = None,
-    prompt_file: Annotated[Optional[Path], typer.Option(help="Read the prompt from this file.")] = None,
+    prompt: Annotated[str | None, typer.Option(help="Text to continue (empty: start a new text).")] = None,
+    prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from this file.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per sample.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 is greedy; lower is more conservative.")] = 0.8,
     top_k: Annotated[int, typer.Option(help="Keep only the K most likely tokens (0: off).")] = 200,
@@ -459,13 +590,15 @@ def sample(
     repetition_penalty: Annotated[float, typer.Option(help="Above 1 discourages tokens already present.")] = 1.0,
     num_samples: Annotated[int, typer.Option(help="How many samples (decoded together as one batch).")] = 1,
     seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same text.")] = 1337,
-    stop: Annotated[Optional[list[str]], typer.Option(help="End a sample at this text (repeatable).",
-                                                      metavar="<text>")] = None,
+    stop: Annotated[
+        list[str] | None, typer.Option(help="End a sample at this text (repeatable).", metavar="<text>")
+    ] = None,
     ignore_eot: Annotated[bool, typer.Option("--ignore-eot", help="Keep going past the end-of-text token.")] = False,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print text as it is generated.")] = True,
     last: Last = False,
-    interactive: Annotated[bool, typer.Option("--interactive", "-i", help="Ask for prompts in a loop (--prompt "
-                                                                           "is the first).")] = False,
+    interactive: Annotated[
+        bool, typer.Option("--interactive", "-i", help="Ask for prompts in a loop (--prompt is the first).")
+    ] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the whole context every token.")] = False,
     device: Device = "auto",
     dtype: DtypeOption = Dtype.auto,
@@ -487,17 +620,28 @@ def sample(
     from nanogpt_cli.device import set_threads
 
     set_threads(threads)
-    settings = SampleSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k or None,
-                              top_p=top_p,
-                              min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=stop or [],
-                              ignore_eot=ignore_eot, use_cache=not no_cache)
+    settings = SampleSettings(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k or None,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+        stop=stop or [],
+        ignore_eot=ignore_eot,
+        use_cache=not no_cache,
+    )
     sampler = Sampler.load(checkpoint, last=last, device=device, dtype=dtype)
 
     def run(text: str) -> None:
         ids, cut = sampler.encode_prompt(text)
         if cut:
-            err_console.print(f"note: the prompt is {len(ids) + cut:,} tokens; its first {cut:,} are cut to fit "
-                              f"the context of {sampler.block_size:,}", soft_wrap=True)
+            err_console.print(
+                f"note: the prompt is {len(ids) + cut:,} tokens; its first {cut:,} are cut to fit "
+                f"the context of {sampler.block_size:,}",
+                soft_wrap=True,
+            )
         for i, pieces in enumerate(sampler.samples(text, settings, num_samples)):
             if num_samples > 1:
                 console.rule(f"sample {i + 1} of {num_samples}")
@@ -531,14 +675,18 @@ def sample(
 @one_line_errors
 def serve(
     source: Annotated[str, typer.Argument(help="Run folder, .safetensors file, Hugging Face folder or hf:NAME.")],
-    host: Annotated[str, typer.Option(help="Address to listen on; anything but loopback wants --api-key.")]
-        = "127.0.0.1",
+    host: Annotated[
+        str, typer.Option(help="Address to listen on; anything but loopback wants --api-key.")
+    ] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on (0: a free one, printed).")] = 8000,
     max_batch: Annotated[int, typer.Option(help="Rows decoded together (requests and their choices).")] = 8,
-    model_name: Annotated[Optional[str], typer.Option(help="The name /v1/models reports (default: the run's).",
-                                                      show_default=False)] = None,
-    api_key: Annotated[Optional[str], typer.Option(help="Require 'Authorization: Bearer KEY'.",
-                                                   envvar="NANOGPT_API_KEY", show_default=False)] = None,
+    model_name: Annotated[
+        str | None, typer.Option(help="The name /v1/models reports (default: the run's).", show_default=False)
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(help="Require 'Authorization: Bearer KEY'.", envvar="NANOGPT_API_KEY", show_default=False),
+    ] = None,
     max_tokens: Annotated[int, typer.Option(help="Most tokens one request may ask for, per choice.")] = 4096,
     max_n: Annotated[int, typer.Option(help="Most choices (n) per request.")] = 8,
     max_queue: Annotated[int, typer.Option(help="Most rows waiting for a free row; beyond it, 503.")] = 64,
@@ -557,13 +705,28 @@ def serve(
     from nanogpt_cli.serve import ServeOptions, default_model_name, is_loopback
     from nanogpt_cli.serve import serve as run_server
 
-    options = ServeOptions(source=source, host=host, port=port, max_batch=max_batch, model_name=model_name,
-                           api_key=api_key, device=device, dtype=dtype, last=last, ui=not no_ui, max_body=max_body,
-                           max_tokens=max_tokens, max_n=max_n, max_queue=max_queue)
+    options = ServeOptions(
+        source=source,
+        host=host,
+        port=port,
+        max_batch=max_batch,
+        model_name=model_name,
+        api_key=api_key,
+        device=device,
+        dtype=dtype,
+        last=last,
+        ui=not no_ui,
+        max_body=max_body,
+        max_tokens=max_tokens,
+        max_n=max_n,
+        max_queue=max_queue,
+    )
     set_threads(threads)
     if not is_loopback(host) and options.api_key is None:
-        note(f"--host {host} is reachable from other machines and no --api-key is set: anyone who can reach it "
-             "can use the model")
+        note(
+            f"--host {host} is reachable from other machines and no --api-key is set: anyone who can reach it "
+            "can use the model"
+        )
     name = options.model_name or default_model_name(source)
     run_server(options, on_ready=lambda url: print(f"serving {name} at {url} (Ctrl-C to stop)", flush=True))
 
@@ -572,13 +735,13 @@ def serve(
 @one_line_errors
 def perplexity(
     checkpoint: Checkpoint,
-    data: Annotated[Optional[str], typer.Option(help="A prepared dataset to score.")] = None,
+    data: Annotated[str | None, typer.Option(help="A prepared dataset to score.")] = None,
     data_dir: Annotated[Path, typer.Option(help=DATA_DIR_HELP)] = Path("data"),
     split: Annotated[str, typer.Option(help="train or val.")] = "val",
-    input: Annotated[Optional[list[Path]], typer.Option(help="Text file(s) to score instead (repeatable).",
-                                                        metavar="<path>")] = None,
-    stride: Annotated[Optional[int], typer.Option(help="Tokens between window starts (default half the context).")
-                      ] = None,
+    input: Annotated[
+        list[Path] | None, typer.Option(help="Text file(s) to score instead (repeatable).", metavar="<path>")
+    ] = None,
+    stride: Annotated[int | None, typer.Option(help="Tokens between window starts (default half the context).")] = None,
     batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = 32,
     last: Last = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
@@ -590,8 +753,8 @@ def perplexity(
 
     Example: nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char --split val
     """
-    from nanogpt_cli.loading import load_for_inference
     from nanogpt_cli.evaluate import perplexity_of_files, perplexity_of_split
+    from nanogpt_cli.loading import load_for_inference
     from nanogpt_cli.ui import console, eval_table
 
     if (data is None) == (not input):
@@ -608,8 +771,9 @@ def perplexity(
 
     with eval_progress() as progress:  # a bar on a terminal: tokens scored, rate, time left
         if data is not None:
-            result = perplexity_of_split(loaded.model, loaded.tokenizer, data_dir, data, split, stride, batch_size,
-                                         progress)
+            result = perplexity_of_split(
+                loaded.model, loaded.tokenizer, data_dir, data, split, stride, batch_size, progress
+            )
         else:
             result = perplexity_of_files(loaded.model, loaded.tokenizer, input, stride, batch_size, progress)
     if json_out:
@@ -621,15 +785,20 @@ def perplexity(
 @app.command()
 @one_line_errors
 def export(
-    run: Annotated[str, typer.Argument(help="Run folder (its best weights), a .safetensors file, a Hugging Face "
-                                            "folder or hf:NAME.")],
+    run: Annotated[
+        str,
+        typer.Argument(help="Run folder (its best weights), a .safetensors file, a Hugging Face folder or hf:NAME."),
+    ],
     out: Annotated[Path, typer.Option(help="Folder to write (hf) or FILE.gguf (gguf).")],
-    format: Annotated[str, typer.Option("--format", help="hf (transformers folder) or gguf (llama.cpp file).")
-                      ] = "hf",
+    format: Annotated[str, typer.Option("--format", help="hf (transformers folder) or gguf (llama.cpp file).")] = "hf",
     last: Last = False,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
-    quant: Annotated[Optional[str], typer.Option(help="gguf: the type of the weight matrices: f32 (default), f16, "
-                                                      "bf16, q8_0, q5_1, q5_0, q4_1 or q4_0.")] = None,
+    quant: Annotated[
+        str | None,
+        typer.Option(
+            help="gguf: the type of the weight matrices: f32 (default), f16, bf16, q8_0, q5_1, q5_0, q4_1 or q4_0."
+        ),
+    ] = None,
 ):
     """Write a run as a Hugging Face folder or a GGUF file that other tools load.
 
@@ -640,23 +809,29 @@ def export(
 
     result = export_run(run, format, out, last=last, force=force, quant=quant)
     if result.format == "hf":
-        console.print(f"wrote {result.path} ({result.architecture}, {result.tokenizer} tokenizer); load it with "
-                      f"AutoModelForCausalLM.from_pretrained({str(result.path)!r})", soft_wrap=True, highlight=False)
+        console.print(
+            f"wrote {result.path} ({result.architecture}, {result.tokenizer} tokenizer); load it with "
+            f"AutoModelForCausalLM.from_pretrained({str(result.path)!r})",
+            soft_wrap=True,
+            highlight=False,
+        )
     else:
         size = f"{result.bytes / 1e6:,.2f} MB"
         if result.quant != "f32":
             ratio = result.f32_bytes / max(result.bytes, 1)
             size += f", {ratio:.1f}x smaller than float32 ({result.f32_bytes / 1e6:,.2f} MB)"
-        console.print(f"wrote {result.path} (GGUF, {result.architecture}, {result.tokenizer} tokenizer, "
-                      f"{result.quant}: {size})", soft_wrap=True, highlight=False)
+        console.print(
+            f"wrote {result.path} (GGUF, {result.architecture}, {result.tokenizer} tokenizer, {result.quant}: {size})",
+            soft_wrap=True,
+            highlight=False,
+        )
 
 
 @app.command()
 @one_line_errors
 def runs(
     folder: Annotated[Path, typer.Argument(help="A folder of run folders (or one run).")] = Path("checkpoints"),
-    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object per run instead of a table.")
-                        ] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object per run instead of a table.")] = False,
 ):
     """List the runs in a folder: dataset, size, progress, best val loss, last update, status.
 
@@ -702,8 +877,9 @@ def info(
 @one_line_errors
 def plot(
     runs: Annotated[list[Path], typer.Argument(help="Run folders to draw (one or more).")],
-    out: Annotated[Optional[Path], typer.Option(help="Write a .png/.svg/.pdf here instead of drawing in the "
-                                                     "terminal.")] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Write a .png/.svg/.pdf here instead of drawing in the terminal.")
+    ] = None,
 ):
     """Draw train and val loss against tokens seen, for one or several runs.
 
@@ -723,13 +899,22 @@ def plot(
 
 # --- inspect: attention maps, head roles and position schemes (library: nanogpt_cli/inspect/) ---
 
-inspect_app = typer.Typer(help="Look inside a trained model: attention maps, what each head does, positions.\n\n"
-                          "Example: nanogpt inspect heads checkpoints/shk", rich_markup_mode=None)
+inspect_app = typer.Typer(
+    help="Look inside a trained model: attention maps, what each head does, positions.\n\n"
+    "Example: nanogpt inspect heads checkpoints/shk",
+    rich_markup_mode=None,
+)
 app.add_typer(inspect_app, name="inspect")
-InspectSource = Annotated[str, typer.Argument(help="Run folder (its best weights), a .safetensors file, or a Hugging "
-                                                   "Face model folder or hf:NAME.")]
-Size = Annotated[Optional[str], typer.Option(help="Picture size in pixels, WIDTHxHEIGHT (default: fits the "
-                                                  "labels).", show_default=False)]
+InspectSource = Annotated[
+    str,
+    typer.Argument(
+        help="Run folder (its best weights), a .safetensors file, or a Hugging Face model folder or hf:NAME."
+    ),
+]
+Size = Annotated[
+    str | None,
+    typer.Option(help="Picture size in pixels, WIDTHxHEIGHT (default: fits the labels).", show_default=False),
+]
 
 
 @inspect_app.callback(invoke_without_command=True)
@@ -739,10 +924,10 @@ def _inspect_root(ctx: typer.Context):
         raise typer.Exit(0)
 
 
-def _inspect_load(source: str, last: bool, device: str, dtype: Dtype, threads: Optional[int]):
-    from nanogpt_cli.loading import load_for_inference
+def _inspect_load(source: str, last: bool, device: str, dtype: Dtype, threads: int | None):
     from nanogpt_cli.device import set_threads
     from nanogpt_cli.inspect import display_name
+    from nanogpt_cli.loading import load_for_inference
 
     set_threads(threads)
     loaded = load_for_inference(source, last=last, device=device, dtype=dtype)
@@ -759,7 +944,7 @@ def _inspect_target(out: Path) -> Path:
     return out
 
 
-def _inspect_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> Optional[str]:
+def _inspect_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
     if prompt is not None and prompt_file is not None:
         raise NanoGPTError("give --prompt or --prompt-file, not both")
     if prompt_file is None:
@@ -773,13 +958,18 @@ def _inspect_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> Optio
 @one_line_errors
 def inspect_attention(
     source: InspectSource,
-    prompt: Annotated[Optional[str], typer.Option(help="Text whose attention to draw.")] = None,
-    prompt_file: Annotated[Optional[Path], typer.Option(help="Read the prompt from this file.")] = None,
-    out: Annotated[Optional[Path], typer.Option(help="Picture to write (.png, .svg or .pdf); default attention.png, "
-                                                     "none with --json.", show_default=False)] = None,
-    layer: Annotated[Optional[int], typer.Option(help="Only this layer (from 0).")] = None,
-    head: Annotated[Optional[int], typer.Option(help="Only this head (from 0); with --layer, one head drawn large.")
-                    ] = None,
+    prompt: Annotated[str | None, typer.Option(help="Text whose attention to draw.")] = None,
+    prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from this file.")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Picture to write (.png, .svg or .pdf); default attention.png, none with --json.", show_default=False
+        ),
+    ] = None,
+    layer: Annotated[int | None, typer.Option(help="Only this layer (from 0).")] = None,
+    head: Annotated[
+        int | None, typer.Option(help="Only this head (from 0); with --layer, one head drawn large.")
+    ] = None,
     max_tokens: Annotated[int, typer.Option(help="Draw the last N tokens of a longer prompt.")] = 64,
     size: Size = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the attention weights as JSON.")] = False,
@@ -810,8 +1000,10 @@ def inspect_attention(
     check_selection(loaded.model.config.n_layer, loaded.model.config.n_head, layer, head)
     maps = attention_maps(loaded, text, source=source, name=name)
     if maps.cut:
-        note(f"the prompt is {len(maps.ids) + maps.cut:,} tokens; its first {maps.cut:,} are cut to fit the context "
-             f"of {loaded.block_size:,}")
+        note(
+            f"the prompt is {len(maps.ids) + maps.cut:,} tokens; its first {maps.cut:,} are cut to fit the context "
+            f"of {loaded.block_size:,}"
+        )
     if out is not None:
         written = draw_attention(maps, out, layer=layer, head=head, size=pixels, max_tokens=max_tokens)
         (err_console if json_out else console).print(f"wrote {written}", highlight=False, soft_wrap=True)
@@ -823,14 +1015,22 @@ def inspect_attention(
 @one_line_errors
 def inspect_heads(
     source: InspectSource,
-    plot: Annotated[Optional[Path], typer.Option(help="Also draw the scores as layers x heads grids (.png, .svg, "
-                                                      ".pdf).", show_default=False)] = None,
-    prompt: Annotated[Optional[str], typer.Option(help="Measure previous-token, first-token and distance on this "
-                                                       "text instead of random tokens.")] = None,
-    prompt_file: Annotated[Optional[Path], typer.Option(help="Read that text from this file.")] = None,
-    length: Annotated[Optional[int], typer.Option(help="Tokens in the random sequence that is repeated (default "
-                                                       "64, or half the context if shorter).", show_default=False)
-                      ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Also draw the scores as layers x heads grids (.png, .svg, .pdf).", show_default=False),
+    ] = None,
+    prompt: Annotated[
+        str | None,
+        typer.Option(help="Measure previous-token, first-token and distance on this text instead of random tokens."),
+    ] = None,
+    prompt_file: Annotated[Path | None, typer.Option(help="Read that text from this file.")] = None,
+    length: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens in the random sequence that is repeated (default 64, or half the context if shorter).",
+            show_default=False,
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random sequences.")] = 0,
     size: Size = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the scores as JSON instead of a table.")] = False,
@@ -893,10 +1093,10 @@ def main():
         code = app(standalone_mode=False)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        raise SystemExit(130)
+        raise SystemExit(130) from None
     except typer.Abort:
         print("aborted", file=sys.stderr)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     except Exception as e:
         if not (callable(getattr(e, "format_message", None)) and hasattr(e, "exit_code")):
             raise  # not a usage error: a bug, shown as a traceback

@@ -1,17 +1,17 @@
 """Typed configs for the model and the trainer, named presets, and their JSON/TOML round trip.
 
-    model_cfg, train_cfg = build_configs({**preset_values("shakespeare-char"), "vocab_size": 65})
+model_cfg, train_cfg = build_configs({**preset_values("shakespeare-char"), "vocab_size": 65})
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
+import functools
 import json
 import math
 import sys
-import enum
-import functools
 import types as types_module
 import typing
 from dataclasses import dataclass
@@ -24,6 +24,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 from nanogpt_cli.errors import NanoGPTError
+
 
 class Choice(str, enum.Enum):
     """A config value from a fixed list: a str (it compares, hashes and serialises as its value) whose CLI
@@ -218,14 +219,21 @@ class TrainConfig:
     stop_at: int | None = setting(None, "Stop after update K as if interrupted.")
     # evaluations included (the last one's length is kept free for the final one); the schedule runs on the share
     # of the time spent or of lr_decay_iters done, whichever is further
-    max_time: float | None = setting(None, "End after this many seconds of training; the LR schedule then follows "
-                                           "the time spent.")
+    max_time: float | None = setting(
+        None, "End after this many seconds of training; the LR schedule then follows the time spent."
+    )
     parallel: Parallel = setting(Parallel.ddp, "Under torchrun: ddp (weights on every GPU) or fsdp (sharded).")
 
     def __post_init__(self):
         check_values(self)
-        for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "eval_interval", "eval_iters",
-                     "log_interval"):
+        for name in (
+            "batch_size",
+            "gradient_accumulation_steps",
+            "max_iters",
+            "eval_interval",
+            "eval_iters",
+            "log_interval",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"--{flag(name)} must be a positive integer, got {value!r}")
@@ -234,8 +242,10 @@ class TrainConfig:
         if self.learning_rate <= 0 or self.min_lr < 0:
             raise ValueError("--learning-rate must be positive and --min-lr non-negative")
         if self.min_lr > self.learning_rate:
-            raise ValueError(f"--min-lr ({self.min_lr:g}) is above --learning-rate ({self.learning_rate:g}): the "
-                             "schedule decays from the peak down to --min-lr")
+            raise ValueError(
+                f"--min-lr ({self.min_lr:g}) is above --learning-rate ({self.learning_rate:g}): the "
+                "schedule decays from the peak down to --min-lr"
+            )
         if not 0.0 < self.wsd_decay_frac <= 1.0:
             raise ValueError(f"--wsd-decay-frac must be in (0, 1], got {self.wsd_decay_frac}")
         if self.grad_clip < 0 or self.weight_decay < 0:
@@ -243,8 +253,10 @@ class TrainConfig:
         if self.muon_lr <= 0 or not 0.0 <= self.muon_momentum < 1.0 or self.muon_momentum_warmup < 0:
             raise ValueError("--muon-lr must be positive, --muon-momentum in [0, 1) and --muon-momentum-warmup >= 0")
         if self.optimizer == "muon" and self.parallel == "fsdp":
-            raise ValueError("--optimizer muon needs whole matrices, which --parallel fsdp shards across processes; "
-                             "use --parallel ddp with muon")
+            raise ValueError(
+                "--optimizer muon needs whole matrices, which --parallel fsdp shards across processes; "
+                "use --parallel ddp with muon"
+            )
         if self.max_time is not None and self.max_time <= 0:
             raise ValueError(f"--max-time must be a positive number of seconds, got {self.max_time}")
         if self.stop_at is not None and self.stop_at <= 0:
@@ -261,36 +273,117 @@ class TrainConfig:
 # A preset names values for fields of GPTConfig and TrainConfig; flags and config files override it.
 PRESETS: dict[str, dict[str, Any]] = {
     # tests, CI and smoke runs: a few seconds on a CPU
-    "tiny": dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, max_iters=50, eval_interval=25,
-                 eval_iters=4, warmup_iters=5, learning_rate=3e-3),
+    "tiny": dict(
+        n_layer=2,
+        n_head=2,
+        n_embd=32,
+        block_size=32,
+        batch_size=8,
+        max_iters=50,
+        eval_interval=25,
+        eval_iters=4,
+        warmup_iters=5,
+        learning_rate=3e-3,
+    ),
     # nanoGPT's CPU recipe for Tiny Shakespeare (char): a couple of minutes on a laptop
-    "cpu-char": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, max_iters=2000,
-                     dropout=0.0, eval_iters=20, learning_rate=1e-3, min_lr=1e-4,
-                     warmup_iters=100, beta2=0.99),
+    "cpu-char": dict(
+        n_layer=4,
+        n_head=4,
+        n_embd=128,
+        block_size=64,
+        batch_size=12,
+        max_iters=2000,
+        dropout=0.0,
+        eval_iters=20,
+        learning_rate=1e-3,
+        min_lr=1e-4,
+        warmup_iters=100,
+        beta2=0.99,
+    ),
     # the cpu-char budget spent better (issue 11): Muon on the block matrices, QK-norm, squared ReLU, soft-capped
     # logits, zero-initialised projections, a warmup-stable-decay schedule, twice the context and a third more
     # batch. A step costs ~3x cpu-char's on a CPU (twice the context, 4/3 the rows, Muon's Newton-Schulz), so
     # 600 iterations take about the wall time of its 2000. Tuned at equal steps (val after 800 x 12 rows, or
     # 600 x 16): WSD decay share 0.3 / 0.5 / 0.7 gave 1.621 / 1.615 / 1.607, 16 rows x 600 1.601, 24 x 400 1.645,
     # --muon-lr 0.03 1.634, AdamW lr 4e-3 1.628; context 128 beat 64 at equal tokens. See bench_quality.py
-    "cpu-fast": dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=16, max_iters=600, dropout=0.0,
-                     qk_norm=True, mlp="relu2", logit_softcap=30.0, zero_init_proj=True, optimizer="muon",
-                     muon_lr=0.02, muon_momentum=0.95, muon_momentum_warmup=100, learning_rate=2e-3, min_lr=1e-4,
-                     lr_schedule="wsd", wsd_decay_frac=0.7, warmup_iters=50, eval_iters=20, eval_interval=250,
-                     beta2=0.99),
+    "cpu-fast": dict(
+        n_layer=4,
+        n_head=4,
+        n_embd=128,
+        block_size=128,
+        batch_size=16,
+        max_iters=600,
+        dropout=0.0,
+        qk_norm=True,
+        mlp="relu2",
+        logit_softcap=30.0,
+        zero_init_proj=True,
+        optimizer="muon",
+        muon_lr=0.02,
+        muon_momentum=0.95,
+        muon_momentum_warmup=100,
+        learning_rate=2e-3,
+        min_lr=1e-4,
+        lr_schedule="wsd",
+        wsd_decay_frac=0.7,
+        warmup_iters=50,
+        eval_iters=20,
+        eval_interval=250,
+        beta2=0.99,
+    ),
     # nanoGPT's config/train_shakespeare_char.py: a few minutes on a GPU
-    "shakespeare-char": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, batch_size=64,
-                             max_iters=5000, learning_rate=1e-3, min_lr=1e-4,
-                             warmup_iters=100, beta2=0.99, eval_interval=250, eval_iters=200),
+    "shakespeare-char": dict(
+        n_layer=6,
+        n_head=6,
+        n_embd=384,
+        block_size=256,
+        dropout=0.2,
+        batch_size=64,
+        max_iters=5000,
+        learning_rate=1e-3,
+        min_lr=1e-4,
+        warmup_iters=100,
+        beta2=0.99,
+        eval_interval=250,
+        eval_iters=200,
+    ),
     # GPT-2 small and medium shapes: learned positions, tanh GELU and biases, as OpenAI trained them
-    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, pos_encoding="learned",
-                      mlp="gelu_tanh", bias=True, batch_size=12, gradient_accumulation_steps=40, max_iters=600000,
-                      learning_rate=6e-4, min_lr=6e-5, warmup_iters=2000, beta2=0.95, eval_interval=1000,
-                      eval_iters=200),
-    "gpt2-350m": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024,
-                      pos_encoding="learned", mlp="gelu_tanh", bias=True, batch_size=8, gradient_accumulation_steps=60,
-                      max_iters=600000, learning_rate=3e-4, min_lr=3e-5, warmup_iters=2000, beta2=0.95,
-                      eval_interval=1000, eval_iters=200),
+    "gpt2-124m": dict(
+        n_layer=12,
+        n_head=12,
+        n_embd=768,
+        block_size=1024,
+        pos_encoding="learned",
+        mlp="gelu_tanh",
+        bias=True,
+        batch_size=12,
+        gradient_accumulation_steps=40,
+        max_iters=600000,
+        learning_rate=6e-4,
+        min_lr=6e-5,
+        warmup_iters=2000,
+        beta2=0.95,
+        eval_interval=1000,
+        eval_iters=200,
+    ),
+    "gpt2-350m": dict(
+        n_layer=24,
+        n_head=16,
+        n_embd=1024,
+        block_size=1024,
+        pos_encoding="learned",
+        mlp="gelu_tanh",
+        bias=True,
+        batch_size=8,
+        gradient_accumulation_steps=60,
+        max_iters=600000,
+        learning_rate=3e-4,
+        min_lr=3e-5,
+        warmup_iters=2000,
+        beta2=0.95,
+        eval_interval=1000,
+        eval_iters=200,
+    ),
 }
 
 MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(GPTConfig))

@@ -1,6 +1,6 @@
 """Devices and precisions: which device `auto` means, which dtype `auto` means there, and peak FLOP/s.
 
-    device = resolve_device("auto"); dtype = resolve_dtype(Dtype.auto, device)
+device = resolve_device("auto"); dtype = resolve_dtype(Dtype.auto, device)
 """
 
 from __future__ import annotations
@@ -15,8 +15,18 @@ from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError
 
 # Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, for MFU; a device not listed gets no MFU.
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "L40S": 362e12,
-              "4090": 165e12, "3090": 71e12, "V100": 125e12, "T4": 65e12}
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+    "L40S": 362e12,
+    "4090": 165e12,
+    "3090": 71e12,
+    "V100": 125e12,
+    "T4": 65e12,
+}
 
 
 def resolve_device(name: str) -> torch.device:

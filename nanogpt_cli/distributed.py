@@ -156,8 +156,10 @@ def open_world(cfg: TrainConfig) -> Iterator[World]:
         return
     per_rank(cfg.gradient_accumulation_steps, n)
     if cfg.max_time is not None:
-        raise NanoGPTError("--max-time runs in one process only: under torchrun each rank's clock would set its "
-                           "own learning rate; use --max-iters")
+        raise NanoGPTError(
+            "--max-time runs in one process only: under torchrun each rank's clock would set its "
+            "own learning rate; use --max-iters"
+        )
     with process_group(cfg.device) as world:
         yield world
 
@@ -169,8 +171,10 @@ def rank_device(name: str, local_rank: int) -> torch.device:
     if name == "cpu":
         return torch.device("cpu")
     if name.startswith("cuda:"):
-        raise NanoGPTError(f"--device {name}: under torchrun each process takes the GPU of its local rank; "
-                           "pass --device cuda (or auto)")
+        raise NanoGPTError(
+            f"--device {name}: under torchrun each process takes the GPU of its local rank; "
+            "pass --device cuda (or auto)"
+        )
     if name not in ("auto", "cuda"):
         raise NanoGPTError(f"--device {name!r} is not a device; use auto, cpu or cuda under torchrun")
     if not torch.cuda.is_available():
@@ -178,8 +182,10 @@ def rank_device(name: str, local_rank: int) -> torch.device:
             raise NanoGPTError("--device cuda was asked for, but this torch sees no CUDA GPU; use --device cpu")
         return torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
-        raise NanoGPTError(f"local rank {local_rank} has no GPU: this node sees {torch.cuda.device_count()}; "
-                           "start at most that many processes per node (--nproc_per_node)")
+        raise NanoGPTError(
+            f"local rank {local_rank} has no GPU: this node sees {torch.cuda.device_count()}; "
+            "start at most that many processes per node (--nproc_per_node)"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -213,8 +219,10 @@ def process_group(device_name: str) -> Iterator[World]:
 def per_rank(n_micro: int, size: int) -> int:
     """Micro-batches per rank for --gradient-accumulation-steps n_micro, or the one-sentence refusal."""
     if n_micro % size != 0:
-        raise NanoGPTError(f"--gradient-accumulation-steps ({n_micro}) counts micro-batches over all processes and "
-                           f"must be divisible by the number of processes ({size})")
+        raise NanoGPTError(
+            f"--gradient-accumulation-steps ({n_micro}) counts micro-batches over all processes and "
+            f"must be divisible by the number of processes ({size})"
+        )
     return n_micro // size
 
 
@@ -261,18 +269,25 @@ def wrap(model: nn.Module, parallel: str, world: World, dtype: torch.dtype) -> n
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     except ImportError:
-        raise NanoGPTError(f"--parallel fsdp needs torch 2.6 or newer (FSDP2); this is {torch.__version__}: "
-                           "upgrade torch or use --parallel ddp") from None
+        raise NanoGPTError(
+            f"--parallel fsdp needs torch 2.6 or newer (FSDP2); this is {torch.__version__}: "
+            "upgrade torch or use --parallel ddp"
+        ) from None
 
     if dtype == torch.float16:
-        raise NanoGPTError("--parallel fsdp trains in bfloat16 or float32; float16 needs a sharded grad scaler "
-                           "this trainer does not have; use --dtype bfloat16")
+        raise NanoGPTError(
+            "--parallel fsdp trains in bfloat16 or float32; float16 needs a sharded grad scaler "
+            "this trainer does not have; use --dtype bfloat16"
+        )
     # an explicit mesh: the default one follows torch.cuda when a GPU is visible, even for a CPU run
     mesh = init_device_mesh(world.device.type, (world.size,))
     # on CUDA bf16 weights in the forward and backward, gradients reduced and kept in fp32; the autocast
     # around the forward still picks each op's precision as in one process
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if world.device.type == "cuda" and dtype == torch.bfloat16 else MixedPrecisionPolicy()
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if world.device.type == "cuda" and dtype == torch.bfloat16
+        else MixedPrecisionPolicy()
+    )
     for block in model.transformer.h:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)  # the rest: embeddings, final norm, LM head
@@ -374,8 +389,10 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     if not sd:
         return {}
     index = {name: i for i, name in enumerate(_param_names(model, optimizer))}
-    return {"state": {index[name]: state for name, state in sd["state"].items()},
-            "param_groups": [dict(g, params=[index[name] for name in g["params"]]) for g in sd["param_groups"]]}
+    return {
+        "state": {index[name]: state for name, state in sd["state"].items()},
+        "param_groups": [dict(g, params=[index[name] for name in g["params"]]) for g in sd["param_groups"]],
+    }
 
 
 def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sd: dict) -> None:
@@ -387,6 +404,8 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sd:
         optimizer.load_state_dict(sd)
         return
     names = _param_names(model, optimizer)
-    by_name = {"state": {names[i]: state for i, state in sd["state"].items()},
-               "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in sd["param_groups"]]}
+    by_name = {
+        "state": {names[i]: state for i, state in sd["state"].items()},
+        "param_groups": [dict(g, params=[names[i] for i in g["params"]]) for g in sd["param_groups"]],
+    }
     set_optimizer_state_dict(model, optimizer, by_name, options=_full(cpu_offload=False))

@@ -86,11 +86,11 @@ class CacheView:
         """Store this call's keys and values (B, nh, T, hs) and return all the rows' held ones (B, nh, S, hs)."""
         T, end = k.size(2), self.pos + k.size(2)
         assert end <= self.cache.capacity, f"{self.pos} + {T} tokens overflow a cache of {self.cache.capacity}"
-        ks, vs = self.cache.k[layer][self.start:self.stop], self.cache.v[layer][self.start:self.stop]
-        ks[:, :, self.pos:end] = k
-        vs[:, :, self.pos:end] = v
+        ks, vs = self.cache.k[layer][self.start : self.stop], self.cache.v[layer][self.start : self.stop]
+        ks[:, :, self.pos : end] = k
+        vs[:, :, self.pos : end] = v
         if layer == len(self.cache.k) - 1:
-            self.cache.pos[self.start:self.stop] = [end] * (self.stop - self.start)
+            self.cache.pos[self.start : self.stop] = [end] * (self.stop - self.start)
         return ks[:, :, :end], vs[:, :, :end]
 
 
@@ -147,11 +147,23 @@ def decode_plan(model: GPT) -> DecodePlan:
     """What decode_step reads, looked up once: each nn.Module attribute lookup costs about a microsecond, and a
     small model's token makes ~100 of them. Tensors are shared, not copied."""
     cfg = model.config
-    layers = [LayerWeights(ln_1=_as_function(b.ln_1), q_norm=_as_function(b.attn.q_norm),
-                           k_norm=_as_function(b.attn.k_norm), w_qkv=b.attn.c_attn.weight, b_qkv=b.attn.c_attn.bias,
-                           w_o=b.attn.c_proj.weight, b_o=b.attn.c_proj.bias, ln_2=_as_function(b.ln_2),
-                           w_fc=b.mlp.c_fc.weight, b_fc=b.mlp.c_fc.bias, w_proj=b.mlp.c_proj.weight,
-                           b_proj=b.mlp.c_proj.bias) for b in model.transformer.h]
+    layers = [
+        LayerWeights(
+            ln_1=_as_function(b.ln_1),
+            q_norm=_as_function(b.attn.q_norm),
+            k_norm=_as_function(b.attn.k_norm),
+            w_qkv=b.attn.c_attn.weight,
+            b_qkv=b.attn.c_attn.bias,
+            w_o=b.attn.c_proj.weight,
+            b_o=b.attn.c_proj.bias,
+            ln_2=_as_function(b.ln_2),
+            w_fc=b.mlp.c_fc.weight,
+            b_fc=b.mlp.c_fc.bias,
+            w_proj=b.mlp.c_proj.weight,
+            b_proj=b.mlp.c_proj.bias,
+        )
+        for b in model.transformer.h
+    ]
     pos_table = None  # added to the embedding: learned or sinusoidal positions
     if cfg.pos_encoding == "learned":
         pos_table = model.transformer.wpe.weight
@@ -162,10 +174,21 @@ def decode_plan(model: GPT) -> DecodePlan:
     # x @ W.T stored contiguous (C x V): one copy of the head, once per engine, for the biggest matmul of a
     # small model's token (1.2 against 4.3 ms for 128 x 50,257 at batch 1 on one thread); a GPU has no such gap
     head_t = head.t().contiguous() if head.device.type == "cpu" and head.size(0) >= 8 * head.size(1) else None
-    return DecodePlan(layers=layers, wte=model.transformer.wte.weight, ln_f=_as_function(model.transformer.ln_f),
-                      head=head, head_t=head_t, pos_table=pos_table, cos=getattr(model, "rope_cos", None),
-                      sin=getattr(model, "rope_sin", None), act=lambda h: activation(h, cfg.mlp),
-                      logit_softcap=cfg.logit_softcap, n_head=cfg.n_head, head_size=cfg.head_size, n_embd=cfg.n_embd)
+    return DecodePlan(
+        layers=layers,
+        wte=model.transformer.wte.weight,
+        ln_f=_as_function(model.transformer.ln_f),
+        head=head,
+        head_t=head_t,
+        pos_table=pos_table,
+        cos=getattr(model, "rope_cos", None),
+        sin=getattr(model, "rope_sin", None),
+        act=lambda h: activation(h, cfg.mlp),
+        logit_softcap=cfg.logit_softcap,
+        n_head=cfg.n_head,
+        head_size=cfg.head_size,
+        n_embd=cfg.n_embd,
+    )
 
 
 def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None = None) -> torch.Tensor:
@@ -217,8 +240,9 @@ def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None 
             v_all[rows, :, at] = qkv.select(1, 2).to(v_all.dtype)
         q = qk.narrow(1, 0, 1)  # (B, 1, nh, hs) viewed as (B, nh, 1, hs) below
         q = q.view(B, nh, 1, hs) if q.dtype == k_all.dtype else q.view(B, nh, 1, hs).to(k_all.dtype)
-        y = F.scaled_dot_product_attention(q, k_all.narrow(2, 0, last + 1), v_all.narrow(2, 0, last + 1),
-                                           attn_mask=mask)
+        y = F.scaled_dot_product_attention(
+            q, k_all.narrow(2, 0, last + 1), v_all.narrow(2, 0, last + 1), attn_mask=mask
+        )
         x = x + F.linear(y.view(B, 1, C), w.w_o, w.b_o)
         x = x + F.linear(act(F.linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj)
     cache.pos[:B] = [q + 1 for q in pos]
@@ -239,9 +263,15 @@ def head_logits(p: DecodePlan, h: torch.Tensor) -> torch.Tensor:
 # --- logits processing ----------------------------------------------------------------------------------
 
 
-def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                   top_p: float | None = None, min_p: float | None = None, repetition_penalty: float = 1.0,
-                   seen: torch.Tensor | None = None) -> torch.Tensor:
+def process_logits(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float = 1.0,
+    seen: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Next-token logits (B, V) -> filtered logits, in this order: repetition penalty on the raw logits,
     temperature, top-k, top-p, min-p. Filtered-out tokens get -inf. temperature 0 leaves the logits for an
     argmax. seen: (B, V) bool of tokens already in the sequence, for the repetition penalty."""
@@ -268,8 +298,10 @@ def process_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int | 
     return logits
 
 
-NOT_FINITE = ("the model's next-token probabilities are not finite numbers (NaN or infinity): its weights may "
-              "have diverged, or the temperature is too small or too large for them")
+NOT_FINITE = (
+    "the model's next-token probabilities are not finite numbers (NaN or infinity): its weights may "
+    "have diverged, or the temperature is too small or too large for them"
+)
 
 
 class RowError(NanoGPTError):
@@ -281,8 +313,7 @@ class RowError(NanoGPTError):
         self.rows = rows
 
 
-def sample_tokens(logits: torch.Tensor, temperature: float,
-                  generators: Sequence[torch.Generator | None]) -> list[int]:
+def sample_tokens(logits: torch.Tensor, temperature: float, generators: Sequence[torch.Generator | None]) -> list[int]:
     """One token per row from processed logits (B, V), row r drawing from generators[r] (one generator for all
     rows when a single one is given; None: torch's global one); greedy when temperature is 0.
 
@@ -332,7 +363,7 @@ def prompt_logprobs(model: GPT, ids: Sequence[int], top: int = 0, vocab_size: in
         raise NanoGPTError(f"a prompt to score must have 1 to {model.config.block_size:,} tokens, got {len(ids):,}")
     idx = torch.tensor([list(ids)], dtype=torch.long, device=model.transformer.wte.weight.device)
     logits, _ = model(idx)  # (1, T, V)
-    logits = logits[0, :-1, :vocab_size or logits.size(-1)]
+    logits = logits[0, :-1, : vocab_size or logits.size(-1)]
     return [None, *token_logprobs(logits, ids[1:], top)] if len(ids) > 1 else [None]
 
 
@@ -409,17 +440,27 @@ class Engine:
     def free(self) -> int:
         return self.max_batch - len(self.rows)
 
-    def add(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(), max_new_tokens: int = 256,
-            generator: torch.Generator | None = None, stop_ids: Sequence[int] = ()) -> int:
+    def add(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams = SamplingParams(),
+        max_new_tokens: int = 256,
+        generator: torch.Generator | None = None,
+        stop_ids: Sequence[int] = (),
+    ) -> int:
         """Prefill one prompt into a free row and return the row's id; it takes its first token at the next
         step."""
         return self.add_many([prompt], params, max_new_tokens, [generator], stop_ids)[0]
 
     @torch.inference_mode()
-    def add_many(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
-                 max_new_tokens: int | Sequence[int] = 256, generators: Sequence[torch.Generator | None] | None = None,
-                 stop_ids: Sequence[int] = ()) -> list[int]:
+    def add_many(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+        max_new_tokens: int | Sequence[int] = 256,
+        generators: Sequence[torch.Generator | None] | None = None,
+        stop_ids: Sequence[int] = (),
+    ) -> list[int]:
         """add for several prompts at once (params and max_new_tokens: one for all, or one per prompt); runs of
         prompts of one length are prefilled together, as one forward."""
         n = len(prompts)
@@ -427,8 +468,9 @@ class Engine:
         limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
         for prompt, limit in zip(prompts, limits):
             if not 1 <= len(prompt) <= self.block_size:
-                raise NanoGPTError(f"a prompt must have 1 to {self.block_size:,} tokens (the model's context), "
-                                   f"got {len(prompt):,}")
+                raise NanoGPTError(
+                    f"a prompt must have 1 to {self.block_size:,} tokens (the model's context), got {len(prompt):,}"
+                )
             if limit < 1:
                 raise NanoGPTError(f"a row must generate at least one token, got max_new_tokens={limit}")
         if n > self.free:
@@ -441,8 +483,9 @@ class Engine:
         for slot in range(start, len(self.rows)):
             if self.rows[slot].params.repetition_penalty != 1.0:
                 if self.seen is None:
-                    self.seen = torch.zeros(self.max_batch, self.model.config.vocab_size, dtype=torch.bool,
-                                            device=self.device)
+                    self.seen = torch.zeros(
+                        self.max_batch, self.model.config.vocab_size, dtype=torch.bool, device=self.device
+                    )
                 self.seen[slot] = False
                 self.seen[slot, torch.tensor(self.rows[slot].tokens, device=self.device)] = True
         try:
@@ -472,7 +515,7 @@ class Engine:
 
     def _full_forward(self, rows: list[_Row]) -> torch.Tensor:
         """Logits (len(rows), V) from a forward over each row's last block_size tokens (no cache)."""
-        windows = [r.tokens[-self.block_size:] for r in rows]
+        windows = [r.tokens[-self.block_size :] for r in rows]
         if all(len(w) == len(windows[0]) for w in windows):
             idx = torch.tensor(windows, dtype=torch.long, device=self.device)
             return self.model(idx, last_only=True)[0][:, -1].float()
@@ -502,7 +545,7 @@ class Engine:
         (rows whose probabilities are not finite) leaves every row as it was."""
         if not self.rows:
             return []
-        logits = self.logits[:, :self.vocab_size]
+        logits = self.logits[:, : self.vocab_size]
         tokens = self._sample(logits)
         out = []
         for slot, (row, token) in enumerate(zip(self.rows, tokens)):
@@ -511,8 +554,9 @@ class Engine:
             finish = "stop" if token in row.stop_ids else "length" if row.generated >= row.max_new_tokens else None
             out.append(StepToken(row.id, token, finish))
             if row.params.logprobs is not None:
-                (out[-1].logprob, out[-1].top_logprobs), = token_logprobs(logits[slot:slot + 1], [token],
-                                                                          row.params.logprobs)
+                ((out[-1].logprob, out[-1].top_logprobs),) = token_logprobs(
+                    logits[slot : slot + 1], [token], row.params.logprobs
+                )
         if self.seen is not None:
             self.seen[torch.arange(len(tokens)), torch.tensor(tokens)] = True
         for t in out:
@@ -553,12 +597,13 @@ class Engine:
                 tokens[s] = t
         return tokens
 
-    def _sample_group(self, logits: torch.Tensor, p: SamplingParams, rows: list[_Row],
-                      index: torch.Tensor | None) -> list[int]:
+    def _sample_group(
+        self, logits: torch.Tensor, p: SamplingParams, rows: list[_Row], index: torch.Tensor | None
+    ) -> list[int]:
         seen = None
         if p.repetition_penalty != 1.0:
-            seen = self.seen[:len(self.rows)] if index is None else self.seen[index]
-            seen = seen[:, :logits.size(-1)]
+            seen = self.seen[: len(self.rows)] if index is None else self.seen[index]
+            seen = seen[:, : logits.size(-1)]
         filtered = process_logits(logits, p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty, seen)
         generators = [r.generator for r in rows]
         if all(g is generators[0] for g in generators) and generators[0] is None:
@@ -575,9 +620,16 @@ class Engine:
 
 
 @torch.inference_mode()
-def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, top_p: float | None = None, use_cache: bool = True,
-             generator: torch.Generator | None = None) -> torch.Tensor:
+def generate(
+    model: GPT,
+    idx: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    use_cache: bool = True,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """Continue idx (B, T) by max_new_tokens tokens per row, every row drawing from `generator` (or torch's
     global one); temperature 0 is greedy. Returns (B, T + max_new_tokens). The prompt's last block_size tokens
     are what the model sees."""
@@ -586,7 +638,7 @@ def generate(model: GPT, idx: torch.Tensor, max_new_tokens: int, temperature: fl
     B = idx.size(0)
     engine = Engine(model, max_batch=B, use_cache=use_cache)
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=1.0 if top_p is None else top_p)
-    prompts = [row[-model.config.block_size:] for row in idx.tolist()]
+    prompts = [row[-model.config.block_size :] for row in idx.tolist()]
     ids = engine.add_many(prompts, params, max_new_tokens, [generator] * B)
     new: dict[int, list[int]] = {i: [] for i in ids}
     for t in engine.run():

@@ -1,6 +1,6 @@
 """The one exception users see: the CLI turns it into one styled line and exit code 1.
 
-    raise NanoGPTError("no dataset 'shk' in data/; these exist: shakespeare-char")
+raise NanoGPTError("no dataset 'shk' in data/; these exist: shakespeare-char")
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ def require(module: str, extra: str, what: str = "this command", package: str | 
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise NanoGPTError(f"{what} needs the {package or module.split('.')[0]} package: "
-                           f'pip install -e ".[{extra}]"{also}') from None
+        raise NanoGPTError(
+            f'{what} needs the {package or module.split(".")[0]} package: pip install -e ".[{extra}]"{also}'
+        ) from None
 
 
 def first_line(e: BaseException) -> str:

@@ -20,10 +20,9 @@ from torch.nn import functional as F
 
 from nanogpt_cli.data import load_meta, open_split
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.model import GPT
 from nanogpt_cli.files import read_text_file
+from nanogpt_cli.model import GPT
 from nanogpt_cli.tokenizer import Tokenizer, describe_difference
-
 
 Progress = Callable[[str, int, int], None]  # (what is scored, targets scored so far, all targets)
 
@@ -50,8 +49,14 @@ def default_stride(block_size: int) -> int:
 
 
 @torch.no_grad()
-def score_tokens(model: GPT, tokens: np.ndarray | torch.Tensor | list[int], stride: int | None, batch_size: int,
-                 progress: Progress | None = None, label: str = "scoring") -> tuple[float, int]:
+def score_tokens(
+    model: GPT,
+    tokens: np.ndarray | torch.Tensor | list[int],
+    stride: int | None,
+    batch_size: int,
+    progress: Progress | None = None,
+    label: str = "scoring",
+) -> tuple[float, int]:
     """Sum of NLL (nats) and count over tokens[1:], each predicted once. Windows of block_size tokens start
     every `stride` tokens; a window scores only the targets the previous one did not, so each token sees at
     least block_size - stride tokens of context (fewer only at the very start). stride None: default_stride.
@@ -77,16 +82,17 @@ def score_tokens(model: GPT, tokens: np.ndarray | torch.Tensor | list[int], stri
     model.eval()
     total = torch.zeros((), dtype=torch.float64)
     for i in range(0, len(windows), batch_size):
-        group = windows[i:i + batch_size]
+        group = windows[i : i + batch_size]
         T = max(length for _, length, _ in group)
         x = torch.zeros(len(group), T, dtype=torch.long)
         y = torch.full((len(group), T), -1, dtype=torch.long)  # -1: not scored here
         for row, (begin, length, first) in enumerate(group):
-            x[row, :length] = ids[begin:begin + length]
-            y[row, first:length] = ids[begin + 1 + first:begin + 1 + length]
+            x[row, :length] = ids[begin : begin + length]
+            y[row, first:length] = ids[begin + 1 + first : begin + 1 + length]
         logits, _ = model(x.to(device))
-        nll = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.to(device).reshape(-1),
-                              ignore_index=-1, reduction="sum")
+        nll = F.cross_entropy(
+            logits.float().reshape(-1, logits.size(-1)), y.to(device).reshape(-1), ignore_index=-1, reduction="sum"
+        )
         total += nll.cpu().double()  # float64 on the CPU: MPS has none
         if progress is not None:
             progress(label, min(group[-1][0] + group[-1][1], n_targets), n_targets)
@@ -97,9 +103,17 @@ def _result(nll: float, n: int, n_bytes: int, elapsed_s: float, stride: int, sou
     if n == 0:
         raise NanoGPTError(f"{source} has fewer than two tokens: nothing to score")
     loss = nll / n
-    return EvalResult(loss=loss, perplexity=math.exp(loss), bits_per_byte=nll / math.log(2) / max(n_bytes, 1),
-                      tokens=n, bytes=n_bytes, elapsed_s=elapsed_s, tokens_per_s=n / elapsed_s if elapsed_s else 0.0,
-                      stride=stride, source=source)
+    return EvalResult(
+        loss=loss,
+        perplexity=math.exp(loss),
+        bits_per_byte=nll / math.log(2) / max(n_bytes, 1),
+        tokens=n,
+        bytes=n_bytes,
+        elapsed_s=elapsed_s,
+        tokens_per_s=n / elapsed_s if elapsed_s else 0.0,
+        stride=stride,
+        source=source,
+    )
 
 
 def text_bytes(tokenizer: Tokenizer, tokens, chunk: int = 1 << 20) -> int:
@@ -107,17 +121,26 @@ def text_bytes(tokenizer: Tokenizer, tokens, chunk: int = 1 << 20) -> int:
     ids = np.asarray(tokens)
     if tokenizer.eot_id is not None:
         ids = ids[ids != tokenizer.eot_id]
-    return sum(len(tokenizer.decode_bytes(ids[i:i + chunk].tolist())) for i in range(0, len(ids), chunk))
+    return sum(len(tokenizer.decode_bytes(ids[i : i + chunk].tolist())) for i in range(0, len(ids), chunk))
 
 
-def perplexity_of_split(model: GPT, tokenizer: Tokenizer, data_dir: Path, name: str, split: str,
-                        stride: int | None = None, batch_size: int = 8, progress: Progress | None = None
-                        ) -> EvalResult:
+def perplexity_of_split(
+    model: GPT,
+    tokenizer: Tokenizer,
+    data_dir: Path,
+    name: str,
+    split: str,
+    stride: int | None = None,
+    batch_size: int = 8,
+    progress: Progress | None = None,
+) -> EvalResult:
     meta = load_meta(data_dir, name)
     differ = describe_difference(meta["tokenizer"], tokenizer.describe(), f"dataset '{name}'", "the checkpoint")
     if differ:
-        raise NanoGPTError(f"dataset '{name}' was prepared with another tokenizer than the checkpoint's ({differ}); "
-                           "score data prepared with the checkpoint's tokenizer, or use --input FILE")
+        raise NanoGPTError(
+            f"dataset '{name}' was prepared with another tokenizer than the checkpoint's ({differ}); "
+            "score data prepared with the checkpoint's tokenizer, or use --input FILE"
+        )
     stride = stride or default_stride(model.config.block_size)
     t0 = time.perf_counter()
     nll, n, n_bytes = 0.0, 0, 0
@@ -129,8 +152,14 @@ def perplexity_of_split(model: GPT, tokenizer: Tokenizer, data_dir: Path, name: 
     return _result(nll, n, n_bytes, time.perf_counter() - t0, stride, f"{name}/{split}")
 
 
-def perplexity_of_files(model: GPT, tokenizer: Tokenizer, paths: list[Path], stride: int | None = None,
-                        batch_size: int = 8, progress: Progress | None = None) -> EvalResult:
+def perplexity_of_files(
+    model: GPT,
+    tokenizer: Tokenizer,
+    paths: list[Path],
+    stride: int | None = None,
+    batch_size: int = 8,
+    progress: Progress | None = None,
+) -> EvalResult:
     """Each file is scored on its own (its first token has no context and is not scored); sums are pooled."""
     nll_total, n_total, bytes_total = 0.0, 0, 0
     stride = stride or default_stride(model.config.block_size)

@@ -44,8 +44,15 @@ class StepLogged:
     recorded: bool = True
 
     def record(self) -> dict[str, Any]:
-        record = dict(kind="train", step=self.step, loss=self.loss, lr=self.lr, tokens=self.tokens,
-                      elapsed_s=round(self.elapsed_s, 3), tokens_per_s=round(self.tokens_per_s, 1))
+        record = dict(
+            kind="train",
+            step=self.step,
+            loss=self.loss,
+            lr=self.lr,
+            tokens=self.tokens,
+            elapsed_s=round(self.elapsed_s, 3),
+            tokens_per_s=round(self.tokens_per_s, 1),
+        )
         if self.scale is not None:
             record.update(skipped=self.skipped, scale=self.scale)
         return record
@@ -66,8 +73,15 @@ class Evaluated:
     saved: bool = True  # a checkpoint was written after it (never at step 0, where it would resume nothing)
 
     def record(self) -> dict[str, Any]:
-        return dict(kind="eval", step=self.step, train_loss=self.train_loss, val_loss=self.val_loss, lr=self.lr,
-                    tokens=self.tokens, elapsed_s=self.elapsed_s)
+        return dict(
+            kind="eval",
+            step=self.step,
+            train_loss=self.train_loss,
+            val_loss=self.val_loss,
+            lr=self.lr,
+            tokens=self.tokens,
+            elapsed_s=self.elapsed_s,
+        )
 
 
 class Display(Protocol):

@@ -37,8 +37,9 @@ class ExportResult:
     f32_bytes: int = 0  # gguf: the size the same file has in float32
 
 
-def export(source: str | Path, fmt: str, out: str | Path, last: bool = False, force: bool = False,
-           quant: str | None = None) -> ExportResult:
+def export(
+    source: str | Path, fmt: str, out: str | Path, last: bool = False, force: bool = False, quant: str | None = None
+) -> ExportResult:
     """Export a run folder or .safetensors checkpoint (or a Hugging Face folder / hf:NAME) to `out`. quant: the
     GGUF type of the matrices (gguf_file.QUANTS; default f32)."""
     if fmt not in FORMATS:
@@ -92,8 +93,9 @@ def export_hf(model: GPT, desc: dict[str, Any], out: Path, force: bool = False) 
     kind = hf.hf_kind(model.config)  # refusals first: nothing is written before every check has passed
     tok, eot = hf.tokenizers_object(desc)
     if desc["vocab_size"] > model.config.vocab_size:
-        raise NanoGPTError(f"the tokenizer has {desc['vocab_size']:,} tokens but the model only "
-                           f"{model.config.vocab_size:,}")
+        raise NanoGPTError(
+            f"the tokenizer has {desc['vocab_size']:,} tokens but the model only {model.config.vocab_size:,}"
+        )
     _check_target(out, force)
     eot_id = tok.token_to_id(eot) if eot is not None else None
     special = {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": None}
@@ -114,8 +116,11 @@ def export_hf(model: GPT, desc: dict[str, Any], out: Path, force: bool = False) 
         generation.save_pretrained(tmp)
         tok.save(str(tmp / "tokenizer.json"))
         # written here, not by save_pretrained: transformers 5 names its own backend class, which 4.x cannot load
-        tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.config.block_size,
-                            "clean_up_tokenization_spaces": False}
+        tokenizer_config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": model.config.block_size,
+            "clean_up_tokenization_spaces": False,
+        }
         if eot is not None:
             tokenizer_config.update(bos_token=eot, eos_token=eot, unk_token=eot)
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n", encoding="utf-8")

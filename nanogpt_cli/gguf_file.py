@@ -43,8 +43,10 @@ def gguf_arch(c: GPTConfig) -> str:
     except NanoGPTError as e:
         raise NanoGPTError(f"GGUF export needs a model llama.cpp computes exactly: {e}") from None
     if kind in ("gpt2", "gpt_neox") and c.mlp != "gelu_tanh":
-        raise NanoGPTError("llama.cpp computes GELU with the tanh approximation: GGUF export of a model with "
-                           "LayerNorm and GELU needs --mlp gelu_tanh (or --norm rmsnorm --mlp swiglu --no-bias)")
+        raise NanoGPTError(
+            "llama.cpp computes GELU with the tanh approximation: GGUF export of a model with "
+            "LayerNorm and GELU needs --mlp gelu_tanh (or --norm rmsnorm --mlp swiglu --no-bias)"
+        )
     if kind == "llama" and c.bias:
         raise NanoGPTError("GGUF export of a Llama-shaped model needs --no-bias")
     return "starcoder2" if kind == "gpt_neox" else kind
@@ -53,8 +55,13 @@ def gguf_arch(c: GPTConfig) -> str:
 def gguf_vocabulary(desc: dict[str, Any], vocab_size: int, gguf) -> dict[str, Any]:
     """The tokenizer as llama.cpp reads it: tokens in id order, their types, merges, pre-tokenizer, end-of-text id.
     A padded vocabulary gets unused filler tokens, since llama.cpp wants one token per embedding row."""
-    from nanogpt_cli.tokenizer import BPETokenizer, byte_to_unicode, merges_from_ranks, spell_bytes, \
-        tokenizer_from_description
+    from nanogpt_cli.tokenizer import (
+        BPETokenizer,
+        byte_to_unicode,
+        merges_from_ranks,
+        spell_bytes,
+        tokenizer_from_description,
+    )
 
     name, pre, merges, eot = desc["name"], "gpt-2", [], None
     if desc.get("kind") == "bpe":
@@ -62,9 +69,11 @@ def gguf_vocabulary(desc: dict[str, Any], vocab_size: int, gguf) -> dict[str, An
         assert isinstance(tok, BPETokenizer)
         pattern = {v: k for k, v in _patterns().items()}.get(tok.pattern)
         if pattern not in PRE_TOKENIZERS:
-            raise NanoGPTError(f"llama.cpp has no pre-tokenizer for the split pattern of the {name} tokenizer "
-                               f"({tok.pattern_name or 'custom'}); train it with --pattern gpt2, gpt4 or gpt4o to "
-                               "export it to GGUF")
+            raise NanoGPTError(
+                f"llama.cpp has no pre-tokenizer for the split pattern of the {name} tokenizer "
+                f"({tok.pattern_name or 'custom'}); train it with --pattern gpt2, gpt4 or gpt4o to "
+                "export it to GGUF"
+            )
         pre = PRE_TOKENIZERS[pattern]
         tokens = [spell_bytes(t) for t in tok.ranks] + sorted(tok.special_tokens, key=tok.special_tokens.get)
         merges = [f"{spell_bytes(a)} {spell_bytes(b)}" for a, b in merges_from_ranks(tok.ranks)]
@@ -82,9 +91,11 @@ def gguf_vocabulary(desc: dict[str, Any], vocab_size: int, gguf) -> dict[str, An
         wide = [ch for ch in desc["chars"] if len(ch.encode("utf-8")) > 1]
         if wide:
             shown = " ".join(repr(ch) for ch in wide[:8]) + (" ..." if len(wide) > 8 else "")
-            raise NanoGPTError(f"the char vocabulary holds {len(wide)} character(s) of several UTF-8 bytes ({shown}), "
-                               "which llama.cpp's byte-level vocabulary can only build from tokens this model lacks; "
-                               "prepare with --tokenizer byte or a trained tokenizer to export to GGUF")
+            raise NanoGPTError(
+                f"the char vocabulary holds {len(wide)} character(s) of several UTF-8 bytes ({shown}), "
+                "which llama.cpp's byte-level vocabulary can only build from tokens this model lacks; "
+                "prepare with --tokenizer byte or a trained tokenizer to export to GGUF"
+            )
         tokens, control = [spell_bytes(ch.encode("utf-8")) for ch in desc["chars"]], set()
     else:
         raise NanoGPTError(f"GGUF export supports the gpt2, char, byte and trained tokenizers, not {name}")
@@ -116,8 +127,9 @@ def write_gguf(model: GPT, desc: dict[str, Any], path: Path, quant: str = "f32")
     writer.add_token_list(vocab["tokens"])
     writer.add_token_types(vocab["types"])
     # llama.cpp refuses a byte-level vocabulary without a merges key, even an empty one (char and byte)
-    writer.add_key_value(gguf.Keys.Tokenizer.MERGES, vocab["merges"], gguf.GGUFValueType.ARRAY,
-                         sub_type=gguf.GGUFValueType.STRING)
+    writer.add_key_value(
+        gguf.Keys.Tokenizer.MERGES, vocab["merges"], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING
+    )
     if vocab["eot"] is not None:
         writer.add_bos_token_id(vocab["eot"])
         writer.add_eos_token_id(vocab["eot"])
@@ -191,13 +203,21 @@ def _llama_rope_order(w, n_head: int, inverse: bool = False):
 
 def _block_names(arch: str) -> dict[str, tuple[str, ...]]:
     """Our block tensor -> the GGUF tensors it is cut into, in order along dim 0 (one name: the same tensor)."""
-    names = {"ln_1.weight": ("attn_norm",), "attn.c_proj.weight": ("attn_output",), "ln_2.weight": ("ffn_norm",),
-             "mlp.c_proj.weight": ("ffn_down",)}
+    names = {
+        "ln_1.weight": ("attn_norm",),
+        "attn.c_proj.weight": ("attn_output",),
+        "ln_2.weight": ("ffn_norm",),
+        "mlp.c_proj.weight": ("ffn_down",),
+    }
     if arch == "gpt2":
         names.update({"attn.c_attn.weight": ("attn_qkv",), "mlp.c_fc.weight": ("ffn_up",)})
     else:
-        names.update({"attn.c_attn.weight": ("attn_q", "attn_k", "attn_v"),
-                      "mlp.c_fc.weight": ("ffn_gate", "ffn_up") if arch == "llama" else ("ffn_up",)})
+        names.update(
+            {
+                "attn.c_attn.weight": ("attn_q", "attn_k", "attn_v"),
+                "mlp.c_fc.weight": ("ffn_gate", "ffn_up") if arch == "llama" else ("ffn_up",),
+            }
+        )
     if arch != "llama":  # every linear and norm of llama.cpp's gpt2 and starcoder2 has a bias
         names.update({k.replace(".weight", ".bias"): v for k, v in list(names.items())})
     return names
@@ -208,8 +228,13 @@ def gguf_tensors(model: GPT, arch: str, gguf=None) -> dict[str, np.ndarray]:
     c = model.config
     sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
     if arch == "gpt2":
-        sd["transformer.wpe.weight"] = (model.pos_table if c.pos_encoding == "sinusoidal"
-                                        else model.transformer.wpe.weight).detach().float().cpu().numpy()
+        sd["transformer.wpe.weight"] = (
+            (model.pos_table if c.pos_encoding == "sinusoidal" else model.transformer.wpe.weight)
+            .detach()
+            .float()
+            .cpu()
+            .numpy()
+        )
     out = {"token_embd.weight": sd["transformer.wte.weight"]}
     if arch == "gpt2":
         out["position_embd.weight"] = sd["transformer.wpe.weight"]
@@ -259,13 +284,19 @@ def _open(path: str | Path):
 def _meta(reader, path) -> dict[str, Any]:
     fields = reader.fields
     if CONFIG_KEY not in fields or TOKENIZER_KEY not in fields:
-        raise NanoGPTError(f"{path} is a GGUF file that nanogpt did not write (it has no {CONFIG_KEY}); nanogpt "
-                           "reads back its own GGUF exports only")
+        raise NanoGPTError(
+            f"{path} is a GGUF file that nanogpt did not write (it has no {CONFIG_KEY}); nanogpt "
+            "reads back its own GGUF exports only"
+        )
     file_type = fields["general.file_type"].contents() if "general.file_type" in fields else 0
-    return {"config": json.loads(fields[CONFIG_KEY].contents()),
-            "tokenizer": json.loads(fields[TOKENIZER_KEY].contents()),
-            "architecture": fields["general.architecture"].contents(), "file_type": int(file_type),
-            "source": str(path), "format": "gguf"}
+    return {
+        "config": json.loads(fields[CONFIG_KEY].contents()),
+        "tokenizer": json.loads(fields[TOKENIZER_KEY].contents()),
+        "architecture": fields["general.architecture"].contents(),
+        "file_type": int(file_type),
+        "source": str(path),
+        "format": "gguf",
+    }
 
 
 def read_gguf(path: str | Path) -> tuple[GPT, dict[str, Any]]:
@@ -279,12 +310,18 @@ def read_gguf(path: str | Path) -> tuple[GPT, dict[str, Any]]:
     except (TypeError, ValueError) as e:
         raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None
     arch = gguf_arch(config)
-    tensors = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).reshape(
-        [int(n) for n in reversed(t.shape)]).astype(np.float32) for t in reader.tensors}
+    tensors = {
+        t.name: gguf.quants.dequantize(t.data, t.tensor_type)
+        .reshape([int(n) for n in reversed(t.shape)])
+        .astype(np.float32)
+        for t in reader.tensors
+    }
     model = GPT(config)
     sd = model.state_dict()
-    ours: dict[str, np.ndarray] = {"transformer.wte.weight": tensors["token_embd.weight"],
-                                   "transformer.ln_f.weight": tensors["output_norm.weight"]}
+    ours: dict[str, np.ndarray] = {
+        "transformer.wte.weight": tensors["token_embd.weight"],
+        "transformer.ln_f.weight": tensors["output_norm.weight"],
+    }
     if not config.tie_embeddings:
         ours["lm_head.weight"] = tensors["output.weight"]
     if "transformer.wpe.weight" in sd:
@@ -303,7 +340,8 @@ def read_gguf(path: str | Path) -> tuple[GPT, dict[str, Any]]:
     with torch.no_grad():
         for name, value in ours.items():
             if tuple(sd[name].shape) != value.shape:
-                raise NanoGPTError(f"{path} does not match its config: {name} is {value.shape}, not "
-                                   f"{tuple(sd[name].shape)}")
+                raise NanoGPTError(
+                    f"{path} does not match its config: {name} is {value.shape}, not {tuple(sd[name].shape)}"
+                )
             sd[name].copy_(torch.from_numpy(value))
     return model.eval(), meta

@@ -21,22 +21,32 @@ from typing import Any
 
 import torch
 
-from nanogpt_cli.config import GPTConfig
 from nanogpt_cli import errors
+from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError, first_line
 from nanogpt_cli.model import GPT
 
 # ours <- theirs, per block; {i} is the layer. A tuple on the right is concatenated along dim 0 (fused).
 GPT2_BLOCK = {
-    "ln_1.weight": "ln_1.weight", "ln_1.bias": "ln_1.bias",
-    "attn.c_attn.weight": "attn.c_attn.weight", "attn.c_attn.bias": "attn.c_attn.bias",
-    "attn.c_proj.weight": "attn.c_proj.weight", "attn.c_proj.bias": "attn.c_proj.bias",
-    "ln_2.weight": "ln_2.weight", "ln_2.bias": "ln_2.bias",
-    "mlp.c_fc.weight": "mlp.c_fc.weight", "mlp.c_fc.bias": "mlp.c_fc.bias",
-    "mlp.c_proj.weight": "mlp.c_proj.weight", "mlp.c_proj.bias": "mlp.c_proj.bias",
+    "ln_1.weight": "ln_1.weight",
+    "ln_1.bias": "ln_1.bias",
+    "attn.c_attn.weight": "attn.c_attn.weight",
+    "attn.c_attn.bias": "attn.c_attn.bias",
+    "attn.c_proj.weight": "attn.c_proj.weight",
+    "attn.c_proj.bias": "attn.c_proj.bias",
+    "ln_2.weight": "ln_2.weight",
+    "ln_2.bias": "ln_2.bias",
+    "mlp.c_fc.weight": "mlp.c_fc.weight",
+    "mlp.c_fc.bias": "mlp.c_fc.bias",
+    "mlp.c_proj.weight": "mlp.c_proj.weight",
+    "mlp.c_proj.bias": "mlp.c_proj.bias",
 }
-GPT2_TOP = {"transformer.wte.weight": "transformer.wte.weight", "transformer.wpe.weight": "transformer.wpe.weight",
-            "transformer.ln_f.weight": "transformer.ln_f.weight", "transformer.ln_f.bias": "transformer.ln_f.bias"}
+GPT2_TOP = {
+    "transformer.wte.weight": "transformer.wte.weight",
+    "transformer.wpe.weight": "transformer.wpe.weight",
+    "transformer.ln_f.weight": "transformer.ln_f.weight",
+    "transformer.ln_f.bias": "transformer.ln_f.bias",
+}
 # GPT-2 stores its linear layers as Conv1D, (in, out): transposed relative to nn.Linear
 GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -44,25 +54,35 @@ LLAMA_BLOCK = {
     "ln_1.weight": "input_layernorm.weight",
     "attn.c_attn.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "attn.c_attn.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "attn.c_proj.weight": "self_attn.o_proj.weight", "attn.c_proj.bias": "self_attn.o_proj.bias",
+    "attn.c_proj.weight": "self_attn.o_proj.weight",
+    "attn.c_proj.bias": "self_attn.o_proj.bias",
     "ln_2.weight": "post_attention_layernorm.weight",
     "mlp.c_fc.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
     "mlp.c_fc.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
-    "mlp.c_proj.weight": "mlp.down_proj.weight", "mlp.c_proj.bias": "mlp.down_proj.bias",
+    "mlp.c_proj.weight": "mlp.down_proj.weight",
+    "mlp.c_proj.bias": "mlp.down_proj.bias",
 }
 LLAMA_TOP = {"transformer.wte.weight": "model.embed_tokens.weight", "transformer.ln_f.weight": "model.norm.weight"}
 
 NEOX_BLOCK = {
-    "ln_1.weight": "input_layernorm.weight", "ln_1.bias": "input_layernorm.bias",
-    "attn.c_attn.weight": "attention.query_key_value.weight", "attn.c_attn.bias": "attention.query_key_value.bias",
-    "attn.c_proj.weight": "attention.dense.weight", "attn.c_proj.bias": "attention.dense.bias",
-    "ln_2.weight": "post_attention_layernorm.weight", "ln_2.bias": "post_attention_layernorm.bias",
-    "mlp.c_fc.weight": "mlp.dense_h_to_4h.weight", "mlp.c_fc.bias": "mlp.dense_h_to_4h.bias",
-    "mlp.c_proj.weight": "mlp.dense_4h_to_h.weight", "mlp.c_proj.bias": "mlp.dense_4h_to_h.bias",
+    "ln_1.weight": "input_layernorm.weight",
+    "ln_1.bias": "input_layernorm.bias",
+    "attn.c_attn.weight": "attention.query_key_value.weight",
+    "attn.c_attn.bias": "attention.query_key_value.bias",
+    "attn.c_proj.weight": "attention.dense.weight",
+    "attn.c_proj.bias": "attention.dense.bias",
+    "ln_2.weight": "post_attention_layernorm.weight",
+    "ln_2.bias": "post_attention_layernorm.bias",
+    "mlp.c_fc.weight": "mlp.dense_h_to_4h.weight",
+    "mlp.c_fc.bias": "mlp.dense_h_to_4h.bias",
+    "mlp.c_proj.weight": "mlp.dense_4h_to_h.weight",
+    "mlp.c_proj.bias": "mlp.dense_4h_to_h.bias",
 }
-NEOX_TOP = {"transformer.wte.weight": "gpt_neox.embed_in.weight",
-            "transformer.ln_f.weight": "gpt_neox.final_layer_norm.weight",
-            "transformer.ln_f.bias": "gpt_neox.final_layer_norm.bias"}
+NEOX_TOP = {
+    "transformer.wte.weight": "gpt_neox.embed_in.weight",
+    "transformer.ln_f.weight": "gpt_neox.final_layer_norm.weight",
+    "transformer.ln_f.bias": "gpt_neox.final_layer_norm.bias",
+}
 
 ARCHS = {  # model_type -> (top names, block names, block prefix, transformers class)
     "gpt2": (GPT2_TOP, GPT2_BLOCK, "transformer.h", "GPT2LMHeadModel"),
@@ -78,8 +98,11 @@ def quiet_transformers():
     line, or one error sentence."""
     logging = require("transformers").utils.logging
     hub_logging = require("huggingface_hub").utils.logging  # its retry warnings; download bars stay
-    verbosity, hub_verbosity, bars = logging.get_verbosity(), hub_logging.get_verbosity(), \
-        logging.is_progress_bar_enabled()
+    verbosity, hub_verbosity, bars = (
+        logging.get_verbosity(),
+        hub_logging.get_verbosity(),
+        logging.is_progress_bar_enabled(),
+    )
     logging.set_verbosity_error()
     hub_logging.set_verbosity_error()
     logging.disable_progress_bar()
@@ -104,28 +127,42 @@ def hf_kind(c: GPTConfig) -> str:
     """The stock architecture that computes exactly what this config computes, or one sentence saying why none
     does, naming the closest one and the flags to change."""
     if c.qk_norm or c.logit_softcap is not None:  # --zero-init-proj changes only the init: it converts
-        raise NanoGPTError("no stock Hugging Face architecture has QK-norm or logit soft-capping; a model trained "
-                           "with --qk-norm or --logit-softcap does not convert (train without them to export)")
+        raise NanoGPTError(
+            "no stock Hugging Face architecture has QK-norm or logit soft-capping; a model trained "
+            "with --qk-norm or --logit-softcap does not convert (train without them to export)"
+        )
     gelu = c.mlp in ("gelu", "gelu_tanh")
     if c.pos_encoding in ("learned", "sinusoidal"):
         if c.norm == "layernorm" and gelu:
             return "gpt2"
-        raise NanoGPTError(f"no stock Hugging Face architecture computes --pos-encoding {c.pos_encoding} with --norm "
-                           f"{c.norm} and --mlp {c.mlp}; the closest, GPT2LMHeadModel, needs --norm layernorm and "
-                           "--mlp gelu or gelu_tanh")
+        raise NanoGPTError(
+            f"no stock Hugging Face architecture computes --pos-encoding {c.pos_encoding} with --norm "
+            f"{c.norm} and --mlp {c.mlp}; the closest, GPT2LMHeadModel, needs --norm layernorm and "
+            "--mlp gelu or gelu_tanh"
+        )
     if c.norm == "rmsnorm" and c.mlp == "swiglu":
         return "llama"
     if c.norm == "layernorm" and gelu:
         return "gpt_neox"
     # the closest: Llama when the MLP is SwiGLU or the norm RMSNorm, else GPT-NeoX; name only the flags that differ
     if c.mlp == "swiglu" or (c.norm == "rmsnorm" and not gelu):
-        closest, needs = "LlamaForCausalLM", [f for f in ("--norm rmsnorm" if c.norm != "rmsnorm" else "",
-                                                          "--mlp swiglu" if c.mlp != "swiglu" else "") if f]
+        closest, needs = (
+            "LlamaForCausalLM",
+            [
+                f
+                for f in ("--norm rmsnorm" if c.norm != "rmsnorm" else "", "--mlp swiglu" if c.mlp != "swiglu" else "")
+                if f
+            ],
+        )
     else:
-        closest, needs = "GPTNeoXForCausalLM", [f for f in ("--norm layernorm" if c.norm != "layernorm" else "",
-                                                            "--mlp gelu" if not gelu else "") if f]
-    raise NanoGPTError(f"no stock Hugging Face architecture computes RoPE with --norm {c.norm} and --mlp {c.mlp}; "
-                       f"the closest, {closest}, needs {' '.join(needs)}")
+        closest, needs = (
+            "GPTNeoXForCausalLM",
+            [f for f in ("--norm layernorm" if c.norm != "layernorm" else "", "--mlp gelu" if not gelu else "") if f],
+        )
+    raise NanoGPTError(
+        f"no stock Hugging Face architecture computes RoPE with --norm {c.norm} and --mlp {c.mlp}; "
+        f"the closest, {closest}, needs {' '.join(needs)}"
+    )
 
 
 def _check_kind(hf_config) -> str:
@@ -151,38 +188,75 @@ def config_from_hf(c, bias: bool) -> GPTConfig:
             raise NanoGPTError(f"GPT-2 with activation {c.activation_function!r} has no counterpart here")
         if c.scale_attn_by_inverse_layer_idx or c.reorder_and_upcast_attn or not c.scale_attn_weights:
             raise NanoGPTError("GPT-2 models with non-default attention scaling have no counterpart here")
-        config = GPTConfig(vocab_size=c.vocab_size, block_size=c.n_positions, n_layer=c.n_layer, n_head=c.n_head,
-                           n_embd=c.n_embd, bias=bias, pos_encoding="learned", norm="layernorm",
-                           norm_eps=c.layer_norm_epsilon, mlp=GELUS[c.activation_function], mlp_hidden=c.n_inner,
-                           tie_embeddings=c.tie_word_embeddings)
+        config = GPTConfig(
+            vocab_size=c.vocab_size,
+            block_size=c.n_positions,
+            n_layer=c.n_layer,
+            n_head=c.n_head,
+            n_embd=c.n_embd,
+            bias=bias,
+            pos_encoding="learned",
+            norm="layernorm",
+            norm_eps=c.layer_norm_epsilon,
+            mlp=GELUS[c.activation_function],
+            mlp_hidden=c.n_inner,
+            tie_embeddings=c.tie_word_embeddings,
+        )
     elif kind == "llama":
         if c.num_key_value_heads != c.num_attention_heads:
-            raise NanoGPTError("grouped-query attention (num_key_value_heads != num_attention_heads) has no "
-                               "counterpart here")
+            raise NanoGPTError(
+                "grouped-query attention (num_key_value_heads != num_attention_heads) has no counterpart here"
+            )
         if getattr(c, "head_dim", None) not in (None, c.hidden_size // c.num_attention_heads):
-            raise NanoGPTError("Llama models whose head_dim is not hidden_size / num_attention_heads have no "
-                               "counterpart here")
+            raise NanoGPTError(
+                "Llama models whose head_dim is not hidden_size / num_attention_heads have no counterpart here"
+            )
         if c.hidden_act != "silu":
             raise NanoGPTError(f"Llama with activation {c.hidden_act!r} has no counterpart here")
-        config = GPTConfig(vocab_size=c.vocab_size, block_size=c.max_position_embeddings,
-                           n_layer=c.num_hidden_layers, n_head=c.num_attention_heads, n_embd=c.hidden_size, bias=bias,
-                           pos_encoding="rope", rope_theta=_rope_theta(c), norm="rmsnorm", norm_eps=c.rms_norm_eps,
-                           mlp="swiglu", mlp_hidden=c.intermediate_size, tie_embeddings=c.tie_word_embeddings)
+        config = GPTConfig(
+            vocab_size=c.vocab_size,
+            block_size=c.max_position_embeddings,
+            n_layer=c.num_hidden_layers,
+            n_head=c.num_attention_heads,
+            n_embd=c.hidden_size,
+            bias=bias,
+            pos_encoding="rope",
+            rope_theta=_rope_theta(c),
+            norm="rmsnorm",
+            norm_eps=c.rms_norm_eps,
+            mlp="swiglu",
+            mlp_hidden=c.intermediate_size,
+            tie_embeddings=c.tie_word_embeddings,
+        )
     else:
         rope = getattr(c, "rope_parameters", None) or {}
         partial = rope.get("partial_rotary_factor", getattr(c, "rotary_pct", 1.0))
         if c.use_parallel_residual or partial != 1.0:
-            raise NanoGPTError("GPT-NeoX models with a parallel residual or partial rotary embeddings (such as Pythia) "
-                               "have no counterpart here")
+            raise NanoGPTError(
+                "GPT-NeoX models with a parallel residual or partial rotary embeddings (such as Pythia) "
+                "have no counterpart here"
+            )
         if c.hidden_act not in GELUS:
             raise NanoGPTError(f"GPT-NeoX with activation {c.hidden_act!r} has no counterpart here")
-        config = GPTConfig(vocab_size=c.vocab_size, block_size=c.max_position_embeddings,
-                           n_layer=c.num_hidden_layers, n_head=c.num_attention_heads, n_embd=c.hidden_size, bias=bias,
-                           pos_encoding="rope", rope_theta=_rope_theta(c), norm="layernorm", norm_eps=c.layer_norm_eps,
-                           mlp=GELUS[c.hidden_act], mlp_hidden=c.intermediate_size,
-                           tie_embeddings=c.tie_word_embeddings)
-    if config.mlp_hidden is not None and config.mlp_hidden == GPTConfig(**{**config.to_dict(),
-                                                                           "mlp_hidden": None}).hidden_size:
+        config = GPTConfig(
+            vocab_size=c.vocab_size,
+            block_size=c.max_position_embeddings,
+            n_layer=c.num_hidden_layers,
+            n_head=c.num_attention_heads,
+            n_embd=c.hidden_size,
+            bias=bias,
+            pos_encoding="rope",
+            rope_theta=_rope_theta(c),
+            norm="layernorm",
+            norm_eps=c.layer_norm_eps,
+            mlp=GELUS[c.hidden_act],
+            mlp_hidden=c.intermediate_size,
+            tie_embeddings=c.tie_word_embeddings,
+        )
+    if (
+        config.mlp_hidden is not None
+        and config.mlp_hidden == GPTConfig(**{**config.to_dict(), "mlp_hidden": None}).hidden_size
+    ):
         config.mlp_hidden = None  # the default width: keep the config as a user would have written it
     return config
 
@@ -194,29 +268,59 @@ def hf_config_for(c: GPTConfig, kind: str, special: dict[str, int | None]) -> tu
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
     if kind == "gpt2":
         act = "gelu_new" if c.mlp == "gelu_tanh" else "gelu"
-        config = transformers.GPT2Config(vocab_size=c.vocab_size, n_positions=c.block_size, n_embd=c.n_embd,
-                                         n_layer=c.n_layer, n_head=c.n_head, n_inner=c.hidden_size,
-                                         activation_function=act, layer_norm_epsilon=c.norm_eps, resid_pdrop=0.0,
-                                         embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=c.tie_embeddings,
-                                         **special)
+        config = transformers.GPT2Config(
+            vocab_size=c.vocab_size,
+            n_positions=c.block_size,
+            n_embd=c.n_embd,
+            n_layer=c.n_layer,
+            n_head=c.n_head,
+            n_inner=c.hidden_size,
+            activation_function=act,
+            layer_norm_epsilon=c.norm_eps,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=c.tie_embeddings,
+            **special,
+        )
         return config, {"n_ctx": c.block_size}
     if kind == "llama":
-        config = transformers.LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.n_embd,
-                                          intermediate_size=c.hidden_size, num_hidden_layers=c.n_layer,
-                                          num_attention_heads=c.n_head, num_key_value_heads=c.n_head,
-                                          max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
-                                          attention_bias=c.bias, mlp_bias=c.bias, rope_theta=c.rope_theta,
-                                          rope_parameters=rope, tie_word_embeddings=c.tie_embeddings, **special)
+        config = transformers.LlamaConfig(
+            vocab_size=c.vocab_size,
+            hidden_size=c.n_embd,
+            intermediate_size=c.hidden_size,
+            num_hidden_layers=c.n_layer,
+            num_attention_heads=c.n_head,
+            num_key_value_heads=c.n_head,
+            max_position_embeddings=c.block_size,
+            rms_norm_eps=c.norm_eps,
+            attention_bias=c.bias,
+            mlp_bias=c.bias,
+            rope_theta=c.rope_theta,
+            rope_parameters=rope,
+            tie_word_embeddings=c.tie_embeddings,
+            **special,
+        )
         return config, {"rope_theta": c.rope_theta}
-    config = transformers.GPTNeoXConfig(vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.hidden_size,
-                                        num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
-                                        hidden_act="gelu_new" if c.mlp == "gelu_tanh" else "gelu",
-                                        max_position_embeddings=c.block_size, layer_norm_eps=c.norm_eps,
-                                        rotary_pct=1.0, rotary_emb_base=c.rope_theta,
-                                        rope_parameters={**rope, "partial_rotary_factor": 1.0},
-                                        use_parallel_residual=False, attention_bias=True,
-                                        tie_word_embeddings=c.tie_embeddings, hidden_dropout=0.0, attention_dropout=0.0,
-                                        **special)
+    config = transformers.GPTNeoXConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.n_embd,
+        intermediate_size=c.hidden_size,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        hidden_act="gelu_new" if c.mlp == "gelu_tanh" else "gelu",
+        max_position_embeddings=c.block_size,
+        layer_norm_eps=c.norm_eps,
+        rotary_pct=1.0,
+        rotary_emb_base=c.rope_theta,
+        rope_parameters={**rope, "partial_rotary_factor": 1.0},
+        use_parallel_residual=False,
+        attention_bias=True,
+        tie_word_embeddings=c.tie_embeddings,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **special,
+    )
     return config, {"rope_theta": c.rope_theta, "rotary_emb_base": c.rope_theta, "rotary_pct": 1.0}
 
 
@@ -372,8 +476,10 @@ def tokenizers_object(desc: dict[str, Any]):
         return tok, None
     if desc.get("kind") == "bpe":
         return _trained_bpe_object(desc, tk)
-    raise NanoGPTError(f"the {name} tokenizer does not export: only gpt2, char, byte and trained vocabularies have an "
-                       "exact Hugging Face tokenizer here")
+    raise NanoGPTError(
+        f"the {name} tokenizer does not export: only gpt2, char, byte and trained vocabularies have an "
+        "exact Hugging Face tokenizer here"
+    )
 
 
 def _trained_bpe_object(desc: dict[str, Any], tk):
@@ -388,12 +494,19 @@ def _trained_bpe_object(desc: dict[str, Any], tk):
     if ours.pattern == PATTERNS["gpt2"]:  # the ByteLevel pre-tokenizer's own regex is GPT-2's
         tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
-        tok.pre_tokenizer = tk.pre_tokenizers.Sequence([
-            tk.pre_tokenizers.Split(tk.Regex(ours.pattern), behavior="isolated"),
-            tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.pre_tokenizer = tk.pre_tokenizers.Sequence(
+            [
+                tk.pre_tokenizers.Split(tk.Regex(ours.pattern), behavior="isolated"),
+                tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = tk.decoders.ByteLevel()
-    tok.add_special_tokens([tk.AddedToken(t, special=True, normalized=False)
-                            for t in sorted(ours.special_tokens, key=ours.special_tokens.get)])
+    tok.add_special_tokens(
+        [
+            tk.AddedToken(t, special=True, normalized=False)
+            for t in sorted(ours.special_tokens, key=ours.special_tokens.get)
+        ]
+    )
     return tok, EOT if EOT in ours.special_tokens else None
 
 
@@ -405,8 +518,11 @@ def _describe_trained_bpe(backend, spec: dict[str, Any]) -> dict[str, Any] | Non
     byte_of = {ch: b for b, ch in enumerate(byte_to_unicode())}
     added = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
     regular = sorted((i, t) for t, i in backend.get_vocab(with_added_tokens=False).items())
-    if [i for i, _ in regular] != list(range(len(regular))) or len(regular) < 256 or \
-            any(not set(t) <= byte_of.keys() for _, t in regular):
+    if (
+        [i for i, _ in regular] != list(range(len(regular)))
+        or len(regular) < 256
+        or any(not set(t) <= byte_of.keys() for _, t in regular)
+    ):
         return None
     ranks = [bytes(byte_of[ch] for ch in t) for _, t in regular]
     if ranks[:256] != [bytes([b]) for b in range(256)]:
@@ -414,8 +530,10 @@ def _describe_trained_bpe(backend, spec: dict[str, Any]) -> dict[str, Any] | Non
     pre = spec.get("pre_tokenizer") or {}
     if pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
         pattern = PATTERNS["gpt2"]
-    elif pre.get("type") == "Sequence" and [p.get("type") for p in pre.get("pretokenizers", [])] == ["Split",
-                                                                                                   "ByteLevel"]:
+    elif pre.get("type") == "Sequence" and [p.get("type") for p in pre.get("pretokenizers", [])] == [
+        "Split",
+        "ByteLevel",
+    ]:
         pattern = pre["pretokenizers"][0].get("pattern", {}).get("Regex")
     else:
         return None
@@ -443,11 +561,18 @@ def describe_hf_tokenizer(backend) -> dict[str, Any]:
         if trained is not None:
             return trained
         chars = "".join(sorted(vocab, key=vocab.get))
-        if (not merges and decoder == "Fuse" and all(len(t) == 1 for t in vocab)
-                and sorted(vocab.values()) == list(range(len(vocab))) and chars == "".join(sorted(chars))):
+        if (
+            not merges
+            and decoder == "Fuse"
+            and all(len(t) == 1 for t in vocab)
+            and sorted(vocab.values()) == list(range(len(vocab)))
+            and chars == "".join(sorted(chars))
+        ):
             return {"name": "char", "vocab_size": len(chars), "chars": chars}
-    raise NanoGPTError("this Hugging Face tokenizer is neither GPT-2's BPE nor a char, byte or trained vocabulary "
-                       "exported by nanogpt, so nanogpt cannot encode text for it")
+    raise NanoGPTError(
+        "this Hugging Face tokenizer is neither GPT-2's BPE nor a char, byte or trained vocabulary "
+        "exported by nanogpt, so nanogpt cannot encode text for it"
+    )
 
 
 # --- loading a Hugging Face model -------------------------------------------------------------------------
@@ -494,8 +619,9 @@ def load_pretrained(source: str | Path) -> tuple[GPT, dict[str, Any]]:
             hf_config = transformers.AutoConfig.from_pretrained(name, **kwargs)
     except OSError as e:
         if online:
-            raise NanoGPTError(f"could not load {where} from the Hugging Face hub (offline, misspelt, or gated?): "
-                               f"{first_line(e)}") from None
+            raise NanoGPTError(
+                f"could not load {where} from the Hugging Face hub (offline, misspelt, or gated?): {first_line(e)}"
+            ) from None
         raise NanoGPTError(f"{where} holds no readable Hugging Face config.json ({first_line(e)})") from None
     except ValueError as e:
         raise NanoGPTError(f"{where}: {first_line(e)}") from None
@@ -516,6 +642,7 @@ def load_pretrained(source: str | Path) -> tuple[GPT, dict[str, Any]]:
         raise NanoGPTError(f"could not load the weights of {where} ({first_line(e)})") from None
     model = from_hf(hf_model)
     if desc["vocab_size"] > model.config.vocab_size:
-        raise NanoGPTError(f"{where} has {desc['vocab_size']:,} tokens but only {model.config.vocab_size:,} rows of "
-                           "embeddings")
+        raise NanoGPTError(
+            f"{where} has {desc['vocab_size']:,} tokens but only {model.config.vocab_size:,} rows of embeddings"
+        )
     return model, desc

@@ -61,8 +61,9 @@ class InferenceModel:
         return self.model.config.block_size
 
 
-def load_for_inference(checkpoint: str | Path, last: bool = False, device: str = "auto",
-                       dtype: Dtype = Dtype.auto) -> InferenceModel:
+def load_for_inference(
+    checkpoint: str | Path, last: bool = False, device: str = "auto", dtype: Dtype = Dtype.auto
+) -> InferenceModel:
     """The one loader that sample and eval share. Inference casts the weights once instead of autocasting
     every call; `auto` picks the dtype from the device and the size of the weights (device.py)."""
     dev = resolve_device(device)

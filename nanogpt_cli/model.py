@@ -16,8 +16,8 @@ from typing import Protocol
 
 import torch
 import torch.nn as nn
-from torch.nn import functional as F
 from torch.autograd.function import once_differentiable
+from torch.nn import functional as F
 
 from nanogpt_cli.config import GPTConfig
 
@@ -153,8 +153,9 @@ class CausalSelfAttention(nn.Module):
                 # the CPU flash-attention kernel's bf16 backward is ~5x slower than its fp32 one (torch 2.13),
                 # and autocast would cast fp32 inputs back down: run it in fp32 outside autocast
                 with torch.autocast("cpu", enabled=False):
-                    y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
-                                                       dropout_p=dropout_p)
+                    y = F.scaled_dot_product_attention(
+                        q.float(), k.float(), v.float(), is_causal=True, dropout_p=dropout_p
+                    )
             else:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
         else:
@@ -210,11 +211,13 @@ class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=make_norm(config),
-        ))
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=make_norm(config),
+            )
+        )
         if config.pos_encoding == "learned":
             self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)
         elif config.pos_encoding == "sinusoidal":
@@ -247,8 +250,13 @@ class GPT(nn.Module):
 
     # --- forward ---
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, cache: Cache | None = None,
-                last_only: bool = False):
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        last_only: bool = False,
+    ):
         """Logits (B, T, V) for every position (or (B, 1, V) with last_only) and the mean cross-entropy
         over targets (B, T) when given (ignore_index -1). With a cache, idx holds the new tokens only."""
         B, T = idx.size()
@@ -259,9 +267,9 @@ class GPT(nn.Module):
         if self.config.pos_encoding == "learned":
             x = x + self.transformer.wpe(torch.arange(pos, pos + T, device=idx.device))
         elif self.config.pos_encoding == "sinusoidal":
-            x = x + self.pos_table[pos:pos + T]
+            x = x + self.pos_table[pos : pos + T]
         else:
-            cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
+            cos, sin = self.rope_cos[pos : pos + T], self.rope_sin[pos : pos + T]
         x = dropout(x, self.config.dropout, self.training)
         for i, block in enumerate(self.transformer.h):
             x = block(x, cos, sin, cache, i)

@@ -58,7 +58,8 @@ def orthogonalize(G: torch.Tensor, coefficients: tuple[float, float, float], ste
 class CPUMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.optim.Optimizer):
     """torch.optim.Muon with its orthogonalisation in fp32. torch's runs it in bf16, and this machine's CPU
     multiplies bf16 matrices of these shapes 10-25x slower than fp32 (a 4 x 128 model's Muon step took 3.3 s in
-    bf16 and 0.2 s in fp32, on a busy machine). The update is torch's (Nesterov momentum, Newton-Schulz, the "original" shape
+    bf16 and 0.2 s in fp32, on a busy machine). The update is torch's (Nesterov momentum, Newton-Schulz, the
+    "original" shape
     scaling sqrt(max(1, rows / cols)), decoupled weight decay) and so are the state and the param groups: a
     checkpoint moves between the two."""
 
@@ -94,11 +95,14 @@ def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device):
     # the fused AdamW kernel is one call for all parameters (CUDA and CPU); mps falls back to foreach
     fused = device.type in ("cuda", "cpu")
     if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(model.optimizer_groups(cfg.weight_decay), lr=cfg.learning_rate,
-                                 betas=(cfg.beta1, cfg.beta2), fused=fused)
+        return torch.optim.AdamW(
+            model.optimizer_groups(cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused
+        )
     if not hasattr(torch.optim, "Muon"):
-        raise NanoGPTError(f"--optimizer muon needs torch.optim.Muon (torch 2.9 or newer); this is torch "
-                           f"{torch.__version__}: upgrade torch or use --optimizer adamw")
+        raise NanoGPTError(
+            f"--optimizer muon needs torch.optim.Muon (torch 2.9 or newer); this is torch "
+            f"{torch.__version__}: upgrade torch or use --optimizer adamw"
+        )
     inner, rest = muon_params(model)
     muon_class = CPUMuon if device.type == "cpu" else torch.optim.Muon
     muon = muon_class(inner, lr=cfg.muon_lr, momentum=muon_momentum_at(0, cfg), weight_decay=cfg.weight_decay)

@@ -53,9 +53,15 @@ def default_run_dir(data: str) -> Path:
     return Path("checkpoints") / f"{data}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
-def plan_run(flags: dict[str, Any], file_values: dict[str, Any] | None = None, out: str | Path | None = None,
-             resume: bool = False, force: bool = False, init_from: str | None = None,
-             init_last: bool = False) -> RunPlan:
+def plan_run(
+    flags: dict[str, Any],
+    file_values: dict[str, Any] | None = None,
+    out: str | Path | None = None,
+    resume: bool = False,
+    force: bool = False,
+    init_from: str | None = None,
+    init_last: bool = False,
+) -> RunPlan:
     """The effective configs of a run. Fresh: preset < config file < flags, with the vocabulary from the dataset.
     Resume: the saved run's configs; the same preset, file and flags may be given again (values equal to the
     saved architecture are accepted, differing ones refused), and training fields they give apply.
@@ -84,21 +90,28 @@ def plan_run(flags: dict[str, Any], file_values: dict[str, Any] | None = None, o
     init: dict[str, Any] = {}  # init_weights or init_model, for the plan
     notes: list[str] = []
     if init_from is not None:
-        model_values, init, note = _plan_init(init_from, init_last, meta, train_cfg.data, model_values,
-                                              explicit_model)
+        model_values, init, note = _plan_init(init_from, init_last, meta, train_cfg.data, model_values, explicit_model)
         notes.append(note)
     elif "vocab_size" not in model_values:
         model_values["vocab_size"] = meta["vocab_size"]
     model_cfg, train_cfg = build_configs({**model_values, **train_values})
     if model_cfg.vocab_size < meta["vocab_size"]:
-        raise NanoGPTError(f"--vocab-size {model_cfg.vocab_size:,} is smaller than the {meta['vocab_size']:,} tokens "
-                           f"of dataset '{train_cfg.data}'; drop it to use the dataset's, or give at least that")
+        raise NanoGPTError(
+            f"--vocab-size {model_cfg.vocab_size:,} is smaller than the {meta['vocab_size']:,} tokens "
+            f"of dataset '{train_cfg.data}'; drop it to use the dataset's, or give at least that"
+        )
     notes += _warnings(model_cfg, train_cfg)
     return RunPlan(model_cfg, train_cfg, run_dir, meta, force=force, notes=notes, **init)
 
 
-def _plan_init(init_from: str, init_last: bool, meta: dict[str, Any], data: str, model_values: dict[str, Any],
-               explicit_model: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], str]:
+def _plan_init(
+    init_from: str,
+    init_last: bool,
+    meta: dict[str, Any],
+    data: str,
+    model_values: dict[str, Any],
+    explicit_model: dict[str, Any],
+) -> tuple[dict[str, Any], dict[str, Any], str]:
     """--init-from, checked against the dataset's tokenizer: the model values (the checkpoint's, with only
     dropout from the flags), where the weights come from (init_weights or init_model) and a note saying so."""
     if hf.is_hf_source(init_from):
@@ -110,20 +123,28 @@ def _plan_init(init_from: str, init_last: bool, meta: dict[str, Any], data: str,
         init = {"init_weights": source}
     theirs, ours = (weights_meta.get("tokenizer") or {}).get("name"), meta["tokenizer"]["name"]
     if theirs != ours:
-        raise NanoGPTError(f"--init-from {init_from} uses the {theirs} tokenizer but dataset "
-                           f"'{data}' was prepared with {ours}; prepare it with --tokenizer {theirs}")
-    differ = describe_difference(meta["tokenizer"], weights_meta.get("tokenizer") or {},
-                                 f"dataset '{data}'", "the checkpoint")
+        raise NanoGPTError(
+            f"--init-from {init_from} uses the {theirs} tokenizer but dataset "
+            f"'{data}' was prepared with {ours}; prepare it with --tokenizer {theirs}"
+        )
+    differ = describe_difference(
+        meta["tokenizer"], weights_meta.get("tokenizer") or {}, f"dataset '{data}'", "the checkpoint"
+    )
     if differ:
-        raise NanoGPTError(f"--init-from {init_from} was trained with another tokenizer than dataset "
-                           f"'{data}' ({differ}); prepare the data with the checkpoint's tokenizer")
+        raise NanoGPTError(
+            f"--init-from {init_from} was trained with another tokenizer than dataset "
+            f"'{data}' ({differ}); prepare the data with the checkpoint's tokenizer"
+        )
     extra = set(explicit_model) - {"dropout"}
     if extra:
-        raise NanoGPTError("--init-from takes the architecture from the checkpoint; drop "
-                           + ", ".join(f"--{flag(k)}" for k in sorted(extra)))
+        raise NanoGPTError(
+            "--init-from takes the architecture from the checkpoint; drop "
+            + ", ".join(f"--{flag(k)}" for k in sorted(extra))
+        )
     step, val = weights_meta.get("step"), weights_meta.get("val_loss")  # a Hugging Face model has neither
-    known = ([f"step {step}"] if step is not None else []) + \
-        ([f"val loss {val:.4f}"] if isinstance(val, (int, float)) else [])
+    known = ([f"step {step}"] if step is not None else []) + (
+        [f"val loss {val:.4f}"] if isinstance(val, (int, float)) else []
+    )
     note = f"--init-from: starting from {source}" + (f" ({', '.join(known)})" if known else "")
     return {**weights_meta["config"], **{k: v for k, v in model_values.items() if k == "dropout"}}, init, note
 
@@ -131,11 +152,15 @@ def _plan_init(init_from: str, init_last: bool, meta: dict[str, Any], data: str,
 def _warnings(model_cfg: GPTConfig, cfg: TrainConfig) -> list[str]:
     notes = []
     if cfg.warmup_iters >= cfg.max_iters:
-        notes.append(f"--warmup-iters ({cfg.warmup_iters:,}) is not below --max-iters ({cfg.max_iters:,}): the "
-                     "learning rate never reaches its peak")
+        notes.append(
+            f"--warmup-iters ({cfg.warmup_iters:,}) is not below --max-iters ({cfg.max_iters:,}): the "
+            "learning rate never reaches its peak"
+        )
     if cfg.dtype == Dtype.float16 and resolve_device(cfg.device).type == "cpu":
-        notes.append("--dtype float16 on the CPU runs the GPU's fp16 path (autocast and grad scaler) and is slow "
-                     "there; use bfloat16 or float32 for speed")
+        notes.append(
+            "--dtype float16 on the CPU runs the GPU's fp16 path (autocast and grad scaler) and is slow "
+            "there; use bfloat16 or float32 for speed"
+        )
     return notes
 
 
@@ -148,38 +173,62 @@ def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any]) -> 
     model_said, _ = split_values(said)
     differ = [k for k, v in model_said.items() if saved["model"].get(k) != v]
     if differ:
+
         def where(k):
             return f"--preset {preset} gives" if k not in given else "given"
-        raise NanoGPTError(f"--resume takes the architecture from {run_dir}; these differ from it: " + ", ".join(
-            f"--{flag(k)} (saved {saved['model'].get(k)!r}, {where(k)} {model_said[k]!r})" for k in sorted(differ)))
-    preset_only = [k for k, v in from_preset.items() if k not in given and k in saved["train"]
-                   and saved["train"][k] != v]
+
+        raise NanoGPTError(
+            f"--resume takes the architecture from {run_dir}; these differ from it: "
+            + ", ".join(
+                f"--{flag(k)} (saved {saved['model'].get(k)!r}, {where(k)} {model_said[k]!r})" for k in sorted(differ)
+            )
+        )
+    preset_only = [
+        k for k, v in from_preset.items() if k not in given and k in saved["train"] and saved["train"][k] != v
+    ]
     if preset_only:
-        raise NanoGPTError(f"--preset {preset} would change the resumed run's " + ", ".join(
-            f"--{flag(k)} (saved {saved['train'][k]!r}, preset {from_preset[k]!r})" for k in sorted(preset_only))
-            + "; drop --preset when resuming, or give those flags")
+        raise NanoGPTError(
+            f"--preset {preset} would change the resumed run's "
+            + ", ".join(
+                f"--{flag(k)} (saved {saved['train'][k]!r}, preset {from_preset[k]!r})" for k in sorted(preset_only)
+            )
+            + "; drop --preset when resuming, or give those flags"
+        )
     _, train_over = split_values(given)
     saved_optimizer = saved["train"].get("optimizer", "adamw")
     if train_over.get("optimizer", saved_optimizer) != saved_optimizer:
-        raise NanoGPTError(f"--resume continues the run's --optimizer {saved_optimizer}; it cannot change to "
-                           f"{train_over['optimizer']} (start a new run with --init-from instead)")
+        raise NanoGPTError(
+            f"--resume continues the run's --optimizer {saved_optimizer}; it cannot change to "
+            f"{train_over['optimizer']} (start a new run with --init-from instead)"
+        )
     saved_train = {k: v for k, v in saved["train"].items() if k not in ("stop_at", "out")}  # out: older runs
     model_cfg, train_cfg = build_configs({**saved["model"], **saved_train, **train_over})
     plan_step = state.step
     if state.step < train_cfg.max_iters and train_cfg.stop_at is not None and train_cfg.stop_at <= state.step:
-        raise NanoGPTError(f"--stop-at {train_cfg.stop_at} is not after the run's step {state.step}; drop it (or "
-                           "raise it) to continue the run")
+        raise NanoGPTError(
+            f"--stop-at {train_cfg.stop_at} is not after the run's step {state.step}; drop it (or "
+            "raise it) to continue the run"
+        )
     meta = load_meta(Path(train_cfg.data_dir), train_cfg.data)
     saved_meta = saved.get("dataset") or {}
-    differ_tok = describe_difference(meta["tokenizer"], saved_meta.get("tokenizer", meta["tokenizer"]),
-                                     f"dataset '{train_cfg.data}' now", "the run")
+    differ_tok = describe_difference(
+        meta["tokenizer"], saved_meta.get("tokenizer", meta["tokenizer"]), f"dataset '{train_cfg.data}' now", "the run"
+    )
     if differ_tok:
-        raise NanoGPTError(f"dataset '{train_cfg.data}' was prepared again with another tokenizer since {run_dir} "
-                           f"started ({differ_tok}); prepare it as before, or start a new run")
-    if saved_meta.get("created") and meta.get("created") != saved_meta.get("created") and \
-            train_cfg.data == saved["train"].get("data"):
-        notes.append(f"dataset '{train_cfg.data}' was prepared again since this run started (then "
-                     f"{saved_meta['created']}, now {meta.get('created')}); the run continues on the new data")
+        raise NanoGPTError(
+            f"dataset '{train_cfg.data}' was prepared again with another tokenizer since {run_dir} "
+            f"started ({differ_tok}); prepare it as before, or start a new run"
+        )
+    if (
+        saved_meta.get("created")
+        and meta.get("created") != saved_meta.get("created")
+        and train_cfg.data == saved["train"].get("data")
+    ):
+        notes.append(
+            f"dataset '{train_cfg.data}' was prepared again since this run started (then "
+            f"{saved_meta['created']}, now {meta.get('created')}); the run continues on the new data"
+        )
     notes += _warnings(model_cfg, train_cfg)
-    return RunPlan(model_cfg, train_cfg, run_dir, meta, resume=True, step=plan_step, notes=notes,
-                   time_spent=state.max_time_spent)
+    return RunPlan(
+        model_cfg, train_cfg, run_dir, meta, resume=True, step=plan_step, notes=notes, time_spent=state.max_time_spent
+    )

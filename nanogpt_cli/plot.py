@@ -3,7 +3,8 @@
     write_png([Path("checkpoints/shk")], Path("loss.png"))   # matplotlib (the `plot` extra)
     print(terminal_plot([Path("checkpoints/shk")]))          # plotext (the `plot` extra, plotext<6), in the terminal
 
-The run folder's metrics are the source of truth: train lines (kind "train", one per --log-interval) give the train curve,
+The run folder's metrics are the source of truth: train lines (kind "train", one per --log-interval) give the train
+curve,
 evaluation lines the val curve. Runs from before train lines existed draw their evaluations' train loss.
 """
 
@@ -70,8 +71,7 @@ def write_png(runs: list[Path], out: Path) -> Path:
     return out
 
 
-def terminal_plot(runs: list[Path], width: int | None = None, height: int | None = None, color: bool = True
-                  ) -> str:
+def terminal_plot(runs: list[Path], width: int | None = None, height: int | None = None, color: bool = True) -> str:
     """The curves drawn with plotext as text for the terminal (plain text without color)."""
     plx = require("plotext", "plot", "plotting in the terminal", also=" (or pass --out loss.png)")
     curves = _load_all(runs)

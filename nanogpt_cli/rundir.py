@@ -27,8 +27,15 @@ from typing import Any
 import torch
 
 from nanogpt_cli import __version__
-from nanogpt_cli.checkpoint import (TrainerState, damage, file_step, load_optimizer, load_weights, save_model,
-                                    save_optimizer)
+from nanogpt_cli.checkpoint import (
+    TrainerState,
+    damage,
+    file_step,
+    load_optimizer,
+    load_weights,
+    save_model,
+    save_optimizer,
+)
 from nanogpt_cli.errors import NanoGPTError, first_line
 from nanogpt_cli.files import atomic_write, check_creatable, read_jsonl, write_json
 from nanogpt_cli.model import GPT
@@ -91,11 +98,15 @@ class RunDir:
             raise NanoGPTError("--resume continues the run in --out and --force deletes it; give one of them")
         if resume:
             if not self.has_run():
-                raise NanoGPTError(f"--resume: {self.path} holds no run to resume (no {TRAINER} and {CONFIG}); "
-                                   "start it without --resume")
+                raise NanoGPTError(
+                    f"--resume: {self.path} holds no run to resume (no {TRAINER} and {CONFIG}); "
+                    "start it without --resume"
+                )
         elif self.has_run() and not force:
-            raise NanoGPTError(f"{self.path} already holds a run; pass --resume to continue it or --force to "
-                               "start over (this deletes it)")
+            raise NanoGPTError(
+                f"{self.path} already holds a run; pass --resume to continue it or --force to "
+                "start over (this deletes it)"
+            )
         elif not self.has_run() and self.path.is_dir() and any(self.path.iterdir()):
             raise NanoGPTError(f"--out {self.path} holds other files and no run; choose a new or empty folder")
         elif not self.has_run():
@@ -141,8 +152,10 @@ class RunDir:
         for name in (BEST, LAST):
             if damage(self.path / name) is None:
                 flag = "" if name == BEST else " --last"
-                return (f"; its {name} (step {file_step(self.path / name)}) is intact: start a new run from it with "
-                        f"`nanogpt train --init-from {self.path}{flag} --out NEW_FOLDER ...` (fresh optimizer)")
+                return (
+                    f"; its {name} (step {file_step(self.path / name)}) is intact: start a new run from it with "
+                    f"`nanogpt train --init-from {self.path}{flag} --out NEW_FOLDER ...` (fresh optimizer)"
+                )
         return ""
 
     def append_metrics(self, record: dict[str, Any]) -> None:
@@ -185,8 +198,16 @@ class RunDir:
 
     # --- save and restore ---
 
-    def save(self, model: GPT, optimizer: torch.optim.Optimizer, state: TrainerState, weights_meta: dict[str, Any],
-             is_best: bool, model_state: dict | None = None, optimizer_state: dict | None = None) -> None:
+    def save(
+        self,
+        model: GPT,
+        optimizer: torch.optim.Optimizer,
+        state: TrainerState,
+        weights_meta: dict[str, Any],
+        is_best: bool,
+        model_state: dict | None = None,
+        optimizer_state: dict | None = None,
+    ) -> None:
         """Write every file under a temporary name first, then rename them into place one after another, so a
         crash can at worst leave files of two adjacent saves, which latest() detects, never a half-written one.
         trainer.json is renamed last: it names the step the others must match. model_state / optimizer_state:
@@ -225,9 +246,11 @@ class RunDir:
         weights, optim = (_matching(self.path / name, state.step) for name in (LAST, OPTIMIZER))
         if weights is None or optim is None:
             found = {name: file_step(self.path / name) for name in (LAST, OPTIMIZER)}
-            raise NanoGPTError(f"the checkpoint files in {self.path} are from different steps (weights "
-                               f"{found[LAST]}, optimizer {found[OPTIMIZER]}, trainer {state.step}): a save was cut "
-                               "short; start over with --force or --init-from")
+            raise NanoGPTError(
+                f"the checkpoint files in {self.path} are from different steps (weights "
+                f"{found[LAST]}, optimizer {found[OPTIMIZER]}, trainer {state.step}): a save was cut "
+                "short; start over with --force or --init-from"
+            )
         return SavePoint(state, weights, optim)
 
 

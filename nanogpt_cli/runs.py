@@ -63,9 +63,18 @@ def summarize_run(path: Path) -> RunSummary:
     run = RunDir(path)
     files = [p for p in path.iterdir() if p.is_file()]
     updated = max((p.stat().st_mtime for p in files), default=path.stat().st_mtime)
-    summary = RunSummary(name=path.name, path=str(path), dataset=None, params=None, step=None, max_iters=None,
-                         best_val_loss=None, tokens=None, status="damaged",
-                         updated=datetime.fromtimestamp(updated, timezone.utc).isoformat(timespec="seconds"))
+    summary = RunSummary(
+        name=path.name,
+        path=str(path),
+        dataset=None,
+        params=None,
+        step=None,
+        max_iters=None,
+        best_val_loss=None,
+        tokens=None,
+        status="damaged",
+        updated=datetime.fromtimestamp(updated, timezone.utc).isoformat(timespec="seconds"),
+    )
     try:
         config = run.read_config()
         summary.dataset = config["train"].get("data")
@@ -97,8 +106,11 @@ def list_runs(root: Path) -> list[RunSummary]:
     root = Path(root)
     if not root.is_dir():
         raise NanoGPTError(f"{root} is not a folder of runs")
-    folders = [root] if RunDir(root).has_run() else sorted(
-        p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and RunDir(p).has_run())
+    folders = (
+        [root]
+        if RunDir(root).has_run()
+        else sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and RunDir(p).has_run())
+    )
     return sorted((summarize_run(p) for p in folders), key=lambda r: r.updated, reverse=True)
 
 
@@ -153,8 +165,14 @@ def inspect_path(path: str | Path) -> Info:
         info.files = [FileInfo(path.name, path.stat().st_size, True, "GGUF")]
         return info
     meta = read_metadata(path)  # one sentence when it is not a nanogpt weights file
-    info = Info(path=str(path), kind="weights", step=meta.get("step"), tokens=meta.get("tokens"),
-                val_loss=meta.get("val_loss"), dataset=meta.get("dataset") or None)
+    info = Info(
+        path=str(path),
+        kind="weights",
+        step=meta.get("step"),
+        tokens=meta.get("tokens"),
+        val_loss=meta.get("val_loss"),
+        dataset=meta.get("dataset") or None,
+    )
     _fill_model(info, meta.get("config"), meta.get("tokenizer"))
     info.files = [_file_info(path)]
     return info
@@ -165,8 +183,16 @@ def _inspect_run(path: Path) -> Info:
     if not run.has_run():
         raise NanoGPTError(f"{path} holds no run ({run.no_run_reason()})")
     summary = summarize_run(path)
-    info = Info(path=str(path), kind="run", dataset=summary.dataset, step=summary.step, max_iters=summary.max_iters,
-                tokens=summary.tokens, best_val_loss=summary.best_val_loss, status=summary.status)
+    info = Info(
+        path=str(path),
+        kind="run",
+        dataset=summary.dataset,
+        step=summary.step,
+        max_iters=summary.max_iters,
+        tokens=summary.tokens,
+        best_val_loss=summary.best_val_loss,
+        status=summary.status,
+    )
     config = None
     try:
         config = run.read_config()
@@ -195,8 +221,11 @@ def _fill_model(info: Info, config: dict[str, Any] | None, tokenizer: dict[str, 
         except (TypeError, ValueError):
             pass
     if isinstance(tokenizer, dict):
-        info.tokenizer = f"{tokenizer.get('name')} ({tokenizer.get('vocab_size', '?'):,} tokens)" \
-            if isinstance(tokenizer.get("vocab_size"), int) else str(tokenizer.get("name"))
+        info.tokenizer = (
+            f"{tokenizer.get('name')} ({tokenizer.get('vocab_size', '?'):,} tokens)"
+            if isinstance(tokenizer.get("vocab_size"), int)
+            else str(tokenizer.get("name"))
+        )
 
 
 def _weights_meta(path: Path) -> dict[str, Any] | None:

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from nanogpt_cli.engine import Engine, SamplingParams
-from nanogpt_cli.loading import InferenceModel, load_for_inference
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.loading import InferenceModel, load_for_inference
 from nanogpt_cli.tokenizer import Tokenizer
 
 
@@ -67,8 +67,13 @@ class SampleSettings:
     @property
     def params(self) -> SamplingParams:
         """The engine's share of these settings."""
-        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                              repetition_penalty=self.repetition_penalty)
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+        )
 
 
 @dataclass
@@ -110,8 +115,9 @@ class Sampler:
         cut = max(0, len(ids) - self.block_size)
         return ids[cut:], cut
 
-    def stream_many(self, prompts: list[str], settings: SampleSettings,
-                    generator: torch.Generator | None = None) -> Iterator[Piece]:
+    def stream_many(
+        self, prompts: list[str], settings: SampleSettings, generator: torch.Generator | None = None
+    ) -> Iterator[Piece]:
         """Continue every prompt at once, as rows of one batch on the engine, and yield each sample's text as it
         is produced: Piece(row, text, result), result set on the piece that ends its row. Each row ends on its
         own (length, end-of-text, stop text) and leaves the batch at once. Prompts of different lengths are
@@ -128,12 +134,15 @@ class Sampler:
             for r, row in enumerate(rows):
                 yield Piece(r, row.finish(), row.result(prompts[r], time.perf_counter() - t0))
             return
-        engine = Engine(self.model, max_batch=len(prompts), vocab_size=self.tokenizer.vocab_size,
-                        use_cache=settings.use_cache)
-        generators = [generator or torch.Generator(device=self.device).manual_seed(settings.seed + r)
-                      for r in range(len(prompts))]
-        ids = engine.add_many(encoded, settings.params, settings.max_new_tokens, generators,
-                              stop_ids=() if eot is None else (eot,))
+        engine = Engine(
+            self.model, max_batch=len(prompts), vocab_size=self.tokenizer.vocab_size, use_cache=settings.use_cache
+        )
+        generators = [
+            generator or torch.Generator(device=self.device).manual_seed(settings.seed + r) for r in range(len(prompts))
+        ]
+        ids = engine.add_many(
+            encoded, settings.params, settings.max_new_tokens, generators, stop_ids=() if eot is None else (eot,)
+        )
         which = {row_id: r for r, row_id in enumerate(ids)}
         while engine.active:
             for t in engine.step():
@@ -145,8 +154,13 @@ class Sampler:
                 elif text:
                     yield Piece(r, text)
 
-    def stream(self, prompt: str, settings: SampleSettings, generator: torch.Generator | None = None,
-               result: dict | None = None) -> Iterator[str]:
+    def stream(
+        self,
+        prompt: str,
+        settings: SampleSettings,
+        generator: torch.Generator | None = None,
+        result: dict | None = None,
+    ) -> Iterator[str]:
         """Yield the continuation's text as it is produced. Multi-byte characters split across tokens are
         held back until complete, and so is any text that may be the start of a stop string."""
         for piece in self.stream_many([prompt], settings, generator):
@@ -155,8 +169,9 @@ class Sampler:
             if piece.result is not None and result is not None:
                 result.update(dataclasses.asdict(piece.result))
 
-    def generate_many(self, prompts: list[str], settings: SampleSettings,
-                      generator: torch.Generator | None = None) -> list[SampleResult]:
+    def generate_many(
+        self, prompts: list[str], settings: SampleSettings, generator: torch.Generator | None = None
+    ) -> list[SampleResult]:
         """One sample per prompt, generated together as one batch (see stream_many)."""
         results: list[SampleResult | None] = [None] * len(prompts)
         for piece in self.stream_many(prompts, settings, generator):
@@ -164,8 +179,7 @@ class Sampler:
                 results[piece.row] = piece.result
         return results
 
-    def generate(self, prompt: str, settings: SampleSettings, generator: torch.Generator | None = None
-                 ) -> SampleResult:
+    def generate(self, prompt: str, settings: SampleSettings, generator: torch.Generator | None = None) -> SampleResult:
         return self.generate_many([prompt], settings, generator)[0]
 
     def samples(self, prompt: str, settings: SampleSettings, num_samples: int = 1) -> Iterator[Iterator[str]]:
@@ -231,7 +245,7 @@ class TextStream:
         if len(self.ids) >= self.limit:
             return self.finish()
         safe = len(self.text) - _held_back(self.text, self.stop)
-        out = self.text[self.emitted:safe] if safe > self.emitted else ""
+        out = self.text[self.emitted : safe] if safe > self.emitted else ""
         self.emitted = max(self.emitted, safe)
         return out
 
@@ -239,13 +253,19 @@ class TextStream:
         self.done = True
         if self.reason == "length":
             self.text += self.decoder.decode(b"", final=True)
-        out = self.text[self.emitted:]
+        out = self.text[self.emitted :]
         self.emitted = len(self.text)
         return out
 
     def result(self, prompt: str, elapsed_s: float) -> SampleResult:
-        return SampleResult(prompt=prompt, text=self.text, tokens=len(self.ids), token_ids=self.ids,
-                            stop_reason=self.reason, elapsed_s=elapsed_s)
+        return SampleResult(
+            prompt=prompt,
+            text=self.text,
+            tokens=len(self.ids),
+            token_ids=self.ids,
+            stop_reason=self.reason,
+            elapsed_s=elapsed_s,
+        )
 
 
 def _encodable(tokenizer: Tokenizer, text: str) -> bool:

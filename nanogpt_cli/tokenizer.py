@@ -46,16 +46,16 @@ PATTERNS = {
     "gpt2": r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""",
     # cl100k_base's (GPT-4 and GPT-3.5); also Llama 3's
     "gpt4": r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
-            r"""|\s+(?!\S)|\s+""",
+    r"""|\s+(?!\S)|\s+""",
     # o200k_base's (GPT-4o): case-aware words, contractions attached
     "gpt4o": r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
-             r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
-             r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
-             r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
-             r"""|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
+    r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
+    r"""|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+""",
     # nanochat's: GPT-4's with numbers in groups of two (better for small vocabularies)
     "nanochat": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]"""
-                r"""|\s+(?!\S)|\s+""",
+    r"""|\s+(?!\S)|\s+""",
 }
 
 
@@ -98,8 +98,9 @@ class TiktokenTokenizer(Tokenizer):
         self.enc = encoding
         self.name = encoding.name
         # not every encoding has <|endoftext|> (o200k_harmony names it differently); ask, do not assume
-        self.eot_id = encoding.encode_single_token("<|endoftext|>") if "<|endoftext|>" in encoding.special_tokens_set \
-            else None
+        self.eot_id = (
+            encoding.encode_single_token("<|endoftext|>") if "<|endoftext|>" in encoding.special_tokens_set else None
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -117,10 +118,11 @@ class TiktokenTokenizer(Tokenizer):
         from concurrent.futures import ThreadPoolExecutor
 
         step = -(-len(texts) // num_threads)
-        groups = [texts[i:i + step] for i in range(0, len(texts), step)]
+        groups = [texts[i : i + step] for i in range(0, len(texts), step)]
         with ThreadPoolExecutor(num_threads) as pool:
-            return [ids for group in pool.map(lambda g: [self.enc.encode_ordinary(t) for t in g], groups)
-                    for ids in group]
+            return [
+                ids for group in pool.map(lambda g: [self.enc.encode_ordinary(t) for t in g], groups) for ids in group
+            ]
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         return self.enc.decode_bytes(list(ids))
@@ -151,10 +153,13 @@ class CharTokenizer(Tokenizer):
         known = self._codepoints[np.minimum(ids, len(self._codepoints) - 1)] == points
         if not known.all():
             missing = [chr(c) for c in np.unique(points[~known])]
-            shown = " ".join(repr(c) for c in missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10
-                                                               else "")
-            raise NanoGPTError(f"the char tokenizer has no token for {shown}: its vocabulary holds only the "
-                               f"{self.vocab_size:,} characters of the text it was prepared from")
+            shown = " ".join(repr(c) for c in missing[:10]) + (
+                f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+            )
+            raise NanoGPTError(
+                f"the char tokenizer has no token for {shown}: its vocabulary holds only the "
+                f"{self.vocab_size:,} characters of the text it was prepared from"
+            )
         return ids
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
@@ -191,16 +196,25 @@ class BPETokenizer(TiktokenTokenizer):
 
     kind = "bpe"
 
-    def __init__(self, name: str, ranks: list[bytes], pattern: str, special_tokens: dict[str, int],
-                 pattern_name: str | None = None):
+    def __init__(
+        self,
+        name: str,
+        ranks: list[bytes],
+        pattern: str,
+        special_tokens: dict[str, int],
+        pattern_name: str | None = None,
+    ):
         import tiktoken
 
         self.ranks, self.pattern, self.pattern_name = ranks, pattern, pattern_name
         self.special_tokens = dict(special_tokens)
         try:
-            encoding = tiktoken.Encoding(name=name, pat_str=pattern,
-                                         mergeable_ranks={t: i for i, t in enumerate(ranks)},
-                                         special_tokens=self.special_tokens)
+            encoding = tiktoken.Encoding(
+                name=name,
+                pat_str=pattern,
+                mergeable_ranks={t: i for i, t in enumerate(ranks)},
+                special_tokens=self.special_tokens,
+            )
         except ValueError as e:  # a pattern the regex engine rejects, or ids that collide
             raise NanoGPTError(f"the {name} tokenizer is not valid: {e}") from None
         super().__init__(encoding)
@@ -212,9 +226,15 @@ class BPETokenizer(TiktokenTokenizer):
     def describe(self) -> dict[str, Any]:
         import base64
 
-        return {"name": self.name, "kind": self.kind, "vocab_size": self.vocab_size, "pattern": self.pattern,
-                "pattern_name": self.pattern_name, "special_tokens": self.special_tokens,
-                "ranks": [base64.b64encode(t).decode("ascii") for t in self.ranks]}
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "vocab_size": self.vocab_size,
+            "pattern": self.pattern,
+            "pattern_name": self.pattern_name,
+            "special_tokens": self.special_tokens,
+            "ranks": [base64.b64encode(t).decode("ascii") for t in self.ranks],
+        }
 
     @classmethod
     def from_description(cls, desc: dict[str, Any]) -> BPETokenizer:
@@ -224,8 +244,9 @@ class BPETokenizer(TiktokenTokenizer):
             ranks = [base64.b64decode(t, validate=True) for t in desc["ranks"]]
             return cls(desc["name"], ranks, desc["pattern"], desc["special_tokens"], desc.get("pattern_name"))
         except (KeyError, TypeError, ValueError) as e:
-            raise NanoGPTError(f"the description of the trained tokenizer {desc.get('name')!r} is damaged "
-                               f"({type(e).__name__}: {e})") from None
+            raise NanoGPTError(
+                f"the description of the trained tokenizer {desc.get('name')!r} is damaged ({type(e).__name__}: {e})"
+            ) from None
 
     def save(self, folder: Path, trained: dict[str, Any] | None = None) -> None:
         """Write ranks.tiktoken and tokenizer.json into `folder` (which must exist)."""
@@ -233,9 +254,16 @@ class BPETokenizer(TiktokenTokenizer):
 
         lines = "".join(f"{base64.b64encode(t).decode('ascii')} {i}\n" for i, t in enumerate(self.ranks))
         (folder / RANKS_FILE).write_text(lines, encoding="ascii")
-        config = {"format": "nanogpt-bpe", "version": 1, "name": self.name, "pattern_name": self.pattern_name,
-                  "pattern": self.pattern, "special_tokens": self.special_tokens, "vocab_size": self.vocab_size,
-                  **({"trained": trained} if trained else {})}
+        config = {
+            "format": "nanogpt-bpe",
+            "version": 1,
+            "name": self.name,
+            "pattern_name": self.pattern_name,
+            "pattern": self.pattern,
+            "special_tokens": self.special_tokens,
+            "vocab_size": self.vocab_size,
+            **({"trained": trained} if trained else {}),
+        }
         (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
     @classmethod
@@ -255,8 +283,10 @@ class BPETokenizer(TiktokenTokenizer):
                 ranks.append(base64.b64decode(token, validate=True))
             return cls(config["name"], ranks, config["pattern"], config["special_tokens"], config.get("pattern_name"))
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise NanoGPTError(f"{folder} does not hold a readable trained tokenizer ({type(e).__name__}: "
-                               f"{str(e).splitlines()[0] if str(e) else ''})") from None
+            raise NanoGPTError(
+                f"{folder} does not hold a readable trained tokenizer ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''})"
+            ) from None
 
 
 def check_bpe_settings(vocab_size: int, pattern: str, special_tokens: Sequence[str]) -> None:
@@ -267,12 +297,15 @@ def check_bpe_settings(vocab_size: int, pattern: str, special_tokens: Sequence[s
         raise NanoGPTError(f"the special tokens must be distinct and not empty, got {list(special_tokens)}")
     smallest = 256 + len(special_tokens)
     if vocab_size < smallest:
-        raise NanoGPTError(f"--vocab-size {vocab_size:,} is too small: a byte-level BPE holds the 256 byte values "
-                           f"and {len(special_tokens)} special token(s), so it needs at least {smallest:,}")
+        raise NanoGPTError(
+            f"--vocab-size {vocab_size:,} is too small: a byte-level BPE holds the 256 byte values "
+            f"and {len(special_tokens)} special token(s), so it needs at least {smallest:,}"
+        )
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, name: str, pattern: str = "gpt4",
-              special_tokens: Sequence[str] = (EOT,)) -> BPETokenizer:
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, name: str, pattern: str = "gpt4", special_tokens: Sequence[str] = (EOT,)
+) -> BPETokenizer:
     """A byte-level BPE of `vocab_size` tokens (fewer when the text runs out of pairs to merge) learnt from
     `texts` by Hugging Face tokenizers' trainer: ids 0..255 are the bytes, then the merged tokens in the order
     they were learnt, then the special tokens."""
@@ -281,11 +314,18 @@ def train_bpe(texts: Iterable[str], vocab_size: int, name: str, pattern: str = "
     check_bpe_settings(vocab_size, pattern, special_tokens)
     tk = require("tokenizers", "hf", what="training a tokenizer")
     bpe = tk.Tokenizer(tk.models.BPE())
-    bpe.pre_tokenizer = tk.pre_tokenizers.Sequence([
-        tk.pre_tokenizers.Split(tk.Regex(PATTERNS[pattern]), behavior="isolated"),
-        tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size - len(special_tokens), show_progress=False,
-                                     initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(), special_tokens=[])
+    bpe.pre_tokenizer = tk.pre_tokenizers.Sequence(
+        [
+            tk.pre_tokenizers.Split(tk.Regex(PATTERNS[pattern]), behavior="isolated"),
+            tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=vocab_size - len(special_tokens),
+        show_progress=False,
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+    )
     bpe.train_from_iterator(texts, trainer=trainer)
     # the trainer numbers tokens as it creates them: the 256 one-character tokens of the byte alphabet first,
     # then each merged token when its first merge is learnt, which is the rank order tiktoken needs
@@ -364,11 +404,17 @@ def _gpt2_encoding():
             encoder_json_hash=GPT2_ENCODER_JSON_SHA256,
         )
     except (OSError, ValueError, AssertionError) as e:
-        raise NanoGPTError(f"the GPT-2 tokenizer files in {ASSETS_DIR} are missing or damaged ({e}); "
-                           "reinstall nanogpt-cli") from None
+        raise NanoGPTError(
+            f"the GPT-2 tokenizer files in {ASSETS_DIR} are missing or damaged ({e}); reinstall nanogpt-cli"
+        ) from None
     # the same arguments as tiktoken_ext.openai_public.gpt2()
-    return tiktoken.Encoding(name="gpt2", explicit_n_vocab=50257, pat_str=r50k_pat_str, mergeable_ranks=ranks,
-                             special_tokens={ENDOFTEXT: 50256})
+    return tiktoken.Encoding(
+        name="gpt2",
+        explicit_n_vocab=50257,
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={ENDOFTEXT: 50256},
+    )
 
 
 def available_tokenizers() -> list[str]:
@@ -383,12 +429,13 @@ def check_tokenizer_name(name: str, tokenizers_dir: Path = TOKENIZERS_DIR) -> No
     tokenizer is named by its NAME in `tokenizers_dir` or by the path of its folder."""
     valid = available_tokenizers()
     if name not in valid and tokenizer_folder(name, tokenizers_dir) is None:
-        raise NanoGPTError(f"unknown tokenizer {name!r}; choose one of {', '.join(valid)}, or a tokenizer trained "
-                           f"with `nanogpt tokenizer train` (its NAME in {tokenizers_dir}/, or its folder)")
+        raise NanoGPTError(
+            f"unknown tokenizer {name!r}; choose one of {', '.join(valid)}, or a tokenizer trained "
+            f"with `nanogpt tokenizer train` (its NAME in {tokenizers_dir}/, or its folder)"
+        )
 
 
-def build_tokenizer(name: str, texts: Iterable[str] | None = None,
-                    tokenizers_dir: Path = TOKENIZERS_DIR) -> Tokenizer:
+def build_tokenizer(name: str, texts: Iterable[str] | None = None, tokenizers_dir: Path = TOKENIZERS_DIR) -> Tokenizer:
     """The tokenizer called `name`. Only `char` reads `texts`: its vocabulary is their characters."""
     check_tokenizer_name(name, tokenizers_dir)
     folder = tokenizer_folder(name, tokenizers_dir) if name not in available_tokenizers() else None
@@ -410,9 +457,11 @@ def build_tokenizer(name: str, texts: Iterable[str] | None = None,
     try:
         return TiktokenTokenizer(tiktoken.get_encoding(name))
     except Exception as e:  # requests' ConnectionError, an HTTP error, a blocked cache dir: all mean "not here"
-        raise NanoGPTError(f"could not load the {name} tokenizer: tiktoken downloads it on first use and that "
-                           f"failed ({type(e).__name__}); connect once to cache it, or use --tokenizer gpt2, char "
-                           f"or byte, which work offline") from None
+        raise NanoGPTError(
+            f"could not load the {name} tokenizer: tiktoken downloads it on first use and that "
+            f"failed ({type(e).__name__}); connect once to cache it, or use --tokenizer gpt2, char "
+            f"or byte, which work offline"
+        ) from None
 
 
 def tokenizer_from_description(desc: dict[str, Any]) -> Tokenizer:
@@ -430,10 +479,11 @@ def tokenizer_from_description(desc: dict[str, Any]) -> Tokenizer:
         tok = build_tokenizer(name)
     expected = desc.get("vocab_size")
     if expected is not None and expected != tok.vocab_size:
-        raise NanoGPTError(f"the {name} tokenizer has {tok.vocab_size:,} tokens here but {expected:,} where the "
-                           "data was prepared; prepare the data again with this version")
+        raise NanoGPTError(
+            f"the {name} tokenizer has {tok.vocab_size:,} tokens here but {expected:,} where the "
+            "data was prepared; prepare the data again with this version"
+        )
     return tok
-
 
 
 def describe_difference(a: dict[str, Any], b: dict[str, Any], a_name: str, b_name: str) -> str:

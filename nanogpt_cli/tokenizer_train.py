@@ -19,8 +19,7 @@ from pathlib import Path
 from nanogpt_cli import __version__
 from nanogpt_cli.data import PrepareProgress, Progress, open_source
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.tokenizer import (EOT, TOKENIZERS_DIR, BPETokenizer, available_tokenizers, check_bpe_settings,
-                                   train_bpe)
+from nanogpt_cli.tokenizer import EOT, TOKENIZERS_DIR, BPETokenizer, available_tokenizers, check_bpe_settings, train_bpe
 
 
 @dataclass
@@ -38,11 +37,21 @@ class TokenizerTrainResult:
         return self.characters / max(self.elapsed_s, 1e-9)
 
 
-def train_tokenizer(source: str, name: str, vocab_size: int, pattern: str = "gpt4",
-                    special_tokens: Sequence[str] = (EOT,), max_chars: int | None = None,
-                    tokenizers_dir: Path = TOKENIZERS_DIR, text_column: str = "text", subset: str | None = None,
-                    split: str = "train", streaming: bool = False, force: bool = False,
-                    progress: Progress | None = None) -> TokenizerTrainResult:
+def train_tokenizer(
+    source: str,
+    name: str,
+    vocab_size: int,
+    pattern: str = "gpt4",
+    special_tokens: Sequence[str] = (EOT,),
+    max_chars: int | None = None,
+    tokenizers_dir: Path = TOKENIZERS_DIR,
+    text_column: str = "text",
+    subset: str | None = None,
+    split: str = "train",
+    streaming: bool = False,
+    force: bool = False,
+    progress: Progress | None = None,
+) -> TokenizerTrainResult:
     """Learn a `vocab_size` BPE from the first `max_chars` characters of `source` (all of it when None) and
     save it as TOKENIZERS_DIR/NAME. `progress(PrepareProgress)` hears the reading and the merging stages."""
     t0 = time.perf_counter()
@@ -62,8 +71,14 @@ def train_tokenizer(source: str, name: str, vocab_size: int, pattern: str = "gpt
     if progress is not None:
         progress(PrepareProgress("learning merges", 1, 1, "documents", counts["documents"]))
     elapsed = time.perf_counter() - t0
-    trained = {"source": source, "characters": counts["characters"], "documents": counts["documents"],
-               "requested_vocab_size": vocab_size, "seconds": round(elapsed, 3), "nanogpt": __version__}
+    trained = {
+        "source": source,
+        "characters": counts["characters"],
+        "documents": counts["documents"],
+        "requested_vocab_size": vocab_size,
+        "seconds": round(elapsed, 3),
+        "nanogpt": __version__,
+    }
     _save(tok, out, trained)
     return TokenizerTrainResult(tok, out, source, counts["characters"], counts["documents"], elapsed, vocab_size)
 
@@ -83,7 +98,7 @@ def _texts(src, max_chars: int | None, counts: dict[str, int], progress: Progres
     try:
         for text, ends in pieces:
             if max_chars is not None:
-                text = text[:max_chars - counts["characters"]]
+                text = text[: max_chars - counts["characters"]]
             counts["characters"] += len(text)
             counts["documents"] += bool(ends and text)
             if text:

@@ -46,8 +46,9 @@ class TensorBoardTracker:
         import json
 
         self.writer = self._writer_class(log_dir=str(Path(e.run_dir) / "tensorboard"))
-        self.writer.add_text("config", f"```\n{json.dumps({'model': e.model, 'train': e.train}, indent=2)}\n```",
-                             global_step=e.step)
+        self.writer.add_text(
+            "config", f"```\n{json.dumps({'model': e.model, 'train': e.train}, indent=2)}\n```", global_step=e.step
+        )
 
     def on_step(self, e) -> None:
         if not e.recorded:
@@ -76,9 +77,14 @@ class WandbTracker:
     def on_start(self, e) -> None:
         run_dir = Path(e.run_dir)
         mode = os.environ.get("WANDB_MODE", "offline")  # no network unless asked for
-        self.run = self.wandb.init(project=os.environ.get("WANDB_PROJECT", "nanogpt"), name=run_dir.name,
-                                   dir=str(run_dir), mode=mode, config={"model": e.model, "train": e.train},
-                                   settings=self.wandb.Settings(silent=True, console="off"))
+        self.run = self.wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "nanogpt"),
+            name=run_dir.name,
+            dir=str(run_dir),
+            mode=mode,
+            config={"model": e.model, "train": e.train},
+            settings=self.wandb.Settings(silent=True, console="off"),
+        )
 
     def on_step(self, e) -> None:
         if not e.recorded:

@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from nanogpt_cli.checkpoint import TrainerState, load_weights
+from nanogpt_cli.data import open_split
 from nanogpt_cli.device import autocast_for, peak_flops, resolve_device, resolve_dtype
 from nanogpt_cli.distributed import World, launched_size
-from nanogpt_cli.data import open_split
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.events import Display, Evaluated, NoDisplay, RunStarted, StepLogged, TrainResult
 from nanogpt_cli.model import GPT
@@ -50,15 +50,19 @@ def next_token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch
 class Batches:
     """Random (block_size + 1)-token windows from the train and val shards, never across two shards."""
 
-    def __init__(self, data_dir: Path, name: str, block_size: int, batch_size: int, device: torch.device,
-                 seed: int):
+    def __init__(self, data_dir: Path, name: str, block_size: int, batch_size: int, device: torch.device, seed: int):
         self.splits = {s: open_split(data_dir, name, s) for s in ("train", "val")}
         for split, tokens in self.splits.items():
             if tokens.num_windows(block_size + 1) == 0:
-                longest = f" (the longest of its {len(tokens.counts)} shards has {max(tokens.counts):,})" \
-                    if len(tokens.counts) > 1 else ""
-                raise NanoGPTError(f"the {split} split of '{name}' has {len(tokens):,} tokens{longest}, fewer than "
-                                   f"--block-size + 1 = {block_size + 1}; use a smaller --block-size or more data")
+                longest = (
+                    f" (the longest of its {len(tokens.counts)} shards has {max(tokens.counts):,})"
+                    if len(tokens.counts) > 1
+                    else ""
+                )
+                raise NanoGPTError(
+                    f"the {split} split of '{name}' has {len(tokens):,} tokens{longest}, fewer than "
+                    f"--block-size + 1 = {block_size + 1}; use a smaller --block-size or more data"
+                )
         self.block_size, self.batch_size, self.device = block_size, batch_size, device
         self.generator = torch.Generator().manual_seed(seed)
 
@@ -78,8 +82,9 @@ class Batches:
     def get_batch(self, split: str, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.load(split, self.draw(split, generator))
 
-    def fixed_batches(self, split: str, n: int, seed: int,
-                      share: list[int] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def fixed_batches(
+        self, split: str, n: int, seed: int, share: list[int] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The same n batches at every evaluation: curves move because the model does, not the sample. Under
         torchrun a rank loads only its share of them (indices into the n)."""
         g = torch.Generator().manual_seed(seed)
@@ -88,8 +93,9 @@ class Batches:
 
 
 @torch.no_grad()
-def eval_losses(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], ctx,
-                loss_fn: LossFn = next_token_loss) -> torch.Tensor:
+def eval_losses(
+    model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], ctx, loss_fn: LossFn = next_token_loss
+) -> torch.Tensor:
     """The mean loss of each batch. (n,)"""
     was_training = model.training
     model.eval()
@@ -102,8 +108,9 @@ def eval_losses(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor
     return torch.stack(losses)
 
 
-def optimizer_step(model, optimizer, micro_batches, ctx, scaler, grad_clip: float, sync=None,
-                   loss_fn: LossFn = next_token_loss) -> torch.Tensor:
+def optimizer_step(
+    model, optimizer, micro_batches, ctx, scaler, grad_clip: float, sync=None, loss_fn: LossFn = next_token_loss
+) -> torch.Tensor:
     """One update from a list of (x, y) micro-batches (gradient accumulation); returns their mean loss. Under
     torchrun they are this rank's share, and sync(enabled) skips the gradient reduction on all but the last."""
     total = torch.zeros((), device=micro_batches[0][0].device)
@@ -150,8 +157,10 @@ class Clock:
 
     def out_of_time(self, due: bool) -> bool:
         """Whether another update and the final evaluation (after the one due now) would not fit."""
-        return self.max_time is not None and \
-            self.elapsed() + self.step_s + self.last_eval_s * (2 if due else 1) >= self.max_time
+        return (
+            self.max_time is not None
+            and self.elapsed() + self.step_s + self.last_eval_s * (2 if due else 1) >= self.max_time
+        )
 
     def stepped(self, started: float, first: bool) -> None:
         self.step_s = time.perf_counter() - started
@@ -211,10 +220,14 @@ STOP_CODES = {None: 0, "SIGINT": 1, "SIGTERM": 2}  # reduced with max: a signal 
 
 
 def non_finite(step: int, run_dir: RunDir) -> NanoGPTError:
-    kept = (f"the last good checkpoint in {run_dir} is kept" if run_dir.last_path.is_file()
-            else "no checkpoint had been saved yet")
-    return NanoGPTError(f"the loss became non-finite at step {step}; {kept}; try a lower --learning-rate or "
-                        "--dtype float32")
+    kept = (
+        f"the last good checkpoint in {run_dir} is kept"
+        if run_dir.last_path.is_file()
+        else "no checkpoint had been saved yet"
+    )
+    return NanoGPTError(
+        f"the loss became non-finite at step {step}; {kept}; try a lower --learning-rate or --dtype float32"
+    )
 
 
 # --- the trainer ---
@@ -226,12 +239,20 @@ class Trainer:
     every parameter); fine-tuning passes its own (a masked loss; adapters only) and reuses the loop. The display
     gets typed events; nothing here prints. Rank 0 writes the run folder."""
 
-    def __init__(self, plan: RunPlan, display: Display | None = None, world: World | None = None,
-                 loss: LossFn = next_token_loss, trainable: Trainable | None = None):
+    def __init__(
+        self,
+        plan: RunPlan,
+        display: Display | None = None,
+        world: World | None = None,
+        loss: LossFn = next_token_loss,
+        trainable: Trainable | None = None,
+    ):
         if world is None:
             if launched_size() > 1:
-                raise NanoGPTError("under torchrun every process trains in the process group: open it with "
-                                   "`with distributed.open_world(plan.train) as world:` and pass world=world")
+                raise NanoGPTError(
+                    "under torchrun every process trains in the process group: open it with "
+                    "`with distributed.open_world(plan.train) as world:` and pass world=world"
+                )
             world = World(resolve_device(plan.train.device))
         self.plan, self.cfg, self.run_dir, self.world = plan, plan.train, plan.run_dir, world
         self.show = display or NoDisplay()
@@ -262,8 +283,9 @@ class Trainer:
                 due = state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters
                 out_of_time = state.step < cfg.max_iters and self.clock.out_of_time(due)
                 if state.step % cfg.log_interval == 0 or state.step == self.end or out_of_time:
-                    self.log(loss, recorded=state.step % cfg.log_interval == 0 or state.step == cfg.max_iters
-                             or out_of_time)
+                    self.log(
+                        loss, recorded=state.step % cfg.log_interval == 0 or state.step == cfg.max_iters or out_of_time
+                    )
                 if out_of_time:
                     state.max_time_spent = cfg.max_time  # saved with the final checkpoint: a resume trains no more
                 if due or out_of_time:
@@ -288,8 +310,16 @@ class Trainer:
         micro = [self.batches.load("train", starts[i]) for i in self.world.micro_share(len(starts))]
         started = time.perf_counter()
         scale = scaler.get_scale() if scaler.is_enabled() else None  # fp16 only: a sync per step
-        loss = optimizer_step(self.compiled, self.optimizer, micro, self.ctx, scaler, cfg.grad_clip,
-                              lambda enabled: self.world.gradient_sync(self.wrapped, enabled), self.loss_fn)
+        loss = optimizer_step(
+            self.compiled,
+            self.optimizer,
+            micro,
+            self.ctx,
+            scaler,
+            cfg.grad_clip,
+            lambda enabled: self.world.gradient_sync(self.wrapped, enabled),
+            self.loss_fn,
+        )
         if scale is not None and scaler.get_scale() < scale:  # the scaler backs off only when it skips
             self.skipped += 1
         self.clock.stepped(started, first=state.step == self.start_step)  # the first step warms up: not speed
@@ -304,10 +334,19 @@ class Trainer:
         if not math.isfinite(value):
             raise non_finite(state.step, self.run_dir)
         dt, elapsed = self.clock.window(state.step)
-        logged = StepLogged(step=state.step, loss=value, lr=self.lr, tokens=state.tokens, elapsed_s=elapsed,
-                            ms_per_iter=dt * 1000, tokens_per_s=self.tokens_per_iter / dt,
-                            mfu=self.flops_per_iter / dt / self.peak if self.peak else None, skipped=self.skipped,
-                            scale=scaler.get_scale() if scaler.is_enabled() else None, recorded=recorded)
+        logged = StepLogged(
+            step=state.step,
+            loss=value,
+            lr=self.lr,
+            tokens=state.tokens,
+            elapsed_s=elapsed,
+            ms_per_iter=dt * 1000,
+            tokens_per_s=self.tokens_per_iter / dt,
+            mfu=self.flops_per_iter / dt / self.peak if self.peak else None,
+            skipped=self.skipped,
+            scale=scaler.get_scale() if scaler.is_enabled() else None,
+            recorded=recorded,
+        )
         if self.world.main and logged.recorded:  # one writer, rank 0
             self.run_dir.append_metrics(logged.record())
         self.show.on_step(logged)
@@ -317,16 +356,27 @@ class Trainer:
         """Both splits' loss on the fixed evaluation batches, a metrics line, and (unless told not to) a save."""
         state, cfg = self.state, self.cfg
         started = time.perf_counter()
-        losses = {s: self.world.mean_loss(eval_losses(self.compiled, self.eval_sets[s], self.ctx, self.loss_fn),
-                                          self.eval_counted, cfg.eval_iters) for s in ("train", "val")}
+        losses = {
+            s: self.world.mean_loss(
+                eval_losses(self.compiled, self.eval_sets[s], self.ctx, self.loss_fn), self.eval_counted, cfg.eval_iters
+            )
+            for s in ("train", "val")
+        }
         if not all(math.isfinite(v) for v in losses.values()):
             raise non_finite(state.step, self.run_dir)
         is_best = state.best_val_loss is None or losses["val"] < state.best_val_loss
         if is_best:
             state.best_val_loss = losses["val"]
-        self.last = Evaluated(step=state.step, train_loss=losses["train"], val_loss=losses["val"], lr=self.lr,
-                              tokens=state.tokens, elapsed_s=round(self.clock.elapsed(started), 3),
-                              best_val_loss=state.best_val_loss, saved=checkpoint)
+        self.last = Evaluated(
+            step=state.step,
+            train_loss=losses["train"],
+            val_loss=losses["val"],
+            lr=self.lr,
+            tokens=state.tokens,
+            elapsed_s=round(self.clock.elapsed(started), 3),
+            best_val_loss=state.best_val_loss,
+            saved=checkpoint,
+        )
         if self.world.main:
             self.run_dir.append_metrics(self.last.record())
         if checkpoint:
@@ -348,8 +398,15 @@ class Trainer:
         model_state, optimizer_state = self.world.full_states(self.wrapped, self.optimizer)  # every rank takes part
         try:
             if self.world.main:
-                self.run_dir.save(self.model, self.optimizer, state, dict(self.weights_meta, val_loss=val_loss),
-                                  is_best, model_state, optimizer_state)
+                self.run_dir.save(
+                    self.model,
+                    self.optimizer,
+                    state,
+                    dict(self.weights_meta, val_loss=val_loss),
+                    is_best,
+                    model_state,
+                    optimizer_state,
+                )
         finally:
             self.world.barrier()  # no rank goes on (or ends) before the save is complete
 
@@ -368,8 +425,10 @@ class Trainer:
         self.batches = Batches(Path(cfg.data_dir), cfg.data, plan.model.block_size, cfg.batch_size, device, cfg.seed)
         # each rank evaluates a share of the fixed batches, and the losses are summed over ranks
         share, self.eval_counted = world.eval_share(cfg.eval_iters)
-        self.eval_sets = {s: self.batches.fixed_batches(s, cfg.eval_iters, cfg.seed + 1 + i, share)
-                          for i, s in enumerate(("train", "val"))}
+        self.eval_sets = {
+            s: self.batches.fixed_batches(s, cfg.eval_iters, cfg.seed + 1 + i, share)
+            for i, s in enumerate(("train", "val"))
+        }
         self.show.on_status("building the model")
         saved = self.run_dir.restore() if plan.resume else None
         self.model = self._build_model(saved)
@@ -391,11 +450,20 @@ class Trainer:
         self.peak = peak_flops(device)
         if self.peak:
             self.peak *= world.size  # MFU of all the GPUs together
-        self.show.on_start(RunStarted(step=self.state.step, max_iters=cfg.max_iters,
-                                      device=world.describe(cfg.parallel), dtype=str(dtype).replace("torch.", ""),
-                                      params=params, tokens_per_iter=self.tokens_per_iter,
-                                      run_dir=str(self.run_dir), resume=plan.resume, model=plan.model.to_dict(),
-                                      train=cfg.to_dict()))
+        self.show.on_start(
+            RunStarted(
+                step=self.state.step,
+                max_iters=cfg.max_iters,
+                device=world.describe(cfg.parallel),
+                dtype=str(dtype).replace("torch.", ""),
+                params=params,
+                tokens_per_iter=self.tokens_per_iter,
+                run_dir=str(self.run_dir),
+                resume=plan.resume,
+                model=plan.model.to_dict(),
+                train=cfg.to_dict(),
+            )
+        )
         self.end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
         if plan.complete:  # --max-time spent (and not raised since): nothing to train
             self.end = self.state.step
@@ -437,7 +505,7 @@ class Trainer:
         else:
             torch.set_rng_state(state.rng_torch)
             if state.rng_cuda and torch.cuda.is_available():  # as many GPUs as this machine has of those saved
-                for i, s in enumerate(state.rng_cuda[:torch.cuda.device_count()]):
+                for i, s in enumerate(state.rng_cuda[: torch.cuda.device_count()]):
                     torch.cuda.set_rng_state(s, i)
         if world.main:
             self.run_dir.truncate_metrics(state.step)
@@ -451,21 +519,34 @@ class Trainer:
         state.scaler = self.scaler.state_dict() if self.scaler.is_enabled() else None
         # under torchrun every rank's dropout generators (rank 0's are also the ones above); None in one process
         state.rng_ranks = self.world.gather_objects(
-            {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None})
+            {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+        )
 
     def _result(self) -> TrainResult:
         state, last = self.state, self.last
         timed, train_s, elapsed = self.clock.training_time(state.step - self.start_step)
-        return TrainResult(run_dir=self.run_dir.path, step=state.step, tokens=state.tokens,
-                           train_loss=last.train_loss if last else None, val_loss=last.val_loss if last else None,
-                           eval_step=last.step if last else None, best_val_loss=state.best_val_loss,
-                           elapsed_s=elapsed, tokens_per_s=self.tokens_per_iter * timed / train_s if timed else 0.0,
-                           ms_per_iter=train_s / timed * 1000 if timed else 0.0,
-                           mfu=(self.flops_per_iter * timed / train_s / self.peak) if self.peak and timed else None,
-                           stopped=self.stopped)
+        return TrainResult(
+            run_dir=self.run_dir.path,
+            step=state.step,
+            tokens=state.tokens,
+            train_loss=last.train_loss if last else None,
+            val_loss=last.val_loss if last else None,
+            eval_step=last.step if last else None,
+            best_val_loss=state.best_val_loss,
+            elapsed_s=elapsed,
+            tokens_per_s=self.tokens_per_iter * timed / train_s if timed else 0.0,
+            ms_per_iter=train_s / timed * 1000 if timed else 0.0,
+            mfu=(self.flops_per_iter * timed / train_s / self.peak) if self.peak and timed else None,
+            stopped=self.stopped,
+        )
 
 
-def train(plan: RunPlan, display: Display | None = None, world: World | None = None,
-          loss: LossFn = next_token_loss, trainable: Trainable | None = None) -> TrainResult:
+def train(
+    plan: RunPlan,
+    display: Display | None = None,
+    world: World | None = None,
+    loss: LossFn = next_token_loss,
+    trainable: Trainable | None = None,
+) -> TrainResult:
     """Train (or resume) the planned run: Trainer(...).fit()."""
     return Trainer(plan, display, world, loss, trainable).fit()

@@ -1,6 +1,6 @@
 """Rich consoles, the training progress display and result tables. Rich styling only on a terminal.
 
-    from nanogpt_cli.ui import console; console.print(table)
+from nanogpt_cli.ui import console; console.print(table)
 """
 
 from __future__ import annotations
@@ -28,21 +28,29 @@ def prepare_progress():
 
     @contextlib.contextmanager
     def bar():
-        columns = (TextColumn("{task.description}"), BarColumn(bar_width=20), TaskProgressColumn(),
-                   TextColumn("{task.fields[documents]:,} docs, {task.fields[tokens]:,} tokens, {task.fields[rate]}"),
-                   TextColumn("eta"), TimeRemainingColumn())
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=20),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[documents]:,} docs, {task.fields[tokens]:,} tokens, {task.fields[rate]}"),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+        )
         with Progress(*columns, console=console, transient=True) as progress:
             tasks: dict[str, tuple[int, float]] = {}
 
             def update(p) -> None:
                 if p.stage not in tasks:
-                    tasks[p.stage] = progress.add_task(p.stage, total=p.total, documents=0, tokens=0, rate=""), \
-                        time.monotonic()
+                    tasks[p.stage] = (
+                        progress.add_task(p.stage, total=p.total, documents=0, tokens=0, rate=""),
+                        time.monotonic(),
+                    )
                 task_id, start = tasks[p.stage]
                 speed = p.done / max(time.monotonic() - start, 1e-9)
                 rate = f"{speed / 1e6:,.1f} MB/s" if p.unit == "bytes" else f"{speed:,.0f} docs/s"
-                progress.update(task_id, completed=p.done, total=p.total, documents=p.documents, tokens=p.tokens,
-                                rate=rate)
+                progress.update(
+                    task_id, completed=p.done, total=p.total, documents=p.documents, tokens=p.tokens, rate=rate
+                )
 
             yield update
 
@@ -72,16 +80,22 @@ def eval_progress():
     tokens scored, rate and time left; None elsewhere."""
     import contextlib
 
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     if not console.is_terminal:
         return contextlib.nullcontext(None)
 
     @contextlib.contextmanager
     def bar():
-        with Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
-                      TextColumn("tokens {task.fields[rate]}"), TimeRemainingColumn(), console=err_console,
-                      transient=True) as progress:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=20),
+            MofNCompleteColumn(),
+            TextColumn("tokens {task.fields[rate]}"),
+            TimeRemainingColumn(),
+            console=err_console,
+            transient=True,
+        ) as progress:
             tasks: dict[str, int] = {}
 
             def update(label: str, done: int, total: int | None) -> None:
@@ -89,8 +103,7 @@ def eval_progress():
                     tasks[label] = progress.add_task(label, total=total, rate="")
                 task = progress.tasks[tasks[label]]
                 speed = task.speed
-                progress.update(tasks[label], completed=done, total=total,
-                                rate=f"{speed:,.0f}/s" if speed else "")
+                progress.update(tasks[label], completed=done, total=total, rate=f"{speed:,.0f}/s" if speed else "")
 
             yield update
 
@@ -126,10 +139,16 @@ def prepare_table(result):
         ("train tokens", f"{result.train_tokens:,}"),
         ("val tokens", f"{result.val_tokens:,} ({share:.1%})"),
         ("shards", f"{result.shards['train']:,} train, {result.shards['val']:,} val"),
-        ("validation", "whole documents" if result.val_split == "documents" else
-         f"the first {result.val_tokens:,} tokens (--val-tokens)" if result.val_split == "head" else
-         "the tail of the text" if result.documents == 1 else
-         "the tail of the tokens (too few documents to hold out whole ones)"),
+        (
+            "validation",
+            "whole documents"
+            if result.val_split == "documents"
+            else f"the first {result.val_tokens:,} tokens (--val-tokens)"
+            if result.val_split == "head"
+            else "the tail of the text"
+            if result.documents == 1
+            else "the tail of the tokens (too few documents to hold out whole ones)",
+        ),
         ("vocabulary size", f"{result.vocab_size:,}"),
         ("bytes on disk", f"{result.bytes_on_disk:,}"),
         ("time", f"{result.elapsed_s:.2f} s ({result.num_proc} process{'es' if result.num_proc > 1 else ''})"),
@@ -178,13 +197,21 @@ class TrainDisplay:
         self.max_time = e.train.get("max_time")
         console.print(f"model: {json.dumps(e.model)}\ntrain: {json.dumps(e.train)}")
         verb = "resuming at step" if e.resume else "training from step"
-        console.print(f"{verb} {e.step:,} of {e.max_iters:,} on {e.device} ({e.dtype}): "
-                      f"{e.params:,} non-embedding parameters, {e.tokens_per_iter:,} tokens/iter -> {e.run_dir}")
+        console.print(
+            f"{verb} {e.step:,} of {e.max_iters:,} on {e.device} ({e.dtype}): "
+            f"{e.params:,} non-embedding parameters, {e.tokens_per_iter:,} tokens/iter -> {e.run_dir}"
+        )
         if self.live:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self.progress = Progress(TextColumn("[bold]train"), BarColumn(bar_width=10), MofNCompleteColumn(),
-                                     TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console)
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(bar_width=10),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TimeElapsedColumn(),
+                console=console,
+            )
             self.progress.start()
             self.task = self.progress.add_task("train", total=e.max_iters, completed=e.step, stats="")
 
@@ -208,8 +235,12 @@ class TrainDisplay:
         if e.mfu is not None:
             parts.append((6, f"MFU {e.mfu:.1%}"))
         if e.scale is not None:
-            parts.append((1 if e.skipped else 7, f"fp16 scale {e.scale:g}" + (
-                f", skipped {e.skipped} (overflow)" if e.skipped else "")))
+            parts.append(
+                (
+                    1 if e.skipped else 7,
+                    f"fp16 scale {e.scale:g}" + (f", skipped {e.skipped} (overflow)" if e.skipped else ""),
+                )
+            )
         parts.append((1, f"ETA {_fmt_eta(eta)}"))
         if self.progress is not None:
             # the bar's own columns: "train", a bar of at least 10, "1234/5000", the elapsed time, and spaces
@@ -222,8 +253,10 @@ class TrainDisplay:
         if self.quiet:
             return
         self.val_loss = e.val_loss
-        line = (f"step {e.step:>6,}: train loss {e.train_loss:.4f}, val loss {e.val_loss:.4f}"
-                f" (best {e.best_val_loss:.4f})" + (", checkpoint saved" if e.saved else ""))
+        line = (
+            f"step {e.step:>6,}: train loss {e.train_loss:.4f}, val loss {e.val_loss:.4f}"
+            f" (best {e.best_val_loss:.4f})" + (", checkpoint saved" if e.saved else "")
+        )
         (self.progress.console if self.progress is not None else console).print(line)
 
     def on_save(self, step: int) -> None:
@@ -245,10 +278,15 @@ def train_table(result):
     rows = [("steps", f"{result.step:,}"), ("tokens seen", f"{result.tokens:,}")]
     if result.train_loss is not None:
         at = f" (step {result.eval_step:,})" if result.eval_step != result.step else ""
-        rows += [(f"train loss{at}", f"{result.train_loss:.4f}"), (f"val loss{at}", f"{result.val_loss:.4f}"),
-                 ("best val loss", f"{result.best_val_loss:.4f}")]
-    rows += [("time", f"{result.elapsed_s:.1f} s"),
-             ("speed", f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_s:,.0f} tokens/s")]
+        rows += [
+            (f"train loss{at}", f"{result.train_loss:.4f}"),
+            (f"val loss{at}", f"{result.val_loss:.4f}"),
+            ("best val loss", f"{result.best_val_loss:.4f}"),
+        ]
+    rows += [
+        ("time", f"{result.elapsed_s:.1f} s"),
+        ("speed", f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_s:,.0f} tokens/s"),
+    ]
     if result.mfu is not None:
         rows.append(("MFU", f"{result.mfu:.1%}"))
     return summary_table(f"run {result.run_dir}", rows)
@@ -259,16 +297,19 @@ def train_table(result):
 
 def eval_table(result):
     """The summary of an `EvalResult`."""
-    return summary_table(f"perplexity of {result.source}", [
-        ("loss (nats/token)", f"{result.loss:.4f}"),
-        ("perplexity", f"{result.perplexity:.3f}"),
-        ("bits per byte", f"{result.bits_per_byte:.4f}"),
-        ("tokens scored", f"{result.tokens:,}"),
-        ("bytes", f"{result.bytes:,}"),
-        ("stride", f"{result.stride:,}"),
-        ("time", f"{result.elapsed_s:.2f} s"),
-        ("throughput", f"{result.tokens_per_s:,.0f} tokens/s"),
-    ])
+    return summary_table(
+        f"perplexity of {result.source}",
+        [
+            ("loss (nats/token)", f"{result.loss:.4f}"),
+            ("perplexity", f"{result.perplexity:.3f}"),
+            ("bits per byte", f"{result.bits_per_byte:.4f}"),
+            ("tokens scored", f"{result.tokens:,}"),
+            ("bytes", f"{result.bytes:,}"),
+            ("stride", f"{result.stride:,}"),
+            ("time", f"{result.elapsed_s:.2f} s"),
+            ("throughput", f"{result.tokens_per_s:,.0f} tokens/s"),
+        ],
+    )
 
 
 # --- runs and info ---
@@ -289,22 +330,37 @@ def _count(value) -> str:
 
 def runs_table(runs, root):
     """The rows of `nanogpt runs` (runs.RunSummary), one per run."""
-    from rich.table import Table
-
     from rich import box
+    from rich.table import Table
 
     table = Table(title=f"runs in {root} (times UTC)", title_justify="left", box=box.SIMPLE_HEAD)
     # names fold when the terminal is narrow; the numbers and the status never do
-    for name, justify in (("run", "left"), ("dataset", "left"), ("params", "right"), ("steps", "right"),
-                          ("best val", "right"), ("tokens", "right"), ("updated", "left"), ("status", "left")):
+    for name, justify in (
+        ("run", "left"),
+        ("dataset", "left"),
+        ("params", "right"),
+        ("steps", "right"),
+        ("best val", "right"),
+        ("tokens", "right"),
+        ("updated", "left"),
+        ("status", "left"),
+    ):
         table.add_column(name, justify=justify, overflow="fold", no_wrap=name not in ("run", "dataset"))
     for r in runs:
         steps = f"{r.step:,}" if r.step is not None else "-"
         if r.max_iters is not None:
             steps += f"/{r.max_iters:,}"
         status = {"finished": "[green]finished[/]", "damaged": "[red]damaged[/]"}.get(r.status, r.status)
-        table.add_row(r.name, r.dataset or "-", _count(r.params), steps, _loss(r.best_val_loss), _count(r.tokens),
-                      r.updated[5:16].replace("T", " "), status)
+        table.add_row(
+            r.name,
+            r.dataset or "-",
+            _count(r.params),
+            steps,
+            _loss(r.best_val_loss),
+            _count(r.tokens),
+            r.updated[5:16].replace("T", " "),
+            status,
+        )
     return table
 
 
@@ -318,11 +374,18 @@ def info_table(info):
         rows.append(("status", info.status))
     if info.model:
         m = info.model
-        rows.append(("model", f"{m['n_layer']} layers x {m['n_embd']} wide, {m['n_head']} heads, context "
-                              f"{m['block_size']:,}, {m['pos_encoding']}, {m['norm']}, {m['mlp']}"))
+        rows.append(
+            (
+                "model",
+                f"{m['n_layer']} layers x {m['n_embd']} wide, {m['n_head']} heads, context "
+                f"{m['block_size']:,}, {m['pos_encoding']}, {m['norm']}, {m['mlp']}",
+            )
+        )
     if info.params is not None:
-        rows += [("parameters", f"{info.params:,} ({info.params_non_embedding:,} non-embedding)"),
-                 ("FLOPs per token", f"{info.flops_per_token:,} (training, full context)")]
+        rows += [
+            ("parameters", f"{info.params:,} ({info.params_non_embedding:,} non-embedding)"),
+            ("FLOPs per token", f"{info.flops_per_token:,} (training, full context)"),
+        ]
     rows += [("tokenizer", info.tokenizer or "-"), ("dataset", info.dataset or "-")]
     if info.step is not None:
         rows.append(("step", f"{info.step:,}" + (f" of {info.max_iters:,}" if info.max_iters else "")))

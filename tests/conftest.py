@@ -1,6 +1,6 @@
 """Shared fixtures: small texts written by the tests themselves, a data folder, and a machine with no network.
 
-    def test_x(text_file, data_dir, no_network): ...
+def test_x(text_file, data_dir, no_network): ...
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-WORDS = ("the king queen lord thou thee art hath love death night day sword crown blood heart fair sweet "
-         "good noble gentle speak come go hence whence wherefore naïve café façade").split()
+WORDS = (
+    "the king queen lord thou thee art hath love death night day sword crown blood heart fair sweet "
+    "good noble gentle speak come go hence whence wherefore naïve café façade"
+).split()
 
 
 def make_text(lines: int = 200, seed: int = 0) -> str:
@@ -119,6 +121,12 @@ def tiny_plan(data_dir: Path, name: str, run_dir: Path, **overrides):
     """A run plan of the `tiny` preset on a prepared dataset, in float32 on the CPU (deterministic)."""
     from nanogpt_cli.plan import plan_run
 
-    flags = {"preset": "tiny", "data": name, "data_dir": str(data_dir), "dtype": "float32", "device": "cpu",
-             **overrides}
+    flags = {
+        "preset": "tiny",
+        "data": name,
+        "data_dir": str(data_dir),
+        "dtype": "float32",
+        "device": "cpu",
+        **overrides,
+    }
     return plan_run(flags, out=run_dir)

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from nanogpt_cli import checkpoint as ckpt
+from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.files import atomic_write, write_json
 from nanogpt_cli.loading import load_model
-from nanogpt_cli.rundir import resolve_weights
-from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
 from nanogpt_cli.plan import plan_run
+from nanogpt_cli.rundir import resolve_weights
 from nanogpt_cli.trainer import train
 from conftest import tiny_config, tiny_plan
 
@@ -136,8 +136,11 @@ def truncate(path):
 
 def test_a_truncated_last_weights_file_points_to_best(stopped_run):
     truncate(stopped_run / "model.safetensors")
-    with pytest.raises(NanoGPTError, match=r"cannot resume .*model.safetensors is truncated or damaged.*"
-                                           r"best.safetensors \(step \d\) is intact.*--init-from"):
+    with pytest.raises(
+        NanoGPTError,
+        match=r"cannot resume .*model.safetensors is truncated or damaged.*"
+        r"best.safetensors \(step \d\) is intact.*--init-from",
+    ):
         plan_run({}, out=stopped_run, resume=True)
     code, output = cli("sample", "--checkpoint", stopped_run, "--last", "--max-new-tokens", "2")
     assert code == 1 and "model.safetensors is truncated or damaged" in output
@@ -150,21 +153,35 @@ def test_a_truncated_best_points_to_last(stopped_run, char_data):
     truncate(stopped_run / "best.safetensors")
     code, output = cli("eval", "perplexity", "--checkpoint", stopped_run, "--data", name, "--data-dir", data_dir)
     assert code == 1 and "best.safetensors is truncated or damaged" in output and "use it with --last" in output
-    code, output = cli("train", "--data", name, "--data-dir", data_dir, "--init-from", stopped_run, "--out",
-                       stopped_run.parent / "tuned", "--max-iters", "1")
+    code, output = cli(
+        "train",
+        "--data",
+        name,
+        "--data-dir",
+        data_dir,
+        "--init-from",
+        stopped_run,
+        "--out",
+        stopped_run.parent / "tuned",
+        "--max-iters",
+        "1",
+    )
     assert code == 1 and "best.safetensors is truncated or damaged" in output and "use it with --last" in output
     assert plan_run({}, out=stopped_run, resume=True).step == 4  # resuming needs only last, optimizer, trainer
 
 
-@pytest.mark.parametrize("name,damage,message", [
-    ("optimizer.safetensors", "truncate", "optimizer.safetensors is truncated or damaged"),
-    ("optimizer.safetensors", "delete", "optimizer.safetensors is missing"),
-    ("trainer.json", "garbage", "trainer.json is damaged"),
-    ("trainer.json", "delete", "trainer.json is missing"),
-    ("trainer.json", "empty object", "trainer.json is damaged (missing 'step')"),
-    ("config.json", "garbage", "config.json is damaged"),
-    ("config.json", "delete", "config.json is missing"),
-])
+@pytest.mark.parametrize(
+    "name,damage,message",
+    [
+        ("optimizer.safetensors", "truncate", "optimizer.safetensors is truncated or damaged"),
+        ("optimizer.safetensors", "delete", "optimizer.safetensors is missing"),
+        ("trainer.json", "garbage", "trainer.json is damaged"),
+        ("trainer.json", "delete", "trainer.json is missing"),
+        ("trainer.json", "empty object", "trainer.json is damaged (missing 'step')"),
+        ("config.json", "garbage", "config.json is damaged"),
+        ("config.json", "delete", "config.json is missing"),
+    ],
+)
 def test_damaged_resume_files_are_one_sentence_naming_the_way_on(stopped_run, name, damage, message):
     path = stopped_run / name
     if damage == "truncate":

@@ -25,8 +25,25 @@ def test_prepare_train_resume_sample_eval_end_to_end(tmp_path):
     data, run = str(tmp_path / "data"), str(tmp_path / "run")
     out = ok("prepare", str(text), "--name", "play", "--tokenizer", "char", "--data-dir", data)
     assert "train tokens" in out
-    out = ok("train", "--data", "play", "--data-dir", data, "--preset", "tiny", "--max-iters", "40",
-             "--eval-interval", "20", "--out", run, "--stop-at", "20", "--dtype", "float32")
+    out = ok(
+        "train",
+        "--data",
+        "play",
+        "--data-dir",
+        data,
+        "--preset",
+        "tiny",
+        "--max-iters",
+        "40",
+        "--eval-interval",
+        "20",
+        "--out",
+        run,
+        "--stop-at",
+        "20",
+        "--dtype",
+        "float32",
+    )
     assert "--resume" in out and "step     20" in out
     evals = {line.split(":")[0].split()[-1]: line for line in out.splitlines() if "val loss" in line}
     assert "checkpoint saved" not in evals["0"] and "checkpoint saved" in evals["20"]  # none at step 0
@@ -75,18 +92,20 @@ def test_train_options_are_the_config_fields_with_their_declared_help_and_choice
 
 def run_main(*args, **kw):
     """The console script as users run it (click's standalone mode is off there)."""
-    return subprocess.run([sys.executable, "-m", "nanogpt_cli", *map(str, args)], capture_output=True, text=True,
-                          **kw)
+    return subprocess.run([sys.executable, "-m", "nanogpt_cli", *map(str, args)], capture_output=True, text=True, **kw)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("args,message", [
-    (["train", "--no-such-flag"], "error: no such option: --no-such-flag"),
-    (["train", "--max-iters", "ten"], "error: invalid value for '--max-iters'"),
-    (["sample"], "error: missing option '--checkpoint'; see"),
-    (["prepare"], "error: missing argument 'source'; see"),
-    (["nonsense"], "error: no such command 'nonsense'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["train", "--no-such-flag"], "error: no such option: --no-such-flag"),
+        (["train", "--max-iters", "ten"], "error: invalid value for '--max-iters'"),
+        (["sample"], "error: missing option '--checkpoint'; see"),
+        (["prepare"], "error: missing argument 'source'; see"),
+        (["nonsense"], "error: no such command 'nonsense'"),
+    ],
+)
 def test_usage_errors_are_one_line_and_exit_1(args, message):
     out = run_main(*args)
     assert out.returncode == 1
@@ -107,16 +126,19 @@ def test_help_fits_80_columns_with_whole_flag_names_and_no_bool_placeholder():
     assert "--gradient-accumulation-steps" in train_help and "(2000)]" in " ".join(train_help.split())
 
 
-@pytest.mark.parametrize("setup,args,message", [
-    ("latin1", ["sample", "--checkpoint", "{run}", "--prompt-file", "{file}"], "--prompt-file {file} is not UTF-8"),
-    ("binary", ["sample", "--checkpoint", "{run}", "--prompt-file", "{file}"], "--prompt-file {file} is a binary"),
-    ("folder", ["sample", "--checkpoint", "{run}", "--prompt-file", "{tmp}"], "--prompt-file {tmp} is a folder"),
-    ("folder", ["eval", "perplexity", "--checkpoint", "{run}", "--input", "{tmp}"], "--input {tmp} is a folder"),
-    ("latin1", ["eval", "perplexity", "--checkpoint", "{run}", "--input", "{file}"], "--input {file} is not UTF-8"),
-    ("latin1", ["train", "--config", "{file}"], "--config {file} is not UTF-8"),
-    ("latin1", ["train", "--data", "x", "--out", "{file}/run"], "cannot create --out {file}/run: {file} is a file"),
-    ("latin1", ["prepare", "{file}", "--name", "x", "--data-dir", "{file}/d"], "cannot create --data-dir {file}/d"),
-])
+@pytest.mark.parametrize(
+    "setup,args,message",
+    [
+        ("latin1", ["sample", "--checkpoint", "{run}", "--prompt-file", "{file}"], "--prompt-file {file} is not UTF-8"),
+        ("binary", ["sample", "--checkpoint", "{run}", "--prompt-file", "{file}"], "--prompt-file {file} is a binary"),
+        ("folder", ["sample", "--checkpoint", "{run}", "--prompt-file", "{tmp}"], "--prompt-file {tmp} is a folder"),
+        ("folder", ["eval", "perplexity", "--checkpoint", "{run}", "--input", "{tmp}"], "--input {tmp} is a folder"),
+        ("latin1", ["eval", "perplexity", "--checkpoint", "{run}", "--input", "{file}"], "--input {file} is not UTF-8"),
+        ("latin1", ["train", "--config", "{file}"], "--config {file} is not UTF-8"),
+        ("latin1", ["train", "--data", "x", "--out", "{file}/run"], "cannot create --out {file}/run: {file} is a file"),
+        ("latin1", ["prepare", "{file}", "--name", "x", "--data-dir", "{file}/d"], "cannot create --data-dir {file}/d"),
+    ],
+)
 def test_paths_the_os_rejects_are_one_sentence(trained_run, tmp_path, setup, args, message):
     file = tmp_path / "f.txt"
     file.write_bytes({"latin1": "café ROMEO".encode("latin-1"), "binary": b"\x00\x01\x02"}.get(setup, b"x"))
@@ -132,8 +154,11 @@ def test_an_unknown_toml_key_suggests_the_closest(tmp_path):
 
     toml = tmp_path / "run.toml"
     toml.write_text("learning_rte = 1e-3\n[model]\nn_layers = 2\n")
-    with pytest.raises(NanoGPTError, match=r"learning_rte \(did you mean learning_rate\?\), "
-                                           r"n_layers \(did you mean n_layer\?\)"):
+    with pytest.raises(
+        NanoGPTError,
+        match=r"learning_rte \(did you mean learning_rate\?\), "
+        r"n_layers \(did you mean n_layer\?\)",
+    ):
         load_toml(toml)
 
 
@@ -147,7 +172,10 @@ def test_an_error_keeps_its_brackets():
 def test_a_missing_extra_names_its_install_command():
     from nanogpt_cli.errors import NanoGPTError, require
 
-    with pytest.raises(NanoGPTError, match=r'^plotting to a file needs the no_such_module package: '
-                                           r'pip install -e "\.\[plot\]"$'):
+    with pytest.raises(
+        NanoGPTError,
+        match=r"^plotting to a file needs the no_such_module package: "
+        r'pip install -e "\.\[plot\]"$',
+    ):
         require("no_such_module.sub", "plot", "plotting to a file")
     assert require("json", "plot").dumps([1]) == "[1]"

@@ -35,8 +35,15 @@ def assert_fails(result, message: str) -> None:
 def test_prepare_prints_a_summary(text_file, data_dir):
     result = prepare(str(text_file), "--name", "play", "--tokenizer", "char", "--data-dir", str(data_dir))
     assert result.exit_code == 0, result.output
-    for row in ("documents", "characters", "train tokens", "val tokens", "vocabulary size", "bytes on disk",
-                "throughput"):
+    for row in (
+        "documents",
+        "characters",
+        "train tokens",
+        "val tokens",
+        "vocabulary size",
+        "bytes on disk",
+        "throughput",
+    ):
         assert row in result.output
     meta = json.loads((data_dir / "play" / "meta.json").read_text())
     assert f"{meta['train_tokens']:,}" in result.output
@@ -69,8 +76,11 @@ def test_an_interrupted_prepare_says_how_to_resume_and_resumes(monkeypatch, tmp_
     assert result.exit_code == 130
     partial = data_dir / ".docs.partial"
     assert result.output.strip() == f"interrupted; {partial} keeps {four}; rerun with --resume to continue"
-    assert_fails(prepare(*args), f"{partial} holds an interrupted prepare of 'docs' ({four}); add --resume to "
-                                 "continue it, or delete that folder to start over")
+    assert_fails(
+        prepare(*args),
+        f"{partial} holds an interrupted prepare of 'docs' ({four}); add --resume to "
+        "continue it, or delete that folder to start over",
+    )
     result = prepare(*args, "--resume")
     assert result.exit_code == 0, result.output
     assert "after 4 documents" in result.output and not partial.exists()
@@ -92,31 +102,44 @@ def bad_inputs(tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("args, message", [
-    (["missing.txt"], "missing.txt does not exist; SOURCE is a text file"),
-    (["empty.txt"], "empty.txt is empty"),
-    (["image.txt"], "image.txt is not UTF-8 text"),
-    (["latin1.txt"], "latin1.txt is not UTF-8 text (invalid byte near offset 3); pass its encoding with --encoding "
-                     "(e.g. --encoding cp1252), or use --tokenizer byte"),
-    (["latin1.txt", "--encoding", "klingon"], "unknown --encoding 'klingon'; give a Python text encoding"),
-    (["latin1.txt", "--encoding", "base64"], "unknown --encoding 'base64'; give a Python text encoding"),
-    (["cp1252.txt", "--encoding", "cp1252"], "cp1252.txt is not cp1252 text (invalid byte near offset 4); pass its "
-                                             "encoding with --encoding, or use --tokenizer byte"),
-    (["tiny.txt", "--tokenizer", "wordpiece"], "unknown tokenizer 'wordpiece'; choose one of gpt2, char, byte"),
-    (["rows.jsonl"], "has no column 'text'; its columns are body, title (choose one with --text-column)"),
-    (["tiny.txt", "--val-fraction", "0"], "--val-fraction must be between 0 and 1 (exclusive), got 0.0"),
-    (["tiny.txt", "--val-fraction", "1.5"], "--val-fraction must be between 0 and 1 (exclusive), got 1.5"),
-    (["tiny.txt", "--name", "a/b"], "--name must be a plain folder name (no path separators, no leading '.'), "
-                                    "got 'a/b'"),
-    (["tiny.txt", "--tokenizer", "char"], "tiny.txt is too small to split: 2 tokens give 2 train and 0 validation"),
-    (["hf:"], "hf: is not a hub dataset name; write hf:OWNER/NAME"),
-    (["tiny.txt", "--num-proc", "0"], "--num-proc must be a positive integer, got 0"),
-    (["tiny.txt", "--shard-tokens", "0"], "--shard-tokens must be a positive integer, got 0"),
-    (["tiny.txt", "--max-tokens", "-5"], "--max-tokens must be a positive integer, got -5"),
-    (["tiny.txt", "--max-tokens", "10", "--val-tokens", "20"], "--val-tokens (20) must be below --max-tokens (10)"),
-    (["tiny.txt", "--tokenizer", "char", "--val-tokens", "5"], "tiny.txt is too small to split: 2 tokens give 0 "
-                                                                "train and 2 validation tokens"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["missing.txt"], "missing.txt does not exist; SOURCE is a text file"),
+        (["empty.txt"], "empty.txt is empty"),
+        (["image.txt"], "image.txt is not UTF-8 text"),
+        (
+            ["latin1.txt"],
+            "latin1.txt is not UTF-8 text (invalid byte near offset 3); pass its encoding with --encoding "
+            "(e.g. --encoding cp1252), or use --tokenizer byte",
+        ),
+        (["latin1.txt", "--encoding", "klingon"], "unknown --encoding 'klingon'; give a Python text encoding"),
+        (["latin1.txt", "--encoding", "base64"], "unknown --encoding 'base64'; give a Python text encoding"),
+        (
+            ["cp1252.txt", "--encoding", "cp1252"],
+            "cp1252.txt is not cp1252 text (invalid byte near offset 4); pass its "
+            "encoding with --encoding, or use --tokenizer byte",
+        ),
+        (["tiny.txt", "--tokenizer", "wordpiece"], "unknown tokenizer 'wordpiece'; choose one of gpt2, char, byte"),
+        (["rows.jsonl"], "has no column 'text'; its columns are body, title (choose one with --text-column)"),
+        (["tiny.txt", "--val-fraction", "0"], "--val-fraction must be between 0 and 1 (exclusive), got 0.0"),
+        (["tiny.txt", "--val-fraction", "1.5"], "--val-fraction must be between 0 and 1 (exclusive), got 1.5"),
+        (
+            ["tiny.txt", "--name", "a/b"],
+            "--name must be a plain folder name (no path separators, no leading '.'), got 'a/b'",
+        ),
+        (["tiny.txt", "--tokenizer", "char"], "tiny.txt is too small to split: 2 tokens give 2 train and 0 validation"),
+        (["hf:"], "hf: is not a hub dataset name; write hf:OWNER/NAME"),
+        (["tiny.txt", "--num-proc", "0"], "--num-proc must be a positive integer, got 0"),
+        (["tiny.txt", "--shard-tokens", "0"], "--shard-tokens must be a positive integer, got 0"),
+        (["tiny.txt", "--max-tokens", "-5"], "--max-tokens must be a positive integer, got -5"),
+        (["tiny.txt", "--max-tokens", "10", "--val-tokens", "20"], "--val-tokens (20) must be below --max-tokens (10)"),
+        (
+            ["tiny.txt", "--tokenizer", "char", "--val-tokens", "5"],
+            "tiny.txt is too small to split: 2 tokens give 0 train and 2 validation tokens",
+        ),
+    ],
+)
 def test_bad_input_is_one_clear_line_and_writes_nothing(args, message, bad_inputs, monkeypatch):
     monkeypatch.chdir(bad_inputs)
     if "--name" not in args:
@@ -133,24 +156,42 @@ def test_binary_file_with_nul_bytes(tmp_path, data_dir):
 
 
 def test_tiktoken_encoding_offline(text_file, data_dir, no_network):
-    assert_fails(prepare(str(text_file), "--name", "x", "--tokenizer", "o200k_base", "--data-dir", str(data_dir)),
-                 "could not load the o200k_base tokenizer")
+    assert_fails(
+        prepare(str(text_file), "--name", "x", "--tokenizer", "o200k_base", "--data-dir", str(data_dir)),
+        "could not load the o200k_base tokenizer",
+    )
 
 
 def test_shakespeare_offline(monkeypatch, tmp_path, data_dir):
     monkeypatch.setattr(sources, "SHAKESPEARE_URL", "http://127.0.0.1:9/input.txt")  # a closed port: like offline
     monkeypatch.setenv("NANOGPT_CACHE", str(tmp_path / "cache"))
-    assert_fails(prepare("shakespeare", "--name", "shk", "--data-dir", str(data_dir)),
-                 "pass a local copy instead, e.g. nanogpt prepare examples/tinyshakespeare.txt")
+    assert_fails(
+        prepare("shakespeare", "--name", "shk", "--data-dir", str(data_dir)),
+        "pass a local copy instead, e.g. nanogpt prepare examples/tinyshakespeare.txt",
+    )
 
 
 @pytest.mark.slow
 def test_hub_dataset_offline(tmp_path):
     # the hub's offline switch is read when huggingface_hub is imported, so this runs in a fresh process
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    proc = subprocess.run([sys.executable, "-m", "nanogpt_cli", "prepare", "hf:nobody/nothing", "--name", "x",
-                           "--data-dir", str(tmp_path / "data")], env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanogpt_cli",
+            "prepare",
+            "hf:nobody/nothing",
+            "--name",
+            "x",
+            "--data-dir",
+            str(tmp_path / "data"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.startswith("error: could not reach the Hugging Face hub to load hf:nobody/nothing (offline?)")
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -162,14 +203,35 @@ def test_hub_dataset_offline(tmp_path):
 def test_hub_dataset_unreachable_fails_fast_without_the_offline_switch(tmp_path):
     # no HF_HUB_OFFLINE: every request goes to a closed local port; prepare asks the hub once, then goes offline
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "NO_PROXY", "no_proxy")}
-    env.update(HF_HOME=str(tmp_path / "hf"), HTTPS_PROXY="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9",
-               https_proxy="http://127.0.0.1:9", http_proxy="http://127.0.0.1:9")
-    proc = subprocess.run([sys.executable, "-m", "nanogpt_cli", "prepare", "hf:nobody/nothing", "--name", "x",
-                           "--data-dir", str(tmp_path / "data")], env=env, capture_output=True, text=True,
-                          timeout=120)
+    env.update(
+        HF_HOME=str(tmp_path / "hf"),
+        HTTPS_PROXY="http://127.0.0.1:9",
+        HTTP_PROXY="http://127.0.0.1:9",
+        https_proxy="http://127.0.0.1:9",
+        http_proxy="http://127.0.0.1:9",
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nanogpt_cli",
+            "prepare",
+            "hf:nobody/nothing",
+            "--name",
+            "x",
+            "--data-dir",
+            str(tmp_path / "data"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.startswith("error: could not reach the Hugging Face hub to load hf:nobody/nothing (it did not "
-                                  "answer within 3 s, so only the local cache was searched)")
+    assert proc.stderr.startswith(
+        "error: could not reach the Hugging Face hub to load hf:nobody/nothing (it did not "
+        "answer within 3 s, so only the local cache was searched)"
+    )
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
@@ -185,8 +247,11 @@ def test_encoding_reads_text_that_is_not_utf8(tmp_path, data_dir):
     path = tmp_path / "windows.txt"
     path.write_bytes(text.encode("cp1252"))
     args = [str(path), "--name", "w", "--tokenizer", "char", "--data-dir", str(data_dir)]
-    assert_fails(prepare(*args), "windows.txt is not UTF-8 text (invalid byte near offset 3); pass its encoding with "
-                                 "--encoding (e.g. --encoding cp1252)")
+    assert_fails(
+        prepare(*args),
+        "windows.txt is not UTF-8 text (invalid byte near offset 3); pass its encoding with "
+        "--encoding (e.g. --encoding cp1252)",
+    )
     result = prepare(*args, "--encoding", "cp1252")
     assert result.exit_code == 0, result.output
     meta = json.loads((data_dir / "w" / "meta.json").read_text())
@@ -206,10 +271,12 @@ def test_the_stage_line_counts_what_every_worker_wrote(monkeypatch, tmp_path, da
         return add(*args)
 
     monkeypatch.setattr(shards.SplitStream, "add", slow_add)
-    result = prepare(str(source), "--name", "docs", "--tokenizer", "byte", "--num-proc", "2", "--data-dir",
-                     str(data_dir))
+    result = prepare(
+        str(source), "--name", "docs", "--tokenizer", "byte", "--num-proc", "2", "--data-dir", str(data_dir)
+    )
     assert result.exit_code == 0, result.output
     meta = json.loads((data_dir / "docs" / "meta.json").read_text())
     stage = [line for line in result.output.splitlines() if line.startswith("tokenizing: done in ")]
-    assert len(stage) == 1 and stage[0].endswith(f" s, 64 documents, {meta['train_tokens'] + meta['val_tokens']:,} "
-                                                 "tokens"), result.output
+    assert len(stage) == 1 and stage[0].endswith(
+        f" s, 64 documents, {meta['train_tokens'] + meta['val_tokens']:,} tokens"
+    ), result.output

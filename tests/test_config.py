@@ -27,10 +27,13 @@ def test_toml_accepts_flat_keys_tables_and_dashes(tmp_path):
     assert load_toml(path) == {"preset": "tiny", "max_iters": 10, "n_embd": 64, "learning_rate": 3e-4}
 
 
-@pytest.mark.parametrize("text,message", [
-    ("max_iters = [1", "is not valid TOML"),
-    ("n_layers = 2", "unknown key(s) in"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("max_iters = [1", "is not valid TOML"),
+        ("n_layers = 2", "unknown key(s) in"),
+    ],
+)
 def test_bad_toml_is_one_sentence(tmp_path, text, message):
     path = tmp_path / "run.toml"
     path.write_text(text)
@@ -40,14 +43,17 @@ def test_bad_toml_is_one_sentence(tmp_path, text, message):
         load_toml(tmp_path / "missing.toml")
 
 
-@pytest.mark.parametrize("values,message", [
-    ({"learning_rate": "fast"}, "--learning-rate must be a number, got 'fast'"),
-    ({"n_layer": 2.5}, "--n-layer must be a whole number, got 2.5"),
-    ({"compile": 1}, "--compile must be true or false"),
-    ({"lr_schedule": "linear"}, "--lr-schedule must be one of cosine, constant, wsd"),
-    ({"batch_size": 0}, "--batch-size must be a positive integer"),
-    ({"n_embd": 30, "n_head": 4}, "--n-embd (30) must be divisible by --n-head (4)"),
-])
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"learning_rate": "fast"}, "--learning-rate must be a number, got 'fast'"),
+        ({"n_layer": 2.5}, "--n-layer must be a whole number, got 2.5"),
+        ({"compile": 1}, "--compile must be true or false"),
+        ({"lr_schedule": "linear"}, "--lr-schedule must be one of cosine, constant, wsd"),
+        ({"batch_size": 0}, "--batch-size must be a positive integer"),
+        ({"n_embd": 30, "n_head": 4}, "--n-embd (30) must be divisible by --n-head (4)"),
+    ],
+)
 def test_bad_values_name_their_flag(values, message):
     with pytest.raises(NanoGPTError) as e:
         build_configs(values)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import make_text, tiny_plan
 
 from nanogpt_cli import data
 from nanogpt_cli.data import (
@@ -28,6 +27,7 @@ from nanogpt_cli.data import (
 )
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.tokenizer import tokenizer_from_description
+from conftest import make_text, tiny_plan
 
 
 def read_split(data_dir: Path, name: str, split: str) -> list[int]:
@@ -66,7 +66,8 @@ def test_one_text_is_split_head_and_tail_and_matches_tiktoken(text_file, sample_
     assert meta["version"] and meta["created"]
     assert (data_dir / "play" / "train-00000.bin").stat().st_size == 2 * len(train)
     assert result.train_tokens == len(train) and result.bytes_on_disk == sum(
-        p.stat().st_size for p in (data_dir / "play").iterdir())
+        p.stat().st_size for p in (data_dir / "play").iterdir()
+    )
     assert sorted(p.name for p in data_dir.iterdir()) == ["play"]
 
 
@@ -78,8 +79,9 @@ def test_reading_in_small_pieces_gives_the_same_tokens(monkeypatch, tmp_path, da
     monkeypatch.setattr(sources, "READ_BYTES", 64)
     monkeypatch.setattr(tokenizing, "BATCH_CHARS", 300)
     prepare(str(path), "pieces", tokenizer="gpt2", data_dir=data_dir, num_proc=2)
-    assert read_split(data_dir, "pieces", "train") + read_split(data_dir, "pieces", "val") == \
-        tiktoken_gpt2.encode_ordinary(text)
+    assert read_split(data_dir, "pieces", "train") + read_split(
+        data_dir, "pieces", "val"
+    ) == tiktoken_gpt2.encode_ordinary(text)
 
 
 def test_char_vocabulary_and_round_trip(text_file, sample_text, data_dir):
@@ -120,8 +122,9 @@ def test_jsonl_documents_are_split_by_document(tmp_path, data_dir):
 
 
 def test_few_documents_still_give_validation_one(tmp_path, data_dir):
-    path = write_jsonl(tmp_path / "few.jsonl", [{"text": "alpha beta"}, {"text": "gamma delta"},
-                                                {"text": "epsilon zeta eta"}])
+    path = write_jsonl(
+        tmp_path / "few.jsonl", [{"text": "alpha beta"}, {"text": "gamma delta"}, {"text": "epsilon zeta eta"}]
+    )
     result = prepare(str(path), "few", tokenizer="byte", data_dir=data_dir)
     # the last document would be 44 % of the bytes: the tail of the stream (10 %) validates instead
     assert result.val_documents == 1 and result.val_split == "tail"
@@ -222,6 +225,7 @@ def test_a_failed_prepare_keeps_the_old_data(failure, tmp_path, text_file, data_
 
         def progress(p):
             raise KeyboardInterrupt  # before any shard is complete: nothing is kept to resume from
+
         error = pytest.raises(KeyboardInterrupt)
     with error:
         prepare(str(source), "keep", tokenizer="gpt2", data_dir=data_dir, progress=progress)
@@ -338,8 +342,9 @@ def test_max_tokens_and_val_tokens_take_the_head_of_the_stream(tmp_path, data_di
     docs = [f"doc {i}: " + make_text(lines=3, seed=i) for i in range(30)]
     source = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
     stream = [t for i, d in enumerate(docs) for t in ([50256] if i else []) + tiktoken_gpt2.encode_ordinary(d)]
-    result = prepare(str(source), "head", tokenizer="gpt2", data_dir=data_dir, max_tokens=1000, val_tokens=300,
-                     shard_tokens=128)
+    result = prepare(
+        str(source), "head", tokenizer="gpt2", data_dir=data_dir, max_tokens=1000, val_tokens=300, shard_tokens=128
+    )
     assert read_split(data_dir, "head", "val") == stream[:300]
     assert read_split(data_dir, "head", "train") == stream[300:1000]
     assert (result.val_tokens, result.train_tokens) == (300, 700)
@@ -374,8 +379,11 @@ def test_an_interrupted_prepare_is_kept_named_and_resumed(monkeypatch, tmp_path,
     partial = data_dir / ".cut.partial"
     assert (partial / "progress.json").is_file() and not (data_dir / "cut").exists()
     assert data.interrupted_prepare(data_dir, "cut").startswith(f"{partial} keeps ")
-    with pytest.raises(NanoGPTError, match=r"\.cut\.partial holds an interrupted prepare of 'cut' \([\d,]+ documents, "
-                                           r"[\d,]+ tokens, 3 complete shards\); add --resume to continue it"):
+    with pytest.raises(
+        NanoGPTError,
+        match=r"\.cut\.partial holds an interrupted prepare of 'cut' \([\d,]+ documents, "
+        r"[\d,]+ tokens, 3 complete shards\); add --resume to continue it",
+    ):
         prepare(str(source), "cut", tokenizer="char", data_dir=data_dir, shard_tokens=2000)
     with pytest.raises(NanoGPTError, match="was started with --shard-tokens 2000, not 1000"):
         prepare(str(source), "cut", tokenizer="char", data_dir=data_dir, shard_tokens=1000, resume=True)
@@ -454,8 +462,9 @@ def kill_when_checkpointed(source: Path, data_dir: Path, num_proc: int = 1) -> l
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     log = source.with_name("child.err")  # a file, not a pipe: a worker left behind would hold a pipe open
     with open(log, "w") as err:
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(source), str(data_dir), str(num_proc)], env=env,
-                                 stderr=err)
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(source), str(data_dir), str(num_proc)], env=env, stderr=err
+        )
     checkpoint = data_dir / ".web.partial" / "progress.json"
     try:
         while not checkpoint.exists() and child.poll() is None:
@@ -526,8 +535,9 @@ def test_a_killed_prepare_leaves_no_worker_behind(tmp_path, data_dir):
     for pid in left:  # do not leave them to the next test either
         os.kill(pid, 9)
     assert left == [], "worker processes outlived the prepare that started them"
-    resumed = prepare(str(source), "web", tokenizer="gpt2", data_dir=data_dir, shard_tokens=1000, resume=True,
-                      num_proc=2)
+    resumed = prepare(
+        str(source), "web", tokenizer="gpt2", data_dir=data_dir, shard_tokens=1000, resume=True, num_proc=2
+    )
     assert 0 < resumed.resumed_documents < resumed.documents == 400
     prepare(str(source), "whole", tokenizer="gpt2", data_dir=data_dir, shard_tokens=1000)
     assert dataset_files(data_dir / "web") == dataset_files(data_dir / "whole")
@@ -609,6 +619,8 @@ def test_two_prepares_of_one_name_do_not_write_at_once(tmp_path, data_dir):
             prepare(str(source), "busy", tokenizer="byte", data_dir=data_dir)
         assert partial.is_dir()  # the other prepare's folder is left alone
     assert prepare(str(source), "busy", tokenizer="byte", data_dir=data_dir).documents == 20
+
+
 def test_a_few_files_are_split_by_tokens_not_by_whole_documents(tmp_path, data_dir):
     folder = tmp_path / "two"
     folder.mkdir()

@@ -25,7 +25,9 @@ def test_dtypes_on_cpu():
     assert resolve_inference_dtype(Dtype.bfloat16, cpu, 0) == resolve_dtype(Dtype.bfloat16, cpu) == torch.bfloat16
 
 
-@pytest.mark.parametrize("command", [["train"], ["sample", "--checkpoint", "x"], ["eval", "perplexity", "--checkpoint", "x"]])
+@pytest.mark.parametrize(
+    "command", [["train"], ["sample", "--checkpoint", "x"], ["eval", "perplexity", "--checkpoint", "x"]]
+)
 def test_a_dtype_is_parsed_once_at_the_flag(command):
     from typer.testing import CliRunner
 

@@ -26,8 +26,24 @@ ROOT = Path(__file__).resolve().parent.parent
 runner = CliRunner()
 pytestmark = pytest.mark.slow  # every test here starts torchrun or the CLI
 # eval_iters 3: an odd number, so the two ranks evaluate unequal shares and one makes a padding pass
-SMALL = ["--preset", "tiny", "--batch-size", "4", "--max-iters", "6", "--eval-interval", "2", "--eval-iters", "3",
-         "--log-interval", "1", "--dtype", "float32", "--device", "cpu"]
+SMALL = [
+    "--preset",
+    "tiny",
+    "--batch-size",
+    "4",
+    "--max-iters",
+    "6",
+    "--eval-interval",
+    "2",
+    "--eval-iters",
+    "3",
+    "--log-interval",
+    "1",
+    "--dtype",
+    "float32",
+    "--device",
+    "cpu",
+]
 ACCUM = "--gradient-accumulation-steps"
 
 
@@ -39,8 +55,18 @@ def env() -> dict:
 def launch(procs: int, *args: str) -> list[str]:
     if procs == 1:
         return [sys.executable, "-m", "nanogpt_cli", "train", *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
-            "-m", "nanogpt_cli", "train", *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(procs),
+        "-m",
+        "nanogpt_cli",
+        "train",
+        *args,
+    ]
 
 
 def train(procs: int, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
@@ -92,8 +118,7 @@ def runs(char_data, tmp_path_factory) -> dict[str, Path]:
     train_here(*data, *SMALL, ACCUM, "2", "--out", str(out["one"]))
     train(2, *data, *SMALL, ACCUM, "2", "--out", str(out["ddp"]), "--parallel", "ddp")
     train_here(*data, *SMALL, ACCUM, "4", "--out", str(out["one-accum-4"]))
-    train(2, *data, *SMALL, ACCUM, "4", "--out", str(out["stopped"]), "--parallel", "fsdp", "--stop-at", "3",
-          "--quiet")
+    train(2, *data, *SMALL, ACCUM, "4", "--out", str(out["stopped"]), "--parallel", "fsdp", "--stop-at", "3", "--quiet")
     for resumed in ("fsdp", "fsdp-then-one"):
         shutil.copytree(out["stopped"], out[resumed])
     train(2, "--out", str(out["fsdp"]), "--resume", "--quiet")
@@ -120,8 +145,25 @@ def test_fsdp_stopped_under_two_processes_resumes_under_two_or_one_like_one_proc
 def test_a_checkpoint_from_two_processes_samples_like_one_from_one(runs):
     texts = []
     for run in (runs["one"], runs["ddp"], runs["one-accum-4"], runs["fsdp"]):
-        result = runner.invoke(app, ["sample", "--checkpoint", str(run), "--prompt", "KING:", "--temperature", "0",
-                                     "--max-new-tokens", "40", "--no-stream", "--device", "cpu", "--dtype", "float32"])
+        result = runner.invoke(
+            app,
+            [
+                "sample",
+                "--checkpoint",
+                str(run),
+                "--prompt",
+                "KING:",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "40",
+                "--no-stream",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+            ],
+        )
         assert result.exit_code == 0, result.output
         texts.append(result.output)
     assert texts[0] == texts[1] and texts[2] == texts[3] and "KING:" in texts[0]
@@ -131,9 +173,28 @@ def test_sigterm_to_one_rank_stops_both_after_a_save(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
     launcher = subprocess.Popen(
-        launch(2, "--data", name, "--data-dir", str(data_dir), *SMALL, ACCUM, "4", "--max-iters", "100000",
-               "--eval-interval", "100000", "--out", str(run)),
-        env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        launch(
+            2,
+            "--data",
+            name,
+            "--data-dir",
+            str(data_dir),
+            *SMALL,
+            ACCUM,
+            "4",
+            "--max-iters",
+            "100000",
+            "--eval-interval",
+            "100000",
+            "--out",
+            str(run),
+        ),
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline, logged = time.monotonic() + 60, run / "metrics.jsonl"
         while launcher.poll() is None and time.monotonic() < deadline:  # until rank 0 logs a step (--log-interval 1)
@@ -152,8 +213,9 @@ def test_sigterm_to_one_rank_stops_both_after_a_save(char_data, tmp_path):
     assert re.findall(r"exitcode\s*:\s*(-?\d+) \(pid", err) == ["143", "143"], err[-3000:]
     state = json.loads((run / "trainer.json").read_text())
     assert state["step"] > 0
-    result = runner.invoke(app, ["train", "--out", str(run), "--resume", "--max-iters", str(state["step"] + 2),
-                                 "--quiet"])
+    result = runner.invoke(
+        app, ["train", "--out", str(run), "--resume", "--max-iters", str(state["step"] + 2), "--quiet"]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads((run / "trainer.json").read_text())["step"] == state["step"] + 2
 
@@ -187,9 +249,9 @@ def test_accumulation_not_divisible_by_processes_is_one_sentence(char_data, tmp_
     # what torchrun tells rank 0 of 2; refused before the process group is joined, so nothing waits for rank 1
     for var, value in dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0").items():
         monkeypatch.setenv(var, value)
-    result = runner.invoke(app, ["train", "--data", name, "--data-dir", str(data_dir), *SMALL, ACCUM, "3",
-                                 "--out", str(tmp_path / "run")])
+    result = runner.invoke(
+        app, ["train", "--data", name, "--data-dir", str(data_dir), *SMALL, ACCUM, "3", "--out", str(tmp_path / "run")]
+    )
     assert result.exit_code == 1
     assert "--gradient-accumulation-steps (3) counts micro-batches over all processes" in result.output
     assert not (tmp_path / "run").exists()
-

@@ -4,7 +4,6 @@ per-row seeds, the restart past the context, logits processing, and non-finite p
 
 import pytest
 import torch
-from conftest import tiny_config as tiny
 
 from nanogpt_cli.engine import (
     Engine,
@@ -17,10 +16,16 @@ from nanogpt_cli.engine import (
 )
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
+from conftest import tiny_config as tiny
 
 POS = ["rope", "sinusoidal", "learned"]
-OPTIONS = [{}, dict(qk_norm=True), dict(mlp="relu2"), dict(logit_softcap=3.0),
-           dict(qk_norm=True, mlp="relu2", logit_softcap=3.0)]
+OPTIONS = [
+    {},
+    dict(qk_norm=True),
+    dict(mlp="relu2"),
+    dict(logit_softcap=3.0),
+    dict(qk_norm=True, mlp="relu2", logit_softcap=3.0),
+]
 OPTION_IDS = ["plain", "qk_norm", "relu2", "softcap", "all"]
 BLOCKS = [("gelu", "layernorm", False), ("gelu_tanh", "layernorm", True), ("swiglu", "rmsnorm", False)]
 
@@ -30,7 +35,10 @@ def model_of(pos="rope", mlp="gelu", norm="layernorm", bias=False, opts=None) ->
     return GPT(tiny(**{**dict(pos_encoding=pos, mlp=mlp, norm=norm, bias=bias), **(opts or {})})).eval()
 
 
-def run_alone(model, prompt, n, params=SamplingParams(temperature=0.0), seed=None, **kw):
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def run_alone(model, prompt, n, params=GREEDY, seed=None, **kw):
     engine = Engine(model, max_batch=1, **kw)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
     engine.add(prompt, params, n, gen)
@@ -65,13 +73,13 @@ def test_rows_at_different_positions_each_decode_what_they_would_alone(pos, mlp,
     with torch.inference_mode():
         cache = KVCache(model, 4)  # one slot more than used: the step runs on the first three
         for r, n in enumerate(lengths):
-            model(idx[r:r + 1, :n], cache=cache.view(r, r + 1))
+            model(idx[r : r + 1, :n], cache=cache.view(r, r + 1))
         plan = decode_plan(model)
         for step in range(6):
             cols = [n + step for n in lengths]
             got = decode_step(plan, idx[torch.arange(3), cols], cache, 3)
             for r, c in enumerate(cols):
-                expected, _ = model(idx[r:r + 1, :c + 1])
+                expected, _ = model(idx[r : r + 1, : c + 1])
                 torch.testing.assert_close(got[r], expected[0, -1], atol=1e-5, rtol=0)
     assert cache.pos[:3] == [n + 6 for n in lengths]
     half = model_of(pos, mlp, norm, bias, opts).to(torch.bfloat16)
@@ -121,8 +129,12 @@ def test_a_seeded_sampled_row_draws_the_same_tokens_alone_and_among_others():
     engine.add([7] * 10, SamplingParams(temperature=0.0), 12)
     engine.step()
     mine = engine.add([1, 2, 3], params, 30, torch.Generator().manual_seed(42))
-    engine.add([9, 9, 9, 9], SamplingParams(temperature=0.7, min_p=0.1, repetition_penalty=1.3), 30,
-               torch.Generator().manual_seed(2))
+    engine.add(
+        [9, 9, 9, 9],
+        SamplingParams(temperature=0.7, min_p=0.1, repetition_penalty=1.3),
+        30,
+        torch.Generator().manual_seed(2),
+    )
     tokens = [t.token for t in engine.run() if t.row == mine]
     assert tokens == alone
 
@@ -152,7 +164,7 @@ def test_the_restart_past_the_context_equals_a_forward_over_the_kept_window():
             held = held + 1 if held < 16 else 8
             if t == 0:
                 held = 1
-            logits, _ = model(seq[:, t + 1 - held:t + 1])
+            logits, _ = model(seq[:, t + 1 - held : t + 1])
             assert logits[0, -1].argmax().item() == seq[0, t + 1].item(), t
 
 
@@ -177,7 +189,7 @@ def test_stop_tokens_length_and_a_padded_vocabulary():
     engine = Engine(model, max_batch=1)
     engine.add([1, 2], SamplingParams(temperature=0.0), 10, stop_ids=[free[3]])
     steps = list(engine.run())
-    assert [t.token for t in steps] == free[:free.index(free[3]) + 1] and steps[-1].finish == "stop"
+    assert [t.token for t in steps] == free[: free.index(free[3]) + 1] and steps[-1].finish == "stop"
     assert run_alone(model, [1, 2], 10)[-1] == free[-1]
     with torch.no_grad():
         model.lm_head.weight[60] = 100.0  # the last row would win everywhere ...

@@ -9,11 +9,11 @@ import torch
 from torch.nn import functional as F
 from typer.testing import CliRunner
 
-from nanogpt_cli.loading import load_model
 from nanogpt_cli.cli import app
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.data import prepare
 from nanogpt_cli.evaluate import perplexity_of_files, perplexity_of_split, score_tokens
+from nanogpt_cli.loading import load_model
 from nanogpt_cli.model import GPT
 from nanogpt_cli.tokenizer import build_tokenizer
 
@@ -33,8 +33,8 @@ def test_every_token_is_scored_once_with_its_window_context(stride):
     with torch.no_grad():
         for t in range(1, 53):
             k = max(0, math.ceil((t - 16) / stride))
-            logits, _ = model(tokens[None, k * stride:t])
-            expected += F.cross_entropy(logits[0, -1:], tokens[t:t + 1], reduction="sum").item()
+            logits, _ = model(tokens[None, k * stride : t])
+            expected += F.cross_entropy(logits[0, -1:], tokens[t : t + 1], reduction="sum").item()
     assert nll == pytest.approx(expected, rel=1e-5)
 
 
@@ -64,27 +64,41 @@ def test_bits_per_byte_of_a_byte_model_is_its_loss_over_ln2(tmp_path):
 
 def test_eval_cli_json_and_table(trained_run, char_data, tmp_path):
     data_dir, name = char_data
-    out = runner.invoke(app, ["eval", "perplexity", "--checkpoint", str(trained_run), "--data", name,
-                              "--data-dir", str(data_dir), "--json"])
+    out = runner.invoke(
+        app,
+        ["eval", "perplexity", "--checkpoint", str(trained_run), "--data", name, "--data-dir", str(data_dir), "--json"],
+    )
     assert out.exit_code == 0, out.output
     result = json.loads(out.output)
     assert {"loss", "perplexity", "bits_per_byte", "tokens"} <= set(result)
-    table = runner.invoke(app, ["eval", "perplexity", "--checkpoint", str(trained_run), "--data", name,
-                                "--data-dir", str(data_dir)])
+    table = runner.invoke(
+        app, ["eval", "perplexity", "--checkpoint", str(trained_run), "--data", name, "--data-dir", str(data_dir)]
+    )
     assert table.exit_code == 0 and "bits per byte" in table.output
 
 
-@pytest.mark.parametrize("make_args,message", [
-    (lambda run, d, tmp: ["--checkpoint", str(tmp / "nope"), "--data", "play", "--data-dir", str(d)],
-     "does not exist"),
-    (lambda run, d, tmp: ["--checkpoint", str(run)], "give either --data NAME"),
-    (lambda run, d, tmp: ["--checkpoint", str(run), "--input", str(tmp / "greek.txt")],
-     "no token for 'γ' 'λ' 'ο' 'ς' 'ό'"),
-    (lambda run, d, tmp: ["--checkpoint", str(run), "--data", "play", "--data-dir", str(d), "--stride", "999"],
-     "--stride must be between 1 and the context length"),
-    (lambda run, d, tmp: ["--checkpoint", str(run), "--data", "other", "--data-dir", str(d)],
-     "prepared with another tokenizer"),
-])
+@pytest.mark.parametrize(
+    "make_args,message",
+    [
+        (
+            lambda run, d, tmp: ["--checkpoint", str(tmp / "nope"), "--data", "play", "--data-dir", str(d)],
+            "does not exist",
+        ),
+        (lambda run, d, tmp: ["--checkpoint", str(run)], "give either --data NAME"),
+        (
+            lambda run, d, tmp: ["--checkpoint", str(run), "--input", str(tmp / "greek.txt")],
+            "no token for 'γ' 'λ' 'ο' 'ς' 'ό'",
+        ),
+        (
+            lambda run, d, tmp: ["--checkpoint", str(run), "--data", "play", "--data-dir", str(d), "--stride", "999"],
+            "--stride must be between 1 and the context length",
+        ),
+        (
+            lambda run, d, tmp: ["--checkpoint", str(run), "--data", "other", "--data-dir", str(d)],
+            "prepared with another tokenizer",
+        ),
+    ],
+)
 def test_bad_eval_input_is_one_sentence(trained_run, char_data, tmp_path, make_args, message):
     data_dir, _ = char_data
     (tmp_path / "greek.txt").write_text("the λόγος", encoding="utf-8")

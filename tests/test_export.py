@@ -81,7 +81,7 @@ def test_hf_export_computes_our_function_and_round_trips(arch, tmp_path):
     ours = sampler.generate(prompt, SampleSettings(max_new_tokens=20, temperature=0)).token_ids
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     prompt_ids = hf_tok(prompt, return_tensors="pt")["input_ids"]
-    theirs = ref.generate(prompt_ids, max_new_tokens=20, do_sample=False)[0, prompt_ids.size(1):].tolist()
+    theirs = ref.generate(prompt_ids, max_new_tokens=20, do_sample=False)[0, prompt_ids.size(1) :].tolist()
     assert theirs == ours
 
     # export -> load back as ours -> export again: the same tensors, byte for byte
@@ -105,7 +105,12 @@ def test_hf_export_files_load_in_older_transformers_too(tmp_path):
     tokenizer_config = json.loads((tmp_path / "neox" / "tokenizer_config.json").read_text())
     assert tokenizer_config["tokenizer_class"] == "PreTrainedTokenizerFast"
     assert {p.name for p in (tmp_path / "neox").iterdir()} == {
-        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
 
 
 @pytest.mark.parametrize("name", ["gpt2", "char", "byte"])
@@ -135,7 +140,7 @@ def test_a_padded_vocabulary_never_generates_a_padding_token(tmp_path):
     tok = build_tokenizer("char", [MIXED])
     model = tiny_model(tok.vocab_size + 7)
     with torch.no_grad():
-        model.lm_head.weight[tok.vocab_size:] *= 50  # make the padding rows win if nothing stops them
+        model.lm_head.weight[tok.vocab_size :] *= 50  # make the padding rows win if nothing stops them
     export_hf(model, tok.describe(), tmp_path / "export")
     generation = json.loads((tmp_path / "export" / "generation_config.json").read_text())
     assert generation["suppress_tokens"] == list(range(tok.vocab_size, tok.vocab_size + 7))
@@ -198,22 +203,39 @@ def test_gguf_gpt2_shape_and_metadata(tmp_path):
 # --- refusals: one sentence, nothing written --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flags, fmt, tokenizer, message", [
-    (dict(pos_encoding="learned", norm="rmsnorm"), "hf", "byte", "closest, GPT2LMHeadModel, needs --norm layernorm"),
-    (dict(norm="rmsnorm"), "hf", "byte", "closest, GPTNeoXForCausalLM, needs --norm layernorm$"),
-    (dict(mlp="swiglu"), "hf", "byte", "closest, LlamaForCausalLM, needs --norm rmsnorm$"),
-    (dict(mlp="relu2"), "hf", "byte", "closest, GPTNeoXForCausalLM, needs --mlp gelu$"),
-    (dict(norm="rmsnorm", mlp="relu2"), "hf", "byte", "closest, LlamaForCausalLM, needs --mlp swiglu$"),
-    (dict(norm="rmsnorm", mlp="swiglu", qk_norm=True), "hf", "byte", "no stock Hugging Face architecture has QK"),
-    (dict(), "hf", "cl100k_base", "the cl100k_base tokenizer does not export"),
-    (dict(mlp="gelu"), "gguf", "gpt2", "tanh approximation: GGUF export of a model with LayerNorm and GELU needs "
-                                       r"--mlp gelu_tanh \(or"),
-    (dict(pos_encoding="learned", mlp="gelu"), "gguf", "gpt2", "needs --mlp gelu_tanh"),
-    (dict(mlp="relu2"), "gguf", "byte", "needs a model llama.cpp computes exactly: .* needs --mlp gelu$"),
-    (dict(norm="rmsnorm", mlp="swiglu"), "gguf", "cl100k_base", "supports the gpt2, char, byte and trained "
-                                                                "tokenizers, not cl100k_base"),
-    (dict(), "gguf", "char", "of several UTF-8 bytes .*; prepare with --tokenizer byte or a trained tokenizer"),
-])
+@pytest.mark.parametrize(
+    "flags, fmt, tokenizer, message",
+    [
+        (
+            dict(pos_encoding="learned", norm="rmsnorm"),
+            "hf",
+            "byte",
+            "closest, GPT2LMHeadModel, needs --norm layernorm",
+        ),
+        (dict(norm="rmsnorm"), "hf", "byte", "closest, GPTNeoXForCausalLM, needs --norm layernorm$"),
+        (dict(mlp="swiglu"), "hf", "byte", "closest, LlamaForCausalLM, needs --norm rmsnorm$"),
+        (dict(mlp="relu2"), "hf", "byte", "closest, GPTNeoXForCausalLM, needs --mlp gelu$"),
+        (dict(norm="rmsnorm", mlp="relu2"), "hf", "byte", "closest, LlamaForCausalLM, needs --mlp swiglu$"),
+        (dict(norm="rmsnorm", mlp="swiglu", qk_norm=True), "hf", "byte", "no stock Hugging Face architecture has QK"),
+        (dict(), "hf", "cl100k_base", "the cl100k_base tokenizer does not export"),
+        (
+            dict(mlp="gelu"),
+            "gguf",
+            "gpt2",
+            "tanh approximation: GGUF export of a model with LayerNorm and GELU needs "
+            r"--mlp gelu_tanh \(or",
+        ),
+        (dict(pos_encoding="learned", mlp="gelu"), "gguf", "gpt2", "needs --mlp gelu_tanh"),
+        (dict(mlp="relu2"), "gguf", "byte", "needs a model llama.cpp computes exactly: .* needs --mlp gelu$"),
+        (
+            dict(norm="rmsnorm", mlp="swiglu"),
+            "gguf",
+            "cl100k_base",
+            "supports the gpt2, char, byte and trained tokenizers, not cl100k_base",
+        ),
+        (dict(), "gguf", "char", "of several UTF-8 bytes .*; prepare with --tokenizer byte or a trained tokenizer"),
+    ],
+)
 def test_unsupported_exports_are_one_sentence_and_write_nothing(flags, fmt, tokenizer, message, tmp_path):
     desc = {"name": tokenizer, "vocab_size": 256 if tokenizer == "byte" else 100277}
     if tokenizer == "char":
@@ -263,8 +285,9 @@ def test_a_missing_optional_package_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "gguf", None)  # what `import gguf` sees when it is not installed
     tok = build_tokenizer("gpt2")
     with pytest.raises(NanoGPTError, match=r'needs the gguf package: pip install -e "\.\[hf\]"'):
-        export_gguf(tiny_model(tok.vocab_size, n_layer=1, norm="rmsnorm", mlp="swiglu"), tok.describe(),
-                    tmp_path / "m.gguf")
+        export_gguf(
+            tiny_model(tok.vocab_size, n_layer=1, norm="rmsnorm", mlp="swiglu"), tok.describe(), tmp_path / "m.gguf"
+        )
     assert not (tmp_path / "m.gguf").exists()
 
 
@@ -281,8 +304,16 @@ def test_export_reads_a_hugging_face_folder_too(tmp_path):
 
 def save_random_gpt2(folder: Path, desc: dict, n_embd: int = 32) -> None:
     """A random GPT2LMHeadModel saved by transformers itself, with a tokenizer for `desc` beside it."""
-    config = transformers.GPT2Config(vocab_size=desc["vocab_size"], n_positions=32, n_embd=n_embd, n_layer=2,
-                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=desc["vocab_size"],
+        n_positions=32,
+        n_embd=n_embd,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(config).save_pretrained(folder)
     tok, eot = hf.tokenizers_object(desc)
@@ -296,13 +327,26 @@ def test_init_from_a_hugging_face_folder_trains_and_saves_our_run(char_data, tmp
 
     data_dir, name = char_data
     save_random_gpt2(tmp_path / "gpt2", load_meta(data_dir, name)["tokenizer"])
-    flags = {"data": name, "data_dir": str(data_dir), "dtype": "float32", "device": "cpu", "max_iters": 20,
-             "eval_interval": 20, "eval_iters": 4, "batch_size": 8, "warmup_iters": 0, "learning_rate": 3e-3}
+    flags = {
+        "data": name,
+        "data_dir": str(data_dir),
+        "dtype": "float32",
+        "device": "cpu",
+        "max_iters": 20,
+        "eval_interval": 20,
+        "eval_iters": 4,
+        "batch_size": 8,
+        "warmup_iters": 0,
+        "learning_rate": 3e-3,
+    }
     plan = plan_run(flags, out=tmp_path / "run", init_from=str(tmp_path / "gpt2"))
     assert plan.model.pos_encoding == "learned" and plan.model.mlp == "gelu_tanh" and plan.model.n_embd == 32
     train(plan)
-    losses = [m["val_loss"] for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
-              if m.get("kind", "eval") == "eval"]
+    losses = [
+        m["val_loss"]
+        for m in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+        if m.get("kind", "eval") == "eval"
+    ]
     assert losses[0] == pytest.approx(torch.log(torch.tensor(plan.model.vocab_size * 1.0)).item(), abs=0.3)
     assert losses[-1] < losses[0] - 0.3
     assert (tmp_path / "run" / "model.safetensors").is_file()  # our usual run folder
@@ -311,12 +355,25 @@ def test_init_from_a_hugging_face_folder_trains_and_saves_our_run(char_data, tmp
 def test_init_from_a_bpe_model_into_a_char_dataset_is_one_sentence(char_data, tmp_path):
     data_dir, name = char_data
     save_random_gpt2(tmp_path / "gpt2", build_tokenizer("gpt2").describe(), n_embd=8)
-    result = CliRunner().invoke(app, ["train", "--data", name, "--data-dir", str(data_dir), "--out",
-                                      str(tmp_path / "run"), "--init-from", str(tmp_path / "gpt2")])
+    result = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--data",
+            name,
+            "--data-dir",
+            str(data_dir),
+            "--out",
+            str(tmp_path / "run"),
+            "--init-from",
+            str(tmp_path / "gpt2"),
+        ],
+    )
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [
         f"error: --init-from {tmp_path / 'gpt2'} uses the gpt2 tokenizer but dataset '{name}' was prepared with "
-        "char; prepare it with --tokenizer gpt2"]
+        "char; prepare it with --tokenizer gpt2"
+    ]
     assert not (tmp_path / "run").exists()
 
 
@@ -326,10 +383,40 @@ def test_sample_and_eval_read_an_export_as_they_read_the_run(trained_run, char_d
     assert runner.invoke(app, ["export", str(trained_run), "--out", str(tmp_path / "hf")]).exit_code == 0
     outputs = {}
     for source in (str(trained_run), str(tmp_path / "hf")):
-        sample = runner.invoke(app, ["sample", "--checkpoint", source, "--prompt", "The king", "--temperature", "0",
-                                     "--max-new-tokens", "40", "--device", "cpu", "--dtype", "float32"])
-        ppl = runner.invoke(app, ["eval", "perplexity", "--checkpoint", source, "--data", name, "--data-dir",
-                                  str(data_dir), "--json", "--device", "cpu"])
+        sample = runner.invoke(
+            app,
+            [
+                "sample",
+                "--checkpoint",
+                source,
+                "--prompt",
+                "The king",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "40",
+                "--device",
+                "cpu",
+                "--dtype",
+                "float32",
+            ],
+        )
+        ppl = runner.invoke(
+            app,
+            [
+                "eval",
+                "perplexity",
+                "--checkpoint",
+                source,
+                "--data",
+                name,
+                "--data-dir",
+                str(data_dir),
+                "--json",
+                "--device",
+                "cpu",
+            ],
+        )
         assert sample.exit_code == 0 and ppl.exit_code == 0, sample.output + ppl.output
         outputs[source] = sample.output, json.loads(ppl.output.strip().splitlines()[-1])["loss"]
     (run_text, run_loss), (hf_text, hf_loss) = outputs.values()
@@ -342,8 +429,13 @@ def test_a_hub_model_that_cannot_be_reached_is_one_sentence(tmp_path):
     import subprocess
 
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    proc = subprocess.run([sys.executable, "-m", "nanogpt_cli", "sample", "--checkpoint", "hf:nobody/nothing"],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nanogpt_cli", "sample", "--checkpoint", "hf:nobody/nothing"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
     assert proc.stderr.startswith("error: could not load hf:nobody/nothing from the Hugging Face hub (offline")
 
@@ -355,7 +447,6 @@ ASCII = "ROMEO: What light through yonder window breaks?\nJULIET: Ay me! 1234, s
 
 def trained_bpe(pattern: str = "gpt4", vocab_size: int = 300):
     from nanogpt_cli.tokenizer import train_bpe
-
     from tests.conftest import make_text
 
     return train_bpe([make_text(lines=150, seed=3)], vocab_size, "play", pattern)
@@ -370,8 +461,8 @@ def fitted_model(tok, steps: int = 40, **flags) -> GPT:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for _ in range(steps):
         starts = torch.randint(0, len(data) - 33, (8,))
-        x = torch.stack([data[s:s + 32] for s in starts])
-        y = torch.stack([data[s + 1:s + 33] for s in starts])
+        x = torch.stack([data[s : s + 32] for s in starts])
+        y = torch.stack([data[s + 1 : s + 33] for s in starts])
         _, loss = model(x, y)
         opt.zero_grad()
         loss.backward()
@@ -382,7 +473,7 @@ def fitted_model(tok, steps: int = 40, **flags) -> GPT:
 def hf_greedy(folder: Path, gguf_name: str, prompt_ids: list[int], n: int) -> list[int]:
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_name).eval()
     out = ref.generate(torch.tensor([prompt_ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def our_greedy(model: GPT, desc: dict, prompt: str, n: int, tmp_path: Path) -> list[int]:
@@ -443,16 +534,53 @@ def test_sample_eval_and_info_read_a_gguf_we_wrote(tmp_path):
     model = fitted_model(tok, steps=20)
     save_model(tmp_path / "run.safetensors", model, {"tokenizer": tok.describe()})
     runner = CliRunner()
-    made = runner.invoke(app, ["export", str(tmp_path / "run.safetensors"), "--format", "gguf", "--quant", "q8_0",
-                               "--out", str(tmp_path / "m.gguf")])
+    made = runner.invoke(
+        app,
+        [
+            "export",
+            str(tmp_path / "run.safetensors"),
+            "--format",
+            "gguf",
+            "--quant",
+            "q8_0",
+            "--out",
+            str(tmp_path / "m.gguf"),
+        ],
+    )
     assert made.exit_code == 0 and "q8_0" in made.output and "x smaller than float32" in made.output, made.output
     (tmp_path / "text.txt").write_text(ASCII[:400])
     outputs = []
     for source in ("run.safetensors", "m.gguf"):
-        sample = runner.invoke(app, ["sample", "--checkpoint", str(tmp_path / source), "--prompt", "ROMEO:",
-                                     "--temperature", "0", "--max-new-tokens", "30", "--device", "cpu"])
-        ppl = runner.invoke(app, ["eval", "perplexity", "--checkpoint", str(tmp_path / source), "--input",
-                                  str(tmp_path / "text.txt"), "--json", "--device", "cpu"])
+        sample = runner.invoke(
+            app,
+            [
+                "sample",
+                "--checkpoint",
+                str(tmp_path / source),
+                "--prompt",
+                "ROMEO:",
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                "30",
+                "--device",
+                "cpu",
+            ],
+        )
+        ppl = runner.invoke(
+            app,
+            [
+                "eval",
+                "perplexity",
+                "--checkpoint",
+                str(tmp_path / source),
+                "--input",
+                str(tmp_path / "text.txt"),
+                "--json",
+                "--device",
+                "cpu",
+            ],
+        )
         assert sample.exit_code == 0 and ppl.exit_code == 0, sample.output + ppl.output
         outputs.append((sample.output, json.loads(ppl.output.strip().splitlines()[-1])["loss"]))
     assert outputs[1][0][:16] == outputs[0][0][:16] and len(outputs[1][0]) > 30
@@ -470,8 +598,11 @@ def test_gguf_refuses_a_pattern_llama_cpp_does_not_know_in_one_sentence(tmp_path
     pytest.importorskip("gguf")
     tok = trained_bpe("nanochat")
     out = tmp_path / "model.gguf"
-    with pytest.raises(NanoGPTError, match="llama.cpp has no pre-tokenizer for the split pattern of the play "
-                                           "tokenizer \\(nanochat\\); train it with --pattern gpt2, gpt4 or gpt4o"):
+    with pytest.raises(
+        NanoGPTError,
+        match="llama.cpp has no pre-tokenizer for the split pattern of the play "
+        "tokenizer \\(nanochat\\); train it with --pattern gpt2, gpt4 or gpt4o",
+    ):
         export_gguf(tiny_model(tok.vocab_size, n_layer=1), tok.describe(), out, quant="q8_0")
     with pytest.raises(NanoGPTError, match="--quant must be one of f32, f16"):
         export_gguf(tiny_model(tok.vocab_size, n_layer=1), trained_bpe().describe(), out, quant="q3")

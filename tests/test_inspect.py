@@ -13,13 +13,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from nanogpt_cli.loading import InferenceModel, load_for_inference
 from nanogpt_cli.cli import app
 from nanogpt_cli.config import MLP, GPTConfig, Norm, PosEncoding
-
-POS_ENCODINGS = tuple(p.value for p in PosEncoding)
-NORMS = tuple(n.value for n in Norm)
-MLPS = tuple(m.value for m in MLP)
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inspect import (
     AttentionMaps,
@@ -29,8 +24,13 @@ from nanogpt_cli.inspect import (
     position_views,
     score_heads,
 )
+from nanogpt_cli.loading import InferenceModel, load_for_inference
 from nanogpt_cli.model import GPT
 from nanogpt_cli.tokenizer import build_tokenizer
+
+POS_ENCODINGS = tuple(p.value for p in PosEncoding)
+NORMS = tuple(n.value for n in Norm)
+MLPS = tuple(m.value for m in MLP)
 
 runner = CliRunner()
 PROMPT = "The king hath\nthee, good lord."
@@ -64,8 +64,19 @@ def test_explicit_attention_path_computes_the_models_own_logits_for_every_kind_o
     for i, (pos, (qk_norm, cap)) in enumerate(combos):
         norm, mlp, bias = NORMS[i % 2], MLPS[i % 4], i % 3 == 0
         torch.manual_seed(i)
-        config = GPTConfig(vocab_size=37, block_size=12, n_layer=2, n_head=2, n_embd=16, pos_encoding=pos, norm=norm,
-                           mlp=mlp, qk_norm=qk_norm, logit_softcap=cap, bias=bias)
+        config = GPTConfig(
+            vocab_size=37,
+            block_size=12,
+            n_layer=2,
+            n_head=2,
+            n_embd=16,
+            pos_encoding=pos,
+            norm=norm,
+            mlp=mlp,
+            qk_norm=qk_norm,
+            logit_softcap=cap,
+            bias=bias,
+        )
         model = GPT(config).eval()
         with torch.no_grad():  # weights large enough that the attention is far from uniform and logits are O(1)
             for p in model.parameters():
@@ -108,8 +119,17 @@ def one_hot_positions(n_head: int = 2) -> GPT:
     """One layer, learned positions that are one-hot (position p is e_p), token embeddings zero and RMSNorm without
     a gain to spoil it: every head's q and k are then whatever its c_attn rows make of the position alone."""
     T = 16
-    model = GPT(GPTConfig(vocab_size=16, block_size=T, n_layer=1, n_head=n_head, n_embd=T * n_head, norm="rmsnorm",
-                          pos_encoding="learned")).eval()
+    model = GPT(
+        GPTConfig(
+            vocab_size=16,
+            block_size=T,
+            n_layer=1,
+            n_head=n_head,
+            n_embd=T * n_head,
+            norm="rmsnorm",
+            pos_encoding="learned",
+        )
+    ).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -126,7 +146,7 @@ def test_a_head_built_to_copy_the_previous_token_is_labelled_previous_token():
     with torch.no_grad():
         w = model.transformer.h[0].attn.c_attn.weight  # (3C, C): q rows, then k rows, then v rows
         w[:T, :T] = 10 * shift  # head 0's query; head 1 keeps zeros: uniform attention
-        w[C:C + T, :T] = torch.eye(T)  # head 0's key
+        w[C : C + T, :T] = torch.eye(T)  # head 0's key
     report = score_heads(loaded_model(model), length=8)
     prev, other = report.heads
     assert prev.label == "previous-token" and prev.previous_token > 0.99
@@ -154,7 +174,7 @@ def test_a_head_that_attends_to_itself_is_local():
     with torch.no_grad():
         w = model.transformer.h[0].attn.c_attn.weight
         w[:T, :T] = 1.5 * torch.eye(T)  # q.k = 4 * 1.5 * 4 / sqrt(16) = 6 on itself, 0 elsewhere: ~98% on itself
-        w[T:2 * T, :T] = torch.eye(T)
+        w[T : 2 * T, :T] = torch.eye(T)
     (head,) = score_heads(loaded_model(model), length=8).heads
     assert head.previous_token < 0.4 and head.label == "local"
 
@@ -168,8 +188,8 @@ def repeated_stretch(g: torch.Generator, vocab: int, T: int, rows: int) -> tuple
     for r in range(rows):
         n = int(torch.randint(4, T // 2 + 1, (1,), generator=g))
         a = int(torch.randint(0, T - 2 * n + 1, (1,), generator=g))
-        x[r, a + n:a + 2 * n] = x[r, a:a + n]
-        y[r, a + n:a + 2 * n - 1] = x[r, a + n + 1:a + 2 * n]  # position i predicts token i + 1
+        x[r, a + n : a + 2 * n] = x[r, a : a + n]
+        y[r, a + n : a + 2 * n - 1] = x[r, a + n + 1 : a + 2 * n]  # position i predicts token i + 1
     return x, y
 
 
@@ -238,8 +258,21 @@ def test_attention_command_writes_the_grid_and_one_head_at_the_sizes_asked(train
     out = ok("inspect", "attention", trained_run, "--prompt", PROMPT, "--out", grid, "--size", "900x700")
     assert f"wrote {grid}" in out
     assert png_size(grid) == (900, 700)
-    ok("inspect", "attention", trained_run, "--prompt", PROMPT, "--out", one, "--layer", "1", "--head", "0",
-       "--size", "640x480")
+    ok(
+        "inspect",
+        "attention",
+        trained_run,
+        "--prompt",
+        PROMPT,
+        "--out",
+        one,
+        "--layer",
+        "1",
+        "--head",
+        "0",
+        "--size",
+        "640x480",
+    )
     assert png_size(one) == (640, 480) and one.stat().st_size > 5000
     default = tmp_path / "default.png"
     ok("inspect", "attention", trained_run, "--prompt", PROMPT, "--out", default)
@@ -290,12 +323,15 @@ def test_inspect_reads_a_hugging_face_export_as_it_reads_the_run(trained_run, tm
     ok("inspect", "positions", tmp_path / "hf", "--out", tmp_path / "pos.png")
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--layer", "2"], "--layer must be between 0 and 1 (the model has 2 layers), got 2"),
-    (["--head", "-1"], "--head must be between 0 and 1"),
-    (["--size", "big"], "--size must be WIDTHxHEIGHT in pixels"),
-    (["--out", "pic.bmpx"], "cannot write"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--layer", "2"], "--layer must be between 0 and 1 (the model has 2 layers), got 2"),
+        (["--head", "-1"], "--head must be between 0 and 1"),
+        (["--size", "big"], "--size must be WIDTHxHEIGHT in pixels"),
+        (["--out", "pic.bmpx"], "cannot write"),
+    ],
+)
 def test_attention_refuses_bad_input_in_one_line(trained_run, tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
     result = runner.invoke(app, ["inspect", "attention", str(trained_run), "--prompt", PROMPT, *args])
@@ -307,6 +343,7 @@ def test_attention_needs_a_prompt_and_matplotlib(trained_run, tmp_path, monkeypa
     result = runner.invoke(app, ["inspect", "attention", str(trained_run)])
     assert result.exit_code == 1 and "give the text to look at with --prompt or --prompt-file" in result.output
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
-    result = runner.invoke(app, ["inspect", "attention", str(trained_run), "--prompt", "The", "--out",
-                                 str(tmp_path / "a.png")])
+    result = runner.invoke(
+        app, ["inspect", "attention", str(trained_run), "--prompt", "The", "--out", str(tmp_path / "a.png")]
+    )
     assert result.exit_code == 1 and 'needs the matplotlib package: pip install -e ".[plot]"' in result.output

@@ -8,13 +8,18 @@ import torch
 
 from nanogpt_cli import hf
 from nanogpt_cli.config import GPTConfig
-from conftest import tiny_config
 from nanogpt_cli.model import GPT, activation, apply_rope, rope_tables, sinusoidal_table
+from conftest import tiny_config
 
 POS = ["rope", "sinusoidal", "learned"]
 # the block options of issue 11, alone and together (zero_init_proj only changes the init: tested on its own)
-OPTIONS = [{}, dict(qk_norm=True), dict(mlp="relu2"), dict(logit_softcap=3.0),
-           dict(qk_norm=True, mlp="relu2", logit_softcap=3.0)]
+OPTIONS = [
+    {},
+    dict(qk_norm=True),
+    dict(mlp="relu2"),
+    dict(logit_softcap=3.0),
+    dict(qk_norm=True, mlp="relu2", logit_softcap=3.0),
+]
 OPTION_IDS = ["plain", "qk_norm", "relu2", "softcap", "all"]
 
 
@@ -30,10 +35,10 @@ def test_future_tokens_never_change_earlier_logits(pos, opts):
     base, _ = model(idx)
     for t in range(15):
         changed = idx.clone()
-        changed[0, t + 1:] = (changed[0, t + 1:] + 7) % 61
+        changed[0, t + 1 :] = (changed[0, t + 1 :] + 7) % 61
         logits, _ = model(changed)
-        assert torch.allclose(logits[0, :t + 1], base[0, :t + 1], atol=1e-6), f"position {t} saw the future"
-        assert not torch.allclose(logits[0, t + 1:], base[0, t + 1:]), "the change had no effect at all"
+        assert torch.allclose(logits[0, : t + 1], base[0, : t + 1], atol=1e-6), f"position {t} saw the future"
+        assert not torch.allclose(logits[0, t + 1 :], base[0, t + 1 :]), "the change had no effect at all"
 
 
 def test_block_options_do_what_they_say():
@@ -64,15 +69,17 @@ def test_squared_relu_backward_is_autograds():
     h = (h + h.sign() * 0.1).requires_grad_()
     assert torch.autograd.gradcheck(lambda t: activation(t, "relu2"), (h,))
     g = torch.randn(3, 5, 16, dtype=torch.float64)
-    ours, = torch.autograd.grad(activation(h, "relu2"), h, g)
-    autograds, = torch.autograd.grad(torch.relu(h).square(), h, g)
+    (ours,) = torch.autograd.grad(activation(h, "relu2"), h, g)
+    (autograds,) = torch.autograd.grad(torch.relu(h).square(), h, g)
     torch.testing.assert_close(ours, autograds, rtol=0, atol=0)
 
 
 def test_zero_init_projections_start_each_block_as_the_identity_and_still_train():
     torch.manual_seed(0)
     model = GPT(tiny(zero_init_proj=True))
-    projections = [b.attn.c_proj.weight for b in model.transformer.h] + [b.mlp.c_proj.weight for b in model.transformer.h]
+    projections = [b.attn.c_proj.weight for b in model.transformer.h] + [
+        b.mlp.c_proj.weight for b in model.transformer.h
+    ]
     assert all(p.abs().sum() == 0 for p in projections)
     x = torch.randint(0, 61, (4, 16))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -132,7 +139,7 @@ def test_rope_preserves_norms_and_depends_only_on_relative_offset():
     cos, sin = rope_tables(torch.arange(40), hs, 10000.0)
 
     def rot(x, p):
-        return apply_rope(x[None], cos[p:p + 1], sin[p:p + 1])[0]
+        return apply_rope(x[None], cos[p : p + 1], sin[p : p + 1])[0]
 
     for p in (0, 5, 39):
         assert rot(q, p).norm().item() == pytest.approx(q.norm().item(), rel=1e-5)
@@ -176,16 +183,19 @@ def test_flops_per_token_counts_matmuls_and_attention():
     assert model.flops_per_token() == expected
 
 
-@pytest.mark.parametrize("kw,message", [
-    (dict(n_embd=30, n_head=4), "--n-embd (30) must be divisible by --n-head (4)"),
-    (dict(n_embd=30, n_head=6), "RoPE needs an even head size"),
-    (dict(n_layer=0), "--n-layer must be a positive integer"),
-    (dict(pos_encoding="alibi"), "--pos-encoding must be one of rope, sinusoidal, learned"),
-    (dict(norm="batchnorm"), "--norm must be one of"),
-    (dict(mlp="relu"), "--mlp must be one of"),
-    (dict(logit_softcap=0.0), "--logit-softcap must be positive"),
-    (dict(dropout=1.5), "--dropout must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (dict(n_embd=30, n_head=4), "--n-embd (30) must be divisible by --n-head (4)"),
+        (dict(n_embd=30, n_head=6), "RoPE needs an even head size"),
+        (dict(n_layer=0), "--n-layer must be a positive integer"),
+        (dict(pos_encoding="alibi"), "--pos-encoding must be one of rope, sinusoidal, learned"),
+        (dict(norm="batchnorm"), "--norm must be one of"),
+        (dict(mlp="relu"), "--mlp must be one of"),
+        (dict(logit_softcap=0.0), "--logit-softcap must be positive"),
+        (dict(dropout=1.5), "--dropout must be in [0, 1)"),
+    ],
+)
 def test_invalid_configs_fail_with_their_message(kw, message):
     with pytest.raises(ValueError) as e:
         tiny(**kw)
@@ -207,12 +217,21 @@ def hf_reference(kind: str):
     (RoPE with theta 500, RMSNorm, SwiGLU, no biases, tied embeddings)."""
     transformers = pytest.importorskip("transformers")
     if kind == "gpt2":
-        config = transformers.GPT2Config(vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=4,
-                                         resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+        config = transformers.GPT2Config(
+            vocab_size=97, n_positions=32, n_embd=48, n_layer=2, n_head=4, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+        )
         return transformers.GPT2LMHeadModel(config).eval()
-    config = transformers.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
-                                      tie_word_embeddings=True, rope_theta=500.0)
+    config = transformers.LlamaConfig(
+        vocab_size=97,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        rope_theta=500.0,
+    )
     return transformers.LlamaForCausalLM(config).eval()
 
 
@@ -235,9 +254,16 @@ def test_from_hf_matches_reference_logits_and_round_trips(kind):
 LLAMA_SHAPE = dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False)
 
 
-@pytest.mark.parametrize("cfg", [dict(norm="rmsnorm"), dict(LLAMA_SHAPE, qk_norm=True),
-                                 dict(LLAMA_SHAPE, logit_softcap=30.0), dict(LLAMA_SHAPE, mlp="relu2")],
-                         ids=["rmsnorm-gelu", "qk_norm", "softcap", "relu2"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        dict(norm="rmsnorm"),
+        dict(LLAMA_SHAPE, qk_norm=True),
+        dict(LLAMA_SHAPE, logit_softcap=30.0),
+        dict(LLAMA_SHAPE, mlp="relu2"),
+    ],
+    ids=["rmsnorm-gelu", "qk_norm", "softcap", "relu2"],
+)
 def test_to_hf_refuses_a_model_with_no_counterpart(cfg):
     from nanogpt_cli.errors import NanoGPTError
 

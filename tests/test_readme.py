@@ -17,8 +17,24 @@ from nanogpt_cli.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
-COMMANDS = ("prepare", "train", "sample", "eval", "perplexity", "runs", "info", "plot", "export", "serve", "tokenizer",
-            "encode", "inspect", "attention", "heads", "positions")
+COMMANDS = (
+    "prepare",
+    "train",
+    "sample",
+    "eval",
+    "perplexity",
+    "runs",
+    "info",
+    "plot",
+    "export",
+    "serve",
+    "tokenizer",
+    "encode",
+    "inspect",
+    "attention",
+    "heads",
+    "positions",
+)
 LONG_RUNNING = ("serve",)  # a server: its flags are checked, it is not run
 
 
@@ -40,7 +56,7 @@ def commands() -> list[Command]:
             if language == "" and not line.startswith("$ "):
                 continue  # an output line: it may hold unbalanced quotes
             shown = []
-            for later in lines[i + 1:]:
+            for later in lines[i + 1 :]:
                 if later.startswith("$ "):
                     break
                 shown.append(later)
@@ -57,7 +73,7 @@ def commands() -> list[Command]:
 
 def nanogpt_args(command: Command) -> list[str]:
     words = command.args
-    return words[words.index("nanogpt_cli") + 1:] if command.kind == "torchrun" else words
+    return words[words.index("nanogpt_cli") + 1 :] if command.kind == "torchrun" else words
 
 
 @pytest.mark.parametrize("command", commands(), ids=lambda c: " ".join(nanogpt_args(c)[:2]))
@@ -71,8 +87,17 @@ def test_readme_commands_use_real_flags(command):
 
 def test_the_readme_shows_every_command_and_ci_runs_its_test_command():
     shown = {tuple(nanogpt_args(c)[:2]) if c.args[0] == "eval" else (c.args[0],) for c in commands()}
-    assert {("prepare",), ("train",), ("sample",), ("eval", "perplexity"), ("export",), ("runs",), ("info",),
-            ("plot",), ("torchrun",)} <= shown
+    assert {
+        ("prepare",),
+        ("train",),
+        ("sample",),
+        ("eval", "perplexity"),
+        ("export",),
+        ("runs",),
+        ("info",),
+        ("plot",),
+        ("torchrun",),
+    } <= shown
     test_command = 'pip install torch==2.13.0 -e ".[dev]" && pytest'
     assert test_command in README and 'pytest -m "not slow"' in README
     ci = (ROOT / ".ci" / "run").read_text()
@@ -85,7 +110,7 @@ def tiny(args: list[str]) -> list[str]:
     seconds."""
     if "--preset" in args:
         i = args.index("--preset")
-        return [*args[:i], "--preset", "tiny", *args[i + 2:]]
+        return [*args[:i], "--preset", "tiny", *args[i + 2 :]]
     return [*args, "--preset", "tiny"]
 
 
@@ -99,8 +124,9 @@ def test_the_readme_examples_run_as_written_and_print_what_it_shows(tmp_path):
     tiny preset), torchrun's on the CPU. The set-up chain is left out (it installs, then trains for minutes).
     Each command must succeed and print the first line the README shows (numbers aside)."""
     (tmp_path / "examples").symlink_to(ROOT / "examples")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"
+    )
     runner = CliRunner()
     ran = []
     cwd, threads = os.getcwd(), torch.get_num_threads()
@@ -111,9 +137,14 @@ def test_the_readme_examples_run_as_written_and_print_what_it_shows(tmp_path):
             if command.kind == "torchrun":
                 if "--device" not in command.args or "cpu" not in command.args:
                     continue  # GPUs only: its flags are checked above
-                args = command.args[command.args.index("torchrun") + 1:]
-                proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], env=env,
-                                      capture_output=True, text=True, timeout=300)
+                args = command.args[command.args.index("torchrun") + 1 :]
+                proc = subprocess.run(
+                    [sys.executable, "-m", "torch.distributed.run", *args],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
                 assert proc.returncode == 0, proc.stderr[-3000:]
                 output = proc.stdout
             else:

@@ -34,8 +34,7 @@ def three_runs(char_data, tmp_path_factory):
 
 def test_runs_lists_every_run_with_its_status(three_runs):
     rows = {r["name"]: r for r in map(json.loads, ok("runs", three_runs, "--json").splitlines())}
-    assert {n: r["status"] for n, r in rows.items()} == {"done": "finished", "half": "resumable",
-                                                        "broken": "damaged"}
+    assert {n: r["status"] for n, r in rows.items()} == {"done": "finished", "half": "resumable", "broken": "damaged"}
     assert rows["done"]["step"] == 6 and rows["half"]["step"] == 3 and rows["half"]["max_iters"] == 6
     assert rows["done"]["tokens"] == 6 * 8 * 32 and rows["done"]["params"] > 0
     assert "trainer.json is damaged" in rows["broken"]["problem"]
@@ -83,8 +82,28 @@ def test_training_writes_loss_png_and_feeds_tensorboard(char_data, tmp_path):
 
     data_dir, name = char_data
     run = tmp_path / "run"
-    ok("train", "--data", name, "--data-dir", data_dir, "--preset", "tiny", "--max-iters", "4", "--eval-interval",
-       "2", "--log-interval", "1", "--dtype", "float32", "--out", run, "--tracker", "tensorboard", "--quiet")
+    ok(
+        "train",
+        "--data",
+        name,
+        "--data-dir",
+        data_dir,
+        "--preset",
+        "tiny",
+        "--max-iters",
+        "4",
+        "--eval-interval",
+        "2",
+        "--log-interval",
+        "1",
+        "--dtype",
+        "float32",
+        "--out",
+        run,
+        "--tracker",
+        "tensorboard",
+        "--quiet",
+    )
     assert (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
     events = EventAccumulator(str(run / "tensorboard"))
     events.Reload()
@@ -100,16 +119,48 @@ def test_wandb_runs_offline_without_network(char_data, tmp_path, monkeypatch, no
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     data_dir, name = char_data
     run = tmp_path / "run"
-    ok("train", "--data", name, "--data-dir", data_dir, "--preset", "tiny", "--max-iters", "2", "--eval-interval",
-       "2", "--dtype", "float32", "--out", run, "--tracker", "wandb", "--quiet")
+    ok(
+        "train",
+        "--data",
+        name,
+        "--data-dir",
+        data_dir,
+        "--preset",
+        "tiny",
+        "--max-iters",
+        "2",
+        "--eval-interval",
+        "2",
+        "--dtype",
+        "float32",
+        "--out",
+        run,
+        "--tracker",
+        "wandb",
+        "--quiet",
+    )
     offline = list((run / "wandb").glob("offline-run-*/*.wandb"))
     assert len(offline) == 1 and offline[0].stat().st_size > 0
 
 
 def test_an_unknown_tracker_is_one_sentence(char_data, tmp_path):
     data_dir, name = char_data
-    result = runner.invoke(app, ["train", "--data", name, "--data-dir", str(data_dir), "--preset", "tiny",
-                                 "--out", str(tmp_path / "r"), "--tracker", "mlflow"])
+    result = runner.invoke(
+        app,
+        [
+            "train",
+            "--data",
+            name,
+            "--data-dir",
+            str(data_dir),
+            "--preset",
+            "tiny",
+            "--out",
+            str(tmp_path / "r"),
+            "--tracker",
+            "mlflow",
+        ],
+    )
     assert result.exit_code == 1 and "--tracker must be one of tensorboard, wandb, got 'mlflow'" in result.output
 
 

@@ -1,6 +1,7 @@
 """Sampling: seeds, greedy, the cache, streaming, stop texts, end-of-text, prompts, and bad input."""
 
 import json
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -84,7 +85,7 @@ def test_streaming_never_prints_half_a_character(tmp_path):
 def test_stop_text_ends_the_sample_before_it(sampler):
     free = sampler.generate("", SampleSettings(max_new_tokens=200, temperature=0.0)).text
     stop = free[30:32]  # a two-character text the greedy sample certainly produces
-    cut = free[:free.find(stop)]
+    cut = free[: free.find(stop)]
     settings = SampleSettings(max_new_tokens=200, temperature=0.0, stop=[stop, "never-there"])
     result = sampler.generate("", settings)
     assert result.text == cut and result.stop_reason == "stop"
@@ -115,10 +116,10 @@ def test_a_batch_of_prompts_gives_each_the_text_it_gets_alone(sampler, gpt2_chec
 def test_a_stop_text_ends_only_its_own_sample(sampler):
     settings = SampleSettings(max_new_tokens=60, temperature=0.0, repetition_penalty=3.0)
     free_a, free_b = (r.text for r in sampler.generate_many(["KING:", "the"], settings))
-    stop = next(free_a[i:i + 3] for i in range(5, 40) if free_a[i:i + 3] not in free_b)
+    stop = next(free_a[i : i + 3] for i in range(5, 40) if free_a[i : i + 3] not in free_b)
     settings.stop = [stop]
     stopped = sampler.generate_many(["KING:", "the"], settings)
-    assert stopped[0].text == free_a[:free_a.find(stop)] and stopped[0].stop_reason == "stop"
+    assert stopped[0].text == free_a[: free_a.find(stop)] and stopped[0].stop_reason == "stop"
     assert stopped[1].text == free_b and stopped[1].stop_reason == "length"
 
 
@@ -144,8 +145,9 @@ def test_a_seeded_sample_gives_the_same_text_alone_and_in_a_batch(sampler):
 
 def test_end_of_text_stops_a_bpe_model_unless_ignored(tmp_path):
     tok = build_tokenizer("gpt2")
-    cfg = GPTConfig(vocab_size=tok.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=True,
-                    tie_embeddings=False)
+    cfg = GPTConfig(
+        vocab_size=tok.vocab_size, block_size=16, n_layer=1, n_head=2, n_embd=16, bias=True, tie_embeddings=False
+    )
     model = GPT(cfg)
     with torch.no_grad():  # every position's final features are e_0, and only eot reads e_0
         model.transformer.ln_f.weight.zero_()
@@ -181,30 +183,63 @@ def test_repetition_penalty_changes_greedy_text(sampler):
 
 
 def test_sample_cli_prints_prompt_and_continuation_and_separates_samples(trained_run):
-    out = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "--prompt", "KING:", "--max-new-tokens",
-                              "20", "--num-samples", "2", "--seed", "1"])
+    out = runner.invoke(
+        app,
+        [
+            "sample",
+            "--checkpoint",
+            str(trained_run),
+            "--prompt",
+            "KING:",
+            "--max-new-tokens",
+            "20",
+            "--num-samples",
+            "2",
+            "--seed",
+            "1",
+        ],
+    )
     assert out.exit_code == 0, out.output
     assert out.output.count("KING:") >= 2 and "sample 2 of 2" in out.output
-    again = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "--prompt", "KING:", "--max-new-tokens",
-                                "20", "--num-samples", "2", "--seed", "1", "--no-stream"])
+    again = runner.invoke(
+        app,
+        [
+            "sample",
+            "--checkpoint",
+            str(trained_run),
+            "--prompt",
+            "KING:",
+            "--max-new-tokens",
+            "20",
+            "--num-samples",
+            "2",
+            "--seed",
+            "1",
+            "--no-stream",
+        ],
+    )
     assert again.output == out.output
-    interactive = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "-i", "--max-new-tokens", "5"],
-                                input="the\nλ\nking\n")
+    interactive = runner.invoke(
+        app, ["sample", "--checkpoint", str(trained_run), "-i", "--max-new-tokens", "5"], input="the\nλ\nking\n"
+    )
     assert interactive.exit_code == 0
     assert interactive.output.count("prompt> ") == 4 and "no token for 'λ'" in interactive.output
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--temperature", "-1"], "--temperature must be >= 0"),
-    (["--top-p", "0"], "--top-p must be in (0, 1]"),
-    (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
-    (["--min-p", "1"], "--min-p must be in [0, 1)"),
-    (["--top-k", "-1"], "--top-k must be at least 1"),
-    (["--temperature", "nan"], "--temperature must be a finite number"),
-    (["--repetition-penalty", "inf"], "--repetition-penalty must be a finite number"),
-    (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
-    (["--prompt", "λx"], "no token for 'x' 'λ'"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        (["--top-p", "1.5"], "--top-p must be in (0, 1]"),
+        (["--min-p", "1"], "--min-p must be in [0, 1)"),
+        (["--top-k", "-1"], "--top-k must be at least 1"),
+        (["--temperature", "nan"], "--temperature must be a finite number"),
+        (["--repetition-penalty", "inf"], "--repetition-penalty must be a finite number"),
+        (["--repetition-penalty", "0"], "--repetition-penalty must be > 0"),
+        (["--prompt", "λx"], "no token for 'x' 'λ'"),
+    ],
+)
 def test_bad_sampling_input_is_one_sentence(trained_run, args, message):
     out = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "--max-new-tokens", "3", *args])
     assert out.exit_code == 1
@@ -216,8 +251,12 @@ def test_missing_or_invalid_checkpoints_are_one_sentence(tmp_path):
     junk.write_bytes(b"\x00not a checkpoint at all")
     plain = tmp_path / "plain.safetensors"
     save_file({"w": torch.zeros(2)}, str(plain))
-    cases = [(tmp_path / "missing", "does not exist"), (junk, "is truncated or damaged"),
-             (plain, "not a nanogpt checkpoint"), (tmp_path, "no checkpoint in")]
+    cases = [
+        (tmp_path / "missing", "does not exist"),
+        (junk, "is truncated or damaged"),
+        (plain, "not a nanogpt checkpoint"),
+        (tmp_path, "no checkpoint in"),
+    ]
     for path, message in cases:
         out = runner.invoke(app, ["sample", "--checkpoint", str(path)])
         assert out.exit_code == 1, path
@@ -226,8 +265,23 @@ def test_missing_or_invalid_checkpoints_are_one_sentence(tmp_path):
 
 def test_top_k_0_means_no_top_k(trained_run):
     def text(*args):
-        out = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "--prompt", "KING:", "--max-new-tokens",
-                                  "40", "--seed", "2", "--temperature", "1.5", *args])
+        out = runner.invoke(
+            app,
+            [
+                "sample",
+                "--checkpoint",
+                str(trained_run),
+                "--prompt",
+                "KING:",
+                "--max-new-tokens",
+                "40",
+                "--seed",
+                "2",
+                "--temperature",
+                "1.5",
+                *args,
+            ],
+        )
         assert out.exit_code == 0, out.output
         return out.output
 
@@ -237,8 +291,22 @@ def test_top_k_0_means_no_top_k(trained_run):
 
 
 def test_prompt_with_interactive_is_the_first_prompt(trained_run):
-    out = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "-i", "--prompt", "QUEEN:",
-                              "--max-new-tokens", "5", "--temperature", "0"], input="KING:\n")
+    out = runner.invoke(
+        app,
+        [
+            "sample",
+            "--checkpoint",
+            str(trained_run),
+            "-i",
+            "--prompt",
+            "QUEEN:",
+            "--max-new-tokens",
+            "5",
+            "--temperature",
+            "0",
+        ],
+        input="KING:\n",
+    )
     assert out.exit_code == 0, out.output
     first, second = out.output.split("prompt> ")[1:3]
     assert first.startswith("QUEEN:\nQUEEN:") and second.startswith("KING:")

@@ -31,8 +31,15 @@ from nanogpt_cli.tokenizer import build_tokenizer  # noqa: E402
 
 KEY = "sk-test-key"
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 @pytest.fixture(scope="module")
@@ -79,8 +86,19 @@ def get_json(url: str, path: str, method: str = "GET", body: bytes | None = None
 
 @pytest.fixture(scope="module")
 def live(model_path):
-    server = Live(ServeOptions(source=str(model_path), port=0, max_batch=16, api_key=KEY, max_tokens=100_000,
-                               max_n=4, max_body=50_000, device="cpu", dtype="float32"))
+    server = Live(
+        ServeOptions(
+            source=str(model_path),
+            port=0,
+            max_batch=16,
+            api_key=KEY,
+            max_tokens=100_000,
+            max_n=4,
+            max_body=50_000,
+            device="cpu",
+            dtype="float32",
+        )
+    )
     yield server
     server.stop()
 
@@ -100,16 +118,37 @@ def greedy(sampler: Sampler, prompt: str, n: int, stop=()) -> object:
 
 
 def test_a_streamed_greedy_completion_is_nanogpt_samples_text_with_exact_usage(client, sampler, model_path):
-    stream = client.completions.create(model="tiny", prompt="The café", max_tokens=24, temperature=0, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model="tiny",
+        prompt="The café",
+        max_tokens=24,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 24
     assert chunks[-1].usage.prompt_tokens == len(sampler.tokenizer.encode("The café"))
-    out = CliRunner().invoke(app, ["sample", "--checkpoint", str(model_path), "--prompt", "The café",
-                                   "--temperature", "0", "--max-new-tokens", "24", "--device", "cpu",
-                                   "--dtype", "float32"])
+    out = CliRunner().invoke(
+        app,
+        [
+            "sample",
+            "--checkpoint",
+            str(model_path),
+            "--prompt",
+            "The café",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "24",
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+        ],
+    )
     assert out.exit_code == 0, out.output
     assert out.output == "The café" + text + "\n"
     whole = client.completions.create(model="tiny", prompt="The café", max_tokens=24, temperature=0)
@@ -121,14 +160,15 @@ def test_a_stop_text_ends_the_text_before_it(client, sampler):
     free = greedy(sampler, "Once", 40).text
     stop = free[10:13]
     got = client.completions.create(model="tiny", prompt="Once", max_tokens=40, temperature=0, stop=[stop, "@@"])
-    assert got.choices[0].text == free[:free.find(stop)] and got.choices[0].finish_reason == "stop"
+    assert got.choices[0].text == free[: free.find(stop)] and got.choices[0].finish_reason == "stop"
     assert got.usage.completion_tokens == greedy(sampler, "Once", 40, stop=[stop]).tokens
 
 
 def test_chat_streams_with_the_assistant_role_first_and_uses_the_template(client, sampler, live):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
     prompt = "System: Be brief.\n\nUser: Hello there\n\nAssistant:"
@@ -144,11 +184,14 @@ def test_a_checkpoint_chat_template_gives_the_token_ids_transformers_gives():
     transformers = pytest.importorskip("transformers")
     from nanogpt_cli import hf
 
-    source = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] | trim }}{{ eos_token }}\n"
-              "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    source = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] | trim }}{{ eos_token }}\n"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+    )
     tok = build_tokenizer("gpt2")
-    backend = transformers.PreTrainedTokenizerFast(tokenizer_object=hf.tokenizers_object(tok.describe())[0],
-                                                   bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    backend = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=hf.tokenizers_object(tok.describe())[0], bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
     backend.chat_template = source
     messages = [{"role": "system", "content": "Short answers."}, {"role": "user", "content": " Where is the café? "}]
     theirs = backend.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -172,8 +215,7 @@ def test_eight_concurrent_streams_each_get_their_solo_greedy_text(live, sampler)
     lengths = [30, 12, 25, 40, 8, 33, 20, 50]
 
     async def one(aclient, prompt, n):
-        stream = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
-                                                  stream=True)
+        stream = await aclient.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True)
         return "".join([c.choices[0].text async for c in stream if c.choices])
 
     async def all_at_once():
@@ -187,24 +229,42 @@ def test_eight_concurrent_streams_each_get_their_solo_greedy_text(live, sampler)
 
 def test_a_seeded_sampled_request_gives_the_same_text_alone_and_under_load(live, client):
     ask = dict(model="tiny", prompt="Seeded", max_tokens=30, temperature=1.0, top_k=50, seed=1234)
-    alone = client.completions.create(**{k: v for k, v in ask.items() if k not in ("top_k",)},
-                                      extra_body={"top_k": 50}).choices[0].text
-    other = client.completions.create(model="tiny", prompt="Seeded", max_tokens=30, temperature=1.0, seed=99,
-                                      extra_body={"top_k": 50}).choices[0].text
+    alone = (
+        client.completions.create(**{k: v for k, v in ask.items() if k not in ("top_k",)}, extra_body={"top_k": 50})
+        .choices[0]
+        .text
+    )
+    other = (
+        client.completions.create(
+            model="tiny", prompt="Seeded", max_tokens=30, temperature=1.0, seed=99, extra_body={"top_k": 50}
+        )
+        .choices[0]
+        .text
+    )
     assert alone != other
 
     async def loaded():
         async with openai.AsyncOpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as ac:
-            noise = [ac.completions.create(model="tiny", prompt=f"noise {i}", max_tokens=40, temperature=0.9,
-                                           extra_body={"min_p": 0.05, "repetition_penalty": 1.2}) for i in range(15)]
-            mine = ac.completions.create(model="tiny", prompt="Seeded", max_tokens=30, temperature=1.0, seed=1234,
-                                         extra_body={"top_k": 50})
+            noise = [
+                ac.completions.create(
+                    model="tiny",
+                    prompt=f"noise {i}",
+                    max_tokens=40,
+                    temperature=0.9,
+                    extra_body={"min_p": 0.05, "repetition_penalty": 1.2},
+                )
+                for i in range(15)
+            ]
+            mine = ac.completions.create(
+                model="tiny", prompt="Seeded", max_tokens=30, temperature=1.0, seed=1234, extra_body={"top_k": 50}
+            )
             results = await asyncio.gather(*noise[:7], mine, *noise[7:])
             return results[7].choices[0].text
 
     assert asyncio.run(asyncio.wait_for(loaded(), 120)) == alone
-    two = client.completions.create(model="tiny", prompt="Seeded", max_tokens=30, temperature=1.0, seed=1234, n=2,
-                                    extra_body={"top_k": 50})
+    two = client.completions.create(
+        model="tiny", prompt="Seeded", max_tokens=30, temperature=1.0, seed=1234, n=2, extra_body={"top_k": 50}
+    )
     assert two.choices[0].text == alone and two.choices[1].text != alone  # choice j is seeded seed + j
     assert two.usage.completion_tokens == 60
 
@@ -228,8 +288,13 @@ def test_logprobs_and_echo_score_the_prompt_through_the_api(client, sampler):
 
 
 def test_bad_inputs_get_their_status_openais_shape_and_exception_class(live, client):
-    status, body = get_json(live.url, "/v1/completions", "POST", b"{not json",
-                            {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    status, body = get_json(
+        live.url,
+        "/v1/completions",
+        "POST",
+        b"{not json",
+        {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
     cases = [
         (dict(prompt="x", max_tokens="many"), "max_tokens"),
@@ -241,8 +306,11 @@ def test_bad_inputs_get_their_status_openais_shape_and_exception_class(live, cli
     ]
     for kw, param in cases:
         with pytest.raises(openai.BadRequestError) as e:
-            client.completions.create(model="tiny", **{k: v for k, v in kw.items() if k in ("prompt", "n")},
-                                      extra_body={k: v for k, v in kw.items() if k not in ("prompt", "n")})
+            client.completions.create(
+                model="tiny",
+                **{k: v for k, v in kw.items() if k in ("prompt", "n")},
+                extra_body={k: v for k, v in kw.items() if k not in ("prompt", "n")},
+            )
         assert e.value.status_code == 400 and e.value.body["param"] == param, kw
     assert "context of 64 tokens" in e.value.message
     with pytest.raises(openai.NotFoundError):
@@ -300,8 +368,10 @@ def test_raw_stream_is_data_lines_ending_with_done_and_a_disconnect_frees_the_ro
 
     whole = json.dumps({"model": "tiny", "prompt": "Go", "max_tokens": 100_000, "temperature": 0})
     sock = socket.create_connection((host, int(port)), timeout=30)  # a whole (not streamed) answer, abandoned
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
-                 f"Content-Type: application/json\r\nContent-Length: {len(whole)}\r\n\r\n{whole}".encode())
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(whole)}\r\n\r\n{whole}".encode()
+    )
     deadline = time.monotonic() + 20
     while live.health()["active_rows"] == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -318,14 +388,17 @@ def _wait_idle(live) -> None:
 
 
 def test_a_full_queue_answers_503_and_stopping_ends_open_streams(model_path):
-    small = Live(ServeOptions(source=str(model_path), port=0, max_batch=1, max_queue=1, device="cpu",
-                              dtype="float32"))
+    small = Live(ServeOptions(source=str(model_path), port=0, max_batch=1, max_queue=1, device="cpu", dtype="float32"))
     c = openai.OpenAI(base_url=small.url + "/v1", api_key="none", max_retries=0, timeout=60)
     try:
         first = c.completions.create(model="tiny", prompt="a", max_tokens=2000, temperature=0, stream=True)
         next(iter(first))  # running: the one row is taken
-        second = threading.Thread(target=lambda: _swallow(lambda: c.completions.create(
-            model="tiny", prompt="b", max_tokens=5, temperature=0)), daemon=True)
+        second = threading.Thread(
+            target=lambda: _swallow(
+                lambda: c.completions.create(model="tiny", prompt="b", max_tokens=5, temperature=0)
+            ),
+            daemon=True,
+        )
         second.start()
         deadline = time.monotonic() + 20
         while small.health()["waiting"] < 1 and time.monotonic() < deadline:
@@ -352,8 +425,13 @@ def test_the_chat_page_in_a_real_browser_shows_the_greedy_reply(live, client, tm
     chromium = shutil.which("chromium") or (CHROMIUM if os.path.exists(CHROMIUM) else None)
     if chromium is None:
         pytest.skip("no Chromium on this machine (apt-get install chromium)")
-    expected = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi page"}],
-                                              max_tokens=15, temperature=0).choices[0].message.content
+    expected = (
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi page"}], max_tokens=15, temperature=0
+        )
+        .choices[0]
+        .message.content
+    )
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, timeout=60_000)
         try:
@@ -383,9 +461,25 @@ def test_the_command_prints_its_url_and_a_signal_ends_open_streams_and_exits_0(m
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     env.pop("NANOGPT_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "nanogpt_cli", "serve", str(model_path), "--port", "0",
-                             "--device", "cpu", "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "nanogpt_cli",
+            "serve",
+            str(model_path),
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         line = _read_line(proc.stdout, 90)
         assert line.startswith("serving tiny at http://127.0.0.1:") and line.rstrip().endswith("(Ctrl-C to stop)")
@@ -427,8 +521,9 @@ def test_loopback_hosts_and_the_default_model_name():
 
 
 def test_a_non_loopback_host_without_a_key_is_warned_about(tmp_path):
-    out = CliRunner().invoke(app, ["serve", str(tmp_path / "missing.safetensors"), "--host", "0.0.0.0"],
-                             env={"NANOGPT_API_KEY": ""})
+    out = CliRunner().invoke(
+        app, ["serve", str(tmp_path / "missing.safetensors"), "--host", "0.0.0.0"], env={"NANOGPT_API_KEY": ""}
+    )
     assert out.exit_code == 1
     assert "reachable from other machines and no --api-key is set" in out.output
 

@@ -7,8 +7,13 @@ import json
 import pytest
 
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.tokenizer import (ByteTokenizer, CharTokenizer, _gpt2_encoding, build_tokenizer,
-                                   tokenizer_from_description)
+from nanogpt_cli.tokenizer import (
+    ByteTokenizer,
+    CharTokenizer,
+    _gpt2_encoding,
+    build_tokenizer,
+    tokenizer_from_description,
+)
 
 UNICODE = "Héllo, wörld! 日本語のテキスト 🙂👍🏽 — “quotes”\n\ttabs  and  spaces\r\n"
 
@@ -120,16 +125,21 @@ def test_a_trained_tokenizer_rebuilds_from_its_folder_and_its_description(sample
     rebuilt = tokenizer_from_description(json.loads(json.dumps(tok.describe())))
     for other in (again, rebuilt, build_tokenizer(str(tmp_path))):
         assert other.ranks == tok.ranks and other.special_tokens == tok.special_tokens == {
-            "<|endoftext|>": 318, "<|pad|>": 319}
+            "<|endoftext|>": 318,
+            "<|pad|>": 319,
+        }
         assert other.encode(sample_text) == tok.encode(sample_text) and other.eot_id == 318
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--vocab-size", "256"], "--vocab-size 256 is too small: .* needs at least 257"),
-    (["--pattern", "gpt5"], "unknown --pattern 'gpt5'; choose one of gpt2, gpt4, gpt4o, nanochat"),
-    (["--vocab-size", "300", "--source", "empty.txt"], "empty.txt is empty"),
-    (["--vocab-size", "300", "--source", "blank.jsonl"], "blank.jsonl has no text"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--vocab-size", "256"], "--vocab-size 256 is too small: .* needs at least 257"),
+        (["--pattern", "gpt5"], "unknown --pattern 'gpt5'; choose one of gpt2, gpt4, gpt4o, nanochat"),
+        (["--vocab-size", "300", "--source", "empty.txt"], "empty.txt is empty"),
+        (["--vocab-size", "300", "--source", "blank.jsonl"], "blank.jsonl has no text"),
+    ],
+)
 def test_bad_training_input_is_one_sentence_and_writes_nothing(args, message, text_file, tmp_path, monkeypatch):
     import re
 
@@ -141,7 +151,7 @@ def test_bad_training_input_is_one_sentence_and_writes_nothing(args, message, te
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
     source = args[args.index("--source") + 1] if "--source" in args else str(text_file)
-    args = [a for i, a in enumerate(args) if "--source" not in args[max(i - 1, 0):i + 1]]
+    args = [a for i, a in enumerate(args) if "--source" not in args[max(i - 1, 0) : i + 1]]
     result = CliRunner().invoke(app, ["tokenizer", "train", source, "--name", "t", *args])
     assert result.exit_code == 1 and result.output.count("\n") == 1
     assert re.search(message, result.output), result.output
@@ -172,11 +182,37 @@ def test_train_prepare_train_and_sample_from_the_checkpoint_alone(text_file, tmp
     assert encoded.splitlines()[0].split()[-1] == "319"  # the special token is one id
     prepared = run("prepare", str(text_file), "--name", "play", "--tokenizer", "play320")
     assert "play320" in prepared and "320" in prepared
-    run("train", "--preset", "tiny", "--data", "play", "--out", "run", "--max-iters", "10", "--eval-interval", "10",
-        "--device", "cpu", "--dtype", "float32")
+    run(
+        "train",
+        "--preset",
+        "tiny",
+        "--data",
+        "play",
+        "--out",
+        "run",
+        "--max-iters",
+        "10",
+        "--eval-interval",
+        "10",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+    )
     shutil.rmtree(tmp_path / "tokenizers")
-    text = run("sample", "--checkpoint", "run", "--prompt", "The king", "--max-new-tokens", "12",
-               "--temperature", "0", "--device", "cpu")
+    text = run(
+        "sample",
+        "--checkpoint",
+        "run",
+        "--prompt",
+        "The king",
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--device",
+        "cpu",
+    )
     assert text.startswith("The king") and len(text) > len("The king") + 5
     ppl = json.loads(run("eval", "perplexity", "--checkpoint", "run", "--data", "play", "--json").splitlines()[-1])
     assert 0 < ppl["bits_per_byte"] < 9

@@ -14,10 +14,10 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from nanogpt_cli import checkpoint as ckpt
-from nanogpt_cli.loading import load_model
 from nanogpt_cli.cli import app
 from nanogpt_cli.config import GPTConfig, TrainConfig
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.loading import load_model
 from nanogpt_cli.model import GPT
 from nanogpt_cli.optim import lr_at
 from nanogpt_cli.plan import plan_run
@@ -47,8 +47,9 @@ def test_lr_schedules_hit_their_endpoints():
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
     const = TrainConfig(learning_rate=1e-3, warmup_iters=10, lr_schedule="constant", max_iters=100)
     assert lr_at(10, const) == lr_at(99, const) == 1e-3
-    wsd = TrainConfig(learning_rate=1e-3, min_lr=0.0, warmup_iters=10, lr_schedule="wsd", max_iters=100,
-                      wsd_decay_frac=0.2)
+    wsd = TrainConfig(
+        learning_rate=1e-3, min_lr=0.0, warmup_iters=10, lr_schedule="wsd", max_iters=100, wsd_decay_frac=0.2
+    )
     assert lr_at(79, wsd) == 1e-3
     assert lr_at(90, wsd) == pytest.approx(5e-4)
     assert lr_at(100, wsd) == 0.0
@@ -111,8 +112,26 @@ def test_a_stopped_and_resumed_run_equals_an_uninterrupted_one(char_data, tmp_pa
 def test_sigint_leaves_a_resumable_checkpoint(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "nanogpt_cli", "train", "--data", name, "--data-dir", str(data_dir), "--preset",
-           "tiny", "--max-iters", "1000000", "--eval-interval", "1000000", "--out", str(run), "--device", "cpu"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanogpt_cli",
+        "train",
+        "--data",
+        name,
+        "--data-dir",
+        str(data_dir),
+        "--preset",
+        "tiny",
+        "--max-iters",
+        "1000000",
+        "--eval-interval",
+        "1000000",
+        "--out",
+        str(run),
+        "--device",
+        "cpu",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline, logged = time.monotonic() + 60, run / "metrics.jsonl"
     while proc.poll() is None and time.monotonic() < deadline:  # until its first progress line: steps were taken
@@ -126,8 +145,9 @@ def test_sigint_leaves_a_resumable_checkpoint(char_data, tmp_path):
     state = json.loads((run / "trainer.json").read_text())
     assert state["step"] > 0
     assert ckpt.read_metadata(run / "model.safetensors")["step"] == state["step"]
-    result = runner.invoke(app, ["train", "--out", str(run), "--resume", "--max-iters", str(state["step"] + 3),
-                                 "--quiet"])
+    result = runner.invoke(
+        app, ["train", "--out", str(run), "--resume", "--max-iters", str(state["step"] + 3), "--quiet"]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads((run / "trainer.json").read_text())["step"] == state["step"] + 3
 
@@ -156,8 +176,10 @@ def test_gradient_accumulation_matches_one_big_batch():
 def test_toml_and_flags_merge_with_flags_winning(char_data, tmp_path):
     data_dir, name = char_data
     toml = tmp_path / "run.toml"
-    toml.write_text(f'data = "{name}"\ndata_dir = "{data_dir}"\n[model]\nn_layer = 3\nn_embd = 48\n'
-                    '[train]\nlearning-rate = 0.002\nbatch_size = 4\n')
+    toml.write_text(
+        f'data = "{name}"\ndata_dir = "{data_dir}"\n[model]\nn_layer = 3\nn_embd = 48\n'
+        "[train]\nlearning-rate = 0.002\nbatch_size = 4\n"
+    )
     from nanogpt_cli.config import load_toml
 
     values = load_toml(toml)
@@ -176,8 +198,16 @@ def test_fine_tuning_starts_from_the_given_weights(char_data, tmp_path):
     base = tmp_path / "base"
     result = train(tiny_plan(data_dir, name, base, max_iters=20, eval_interval=20))
     tuned = tmp_path / "tuned"
-    flags = {"data": name, "data_dir": str(data_dir), "dtype": "float32", "device": "cpu", "max_iters": 5,
-             "eval_interval": 5, "eval_iters": 4, "batch_size": 8}
+    flags = {
+        "data": name,
+        "data_dir": str(data_dir),
+        "dtype": "float32",
+        "device": "cpu",
+        "max_iters": 5,
+        "eval_interval": 5,
+        "eval_iters": 4,
+        "batch_size": 8,
+    }
     train(plan_run(flags, out=tuned, init_from=str(base)))
     assert metrics(tuned)[0]["val_loss"] == pytest.approx(result.val_loss, abs=1e-6)
     other = tmp_path / "other.txt"
@@ -186,16 +216,25 @@ def test_fine_tuning_starts_from_the_given_weights(char_data, tmp_path):
 
     prepare(str(other), "abc", tokenizer="char", data_dir=data_dir)
     with pytest.raises(NanoGPTError, match="another tokenizer.*3 characters in dataset 'abc' vs"):
-        plan_run({"preset": "tiny", "data": "abc", "data_dir": str(data_dir)}, out=tmp_path / "x",
-                 init_from=str(base))
+        plan_run({"preset": "tiny", "data": "abc", "data_dir": str(data_dir)}, out=tmp_path / "x", init_from=str(base))
 
 
 def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
     with pytest.raises(NanoGPTError, match="non-finite at step [0-9]+; no checkpoint had been saved yet"):
-        train(tiny_plan(data_dir, name, tmp_path / "early", max_iters=50, learning_rate=1e12, grad_clip=0.0,
-                        warmup_iters=0, log_interval=1))
+        train(
+            tiny_plan(
+                data_dir,
+                name,
+                tmp_path / "early",
+                max_iters=50,
+                learning_rate=1e12,
+                grad_clip=0.0,
+                warmup_iters=0,
+                log_interval=1,
+            )
+        )
     train(tiny_plan(data_dir, name, run, max_iters=50, eval_interval=5, stop_at=10, log_interval=1))
     kept = (run / "model.safetensors").read_bytes()
     with pytest.raises(NanoGPTError, match="non-finite at step 1[1-9]; the last good checkpoint .* is kept"):
@@ -209,20 +248,23 @@ def run_cli(*args):
     return result.exit_code, result.output
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--data", "nope"], "no dataset 'nope'"),
-    (["--block-size", "100000"], "fewer than --block-size + 1"),
-    (["--preset", "huge"], "unknown preset 'huge'"),
-    (["--n-embd", "31"], "--n-embd (31) must be divisible by --n-head (2)"),
-    (["--learning-rate", "nan"], "--learning-rate must be a finite number, got nan"),
-    (["--beta2", "inf"], "--beta2 must be a finite number, got inf"),
-    (["--min-lr", "0.1", "--learning-rate", "0.01"], "--min-lr (0.1) is above --learning-rate (0.01)"),
-    (["--vocab-size", "10"], "--vocab-size 10 is smaller than the"),
-    (["--resume", "--force"], "give one of them"),
-    (["--last"], "give --init-from or drop --last"),
-    (["--config", "."], "--config . is a folder"),
-    (["--init-from", "missing-run"], "checkpoint missing-run does not exist"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--data", "nope"], "no dataset 'nope'"),
+        (["--block-size", "100000"], "fewer than --block-size + 1"),
+        (["--preset", "huge"], "unknown preset 'huge'"),
+        (["--n-embd", "31"], "--n-embd (31) must be divisible by --n-head (2)"),
+        (["--learning-rate", "nan"], "--learning-rate must be a finite number, got nan"),
+        (["--beta2", "inf"], "--beta2 must be a finite number, got inf"),
+        (["--min-lr", "0.1", "--learning-rate", "0.01"], "--min-lr (0.1) is above --learning-rate (0.01)"),
+        (["--vocab-size", "10"], "--vocab-size 10 is smaller than the"),
+        (["--resume", "--force"], "give one of them"),
+        (["--last"], "give --init-from or drop --last"),
+        (["--config", "."], "--config . is a folder"),
+        (["--init-from", "missing-run"], "checkpoint missing-run does not exist"),
+    ],
+)
 def test_bad_train_input_is_one_sentence_and_writes_nothing(char_data, tmp_path, args, message):
     data_dir, name = char_data
     run = tmp_path / "run"
@@ -239,8 +281,20 @@ def test_bad_train_input_is_one_sentence_and_writes_nothing(char_data, tmp_path,
 def test_an_out_holding_a_run_needs_resume_or_force(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
-    args = ["train", "--data", name, "--data-dir", str(data_dir), "--preset", "tiny", "--max-iters", "2",
-            "--out", str(run), "--quiet"]
+    args = [
+        "train",
+        "--data",
+        name,
+        "--data-dir",
+        str(data_dir),
+        "--preset",
+        "tiny",
+        "--max-iters",
+        "2",
+        "--out",
+        str(run),
+        "--quiet",
+    ]
     assert run_cli(*args)[0] == 0
     before = {p.name: p.read_bytes() for p in run.iterdir()}
     code, output = run_cli(*args)
@@ -339,8 +393,19 @@ def test_a_toml_value_of_the_wrong_type_names_its_flag(char_data, tmp_path):
     data_dir, name = char_data
     toml = tmp_path / "run.toml"
     toml.write_text('learning_rate = "fast"\n')
-    code, output = run_cli("train", "--data", name, "--data-dir", str(data_dir), "--preset", "tiny", "--config",
-                           str(toml), "--out", str(tmp_path / "run"))
+    code, output = run_cli(
+        "train",
+        "--data",
+        name,
+        "--data-dir",
+        str(data_dir),
+        "--preset",
+        "tiny",
+        "--config",
+        str(toml),
+        "--out",
+        str(tmp_path / "run"),
+    )
     assert code == 1 and "--learning-rate must be a number, got 'fast'" in output
 
 
@@ -369,8 +434,7 @@ def test_muon_trains_a_tiny_model_lower_than_adamw_in_the_same_steps(char_data, 
 
 def test_a_stopped_and_resumed_muon_run_equals_an_uninterrupted_one(char_data, tmp_path):
     data_dir, name = char_data
-    over = dict(max_iters=24, eval_interval=8, optimizer="muon", muon_momentum_warmup=10,
-                gradient_accumulation_steps=2)
+    over = dict(max_iters=24, eval_interval=8, optimizer="muon", muon_momentum_warmup=10, gradient_accumulation_steps=2)
     whole = tmp_path / "whole"
     train(tiny_plan(data_dir, name, whole, **over))
     parts = tmp_path / "parts"
@@ -388,8 +452,16 @@ def test_a_stopped_and_resumed_muon_run_equals_an_uninterrupted_one(char_data, t
 def test_the_schedule_scales_both_optimizers_and_warms_muons_momentum():
     from nanogpt_cli.optim import make_optimizer, set_lr
 
-    cfg = TrainConfig(optimizer="muon", learning_rate=1e-3, muon_lr=0.02, muon_momentum=0.95,
-                      muon_momentum_warmup=10, warmup_iters=0, max_iters=100, min_lr=1e-4)
+    cfg = TrainConfig(
+        optimizer="muon",
+        learning_rate=1e-3,
+        muon_lr=0.02,
+        muon_momentum=0.95,
+        muon_momentum_warmup=10,
+        warmup_iters=0,
+        max_iters=100,
+        min_lr=1e-4,
+    )
     model = GPT(tiny_config(bias=True, qk_norm=True))
     opt = make_optimizer(model, cfg, torch.device("cpu"))
     muon, adamw = opt.optimizers
@@ -423,14 +495,34 @@ def test_the_cpu_muon_makes_torchs_muon_update_in_fp32():
         torch.testing.assert_close(p, q, atol=2e-3, rtol=0)
         assert not torch.equal(p, torch.zeros_like(p))
     b.load_state_dict(a.state_dict())  # the same state: checkpoints move between them
+
+
 # --- resuming with the command that started the run (issue 12) ---
 
 
 def test_resume_accepts_the_starting_command_and_names_what_differs(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
-    start = ["train", "--data", name, "--data-dir", str(data_dir), "--preset", "tiny", "--n-layer", "1",
-             "--max-iters", "4", "--eval-interval", "2", "--dtype", "float32", "--out", str(run), "--quiet"]
+    start = [
+        "train",
+        "--data",
+        name,
+        "--data-dir",
+        str(data_dir),
+        "--preset",
+        "tiny",
+        "--n-layer",
+        "1",
+        "--max-iters",
+        "4",
+        "--eval-interval",
+        "2",
+        "--dtype",
+        "float32",
+        "--out",
+        str(run),
+        "--quiet",
+    ]
     assert run_cli(*start, "--stop-at", "2")[0] == 0
     code, output = run_cli(*start, "--n-layer", "3", "--resume")
     assert code == 1 and "--n-layer (saved 1, given 3)" in output
@@ -470,7 +562,6 @@ def test_init_from_takes_best_unless_last_and_says_which(char_data, tmp_path):
 
 def test_a_dataset_prepared_again_under_a_run_is_named(tmp_path):
     from nanogpt_cli.data import prepare
-
     from conftest import make_text
 
     data_dir, text = tmp_path / "data", tmp_path / "a.txt"
@@ -493,8 +584,13 @@ def test_metrics_hold_a_train_line_per_log_interval(char_data, tmp_path):
     run = tmp_path / "run"
     train(tiny_plan(data_dir, name, run, max_iters=6, eval_interval=6, log_interval=2))
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [(m["kind"], m["step"]) for m in lines] == [("eval", 0), ("train", 2), ("train", 4), ("train", 6),
-                                                       ("eval", 6)]
+    assert [(m["kind"], m["step"]) for m in lines] == [
+        ("eval", 0),
+        ("train", 2),
+        ("train", 4),
+        ("train", 6),
+        ("eval", 6),
+    ]
     assert all(math.isfinite(m["loss"]) and m["tokens"] == m["step"] * 8 * 32 for m in lines if m["kind"] == "train")
 
 
@@ -518,15 +614,15 @@ def test_fp16_trains_skips_an_overflow_step_and_resumes_the_scaler_exactly(char_
     forced = tmp_path / "forced"
     train(tiny_plan(data_dir, name, forced, stop_at=2, **fp16))
     state = trainer(forced)
-    state["scaler"]["scale"] = 2.0 ** 100
+    state["scaler"]["scale"] = 2.0**100
     (forced / "trainer.json").write_text(json.dumps(state))
     weights_before = (forced / "model.safetensors").read_bytes()
     train(plan_run({"stop_at": 3}, out=forced, resume=True))
     after = trainer(forced)
-    assert after["step"] == 3 and after["scaler"]["scale"] == 2.0 ** 99  # backed off once
+    assert after["step"] == 3 and after["scaler"]["scale"] == 2.0**99  # backed off once
     lines = [json.loads(x) for x in (forced / "metrics.jsonl").read_text().splitlines()]
     step3 = [x for x in lines if x["kind"] == "train" and x["step"] == 3][0]
-    assert step3["skipped"] == 1 and step3["scale"] == 2.0 ** 99
+    assert step3["skipped"] == 1 and step3["scale"] == 2.0**99
     from safetensors.torch import load
 
     old = load(weights_before)

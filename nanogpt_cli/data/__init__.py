@@ -40,15 +40,38 @@ if TYPE_CHECKING:
     from nanogpt_cli.data.sources import cache_dir, download_shakespeare
 
 _LAZY = {
-    "pipeline": ("PrepareOptions", "PrepareProgress", "PrepareResult", "Progress", "interrupted_prepare", "prepare",
-                "prepare_with"),
+    "pipeline": (
+        "PrepareOptions",
+        "PrepareProgress",
+        "PrepareResult",
+        "Progress",
+        "interrupted_prepare",
+        "prepare",
+        "prepare_with",
+    ),
     "shards": ("SHARD_TOKENS", "token_dtype"),
     "sources": ("cache_dir", "download_shakespeare", "open_source"),
 }
 
-__all__ = ["SHARD_TOKENS", "SPLITS", "PrepareOptions", "PrepareProgress", "PrepareResult", "Progress", "TokenShards",
-           "cache_dir", "download_shakespeare", "interrupted_prepare", "open_source", "list_datasets", "load_meta", "open_split",
-           "prepare", "prepare_with", "token_dtype"]
+__all__ = [
+    "SHARD_TOKENS",
+    "SPLITS",
+    "PrepareOptions",
+    "PrepareProgress",
+    "PrepareResult",
+    "Progress",
+    "TokenShards",
+    "cache_dir",
+    "download_shakespeare",
+    "interrupted_prepare",
+    "open_source",
+    "list_datasets",
+    "load_meta",
+    "open_split",
+    "prepare",
+    "prepare_with",
+    "token_dtype",
+]
 
 
 def __getattr__(name: str):

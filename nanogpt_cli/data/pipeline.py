@@ -117,15 +117,32 @@ class PrepareOptions:
     encoding: str = DEFAULT_ENCODING  # of text, .jsonl/.json and .csv files
 
     # what a resumed prepare must share with the one it continues (num_proc does not change the output)
-    SAME_ON_RESUME = ("source", "tokenizer", "val_fraction", "val_tokens", "max_docs", "max_tokens", "shard_tokens",
-                      "text_column", "subset", "split", "streaming", "encoding")
+    SAME_ON_RESUME = (
+        "source",
+        "tokenizer",
+        "val_fraction",
+        "val_tokens",
+        "max_docs",
+        "max_tokens",
+        "shard_tokens",
+        "text_column",
+        "subset",
+        "split",
+        "streaming",
+        "encoding",
+    )
 
     def __post_init__(self):
         self.data_dir = Path(self.data_dir)
-        if not self.name or self.name in (".", "..") or self.name.startswith(".") or any(
-                sep and sep in self.name for sep in ("/", "\\", os.sep, os.altsep)):
-            raise NanoGPTError("--name must be a plain folder name (no path separators, no leading '.'), got "
-                               f"{self.name!r}")
+        if (
+            not self.name
+            or self.name in (".", "..")
+            or self.name.startswith(".")
+            or any(sep and sep in self.name for sep in ("/", "\\", os.sep, os.altsep))
+        ):
+            raise NanoGPTError(
+                f"--name must be a plain folder name (no path separators, no leading '.'), got {self.name!r}"
+            )
         if not 0.0 < self.val_fraction < 1.0:
             raise NanoGPTError(f"--val-fraction must be between 0 and 1 (exclusive), got {self.val_fraction}")
         for key in ("max_docs", "max_tokens", "val_tokens", "num_proc", "shard_tokens"):
@@ -133,16 +150,19 @@ class PrepareOptions:
             if value is not None and value < 1:
                 raise NanoGPTError(f"{flag(key)} must be a positive integer, got {value}")
         if self.val_tokens is not None and self.max_tokens is not None and self.val_tokens >= self.max_tokens:
-            raise NanoGPTError(f"--val-tokens ({self.val_tokens:,}) must be below --max-tokens "
-                               f"({self.max_tokens:,}) to leave tokens to train on")
+            raise NanoGPTError(
+                f"--val-tokens ({self.val_tokens:,}) must be below --max-tokens "
+                f"({self.max_tokens:,}) to leave tokens to train on"
+            )
         check_tokenizer_name(self.tokenizer)
         try:
             text_codec = getattr(codecs.lookup(self.encoding), "_is_text_encoding", True)  # not base64, rot13...
         except LookupError:
             text_codec = False
         if not text_codec:
-            raise NanoGPTError(f"unknown --encoding {self.encoding!r}; give a Python text encoding such as utf-8, "
-                               "cp1252 or latin-1")
+            raise NanoGPTError(
+                f"unknown --encoding {self.encoding!r}; give a Python text encoding such as utf-8, cp1252 or latin-1"
+            )
 
     @property
     def final_dir(self) -> Path:
@@ -169,28 +189,56 @@ def prepare_with(opts: PrepareOptions, progress: Progress | None = None) -> Prep
     """`prepare` for options already built."""
     t0 = time.perf_counter()
     final_dir = opts.final_dir
-    if final_dir.exists() and not (final_dir / META).is_file() and (
-            not final_dir.is_dir() or any(final_dir.iterdir())):
+    if final_dir.exists() and not (final_dir / META).is_file() and (not final_dir.is_dir() or any(final_dir.iterdir())):
         raise NanoGPTError(f"{final_dir} exists and is not a prepared dataset; pick another --name or --data-dir")
     with contextlib.ExitStack() as stack:
-        src = resolve_source(opts.source, stack, text_column=opts.text_column, subset=opts.subset, split=opts.split,
-                             streaming=opts.streaming, raw_bytes=opts.tokenizer == "byte", encoding=opts.encoding)
+        src = resolve_source(
+            opts.source,
+            stack,
+            text_column=opts.text_column,
+            subset=opts.subset,
+            split=opts.split,
+            streaming=opts.streaming,
+            raw_bytes=opts.tokenizer == "byte",
+            encoding=opts.encoding,
+        )
         with staging(opts.data_dir, opts.name) as stage:
             state, tok = _start_or_resume(stage, opts, src, progress)
             resumed_documents = state.documents
-            stream = SplitStream(stage.path, tok, state, val_fraction=opts.val_fraction, val_tokens=opts.val_tokens,
-                                 max_docs=opts.max_docs, max_tokens=opts.max_tokens, shard_tokens=opts.shard_tokens)
+            stream = SplitStream(
+                stage.path,
+                tok,
+                state,
+                val_fraction=opts.val_fraction,
+                val_tokens=opts.val_tokens,
+                max_docs=opts.max_docs,
+                max_tokens=opts.max_tokens,
+                shard_tokens=opts.shard_tokens,
+            )
             _tokenize(src, stream, opts.num_proc, progress)
             stage.drop_checkpoint()
             n_train, n_val = _finish_splits(stream, src, opts)
             bytes_on_disk = stage.commit(_meta(opts, src, stream), final_dir)
-    return PrepareResult(name=opts.name, path=final_dir, source=opts.source, tokenizer=tok.name,
-                         vocab_size=tok.vocab_size, dtype=stream.dtype, documents=state.documents,
-                         val_documents=state.val_documents, characters=state.characters, train_tokens=n_train,
-                         val_tokens=n_val, shards={s: len(w.shards) for s, w in stream.writers.items()},
-                         bytes_on_disk=bytes_on_disk, elapsed_s=time.perf_counter() - t0,
-                         source_bytes=src.total if src.unit == "bytes" else None, num_proc=opts.num_proc,
-                         resumed_documents=resumed_documents, val_split=stream.val_split)
+    return PrepareResult(
+        name=opts.name,
+        path=final_dir,
+        source=opts.source,
+        tokenizer=tok.name,
+        vocab_size=tok.vocab_size,
+        dtype=stream.dtype,
+        documents=state.documents,
+        val_documents=state.val_documents,
+        characters=state.characters,
+        train_tokens=n_train,
+        val_tokens=n_val,
+        shards={s: len(w.shards) for s, w in stream.writers.items()},
+        bytes_on_disk=bytes_on_disk,
+        elapsed_s=time.perf_counter() - t0,
+        source_bytes=src.total if src.unit == "bytes" else None,
+        num_proc=opts.num_proc,
+        resumed_documents=resumed_documents,
+        val_split=stream.val_split,
+    )
 
 
 def interrupted_prepare(data_dir: Path, name: str) -> str | None:
@@ -200,13 +248,16 @@ def interrupted_prepare(data_dir: Path, name: str) -> str | None:
     return None if state is None else f"{stage_dir} keeps {state.describe()}; rerun with --resume to continue"
 
 
-def _start_or_resume(stage: Staging, opts: PrepareOptions, src: Source, progress: Progress | None
-                     ) -> tuple[Checkpoint, Tokenizer]:
+def _start_or_resume(
+    stage: Staging, opts: PrepareOptions, src: Source, progress: Progress | None
+) -> tuple[Checkpoint, Tokenizer]:
     """The checkpoint to continue from (a fresh one unless resuming) and the tokenizer it was made with."""
     state = Checkpoint.read(stage.path)
     if state is not None and not opts.resume:
-        raise NanoGPTError(f"{stage.path} holds an interrupted prepare of '{opts.name}' ({state.describe()}); "
-                           "add --resume to continue it, or delete that folder to start over")
+        raise NanoGPTError(
+            f"{stage.path} holds an interrupted prepare of '{opts.name}' ({state.describe()}); "
+            "add --resume to continue it, or delete that folder to start over"
+        )
     if state is not None:
         _check_same(state, opts, src.meta, stage.path)
         return state, tokenizer_from_description(state.tokenizer)
@@ -221,11 +272,15 @@ def _check_same(state: Checkpoint, opts: PrepareOptions, source_meta: dict[str, 
     for key, value in opts.settings.items():
         saved = state.settings.get(key, defaults[key])
         if saved != value:
-            raise NanoGPTError(f"the interrupted prepare in {stage_dir} was started with {flag(key)} {saved}, not "
-                               f"{value}; resume with the same options, or delete that folder to start over")
+            raise NanoGPTError(
+                f"the interrupted prepare in {stage_dir} was started with {flag(key)} {saved}, not "
+                f"{value}; resume with the same options, or delete that folder to start over"
+            )
     if state.source_meta.get("source_sha256") != source_meta.get("source_sha256"):
-        raise NanoGPTError(f"{opts.source} changed since the interrupted prepare in {stage_dir} started "
-                           "(its sha256 differs); delete that folder to start over")
+        raise NanoGPTError(
+            f"{opts.source} changed since the interrupted prepare in {stage_dir} started "
+            "(its sha256 differs); delete that folder to start over"
+        )
 
 
 def _tokenize(src: Source, stream: SplitStream, num_proc: int, progress: Progress | None) -> None:
@@ -256,7 +311,8 @@ def _finish_splits(stream: SplitStream, src: Source, opts: PrepareOptions) -> tu
         raise NanoGPTError(
             f"{src.label} is too small to split: {n_train + n_val:,} tokens give {n_train:,} train and "
             f"{n_val:,} validation tokens (at least {MIN_SPLIT_TOKENS} each are needed); use more text or "
-            f"another {hint}")
+            f"another {hint}"
+        )
     return n_train, n_val
 
 
@@ -283,8 +339,12 @@ def _meta(opts: PrepareOptions, src: Source, stream: SplitStream) -> dict[str, A
         "shards": {s: w.shards for s, w in stream.writers.items()},
     }
     encoding = opts.encoding if opts.encoding != DEFAULT_ENCODING else None
-    for key, value in (("max_docs", opts.max_docs), ("max_tokens", opts.max_tokens),
-                       ("val_head_tokens", opts.val_tokens), ("encoding", encoding)):
+    for key, value in (
+        ("max_docs", opts.max_docs),
+        ("max_tokens", opts.max_tokens),
+        ("val_head_tokens", opts.val_tokens),
+        ("encoding", encoding),
+    ):
         if value is not None:
             meta[key] = value
     return meta

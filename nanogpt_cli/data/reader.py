@@ -29,8 +29,11 @@ def load_meta(data_dir: Path, name: str) -> dict[str, Any]:
     meta_path = data_dir / name / META
     if not meta_path.is_file():
         existing = list_datasets(data_dir)
-        hint = f"these exist: {', '.join(existing)}" if existing else \
-            f"run `nanogpt prepare SOURCE --name {name} --data-dir {data_dir}` first"
+        hint = (
+            f"these exist: {', '.join(existing)}"
+            if existing
+            else f"run `nanogpt prepare SOURCE --name {name} --data-dir {data_dir}` first"
+        )
         raise NanoGPTError(f"no dataset {name!r} in {data_dir}/; {hint}")
     try:
         return json.loads(meta_path.read_text(encoding="utf-8"))
@@ -80,8 +83,9 @@ class TokenShards:
         per_shard = np.array([max(0, n - length + 1) for n in self.counts], dtype=np.int64)
         total = int(per_shard.sum())
         if total == 0:
-            raise NanoGPTError(f"no shard of {self.paths[0].parent} holds {length:,} tokens (the longest has "
-                               f"{max(self.counts):,})")
+            raise NanoGPTError(
+                f"no shard of {self.paths[0].parent} holds {length:,} tokens (the longest has {max(self.counts):,})"
+            )
         ix = torch.randint(total, (count,), generator=generator).numpy()
         ends = np.cumsum(per_shard)
         shard = np.searchsorted(ends, ix, side="right")
@@ -94,7 +98,7 @@ class TokenShards:
 
     def read(self, starts: list[tuple[int, int]], length: int) -> np.ndarray:
         """The windows of `length` tokens at these (shard, offset) starts, as an array (len(starts), length)."""
-        return np.stack([self.shard(s)[o:o + length] for s, o in starts])
+        return np.stack([self.shard(s)[o : o + length] for s, o in starts])
 
 
 def open_split(data_dir: Path, name: str, split: str) -> TokenShards:
@@ -110,8 +114,10 @@ def open_split(data_dir: Path, name: str, split: str) -> TokenShards:
         expected = shard["tokens"] * dtype.itemsize
         size = path.stat().st_size if path.is_file() else -1
         if size != expected or size == 0:
-            raise NanoGPTError(f"{path} should hold {shard['tokens']:,} tokens ({expected:,} bytes) but "
-                               f"{'is missing' if size < 0 else f'has {size:,} bytes'}; prepare the dataset again")
+            raise NanoGPTError(
+                f"{path} should hold {shard['tokens']:,} tokens ({expected:,} bytes) but "
+                f"{'is missing' if size < 0 else f'has {size:,} bytes'}; prepare the dataset again"
+            )
     return TokenShards([folder / s["file"] for s in shards], [s["tokens"] for s in shards], meta["dtype"])
 
 

@@ -87,8 +87,9 @@ class ShardWriter:
     """Appends tokens to SPLIT-00000.bin, SPLIT-00001.bin, ... of at most shard_tokens tokens each, hashing as
     it goes. Built from a checkpoint it first cuts the open shard back to the checkpoint's length."""
 
-    def __init__(self, folder: Path, split: str, dtype: str, shard_tokens: int, shards: list[dict[str, Any]],
-                 partial: int):
+    def __init__(
+        self, folder: Path, split: str, dtype: str, shard_tokens: int, shards: list[dict[str, Any]], partial: int
+    ):
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, np.dtype(dtype), shard_tokens
         self.shards = shards  # the complete ones: {"file", "tokens", "sha256"}
         self.completed = False  # a shard was completed since the last checkpoint
@@ -121,12 +122,12 @@ class ShardWriter:
         while len(ids):
             if self.file is None:
                 self.file = open(self.folder / self._name(len(self.shards)), "wb")
-            part = ids[:self.shard_tokens - self.partial]
+            part = ids[: self.shard_tokens - self.partial]
             data = part.tobytes()
             self.file.write(data)
             self.hash.update(data)
             self.partial += len(part)
-            ids = ids[len(part):]
+            ids = ids[len(part) :]
             if self.partial == self.shard_tokens:
                 self._close()
 
@@ -134,8 +135,9 @@ class ShardWriter:
         if self.file is None:
             return
         self.file.close()
-        self.shards.append({"file": self._name(len(self.shards)), "tokens": self.partial,
-                            "sha256": self.hash.hexdigest()})
+        self.shards.append(
+            {"file": self._name(len(self.shards)), "tokens": self.partial, "sha256": self.hash.hexdigest()}
+        )
         self.file, self.hash, self.partial, self.completed = None, hashlib.sha256(), 0, True
 
     def sync(self) -> None:
@@ -156,7 +158,7 @@ class ShardWriter:
             if lo < hi:
                 tokens = np.memmap(self.folder / shard["file"], dtype=self.dtype, mode="r")
                 for i in range(lo, hi, COPY_TOKENS):
-                    yield np.array(tokens[i:min(hi, i + COPY_TOKENS)])
+                    yield np.array(tokens[i : min(hi, i + COPY_TOKENS)])
                 del tokens  # release the map before the file shrinks under it
             offset += shard["tokens"]
         kept, offset = [], 0
@@ -177,15 +179,28 @@ class ShardWriter:
 class SplitStream:
     """Routes the tokens of each batch to the train and val shards, as the module docstring says."""
 
-    def __init__(self, stage_dir: Path, tok: Tokenizer, state: Checkpoint, val_fraction: float = 0.1,
-                 val_tokens: int | None = None, max_docs: int | None = None, max_tokens: int | None = None,
-                 shard_tokens: int = SHARD_TOKENS):
+    def __init__(
+        self,
+        stage_dir: Path,
+        tok: Tokenizer,
+        state: Checkpoint,
+        val_fraction: float = 0.1,
+        val_tokens: int | None = None,
+        max_docs: int | None = None,
+        max_tokens: int | None = None,
+        shard_tokens: int = SHARD_TOKENS,
+    ):
         self.stage_dir, self.tok, self.state = stage_dir, tok, state
-        self.val_fraction, self.val_tokens, self.max_docs, self.max_tokens = val_fraction, val_tokens, max_docs, \
-            max_tokens
+        self.val_fraction, self.val_tokens, self.max_docs, self.max_tokens = (
+            val_fraction,
+            val_tokens,
+            max_docs,
+            max_tokens,
+        )
         self.dtype = token_dtype(tok.vocab_size)
-        self.writers = {s: ShardWriter(stage_dir, s, self.dtype, shard_tokens, state.shards[s], state.partial[s])
-                        for s in SPLITS}
+        self.writers = {
+            s: ShardWriter(stage_dir, s, self.dtype, shard_tokens, state.shards[s], state.partial[s]) for s in SPLITS
+        }
         self.val_split = "head" if val_tokens is not None else "documents"
         self._sep: np.ndarray | None = None  # encoded on first use: one document's char vocabulary may lack it
 
@@ -207,7 +222,7 @@ class SplitStream:
 
         def emit(ids: np.ndarray) -> None:
             if self.max_tokens is not None:
-                ids = ids[:self.max_tokens - st.tokens]
+                ids = ids[: self.max_tokens - st.tokens]
             if self.val_tokens is not None:  # the head of the stream validates, token by token
                 n_val = min(max(self.val_tokens - st.tokens, 0), len(ids))
                 out["val"].append(ids[:n_val])
@@ -235,7 +250,7 @@ class SplitStream:
                     if i > 0:  # between documents, not after the last: one text is its tokens
                         emit(self._separator())
                 st.characters += len(text)
-                emit(flat[starts[k]:starts[k + 1]])
+                emit(flat[starts[k] : starts[k + 1]])
             if ends:
                 st.in_doc = False
             st.consumed += 1

@@ -53,17 +53,30 @@ class Source:
 
 
 @contextlib.contextmanager
-def open_source(source: str, text_column: str = "text", subset: str | None = None, split: str = "train",
-                streaming: bool = False, encoding: str = DEFAULT_ENCODING) -> Iterator[Source]:
+def open_source(
+    source: str,
+    text_column: str = "text",
+    subset: str | None = None,
+    split: str = "train",
+    streaming: bool = False,
+    encoding: str = DEFAULT_ENCODING,
+) -> Iterator[Source]:
     """Any SOURCE that `prepare` reads, for other readers (tokenizer training): `.label`, `.total`, `.unit`, and
     `.pieces(tick)`, which yields (text, ends a document) and calls tick(n) with the bytes or documents read."""
     with contextlib.ExitStack() as stack:
         yield resolve_source(source, stack, text_column, subset, split, streaming, encoding=encoding)
 
 
-def resolve_source(source: str, stack: contextlib.ExitStack, text_column: str = "text", subset: str | None = None,
-                   split: str = "train", streaming: bool = False, raw_bytes: bool = False,
-                   encoding: str = DEFAULT_ENCODING) -> Source:
+def resolve_source(
+    source: str,
+    stack: contextlib.ExitStack,
+    text_column: str = "text",
+    subset: str | None = None,
+    split: str = "train",
+    streaming: bool = False,
+    raw_bytes: bool = False,
+    encoding: str = DEFAULT_ENCODING,
+) -> Source:
     """The source named by SOURCE. `subset`, `split` and `streaming` apply to hf: sources; `raw_bytes` keeps
     bytes that do not decode (for the byte tokenizer); `encoding` decodes text, .jsonl/.json and .csv files.
     `datasets` stays quiet until `stack` closes."""
@@ -104,8 +117,11 @@ def _local_files(source: str, path: Path) -> tuple[list[Path], bool]:
     if downloaded:
         files = [download_shakespeare()]
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
-                       and p.suffix.lower() in TEXT_SUFFIXES + tuple(STRUCTURED))
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in TEXT_SUFFIXES + tuple(STRUCTURED)
+        )
         if not files:
             raise NanoGPTError(f"folder {source} has no {', '.join(TEXT_SUFFIXES + tuple(STRUCTURED))} files")
     elif path.is_file():
@@ -116,8 +132,10 @@ def _local_files(source: str, path: Path) -> tuple[list[Path], bool]:
         if not files:
             raise NanoGPTError(f"no files match {source}")
     else:
-        raise NanoGPTError(f"{source} does not exist; SOURCE is a text file, a folder or glob of them, a "
-                           ".jsonl/.json/.parquet/.csv file, hf:OWNER/NAME, or shakespeare")
+        raise NanoGPTError(
+            f"{source} does not exist; SOURCE is a text file, a folder or glob of them, a "
+            ".jsonl/.json/.parquet/.csv file, hf:OWNER/NAME, or shakespeare"
+        )
     return files, downloaded
 
 
@@ -136,8 +154,9 @@ def _read_text_file(path: Path, encoding: str, raw_bytes: bool, tick: Tick) -> P
             except UnicodeDecodeError as e:
                 raise _not_decodable(path, encoding, offset + e.start) from None
             if not raw_bytes and "\x00" in text:
-                raise NanoGPTError(f"{path} looks binary (it contains NUL bytes); use --tokenizer byte to "
-                                   "tokenize raw bytes")
+                raise NanoGPTError(
+                    f"{path} looks binary (it contains NUL bytes); use --tokenizer byte to tokenize raw bytes"
+                )
             offset += len(block)
             tick(len(block))
             pending += text
@@ -155,10 +174,15 @@ def _read_text_file(path: Path, encoding: str, raw_bytes: bool, tick: Tick) -> P
 
 def _not_decodable(path: Path, encoding: str, offset: int) -> NanoGPTError:
     what = "UTF-8" if encoding == DEFAULT_ENCODING else encoding
-    hint = "pass its encoding with --encoding (e.g. --encoding cp1252)" if encoding == DEFAULT_ENCODING else \
-        "pass its encoding with --encoding"
-    return NanoGPTError(f"{path} is not {what} text (invalid byte near offset {offset:,}); {hint}, or use "
-                        "--tokenizer byte to tokenize raw bytes")
+    hint = (
+        "pass its encoding with --encoding (e.g. --encoding cp1252)"
+        if encoding == DEFAULT_ENCODING
+        else "pass its encoding with --encoding"
+    )
+    return NanoGPTError(
+        f"{path} is not {what} text (invalid byte near offset {offset:,}); {hint}, or use "
+        "--tokenizer byte to tokenize raw bytes"
+    )
 
 
 def _safe_cut(text: str) -> int:
@@ -190,8 +214,9 @@ def _read_structured(builder: str, files: list[Path], text_column: str, encoding
 
     try:
         options = {"encoding": encoding} if encoding != DEFAULT_ENCODING and builder != "parquet" else {}
-        ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True,
-                                   **options)
+        ds = datasets.load_dataset(
+            builder, data_files=[str(f) for f in files], split="train", streaming=True, **options
+        )
         yield from _rows(ds, label, text_column, spend)
     except NanoGPTError:
         raise
@@ -211,15 +236,18 @@ def _rows(ds, label: str, text_column: str, tick: Tick) -> Pieces:
             if value is None:
                 continue
             if not isinstance(value, str):
-                raise NanoGPTError(f"column {text_column!r} of {label} holds {type(value).__name__} values, not "
-                                   "text; pass --text-column with a text column")
+                raise NanoGPTError(
+                    f"column {text_column!r} of {label} holds {type(value).__name__} values, not "
+                    "text; pass --text-column with a text column"
+                )
             tick(len(value))
             yield value, True
 
 
 def _no_column(label: str, text_column: str, columns: list[str]) -> NanoGPTError:
-    return NanoGPTError(f"{label} has no column {text_column!r}; its columns are {', '.join(columns)} "
-                        "(choose one with --text-column)")
+    return NanoGPTError(
+        f"{label} has no column {text_column!r}; its columns are {', '.join(columns)} (choose one with --text-column)"
+    )
 
 
 def _hf_source(repo: str, text_column: str, subset: str | None, split: str, streaming: bool) -> Source:
@@ -231,11 +259,15 @@ def _hf_source(repo: str, text_column: str, subset: str | None, split: str, stre
     try:
         ds = datasets.load_dataset(repo, subset, split=split, streaming=streaming)
     except DatasetNotFoundError:
-        raise NanoGPTError(f"hf:{repo} is not a dataset on the Hugging Face hub, or it is gated or private "
-                           "(log in with `hf auth login`)") from None
+        raise NanoGPTError(
+            f"hf:{repo} is not a dataset on the Hugging Face hub, or it is gated or private "
+            "(log in with `hf auth login`)"
+        ) from None
     except ConnectionError:
-        raise NanoGPTError(f"could not reach the Hugging Face hub to load hf:{repo} ({_hub_unreachable or 'offline?'})"
-                           "; load it once while online so it is cached, or pass a local file") from None
+        raise NanoGPTError(
+            f"could not reach the Hugging Face hub to load hf:{repo} ({_hub_unreachable or 'offline?'})"
+            "; load it once while online so it is cached, or pass a local file"
+        ) from None
     except Exception as e:  # a missing subset or split: datasets' message lists the valid ones
         raise NanoGPTError(f"could not load hf:{repo}: {first_line(e)}") from None
     label = f"hf:{repo}"
@@ -285,8 +317,9 @@ def offline_unless_hub_reachable(timeout_s: float = 3.0) -> None:
         return
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
     try:
-        urllib.request.urlopen(urllib.request.Request(endpoint + "/api/whoami-v2", method="HEAD"),
-                               timeout=timeout_s).close()
+        urllib.request.urlopen(
+            urllib.request.Request(endpoint + "/api/whoami-v2", method="HEAD"), timeout=timeout_s
+        ).close()
         return
     except urllib.error.HTTPError:
         return  # it answered (401 without a token): reachable
@@ -336,13 +369,17 @@ def download_shakespeare() -> Path:
         with urllib.request.urlopen(SHAKESPEARE_URL, timeout=30) as response:
             data = response.read()
     except (OSError, ValueError) as e:  # URLError is an OSError
-        raise NanoGPTError(f"could not download Tiny Shakespeare from {SHAKESPEARE_URL} ({first_line(e)}); "
-                           "pass a local copy instead, e.g. nanogpt prepare examples/tinyshakespeare.txt "
-                           "--name shakespeare") from None
+        raise NanoGPTError(
+            f"could not download Tiny Shakespeare from {SHAKESPEARE_URL} ({first_line(e)}); "
+            "pass a local copy instead, e.g. nanogpt prepare examples/tinyshakespeare.txt "
+            "--name shakespeare"
+        ) from None
     digest = hashlib.sha256(data).hexdigest()
     if digest != SHAKESPEARE_SHA256:
-        raise NanoGPTError(f"the download from {SHAKESPEARE_URL} has sha256 {digest}, not {SHAKESPEARE_SHA256}; "
-                           "it was not kept, try again or pass a local copy of Tiny Shakespeare")
+        raise NanoGPTError(
+            f"the download from {SHAKESPEARE_URL} has sha256 {digest}, not {SHAKESPEARE_SHA256}; "
+            "it was not kept, try again or pass a local copy of Tiny Shakespeare"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_bytes(data)

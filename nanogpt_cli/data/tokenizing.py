@@ -81,8 +81,12 @@ def batches(pieces: Pieces, position: Callable[[], int]) -> Iterator[Batch]:
 def encode_batch(tok: Tokenizer, texts: list[str], dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """The token ids of `texts` end to end, and how many belong to each text."""
     if isinstance(tok, (CharTokenizer, ByteTokenizer)):  # both encode to arrays without a list of ints
-        ids = [tok.encode_array(t) if isinstance(tok, CharTokenizer) else
-               np.frombuffer(t.encode("utf-8", errors="surrogateescape"), dtype=np.uint8) for t in texts]
+        ids = [
+            tok.encode_array(t)
+            if isinstance(tok, CharTokenizer)
+            else np.frombuffer(t.encode("utf-8", errors="surrogateescape"), dtype=np.uint8)
+            for t in texts
+        ]
         lengths = np.array([len(i) for i in ids], dtype=np.int64)
         return (np.concatenate(ids).astype(dtype) if ids else np.zeros(0, dtype)), lengths
     ids = [tok.encode(t) for t in texts]
@@ -133,8 +137,9 @@ def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return encode_batch(tok, texts, dtype)
 
 
-def encoded(work: Iterator[Batch], tok: Tokenizer, dtype: str, num_proc: int
-            ) -> Iterator[tuple[Batch, tuple[np.ndarray, np.ndarray]]]:
+def encoded(
+    work: Iterator[Batch], tok: Tokenizer, dtype: str, num_proc: int
+) -> Iterator[tuple[Batch, tuple[np.ndarray, np.ndarray]]]:
     """Each batch with its tokens, in order. With num_proc > 1 the batches go to that many worker processes
     (spawned, so no lock of a reader thread is inherited), at most 2 * num_proc of them in flight."""
     if num_proc == 1:
@@ -148,8 +153,12 @@ def encoded(work: Iterator[Batch], tok: Tokenizer, dtype: str, num_proc: int
     before = set(multiprocessing.active_children())
     # an executor, not multiprocessing.Pool: a worker that dies (out of memory) fails the prepare instead of
     # being replaced while its batch is waited for forever
-    pool = ProcessPoolExecutor(num_proc, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_start_worker, initargs=(tok.describe(), dtype, os.getpid()))
+    pool = ProcessPoolExecutor(
+        num_proc,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_start_worker,
+        initargs=(tok.describe(), dtype, os.getpid()),
+    )
     finished = False
     try:
         pending: deque = deque()
@@ -163,8 +172,9 @@ def encoded(work: Iterator[Batch], tok: Tokenizer, dtype: str, num_proc: int
             yield batch, future.result()
         finished = True
     except BrokenProcessPool:
-        raise NanoGPTError("a tokenizer worker process died (out of memory?); resume with --resume, perhaps "
-                           "with a smaller --num-proc") from None
+        raise NanoGPTError(
+            "a tokenizer worker process died (out of memory?); resume with --resume, perhaps with a smaller --num-proc"
+        ) from None
     finally:
         pool.shutdown(wait=finished, cancel_futures=True)
         if not finished:  # Ctrl-C or an error: stop the workers now rather than after the batches they hold

@@ -12,13 +12,23 @@ nanogpt_cli.inspect, and the package folder is never on sys.path itself.
 """
 
 from nanogpt_cli.inspect.attention import (
-           AttentionMaps,
-           attention_forward,
-           attention_maps,
-           display_name,
+    AttentionMaps,
+    attention_forward,
+    attention_maps,
+    display_name,
 )
 from nanogpt_cli.inspect.heads import HeadReport, HeadScores, heads_table, score_heads
 from nanogpt_cli.inspect.positions import PositionViews, position_views
 
-__all__ = ["AttentionMaps", "HeadReport", "HeadScores", "PositionViews", "attention_forward", "attention_maps",
-           "display_name", "heads_table", "position_views", "score_heads"]
+__all__ = [
+    "AttentionMaps",
+    "HeadReport",
+    "HeadScores",
+    "PositionViews",
+    "attention_forward",
+    "attention_maps",
+    "display_name",
+    "heads_table",
+    "position_views",
+    "score_heads",
+]

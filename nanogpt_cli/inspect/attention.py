@@ -18,13 +18,14 @@ from typing import Any
 
 import torch
 
-from nanogpt_cli.loading import InferenceModel
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.loading import InferenceModel
 from nanogpt_cli.model import GPT, CausalSelfAttention, apply_rope, softcap
 
 
-def attention_probs(attn: CausalSelfAttention, x: torch.Tensor, cos: torch.Tensor | None = None,
-                    sin: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_probs(
+    attn: CausalSelfAttention, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One attention layer on its normed input x (B, T, C), the way CausalSelfAttention.forward computes it
     without a cache: its output (B, T, C) and its attention probabilities (B, nh, T, T), in float32."""
     B, T, C = x.size()
@@ -74,7 +75,6 @@ def attention_forward(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, torc
     return logits, torch.stack(layers, dim=1)  # (B, L, nh, T, T)
 
 
-
 @dataclass
 class AttentionMaps:
     """One prompt's attention: every layer's and head's probabilities over its tokens."""
@@ -88,13 +88,27 @@ class AttentionMaps:
 
     def to_dict(self) -> dict[str, Any]:
         L, nh = self.probs.shape[:2]
-        return {"source": self.source, "name": self.name, "tokens": self.tokens, "ids": self.ids, "cut": self.cut,
-                "n_layer": L, "n_head": nh, "attention": self.probs.tolist()}
+        return {
+            "source": self.source,
+            "name": self.name,
+            "tokens": self.tokens,
+            "ids": self.ids,
+            "cut": self.cut,
+            "n_layer": L,
+            "n_head": nh,
+            "attention": self.probs.tolist(),
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AttentionMaps:
-        return cls(source=d["source"], name=d["name"], tokens=d["tokens"], ids=d["ids"], cut=d.get("cut", 0),
-                   probs=torch.tensor(d["attention"], dtype=torch.float32))
+        return cls(
+            source=d["source"],
+            name=d["name"],
+            tokens=d["tokens"],
+            ids=d["ids"],
+            cut=d.get("cut", 0),
+            probs=torch.tensor(d["attention"], dtype=torch.float32),
+        )
 
 
 def attention_maps(loaded: InferenceModel, prompt: str, source: str = "", name: str = "") -> AttentionMaps:

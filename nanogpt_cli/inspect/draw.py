@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from nanogpt_cli.files import atomic_write
 from nanogpt_cli.errors import NanoGPTError, require
+from nanogpt_cli.files import atomic_write
 from nanogpt_cli.inspect.attention import AttentionMaps, check_selection
 from nanogpt_cli.inspect.heads import (
     INDUCTION_MIN,
@@ -29,8 +29,13 @@ from nanogpt_cli.inspect.positions import PositionViews
 DPI = 100
 MAX_TOKENS = 64  # tokens drawn per axis by default: tick labels stay readable up to about this many
 MAX_FIGURE_IN = 40  # a grid wider or taller than this (inches) is shrunk, its tick labels dropped
-LABEL_COLOURS = {"previous-token": "#1f77b4", "induction": "#d62728", "sink": "#7f7f7f", "local": "#2ca02c",
-                 "mixed": "#ffffff"}
+LABEL_COLOURS = {
+    "previous-token": "#1f77b4",
+    "induction": "#d62728",
+    "sink": "#7f7f7f",
+    "local": "#2ca02c",
+    "mixed": "#ffffff",
+}
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -87,8 +92,14 @@ def _save(fig, out: Path, size: tuple[int, int] | None) -> Path:
     return out
 
 
-def draw_attention(maps: AttentionMaps, out: Path, layer: int | None = None, head: int | None = None,
-                   size: tuple[int, int] | None = None, max_tokens: int = MAX_TOKENS) -> Path:
+def draw_attention(
+    maps: AttentionMaps,
+    out: Path,
+    layer: int | None = None,
+    head: int | None = None,
+    size: tuple[int, int] | None = None,
+    max_tokens: int = MAX_TOKENS,
+) -> Path:
     """Heatmaps of the attention: every layer (rows) x head (columns), or only the layer and/or head given.
     Each row of a heatmap is one token's attention over the tokens before it; the last max_tokens are drawn."""
     plt = pyplot()
@@ -107,8 +118,14 @@ def draw_attention(maps: AttentionMaps, out: Path, layer: int | None = None, hea
     panel *= scale
     font = min(9.0, 0.8 * panel * 72 / n)  # points: a label as tall as most of its row
     ticks = font >= 4.0  # a grid shrunk below that has no room for token labels: --layer/--head show them
-    fig, axes = plt.subplots(len(layers), len(heads), squeeze=False, dpi=DPI, layout="constrained",
-                             figsize=(panel * len(heads) + 1.5, panel * len(layers) + 1.0))
+    fig, axes = plt.subplots(
+        len(layers),
+        len(heads),
+        squeeze=False,
+        dpi=DPI,
+        layout="constrained",
+        figsize=(panel * len(heads) + 1.5, panel * len(layers) + 1.0),
+    )
     norm = PowerNorm(gamma=0.5, vmin=0.0, vmax=1.0)  # square-root colours: weak weights stay visible
     cmap = plt.get_cmap("viridis").with_extremes(bad="#f0f0f0")  # bad: the future, which no token sees
     future = torch.ones(n, n, dtype=torch.bool).triu(diagonal=1)
@@ -140,8 +157,12 @@ def draw_attention(maps: AttentionMaps, out: Path, layer: int | None = None, hea
     return _save(fig, out, size)
 
 
-SCORES = (("previous_token", "previous-token score", "Blues"), ("induction", "induction score", "Reds"),
-          ("first_token", "first-token (sink) score", "Greys"), ("mean_distance", "mean distance (tokens)", "Greens_r"))
+SCORES = (
+    ("previous_token", "previous-token score", "Blues"),
+    ("induction", "induction score", "Reds"),
+    ("first_token", "first-token (sink) score", "Greys"),
+    ("mean_distance", "mean distance (tokens)", "Greens_r"),
+)
 
 
 def draw_heads(report: HeadReport, out: Path, size: tuple[int, int] | None = None) -> Path:
@@ -164,22 +185,45 @@ def draw_heads(report: HeadReport, out: Path, size: tuple[int, int] | None = Non
             for j in range(nh):
                 v = float(grid[i, j])
                 dark = v / top > 0.55 if key != "mean_distance" else v / top < 0.45
-                ax.text(j, i, f"{v:.1f}" if key == "mean_distance" else f"{v:.2f}", ha="center", va="center",
-                        fontsize=font, color="white" if dark else "black")
-        ax.set_title(f"{title}\n(uniform attention: {base:.1f})" if key == "mean_distance" else
-                     f"{title}\n(uniform attention: {base:.2f})", fontsize=10)
+                ax.text(
+                    j,
+                    i,
+                    f"{v:.1f}" if key == "mean_distance" else f"{v:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=font,
+                    color="white" if dark else "black",
+                )
+        ax.set_title(
+            f"{title}\n(uniform attention: {base:.1f})"
+            if key == "mean_distance"
+            else f"{title}\n(uniform attention: {base:.2f})",
+            fontsize=10,
+        )
     ax = axes[len(SCORES)]
     index = {name: i for i, name in enumerate(LABELS)}
     grid = torch.zeros(L, nh)
     for h in report.heads:
         grid[h.layer, h.head] = index[h.label]
-    ax.imshow(grid.numpy(), cmap=ListedColormap([LABEL_COLOURS[name] for name in LABELS]), vmin=-0.5,
-              vmax=len(LABELS) - 0.5, aspect="auto")
+    ax.imshow(
+        grid.numpy(),
+        cmap=ListedColormap([LABEL_COLOURS[name] for name in LABELS]),
+        vmin=-0.5,
+        vmax=len(LABELS) - 0.5,
+        aspect="auto",
+    )
     for h in report.heads:
-        ax.text(h.head, h.layer, h.label.replace("previous-token", "prev-\ntoken"), ha="center", va="center",
-                fontsize=font * 0.8, color="white" if h.label in ("previous-token", "induction", "sink") else "black")
+        ax.text(
+            h.head,
+            h.layer,
+            h.label.replace("previous-token", "prev-\ntoken"),
+            ha="center",
+            va="center",
+            fontsize=font * 0.8,
+            color="white" if h.label in ("previous-token", "induction", "sink") else "black",
+        )
     ax.set_title("label", fontsize=10)
-    for ax in axes[:len(SCORES) + 1]:
+    for ax in axes[: len(SCORES) + 1]:
         ax.set_xticks(range(nh))
         ax.set_yticks(range(L))
         ax.set_xlabel("head", fontsize=9)
@@ -195,14 +239,16 @@ def draw_heads(report: HeadReport, out: Path, size: tuple[int, int] | None = Non
     return _save(fig, out, size)
 
 
-LABEL_LEGEND = (f"induction: induction score >= {INDUCTION_MIN}\n"
-                f"previous-token: previous-token score >= {PREVIOUS_MIN}\n"
-                f"sink: first-token score >= {SINK_MIN}\n"
-                "   (the highest of these three wins)\n"
-                f"local: none of those, mean distance\n   <= {LOCAL_SHARE:g} x uniform attention's\n"
-                "mixed: none of the above\n\n"
-                "induction: on the second copy, attention\n   to the token after this token's first copy\n"
-                "others: on the first copy (or the prompt)")
+LABEL_LEGEND = (
+    f"induction: induction score >= {INDUCTION_MIN}\n"
+    f"previous-token: previous-token score >= {PREVIOUS_MIN}\n"
+    f"sink: first-token score >= {SINK_MIN}\n"
+    "   (the highest of these three wins)\n"
+    f"local: none of those, mean distance\n   <= {LOCAL_SHARE:g} x uniform attention's\n"
+    "mixed: none of the above\n\n"
+    "induction: on the second copy, attention\n   to the token after this token's first copy\n"
+    "others: on the first copy (or the prompt)"
+)
 
 
 def draw_positions(views: PositionViews, name: str, out: Path, size: tuple[int, int] | None = None) -> Path:
@@ -218,8 +264,9 @@ def draw_positions(views: PositionViews, name: str, out: Path, size: tuple[int, 
         axes[0].set_xlabel("pair i (dimensions i and i + head size/2)")
         axes[0].set_ylabel("tokens per full turn (log)")
         axes[0].legend(fontsize=8)
-        image = axes[1].imshow(views.table.numpy(), cmap="RdBu", vmin=-1, vmax=1, aspect="auto",
-                               interpolation="nearest")
+        image = axes[1].imshow(
+            views.table.numpy(), cmap="RdBu", vmin=-1, vmax=1, aspect="auto", interpolation="nearest"
+        )
         axes[1].set_title("cos(position x frequency): fast pairs left, slow right")
         axes[1].set_xlabel("pair i")
         axes[1].set_ylabel("position")
@@ -232,8 +279,14 @@ def draw_positions(views: PositionViews, name: str, out: Path, size: tuple[int, 
         axes[2].grid(alpha=0.3)
     else:
         fig, axes = plt.subplots(1, 2, dpi=DPI, figsize=(13, 5.8), layout="constrained")
-        image = axes[0].imshow(views.table.numpy(), cmap="RdBu", aspect="auto", interpolation="nearest",
-                               vmin=-float(views.table.abs().max()), vmax=float(views.table.abs().max()))
+        image = axes[0].imshow(
+            views.table.numpy(),
+            cmap="RdBu",
+            aspect="auto",
+            interpolation="nearest",
+            vmin=-float(views.table.abs().max()),
+            vmax=float(views.table.abs().max()),
+        )
         axes[0].set_title(f"the {views.kind} position table (added to the token embeddings)")
         axes[0].set_xlabel("embedding dimension")
         axes[0].set_ylabel("position")

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from nanogpt_cli.loading import InferenceModel
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inspect.attention import attention_forward
+from nanogpt_cli.loading import InferenceModel
 
 PROBE_ROWS = 8  # random sequences averaged over: enough that a head's scores move by < 0.01 between seeds
 # a label when one behaviour clearly dominates: its score reaches this (uniform attention scores ~0.02-0.07)
@@ -73,9 +73,15 @@ class HeadReport:
 def label_head(s: HeadScores, baseline: HeadScores) -> str:
     """The behaviour that clearly dominates a head, or "mixed". Induction, previous-token and sink compete on their
     scores (each a share of the attention); a head that passes none but looks only a few tokens back is local."""
-    passing = [(score, name) for score, name, least in ((s.induction, "induction", INDUCTION_MIN),
-                                                        (s.previous_token, "previous-token", PREVIOUS_MIN),
-                                                        (s.first_token, "sink", SINK_MIN)) if score >= least]
+    passing = [
+        (score, name)
+        for score, name, least in (
+            (s.induction, "induction", INDUCTION_MIN),
+            (s.previous_token, "previous-token", PREVIOUS_MIN),
+            (s.first_token, "sink", SINK_MIN),
+        )
+        if score >= least
+    ]
     if passing:
         return max(passing)[1]
     if s.mean_distance <= LOCAL_SHARE * baseline.mean_distance:
@@ -83,8 +89,9 @@ def label_head(s: HeadScores, baseline: HeadScores) -> str:
     return "mixed"
 
 
-def probe_tokens(vocab_size: int, length: int, rows: int = PROBE_ROWS, seed: int = 0,
-                 skip: int | None = None) -> torch.Tensor:
+def probe_tokens(
+    vocab_size: int, length: int, rows: int = PROBE_ROWS, seed: int = 0, skip: int | None = None
+) -> torch.Tensor:
     """rows random sequences of length tokens, each followed by itself: (rows, 2 * length). skip: a token never
     drawn (the end-of-text token, which resets what a model attends to)."""
     g = torch.Generator().manual_seed(seed)
@@ -116,13 +123,25 @@ def uniform_scores(first: int, last: int, length: int) -> HeadScores:
     """What attention spread evenly over tokens 0..i would score on the same rows: the random baseline."""
     rows = torch.arange(first, last + 1, dtype=torch.float64)
     second = torch.arange(length, 2 * length, dtype=torch.float64)
-    return HeadScores(-1, -1, previous_token=(1 / (rows + 1)).mean().item(), first_token=(1 / (rows + 1)).mean().item(),
-                      mean_distance=(rows / 2).mean().item(), induction=(1 / (second + 1)).mean().item(),
-                      label="mixed")
+    return HeadScores(
+        -1,
+        -1,
+        previous_token=(1 / (rows + 1)).mean().item(),
+        first_token=(1 / (rows + 1)).mean().item(),
+        mean_distance=(rows / 2).mean().item(),
+        induction=(1 / (second + 1)).mean().item(),
+        label="mixed",
+    )
 
 
-def score_heads(loaded: InferenceModel, source: str = "", name: str = "", length: int | None = None, seed: int = 0,
-                prompt: str | None = None) -> HeadReport:
+def score_heads(
+    loaded: InferenceModel,
+    source: str = "",
+    name: str = "",
+    length: int | None = None,
+    seed: int = 0,
+    prompt: str | None = None,
+) -> HeadReport:
     """Every head's scores on the repeated random probe (of length tokens, default the smaller of 64 and half the
     context), the first three on prompt instead when one is given."""
     model, tok = loaded.model, loaded.tokenizer
@@ -147,13 +166,26 @@ def score_heads(loaded: InferenceModel, source: str = "", name: str = "", length
     heads = []
     for layer in range(model.config.n_layer):
         for head in range(model.config.n_head):
-            s = HeadScores(layer, head, previous[layer, head].item(), sink[layer, head].item(),
-                           distance[layer, head].item(), induction[layer, head].item())
+            s = HeadScores(
+                layer,
+                head,
+                previous[layer, head].item(),
+                sink[layer, head].item(),
+                distance[layer, head].item(),
+                induction[layer, head].item(),
+            )
             s.label = label_head(s, baseline)
             heads.append(s)
     probe = {"length": length, "rows": PROBE_ROWS, "seed": seed, "prompt_tokens": last + 1 if prompt else None}
-    return HeadReport(source=source, name=name, n_layer=model.config.n_layer, n_head=model.config.n_head,
-                      heads=heads, baseline=baseline, probe=probe)
+    return HeadReport(
+        source=source,
+        name=name,
+        n_layer=model.config.n_layer,
+        n_head=model.config.n_head,
+        heads=heads,
+        baseline=baseline,
+        probe=probe,
+    )
 
 
 def heads_table(report: HeadReport):
@@ -162,15 +194,34 @@ def heads_table(report: HeadReport):
     from rich.table import Table
 
     # a light box: the seven columns fit an 80-column terminal
-    table = Table(title=f"attention heads of {report.name}" if report.name else None, box=box.SIMPLE_HEAD,
-                  show_edge=False, collapse_padding=True)
+    table = Table(
+        title=f"attention heads of {report.name}" if report.name else None,
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        collapse_padding=True,
+    )
     for column in ("layer", "head", "prev-token", "first-token", "distance", "induction", "label"):
         table.add_column(column, justify="left" if column == "label" else "right", no_wrap=True)
     b = report.baseline
     for h in report.heads:
-        table.add_row(str(h.layer), str(h.head), f"{h.previous_token:.2f}", f"{h.first_token:.2f}",
-                      f"{h.mean_distance:.1f}", f"{h.induction:.2f}", h.label)
+        table.add_row(
+            str(h.layer),
+            str(h.head),
+            f"{h.previous_token:.2f}",
+            f"{h.first_token:.2f}",
+            f"{h.mean_distance:.1f}",
+            f"{h.induction:.2f}",
+            h.label,
+        )
     table.add_section()
-    table.add_row("uniform", "", f"{b.previous_token:.2f}", f"{b.first_token:.2f}", f"{b.mean_distance:.1f}",
-                  f"{b.induction:.2f}", "", style="dim")
+    table.add_row(
+        "uniform",
+        "",
+        f"{b.previous_token:.2f}",
+        f"{b.first_token:.2f}",
+        f"{b.mean_distance:.1f}",
+        f"{b.induction:.2f}",
+        "",
+        style="dim",
+    )
     return table

@@ -48,8 +48,10 @@ def position_views(model: GPT) -> PositionViews:
         wavelengths = 2 * math.pi / inv_freq
         # q = k = ones: each pair contributes 2 cos(d * freq) to q.k, so the mean over pairs is the score's shape
         decay = angles.cos().mean(dim=-1)  # (P,) at d = 0..P-1
-        summary = (f"RoPE, theta {cfg.rope_theta:,g}, head size {hs}: {hs // 2} rotating pairs per head, wavelengths "
-                   f"from {wavelengths[0]:.1f} to {wavelengths[-1]:,.0f} tokens (context {P:,})")
+        summary = (
+            f"RoPE, theta {cfg.rope_theta:,g}, head size {hs}: {hs // 2} rotating pairs per head, wavelengths "
+            f"from {wavelengths[0]:.1f} to {wavelengths[-1]:,.0f} tokens (context {P:,})"
+        )
         return PositionViews("rope", summary, angles.cos().float(), None, wavelengths.float(), decay.float())
     if cfg.pos_encoding == "learned":
         table = model.transformer.wpe.weight.detach().float().cpu()
@@ -60,6 +62,8 @@ def position_views(model: GPT) -> PositionViews:
     sim = cosine_matrix(table)
     neighbours = sim.diagonal(offset=1).mean().item() if P > 1 else 1.0
     far = sim.triu(diagonal=P // 2).sum().item() / max(1, (P - P // 2) * (P - P // 2 + 1) // 2)
-    summary = (f"{what} positions, {P:,} x {cfg.n_embd}: neighbouring positions' cosine similarity {neighbours:.2f} "
-               f"on average, positions half the context or more apart {far:.2f}")
+    summary = (
+        f"{what} positions, {P:,} x {cfg.n_embd}: neighbouring positions' cosine similarity {neighbours:.2f} "
+        f"on average, positions half the context or more apart {far:.2f}"
+    )
     return PositionViews(what, summary, table, sim, None, None)

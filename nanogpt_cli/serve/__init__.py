@@ -79,13 +79,24 @@ def build_server(options: ServeOptions, on_ready: Callable[[str], None] | None =
     loaded = load_for_inference(options.source, last=options.last, device=options.device, dtype=options.dtype)
     eos = "<|endoftext|>" if loaded.tokenizer.eot_id is not None else None
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.device, options.max_batch, options.max_queue)
-    state = ServerState(scheduler=scheduler, model=loaded.model, tokenizer=loaded.tokenizer,
-                        model_name=options.model_name or default_model_name(options.source),
-                        template=ChatTemplate.for_meta(loaded.meta, eos, _folder(options.source)),
-                        api_key=options.api_key,
-                        limits=Limits(options.max_body, options.max_tokens, options.max_n), ui=options.ui)
-    config = uvicorn.Config(create_app(state), host=options.host, port=options.port, log_level="warning",
-                            timeout_graceful_shutdown=5, lifespan="off")
+    state = ServerState(
+        scheduler=scheduler,
+        model=loaded.model,
+        tokenizer=loaded.tokenizer,
+        model_name=options.model_name or default_model_name(options.source),
+        template=ChatTemplate.for_meta(loaded.meta, eos, _folder(options.source)),
+        api_key=options.api_key,
+        limits=Limits(options.max_body, options.max_tokens, options.max_n),
+        ui=options.ui,
+    )
+    config = uvicorn.Config(
+        create_app(state),
+        host=options.host,
+        port=options.port,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        lifespan="off",
+    )
     return _server_class(uvicorn)(config, state, on_ready)
 
 

@@ -9,6 +9,7 @@ Answers and errors have OpenAI's shapes; streams are server-sent events ending w
 from __future__ import annotations
 
 import asyncio
+import functools
 import html
 import json
 import logging
@@ -65,15 +66,30 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/health")
     async def health():
         s = state.scheduler
-        return {"status": "ok", "model": state.model_name, "active_rows": s.active, "waiting": s.waiting,
-                "max_batch": s.engine.max_batch}
+        return {
+            "status": "ok",
+            "model": state.model_name,
+            "active_rows": s.active,
+            "waiting": s.waiting,
+            "max_batch": s.engine.max_batch,
+        }
 
     @app.get("/v1/models")
     async def models(request: Request):
         _authorize(state, request)
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "nanogpt",
-            "context_length": state.block_size, "chat_template": state.template.name}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": state.model_name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "nanogpt",
+                    "context_length": state.block_size,
+                    "chat_template": state.template.name,
+                }
+            ],
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -123,14 +139,15 @@ def _authorize(state: ServerState, request: Request) -> None:
     header = request.headers.get("authorization", "")
     if not header.startswith("Bearer "):
         raise APIError(401, "this server needs an API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-    if header[len("Bearer "):].strip() != state.api_key:
+    if header[len("Bearer ") :].strip() != state.api_key:
         raise APIError(401, "incorrect API key", code="invalid_api_key")
 
 
 async def _read_json(request: Request, limit: int) -> Any:
     """The body as JSON, refused with 413 past `limit` bytes (read no further) and 400 when it is not JSON."""
-    too_large = APIError(413, f"the request body is larger than this server's limit of {limit:,} bytes",
-                         code="body_too_large")
+    too_large = APIError(
+        413, f"the request body is larger than this server's limit of {limit:,} bytes", code="body_too_large"
+    )
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_large
@@ -150,8 +167,9 @@ async def _read_json(request: Request, limit: int) -> Any:
 
 def _check_model(state: ServerState, name: str | None) -> None:
     if name not in (None, "", state.model_name):
-        raise APIError(404, f"no model '{name}' here; this server has '{state.model_name}'", param="model",
-                       code="model_not_found")
+        raise APIError(
+            404, f"no model '{name}' here; this server has '{state.model_name}'", param="model", code="model_not_found"
+        )
 
 
 def _encode(state: ServerState, text: str, param: str) -> list[int]:
@@ -174,8 +192,12 @@ def _empty_prompt(tokenizer) -> list[int]:
 
 def _check_length(state: ServerState, ids: list[int], param: str) -> list[int]:
     if len(ids) > state.block_size:
-        raise APIError(400, f"the prompt is {len(ids):,} tokens, more than the model's context of "
-                            f"{state.block_size:,} tokens", param=param, code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt is {len(ids):,} tokens, more than the model's context of {state.block_size:,} tokens",
+            param=param,
+            code="context_length_exceeded",
+        )
     if any(not 0 <= i < state.tokenizer.vocab_size for i in ids):
         raise APIError(400, f"token ids must be in [0, {state.tokenizer.vocab_size})", param=param)
     return ids
@@ -186,21 +208,33 @@ def _max_tokens(state: ServerState, value: int | None, default: int, param: str)
     if value is None:
         return min(default, limit)
     if not 0 <= value <= limit:
-        raise APIError(400, f"{param} must be between 0 and {limit:,} (this server's limit), got {value}",
-                       param=param)
+        raise APIError(400, f"{param} must be between 0 and {limit:,} (this server's limit), got {value}", param=param)
     return value
 
 
 def _params(body, logprobs: int | None) -> SamplingParams:
-    return SamplingParams(temperature=body.temperature, top_k=body.top_k or None, top_p=body.top_p,
-                          min_p=body.min_p, repetition_penalty=body.repetition_penalty, logprobs=logprobs)
+    return SamplingParams(
+        temperature=body.temperature,
+        top_k=body.top_k or None,
+        top_p=body.top_p,
+        min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty,
+        logprobs=logprobs,
+    )
 
 
 class _Run:
     """The jobs of one request and the queue their events arrive on (in the event loop's thread)."""
 
-    def __init__(self, state: ServerState, prompts: list[list[int]], body, params: SamplingParams,
-                 max_tokens: int, stop: list[str]):
+    def __init__(
+        self,
+        state: ServerState,
+        prompts: list[list[int]],
+        body,
+        params: SamplingParams,
+        max_tokens: int,
+        stop: list[str],
+    ):
         self.state, self.queue = state, asyncio.Queue()
         loop = asyncio.get_running_loop()
         self.jobs = []
@@ -208,9 +242,13 @@ class _Run:
             for j in range(body.n):
                 seed = None if body.seed is None else body.seed + j  # choice j: its own seed, as a row alone
                 index = p * body.n + j
-                sink = (lambda event, i=index: loop.call_soon_threadsafe(self.queue.put_nowait, (i, event)))
+                sink = functools.partial(self._deliver, loop, index)
                 self.jobs.append(Job(ids, params, max_tokens, stop, sink, seed, body.ignore_eos))
         self.open = set(range(len(self.jobs)))
+
+    def _deliver(self, loop: asyncio.AbstractEventLoop, index: int, event) -> None:
+        """Called from the engine's thread: hand one choice's event to the event loop."""
+        loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
 
     def submit(self) -> None:
         try:
@@ -253,8 +291,11 @@ def _usage(prompts: list[list[int]], completion: int) -> dict[str, int]:
 
 
 def _failure(event: Failed) -> APIError:
-    return APIError(event.status if event.status in (400, 503) else 500, event.message,
-                    code="server_stopping" if event.status == 503 else None)
+    return APIError(
+        event.status if event.status in (400, 503) else 500,
+        event.message,
+        code="server_stopping" if event.status == 503 else None,
+    )
 
 
 def _sse(data: Any) -> bytes:
@@ -270,20 +311,33 @@ async def _completions(state: ServerState, request: Request, body: CompletionReq
     prompts, texts = _completion_prompts(state, body.prompt)
     max_tokens = _max_tokens(state, body.max_tokens, 16, "max_tokens")
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-    logs = [_CompletionLogprobs(state, body.logprobs) if body.logprobs is not None else None
-            for _ in range(len(prompts) * body.n)]
+    logs = [
+        _CompletionLogprobs(state, body.logprobs) if body.logprobs is not None else None
+        for _ in range(len(prompts) * body.n)
+    ]
     if body.echo and body.logprobs is not None:
         for i, log_ in enumerate(logs):
             ids = prompts[i // body.n]
-            scored = await asyncio.wrap_future(state.scheduler.call(
-                lambda ids=ids: prompt_logprobs(state.model, ids, body.logprobs, state.tokenizer.vocab_size)))
+            scored = await asyncio.wrap_future(
+                state.scheduler.call(
+                    lambda ids=ids: prompt_logprobs(state.model, ids, body.logprobs, state.tokenizer.vocab_size)
+                )
+            )
             log_.add_prompt(ids, scored)
     echo = [texts[i // body.n] if body.echo else "" for i in range(len(logs))]
     if max_tokens == 0:  # nothing to generate: the prompt's own logprobs, with echo
-        choices = [{"index": i, "text": echo[i], "logprobs": logs[i] and logs[i].body(),
-                    "finish_reason": "length"} for i in range(len(logs))]
-        return {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                "choices": choices, "usage": _usage(prompts, 0)}
+        choices = [
+            {"index": i, "text": echo[i], "logprobs": logs[i] and logs[i].body(), "finish_reason": "length"}
+            for i in range(len(logs))
+        ]
+        return {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": state.model_name,
+            "choices": choices,
+            "usage": _usage(prompts, 0),
+        }
     run = _Run(state, prompts, body, _params(body, body.logprobs), max_tokens, body.stops)
     run.submit()
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
@@ -331,8 +385,12 @@ class _CompletionLogprobs:
         return self.body(start)
 
     def body(self, start: int = 0) -> dict[str, list]:
-        return {"tokens": self.tokens[start:], "token_logprobs": self.token_logprobs[start:],
-                "top_logprobs": self.top_logprobs[start:], "text_offset": self.text_offset[start:]}
+        return {
+            "tokens": self.tokens[start:],
+            "token_logprobs": self.token_logprobs[start:],
+            "top_logprobs": self.top_logprobs[start:],
+            "text_offset": self.text_offset[start:],
+        }
 
 
 async def _completion_stream(run: _Run, head: dict, prompts, echo: list[str], logs: list, include_usage: bool):
@@ -350,8 +408,12 @@ async def _completion_stream(run: _Run, head: dict, prompts, echo: list[str], lo
             lp = logs[i] and logs[i].add(event.logprobs)
             done = isinstance(event, Done)
             completion += event.completion_tokens if done else 0
-            choice = {"index": i, "text": event.text, "logprobs": lp, "finish_reason": event.finish_reason if done
-                      else None}
+            choice = {
+                "index": i,
+                "text": event.text,
+                "logprobs": lp,
+                "finish_reason": event.finish_reason if done else None,
+            }
             yield _sse({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
         if include_usage:
             yield _sse({**head, "choices": [], "usage": _usage(prompts, completion)})
@@ -373,8 +435,10 @@ async def _completion_whole(run: _Run, request: Request, head: dict, prompts, ec
                 reasons[i], completion = event.finish_reason, completion + event.completion_tokens
     finally:
         run.cancel()
-    choices = [{"index": i, "text": texts[i], "logprobs": logs[i] and logs[i].body(), "finish_reason": reasons[i]}
-               for i in range(len(texts))]
+    choices = [
+        {"index": i, "text": texts[i], "logprobs": logs[i] and logs[i].body(), "finish_reason": reasons[i]}
+        for i in range(len(texts))
+    ]
     return {**head, "choices": choices, "usage": _usage(prompts, completion)}
 
 
@@ -392,14 +456,19 @@ async def _chat(state: ServerState, request: Request, body: ChatRequest):
     except NanoGPTError as e:
         raise APIError(400, str(e), param="messages") from None
     ids = _chat_tokens(state, text)
-    given, param = ((body.max_completion_tokens, "max_completion_tokens") if body.max_completion_tokens is not None
-                    else (body.max_tokens, "max_tokens"))
+    given, param = (
+        (body.max_completion_tokens, "max_completion_tokens")
+        if body.max_completion_tokens is not None
+        else (body.max_tokens, "max_tokens")
+    )
     max_tokens = _max_tokens(state, given, max(1, state.block_size - len(ids)), param)  # default: fill the context
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     if max_tokens == 0:
-        choices = [{"index": i, "message": {"role": "assistant", "content": ""}, "logprobs": None,
-                    "finish_reason": "length"} for i in range(body.n)]
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": "length"}
+            for i in range(body.n)
+        ]
         return {**head, "object": "chat.completion", "choices": choices, "usage": _usage([ids], 0)}
     run = _Run(state, [ids], body, _params(body, logprobs), max_tokens, state.template.stop + body.stops)
     run.submit()
@@ -432,8 +501,9 @@ def _chat_logprobs(state: ServerState, steps) -> list[dict] | None:
         text = state.tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(state.tokenizer.decode_bytes([token]))}
 
-    return [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs or []]}
-            for t in steps]
+    return [
+        {**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top_logprobs or []]} for t in steps
+    ]
 
 
 async def _chat_stream(run: _Run, head: dict, ids: list[int], include_usage: bool):
@@ -442,8 +512,9 @@ async def _chat_stream(run: _Run, head: dict, ids: list[int], include_usage: boo
     try:
         for i in range(len(run.jobs)):  # the first chunk of each choice names the role
             delta = {"role": "assistant", "content": ""}
-            yield _sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
-                        **extra})
+            yield _sse(
+                {**head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}], **extra}
+            )
         async for i, event in run.events():
             if isinstance(event, Failed):
                 yield _sse(_failure(event).body())
@@ -478,7 +549,13 @@ async def _chat_whole(run: _Run, request: Request, head: dict, ids: list[int]):
     finally:
         run.cancel()
     with_logprobs = run.jobs[0].params.logprobs is not None
-    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                "logprobs": {"content": _chat_logprobs(run.state, logs[i])} if with_logprobs else None,
-                "finish_reason": reasons[i]} for i in range(n)]
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": texts[i]},
+            "logprobs": {"content": _chat_logprobs(run.state, logs[i])} if with_logprobs else None,
+            "finish_reason": reasons[i],
+        }
+        for i in range(n)
+    ]
     return {**head, "choices": choices, "usage": _usage([ids], completion)}

@@ -80,8 +80,9 @@ class ChatTemplate:
         import jinja2
 
         try:
-            return _compile(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **self.special)
+            return _compile(self.source).render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special
+            )
         except jinja2.exceptions.TemplateError as e:
             raise NanoGPTError(f"the chat template failed on these messages: {e}") from None
 

@@ -17,17 +17,28 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 class APIError(Exception):
     """An error response in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES: ClassVar[dict[int, str]] = {400: "invalid_request_error", 401: "authentication_error",
-                                       404: "invalid_request_error", 413: "invalid_request_error",
-                                       500: "server_error", 503: "server_error"}
+    TYPES: ClassVar[dict[int, str]] = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "invalid_request_error",
+        413: "invalid_request_error",
+        500: "server_error",
+        503: "server_error",
+    }
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
 
 class StreamOptions(BaseModel):

@@ -194,8 +194,13 @@ class Scheduler:
                     self._add_alone(job)
 
     def _add(self, jobs: list[Job]) -> None:
-        rows = self.engine.add_many([j.prompt for j in jobs], [j.params for j in jobs], [j.max_tokens for j in jobs],
-                                    [j.generator for j in jobs], stop_ids=() if jobs[0].eot is None else (jobs[0].eot,))
+        rows = self.engine.add_many(
+            [j.prompt for j in jobs],
+            [j.params for j in jobs],
+            [j.max_tokens for j in jobs],
+            [j.generator for j in jobs],
+            stop_ids=() if jobs[0].eot is None else (jobs[0].eot,),
+        )
         for job, row in zip(jobs, rows):
             job.row = row
             self._running[row] = job
