@@ -171,24 +171,33 @@ def note(message: str) -> None:
 # --- commands: thin typed functions over the library, each wrapped by one_line_errors ---
 
 
+# what prepare and tokenizer train both read
+Source = Annotated[
+    str,
+    typer.Argument(
+        help="A .txt/.md file, a folder or glob of them, a .jsonl/.json/.parquet/.csv file, hf:OWNER/NAME, or "
+        "shakespeare (downloaded once)."
+    ),
+]
+TextColumn = Annotated[str, typer.Option(help="Column with the text in .jsonl/.json/.parquet/.csv and hub datasets.")]
+Subset = Annotated[str | None, typer.Option(help="Hub dataset subset (configuration) name.")]
+Split = Annotated[str, typer.Option(help="Hub dataset split to read.")]
+Streaming = Annotated[bool, typer.Option(help="Stream a hub dataset instead of downloading it first.")]
+TokenizerName = Annotated[
+    str,
+    typer.Option(
+        help="gpt2, char, byte, a tiktoken encoding such as cl100k_base, or a tokenizer trained by "
+        "`nanogpt tokenizer train` (NAME or folder)."
+    ),
+]
+
+
 @app.command()
 @one_line_errors
 def prepare(
-    source: Annotated[
-        str,
-        typer.Argument(
-            help="A .txt/.md file, a folder or glob of them, a .jsonl/.json/.parquet/"
-            ".csv file, hf:OWNER/NAME, or shakespeare (downloaded once)."
-        ),
-    ],
+    source: Source,
     name: Annotated[str, typer.Option(help="Dataset name: the folder DATA_DIR/NAME that training reads.")],
-    tokenizer: Annotated[
-        str,
-        typer.Option(
-            help="gpt2, char, byte, a tiktoken encoding such as cl100k_base, or a "
-            "tokenizer trained by `nanogpt tokenizer train` (NAME or folder)."
-        ),
-    ] = "gpt2",
+    tokenizer: TokenizerName = "gpt2",
     val_fraction: Annotated[
         float, typer.Option(help="Share held out for validation: the tail of one text, or every (1/f)-th document.")
     ] = 0.1,
@@ -196,12 +205,10 @@ def prepare(
     tokenizers_dir: Annotated[Path, typer.Option(help="Folder of trained tokenizers (for --tokenizer NAME).")] = Path(
         "tokenizers"
     ),
-    text_column: Annotated[
-        str, typer.Option(help="Column with the text in .jsonl/.json/.parquet/.csv and hub datasets.")
-    ] = "text",
-    subset: Annotated[str | None, typer.Option(help="Hub dataset subset (configuration) name.")] = None,
-    split: Annotated[str, typer.Option(help="Hub dataset split to read.")] = "train",
-    streaming: Annotated[bool, typer.Option(help="Stream a hub dataset instead of downloading it first.")] = False,
+    text_column: TextColumn = "text",
+    subset: Subset = None,
+    split: Split = "train",
+    streaming: Streaming = False,
     max_docs: Annotated[int | None, typer.Option(help="Keep only the first N documents.")] = None,
     max_tokens: Annotated[int | None, typer.Option(help="Stop after N tokens (train and val together).")] = None,
     val_tokens: Annotated[
@@ -283,16 +290,33 @@ def _tokenizer_root(ctx: typer.Context):
         raise typer.Exit(0)
 
 
+def tokenizer_table(result):
+    """What tokenizer train made, as a table."""
+    from nanogpt_cli.ui import summary_table
+
+    tok = result.tokenizer
+    return summary_table(
+        f"trained {result.path}",
+        [
+            ("source", result.source),
+            (
+                "characters",
+                f"{result.characters:,} ({result.documents:,} document{'s' if result.documents != 1 else ''})",
+            ),
+            (
+                "vocabulary size",
+                f"{tok.vocab_size:,} (256 bytes, {len(tok.ranks) - 256:,} merges, {len(tok.special_tokens)} special)",
+            ),
+            ("pattern", tok.pattern_name),
+            ("time", f"{result.elapsed_s:.2f} s ({result.chars_per_s / 1e6:,.2f} M characters/s)"),
+        ],
+    )
+
+
 @tokenizer_app.command("train")
 @one_line_errors
 def tokenizer_train(
-    source: Annotated[
-        str,
-        typer.Argument(
-            help="Any SOURCE prepare reads: a text file, a folder or glob, a "
-            ".jsonl/.json/.parquet/.csv file, hf:OWNER/NAME, or shakespeare."
-        ),
-    ],
+    source: Source,
     name: Annotated[
         str, typer.Option(help="Tokenizer name: the folder TOKENIZERS_DIR/NAME that --tokenizer NAME reads.")
     ],
@@ -312,12 +336,10 @@ def tokenizer_train(
     ] = None,
     max_chars: Annotated[int | None, typer.Option(help="Train on the first N characters only.")] = None,
     tokenizers_dir: Annotated[Path, typer.Option(help=TOKENIZERS_DIR_HELP)] = Path("tokenizers"),
-    text_column: Annotated[
-        str, typer.Option(help="Column with the text in .jsonl/.json/.parquet/.csv and hub datasets.")
-    ] = "text",
-    subset: Annotated[str | None, typer.Option(help="Hub dataset subset (configuration) name.")] = None,
-    split: Annotated[str, typer.Option(help="Hub dataset split to read.")] = "train",
-    streaming: Annotated[bool, typer.Option(help="Stream a hub dataset instead of downloading it first.")] = False,
+    text_column: TextColumn = "text",
+    subset: Subset = None,
+    split: Split = "train",
+    streaming: Streaming = False,
     force: Annotated[bool, typer.Option("--force", help="Replace TOKENIZERS_DIR/NAME if it exists.")] = False,
 ):
     """Train a byte-level BPE tokenizer (Hugging Face tokenizers' trainer; tiktoken encodes with it).
@@ -326,7 +348,7 @@ def tokenizer_train(
     """
     from nanogpt_cli.tokenizer import EOT
     from nanogpt_cli.tokenizer_train import train_tokenizer
-    from nanogpt_cli.ui import console, prepare_progress, summary_table
+    from nanogpt_cli.ui import console, prepare_progress
 
     specials = [EOT] + [s for s in (special or []) if s != EOT]
     with prepare_progress() as progress:
@@ -346,25 +368,7 @@ def tokenizer_train(
             progress=progress,
         )
     tok = result.tokenizer
-    console.print(
-        summary_table(
-            f"trained {result.path}",
-            [
-                ("source", result.source),
-                (
-                    "characters",
-                    f"{result.characters:,} ({result.documents:,} document{'s' if result.documents != 1 else ''})",
-                ),
-                (
-                    "vocabulary size",
-                    f"{tok.vocab_size:,} (256 bytes, {len(tok.ranks) - 256:,} merges, "
-                    f"{len(tok.special_tokens)} special)",
-                ),
-                ("pattern", tok.pattern_name),
-                ("time", f"{result.elapsed_s:.2f} s ({result.chars_per_s / 1e6:,.2f} M characters/s)"),
-            ],
-        )
-    )
+    console.print(tokenizer_table(result))
     if tok.vocab_size < result.requested_vocab_size:
         note(
             f"the text ran out of pairs to merge: the vocabulary has {tok.vocab_size:,} tokens, not the "
@@ -511,7 +515,7 @@ def train(
     from nanogpt_cli.distributed import open_world
     from nanogpt_cli.plan import plan_run
     from nanogpt_cli.trainer import Trainer
-    from nanogpt_cli.ui import TrainDisplay, console
+    from nanogpt_cli.ui import TrainDisplay
 
     set_threads(threads)
     from nanogpt_cli.trackers import Tee, open_tracker
@@ -532,16 +536,8 @@ def train(
         for message in plan.notes:
             note(message)
     if plan.complete:
-        if prints() and plan.time_over:
-            console.print(
-                f"{plan.run_dir} is already complete: its --max-time {plan.time_spent:g} s was spent at "
-                f"step {plan.step:,}; raise --max-time to train it further"
-            )
-        elif prints():
-            console.print(
-                f"{plan.run_dir} is already complete: step {plan.step:,} of --max-iters "
-                f"{plan.train.max_iters:,}; raise --max-iters to train it further"
-            )
+        if prints():
+            say_complete(plan)
         return
     # under torchrun the process group is left only after rank 0 has printed, so no rank ends (and has
     # torchrun stop the others) before
@@ -556,6 +552,22 @@ def train(
             report_training(plan, result)
     if result.stopped in ("SIGINT", "SIGTERM"):
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
+
+
+def say_complete(plan) -> None:
+    """A run that has nothing left to train: why, and what to raise."""
+    from nanogpt_cli.ui import console
+
+    if plan.time_over:
+        console.print(
+            f"{plan.run_dir} is already complete: its --max-time {plan.time_spent:g} s was spent at "
+            f"step {plan.step:,}; raise --max-time to train it further"
+        )
+    else:
+        console.print(
+            f"{plan.run_dir} is already complete: step {plan.step:,} of --max-iters "
+            f"{plan.train.max_iters:,}; raise --max-iters to train it further"
+        )
 
 
 def report_training(plan, result) -> None:
@@ -574,6 +586,29 @@ def report_training(plan, result) -> None:
         console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_with}")
     if result.stopped == "max_time":
         console.print(f"ended at step {result.step:,}: --max-time {plan.train.max_time:g} s was spent")
+
+
+def print_samples(sampler, text: str, settings, num_samples: int, stream: bool) -> None:
+    """Continue one prompt: the samples printed after it, streamed when asked."""
+    from nanogpt_cli.ui import console, err_console
+
+    ids, cut = sampler.encode_prompt(text)
+    if cut:
+        err_console.print(
+            f"note: the prompt is {len(ids) + cut:,} tokens; its first {cut:,} are cut to fit "
+            f"the context of {sampler.block_size:,}",
+            soft_wrap=True,
+        )
+    for i, pieces in enumerate(sampler.samples(text, settings, num_samples)):
+        if num_samples > 1:
+            console.rule(f"sample {i + 1} of {num_samples}")
+        sys.stdout.write(text)
+        for piece in pieces:
+            sys.stdout.write(piece)
+            if stream:
+                sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
 
 
 @app.command()
@@ -609,7 +644,6 @@ def sample(
     Example: nanogpt sample --checkpoint checkpoints/shk --prompt "ROMEO:" --max-new-tokens 200
     """
     from nanogpt_cli.sample import Sampler, SampleSettings
-    from nanogpt_cli.ui import console, err_console
 
     if prompt is not None and prompt_file is not None:
         raise NanoGPTError("give --prompt or --prompt-file, not both")
@@ -633,26 +667,7 @@ def sample(
         use_cache=not no_cache,
     )
     sampler = Sampler.load(checkpoint, last=last, device=device, dtype=dtype)
-
-    def run(text: str) -> None:
-        ids, cut = sampler.encode_prompt(text)
-        if cut:
-            err_console.print(
-                f"note: the prompt is {len(ids) + cut:,} tokens; its first {cut:,} are cut to fit "
-                f"the context of {sampler.block_size:,}",
-                soft_wrap=True,
-            )
-        for i, pieces in enumerate(sampler.samples(text, settings, num_samples)):
-            if num_samples > 1:
-                console.rule(f"sample {i + 1} of {num_samples}")
-            sys.stdout.write(text)
-            for piece in pieces:
-                sys.stdout.write(piece)
-                if stream:
-                    sys.stdout.flush()
-            sys.stdout.write("\n")
-            sys.stdout.flush()
-
+    run = functools.partial(print_samples, sampler, settings=settings, num_samples=num_samples, stream=stream)
     if not interactive:
         return run(prompt or "")
     first = prompt  # --prompt (or --prompt-file) with --interactive is the first prompt
