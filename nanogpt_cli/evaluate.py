@@ -62,7 +62,7 @@ def score_tokens(
     least block_size - stride tokens of context (fewer only at the very start). stride None: default_stride.
     progress(label, targets scored, all targets) is called after each batch."""
     block_size = model.config.block_size
-    stride = stride or default_stride(block_size)
+    stride = default_stride(block_size) if stride is None else stride
     if not 1 <= stride <= block_size:
         raise NanoGPTError(f"--stride must be between 1 and the context length {block_size}, got {stride}")
     ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
@@ -141,7 +141,7 @@ def perplexity_of_split(
             f"dataset '{name}' was prepared with another tokenizer than the checkpoint's ({differ}); "
             "score data prepared with the checkpoint's tokenizer, or use --input FILE"
         )
-    stride = stride or default_stride(model.config.block_size)
+    stride = default_stride(model.config.block_size) if stride is None else stride
     t0 = time.perf_counter()
     nll, n, n_bytes = 0.0, 0, 0
     shards = open_split(data_dir, name, split)
@@ -162,7 +162,7 @@ def perplexity_of_files(
 ) -> EvalResult:
     """Each file is scored on its own (its first token has no context and is not scored); sums are pooled."""
     nll_total, n_total, bytes_total = 0.0, 0, 0
-    stride = stride or default_stride(model.config.block_size)
+    stride = default_stride(model.config.block_size) if stride is None else stride
     t0 = time.perf_counter()
     for path in paths:
         text = read_text_file(path, "--input")

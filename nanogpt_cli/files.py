@@ -54,6 +54,12 @@ def check_creatable(path: str | Path, what: str) -> None:
         raise NanoGPTError(f"cannot create {what} {path}: no permission to write in {parent}")
 
 
+def current_umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     """Run write(tmp) on a temporary file beside path, then rename it into place: a crash mid-write
     leaves the previous file intact."""
@@ -61,6 +67,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~current_umask())  # some writers (safetensors) create their files 0600
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -222,3 +222,16 @@ def test_only_rundir_knows_the_run_folder_file_names():
         if path.name != "rundir.py":
             text = path.read_text(encoding="utf-8")
             assert not [n for n in names if n in text], path
+
+
+def test_every_file_of_a_run_gets_the_umask_mode(char_data, tmp_path):
+    """safetensors creates its files 0600; the run's weights and optimizer get the mode of every other file."""
+    data_dir, name = char_data
+    old = os.umask(0o022)
+    try:
+        train(tiny_plan(data_dir, name, tmp_path / "run", max_iters=2, eval_interval=2))
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "run").iterdir() if p.is_file()}
+    assert {"model.safetensors", "optimizer.safetensors", "trainer.json"} <= set(modes)
+    assert set(modes.values()) == {0o644}, modes

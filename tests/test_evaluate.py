@@ -118,3 +118,12 @@ def test_bits_per_byte_leaves_end_of_text_separators_out(tmp_path):
     ids = tok.encode("héllo") + [tok.eot_id] + tok.encode(" world")
     assert text_bytes(tok, ids) == len("héllo world".encode())
     assert text_bytes(tok, np.array(ids), chunk=2) == len("héllo world".encode())
+
+
+@pytest.mark.parametrize("stride", ["0", "-3"])
+def test_an_out_of_range_stride_is_refused_not_replaced(trained_run, char_data, stride):
+    data_dir, name = char_data
+    args = ["eval", "perplexity", "--checkpoint", str(trained_run), "--data", name, "--data-dir", str(data_dir)]
+    out = runner.invoke(app, [*args, "--stride", stride])
+    assert out.exit_code == 1
+    assert "--stride must be between 1 and the context length" in out.output and f"got {stride}" in out.output
