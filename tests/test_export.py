@@ -447,7 +447,7 @@ ASCII = "ROMEO: What light through yonder window breaks?\nJULIET: Ay me! 1234, s
 
 def trained_bpe(pattern: str = "gpt4", vocab_size: int = 300):
     from nanogpt_cli.tokenizer import train_bpe
-    from tests.conftest import make_text
+    from conftest import make_text
 
     return train_bpe([make_text(lines=150, seed=3)], vocab_size, "play", pattern)
 
