@@ -8,7 +8,8 @@ with its recovery from a save cut short, config.json and metrics.jsonl all live 
 Layout of a run folder:
     config.json            the effective model and training config
     model.safetensors      the last weights; metadata: config, tokenizer, step, tokens, val_loss, version
-    best.safetensors       the weights with the lowest validation loss so far
+    best.safetensors       the weights with the lowest validation loss so far (when the last save is the best,
+                           a hard link to model.safetensors: one copy on disk)
     optimizer.safetensors  the optimizer's state tensors; its hyperparameters as JSON metadata
     trainer.json           step, tokens, best val loss, RNG states, grad-scaler state
     metrics.jsonl          one JSON object per evaluation (kind "eval") and per --log-interval (kind "train")
@@ -17,8 +18,10 @@ Layout of a run folder:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -222,8 +225,8 @@ class RunDir:
 
         try:
             stage(LAST, lambda p: save_model(p, model, weights_meta, model_state))
-            if is_best:
-                stage(BEST, lambda p: save_model(p, model, weights_meta, model_state))
+            if is_best:  # the same bytes: a second name for the file just written, not a second write
+                stage(BEST, functools.partial(_link_or_copy, staged[0][0]))
             stage(OPTIMIZER, lambda p: save_optimizer(p, optimizer, state.step, optimizer_state))
             stage(TRAINER, lambda p: write_json(p, state.to_json()))
             # keep the previous set reachable (hard links: no copy) until the new one is complete
@@ -310,6 +313,16 @@ def _check_intact(path: Path) -> None:
         hints.append(f"the previous save {_prev(path).name} is intact: move it to {path.name} to use it")
     hint = f"; {'; '.join(hints)}" if hints else ""
     raise NanoGPTError(f"{path} is {problem}{hint}")
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """dst as a hard link to src (one copy of the bytes on disk); a copy where the filesystem has no links. Files
+    are only ever replaced, never written in place, so the two names stay independent."""
+    dst.unlink(missing_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
 
 
 def _prev(path: Path) -> Path:

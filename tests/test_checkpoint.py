@@ -130,7 +130,10 @@ def cli(*args):
 
 
 def truncate(path):
+    """A torn copy of the file under its name, as a write cut short leaves one: a new file (the run's files are
+    only ever replaced, never written in place, so another name linked to the old one keeps it whole)."""
     data = path.read_bytes()
+    path.unlink()
     path.write_bytes(data[: len(data) // 2])
 
 
@@ -235,3 +238,19 @@ def test_every_file_of_a_run_gets_the_umask_mode(char_data, tmp_path):
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "run").iterdir() if p.is_file()}
     assert {"model.safetensors", "optimizer.safetensors", "trainer.json"} <= set(modes)
     assert set(modes.values()) == {0o644}, modes
+
+
+def test_best_weights_saved_last_are_one_file_on_disk_and_resume_exactly(char_data, tmp_path):
+    data_dir, name = char_data
+    whole = train(tiny_plan(data_dir, name, tmp_path / "whole", max_iters=6, eval_interval=3))
+    run = tmp_path / "run"
+    train(tiny_plan(data_dir, name, run, max_iters=6, eval_interval=3, stop_at=3))
+    best, last = (run / "best.safetensors").stat(), (run / "model.safetensors").stat()
+    assert best.st_ino == last.st_ino and last.st_nlink == 2  # the step-3 save was the best: one copy
+    resumed = train(plan_run({}, out=run, resume=True))
+    assert resumed.val_loss == whole.val_loss and resumed.train_loss == whole.train_loss
+    best, last = (run / "best.safetensors").stat(), (run / "model.safetensors").stat()
+    if resumed.best_val_loss == resumed.val_loss:  # the final save was the best again
+        assert best.st_ino == last.st_ino
+    else:  # the best stays the step-3 file, untouched by the later save
+        assert best.st_ino != last.st_ino and best.st_nlink == 1
