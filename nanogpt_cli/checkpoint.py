@@ -186,6 +186,7 @@ class TrainerState:
     rng_ranks: list[dict[str, torch.Tensor | None]] | None = None
     eval_s: float = 0.0  # the last evaluation's length: --max-time keeps it free for the final one
     max_time_spent: float | None = None  # the --max-time that ended the run; None: the clock did not end it
+    speed: dict[str, Any] | None = None  # the last invocation's events.RunSpeed, for `info`
 
     def to_json(self) -> dict[str, Any]:
         return dict(
@@ -195,6 +196,7 @@ class TrainerState:
             elapsed_s=self.elapsed_s,
             eval_s=self.eval_s,
             max_time_spent=self.max_time_spent,
+            speed=self.speed,
             version=__version__,
             rng_torch=_maybe(encode_rng, self.rng_torch),
             rng_batches=_maybe(encode_rng, self.rng_batches),
@@ -214,6 +216,7 @@ class TrainerState:
             elapsed_s=d.get("elapsed_s", 0.0),
             eval_s=d.get("eval_s", 0.0),
             max_time_spent=d.get("max_time_spent"),
+            speed=d.get("speed"),
             rng_torch=_maybe(decode_rng, d.get("rng_torch")),
             rng_batches=_maybe(decode_rng, d.get("rng_batches")),
             rng_cuda=[decode_rng(s) for s in d.get("rng_cuda") or []],

@@ -110,6 +110,18 @@ class NoDisplay:
 
 
 @dataclass
+class RunSpeed:
+    """Where an invocation's time went. The steady-state step time leaves out the first `skipped` updates;
+    the average is over every update but the first; evaluations and saves are counted apart from both."""
+
+    steady_ms_per_iter: float  # the median update after the first `skipped`
+    mean_ms_per_iter: float
+    skipped: int
+    eval_s: float
+    save_s: float
+
+
+@dataclass
 class TrainResult:
     run_dir: Path
     step: int  # optimizer updates done
@@ -123,3 +135,4 @@ class TrainResult:
     ms_per_iter: float  # likewise
     mfu: float | None  # model FLOPs utilisation against the device's known peak (CUDA only)
     stopped: str | None = None  # None: finished; "max_time" (finished by the clock), "stop_at", "SIGINT", "SIGTERM"
+    speed: RunSpeed | None = None

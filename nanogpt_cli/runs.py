@@ -144,6 +144,7 @@ class Info:
     val_loss: float | None = None
     best_val_loss: float | None = None
     status: str | None = None
+    speed: dict[str, Any] | None = None  # the last invocation's speed (events.RunSpeed), from the trainer state
     files: list[FileInfo] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -204,6 +205,11 @@ def _inspect_run(path: Path) -> Info:
         meta = next(filter(None, map(_weights_meta, (run.best_path, run.last_path))), None)
         if meta is not None:
             _fill_model(info, meta.get("config"), meta.get("tokenizer"))
+    if run.has_trainer_state():
+        try:
+            info.speed = run.read_trainer().speed
+        except NanoGPTError:
+            pass  # a damaged trainer state: its file row says so
     records, _ = run.read_metrics()
     evals = [r for r in records if r.get("kind", "eval") == "eval"]
     if evals:

@@ -12,8 +12,10 @@ state, so a run stopped and resumed gives the same losses as one that was not.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import signal
+import statistics
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -28,7 +30,7 @@ from nanogpt_cli.data import open_split
 from nanogpt_cli.device import autocast_for, peak_flops, resolve_device, resolve_dtype
 from nanogpt_cli.distributed import World, launched_size
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.events import Display, Evaluated, NoDisplay, RunStarted, StepLogged, TrainResult
+from nanogpt_cli.events import Display, Evaluated, NoDisplay, RunSpeed, RunStarted, StepLogged, TrainResult
 from nanogpt_cli.model import GPT
 from nanogpt_cli.optim import lr_at, make_optimizer, set_lr
 from nanogpt_cli.plan import RunPlan
@@ -133,6 +135,9 @@ def optimizer_step(
 # --- time: the budget and the speed ---
 
 
+STEADY_SKIP = 5  # updates left out of the steady-state step time: warm-up, compilation, allocator growth
+
+
 class Clock:
     """A run's wall time and what it went to: the time of earlier invocations, this one's, the time spent
     evaluating and saving (left out of the speed figures), the first update (warm-up or compilation, also left
@@ -143,7 +148,9 @@ class Clock:
         self.t0 = time.perf_counter()
         self.window_t, self.window_step = self.t0, step  # since the last progress line
         self.set_aside_s = 0.0  # evaluating and saving
+        self.save_s = 0.0  # the saving part of it
         self.step_s = self.first_s = 0.0  # the last update's length; the first one's
+        self.steps: list[float] = []  # every update's length in this invocation
 
     def elapsed(self, at: float | None = None) -> float:
         """Wall time of every invocation so far (up to `at`, a perf_counter time)."""
@@ -164,6 +171,7 @@ class Clock:
 
     def stepped(self, started: float, first: bool) -> None:
         self.step_s = time.perf_counter() - started
+        self.steps.append(self.step_s)
         if first:
             self.first_s = self.step_s
 
@@ -179,6 +187,18 @@ class Clock:
         self.last_eval_s = time.perf_counter() - started
         self.set_aside_s += self.last_eval_s
         self.window_t += self.last_eval_s  # the next progress line reports training speed only
+
+    def saved(self, started: float) -> None:
+        self.save_s += time.perf_counter() - started
+
+    def speed(self, average_ms: float) -> RunSpeed:
+        """This invocation's speed: the median update after the first STEADY_SKIP (warm-up, compilation,
+        allocator growth), the whole-run average, and the time evaluations and saves took."""
+        steady = self.steps[STEADY_SKIP:] or self.steps[1:] or self.steps
+        median = statistics.median(steady) * 1000 if steady else 0.0
+        skipped = len(self.steps) - len(steady)
+        eval_s = self.set_aside_s - self.save_s
+        return RunSpeed(round(median, 3), round(average_ms, 3), skipped, round(eval_s, 3), round(self.save_s, 3))
 
     def training_time(self, done: int) -> tuple[int, float, float]:
         """(updates timed, their seconds, this invocation's seconds): the warm-up step is left out when there
@@ -394,7 +414,10 @@ class Trainer:
         self.saved_at = state.step
         state.elapsed_s = self.clock.elapsed()
         state.eval_s = self.clock.last_eval_s  # --max-time keeps this much free for the final evaluation
+        timed, train_s, _ = self.clock.training_time(state.step - self.start_step)
+        state.speed = dataclasses.asdict(self.clock.speed(train_s / timed * 1000 if timed else 0.0))
         self._capture_rng()
+        started = time.perf_counter()
         model_state, optimizer_state = self.world.full_states(self.wrapped, self.optimizer)  # every rank takes part
         try:
             if self.world.main:
@@ -409,6 +432,7 @@ class Trainer:
                 )
         finally:
             self.world.barrier()  # no rank goes on (or ends) before the save is complete
+            self.clock.saved(started)
 
     # --- before the loop ---
 
@@ -525,6 +549,7 @@ class Trainer:
     def _result(self) -> TrainResult:
         state, last = self.state, self.last
         timed, train_s, elapsed = self.clock.training_time(state.step - self.start_step)
+        ms_per_iter = train_s / timed * 1000 if timed else 0.0
         return TrainResult(
             run_dir=self.run_dir.path,
             step=state.step,
@@ -535,7 +560,8 @@ class Trainer:
             best_val_loss=state.best_val_loss,
             elapsed_s=elapsed,
             tokens_per_s=self.tokens_per_iter * timed / train_s if timed else 0.0,
-            ms_per_iter=train_s / timed * 1000 if timed else 0.0,
+            ms_per_iter=ms_per_iter,
+            speed=self.clock.speed(ms_per_iter),
             mfu=(self.flops_per_iter * timed / train_s / self.peak) if self.peak and timed else None,
             stopped=self.stopped,
         )

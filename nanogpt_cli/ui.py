@@ -273,6 +273,20 @@ def fit_fields(parts: list[tuple[int, str]], width: int) -> str:
     return " | ".join(t for _, t in parts)
 
 
+def speed_rows(speed) -> list[tuple[str, str]]:
+    """A RunSpeed (or its dict from the run's trainer state) as summary rows: steady state beside the average, and the
+    time that went to evaluating and saving."""
+    s = speed if isinstance(speed, dict) else speed.__dict__
+    return [
+        (
+            "steady step",
+            f"{s['steady_ms_per_iter']:.1f} ms/iter (median after the first {s['skipped']}; "
+            f"average {s['mean_ms_per_iter']:.1f})",
+        ),
+        ("evaluating, saving", f"{s['eval_s']:.2f} s, {s['save_s']:.2f} s"),
+    ]
+
+
 def train_table(result):
     """The summary of a `TrainResult`."""
     rows = [("steps", f"{result.step:,}"), ("tokens seen", f"{result.tokens:,}")]
@@ -287,6 +301,8 @@ def train_table(result):
         ("time", f"{result.elapsed_s:.1f} s"),
         ("speed", f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_s:,.0f} tokens/s"),
     ]
+    if result.speed is not None:
+        rows += speed_rows(result.speed)
     if result.mfu is not None:
         rows.append(("MFU", f"{result.mfu:.1%}"))
     return summary_table(f"run {result.run_dir}", rows)
@@ -397,6 +413,8 @@ def info_table(info):
         rows.append(("last val loss", _loss(info.val_loss)))
     if info.best_val_loss is not None:
         rows.append(("best val loss", _loss(info.best_val_loss)))
+    if info.speed:
+        rows += speed_rows(info.speed)
     files = Table(title="files", title_justify="left")
     files.add_column("file")
     files.add_column("bytes", justify="right")

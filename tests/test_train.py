@@ -628,3 +628,19 @@ def test_fp16_trains_skips_an_overflow_step_and_resumes_the_scaler_exactly(char_
     old = load(weights_before)
     new = {k: v for k, v in load_model(forced, last=True)[0].state_dict().items() if k in old}
     assert all(torch.equal(old[k], new[k]) for k in old)  # the skipped update left the weights as they were
+
+
+def test_the_summary_and_info_report_steady_speed_and_the_time_evaluating_and_saving(char_data, tmp_path):
+    from nanogpt_cli.runs import inspect_path
+
+    data_dir, name = char_data
+    result = train(tiny_plan(data_dir, name, tmp_path / "run", max_iters=12, eval_interval=6))
+    speed = result.speed
+    assert (
+        speed.skipped == 5
+        and speed.steady_ms_per_iter > 0
+        and speed.mean_ms_per_iter == pytest.approx(result.ms_per_iter, abs=1e-3)
+    )
+    assert speed.eval_s > 0 and speed.save_s > 0  # three evaluations, two saves, none counted as training
+    info = inspect_path(tmp_path / "run")
+    assert info.speed["skipped"] == 5 and info.speed["steady_ms_per_iter"] > 0 and info.speed["save_s"] > 0
