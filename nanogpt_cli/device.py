@@ -14,18 +14,25 @@ import torch
 from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError
 
-# Dense bf16 tensor-core peaks (FLOP/s) by device-name fragment, for MFU; a device not listed gets no MFU.
+# Dense peaks (FLOP/s) by device-name fragment, for MFU: (bf16/fp16 tensor cores, fp32 matmuls as this tool runs
+# them: TF32 tensor cores from Ampere on, plain fp32 before). A device not listed gets no MFU. The H100/H200
+# variants differ by clocks and power: SXM boards report "HBM3" (H100) or plain "H200", PCIe and NVL say so.
 PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "A10G": 125e12,
-    "L4": 121e12,
-    "L40S": 362e12,
-    "4090": 165e12,
-    "3090": 71e12,
-    "V100": 125e12,
-    "T4": 65e12,
+    "H200 NVL": (835e12, 417e12),
+    "H200": (989e12, 494e12),
+    "H100 NVL": (835e12, 417e12),
+    "H100 PCIe": (756e12, 378e12),
+    "H100": (989e12, 494e12),
+    "A100": (312e12, 156e12),
+    "A10G": (70e12, 35e12),  # AWS's A10G: lower clocks than the A10 (125 bf16)
+    "A10": (125e12, 62.5e12),
+    "L40S": (362e12, 183e12),
+    "L40": (181e12, 90.5e12),
+    "L4": (121e12, 60e12),
+    "4090": (165e12, 82.6e12),
+    "3090": (71e12, 35.6e12),
+    "V100": (125e12, 15.7e12),  # no TF32: fp32 runs on the plain cores
+    "T4": (65e12, 8.1e12),
 }
 
 
@@ -44,6 +51,10 @@ def resolve_device(name: str) -> torch.device:
         raise NanoGPTError("--device cuda was asked for, but this torch sees no CUDA GPU; use --device cpu")
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise NanoGPTError("--device mps was asked for, but MPS is not available here; use --device cpu")
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            raise NanoGPTError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+        torch.cuda.set_device(device)  # current, so that nothing (a context, a cache) lands on GPU 0
     return device
 
 
@@ -66,7 +77,7 @@ def resolve_dtype(name: Dtype, device: torch.device) -> torch.dtype:
     CUDA GPUs, else fp32."""
     if name == Dtype.auto:
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return cuda_auto_dtype(torch.cuda.get_device_capability(device))
         if device.type == "cpu" and cpu_has_bf16():
             return torch.bfloat16
         return torch.float32
@@ -75,21 +86,46 @@ def resolve_dtype(name: Dtype, device: torch.device) -> torch.dtype:
     return TORCH_DTYPES[Dtype(name)]
 
 
+def cuda_auto_dtype(capability: tuple[int, int]) -> torch.dtype:
+    """bf16 on GPUs with bf16 tensor cores (Ampere, compute capability 8.0, and newer); fp16 with the grad
+    scaler before them, where torch would emulate bf16 (is_bf16_supported() counts emulation, and asks about
+    the current device rather than the chosen one)."""
+    return torch.bfloat16 if capability >= (8, 0) else torch.float16
+
+
+def enable_tf32() -> None:
+    """fp32 matmuls and convolutions on TF32 tensor cores (Ampere and newer), through the current API where this
+    torch has it (the allow_tf32 setters are deprecated)."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    if hasattr(matmul, "fp32_precision") and hasattr(cudnn, "conv"):
+        matmul.fp32_precision = "tf32"
+        cudnn.conv.fp32_precision = "tf32"
+    else:  # pragma: no cover - older torch
+        matmul.allow_tf32 = True
+        cudnn.allow_tf32 = True
+
+
 def autocast_for(device: torch.device, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> float | None:
     if device.type != "cuda":
         return None
-    return peak_flops_of(torch.cuda.get_device_name(device))
+    return peak_flops_of(torch.cuda.get_device_name(device), dtype)
 
 
-def peak_flops_of(device_name: str) -> float | None:
-    # longest fragment first, so an "L40S" is not taken for an "L4"
-    return next((PEAK_FLOPS[k] for k in sorted(PEAK_FLOPS, key=len, reverse=True) if k in device_name), None)
+def peak_flops_of(device_name: str, dtype: torch.dtype = torch.bfloat16) -> float | None:
+    """The dense peak MFU is measured against: the tensor-core one for bf16/fp16 runs, the TF32 (or plain
+    fp32) one for fp32 runs."""
+    # longest fragment first, so an "L40S" is not taken for an "L4", nor an "H100 PCIe" for an "H100"
+    key = next((k for k in sorted(PEAK_FLOPS, key=len, reverse=True) if k in device_name), None)
+    if key is None:
+        return None
+    half, single = PEAK_FLOPS[key]
+    return single if dtype == torch.float32 else half
 
 
 def resolve_inference_dtype(name: Dtype, device: torch.device, weight_bytes: int) -> torch.dtype:
@@ -99,7 +135,7 @@ def resolve_inference_dtype(name: Dtype, device: torch.device, weight_bytes: int
     are bound by per-op overhead that narrower types do not remove."""
     if name == Dtype.auto:
         if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return cuda_auto_dtype(torch.cuda.get_device_capability(device))
         if device.type == "cpu" and cpu_has_bf16() and weight_bytes > 16 * 2**20:
             return torch.bfloat16
         return torch.float32

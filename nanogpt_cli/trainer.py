@@ -27,7 +27,7 @@ from torch import nn
 
 from nanogpt_cli.checkpoint import TrainerState, load_weights
 from nanogpt_cli.data import open_split
-from nanogpt_cli.device import autocast_for, peak_flops, resolve_device, resolve_dtype
+from nanogpt_cli.device import autocast_for, enable_tf32, peak_flops, resolve_device, resolve_dtype
 from nanogpt_cli.distributed import World, launched_size
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.events import Display, Evaluated, NoDisplay, RunSpeed, RunStarted, StepLogged, TrainResult
@@ -442,8 +442,7 @@ class Trainer:
         device = world.device
         dtype = resolve_dtype(cfg.dtype, device)
         if device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls on Ampere and newer
-            torch.backends.cudnn.allow_tf32 = True
+            enable_tf32()
         torch.manual_seed(cfg.seed)
         self.show.on_status("loading the data")
         self.batches = Batches(Path(cfg.data_dir), cfg.data, plan.model.block_size, cfg.batch_size, device, cfg.seed)
@@ -471,7 +470,7 @@ class Trainer:
             self.run_dir.write_config({"model": plan.model.to_dict(), "train": cfg.to_dict(), "dataset": plan.dataset})
         self.weights_meta = dict(tokenizer=plan.dataset["tokenizer"], dataset=plan.dataset.get("name") or cfg.data)
         self.compiled = torch.compile(self.wrapped) if cfg.compile else self.wrapped
-        self.peak = peak_flops(device)
+        self.peak = peak_flops(device, dtype)
         if self.peak:
             self.peak *= world.size  # MFU of all the GPUs together
         self.show.on_start(

@@ -10,9 +10,28 @@ from nanogpt_cli.errors import NanoGPTError
 
 def test_peak_flops_takes_the_longest_matching_name():
     assert peak_flops_of("NVIDIA L40S") == 362e12
+    assert peak_flops_of("NVIDIA L40") == 181e12
     assert peak_flops_of("NVIDIA L4") == 121e12
-    assert peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops_of("NVIDIA H100 80GB HBM3") == 989e12  # SXM
+    assert peak_flops_of("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops_of("NVIDIA H100 NVL") == 835e12
+    assert peak_flops_of("NVIDIA H200") == 989e12
+    assert peak_flops_of("NVIDIA A10G") == 70e12 and peak_flops_of("NVIDIA A10") == 125e12
     assert peak_flops_of("Some Future GPU") is None
+
+
+def test_fp32_runs_are_measured_against_the_tf32_or_fp32_peak():
+    assert peak_flops_of("NVIDIA H100 80GB HBM3", torch.float32) == 494e12
+    assert peak_flops_of("NVIDIA A100-SXM4-40GB", torch.float32) == 156e12
+    assert peak_flops_of("Tesla V100-SXM2-16GB", torch.float32) == 15.7e12  # no TF32 there
+    assert peak_flops_of("NVIDIA A100-SXM4-40GB", torch.float16) == peak_flops_of("NVIDIA A100-SXM4-40GB")
+
+
+def test_auto_is_bf16_from_ampere_on_and_fp16_with_the_scaler_before():
+    from nanogpt_cli.device import cuda_auto_dtype
+
+    assert cuda_auto_dtype((9, 0)) == cuda_auto_dtype((8, 0)) == cuda_auto_dtype((8, 6)) == torch.bfloat16
+    assert cuda_auto_dtype((7, 5)) == cuda_auto_dtype((7, 0)) == cuda_auto_dtype((6, 1)) == torch.float16
 
 
 def test_dtypes_on_cpu():
