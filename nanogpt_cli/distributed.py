@@ -43,6 +43,9 @@ class World:
     rank: int = 0  # this process among all of them, 0 .. size - 1
     local_rank: int = 0  # this process on its node: its GPU
     size: int = 1  # processes in all
+    # how many updates apart the loop asks every rank whether a signal came (a collective that waits for the
+    # device): every update in one process, where asking costs nothing; every log interval under torchrun
+    stop_check_every: int | None = 1
 
     @property
     def main(self) -> bool:
@@ -99,6 +102,8 @@ class World:
 @dataclass(frozen=True)
 class ProcessGroup(World):
     """One process of a torchrun launch, in the process group that open_world joined."""
+
+    stop_check_every: int | None = None  # the log interval
 
     def describe(self, parallel: str) -> str:
         return f"{self.size} x {self.device.type}, {parallel}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import signal
 import statistics
@@ -75,11 +76,15 @@ class Batches:
 
     def load(self, split: str, starts: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         data, T = self.splits[split], self.block_size
-        windows = torch.from_numpy(data.read(starts, T + 1).astype(np.int64))
-        x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each
+        windows = self.to_device(torch.from_numpy(data.read(starts, T + 1).astype(np.int64)))  # (B, T+1)
+        return windows[:, :-1], windows[:, 1:]  # (B, T) each, sliced on the device
+
+    def to_device(self, windows: torch.Tensor) -> torch.Tensor:
+        """One copy of the whole (B, T+1) block. On CUDA it is pinned first, contiguous as it is, so the copy is
+        asynchronous (a sliced view would go through an unpinned temporary)."""
         if self.device.type == "cuda":
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x.to(self.device), y.to(self.device)
+            return windows.pin_memory().to(self.device, non_blocking=True)
+        return windows.to(self.device)
 
     def get_batch(self, split: str, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return self.load(split, self.draw(split, generator))
@@ -150,6 +155,7 @@ class Clock:
         self.set_aside_s = 0.0  # evaluating and saving
         self.save_s = 0.0  # the saving part of it
         self.step_s = self.first_s = 0.0  # the last update's length; the first one's
+        self.sync: Callable[[], None] | None = None  # waits for the device (CUDA with --max-time)
         self.steps: list[float] = []  # every update's length in this invocation
 
     def elapsed(self, at: float | None = None) -> float:
@@ -170,6 +176,8 @@ class Clock:
         )
 
     def stepped(self, started: float, first: bool) -> None:
+        if self.sync is not None:
+            self.sync()
         self.step_s = time.perf_counter() - started
         self.steps.append(self.step_s)
         if first:
@@ -310,7 +318,8 @@ class Trainer:
                     state.max_time_spent = cfg.max_time  # saved with the final checkpoint: a resume trains no more
                 if due or out_of_time:
                     self.evaluate()
-                received = self.stop_requested()
+                every = self.world.stop_check_every or cfg.log_interval
+                received = self.stop_requested() if state.step % every == 0 or due or state.step == self.end else None
                 if received or out_of_time:
                     self.stopped = received or "max_time"
                     break
@@ -495,6 +504,8 @@ class Trainer:
         self.lr = lr_at(max(self.state.step - 1, 0), cfg)  # the last update's rate, for evaluation lines
         self.signals = StopSignals(abort_on_second=world.size == 1)
         self.clock = Clock(self.state.elapsed_s, cfg.max_time, self.state.eval_s, self.state.step)
+        if cfg.max_time is not None and device.type == "cuda":  # the clock must see the GPU's work, not its queue
+            self.clock.sync = functools.partial(torch.cuda.synchronize, world.device)
 
     def _build_model(self, saved: SavePoint | None) -> GPT:
         """The model on its device with its starting weights, and only the trainable parameters unfrozen."""

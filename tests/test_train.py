@@ -644,3 +644,41 @@ def test_the_summary_and_info_report_steady_speed_and_the_time_evaluating_and_sa
     assert speed.eval_s > 0 and speed.save_s > 0  # three evaluations, two saves, none counted as training
     info = inspect_path(tmp_path / "run")
     assert info.speed["skipped"] == 5 and info.speed["steady_ms_per_iter"] > 0 and info.speed["save_s"] > 0
+
+
+def test_many_processes_ask_for_a_stop_once_per_log_interval_not_every_update(char_data, tmp_path):
+    """The stop flag's all-reduce waits for the device: under torchrun it runs at log lines, evaluations and
+    the end, not after every update. A world that counts its collectives (and is otherwise one process)."""
+    from dataclasses import dataclass
+
+    import torch
+
+    from nanogpt_cli.distributed import World
+    from nanogpt_cli.trainer import Trainer
+
+    @dataclass(frozen=True)
+    class CountingWorld(World):
+        stop_check_every: int | None = None  # as a process group
+        calls: list = None
+
+        def max_int(self, value: int) -> int:
+            self.calls.append(value)
+            return value
+
+    world = CountingWorld(device=torch.device("cpu"), calls=[])
+    data_dir, name = char_data
+    plan = tiny_plan(data_dir, name, tmp_path / "run", max_iters=40, log_interval=10, eval_interval=20)
+    result = Trainer(plan, None, world).fit()
+    assert result.step == 40 and len(world.calls) == 4  # steps 10, 20, 30, 40
+
+
+def test_a_batch_is_one_copy_of_its_windows_sliced_after(char_data):
+    from nanogpt_cli.trainer import Batches
+
+    data_dir, name = char_data
+    batches = Batches(data_dir, name, block_size=16, batch_size=4, device=torch.device("cpu"), seed=0)
+    starts = batches.draw("train")
+    x, y = batches.load("train", starts)
+    windows = torch.from_numpy(batches.splits["train"].read(starts, 17).astype("int64"))
+    assert torch.equal(x, windows[:, :-1]) and torch.equal(y, windows[:, 1:])
+    assert x.data_ptr() == y.data_ptr() - y.element_size()  # views of one block: one copy to the device
