@@ -80,6 +80,14 @@ def one_line_errors(command):
     return run
 
 
+def stopped(message: str) -> typer.Exit:
+    """Ctrl-C: what was kept (on stderr), and the shell's exit code for it."""
+    from nanogpt_cli.ui import err_console
+
+    err_console.print(message, highlight=False, soft_wrap=True)
+    return typer.Exit(130)
+
+
 def prints() -> bool:
     """Whether this process prints: always, except under torchrun, where rank 0 speaks for all (they meet the
     same errors, as they read the same files and agree on losses and stop signals)."""
@@ -183,6 +191,20 @@ TextColumn = Annotated[str, typer.Option(help="Column with the text in .jsonl/.j
 Subset = Annotated[str | None, typer.Option(help="Hub dataset subset (configuration) name.")]
 Split = Annotated[str, typer.Option(help="Hub dataset split to read.")]
 Streaming = Annotated[bool, typer.Option(help="Stream a hub dataset instead of downloading it first.")]
+DataFormat = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help="text, or chat: a .jsonl of conversations (messages, prompt/completion or Alpaca rows) rendered with "
+        "a chat template, with a loss mask on the assistant's tokens.",
+    ),
+]
+ChatTemplateFile = Annotated[
+    Path | None, typer.Option(help="A Jinja chat template file for --format chat (the default needs no new tokens).")
+]
+Strict = Annotated[
+    bool, typer.Option("--strict", help="With --format chat, stop at the first bad row instead of skipping it.")
+]
 TokenizerName = Annotated[
     str,
     typer.Option(
@@ -223,6 +245,9 @@ def prepare(
     encoding: Annotated[
         str, typer.Option(help="Text encoding of .txt/.md/.jsonl/.json/.csv files, e.g. cp1252 or latin-1.")
     ] = "utf-8",
+    format: DataFormat = "text",
+    chat_template: ChatTemplateFile = None,
+    strict: Strict = False,
 ):
     """Tokenize text into DATA_DIR/NAME: train-00000.bin, ..., val-00000.bin, ... and meta.json.
 
@@ -231,16 +256,15 @@ def prepare(
     from nanogpt_cli.data import interrupted_prepare
     from nanogpt_cli.data import prepare as prepare_data
     from nanogpt_cli.files import check_creatable
-    from nanogpt_cli.ui import console, err_console, prepare_progress, prepare_table
+    from nanogpt_cli.ui import console, prepare_progress, prepare_table
 
     check_creatable(data_dir, "--data-dir")
-    from nanogpt_cli.tokenizer import available_tokenizers, tokenizer_folder
-
-    trained = tokenizer_folder(tokenizer, tokenizers_dir) if tokenizer not in available_tokenizers() else None
-    if trained is not None:  # prepare reads a trained tokenizer from its folder
-        tokenizer = str(trained)
+    tokenizer = trained_or_named(tokenizer, tokenizers_dir)
     replacing = (data_dir / name / "meta.json").is_file() and not resume  # --resume continues, not replaces
-
+    if format != "text":
+        return prepare_chat(
+            source, name, tokenizer, data_dir, chat_template, val_fraction, strict, shard_tokens, format
+        )
     try:
         with prepare_progress() as progress:
             result = prepare_data(
@@ -264,13 +288,49 @@ def prepare(
             )
     except KeyboardInterrupt:  # the partial prepare is kept: say where and how to continue it
         kept = interrupted_prepare(data_dir, name)
-        err_console.print(f"interrupted; {kept}" if kept else "interrupted", highlight=False, soft_wrap=True)
-        raise typer.Exit(130) from None
+        raise stopped(f"interrupted; {kept}" if kept else "interrupted") from None
     console.print(prepare_table(result))
     if replacing:  # said after the table, where it is seen: runs trained on the old data see the new
         console.print(
             f"replaced the dataset that was in {result.path}; runs trained on it continue on the new data when resumed"
         )
+
+
+def trained_or_named(tokenizer: str, tokenizers_dir: Path) -> str:
+    """--tokenizer as prepare takes it: a trained tokenizer's NAME becomes its folder, other names stay."""
+    from nanogpt_cli.tokenizer import available_tokenizers, tokenizer_folder
+
+    trained = tokenizer_folder(tokenizer, tokenizers_dir) if tokenizer not in available_tokenizers() else None
+    return str(trained) if trained is not None else tokenizer
+
+
+def prepare_chat(source, name, tokenizer, data_dir, chat_template, val_fraction, strict, shard_tokens, fmt) -> None:
+    """prepare --format chat: conversations rendered with a template, a loss mask beside each token shard."""
+    if fmt != "chat":
+        raise NanoGPTError(f"unknown --format {fmt!r}; use text or chat")
+    from nanogpt_cli.data.chat import prepare_chat as prepare_chat_data
+    from nanogpt_cli.ui import console
+
+    result = prepare_chat_data(
+        source,
+        name,
+        tokenizer=tokenizer,
+        data_dir=str(data_dir),
+        val_fraction=val_fraction,
+        chat_template=str(chat_template) if chat_template else None,
+        strict=strict,
+        shard_tokens=shard_tokens,
+    )
+    for line, why in result.bad[:20]:
+        console.print(f"skipped line {line}: {why}", highlight=False, soft_wrap=True)
+    if result.bad:
+        console.print(f"skipped {len(result.bad):,} bad rows (--strict stops at the first)", highlight=False)
+    console.print(
+        f"{result.path}: {result.conversations:,} conversations, {result.train_tokens:,} train and "
+        f"{result.val_tokens:,} val tokens, {result.trained_tokens:,} of them in the loss mask",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 tokenizer_app = typer.Typer(

@@ -28,6 +28,7 @@ from torch import nn
 
 from nanogpt_cli.checkpoint import TrainerState, load_weights
 from nanogpt_cli.data import open_split
+from nanogpt_cli.data.reader import open_mask_split
 from nanogpt_cli.device import autocast_for, enable_tf32, peak_flops, resolve_device, resolve_dtype
 from nanogpt_cli.distributed import World, launched_size
 from nanogpt_cli.errors import NanoGPTError
@@ -55,6 +56,8 @@ class Batches:
 
     def __init__(self, data_dir: Path, name: str, block_size: int, batch_size: int, device: torch.device, seed: int):
         self.splits = {s: open_split(data_dir, name, s) for s in ("train", "val")}
+        # chat datasets: a mask per token; a target whose mask is 0 becomes -1, which the loss ignores
+        self.masks = {s: open_mask_split(data_dir, name, s) for s in ("train", "val")}
         for split, tokens in self.splits.items():
             if tokens.num_windows(block_size + 1) == 0:
                 longest = (
@@ -77,7 +80,11 @@ class Batches:
     def load(self, split: str, starts: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         data, T = self.splits[split], self.block_size
         windows = self.to_device(torch.from_numpy(data.read(starts, T + 1).astype(np.int64)))  # (B, T+1)
-        return windows[:, :-1], windows[:, 1:]  # (B, T) each, sliced on the device
+        x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each, sliced on the device
+        if self.masks[split] is not None:
+            keep = torch.from_numpy(self.masks[split].read(starts, T + 1).astype(np.bool_)[:, 1:].copy())  # (B, T)
+            y = y.masked_fill(~self.to_device(keep), -1)
+        return x, y
 
     def to_device(self, windows: torch.Tensor) -> torch.Tensor:
         """One copy of the whole (B, T+1) block. On CUDA it is pinned first, contiguous as it is, so the copy is

@@ -121,6 +121,21 @@ def open_split(data_dir: Path, name: str, split: str) -> TokenShards:
     return TokenShards([folder / s["file"] for s in shards], [s["tokens"] for s in shards], meta["dtype"])
 
 
+def open_mask_split(data_dir: Path, name: str, split: str) -> TokenShards | None:
+    """The loss-mask shards of one split (uint8, 1 = trained on, beside each token shard), or None when the
+    dataset has no masks (plain text: every token is trained on)."""
+    meta = load_meta(data_dir, name)
+    shards = meta.get("shards", {}).get(split) or []
+    if not meta.get("masks") or not shards:
+        return None
+    folder = Path(data_dir) / name
+    for shard in shards:
+        path = folder / shard["mask"]
+        if not path.is_file() or path.stat().st_size != shard["tokens"]:
+            raise NanoGPTError(f"{path} should hold {shard['tokens']:,} mask bytes; prepare the dataset again")
+    return TokenShards([folder / s["mask"] for s in shards], [s["tokens"] for s in shards], "uint8")
+
+
 def sha256_file(path: Path, h=None):
     """The hex sha256 of a file (meta.json records one per shard); with `h` given, that hash object updated
     with the file (to go on hashing)."""

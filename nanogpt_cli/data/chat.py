@@ -1,0 +1,284 @@
+"""Chat datasets: rows of conversations -> token ids plus a loss mask (1 where the model is trained).
+
+A conversation is rendered with a Jinja chat template. The parts of the template inside
+`{% generation %} ... {% endgeneration %}` are what the assistant says: those tokens get mask 1, the rest 0.
+This is the same convention transformers' `apply_chat_template(..., return_assistant_tokens_mask=True)`
+uses, so the template stored with a dataset renders the same ids and mask there.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import NanoGPTError
+from ..tokenizer import Tokenizer
+
+EOT = "<|endoftext|>"
+
+# Role lines ended by the end-of-text token: no new vocabulary entries are needed. The end-of-text token that
+# ends an assistant turn is inside the generation block, so the model learns to stop.
+DEFAULT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] + ':' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ ' ' + message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}"
+    "{{ ' ' + message['content'] + eos_token }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+)
+
+ROLES = ("system", "user", "assistant")
+_START, _END = "\x00<gen>\x00", "\x00</gen>\x00"  # markers no template text contains
+
+
+class BadRow(NanoGPTError):
+    """A row that is not a usable conversation; the message says why."""
+
+
+def conversation(row: Any) -> list[dict[str, str]]:
+    """Normalize one row ({"messages": [...]}, {"prompt", "completion"} or Alpaca) to a list of messages."""
+    if not isinstance(row, dict):
+        raise BadRow("the row is not a JSON object")
+    if "messages" in row:
+        messages = row["messages"]
+    elif "prompt" in row and "completion" in row:
+        messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["completion"]}]
+    elif "instruction" in row and "output" in row:
+        extra = row.get("input") or ""
+        if not isinstance(extra, str):
+            raise BadRow("'input' is not a string")
+        prompt = row["instruction"] + ("\n\n" + extra if extra and isinstance(row["instruction"], str) else "")
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
+    else:
+        raise BadRow("the row has none of 'messages', 'prompt'/'completion', 'instruction'/'output'")
+    if not isinstance(messages, list) or not messages:
+        raise BadRow("the conversation is empty")
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else m
+            raise BadRow(f"unknown role {role!r} (expected one of {', '.join(ROLES)})")
+        if not isinstance(m.get("content"), str):
+            raise BadRow(f"the content of a {m['role']} message is not a string")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadRow("the conversation has no assistant turn")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def _environment():
+    import jinja2
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}` wraps its body in markers we split on afterwards."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+        def _mark(self, caller):
+            return _START + caller() + _END
+
+    return jinja2.Environment(extensions=[Generation, "jinja2.ext.loopcontrols"], trim_blocks=False)
+
+
+@dataclass
+class ChatTemplate:
+    """A Jinja chat template compiled once; `render` gives (ids, mask) for one conversation."""
+
+    text: str = DEFAULT_TEMPLATE
+    _compiled: Any = field(default=None, repr=False)
+
+    def __post_init__(self):
+        import jinja2
+
+        try:
+            self._compiled = _environment().from_string(self.text)
+        except jinja2.TemplateError as e:
+            raise NanoGPTError(f"the chat template does not compile: {e}") from None
+
+    def render_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
+        text = self._compiled.render(messages=messages, eos_token=EOT, add_generation_prompt=add_generation_prompt)
+        return text.replace(_START, "").replace(_END, "")
+
+    def render(self, messages: list[dict[str, str]], tok: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and the loss mask (uint8) of a whole conversation."""
+        text = self._compiled.render(messages=messages, eos_token=EOT, add_generation_prompt=False)
+        ids: list[int] = []
+        mask: list[int] = []
+        for i, part in enumerate(text.split(_START)):
+            trained, _, rest = part.partition(_END) if i else ("", "", part)
+            for piece, bit in ((trained, 1), (rest, 0)):
+                new = _encode(piece, tok)
+                ids += new
+                mask += [bit] * len(new)
+        return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
+
+
+def _encode(text: str, tok: Tokenizer) -> list[int]:
+    """Encode text in which the literal end-of-text string means the end-of-text token (for every tokenizer)."""
+    if tok.eot_id is None:  # byte and char tokenizers: the marker is spelled out as ordinary text
+        return tok.encode(text) if text else []
+    out: list[int] = []
+    for j, chunk in enumerate(text.split(EOT)):
+        if j:
+            out.append(tok.eot_id)
+        if chunk:
+            out += tok.encode(chunk)
+    return out
+
+
+@dataclass
+class ChatRows:
+    """What reading a chat file gave: the conversations and the bad rows (line number, reason)."""
+
+    conversations: list[list[dict[str, str]]]
+    bad: list[tuple[int, str]]
+
+
+def read_chat_lines(lines, strict: bool = False) -> ChatRows:
+    """Parse JSON lines into conversations; a bad row is counted (or, with strict, raises naming its line)."""
+    good, bad = [], []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise BadRow(f"not valid JSON ({e.msg})") from None
+            good.append(conversation(row))
+        except BadRow as e:
+            if strict:
+                raise NanoGPTError(f"line {n}: {e}") from None
+            bad.append((n, str(e)))
+    return ChatRows(good, bad)
+
+
+@dataclass
+class ChatPrepareResult:
+    path: Any
+    conversations: int
+    bad: list[tuple[int, str]]
+    train_tokens: int
+    val_tokens: int
+    trained_tokens: int  # mask 1, both splits
+
+
+def prepare_chat(
+    source: str,
+    name: str,
+    *,
+    tokenizer: str = "gpt2",
+    data_dir: str = "data",
+    chat_template: str | None = None,
+    val_fraction: float = 0.1,
+    strict: bool = False,
+    shard_tokens: int = 100_000_000,
+) -> ChatPrepareResult:
+    """Render a .jsonl of conversations into DATA_DIR/NAME: token shards, a mask shard beside each
+    (SPLIT-00000.mask.bin, uint8) and meta.json listing both plus the template text. The last conversations
+    (val_fraction of them, at least one) validate. Replaces an earlier NAME only on success."""
+    import shutil
+    import tempfile
+    from datetime import datetime, timezone
+    from pathlib import Path
+
+    from .. import __version__
+    from ..tokenizer import build_tokenizer
+    from .shards import token_dtype
+
+    src = Path(source)
+    if not src.is_file():
+        raise NanoGPTError(f"no chat file {source}; give a .jsonl file of conversations")
+    template = ChatTemplate(Path(chat_template).read_text(encoding="utf-8") if chat_template else DEFAULT_TEMPLATE)
+    with open(src, encoding="utf-8") as f:
+        rows = read_chat_lines(f, strict=strict)
+    if len(rows.conversations) < 2:
+        raise NanoGPTError(
+            f"{source} has {len(rows.conversations)} usable conversations; at least 2 are needed "
+            "(one to train on, one to validate)"
+        )
+    texts = [template.render_text(m) for m in rows.conversations] if tokenizer == "char" else None
+    tok = build_tokenizer(tokenizer, texts=texts)
+    dtype = token_dtype(tok.vocab_size)
+    n_val = max(1, int(round(len(rows.conversations) * val_fraction)))
+    final = Path(data_dir) / name
+    if final.exists() and not (final / "meta.json").is_file():
+        raise NanoGPTError(f"{final} exists and is not a prepared dataset; pick another --name or --data-dir")
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=data_dir))
+    shards, trained = {}, 0
+    try:
+        for split, convs in (("train", rows.conversations[:-n_val]), ("val", rows.conversations[-n_val:])):
+            shards[split], n = _write_split(stage, split, convs, template, tok, dtype, shard_tokens)
+            trained += n
+        meta = {
+            "version": __version__,
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "source": source,
+            "format": "chat",
+            "tokenizer": tok.describe(),
+            "vocab_size": tok.vocab_size,
+            "eot_id": tok.eot_id,
+            "dtype": dtype,
+            "documents": len(rows.conversations),
+            "val_documents": n_val,
+            "bad_rows": len(rows.bad),
+            "train_tokens": sum(s["tokens"] for s in shards["train"]),
+            "val_tokens": sum(s["tokens"] for s in shards["val"]),
+            "trained_tokens": trained,
+            "shard_tokens": shard_tokens,
+            "shards": shards,
+            "masks": True,
+            "chat_template": template.text,
+        }
+        (stage / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
+        if final.exists():
+            shutil.rmtree(final)
+        stage.rename(final)
+    finally:
+        if stage.exists():
+            shutil.rmtree(stage, ignore_errors=True)
+    return ChatPrepareResult(
+        final, len(rows.conversations), rows.bad, meta["train_tokens"], meta["val_tokens"], trained
+    )
+
+
+def _write_split(stage, split: str, convs, template, tok, dtype: str, shard_tokens: int) -> tuple[list, int]:
+    """One split's token shards and mask shards (listed together), and how many tokens the mask trains on."""
+    from .shards import ShardWriter
+
+    ids_w = ShardWriter(stage, split, dtype, shard_tokens, [], 0)
+    mask_w = _MaskWriter(stage, split, "uint8", shard_tokens, [], 0)
+    trained = 0
+    for messages in convs:
+        ids, mask = template.render(messages, tok)
+        ids_w.write(ids.astype(dtype))
+        mask_w.write(mask)
+        trained += int(mask.sum())
+    ids_w.finish()
+    mask_w.finish()
+    shards = [dict(s, mask=m["file"], mask_sha256=m["sha256"]) for s, m in zip(ids_w.shards, mask_w.shards)]
+    return shards, trained
+
+
+class _MaskWriter:
+    """Lazily built: a ShardWriter whose files are SPLIT-00000.mask.bin."""
+
+    def __new__(cls, *args):
+        from .shards import ShardWriter
+
+        class MaskWriter(ShardWriter):
+            def _name(self, i: int) -> str:
+                return f"{self.split}-{i:05d}.mask.bin"
+
+        return MaskWriter(*args)

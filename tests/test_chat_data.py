@@ -1,0 +1,206 @@
+"""Chat rows -> ids + loss mask, and parity with transformers' apply_chat_template on our gpt2 vocabulary."""
+
+import json
+
+import numpy as np
+import pytest
+
+from nanogpt_cli.data.chat import DEFAULT_TEMPLATE, ChatTemplate, conversation, read_chat_lines
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.tokenizer import build_tokenizer
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}],
+    [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Reverse abc."},
+        {"role": "assistant", "content": "cba"},
+        {"role": "user", "content": "And xyz?"},
+        {"role": "assistant", "content": "zyx, done.\nBye"},
+    ],
+]
+CUSTOM = (
+    "{% for m in messages %}{{ '### ' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}"
+    "{% generation %}{{ m['content'] + eos_token }}{% endgeneration %}{% else %}{{ m['content'] + '\\n' }}"
+    "{% endif %}{% endfor %}"
+)
+
+
+def test_mask_covers_assistant_content_and_its_end_token():
+    tok = build_tokenizer("gpt2")
+    ids, mask = ChatTemplate().render(CONVERSATIONS[0], tok)
+    assert len(ids) == len(mask)
+    assert tok.decode(ids[mask == 1]) == " 5<|endoftext|>"
+    assert ids[-1] == tok.eot_id and mask[-1] == 1
+    assert tok.decode(ids[mask == 0]) == "user: What is 2+3?<|endoftext|>assistant:"
+
+
+def test_byte_tokenizer_spells_the_end_marker():
+    tok = build_tokenizer("byte")
+    ids, mask = ChatTemplate().render(CONVERSATIONS[0], tok)
+    assert bytes(ids[mask == 1].tolist()) == b" 5<|endoftext|>"
+
+
+@pytest.mark.parametrize("template", [DEFAULT_TEMPLATE, CUSTOM])
+def test_transformers_renders_the_same_ids_and_mask(template):
+    transformers = pytest.importorskip("transformers")
+    from nanogpt_cli.hf import tokenizers_object
+
+    ours = build_tokenizer("gpt2")
+    backend, eot = tokenizers_object(ours.describe())
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eot, chat_template=template)
+    for messages in CONVERSATIONS:
+        ids, mask = ChatTemplate(template).render(messages, ours)
+        out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert out["input_ids"] == ids.tolist()
+        assert out["assistant_masks"] == mask.tolist()
+
+
+def test_row_formats():
+    assert conversation({"prompt": "p", "completion": "c"}) == [
+        {"role": "user", "content": "p"},
+        {"role": "assistant", "content": "c"},
+    ]
+    assert conversation({"instruction": "do", "input": "x", "output": "y"})[0]["content"] == "do\n\nx"
+
+
+def test_bad_rows_are_counted_by_line_and_strict_stops_at_the_first():
+    lines = [
+        json.dumps({"messages": CONVERSATIONS[0]}),
+        "{nope",
+        json.dumps({"messages": []}),
+        json.dumps({"messages": [{"role": "robot", "content": "x"}]}),
+        json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+        json.dumps({"messages": [{"role": "assistant", "content": 3}]}),
+    ]
+    rows = read_chat_lines(lines)
+    assert len(rows.conversations) == 1
+    assert [n for n, _ in rows.bad] == [2, 3, 4, 5, 6]
+    assert "robot" in rows.bad[2][1] and "no assistant" in rows.bad[3][1]
+    with pytest.raises(NanoGPTError, match="line 2"):
+        read_chat_lines(lines, strict=True)
+
+
+def test_bad_template_is_one_sentence():
+    with pytest.raises(NanoGPTError, match="does not compile"):
+        ChatTemplate("{% for %}")
+    assert np.all(ChatTemplate().render(CONVERSATIONS[1], build_tokenizer("gpt2"))[1][:3] == 0)
+
+
+def test_prepare_chat_writes_mask_shards_listed_in_meta(tmp_path):
+    from nanogpt_cli.data.chat import prepare_chat
+    from nanogpt_cli.data.reader import open_split
+
+    src = tmp_path / "chats.jsonl"
+    rows = [{"messages": CONVERSATIONS[i % 2]} for i in range(9)] + [{"prompt": "a", "completion": "b"}, {"x": 1}]
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    result = prepare_chat(str(src), "chats", data_dir=str(tmp_path / "data"))
+    assert result.conversations == 10 and [n for n, _ in result.bad] == [11]
+    meta = json.loads((result.path / "meta.json").read_text())
+    assert meta["chat_template"] == DEFAULT_TEMPLATE and meta["bad_rows"] == 1
+    shard = meta["shards"]["train"][0]
+    ids = np.fromfile(result.path / shard["file"], dtype=meta["dtype"])
+    mask = np.fromfile(result.path / shard["mask"], dtype=np.uint8)
+    assert len(ids) == len(mask) == meta["train_tokens"] and 0 < mask.sum() < len(mask)
+    assert sum(open_split(tmp_path / "data", "chats", "train").counts) == meta["train_tokens"]
+
+
+@pytest.mark.parametrize("tokenizer", ["gpt2", "char"])
+def test_cli_prepare_format_chat(tmp_path, tokenizer):
+    import subprocess
+    import sys
+
+    src = tmp_path / "chats.jsonl"
+    src.write_text(
+        "\n".join(json.dumps({"messages": CONVERSATIONS[i % 2]}) for i in range(6))
+        + '\n{"messages": [{"role": "user", "content": "no answer"}]}\n'
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanogpt_cli",
+        "prepare",
+        str(src),
+        "--name",
+        "c",
+        "--format",
+        "chat",
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--tokenizer",
+        tokenizer,
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "skipped line 7: the conversation has no assistant turn" in out.stdout
+    assert json.loads((tmp_path / "data" / "c" / "meta.json").read_text())["masks"] is True
+    strict = subprocess.run(cmd + ["--strict"], capture_output=True, text=True)
+    assert strict.returncode == 1 and "line 7" in strict.stderr
+
+
+def _chat_dataset(tmp_path, ones: bool = False):
+    from nanogpt_cli.data.chat import prepare_chat
+
+    src = tmp_path / "chats.jsonl"
+    src.write_text("\n".join(json.dumps({"messages": CONVERSATIONS[i % 2]}) for i in range(40)) + "\n")
+    result = prepare_chat(str(src), "chats", data_dir=str(tmp_path / "data"), tokenizer="byte")
+    if ones:
+        meta = json.loads((result.path / "meta.json").read_text())
+        for shards in meta["shards"].values():
+            for s in shards:
+                np.ones(s["tokens"], dtype=np.uint8).tofile(result.path / s["mask"])
+    return tmp_path / "data"
+
+
+def test_masked_targets_get_no_gradient(tmp_path):
+    import torch
+
+    from nanogpt_cli.config import GPTConfig
+    from nanogpt_cli.model import GPT
+    from nanogpt_cli.trainer import Batches, next_token_loss
+
+    data = _chat_dataset(tmp_path)
+    batches = Batches(data, "chats", 32, 4, torch.device("cpu"), seed=0)
+    x, y = batches.get_batch("train")
+    assert (y == -1).any() and (y != -1).any()
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=32, vocab_size=256, n_layer=1, n_head=2, n_embd=16, dropout=0.0))
+
+    def grads(targets):
+        model.zero_grad()
+        next_token_loss(model, x, targets).backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    # the targets under mask 0, whatever they are, change nothing: a copy with other ids there gives equal grads
+    raw = torch.from_numpy(
+        batches.splits["train"].read(batches.draw("train", torch.Generator().manual_seed(0)), 33).astype(np.int64)
+    )
+    assert raw.shape == (4, 33)
+    other = y.clone()
+    other[y == -1] = (x[y == -1] + 7) % 256  # made-up targets where the mask is 0 ...
+    masked_again = other.masked_fill(y == -1, -1)  # ... masked as the reader masks them
+    for a, b in zip(grads(y), grads(masked_again)):
+        assert torch.equal(a, b)
+    # and the mask matters: the unmasked targets give other gradients
+    assert any(not torch.equal(a, b) for a, b in zip(grads(y), grads(other)))
+    logits, loss = model(x, y)
+    keep = y != -1
+    expect = torch.nn.functional.cross_entropy(logits[keep].float(), y[keep])
+    assert torch.allclose(loss, expect)
+
+
+def test_all_ones_mask_reads_like_plain_tokens(tmp_path):
+    import torch
+
+    from nanogpt_cli.trainer import Batches
+
+    data = _chat_dataset(tmp_path, ones=True)
+    masked = Batches(data, "chats", 32, 4, torch.device("cpu"), seed=0)
+    x, y = masked.get_batch("train")
+    meta_path = data / "chats" / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["masks"] = False
+    meta_path.write_text(json.dumps(meta))
+    plain = Batches(data, "chats", 32, 4, torch.device("cpu"), seed=0)
+    x2, y2 = plain.get_batch("train")
+    assert torch.equal(x, x2) and torch.equal(y, y2) and (y != -1).all()
