@@ -1,0 +1,61 @@
+"""The CUDA paths that a CPU can show: one contiguous copy per batch, no per-step host syncs (fp16 included)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+from nanogpt_cli.distributed import ProcessGroup
+from nanogpt_cli.trainer import Batches, train
+from conftest import tiny_plan
+
+
+def test_a_batch_is_one_contiguous_block_pinned_for_cuda(char_data):
+    data_dir, name = char_data
+    batches = Batches(data_dir, name, block_size=8, batch_size=4, device=torch.device("cpu"), seed=0)
+    starts = batches.draw("train")
+    windows = torch.from_numpy(batches.splits["train"].read(starts, 9).astype(np.int64))
+    assert windows.is_contiguous() and windows.shape == (4, 9)  # one block: one copy
+    if torch.cuda.is_available():  # pinning needs an accelerator: there the block is pinned and copied whole
+        gpu = Batches(data_dir, name, block_size=8, batch_size=4, device=torch.device("cuda"), seed=0)
+        x, y = gpu.load("train", starts)
+        assert torch.equal(x.cpu(), windows[:, :-1]) and torch.equal(y.cpu(), windows[:, 1:])
+    x, y = batches.load("train", starts)
+    assert torch.equal(x, windows[:, :-1]) and torch.equal(y, windows[:, 1:])
+    assert torch.equal(x[:, 1:], y[:, :-1])  # the targets are the inputs shifted by one
+
+
+class CountItems(TorchFunctionMode):
+    """Counts Tensor.item() calls (each one makes the host wait for the device) without replacing anything."""
+
+    def __init__(self):
+        super().__init__()
+        self.items = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.item:
+            self.items += 1
+        return func(*args, **(kwargs or {}))
+
+
+def items_in_a_run(data_dir, name, run_dir, world, **flags) -> int:
+    plan = tiny_plan(data_dir, name, run_dir, eval_interval=10**6, log_interval=10, warmup_iters=0, **flags)
+    with CountItems() as counter:
+        train(plan, world=world)
+    return counter.items
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_distributed_loop_waits_for_the_device_per_log_line_not_per_update(char_data, tmp_path, dtype):
+    data_dir, name = char_data
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        world = ProcessGroup(torch.device("cpu"), rank=0, local_rank=0, size=1)
+        short = items_in_a_run(data_dir, name, tmp_path / "a", world, max_iters=10, dtype=dtype)
+        long = items_in_a_run(data_dir, name, tmp_path / "b", world, max_iters=20, dtype=dtype)
+    finally:
+        dist.destroy_process_group()
+    assert short > 0  # the counter sees the loop's reads (the log line's loss, the agreed stop flag)
+    per_log_line = long - short  # ten more updates: one more progress line and check, not ten more syncs
+    assert 0 < per_log_line < 10, (short, long)
