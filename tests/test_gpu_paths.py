@@ -59,3 +59,30 @@ def test_the_distributed_loop_waits_for_the_device_per_log_line_not_per_update(c
     assert short > 0  # the counter sees the loop's reads (the log line's loss, the agreed stop flag)
     per_log_line = long - short  # ten more updates: one more progress line and check, not ten more syncs
     assert 0 < per_log_line < 10, (short, long)
+
+
+def test_rope_keeps_q_and_k_in_the_autocast_dtype():
+    from nanogpt_cli.model import apply_rope, rope_tables
+
+    cos, sin = rope_tables(torch.arange(8), head_size=16, theta=10000.0)
+    x = torch.randn(2, 8, 16, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert apply_rope(x, cos, sin).dtype == torch.bfloat16
+    expected = apply_rope(x.float(), cos, sin)
+    assert torch.allclose(apply_rope(x, cos, sin).float(), expected, atol=0.05)  # rotated alike, in bf16
+
+
+def test_a_model_cast_to_bf16_keeps_fp32_rope_tables():
+    from conftest import tiny_config
+
+    from nanogpt_cli.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(tiny_config(pos_encoding="rope"))
+    idx = torch.randint(0, model.config.vocab_size, (1, 8))
+    reference = model(idx)[0]
+    model.cast(torch.bfloat16)
+    assert model.rope_cos.dtype == model.rope_sin.dtype == torch.float32
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    logits = model(idx)[0]
+    assert logits.dtype == torch.bfloat16 and (logits.float() - reference).abs().max() < 0.1
