@@ -86,3 +86,53 @@ def test_a_model_cast_to_bf16_keeps_fp32_rope_tables():
     assert model.lm_head.weight.dtype == torch.bfloat16
     logits = model(idx)[0]
     assert logits.dtype == torch.bfloat16 and (logits.float() - reference).abs().max() < 0.1
+
+
+def padded_twin(model, padded_vocab: int):
+    """The same model with its vocabulary padded; the padding rows are made the most likely tokens, so any
+    place that let them through would show."""
+    from dataclasses import replace
+
+    from nanogpt_cli.model import GPT
+
+    twin = GPT(replace(model.config, vocab_size=padded_vocab))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    V = model.config.vocab_size
+    for key in ("transformer.wte.weight", "lm_head.weight"):
+        big = twin.state_dict()[key].clone()
+        big[:V] = state[key]
+        big[V:] = state[key][:1] * 50  # far above every real row's logit
+        state[key] = big
+    twin.load_state_dict(state)
+    return twin.eval()
+
+
+def test_a_padded_vocabulary_samples_and_scores_exactly_as_the_unpadded_one():
+    from conftest import tiny_config
+
+    from nanogpt_cli.engine import Engine, SamplingParams
+    from nanogpt_cli.evaluate import score_tokens
+    from nanogpt_cli.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(tiny_config(vocab_size=100)).eval()
+    padded = padded_twin(model, 128)
+
+    def sample(m, vocab_size):
+        engine = Engine(m, max_batch=1, vocab_size=vocab_size)
+        engine.add_many([[1, 2, 3]], SamplingParams(temperature=1.0), 12, [torch.Generator().manual_seed(7)])
+        return [t.token for t in engine.run()]
+
+    assert sample(padded, 100) == sample(model, 100)
+    tokens = torch.randint(0, 100, (40,))
+    nll, n = score_tokens(model, tokens, None, 4)
+    padded_nll, padded_n = score_tokens(padded, tokens, None, 4, vocab_size=100)
+    assert n == padded_n and abs(nll - padded_nll) < 1e-3 * n
+    assert score_tokens(padded, tokens, None, 4)[0] > nll + n  # unmasked, the padding would take the mass
+
+
+def test_gpt2_runs_get_a_vocabulary_padded_to_a_multiple_of_64():
+    from nanogpt_cli.plan import padded_vocab_size
+
+    assert padded_vocab_size({"tokenizer": {"name": "gpt2"}, "vocab_size": 50257}) == 50304
+    assert padded_vocab_size({"tokenizer": {"name": "char"}, "vocab_size": 65}) == 65
