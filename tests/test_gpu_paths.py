@@ -73,9 +73,8 @@ def test_rope_keeps_q_and_k_in_the_autocast_dtype():
 
 
 def test_a_model_cast_to_bf16_keeps_fp32_rope_tables():
-    from conftest import tiny_config
-
     from nanogpt_cli.model import GPT
+    from conftest import tiny_config
 
     torch.manual_seed(0)
     model = GPT(tiny_config(pos_encoding="rope"))
@@ -108,11 +107,10 @@ def padded_twin(model, padded_vocab: int):
 
 
 def test_a_padded_vocabulary_samples_and_scores_exactly_as_the_unpadded_one():
-    from conftest import tiny_config
-
     from nanogpt_cli.engine import Engine, SamplingParams
     from nanogpt_cli.evaluate import score_tokens
     from nanogpt_cli.model import GPT
+    from conftest import tiny_config
 
     torch.manual_seed(0)
     model = GPT(tiny_config(vocab_size=100)).eval()
