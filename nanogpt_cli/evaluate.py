@@ -56,11 +56,13 @@ def score_tokens(
     batch_size: int,
     progress: Progress | None = None,
     label: str = "scoring",
+    vocab_size: int | None = None,
 ) -> tuple[float, int]:
     """Sum of NLL (nats) and count over tokens[1:], each predicted once. Windows of block_size tokens start
     every `stride` tokens; a window scores only the targets the previous one did not, so each token sees at
     least block_size - stride tokens of context (fewer only at the very start). stride None: default_stride.
-    progress(label, targets scored, all targets) is called after each batch."""
+    progress(label, targets scored, all targets) is called after each batch. vocab_size: the tokenizer's, below
+    a padded head's; the padding takes no probability (the softmax runs over the real tokens only)."""
     block_size = model.config.block_size
     stride = default_stride(block_size) if stride is None else stride
     if not 1 <= stride <= block_size:
@@ -90,6 +92,7 @@ def score_tokens(
             x[row, :length] = ids[begin : begin + length]
             y[row, first:length] = ids[begin + 1 + first : begin + 1 + length]
         logits, _ = model(x.to(device))
+        logits = logits[..., : vocab_size or logits.size(-1)]
         nll = F.cross_entropy(
             logits.float().reshape(-1, logits.size(-1)), y.to(device).reshape(-1), ignore_index=-1, reduction="sum"
         )
@@ -147,7 +150,7 @@ def perplexity_of_split(
     shards = open_split(data_dir, name, split)
     for i, tokens in enumerate(shards):  # each shard on its own, like files; sums are pooled
         label = f"{name}/{split}" + (f" ({i + 1}/{len(shards.paths)})" if len(shards.paths) > 1 else "")
-        shard_nll, shard_n = score_tokens(model, tokens, stride, batch_size, progress, label)
+        shard_nll, shard_n = score_tokens(model, tokens, stride, batch_size, progress, label, tokenizer.vocab_size)
         nll, n, n_bytes = nll + shard_nll, n + shard_n, n_bytes + text_bytes(tokenizer, tokens[1:])
     return _result(nll, n, n_bytes, time.perf_counter() - t0, stride, f"{name}/{split}")
 
@@ -167,7 +170,7 @@ def perplexity_of_files(
     for path in paths:
         text = read_text_file(path, "--input")
         tokens = tokenizer.encode(text)  # a char tokenizer names the characters it does not know
-        nll, n = score_tokens(model, tokens, stride, batch_size, progress, str(path))
+        nll, n = score_tokens(model, tokens, stride, batch_size, progress, str(path), tokenizer.vocab_size)
         nll_total, n_total = nll_total + nll, n_total + n
         bytes_total += text_bytes(tokenizer, tokens[1:])
     source = ", ".join(str(p) for p in paths)

@@ -73,4 +73,4 @@ def load_for_inference(
     tokenizer = tokenizer_from_description(meta["tokenizer"])
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     cast = resolve_inference_dtype(dtype, dev, weight_bytes)
-    return InferenceModel(model.to(device=dev, dtype=cast).eval(), tokenizer, meta, dev, cast)
+    return InferenceModel(model.to(dev).cast(cast).eval(), tokenizer, meta, dev, cast)

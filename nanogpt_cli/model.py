@@ -51,6 +51,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate the pairs (x[i], x[i + hs/2]) by their position's angle:
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). x: (..., hs); cos, sin from rope_tables, broadcast to x."""
     half = x.size(-1) // 2
+    # the fp32 tables meet x in x's dtype: under bf16 autocast q and k stay bf16 (fp32 tables would upcast
+    # them, and attention would cast them back, two extra passes over q and k)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.addcmul(x * cos, x.roll(half, dims=-1), sin)  # roll: (x1, x2) -> (x2, x1)
 
 
@@ -285,6 +288,14 @@ class GPT(nn.Module):
         return logits, loss
 
     # --- accounting ---
+
+    def cast(self, dtype: torch.dtype) -> GPT:
+        """The weights in `dtype` for inference; the RoPE tables stay fp32 as in training (apply_rope meets
+        q and k in their dtype)."""
+        self.to(dtype)
+        if self.config.pos_encoding == "rope":
+            self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
+        return self
 
     def num_params(self, non_embedding: bool = True) -> int:
         """Parameters, each shared tensor once; non_embedding leaves out the token and position tables."""

@@ -53,6 +53,15 @@ def default_run_dir(data: str) -> Path:
     return Path("checkpoints") / f"{data}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
 
+def padded_vocab_size(meta: dict) -> int:
+    """The model's vocabulary for a dataset: GPT-2's 50,257 tokens padded to 50,304, a multiple of 64, so the
+    embedding and LM-head matmuls are aligned for tensor cores (as nanoGPT does); the padding rows are never
+    sampled, scored or exported. Other vocabularies as they are."""
+    if meta["tokenizer"].get("name") == "gpt2":
+        return -(-meta["vocab_size"] // 64) * 64
+    return meta["vocab_size"]
+
+
 def plan_run(
     flags: dict[str, Any],
     file_values: dict[str, Any] | None = None,
@@ -93,7 +102,7 @@ def plan_run(
         model_values, init, note = _plan_init(init_from, init_last, meta, train_cfg.data, model_values, explicit_model)
         notes.append(note)
     elif "vocab_size" not in model_values:
-        model_values["vocab_size"] = meta["vocab_size"]
+        model_values["vocab_size"] = padded_vocab_size(meta)
     model_cfg, train_cfg = build_configs({**model_values, **train_values})
     if model_cfg.vocab_size < meta["vocab_size"]:
         raise NanoGPTError(

@@ -144,6 +144,12 @@ def optimizer_step(
     return total
 
 
+def scale_tensor(scaler: torch.amp.GradScaler, device: torch.device) -> torch.Tensor:
+    """The fp16 loss scale as a tensor on the device, read without waiting for it (get_scale() syncs)."""
+    scale = scaler._get_scale_async()  # None until the first scale(): the initial (or restored) value then
+    return scale.clone() if scale is not None else torch.tensor(scaler.get_scale(), device=device)
+
+
 # --- time: the budget and the speed ---
 
 
@@ -345,7 +351,8 @@ class Trainer:
         starts = [self.batches.draw("train") for _ in range(cfg.gradient_accumulation_steps)]
         micro = [self.batches.load("train", starts[i]) for i in self.world.micro_share(len(starts))]
         started = time.perf_counter()
-        scale = scaler.get_scale() if scaler.is_enabled() else None  # fp16 only: a sync per step
+        # fp16: the scaler backs off only when it skips an update; compared on the device, read at the next log
+        scale = scale_tensor(scaler, self.world.device) if scaler.is_enabled() else None
         loss = optimizer_step(
             self.compiled,
             self.optimizer,
@@ -356,8 +363,8 @@ class Trainer:
             lambda enabled: self.world.gradient_sync(self.wrapped, enabled),
             self.loss_fn,
         )
-        if scale is not None and scaler.get_scale() < scale:  # the scaler backs off only when it skips
-            self.skipped += 1
+        if scale is not None:
+            self.skipped = self.skipped + (scale_tensor(scaler, self.world.device) < scale).int()
         self.clock.stepped(started, first=state.step == self.start_step)  # the first step warms up: not speed
         state.step += 1
         state.tokens += self.tokens_per_iter
@@ -379,7 +386,7 @@ class Trainer:
             ms_per_iter=dt * 1000,
             tokens_per_s=self.tokens_per_iter / dt,
             mfu=self.flops_per_iter / dt / self.peak if self.peak else None,
-            skipped=self.skipped,
+            skipped=int(self.skipped),
             scale=scaler.get_scale() if scaler.is_enabled() else None,
             recorded=recorded,
         )
