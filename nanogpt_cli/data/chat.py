@@ -70,6 +70,17 @@ def conversation(row: Any) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def checkpoint_template(dataset: dict[str, Any]) -> str | None:
+    """The chat template a run on this dataset records, made to render alone: prepare gives the template the
+    end-of-text text as eos_token, which char and byte tokenizers have no token for, so there it is set inside."""
+    template = dataset.get("chat_template")
+    if not isinstance(template, str):
+        return None
+    if dataset.get("eot_id") is None:
+        return f"{{% set eos_token = {EOT!r} %}}" + template
+    return template
+
+
 def _environment():
     import jinja2
     from jinja2.ext import Extension
@@ -87,7 +98,8 @@ def _environment():
         def _mark(self, caller):
             return _START + caller() + _END
 
-    return jinja2.Environment(extensions=[Generation, "jinja2.ext.loopcontrols"], trim_blocks=False)
+    # as transformers renders chat templates: trim_blocks and lstrip_blocks (a newline after a tag is dropped)
+    return jinja2.Environment(extensions=[Generation, "jinja2.ext.loopcontrols"], trim_blocks=True, lstrip_blocks=True)
 
 
 @dataclass
