@@ -81,6 +81,24 @@ def checkpoint_template(dataset: dict[str, Any]) -> str | None:
     return template
 
 
+def turn_end(template: str) -> str:
+    """The text a template puts after the assistant's words inside its generation block: what ends a reply
+    (the built-in template's end-of-text). Empty when the template marks no such text."""
+    sentinel = "\x01reply\x01"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": sentinel}]
+    text = ChatTemplate(template)._compiled.render(messages=messages, eos_token=EOT, add_generation_prompt=False)
+    after = text.partition(sentinel)[2]
+    return after.partition(_END)[0] if _END in after else ""
+
+
+def strip_generation_tags(template: str) -> str:
+    """The template without its `{% generation %}` / `{% endgeneration %}` tags (the same text rendered), for
+    engines that do not know them (llama.cpp)."""
+    import re
+
+    return re.sub(r"{%-?\s*(end)?generation\s*-?%}", "", template)
+
+
 def _environment():
     import jinja2
     from jinja2.ext import Extension
