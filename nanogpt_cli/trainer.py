@@ -29,7 +29,7 @@ from torch import nn
 from nanogpt_cli.checkpoint import TrainerState, load_weights
 from nanogpt_cli.data import open_split
 from nanogpt_cli.data.chat import checkpoint_template
-from nanogpt_cli.data.reader import open_mask_split
+from nanogpt_cli.data.reader import open_conversations, open_mask_split, pack_windows
 from nanogpt_cli.device import autocast_for, enable_tf32, peak_flops, resolve_device, resolve_dtype
 from nanogpt_cli.distributed import World, launched_size
 from nanogpt_cli.errors import NanoGPTError
@@ -53,13 +53,21 @@ def next_token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch
 
 
 class Batches:
-    """Random (block_size + 1)-token windows from the train and val shards, never across two shards."""
+    """Random (block_size + 1)-token windows from the train and val shards, never across two shards. A chat
+    dataset that records its conversations is read as packed windows instead (data.reader.pack_windows): whole
+    conversations where they fit, padded at the end with targets that do not count."""
 
     def __init__(self, data_dir: Path, name: str, block_size: int, batch_size: int, device: torch.device, seed: int):
         self.splits = {s: open_split(data_dir, name, s) for s in ("train", "val")}
         # chat datasets: a mask per token; a target whose mask is 0 becomes -1, which the loss ignores
         self.masks = {s: open_mask_split(data_dir, name, s) for s in ("train", "val")}
+        self.packed: dict[str, np.ndarray | None] = {}  # (n, 3): shard, offset, tokens of each packed window
         for split, tokens in self.splits.items():
+            lengths = open_conversations(data_dir, name, split)
+            self.packed[split] = None if lengths is None else pack_windows(lengths, tokens.counts, block_size + 1)
+        for split, tokens in self.splits.items():
+            if self.packed[split] is not None and len(self.packed[split]):
+                continue
             if tokens.num_windows(block_size + 1) == 0:
                 longest = (
                     f" (the longest of its {len(tokens.counts)} shards has {max(tokens.counts):,})"
@@ -74,18 +82,37 @@ class Batches:
         self.generator = torch.Generator().manual_seed(seed)
 
     def draw(self, split: str, generator: torch.Generator | None = None) -> list[tuple[int, int]]:
-        """Where the windows of one batch start, (shard, offset) each: the random part, which every rank
-        draws alike."""
+        """Where the windows of one batch start, (shard, offset) each, or (shard, offset, tokens) for packed
+        windows: the random part, which every rank draws alike."""
+        packed = self.packed[split]
+        if packed is not None:
+            ix = torch.randint(len(packed), (self.batch_size,), generator=generator or self.generator)
+            return [tuple(row) for row in packed[ix.numpy()].tolist()]
         return self.splits[split].starts(self.batch_size, self.block_size + 1, generator or self.generator)
 
-    def load(self, split: str, starts: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def load(self, split: str, starts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         data, T = self.splits[split], self.block_size
+        if self.packed[split] is not None:
+            return self._load_packed(split, starts)
         windows = self.to_device(torch.from_numpy(data.read(starts, T + 1).astype(np.int64)))  # (B, T+1)
         x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each, sliced on the device
         if self.masks[split] is not None:
             keep = torch.from_numpy(self.masks[split].read(starts, T + 1).astype(np.bool_)[:, 1:].copy())  # (B, T)
             y = y.masked_fill(~self.to_device(keep), -1)
         return x, y
+
+    def _load_packed(self, split: str, starts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Packed windows, each padded to T+1 tokens; the padding's targets (and those under mask 0) are -1."""
+        T1 = self.block_size + 1
+        tokens, masks = self.splits[split], self.masks[split]
+        ids = np.zeros((len(starts), T1), dtype=np.int64)
+        keep = np.zeros((len(starts), T1), dtype=np.bool_)
+        for row, (shard, offset, n) in enumerate(starts):
+            ids[row, :n] = tokens.shard(shard)[offset : offset + n]
+            keep[row, :n] = masks.shard(shard)[offset : offset + n] if masks is not None else True
+        windows = self.to_device(torch.from_numpy(ids))  # (B, T+1)
+        x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each
+        return x, y.masked_fill(~self.to_device(torch.from_numpy(keep[:, 1:].copy())), -1)
 
     def to_device(self, windows: torch.Tensor) -> torch.Tensor:
         """One copy of the whole (B, T+1) block. On CUDA it is pinned first, contiguous as it is, so the copy is
