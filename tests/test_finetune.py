@@ -189,7 +189,7 @@ def test_speed_counts_the_trained_tokens_of_a_chat_dataset(chat_data, base_run, 
     cfg, data_dir = job.plan.train, chat_data[0]
     again = Batches(data_dir, cfg.data, job.plan.model.block_size, cfg.batch_size, torch.device("cpu"), cfg.seed)
     trained = [int((again.get_batch("train")[1] != -1).sum()) for _ in range(cfg.max_iters)]
-    assert 0 < min(trained) and max(trained) < cfg.batch_size * job.plan.model.block_size
+    assert 0 < max(trained) < cfg.batch_size * job.plan.model.block_size  # a batch of prompts only trains on none
     for event, n in zip(shown.steps, trained):  # a line per update (--log-interval 1)
         assert event.tokens_per_s * event.ms_per_iter / 1000 == pytest.approx(n, rel=1e-6)
     assert result.tokens_per_s * result.ms_per_iter / 1000 == pytest.approx(sum(trained) / len(trained), rel=1e-6)
