@@ -662,7 +662,7 @@ def finetune(
         ),
     ] = None,
     preset: Annotated[
-        str | None, typer.Option(help="Named training config (its model fields must match the checkpoint's).")
+        str | None, typer.Option(help="Named training config (the architecture stays the checkpoint's).")
     ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML file of config keys; flags override it.")] = None,
     out: Annotated[Path | None, typer.Option(help="Run folder (default checkpoints/DATA-TIMESTAMP).")] = None,

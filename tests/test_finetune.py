@@ -220,3 +220,17 @@ def test_hf_base_offline_is_one_sentence(chat_data, tmp_path, no_network, monkey
     with pytest.raises(NanoGPTError, match="could not load hf:gpt2") as e:
         plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "x", init_from="hf:gpt2")
     assert "\n" not in str(e.value)
+
+
+def test_sample_and_serve_format_chats_with_the_runs_template(chat_data, base_run, tmp_path):
+    from nanogpt_cli.data.chat import ChatTemplate as PrepareTemplate
+    from nanogpt_cli.loading import load_for_inference
+    from nanogpt_cli.serve.chat import ChatTemplate
+
+    finetune_run(chat_data, base_run, tmp_path / "lora", LoRAConfig(r=2), max_iters=1, eval_interval=1)[1].fit()
+    loaded = load_for_inference(tmp_path / "lora", device="cpu")
+    template = ChatTemplate.for_meta(loaded.meta)  # what serve (and chat) format conversations with
+    assert template.name == "checkpoint"
+    messages = CONVERSATIONS[1]
+    assert template.render(messages, add_generation_prompt=False) == PrepareTemplate().render_text(messages)
+    assert template.render(messages[:2]).endswith("<|endoftext|>assistant:")
