@@ -695,8 +695,8 @@ def finetune(
     sink = open_tracker(tracker) if tracker and prints() else None
     given = {"r": lora_r, "alpha": lora_alpha, "dropout": lora_dropout, "targets": lora_targets}
     given = {k: v for k, v in given.items() if v is not None}
-    lora_cfg = None
-    if lora or given:
+    lora_cfg = None  # on --resume without --lora-* values: the run's own
+    if given or (lora and not resume):
         targets = given.pop("targets", None)
         lora_cfg = LoRAConfig(**given, targets=(targets,) if targets is not None else DEFAULT_TARGETS)
     job = plan_finetune(
@@ -708,6 +708,7 @@ def finetune(
         init_from=init_from,
         init_last=last,
         lora=lora_cfg,
+        lora_flags=set(given) | ({"targets"} if lora_targets is not None else set()),
     )
     run_planned(job.plan, quiet, sink, job.trainable)
 

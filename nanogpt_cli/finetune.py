@@ -68,10 +68,11 @@ def plan_finetune(
     init_from: str | None = None,
     init_last: bool = False,
     lora: LoRAConfig | None = None,
+    lora_flags: set[str] | None = None,
 ) -> FinetunePlan:
     """A fine-tuning run's plan. Fresh: --init-from is required, the architecture is its checkpoint's, and
     `lora` (None: full fine-tuning) says what trains. Resume: the run's own record says both; LoRA flags given
-    again must agree with it."""
+    again must agree with it (lora_flags: the fields the user gave, r, alpha, dropout, targets; None: all)."""
     if not resume and init_from is None:
         raise NanoGPTError(
             "finetune needs --init-from: the weights to start from (a run folder, a .safetensors file, a "
@@ -82,7 +83,7 @@ def plan_finetune(
         raise NanoGPTError("LoRA trains its adapters with --optimizer adamw; drop --optimizer muon")
     plan = plan_run(flags, file_values, out=out, resume=resume, force=force, init_from=init_from, init_last=init_last)
     if resume:
-        return _resume(plan, lora)
+        return _resume(plan, lora, lora_flags)
     record: dict[str, Any] = {"init_from": init_from, "method": "lora" if lora else "full"}
     if lora is None:
         plan.finetune = record
@@ -95,7 +96,7 @@ def plan_finetune(
     return FinetunePlan(plan, lora, LoRAStart(lora, record, expect_hash=None))
 
 
-def _resume(plan: RunPlan, lora: LoRAConfig | None) -> FinetunePlan:
+def _resume(plan: RunPlan, lora: LoRAConfig | None, lora_flags: set[str] | None) -> FinetunePlan:
     record = plan.run_dir.read_config().get("finetune")
     if record is None:
         raise NanoGPTError(
@@ -108,12 +109,11 @@ def _resume(plan: RunPlan, lora: LoRAConfig | None) -> FinetunePlan:
             raise NanoGPTError(f"{plan.run_dir} is a full fine-tune; drop the --lora-* flags to resume it")
         return FinetunePlan(plan, None)
     saved = LoRAConfig.from_dict(record["weights"]["lora"])
-    if lora is not None and lora != saved:
-        differ = [
-            f"--lora-{k} (saved {v!r}, given {lora.to_dict()[k]!r})"
-            for k, v in saved.to_dict().items()
-            if lora.to_dict()[k] != v
-        ]
+    given = {} if lora is None else {k: v for k, v in lora.to_dict().items() if lora_flags is None or k in lora_flags}
+    differ = [
+        f"--lora-{k} (saved {saved.to_dict()[k]!r}, given {v!r})" for k, v in given.items() if saved.to_dict()[k] != v
+    ]
+    if differ:
         raise NanoGPTError(f"--resume continues the run's adapters; these differ from it: {', '.join(differ)}")
     base = record["weights"]["base"]
     if hf.is_hf_source(base["source"]):
