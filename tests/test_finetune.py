@@ -212,6 +212,12 @@ def test_cli_finetune(chat_data, base_run, tmp_path):
     resumed = runner.invoke(app, ["train", "--out", out, "--resume", "-q"])  # train resumes a LoRA run too
     assert resumed.exit_code == 0, resumed.output
     assert json.loads((tmp_path / "lora" / "trainer.json").read_text())["step"] == 2
+    # train --init-from on a chat dataset is the same full fine-tune, and says that finetune has LoRA
+    full = ["train", "--init-from", str(base_run), *common, "--out", str(tmp_path / "full"), "--eval-iters", "1"]
+    trained = runner.invoke(app, [*full, "--max-iters", "1", "--eval-interval", "1"])
+    assert trained.exit_code == 0, trained.output
+    assert "`nanogpt finetune` does the same" in trained.output
+    assert json.loads((tmp_path / "full" / "config.json").read_text())["finetune"]["method"] == "full"
 
 
 def test_hf_base_offline_is_one_sentence(chat_data, tmp_path, no_network, monkeypatch):
