@@ -130,8 +130,23 @@ class Batches:
         """The same n batches at every evaluation: curves move because the model does, not the sample. Under
         torchrun a rank loads only its share of them (indices into the n)."""
         g = torch.Generator().manual_seed(seed)
-        starts = [self.draw(split, g) for _ in range(n)]
+        starts = [self._scored_draw(split, g) for _ in range(n)]
         return [self.load(split, starts[i]) for i in (range(n) if share is None else share)]
+
+    def _scored_draw(self, split: str, g: torch.Generator, tries: int = 100) -> list[tuple[int, ...]]:
+        """An evaluation batch: on a chat dataset, one with at least one trained target (a batch of prompts only
+        would score 0 and pull the mean down), drawn again from the same generator up to `tries` times."""
+        masks = self.masks[split]
+        for _ in range(tries):
+            starts = self.draw(split, g)
+            if masks is None:
+                return starts
+            if any(
+                masks.shard(s[0])[s[1] + 1 : s[1] + (s[2] if len(s) == 3 else self.block_size + 1)].any()
+                for s in starts
+            ):
+                return starts
+        return starts
 
 
 @torch.no_grad()

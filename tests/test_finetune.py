@@ -240,3 +240,17 @@ def test_sample_and_serve_format_chats_with_the_runs_template(chat_data, base_ru
     messages = CONVERSATIONS[1]
     assert template.render(messages, add_generation_prompt=False) == PrepareTemplate().render_text(messages)
     assert template.render(messages[:2]).endswith("<|endoftext|>assistant:")
+
+
+def test_evaluation_batches_of_a_chat_dataset_each_score_a_trained_target(tmp_path):
+    from nanogpt_cli.data.chat import prepare_chat
+    from nanogpt_cli.trainer import Batches
+
+    src = tmp_path / "long.jsonl"  # long prompts, one-letter replies: most 17-token windows are prompt only
+    row = {"messages": [{"role": "user", "content": "tell me " * 20}, {"role": "assistant", "content": "k"}]}
+    src.write_text("\n".join(json.dumps(row) for _ in range(12)) + "\n")
+    prepare_chat(str(src), "long", data_dir=str(tmp_path / "data"), tokenizer="byte")
+    batches = Batches(tmp_path / "data", "long", 16, 1, torch.device("cpu"), seed=0)
+    g = torch.Generator().manual_seed(0)
+    assert any(not (batches.get_batch("train", g)[1] != -1).any() for _ in range(20))  # plain draws: some score none
+    assert all((y != -1).any() for _, y in batches.fixed_batches("train", 20, seed=1))
