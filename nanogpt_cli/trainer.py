@@ -57,10 +57,20 @@ class Batches:
     dataset that records its conversations is read as packed windows instead (data.reader.pack_windows): whole
     conversations where they fit, padded at the end with targets that do not count."""
 
-    def __init__(self, data_dir: Path, name: str, block_size: int, batch_size: int, device: torch.device, seed: int):
+    def __init__(
+        self,
+        data_dir: Path,
+        name: str,
+        block_size: int,
+        batch_size: int,
+        device: torch.device,
+        seed: int,
+        loss_mask: bool = True,
+    ):
         self.splits = {s: open_split(data_dir, name, s) for s in ("train", "val")}
         # chat datasets: a mask per token; a target whose mask is 0 becomes -1, which the loss ignores
-        self.masks = {s: open_mask_split(data_dir, name, s) for s in ("train", "val")}
+        # (loss_mask=False: every token of the conversations is a target)
+        self.masks = {s: open_mask_split(data_dir, name, s) if loss_mask else None for s in ("train", "val")}
         self.packed: dict[str, np.ndarray | None] = {}  # (n, 3): shard, offset, tokens of each packed window
         for split, tokens in self.splits.items():
             lengths = open_conversations(data_dir, name, split)
@@ -523,7 +533,9 @@ class Trainer:
             enable_tf32()
         torch.manual_seed(cfg.seed)
         self.show.on_status("loading the data")
-        self.batches = Batches(Path(cfg.data_dir), cfg.data, plan.model.block_size, cfg.batch_size, device, cfg.seed)
+        self.batches = Batches(
+            Path(cfg.data_dir), cfg.data, plan.model.block_size, cfg.batch_size, device, cfg.seed, cfg.loss_mask
+        )
         # each rank evaluates a share of the fixed batches, and the losses are summed over ranks
         share, self.eval_counted = world.eval_share(cfg.eval_iters)
         self.eval_sets = {
@@ -536,8 +548,8 @@ class Trainer:
         self.tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * plan.model.block_size  # all ranks'
         self.flops_per_token = self.model.flops_per_token()
         self.flops_per_iter = self.flops_per_token * self.tokens_per_iter
-        # a chat dataset: tokens/s and MFU count the targets trained on (mask 1), not every token read
-        self.masked = self.batches.masks["train"] is not None
+        # a chat dataset: tokens/s and MFU count the targets trained on (mask 1, not padding), not every token read
+        self.masked = self.batches.masks["train"] is not None or self.batches.packed["train"] is not None
         self.trained = torch.zeros((), dtype=torch.int64, device=device)
         self.trained_total = 0.0
         params = self.model.num_params()

@@ -254,3 +254,14 @@ def test_evaluation_batches_of_a_chat_dataset_each_score_a_trained_target(tmp_pa
     g = torch.Generator().manual_seed(0)
     assert any(not (batches.get_batch("train", g)[1] != -1).any() for _ in range(20))  # plain draws: some score none
     assert all((y != -1).any() for _, y in batches.fixed_batches("train", 20, seed=1))
+
+
+def test_no_loss_mask_trains_on_every_token_of_the_conversations(chat_data):
+    from nanogpt_cli.trainer import Batches
+
+    data_dir, name = chat_data
+    masked, every = (Batches(data_dir, name, 64, 4, torch.device("cpu"), 0, loss_mask=m) for m in (True, False))
+    starts = masked.draw("train")
+    (x, y), (x2, y2) = masked.load("train", starts), every.load("train", starts)
+    assert torch.equal(x, x2) and (y2 != -1).sum() > (y != -1).sum() > 0
+    assert [int((row != -1).sum()) for row in y2] == [n - 1 for _, _, n in starts]  # all but the padding
