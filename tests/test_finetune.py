@@ -236,7 +236,7 @@ def test_sample_and_serve_format_chats_with_the_runs_template(chat_data, base_ru
     finetune_run(chat_data, base_run, tmp_path / "lora", LoRAConfig(r=2), max_iters=1, eval_interval=1)[1].fit()
     loaded = load_for_inference(tmp_path / "lora", device="cpu")
     template = ChatTemplate.for_meta(loaded.meta)  # what serve (and chat) format conversations with
-    assert template.name == "checkpoint"
+    assert template.name == "checkpoint" and template.stop == ["<|endoftext|>"]  # byte: the end is a stop text
     messages = CONVERSATIONS[1]
     assert template.render(messages, add_generation_prompt=False) == PrepareTemplate().render_text(messages)
     assert template.render(messages[:2]).endswith("<|endoftext|>assistant:")

@@ -89,7 +89,7 @@ class ChatTemplate:
             except (OSError, ValueError):
                 source = None
         if isinstance(source, str) and source.strip():
-            return cls(source, "checkpoint", [], special)
+            return cls(source, "checkpoint", _reply_end(source), special)
         return cls(DEFAULT_TEMPLATE, DEFAULT_NAME, list(DEFAULT_STOP), special)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -101,6 +101,19 @@ class ChatTemplate:
             )
         except jinja2.exceptions.TemplateError as e:
             raise NanoGPTError(f"the chat template failed on these messages: {e}") from None
+
+
+def _reply_end(source: str) -> list[str]:
+    """A stop text where the template ends an assistant turn, from its `{% generation %}` block (fine-tuned runs
+    record such templates): char and byte models write the end-of-text marker as text, which only a stop text
+    ends. None for a template without the block."""
+    from nanogpt_cli.data.chat import turn_end
+
+    try:
+        end = turn_end(source).strip()
+    except Exception:  # a template that cannot render a plain user/assistant exchange: no stop text from it
+        return []
+    return [end] if end else []
 
 
 def message_text(content: Any) -> str:
