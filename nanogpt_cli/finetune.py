@@ -51,11 +51,13 @@ class LoRAStart:
         return add_lora(model, self.cfg)
 
 
-def base_source(plan: RunPlan, init_from: str) -> str:
+def base_source(plan: RunPlan, init_from: str, last: bool = False) -> str:
     """Where the base weights are, as a LoRA run records it: the weights file (absolute), or the Hugging Face
     folder (absolute) or hf:NAME."""
     if plan.init_weights is not None:
         return str(Path(plan.init_weights).resolve())
+    if not hf.is_hf_source(init_from):  # a LoRA run of ours, loaded merged: its weights file
+        return str(resolve_weights(init_from, last=last).resolve())
     return init_from if init_from.startswith("hf:") else str(Path(init_from).resolve())
 
 
@@ -90,7 +92,7 @@ def plan_finetune(
         return FinetunePlan(plan, None)
     record["weights"] = {
         "lora": lora.to_dict(),
-        "base": {"source": base_source(plan, init_from), "last": init_last, "sha256": None},
+        "base": {"source": base_source(plan, init_from, init_last), "last": init_last, "sha256": None},
     }
     plan.finetune = record
     return FinetunePlan(plan, lora, LoRAStart(lora, record, expect_hash=None))
@@ -116,13 +118,20 @@ def _resume(plan: RunPlan, lora: LoRAConfig | None, lora_flags: set[str] | None)
     if differ:
         raise NanoGPTError(f"--resume continues the run's adapters; these differ from it: {', '.join(differ)}")
     base = record["weights"]["base"]
-    if hf.is_hf_source(base["source"]):
+    if hf.is_hf_source(base["source"]) or _holds_adapters(base["source"], base.get("last", False)):
         from nanogpt_cli.loading import load_model
 
-        plan.init_model, _ = load_model(base["source"])
+        plan.init_model, _ = load_model(base["source"], last=base.get("last", False))
     else:
         plan.init_weights = resolve_weights(base["source"], last=base.get("last", False))
     return FinetunePlan(plan, saved, LoRAStart(saved, record, expect_hash=base["sha256"]))
+
+
+def _holds_adapters(source: str, last: bool) -> bool:
+    """Whether these weights are a LoRA run's (adapters on a base of their own)."""
+    from nanogpt_cli.checkpoint import read_metadata
+
+    return "lora" in read_metadata(resolve_weights(source, last=last))
 
 
 def record_full_finetune(plan: RunPlan, init_from: str) -> None:

@@ -265,3 +265,17 @@ def test_no_loss_mask_trains_on_every_token_of_the_conversations(chat_data):
     (x, y), (x2, y2) = masked.load("train", starts), every.load("train", starts)
     assert torch.equal(x, x2) and (y2 != -1).sum() > (y != -1).sum() > 0
     assert [int((row != -1).sum()) for row in y2] == [n - 1 for _, _, n in starts]  # all but the padding
+
+
+def test_a_lora_run_is_a_base_too(chat_data, base_run, tmp_path):
+    from nanogpt_cli.loading import load_model
+
+    finetune_run(chat_data, base_run, tmp_path / "first", LoRAConfig(r=2), max_iters=2, eval_interval=2)[1].fit()
+    job, trainer = finetune_run(chat_data, tmp_path / "first", tmp_path / "second", LoRAConfig(r=2), stop_at=1)
+    merged, _ = load_model(tmp_path / "first")
+    assert all(torch.equal(job.plan.init_model.state_dict()[k], t) for k, t in merged.state_dict().items())
+    trainer.fit()
+    data_dir, name = chat_data
+    again = plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "second", resume=True)
+    Trainer(again.plan, trainable=again.trainable).fit()  # its base (the first run, merged) loads and checks out
+    assert load_model(tmp_path / "second")[1]["step"] == 6
