@@ -402,6 +402,8 @@ def info_table(info):
             ("parameters", f"{info.params:,} ({info.params_non_embedding:,} non-embedding)"),
             ("FLOPs per token", f"{info.flops_per_token:,} (training, full context)"),
         ]
+    if info.finetune:
+        rows.append(("fine-tune", info.finetune))
     rows += [("tokenizer", info.tokenizer or "-"), ("dataset", info.dataset or "-")]
     if info.step is not None:
         rows.append(("step", f"{info.step:,}" + (f" of {info.max_iters:,}" if info.max_iters else "")))

@@ -212,6 +212,8 @@ def test_cli_finetune(chat_data, base_run, tmp_path):
     resumed = runner.invoke(app, ["train", "--out", out, "--resume", "-q"])  # train resumes a LoRA run too
     assert resumed.exit_code == 0, resumed.output
     assert json.loads((tmp_path / "lora" / "trainer.json").read_text())["step"] == 2
+    info = runner.invoke(app, ["info", out, "--json"])
+    assert json.loads(info.output)["finetune"].startswith("LoRA r 2, alpha 16, dropout 0 on attn.c_attn; adapters")
     # train --init-from on a chat dataset is the same full fine-tune, and says that finetune has LoRA
     full = ["train", "--init-from", str(base_run), *common, "--out", str(tmp_path / "full"), "--eval-iters", "1"]
     trained = runner.invoke(app, [*full, "--max-iters", "1", "--eval-interval", "1"])
