@@ -671,6 +671,7 @@ class Trainer:
             speed=self.clock.speed(ms_per_iter),
             mfu=(self.flops_per_token * per_iter * timed / train_s / self.peak) if self.peak and timed else None,
             stopped=self.stopped,
+            trained_only=self.masked,
         )
 
 

@@ -299,7 +299,11 @@ def train_table(result):
         ]
     rows += [
         ("time", f"{result.elapsed_s:.1f} s"),
-        ("speed", f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_s:,.0f} tokens/s"),
+        (
+            "speed",
+            f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_s:,.0f} "
+            + ("trained tokens/s" if result.trained_only else "tokens/s"),
+        ),
     ]
     if result.speed is not None:
         rows += speed_rows(result.speed)
