@@ -533,17 +533,22 @@ class Engine:
                 end += 1
             self.cache.pos[slot:end] = [0] * (end - slot)
             idx = torch.tensor([r.tokens for r in self.rows[slot:end]], dtype=torch.long, device=self.device)
-            logits, _ = self.model(idx, cache=self.cache.view(slot, end), last_only=True)  # (b, 1, V)
-            out.append(logits[:, -1, : self.vocab_size].float())
+            h = self.model.hidden_states(idx, cache=self.cache.view(slot, end))  # (b, T, C)
+            out.append(self._head(h[:, -1]))
             slot = end
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Next-token logits (b, vocab_size) from the last position's hidden states (b, C): a prefill runs the
+        head over one position, not every prompt token, through the decode step's faster form of it."""
+        return softcap(head_logits(self.plan, h), self.plan.logit_softcap).float()
 
     def _full_forward(self, rows: list[_Row]) -> torch.Tensor:
         """Logits (len(rows), V) from a forward over each row's last block_size tokens (no cache)."""
         windows = [r.tokens[-self.block_size :] for r in rows]
         if all(len(w) == len(windows[0]) for w in windows):
             idx = torch.tensor(windows, dtype=torch.long, device=self.device)
-            return self.model(idx, last_only=True)[0][:, -1, : self.vocab_size].float()
+            return self._head(self.model.hidden_states(idx)[:, -1])
         return torch.cat([self._full_forward([r]) for r in rows])
 
     @torch.inference_mode()
@@ -616,7 +621,7 @@ class Engine:
                 self.cache.pos[slot] = 0
                 if keep > 1:
                     idx = torch.tensor([row.tokens[-keep:-1]], dtype=torch.long, device=self.device)
-                    self.model(idx, cache=self.cache.view(slot, slot + 1), last_only=True)
+                    self.model.hidden_states(idx, cache=self.cache.view(slot, slot + 1))  # fills the cache
         idx = torch.tensor([r.tokens[-1] for r in self.rows], dtype=torch.long, device=self.device)
         return decode_step(self.plan, idx, self.cache, len(self.rows)).float()
 

@@ -263,3 +263,18 @@ def test_a_large_vocabulary_head_decodes_as_the_forward_does():
             model(idx[:, :7], cache=cache.view(0, B))
             got = decode_step(plan, idx[:, 7], cache)
             torch.testing.assert_close(got, model(idx)[0][:, -1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("opts", [{}, dict(logit_softcap=3.0)], ids=["plain", "softcap"])
+def test_a_prefill_gives_the_full_forwards_last_row_for_the_tokenizers_vocabulary(opts):
+    model = model_of(opts=opts)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12]]  # two of one length share a forward
+    engine = Engine(model, max_batch=3, vocab_size=50)  # a padded head: its last rows are never picked
+    engine.add_many(prompts, GREEDY, 4)
+    with torch.inference_mode():
+        hidden = model.hidden_states(torch.tensor([prompts[0]]))  # (1, T, C)
+        assert hidden.shape == (1, 5, 32)
+        for r, prompt in enumerate(prompts):
+            full = model(torch.tensor([prompt]))[0][0, -1]  # (V,): the head over every position, the last row
+            assert engine.logits.shape == (3, 50)
+            torch.testing.assert_close(engine.logits[r], full[:50], atol=1e-5, rtol=0)
