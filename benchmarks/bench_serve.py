@@ -195,30 +195,35 @@ def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
     }
 
 
-def our_step(weights: Path, batch: int, tokens: int, threads: int) -> float:
-    """ms per engine step (sample, then one decode step) with `batch` greedy rows, after their prefill."""
-    import torch
+def cpu_seconds(pid: int) -> float:
+    """CPU time used so far by every thread of process pid (the scheduler's nanosecond count)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            pass
+    return total / 1e9
 
+
+def our_step(loaded, batch: int, tokens: int) -> tuple[float, float]:
+    """ms per engine step (sample, then one decode step) with `batch` greedy rows, after their prefill: wall
+    time and this process's CPU time."""
     from nanogpt_cli.engine import Engine, SamplingParams
-    from nanogpt_cli.loading import load_for_inference
 
-    torch.set_num_threads(threads)
-    loaded = load_for_inference(weights, device="cpu", dtype="float32")
-    best = float("inf")
-    for _ in range(3):
-        engine = Engine(loaded.model, max_batch=batch, vocab_size=loaded.tokenizer.vocab_size)
-        engine.add_many([[464, 3290, 318, 257]] * batch, SamplingParams(temperature=0.0), tokens + 8)
-        for _ in range(8):  # warm up
-            engine.step()
-        t0 = time.perf_counter()
-        for _ in range(tokens):
-            engine.step()
-        best = min(best, (time.perf_counter() - t0) / tokens * 1000)
-    return best
+    engine = Engine(loaded.model, max_batch=batch, vocab_size=loaded.tokenizer.vocab_size)
+    engine.add_many([[464, 3290, 318, 257]] * batch, SamplingParams(temperature=0.0), tokens + 8)
+    for _ in range(8):  # warm up
+        engine.step()
+    t0, c0 = time.perf_counter(), cpu_seconds(os.getpid())
+    for _ in range(tokens):
+        engine.step()
+    return (time.perf_counter() - t0) / tokens * 1000, (cpu_seconds(os.getpid()) - c0) / tokens * 1000
 
 
-def llama_step(url: str, batch: int, tokens: int) -> float:
-    """ms per generated token of each of `batch` concurrent greedy requests, from llama.cpp's own timings."""
+def llama_step(url: str, pid: int, batch: int, tokens: int) -> tuple[float, float]:
+    """ms per generated token of each of `batch` concurrent greedy requests (their median), from llama.cpp's own
+    timings, and the server process's CPU time per step (all its threads; the 4-token prompts included)."""
     host, port = url.removeprefix("http://").split(":")
     per_token: list[float] = []
 
@@ -229,28 +234,49 @@ def llama_step(url: str, batch: int, tokens: int) -> float:
         per_token.append(json.loads(conn.getresponse().read())["timings"]["predicted_per_token_ms"])
         conn.close()
 
-    best = float("inf")
-    for _ in range(3):
-        per_token.clear()
-        threads = [threading.Thread(target=ask, daemon=True) for _ in range(batch)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        best = min(best, statistics.median(per_token))
-    return best
+    threads = [threading.Thread(target=ask, daemon=True) for _ in range(batch)]
+    c0 = cpu_seconds(pid)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return statistics.median(per_token), (cpu_seconds(pid) - c0) / tokens * 1000
 
 
 def step_table(args) -> None:
+    """Rounds that alternate llama.cpp's server and our engine, so that the load other jobs put on the machine
+    hits both alike. Wall time counts whatever else the shared CPU runs meanwhile; CPU time (ours: this process,
+    theirs: the server's) counts only the work, so its ratio is the steadier one on a busy machine."""
+    import torch
+
+    from nanogpt_cli.loading import load_for_inference
+
+    torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         weights, gguf = make_model(Path(tmp), block_size=1024)
+        loaded = load_for_inference(weights, device="cpu", dtype="float32")
         proc, url = start("llama.cpp", weights, gguf, max(args.batches), 1024, args.threads)
         try:
+            llama_step(url, proc.pid, 1, 16)  # warm up
             for b in args.batches:
-                theirs = llama_step(url, b, args.step_tokens)
-                ours = our_step(weights, b, args.step_tokens, args.threads)
-                rows.append([b, f"{ours:.2f}", f"{theirs:.2f}", f"{ours / theirs:.2f}x"])
+                ours, theirs = [], []
+                for _ in range(args.rounds):
+                    theirs.append(llama_step(url, proc.pid, b, args.step_tokens))
+                    ours.append(our_step(loaded, b, args.step_tokens))
+                wall = statistics.median(o[0] / t[0] for o, t in zip(ours, theirs))
+                cpu = statistics.median(o[1] / t[1] for o, t in zip(ours, theirs))
+                rows.append(
+                    [
+                        b,
+                        f"{statistics.median(o[0] for o in ours):.2f}",
+                        f"{statistics.median(t[0] for t in theirs):.2f}",
+                        f"{wall:.2f}x",
+                        f"{statistics.median(o[1] for o in ours):.2f}",
+                        f"{statistics.median(t[1] for t in theirs):.2f}",
+                        f"{cpu:.2f}x",
+                    ]
+                )
                 print(" | ".join(map(str, rows[-1])), flush=True)
         finally:
             proc.stdin.close()
@@ -259,8 +285,16 @@ def step_table(args) -> None:
     load_avg = " ".join(f"{x:.1f}" for x in os.getloadavg())
     table(
         f"decode step, 4x128 Llama-shaped gpt2-vocab model, greedy, {args.step_tokens} tokens per row, "
-        f"{args.threads} thread(s), load average {load_avg}",
-        ["batch", "nanogpt engine ms/step", "llama.cpp ms/token", "ours / llama.cpp"],
+        f"{args.threads} thread(s), medians of {args.rounds} alternating rounds, load average {load_avg}",
+        [
+            "batch",
+            "nanogpt ms/step",
+            "llama.cpp ms/token",
+            "ours / llama.cpp",
+            "nanogpt CPU ms/step",
+            "llama.cpp CPU ms/step",
+            "ours / llama.cpp (CPU)",
+        ],
         rows,
     )
 
@@ -281,6 +315,7 @@ def main():
     p.add_argument("--step", action="store_true", help="the decode step alone instead (--batches, --step-tokens)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 5])
     p.add_argument("--step-tokens", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds per batch size for --step")
     args = p.parse_args()
     if args.step:
         return step_table(args)
