@@ -4,6 +4,7 @@ exported to GGUF, llama.cpp's own OpenAI server (PyPI's xllamacpp, used only her
     python benchmarks/bench_serve.py                                  # 1, 4 and 16 clients, both servers
     python benchmarks/bench_serve.py --clients 1 16 --requests 32 --max-tokens 64 --threads 1 --only nanogpt
     python benchmarks/bench_serve.py --step        # the decode step alone, ours against llama.cpp's, batch 1 and 5
+    python benchmarks/bench_serve.py --baseline ../other-checkout   # that checkout's server too, side by side
 
 The model is a 4 x 128 Llama-shaped GPT with the gpt2 vocabulary and random weights (speed does not depend on
 them). Each client sends streamed completions one after another (loopback only, a bounded number of requests,
@@ -73,10 +74,13 @@ def make_model(folder: Path, block_size: int) -> tuple[Path, Path]:
     return weights, gguf
 
 
-def start(kind: str, weights: Path, gguf: Path, slots: int, ctx: int, threads: int) -> tuple[subprocess.Popen, str]:
-    """A server in its own process; returns it and its base URL once it listens (at most 120 s)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    if kind == "nanogpt":
+def start(
+    kind: str, weights: Path, gguf: Path, slots: int, ctx: int, threads: int, root: Path = ROOT
+) -> tuple[subprocess.Popen, str]:
+    """A server in its own process; returns it and its base URL once it listens (at most 120 s). root: the
+    checkout whose `nanogpt serve` runs."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    if kind.startswith("nanogpt"):
         cmd = [
             sys.executable,
             "-m",
@@ -299,6 +303,17 @@ def step_table(args) -> None:
     )
 
 
+def merge(runs: list[dict]) -> dict:
+    """Rounds of one server at one client count: the median round's tokens/s, latencies pooled."""
+    return {
+        "tok_s": statistics.median(r["tok_s"] for r in runs),
+        "ttft": sorted(t for r in runs for t in r["ttft"]),
+        "gaps": sorted(g for r in runs for g in r["gaps"]),
+        "errors": [e for r in runs for e in r["errors"]],
+        "done": sum(r["done"] for r in runs),
+    }
+
+
 def pct(values: list[float], q: float) -> str:
     if not values:
         return "-"
@@ -312,49 +327,67 @@ def main():
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="CPU threads for each server")
     p.add_argument("--only", choices=["nanogpt", "llama.cpp"], default=None)
+    p.add_argument("--baseline", type=Path, default=None, help="another checkout whose nanogpt serve runs alongside")
     p.add_argument("--step", action="store_true", help="the decode step alone instead (--batches, --step-tokens)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 5])
     p.add_argument("--step-tokens", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds per batch size for --step")
+    p.add_argument("--serve-rounds", type=int, default=3, help="rounds per client count (median tokens/s)")
     args = p.parse_args()
     if args.step:
         return step_table(args)
     slots, ctx = max(args.clients), 256
-    rows, single = [], {}
+    kinds = [k for k in ("nanogpt", "llama.cpp") if args.only in (None, k)]
+    roots = {"nanogpt": ROOT}
+    if args.baseline is not None:
+        kinds.insert(1, "nanogpt baseline")
+        roots["nanogpt baseline"] = args.baseline.resolve()
+    results: dict[str, list] = {k: [] for k in kinds}
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         weights, gguf = make_model(Path(tmp), block_size=ctx)
-        for kind in [k for k in ("nanogpt", "llama.cpp") if args.only in (None, k)]:
-            proc, url = start(kind, weights, gguf, slots, ctx, args.threads)
-            try:
-                load(url, 1, 2, 8)  # warm up
-                for c in args.clients:
-                    r = load(url, c, max(args.requests, c), args.max_tokens)
-                    single.setdefault(kind, r["tok_s"])
-                    rows.append(
-                        [
-                            kind,
-                            c,
-                            f"{r['done']}",
-                            f"{r['tok_s']:,.0f}",
-                            f"{r['tok_s'] / single[kind]:.1f}x",
-                            pct(r["ttft"], 0.5),
-                            pct(r["ttft"], 0.95),
-                            pct(r["gaps"], 0.5),
-                            pct(r["gaps"], 0.95),
-                            len(r["errors"]),
-                        ]
-                    )
-                    print(" | ".join(map(str, rows[-1])), flush=True)
-                    if r["errors"]:
-                        print(f"  first error: {r['errors'][0]}", flush=True)
-            finally:
+        try:
+            for kind in kinds:  # all up at once, idle while another is measured
+                servers[kind] = start(kind, weights, gguf, slots, ctx, args.threads, roots.get(kind, ROOT))
+                load(servers[kind][1], 1, 2, 8)  # warm up
+            for c in args.clients:  # every server in turn, round after round: load drift hits all alike
+                runs: dict[str, list[dict]] = {k: [] for k in kinds}
+                for _ in range(args.serve_rounds):
+                    for kind in kinds:
+                        r = load(servers[kind][1], c, max(args.requests, c), args.max_tokens)
+                        runs[kind].append(r)
+                        print(kind, c, f"{r['tok_s']:,.0f} tokens/s", len(r["errors"]), "errors", flush=True)
+                        if r["errors"]:
+                            print(f"  first error: {r['errors'][0]}", flush=True)
+                for kind in kinds:
+                    results[kind].append((c, merge(runs[kind])))
+        finally:
+            for proc, _ in servers.values():
                 proc.stdin.close()
                 proc.terminate()
                 proc.wait(30)
+    rows = []
+    for kind in kinds:
+        single = results[kind][0][1]["tok_s"]
+        for c, r in results[kind]:
+            rows.append(
+                [
+                    kind,
+                    c,
+                    f"{r['done']}",
+                    f"{r['tok_s']:,.0f}",
+                    f"{r['tok_s'] / single:.1f}x",
+                    pct(r["ttft"], 0.5),
+                    pct(r["ttft"], 0.95),
+                    pct(r["gaps"], 0.5),
+                    pct(r["gaps"], 0.95),
+                    len(r["errors"]),
+                ]
+            )
     load_avg = " ".join(f"{x:.1f}" for x in os.getloadavg())
     table(
         f"streamed completions of {args.max_tokens} tokens, 4x128 Llama-shaped gpt2-vocab model, {args.threads} "
-        f"thread(s) per server, load average {load_avg}",
+        f"thread(s) per server, median of {args.serve_rounds} alternating rounds, load average {load_avg}",
         [
             "server",
             "clients",
