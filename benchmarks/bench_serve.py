@@ -161,8 +161,9 @@ def one_request(url: str, i: int, max_tokens: int, timeout: float) -> dict:
     }
 
 
-def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
-    """`clients` threads send `requests` requests in all; aggregate tokens/s and latency percentiles."""
+def load(url: str, clients: int, requests: int, max_tokens: int, pid: int | None = None) -> dict:
+    """`clients` threads send `requests` requests in all; aggregate tokens/s and latency percentiles, and with
+    pid the server process's CPU time per generated token."""
     results, errors, lock = [], [], threading.Lock()
     counter = iter(range(requests))
 
@@ -182,16 +183,19 @@ def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
                 results.append(r)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds(pid) if pid else 0.0
     for t in threads:
         t.start()
     for t in threads:
         t.join(600)
     wall = time.perf_counter() - t0
+    cpu = cpu_seconds(pid) - c0 if pid else 0.0
     ttft = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     gaps = sorted(g for r in results for g in r["gaps"])
+    tokens = sum(r["tokens"] for r in results)
     return {
-        "tok_s": sum(r["tokens"] for r in results) / wall,
+        "tok_s": tokens / wall,
+        "cpu_ms": cpu / max(tokens, 1) * 1000,
         "ttft": ttft,
         "gaps": gaps,
         "errors": errors,
@@ -307,6 +311,7 @@ def merge(runs: list[dict]) -> dict:
     """Rounds of one server at one client count: the median round's tokens/s, latencies pooled."""
     return {
         "tok_s": statistics.median(r["tok_s"] for r in runs),
+        "cpu_ms": statistics.median(r["cpu_ms"] for r in runs),
         "ttft": sorted(t for r in runs for t in r["ttft"]),
         "gaps": sorted(g for r in runs for g in r["gaps"]),
         "errors": [e for r in runs for e in r["errors"]],
@@ -354,7 +359,7 @@ def main():
                 runs: dict[str, list[dict]] = {k: [] for k in kinds}
                 for _ in range(args.serve_rounds):
                     for kind in kinds:
-                        r = load(servers[kind][1], c, max(args.requests, c), args.max_tokens)
+                        r = load(servers[kind][1], c, max(args.requests, c), args.max_tokens, servers[kind][0].pid)
                         runs[kind].append(r)
                         print(kind, c, f"{r['tok_s']:,.0f} tokens/s", len(r["errors"]), "errors", flush=True)
                         if r["errors"]:
@@ -377,6 +382,7 @@ def main():
                     f"{r['done']}",
                     f"{r['tok_s']:,.0f}",
                     f"{r['tok_s'] / single:.1f}x",
+                    f"{r['cpu_ms']:.2f}",
                     pct(r["ttft"], 0.5),
                     pct(r["ttft"], 0.95),
                     pct(r["gaps"], 0.5),
@@ -394,6 +400,7 @@ def main():
             "requests",
             "tokens/s",
             "vs 1 client",
+            "server CPU ms/token",
             "TTFT p50 ms",
             "TTFT p95 ms",
             "ITL p50 ms",
