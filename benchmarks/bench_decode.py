@@ -23,7 +23,7 @@ from common import sync, table  # noqa: E402
 
 from nanogpt_cli.config import GPTConfig  # noqa: E402
 from nanogpt_cli.device import resolve_device  # noqa: E402
-from nanogpt_cli.engine import DecodePlan, KVCache, decode_plan, decode_step, head_logits  # noqa: E402
+from nanogpt_cli.engine import DecodePlan, KVCache, decode_plan, decode_step, head_logits, linear  # noqa: E402
 from nanogpt_cli.model import GPT, apply_rope, softcap  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def static_step(
     B = idx.size(0)
     nh, hs, C = p.n_head, p.head_size, p.n_embd
     S = k_cache[0].size(2)
-    x = F.embedding(idx, p.wte)  # (B, 1, C)
+    x = F.embedding(idx.view(B), p.wte)  # (B, C)
     rope = p.pos_table is None
     if rope:
         cos, sin = p.cos.index_select(0, pos)[0], p.sin.index_select(0, pos)[0]  # (1, 1, hs)
@@ -43,7 +43,7 @@ def static_step(
         x = x + p.pos_table.index_select(0, pos)
     mask = (torch.arange(S, device=idx.device) <= pos).view(1, 1, 1, S)
     for i, w in enumerate(p.layers):
-        qkv = F.linear(w.ln_1(x), w.w_qkv, w.b_qkv).view(B, 3, nh, hs)
+        qkv = linear(w.ln_1(x), w.w_qkv, w.b_qkv).view(B, 3, nh, hs)
         qk = qkv[:, :2]
         if w.q_norm is not None:
             qk = torch.stack([w.q_norm(qkv[:, 0]), w.k_norm(qkv[:, 1])], dim=1)
@@ -53,9 +53,9 @@ def static_step(
         v_cache[i].index_copy_(2, pos, qkv[:, 2].unsqueeze(2))
         q = qk[:, 0].unsqueeze(2)  # (B, nh, 1, hs)
         y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask)
-        x = x + F.linear(y.reshape(B, 1, C), w.w_o, w.b_o)
-        x = x + F.linear(p.act(F.linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj)
-    return softcap(head_logits(p, p.ln_f(x[:, -1])), p.logit_softcap)
+        x = linear(y.reshape(B, C), w.w_o, w.b_o, residual=x)
+        x = linear(p.act(linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj, residual=x)
+    return softcap(head_logits(p, p.ln_f(x)), p.logit_softcap)
 
 
 def bench(cfg: GPTConfig, batch: int, tokens: int, device: torch.device) -> list:

@@ -4,6 +4,7 @@ exported to GGUF, llama.cpp's own OpenAI server (PyPI's xllamacpp, used only her
     python benchmarks/bench_serve.py                                  # 1, 4 and 16 clients, both servers
     python benchmarks/bench_serve.py --clients 1 16 --requests 32 --max-tokens 64 --threads 1 --only nanogpt
     python benchmarks/bench_serve.py --step        # the decode step alone, ours against llama.cpp's, batch 1 and 5
+    python benchmarks/bench_serve.py --baseline ../other-checkout   # that checkout's server too, side by side
 
 The model is a 4 x 128 Llama-shaped GPT with the gpt2 vocabulary and random weights (speed does not depend on
 them). Each client sends streamed completions one after another (loopback only, a bounded number of requests,
@@ -73,10 +74,13 @@ def make_model(folder: Path, block_size: int) -> tuple[Path, Path]:
     return weights, gguf
 
 
-def start(kind: str, weights: Path, gguf: Path, slots: int, ctx: int, threads: int) -> tuple[subprocess.Popen, str]:
-    """A server in its own process; returns it and its base URL once it listens (at most 120 s)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    if kind == "nanogpt":
+def start(
+    kind: str, weights: Path, gguf: Path, slots: int, ctx: int, threads: int, root: Path = ROOT
+) -> tuple[subprocess.Popen, str]:
+    """A server in its own process; returns it and its base URL once it listens (at most 120 s). root: the
+    checkout whose `nanogpt serve` runs."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    if kind.startswith("nanogpt"):
         cmd = [
             sys.executable,
             "-m",
@@ -157,8 +161,9 @@ def one_request(url: str, i: int, max_tokens: int, timeout: float) -> dict:
     }
 
 
-def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
-    """`clients` threads send `requests` requests in all; aggregate tokens/s and latency percentiles."""
+def load(url: str, clients: int, requests: int, max_tokens: int, pid: int | None = None) -> dict:
+    """`clients` threads send `requests` requests in all; aggregate tokens/s and latency percentiles, and with
+    pid the server process's CPU time per generated token."""
     results, errors, lock = [], [], threading.Lock()
     counter = iter(range(requests))
 
@@ -178,16 +183,19 @@ def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
                 results.append(r)
 
     threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_seconds(pid) if pid else 0.0
     for t in threads:
         t.start()
     for t in threads:
         t.join(600)
     wall = time.perf_counter() - t0
+    cpu = cpu_seconds(pid) - c0 if pid else 0.0
     ttft = sorted(r["ttft"] for r in results if r["ttft"] is not None)
     gaps = sorted(g for r in results for g in r["gaps"])
+    tokens = sum(r["tokens"] for r in results)
     return {
-        "tok_s": sum(r["tokens"] for r in results) / wall,
+        "tok_s": tokens / wall,
+        "cpu_ms": cpu / max(tokens, 1) * 1000,
         "ttft": ttft,
         "gaps": gaps,
         "errors": errors,
@@ -195,30 +203,35 @@ def load(url: str, clients: int, requests: int, max_tokens: int) -> dict:
     }
 
 
-def our_step(weights: Path, batch: int, tokens: int, threads: int) -> float:
-    """ms per engine step (sample, then one decode step) with `batch` greedy rows, after their prefill."""
-    import torch
+def cpu_seconds(pid: int) -> float:
+    """CPU time used so far by every thread of process pid (the scheduler's nanosecond count)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            pass
+    return total / 1e9
 
+
+def our_step(loaded, batch: int, tokens: int) -> tuple[float, float]:
+    """ms per engine step (sample, then one decode step) with `batch` greedy rows, after their prefill: wall
+    time and this process's CPU time."""
     from nanogpt_cli.engine import Engine, SamplingParams
-    from nanogpt_cli.loading import load_for_inference
 
-    torch.set_num_threads(threads)
-    loaded = load_for_inference(weights, device="cpu", dtype="float32")
-    best = float("inf")
-    for _ in range(3):
-        engine = Engine(loaded.model, max_batch=batch, vocab_size=loaded.tokenizer.vocab_size)
-        engine.add_many([[464, 3290, 318, 257]] * batch, SamplingParams(temperature=0.0), tokens + 8)
-        for _ in range(8):  # warm up
-            engine.step()
-        t0 = time.perf_counter()
-        for _ in range(tokens):
-            engine.step()
-        best = min(best, (time.perf_counter() - t0) / tokens * 1000)
-    return best
+    engine = Engine(loaded.model, max_batch=batch, vocab_size=loaded.tokenizer.vocab_size)
+    engine.add_many([[464, 3290, 318, 257]] * batch, SamplingParams(temperature=0.0), tokens + 8)
+    for _ in range(8):  # warm up
+        engine.step()
+    t0, c0 = time.perf_counter(), cpu_seconds(os.getpid())
+    for _ in range(tokens):
+        engine.step()
+    return (time.perf_counter() - t0) / tokens * 1000, (cpu_seconds(os.getpid()) - c0) / tokens * 1000
 
 
-def llama_step(url: str, batch: int, tokens: int) -> float:
-    """ms per generated token of each of `batch` concurrent greedy requests, from llama.cpp's own timings."""
+def llama_step(url: str, pid: int, batch: int, tokens: int) -> tuple[float, float]:
+    """ms per generated token of each of `batch` concurrent greedy requests (their median), from llama.cpp's own
+    timings, and the server process's CPU time per step (all its threads; the 4-token prompts included)."""
     host, port = url.removeprefix("http://").split(":")
     per_token: list[float] = []
 
@@ -229,28 +242,49 @@ def llama_step(url: str, batch: int, tokens: int) -> float:
         per_token.append(json.loads(conn.getresponse().read())["timings"]["predicted_per_token_ms"])
         conn.close()
 
-    best = float("inf")
-    for _ in range(3):
-        per_token.clear()
-        threads = [threading.Thread(target=ask, daemon=True) for _ in range(batch)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        best = min(best, statistics.median(per_token))
-    return best
+    threads = [threading.Thread(target=ask, daemon=True) for _ in range(batch)]
+    c0 = cpu_seconds(pid)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    return statistics.median(per_token), (cpu_seconds(pid) - c0) / tokens * 1000
 
 
 def step_table(args) -> None:
+    """Rounds that alternate llama.cpp's server and our engine, so that the load other jobs put on the machine
+    hits both alike. Wall time counts whatever else the shared CPU runs meanwhile; CPU time (ours: this process,
+    theirs: the server's) counts only the work, so its ratio is the steadier one on a busy machine."""
+    import torch
+
+    from nanogpt_cli.loading import load_for_inference
+
+    torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         weights, gguf = make_model(Path(tmp), block_size=1024)
+        loaded = load_for_inference(weights, device="cpu", dtype="float32")
         proc, url = start("llama.cpp", weights, gguf, max(args.batches), 1024, args.threads)
         try:
+            llama_step(url, proc.pid, 1, 16)  # warm up
             for b in args.batches:
-                theirs = llama_step(url, b, args.step_tokens)
-                ours = our_step(weights, b, args.step_tokens, args.threads)
-                rows.append([b, f"{ours:.2f}", f"{theirs:.2f}", f"{ours / theirs:.2f}x"])
+                ours, theirs = [], []
+                for _ in range(args.rounds):
+                    theirs.append(llama_step(url, proc.pid, b, args.step_tokens))
+                    ours.append(our_step(loaded, b, args.step_tokens))
+                wall = statistics.median(o[0] / t[0] for o, t in zip(ours, theirs))
+                cpu = statistics.median(o[1] / t[1] for o, t in zip(ours, theirs))
+                rows.append(
+                    [
+                        b,
+                        f"{statistics.median(o[0] for o in ours):.2f}",
+                        f"{statistics.median(t[0] for t in theirs):.2f}",
+                        f"{wall:.2f}x",
+                        f"{statistics.median(o[1] for o in ours):.2f}",
+                        f"{statistics.median(t[1] for t in theirs):.2f}",
+                        f"{cpu:.2f}x",
+                    ]
+                )
                 print(" | ".join(map(str, rows[-1])), flush=True)
         finally:
             proc.stdin.close()
@@ -259,10 +293,30 @@ def step_table(args) -> None:
     load_avg = " ".join(f"{x:.1f}" for x in os.getloadavg())
     table(
         f"decode step, 4x128 Llama-shaped gpt2-vocab model, greedy, {args.step_tokens} tokens per row, "
-        f"{args.threads} thread(s), load average {load_avg}",
-        ["batch", "nanogpt engine ms/step", "llama.cpp ms/token", "ours / llama.cpp"],
+        f"{args.threads} thread(s), medians of {args.rounds} alternating rounds, load average {load_avg}",
+        [
+            "batch",
+            "nanogpt ms/step",
+            "llama.cpp ms/token",
+            "ours / llama.cpp",
+            "nanogpt CPU ms/step",
+            "llama.cpp CPU ms/step",
+            "ours / llama.cpp (CPU)",
+        ],
         rows,
     )
+
+
+def merge(runs: list[dict]) -> dict:
+    """Rounds of one server at one client count: the median round's tokens/s, latencies pooled."""
+    return {
+        "tok_s": statistics.median(r["tok_s"] for r in runs),
+        "cpu_ms": statistics.median(r["cpu_ms"] for r in runs),
+        "ttft": sorted(t for r in runs for t in r["ttft"]),
+        "gaps": sorted(g for r in runs for g in r["gaps"]),
+        "errors": [e for r in runs for e in r["errors"]],
+        "done": sum(r["done"] for r in runs),
+    }
 
 
 def pct(values: list[float], q: float) -> str:
@@ -278,54 +332,75 @@ def main():
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="CPU threads for each server")
     p.add_argument("--only", choices=["nanogpt", "llama.cpp"], default=None)
+    p.add_argument("--baseline", type=Path, default=None, help="another checkout whose nanogpt serve runs alongside")
     p.add_argument("--step", action="store_true", help="the decode step alone instead (--batches, --step-tokens)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 5])
     p.add_argument("--step-tokens", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds per batch size for --step")
+    p.add_argument("--serve-rounds", type=int, default=3, help="rounds per client count (median tokens/s)")
     args = p.parse_args()
     if args.step:
         return step_table(args)
     slots, ctx = max(args.clients), 256
-    rows, single = [], {}
+    kinds = [k for k in ("nanogpt", "llama.cpp") if args.only in (None, k)]
+    roots = {"nanogpt": ROOT}
+    if args.baseline is not None:
+        kinds.insert(1, "nanogpt baseline")
+        roots["nanogpt baseline"] = args.baseline.resolve()
+    results: dict[str, list] = {k: [] for k in kinds}
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         weights, gguf = make_model(Path(tmp), block_size=ctx)
-        for kind in [k for k in ("nanogpt", "llama.cpp") if args.only in (None, k)]:
-            proc, url = start(kind, weights, gguf, slots, ctx, args.threads)
-            try:
-                load(url, 1, 2, 8)  # warm up
-                for c in args.clients:
-                    r = load(url, c, max(args.requests, c), args.max_tokens)
-                    single.setdefault(kind, r["tok_s"])
-                    rows.append(
-                        [
-                            kind,
-                            c,
-                            f"{r['done']}",
-                            f"{r['tok_s']:,.0f}",
-                            f"{r['tok_s'] / single[kind]:.1f}x",
-                            pct(r["ttft"], 0.5),
-                            pct(r["ttft"], 0.95),
-                            pct(r["gaps"], 0.5),
-                            pct(r["gaps"], 0.95),
-                            len(r["errors"]),
-                        ]
-                    )
-                    print(" | ".join(map(str, rows[-1])), flush=True)
-                    if r["errors"]:
-                        print(f"  first error: {r['errors'][0]}", flush=True)
-            finally:
+        try:
+            for kind in kinds:  # all up at once, idle while another is measured
+                servers[kind] = start(kind, weights, gguf, slots, ctx, args.threads, roots.get(kind, ROOT))
+                load(servers[kind][1], 1, 2, 8)  # warm up
+            for c in args.clients:  # every server in turn, round after round: load drift hits all alike
+                runs: dict[str, list[dict]] = {k: [] for k in kinds}
+                for _ in range(args.serve_rounds):
+                    for kind in kinds:
+                        r = load(servers[kind][1], c, max(args.requests, c), args.max_tokens, servers[kind][0].pid)
+                        runs[kind].append(r)
+                        print(kind, c, f"{r['tok_s']:,.0f} tokens/s", len(r["errors"]), "errors", flush=True)
+                        if r["errors"]:
+                            print(f"  first error: {r['errors'][0]}", flush=True)
+                for kind in kinds:
+                    results[kind].append((c, merge(runs[kind])))
+        finally:
+            for proc, _ in servers.values():
                 proc.stdin.close()
                 proc.terminate()
                 proc.wait(30)
+    rows = []
+    for kind in kinds:
+        single = results[kind][0][1]["tok_s"]
+        for c, r in results[kind]:
+            rows.append(
+                [
+                    kind,
+                    c,
+                    f"{r['done']}",
+                    f"{r['tok_s']:,.0f}",
+                    f"{r['tok_s'] / single:.1f}x",
+                    f"{r['cpu_ms']:.2f}",
+                    pct(r["ttft"], 0.5),
+                    pct(r["ttft"], 0.95),
+                    pct(r["gaps"], 0.5),
+                    pct(r["gaps"], 0.95),
+                    len(r["errors"]),
+                ]
+            )
     load_avg = " ".join(f"{x:.1f}" for x in os.getloadavg())
     table(
         f"streamed completions of {args.max_tokens} tokens, 4x128 Llama-shaped gpt2-vocab model, {args.threads} "
-        f"thread(s) per server, load average {load_avg}",
+        f"thread(s) per server, median of {args.serve_rounds} alternating rounds, load average {load_avg}",
         [
             "server",
             "clients",
             "requests",
             "tokens/s",
             "vs 1 client",
+            "server CPU ms/token",
             "TTFT p50 ms",
             "TTFT p95 ms",
             "ITL p50 ms",

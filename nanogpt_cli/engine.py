@@ -98,19 +98,20 @@ class CacheView:
 
 
 class LayerWeights(NamedTuple):
-    """One block's weights as decode_step reads them (norms as functions with their weights bound)."""
+    """One block's weights as decode_step reads them: matrices as (in, out) for x @ w (_matmul_form), norms as
+    functions with their weights bound."""
 
     ln_1: Callable[[torch.Tensor], torch.Tensor]
     q_norm: Callable[[torch.Tensor], torch.Tensor] | None  # --qk-norm; None when off
     k_norm: Callable[[torch.Tensor], torch.Tensor] | None
-    w_qkv: torch.Tensor
+    w_qkv: torch.Tensor  # (C, 3C)
     b_qkv: torch.Tensor | None
-    w_o: torch.Tensor
+    w_o: torch.Tensor  # (C, C)
     b_o: torch.Tensor | None
     ln_2: Callable[[torch.Tensor], torch.Tensor]
-    w_fc: torch.Tensor
+    w_fc: torch.Tensor  # (C, H) or (C, 2H)
     b_fc: torch.Tensor | None
-    w_proj: torch.Tensor
+    w_proj: torch.Tensor  # (H, C)
     b_proj: torch.Tensor | None
 
 
@@ -120,8 +121,8 @@ class DecodePlan(NamedTuple):
     layers: list[LayerWeights]
     wte: torch.Tensor
     ln_f: Callable[[torch.Tensor], torch.Tensor]
-    head: torch.Tensor  # (V, C)
-    head_t: torch.Tensor | None  # (C, V) contiguous on a CPU, where it makes the head's matmul ~3x faster
+    head: torch.Tensor  # (V, C), V cut to the vocabulary decode_plan was given
+    head_t: torch.Tensor | None  # (C, V) contiguous on a CPU (head_logits)
     pos_table: torch.Tensor | None  # learned or sinusoidal positions; None for RoPE
     cos: torch.Tensor | None  # RoPE tables (block_size, 1, 1, hs)
     sin: torch.Tensor | None
@@ -138,28 +139,51 @@ def _as_function(module: nn.Module | None):
         return None
     shape, weight, eps = module.normalized_shape, module.weight, module.eps
     if isinstance(module, nn.RMSNorm):
+        if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
+            # x / sqrt(mean(x^2) + eps) from the row's norm in three calls, ~2x cheaper than F.rms_norm on one
+            # row of a few hundred values on a CPU (4.7 against 8.1 us for 128); within 1e-6 of it. float32 only:
+            # the fused kernel accumulates bf16 in fp32
+            scale = 1.0 / weight.numel()
+            eps = torch.tensor(torch.finfo(torch.float32).eps if eps is None else eps)
+
+            def rms_norm(x: torch.Tensor) -> torch.Tensor:
+                n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+                return x * torch.addcmul(eps, n, n, value=scale).rsqrt_() * weight
+
+            return rms_norm
         return lambda x: F.rms_norm(x, shape, weight, eps)
     bias = module.bias
     return lambda x: torch.layer_norm(x, shape, weight, bias, eps)
 
 
-def decode_plan(model: GPT) -> DecodePlan:
+def _matmul_form(w: torch.Tensor) -> torch.Tensor:
+    """A weight (out, in) as decode_step multiplies it, x @ w: (in, out). On a CPU a contiguous copy of the
+    transpose for small matrices, where MKL's kernel for one to a few rows is ~2x faster than for x @ W.T (what
+    F.linear computes): 4 against 8 us for 128 -> 384 at batch 1, the same at 768 -> 2304; the copies add the
+    body's matrices once more, for small models only. Elsewhere the transposed view, F.linear's own product."""
+    if w.device.type == "cpu" and w.numel() <= 1 << 20:
+        return w.t().contiguous()
+    return w.t()
+
+
+def decode_plan(model: GPT, vocab_size: int | None = None) -> DecodePlan:
     """What decode_step reads, looked up once: each nn.Module attribute lookup costs about a microsecond, and a
-    small model's token makes ~100 of them. Tensors are shared, not copied."""
+    small model's token makes ~100 of them. vocab_size: logits for the first vocab_size tokens only (a padded
+    head has rows no tokenizer token reaches). Tensors are shared, not copied, except the transposed forms."""
     cfg = model.config
     layers = [
         LayerWeights(
             ln_1=_as_function(b.ln_1),
             q_norm=_as_function(b.attn.q_norm),
             k_norm=_as_function(b.attn.k_norm),
-            w_qkv=b.attn.c_attn.weight,
+            w_qkv=_matmul_form(b.attn.c_attn.weight),
             b_qkv=b.attn.c_attn.bias,
-            w_o=b.attn.c_proj.weight,
+            w_o=_matmul_form(b.attn.c_proj.weight),
             b_o=b.attn.c_proj.bias,
             ln_2=_as_function(b.ln_2),
-            w_fc=b.mlp.c_fc.weight,
+            w_fc=_matmul_form(b.mlp.c_fc.weight),
             b_fc=b.mlp.c_fc.bias,
-            w_proj=b.mlp.c_proj.weight,
+            w_proj=_matmul_form(b.mlp.c_proj.weight),
             b_proj=b.mlp.c_proj.bias,
         )
         for b in model.transformer.h
@@ -169,10 +193,10 @@ def decode_plan(model: GPT) -> DecodePlan:
         pos_table = model.transformer.wpe.weight
     elif cfg.pos_encoding == "sinusoidal":
         pos_table = model.pos_table
-    head = model.lm_head.weight
-    # MKL's kernel for x @ W.T with a tall, thin W (V x C, V in the tens of thousands) is ~3x slower than for
-    # x @ W.T stored contiguous (C x V): one copy of the head, once per engine, for the biggest matmul of a
-    # small model's token (1.2 against 4.3 ms for 128 x 50,257 at batch 1 on one thread); a GPU has no such gap
+    head = model.lm_head.weight[: vocab_size or cfg.vocab_size]
+    # MKL's kernel for h @ W.T with a tall, thin W (V x C, V in the tens of thousands) is up to ~3x slower than
+    # for h @ W_t with the transpose stored contiguous (C x V): one copy of the head, once per engine, for the
+    # biggest matmul of a small model's token; a GPU has no such gap
     head_t = head.t().contiguous() if head.device.type == "cpu" and head.size(0) >= 8 * head.size(1) else None
     return DecodePlan(
         layers=layers,
@@ -191,6 +215,14 @@ def decode_plan(model: GPT) -> DecodePlan:
     )
 
 
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None = None):
+    """x (B, in) @ w (in, out) + b, plus residual (B, out) when given, in one call where it can be one."""
+    if b is None:
+        return torch.mm(x, w) if residual is None else torch.addmm(residual, x, w)
+    y = torch.addmm(b, x, w)
+    return y if residual is None else residual + y
+
+
 def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None = None) -> torch.Tensor:
     """Logits (B, V) after one new token for each of the cache's first n rows (idx (B,) or (B, 1)), each at its
     own position: the same computation as GPT.forward through a cache, written against the weights directly.
@@ -203,7 +235,7 @@ def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None 
     pos = cache.pos[:B]
     first, last = min(pos), max(pos)
     assert last < cache.capacity, f"a row at position {last} overflows a cache of {cache.capacity}"
-    x = torch.embedding(p.wte, idx.view(B, 1))  # (B, 1, C)
+    x = torch.embedding(p.wte, idx.view(B))  # (B, C): T = 1 folded away
     rope = p.pos_table is None
     if first == last:
         mask = rows = None
@@ -217,13 +249,13 @@ def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None 
         if rope:
             cos, sin = p.cos[at], p.sin[at]  # (B, 1, 1, hs)
         else:
-            x = x + p.pos_table[at].unsqueeze(1)
+            x = x + p.pos_table[at]
         mask = (torch.arange(last + 1, device=idx.device) <= at[:, None]).view(B, 1, 1, last + 1)
     whole = B == cache.rows
     act = p.act
     # narrow/select rather than x[:, :, a:b]: Python's tuple indexing costs a few microseconds a call
     for i, w in enumerate(p.layers):
-        qkv = F.linear(w.ln_1(x), w.w_qkv, w.b_qkv).view(B, 3, nh, hs)  # T = 1 folded away
+        qkv = linear(w.ln_1(x), w.w_qkv, w.b_qkv).view(B, 3, nh, hs)
         qk = qkv.narrow(1, 0, 2)  # (B, 2, nh, hs)
         if w.q_norm is not None:
             qk = torch.stack([w.q_norm(qkv.select(1, 0)), w.k_norm(qkv.select(1, 1))], dim=1)
@@ -235,29 +267,29 @@ def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None 
         if mask is None:
             k_all.select(2, first).copy_(qk.select(1, 1))
             v_all.select(2, first).copy_(qkv.select(1, 2))
-        else:
-            k_all[rows, :, at] = qk.select(1, 1).to(k_all.dtype)  # (B, nh, hs) into each row's own position
-            v_all[rows, :, at] = qkv.select(1, 2).to(v_all.dtype)
+        else:  # (B, nh, hs) into each row's own position, through the (B, S, nh, hs) view
+            k_all.transpose(1, 2).index_put_((rows, at), qk.select(1, 1).to(k_all.dtype))
+            v_all.transpose(1, 2).index_put_((rows, at), qkv.select(1, 2).to(v_all.dtype))
         q = qk.narrow(1, 0, 1)  # (B, 1, nh, hs) viewed as (B, nh, 1, hs) below
         q = q.view(B, nh, 1, hs) if q.dtype == k_all.dtype else q.view(B, nh, 1, hs).to(k_all.dtype)
         y = F.scaled_dot_product_attention(
             q, k_all.narrow(2, 0, last + 1), v_all.narrow(2, 0, last + 1), attn_mask=mask
         )
-        x = x + F.linear(y.view(B, 1, C), w.w_o, w.b_o)
-        x = x + F.linear(act(F.linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj)
+        x = linear(y.view(B, C), w.w_o, w.b_o, residual=x)
+        x = linear(act(linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj, residual=x)
     cache.pos[:B] = [q + 1 for q in pos]
-    return softcap(head_logits(p, p.ln_f(x[:, -1])), p.logit_softcap)  # (B, V)
+    return softcap(head_logits(p, p.ln_f(x)), p.logit_softcap)  # (B, V)
 
 
 def head_logits(p: DecodePlan, h: torch.Tensor) -> torch.Tensor:
-    """h (B, C) @ head.T -> (B, V). On a CPU, with a large vocabulary, MKL's fastest form depends on B: one or
-    two rows, h against the transposed copy; more, head @ h.T, whose result is read through a transposed view
-    (128 x 50,257 on one thread: 0.7 against 2.9 ms at batch 1, 2.7 against 4.7 ms at batch 4)."""
+    """h (B, C) @ head.T -> (B, V), contiguous. On a CPU with a large vocabulary, h @ the transposed copy: at
+    batch 5, 1.4 against 2.8 ms for F.linear (128 x 50,257, one thread, AVX-512); at batch 1 an engine step is
+    ~18% faster with it than with F.linear, though alone the two cost the same there. Its logits come out row by
+    row, which every pass after it (temperature, the draw, the pick) reads ~2x faster than the transposed view
+    that W @ h.T gives (that form is the fastest matmul from three rows on with AVX2)."""
     if p.head_t is None:
         return F.linear(h, p.head)
-    if h.size(0) <= 2:
-        return h @ p.head_t
-    return (p.head @ h.t()).t()
+    return torch.mm(h, p.head_t)
 
 
 # --- logits processing ----------------------------------------------------------------------------------
@@ -313,6 +345,9 @@ class RowError(NanoGPTError):
         self.rows = rows
 
 
+DRAW_BLOCK = 1024  # tokens per block of sample_tokens' two-level search
+
+
 def sample_tokens(logits: torch.Tensor, temperature: float, generators: Sequence[torch.Generator | None]) -> list[int]:
     """One token per row from processed logits (B, V), row r drawing from generators[r] (one generator for all
     rows when a single one is given; None: torch's global one); greedy when temperature is 0.
@@ -323,25 +358,39 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generators: Sequence
     probabilities raise RowError (a NanoGPTError) naming the rows: torch.multinomial on a GPU would end the
     process with a device-side assert instead."""
     if temperature == 0:
-        tokens = logits.argmax(dim=-1)  # (B,)
-        # argmax picks a NaN or +inf when there is one: checking the picked logits checks them all
-        picked = logits.gather(1, tokens[:, None]).view(-1)
+        # max over the row, not argmax: the same first index of the largest logit, ~2.5x cheaper over a 50k row on
+        # a CPU (24 against 63 us); a NaN or +inf wins when there is one, so checking the winners checks them all
+        picked, tokens = logits.max(dim=-1)  # (B,) each
         if not torch.isfinite(picked).all():
             raise RowError(NOT_FINITE, (~torch.isfinite(picked)).nonzero().view(-1).tolist())
         return tokens.tolist()
-    cdf = logits.softmax(dim=-1).cumsum_(dim=-1)  # (B, V)
-    total = cdf[:, -1]  # 1 up to rounding; NaN if any probability is
+    B, V = logits.shape
+    blocks = -(-V // DRAW_BLOCK)
+    # each row's probabilities times a positive constant of its own (the draw scales it away): exp(logit - max);
+    # the padding past V has none
+    w = torch.empty(B, blocks * DRAW_BLOCK, dtype=logits.dtype, device=logits.device)
+    torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=w[:, :V]).exp_()
+    w[:, V:] = 0
+    w = w.view(B, blocks, DRAW_BLOCK)
+    # a cumulative sum over a whole row is one long chain of additions (~1 ms for 16 rows of 50k on a CPU): sum the
+    # blocks instead (vectorised), find the draw's block in their cumulative sums, then run the chain in it only
+    mass = w.sum(dim=-1).cumsum_(dim=-1)  # (B, blocks)
+    total = mass[:, -1]  # NaN if any logit is NaN or +inf, or if every one is -inf
     finite = torch.isfinite(total) & (total > 0)
     if not finite.all():
         raise RowError(NOT_FINITE, (~finite).nonzero().view(-1).tolist())
-    B = logits.size(0)
     if len(generators) == 1:
         u = torch.rand(B, generator=generators[0], device=logits.device)
     else:
         u = torch.cat([torch.rand(1, generator=g, device=logits.device) for g in generators])
+    zero = torch.zeros_like(total)
     # strictly below the total, so the search never lands past the last token with any probability
-    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, x[:, None], right=True).view(-1).tolist()
+    x = torch.minimum(u * total, torch.nextafter(total, zero))[:, None]  # (B, 1)
+    block = torch.searchsorted(mass, x, right=True)  # (B, 1): the first block whose cumulative mass passes x
+    before = torch.where(block > 0, mass.gather(1, (block - 1).clamp_(min=0)), 0.0)  # the mass of the blocks before
+    inner = w[torch.arange(B, device=w.device), block.view(-1)].cumsum_(dim=-1)  # (B, DRAW_BLOCK)
+    x = torch.minimum(x - before, torch.nextafter(inner[:, -1:], zero[:, None]))  # the same bound, in the block
+    return (block * DRAW_BLOCK + torch.searchsorted(inner, x, right=True)).view(-1).tolist()
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[tuple[float, list]]:
@@ -425,9 +474,10 @@ class Engine:
         self.device = model.transformer.wte.weight.device
         with torch.inference_mode():
             self.cache = KVCache(model, max_batch) if use_cache else None
-        self.plan = decode_plan(model)
+        self.plan = decode_plan(model, self.vocab_size)
         self.rows: list[_Row] = []  # slot order
-        self.logits: torch.Tensor | None = None  # (active, V): each row's next-token logits
+        self.logits: torch.Tensor | None = None  # (active, vocab_size): each row's next-token logits
+        self.behind = False  # pick() handed out tokens that advance() has not fed yet
         self.seen: torch.Tensor | None = None  # (max_batch, V) bool, once a row uses a repetition penalty
         self._next_id = 0
 
@@ -475,6 +525,7 @@ class Engine:
                 raise NanoGPTError(f"a row must generate at least one token, got max_new_tokens={limit}")
         if n > self.free:
             raise NanoGPTError(f"{n} new rows do not fit: {self.free} of {self.max_batch} are free")
+        self.advance()  # the rows already here take their picked tokens first: the logits stay one per row
         generators = generators or [None] * n
         start = len(self.rows)
         for prompt, p, limit, generator in zip(prompts, params, limits, generators):
@@ -508,17 +559,22 @@ class Engine:
                 end += 1
             self.cache.pos[slot:end] = [0] * (end - slot)
             idx = torch.tensor([r.tokens for r in self.rows[slot:end]], dtype=torch.long, device=self.device)
-            logits, _ = self.model(idx, cache=self.cache.view(slot, end), last_only=True)  # (b, 1, V)
-            out.append(logits[:, -1].float())
+            h = self.model.hidden_states(idx, cache=self.cache.view(slot, end))  # (b, T, C)
+            out.append(self._head(h[:, -1]))
             slot = end
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Next-token logits (b, vocab_size) from the last position's hidden states (b, C): a prefill runs the
+        head over one position, not every prompt token, through the decode step's faster form of it."""
+        return softcap(head_logits(self.plan, h), self.plan.logit_softcap).float()
 
     def _full_forward(self, rows: list[_Row]) -> torch.Tensor:
         """Logits (len(rows), V) from a forward over each row's last block_size tokens (no cache)."""
         windows = [r.tokens[-self.block_size :] for r in rows]
         if all(len(w) == len(windows[0]) for w in windows):
             idx = torch.tensor(windows, dtype=torch.long, device=self.device)
-            return self.model(idx, last_only=True)[0][:, -1].float()
+            return self._head(self.model.hidden_states(idx)[:, -1])
         return torch.cat([self._full_forward([r]) for r in rows])
 
     @torch.inference_mode()
@@ -538,14 +594,23 @@ class Engine:
         self.rows.pop()
         self.logits = self.logits[:last] if last else None
 
-    @torch.inference_mode()
     def step(self) -> list[StepToken]:
-        """One token for every active row: sample from each row's logits with its own settings and generator,
-        end the rows that reached their length or a stop token, then run the others one token on. A RowError
-        (rows whose probabilities are not finite) leaves every row as it was."""
+        """One token for every active row: pick() then advance(). A RowError (rows whose probabilities are not
+        finite) leaves every row as it was."""
+        out = self.pick()
+        self.advance()
+        return out
+
+    @torch.inference_mode()
+    def pick(self) -> list[StepToken]:
+        """Sample every active row's next token from its logits with its own settings and generator, and end the
+        rows that reached their length or a stop token; advance() then feeds the tokens to the model. A server
+        hands the tokens out in between, so a new row's first token goes out right after its prefill, and a row
+        that its caller removes (a stop text) costs no decode step. A RowError leaves every row as it was."""
+        self.advance()  # a pick not fed yet is fed first
         if not self.rows:
             return []
-        logits = self.logits[:, : self.vocab_size]
+        logits = self.logits
         tokens = self._sample(logits)
         out = []
         for slot, (row, token) in enumerate(zip(self.rows, tokens)):
@@ -559,12 +624,18 @@ class Engine:
                 )
         if self.seen is not None:
             self.seen[torch.arange(len(tokens)), torch.tensor(tokens)] = True
+        self.behind = True
         for t in out:
             if t.finish is not None:
                 self.remove(t.row)
-        if self.rows:
-            self.logits = self._advance()
         return out
+
+    @torch.inference_mode()
+    def advance(self) -> None:
+        """Run every row one token on, with the token pick() gave it (nothing to do when pick() has not run)."""
+        if self.behind and self.rows:
+            self.logits = self._advance()
+        self.behind = False
 
     def _advance(self) -> torch.Tensor:
         """Feed every row its newest token: next-token logits (active, V)."""
@@ -576,7 +647,7 @@ class Engine:
                 self.cache.pos[slot] = 0
                 if keep > 1:
                     idx = torch.tensor([row.tokens[-keep:-1]], dtype=torch.long, device=self.device)
-                    self.model(idx, cache=self.cache.view(slot, slot + 1), last_only=True)
+                    self.model.hidden_states(idx, cache=self.cache.view(slot, slot + 1))  # fills the cache
         idx = torch.tensor([r.tokens[-1] for r in self.rows], dtype=torch.long, device=self.device)
         return decode_step(self.plan, idx, self.cache, len(self.rows)).float()
 

@@ -262,6 +262,22 @@ class GPT(nn.Module):
     ):
         """Logits (B, T, V) for every position (or (B, 1, V) with last_only) and the mean cross-entropy
         over targets (B, T) when given (ignore_index -1). With a cache, idx holds the new tokens only."""
+        x = self.hidden_states(idx, cache)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, C): generation needs only the next token's logits
+        logits = softcap(self.lm_head(x), self.config.logit_softcap)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            # the mean over the targets that count; a batch with none (a chat window of prompt only) gives 0, not
+            # 0/0 = NaN, and no gradient
+            flat = targets.reshape(-1)
+            total = F.cross_entropy(logits.float().view(-1, logits.size(-1)), flat, ignore_index=-1, reduction="sum")
+            loss = total / (flat != -1).sum().clamp(min=1)
+        return logits, loss
+
+    def hidden_states(self, idx: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+        """The last block's output after the final norm (B, T, C): what lm_head turns into logits. A caller that
+        needs some positions' logits only (a prefill needs the last one) applies the head to those."""
         B, T = idx.size()
         pos = cache.pos if cache is not None else 0
         assert pos + T <= self.config.block_size, f"{pos + T} tokens exceed the context of {self.config.block_size}"
@@ -278,18 +294,7 @@ class GPT(nn.Module):
             x = block(x, cos, sin, cache, i)
         if cache is not None:
             cache.pos += T
-        x = self.transformer.ln_f(x)
-        if last_only:
-            x = x[:, -1:]  # (B, 1, C): generation needs only the next token's logits
-        logits = softcap(self.lm_head(x), self.config.logit_softcap)  # (B, T, V)
-        loss = None
-        if targets is not None:
-            # the mean over the targets that count; a batch with none (a chat window of prompt only) gives 0, not
-            # 0/0 = NaN, and no gradient
-            flat = targets.reshape(-1)
-            total = F.cross_entropy(logits.float().view(-1, logits.size(-1)), flat, ignore_index=-1, reduction="sum")
-            loss = total / (flat != -1).sum().clamp(min=1)
-        return logits, loss
+        return self.transformer.ln_f(x)
 
     # --- accounting ---
 

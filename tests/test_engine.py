@@ -249,6 +249,15 @@ def test_sampling_draws_from_the_processed_distribution_and_never_a_filtered_tok
     assert freq[3:].sum() == 0
     one = [torch.Generator().manual_seed(7) for _ in range(3)]  # each row its own generator, same seed
     assert len(set(sample_tokens(logits[:3], 1.0, one))) == 1
+    # a vocabulary of several search blocks (1,024 tokens each, the last one part padding), the probability on
+    # both sides of a block boundary and in the last token
+    wide = torch.full((20_000, 3000), float("-inf"))
+    picked = [1023, 1024, 2047, 2999]
+    wide[:, picked] = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    tokens = torch.tensor(sample_tokens(wide, 1.0, [torch.Generator().manual_seed(1)]))
+    freq = torch.bincount(tokens, minlength=3000).float() / len(tokens)
+    torch.testing.assert_close(freq[picked], torch.tensor([0.4, 0.3, 0.2, 0.1]), atol=0.02, rtol=0)
+    assert freq[picked].sum() == 1
 
 
 def test_a_large_vocabulary_head_decodes_as_the_forward_does():
@@ -263,3 +272,40 @@ def test_a_large_vocabulary_head_decodes_as_the_forward_does():
             model(idx[:, :7], cache=cache.view(0, B))
             got = decode_step(plan, idx[:, 7], cache)
             torch.testing.assert_close(got, model(idx)[0][:, -1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("opts", [{}, dict(logit_softcap=3.0)], ids=["plain", "softcap"])
+def test_a_prefill_gives_the_full_forwards_last_row_for_the_tokenizers_vocabulary(opts):
+    model = model_of(opts=opts)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10], [11, 12]]  # two of one length share a forward
+    engine = Engine(model, max_batch=3, vocab_size=50)  # a padded head: its last rows are never picked
+    engine.add_many(prompts, GREEDY, 4)
+    with torch.inference_mode():
+        hidden = model.hidden_states(torch.tensor([prompts[0]]))  # (1, T, C)
+        assert hidden.shape == (1, 5, 32)
+        for r, prompt in enumerate(prompts):
+            full = model(torch.tensor([prompt]))[0][0, -1]  # (V,): the head over every position, the last row
+            assert engine.logits.shape == (3, 50)
+            torch.testing.assert_close(engine.logits[r], full[:50], atol=1e-5, rtol=0)
+
+
+def test_pick_then_advance_is_a_step_and_rows_may_join_or_leave_in_between():
+    model = model_of()
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    solo = [run_alone(model, p, 8) for p in prompts]
+    engine = Engine(model, max_batch=3)
+    which = {engine.add(prompts[0], GREEDY, 8): 0, engine.add(prompts[1], GREEDY, 8): 1}
+    got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    first = engine.pick()  # the prefill's logits: the first tokens come before any decode step
+    assert [t.token for t in first] == [solo[0][0], solo[1][0]] and engine.cache.pos[:2] == [3, 2]
+    for t in first:
+        got[which[t.row]].append(t.token)
+    which[engine.add(prompts[2], GREEDY, 8)] = 2  # joins between pick and advance: the others are fed first
+    for _ in range(12):
+        for t in engine.pick():
+            got[which[t.row]].append(t.token)
+            if which[t.row] == 1 and len(got[1]) == 5:
+                engine.remove(t.row)  # as a server does for a stop text: no decode step for it
+        engine.advance()
+        engine.advance()  # a second advance without a pick does nothing
+    assert got == {0: solo[0], 1: solo[1][:5], 2: solo[2]} and engine.active == 0

@@ -13,6 +13,7 @@ import functools
 import html
 import json
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -52,6 +53,7 @@ class ServerState:
     limits: Limits = field(default_factory=Limits)
     ui: bool = True
     created: int = field(default_factory=lambda: int(time.time()))
+    handoff: _Handoff | None = None  # made by the first request, in the event loop's thread
 
     @property
     def block_size(self) -> int:
@@ -223,6 +225,33 @@ def _params(body, logprobs: int | None) -> SamplingParams:
     )
 
 
+class _Handoff:
+    """Events from the engine's thread to the event loop, with one wake-up of the loop per burst instead of one
+    per event: a wake-up writes to the loop's self-pipe, and with 16 streams doing it for every token took ~14%
+    of the engine thread's time. The loop then puts each event on its request's queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lock = loop, threading.Lock()
+        self.items: list[tuple[asyncio.Queue, Any]] = []
+
+    def put(self, queue: asyncio.Queue, item: Any) -> None:
+        """Called from the engine's thread."""
+        with self.lock:
+            self.items.append((queue, item))
+            if len(self.items) > 1:  # a drain is already on its way
+                return
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop has closed: the server is stopping, no one is listening
+            pass
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 class _Run:
     """The jobs of one request and the queue their events arrive on (in the event loop's thread)."""
 
@@ -237,18 +266,21 @@ class _Run:
     ):
         self.state, self.queue = state, asyncio.Queue()
         loop = asyncio.get_running_loop()
+        if state.handoff is None or state.handoff.loop is not loop:
+            state.handoff = _Handoff(loop)
+        self.handoff = state.handoff
         self.jobs = []
         for p, ids in enumerate(prompts):
             for j in range(body.n):
                 seed = None if body.seed is None else body.seed + j  # choice j: its own seed, as a row alone
                 index = p * body.n + j
-                sink = functools.partial(self._deliver, loop, index)
+                sink = functools.partial(self._deliver, index)
                 self.jobs.append(Job(ids, params, max_tokens, stop, sink, seed, body.ignore_eos))
         self.open = set(range(len(self.jobs)))
 
-    def _deliver(self, loop: asyncio.AbstractEventLoop, index: int, event) -> None:
+    def _deliver(self, index: int, event) -> None:
         """Called from the engine's thread: hand one choice's event to the event loop."""
-        loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+        self.handoff.put(self.queue, (index, event))
 
     def submit(self) -> None:
         try:

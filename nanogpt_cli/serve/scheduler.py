@@ -5,8 +5,9 @@
     scheduler.cancel([job])          # a client went away: its row leaves the batch before the next step
 
 Each loop: take cancellations (their rows leave at once), admit waiting jobs into free rows (each after its own
-prefill), run one engine step for the whole batch, and turn each row's token into text (TextStream: whole
-characters, stop texts, end of text). A failure inside the engine fails only the rows it concerns.
+prefill), pick one token for every row and turn it into text (TextStream: whole characters, stop texts, end of
+text), then run the batch one token on (Engine.pick, Engine.advance). A failure inside the engine fails only
+the rows it concerns.
 """
 
 from __future__ import annotations
@@ -215,25 +216,34 @@ class Scheduler:
             job.sink(Failed(f"the model failed on this request: {e}", 500))
 
     def _step(self) -> None:
+        """Pick every row's token, hand the tokens out, then run the batch one token on: the text of a step goes
+        out while the next one computes, and a row's first token right after its prefill."""
         try:
-            tokens = self.engine.step()
-        except RowError as e:  # only these rows: the step changed nothing for the others
+            tokens = self.engine.pick()
+        except RowError as e:  # only these rows: the pick changed nothing for the others
             for row in e.rows:
                 job = self._running.pop(row)
                 self.engine.remove(row)
                 job.sink(Failed(str(e), 500))
             return
         except Exception as e:
-            log.exception("a decode step failed")
-            for row, job in list(self._running.items()):
-                self.engine.remove(row)
-                job.sink(Failed(f"the model failed on this request: {e}", 500))
-            self._running.clear()
-            return
+            return self._fail_all(e)
+        running = self._running
         for t in tokens:
-            job = self._running.get(t.row)
+            job = running.get(t.row)
             if job is not None:
                 self._deliver(job, t)
+        try:
+            self.engine.advance()
+        except Exception as e:
+            self._fail_all(e)
+
+    def _fail_all(self, e: Exception) -> None:
+        log.exception("a decode step failed", exc_info=e)
+        for row, job in list(self._running.items()):
+            self.engine.remove(row)
+            job.sink(Failed(f"the model failed on this request: {e}", 500))
+        self._running.clear()
 
     def _deliver(self, job: Job, t: StepToken) -> None:
         piece = job.text.feed(t.token)
