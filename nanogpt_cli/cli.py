@@ -924,8 +924,8 @@ def runs(
     else:
         console.print(runs_table(found, folder))
         for run in found:
-            if run.problem:
-                console.print(f"{run.name}: {run.problem}", markup=False)
+            if run.problem or run.description:
+                console.print(f"{run.name}: {run.problem or run.description}", markup=False)
 
 
 @app.command()

@@ -24,6 +24,7 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
 
 FORMATS = ("hf", "gguf")
+ORIGIN_KEY = "nanogpt_origin"  # in an exported config.json: the run, step and dataset the weights came from
 
 
 @dataclass
@@ -46,20 +47,26 @@ def export(
         raise NanoGPTError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if quant is not None and fmt != "gguf":
         raise NanoGPTError("--quant applies to --format gguf only")
-    model, desc = load_source(source, last)
+    model, desc, origin = load_source(source, last)
     if fmt == "hf":
-        return export_hf(model, desc, Path(out), force)
+        return export_hf(model, desc, Path(out), force, origin)
     return export_gguf(model, desc, Path(out), force, quant or "f32")
 
 
-def load_source(source: str | Path, last: bool = False) -> tuple[GPT, dict[str, Any]]:
-    """Our model and tokenizer description from one of our checkpoints or a Hugging Face model."""
+def load_source(source: str | Path, last: bool = False) -> tuple[GPT, dict[str, Any], dict[str, Any]]:
+    """Our model, its tokenizer description and where it came from (ORIGIN_KEY's value) from one of our
+    checkpoints or a Hugging Face model."""
+    from nanogpt_cli import __version__
     from nanogpt_cli.loading import load_model
 
     model, meta = load_model(source, last=last)
     if "tokenizer" not in meta:
         raise NanoGPTError(f"{source} has no tokenizer in its metadata, so it cannot be exported with one")
-    return model, meta["tokenizer"]
+    path = Path(source)
+    run = path if path.is_dir() else path.parent  # a weights file names its run folder
+    origin = {"run": str(run), "source": str(source), "version": __version__}
+    origin.update({k: meta[k] for k in ("step", "tokens", "dataset", "val_loss") if meta.get(k) is not None})
+    return model, meta["tokenizer"], origin
 
 
 def _check_target(out: Path, force: bool) -> None:
@@ -87,8 +94,11 @@ def _staging(out: Path) -> Path:
 # --- Hugging Face ---------------------------------------------------------------------------------------
 
 
-def export_hf(model: GPT, desc: dict[str, Any], out: Path, force: bool = False) -> ExportResult:
-    """Write a folder that AutoModelForCausalLM, AutoTokenizer and pipeline("text-generation") load offline."""
+def export_hf(
+    model: GPT, desc: dict[str, Any], out: Path, force: bool = False, origin: dict[str, Any] | None = None
+) -> ExportResult:
+    """Write a folder that AutoModelForCausalLM, AutoTokenizer and pipeline("text-generation") load offline.
+    origin: where the weights came from (run, step, ...), kept under ORIGIN_KEY in config.json for `info`."""
     transformers = hf.require("transformers")
     kind = hf.hf_kind(model.config)  # refusals first: nothing is written before every check has passed
     tok, eot = hf.tokenizers_object(desc)
@@ -109,6 +119,8 @@ def export_hf(model: GPT, desc: dict[str, Any], out: Path, force: bool = False) 
         config_path = tmp / "config.json"
         config = json.loads(config_path.read_text(encoding="utf-8"))
         config.update(extra)
+        if origin:  # transformers keeps unknown keys as config attributes; `info` and `runs` read this one
+            config[ORIGIN_KEY] = origin
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         # a padded head (vocab_size above the tokenizer's) never picks a token the tokenizer lacks, as in ours
         padding = list(range(desc["vocab_size"], model.config.vocab_size))

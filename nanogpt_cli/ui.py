@@ -397,11 +397,13 @@ def info_table(info):
                 f"{m['block_size']:,}, {m['pos_encoding']}, {m['norm']}, {m['mlp']}",
             )
         )
-    if info.params is not None:
+    if info.params is not None and info.params_non_embedding is not None:
         rows += [
             ("parameters", f"{info.params:,} ({info.params_non_embedding:,} non-embedding)"),
             ("FLOPs per token", f"{info.flops_per_token:,} (training, full context)"),
         ]
+    elif info.params is not None:  # a Hugging Face folder: counted from its weights' header
+        rows.append(("parameters", f"{info.params:,}"))
     rows += [("tokenizer", info.tokenizer or "-"), ("dataset", info.dataset or "-")]
     if info.step is not None:
         rows.append(("step", f"{info.step:,}" + (f" of {info.max_iters:,}" if info.max_iters else "")))
@@ -422,4 +424,8 @@ def info_table(info):
     files.add_column("", overflow="fold")
     for f in info.files:
         files.add_row(f.name, f"{f.bytes:,}", "yes" if f.loads else "[red]no[/]", f.note)
+    if info.description:  # a Hugging Face folder: what it is, on a line of its own
+        from rich.text import Text
+
+        return Group(Text(info.description), summary_table(info.path, rows), files)
     return Group(summary_table(info.path, rows), files)
