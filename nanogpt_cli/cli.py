@@ -6,7 +6,6 @@ nanogpt prepare examples/tinyshakespeare.txt --name shakespeare-char --tokenizer
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import sys
@@ -635,10 +634,12 @@ def report_training(plan, result) -> None:
     from nanogpt_cli.ui import console, train_table
 
     console.print(train_table(result))
-    if importlib.util.find_spec("matplotlib") is not None:  # the plot extra: a picture of the curves
-        from nanogpt_cli.plot import write_png
+    from nanogpt_cli.plot import write_png
 
+    try:  # the plot extra: a picture of the curves
         write_png([plan.run_dir.path], plan.run_dir.loss_plot_path)
+    except NanoGPTError as e:  # said once, here at the end, where it is seen
+        note(f"{plan.run_dir.loss_plot_path.name} not drawn: {e}")
     resume_with = f"nanogpt train --out {plan.run_dir} --resume"
     if result.stopped in ("SIGINT", "SIGTERM"):
         fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}")
@@ -648,9 +649,9 @@ def report_training(plan, result) -> None:
         console.print(f"ended at step {result.step:,}: --max-time {plan.train.max_time:g} s was spent")
 
 
-def print_samples(sampler, text: str, settings, num_samples: int, stream: bool) -> None:
-    """Continue one prompt: the samples printed after it, streamed when asked."""
-    from nanogpt_cli.ui import console, err_console
+def print_samples(sampler, text: str, settings, num_samples: int, stream: bool, json_out: bool = False) -> None:
+    """Continue one prompt: the samples printed after it, streamed when asked (or one JSON object each)."""
+    from nanogpt_cli.ui import err_console
 
     ids, cut = sampler.encode_prompt(text)
     if cut:
@@ -659,9 +660,16 @@ def print_samples(sampler, text: str, settings, num_samples: int, stream: bool) 
             f"the context of {sampler.block_size:,}",
             soft_wrap=True,
         )
+    if json_out:  # one object per sample, for scripts
+        for i, r in enumerate(sampler.generate_many([text] * num_samples, settings)):
+            record = {"sample": i + 1, "prompt": text, "text": r.text, "tokens": r.tokens}
+            record.update(stop_reason=r.stop_reason, tokens_per_s=round(r.tokens_per_s, 1))
+            print(json.dumps(record, ensure_ascii=False), flush=True)
+        return
     for i, pieces in enumerate(sampler.samples(text, settings, num_samples)):
-        if num_samples > 1:
-            console.rule(f"sample {i + 1} of {num_samples}")
+        if num_samples > 1:  # on stderr: stdout holds the samples' text only
+            sys.stdout.flush()
+            err_console.rule(f"sample {i + 1} of {num_samples}")
         sys.stdout.write(text)
         for piece in pieces:
             sys.stdout.write(piece)
@@ -690,6 +698,10 @@ def sample(
     ] = None,
     ignore_eot: Annotated[bool, typer.Option("--ignore-eot", help="Keep going past the end-of-text token.")] = False,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print text as it is generated.")] = True,
+    json_out: Annotated[
+        bool,
+        typer.Option("--json", help="One JSON object per sample: text, tokens, stop_reason, tokens_per_s."),
+    ] = False,
     last: Last = False,
     interactive: Annotated[
         bool, typer.Option("--interactive", "-i", help="Ask for prompts in a loop (--prompt is the first).")
@@ -727,23 +739,36 @@ def sample(
         use_cache=not no_cache,
     )
     sampler = Sampler.load(checkpoint, last=last, device=device, dtype=dtype)
-    run = functools.partial(print_samples, sampler, settings=settings, num_samples=num_samples, stream=stream)
+    run = functools.partial(
+        print_samples, sampler, settings=settings, num_samples=num_samples, stream=stream, json_out=json_out
+    )
     if not interactive:
         return run(prompt or "")
-    first = prompt  # --prompt (or --prompt-file) with --interactive is the first prompt
+    interactive_loop(run, prompt)
+
+
+def interactive_loop(run, first: str | None) -> None:
+    """sample -i: a prompt at a time until Ctrl-D (or Ctrl-C at the prompt); Ctrl-C while a sample is written
+    stops that sample. The shell's prompt comes back on a line of its own."""
+    from nanogpt_cli.ui import err_console
+
+    err_console.print("type a prompt and press Enter; Ctrl-D (or Ctrl-C) leaves", highlight=False)
     while True:
-        if first is not None:
+        if first is not None:  # --prompt (or --prompt-file) with --interactive is the first prompt
             text, first = first, None
             print(f"prompt> {text}")
         else:
             try:
                 text = input("prompt> ")
-            except EOFError:
-                break
+            except (EOFError, KeyboardInterrupt):
+                print(flush=True)  # the shell's prompt on a new line, not after ours
+                return
         try:
             run(text)
         except NanoGPTError as e:  # a bad prompt should not end the session
             fail(str(e))
+        except KeyboardInterrupt:  # stops this sample, not the session
+            print(flush=True)
 
 
 @app.command()

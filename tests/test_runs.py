@@ -113,6 +113,21 @@ def test_training_writes_loss_png_and_feeds_tensorboard(char_data, tmp_path):
     assert val == pytest.approx([m["val_loss"] for m in metrics if m["kind"] == "eval"])
 
 
+def test_loss_png_not_drawn_for_lack_of_matplotlib_is_said_once_at_the_end(char_data, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where the plot extra is not installed: import fails
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    args = ["train", "--data", name, "--data-dir", data_dir, "--preset", "tiny", "--max-iters", "2"]
+    result = runner.invoke(app, [str(a) for a in [*args, "--eval-interval", "2", "--dtype", "float32", "--out", run]])
+    assert result.exit_code == 0, result.output
+    assert not (run / "loss.png").exists()
+    hint = 'note: loss.png not drawn: plotting to a file needs the matplotlib package: pip install -e ".[plot]"'
+    assert result.stderr.count("loss.png") == 1 and hint in result.stderr
+    assert result.output.rstrip().endswith(hint)  # the last thing the run says
+
+
 def test_wandb_runs_offline_without_network(char_data, tmp_path, monkeypatch, no_network):
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)
