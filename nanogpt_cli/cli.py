@@ -594,6 +594,8 @@ def train(
     if prints():
         for message in plan.notes:
             note(message)
+        for change in plan.changes:  # "--learning-rate 0.001 -> 0.0003 from step 723"
+            print(change, flush=True)
     if plan.complete:
         if prints():
             say_complete(plan)

@@ -159,14 +159,21 @@ def open_world(cfg: TrainConfig) -> Iterator[World]:
     if n <= 1:
         yield World(resolve_device(cfg.device))
         return
-    per_rank(cfg.gradient_accumulation_steps, n)
-    if cfg.max_time is not None:
-        raise NanoGPTError(
-            "--max-time runs in one process only: under torchrun each rank's clock would set its "
-            "own learning rate; use --max-iters"
-        )
+    check_world(cfg, n)
     with process_group(cfg.device) as world:
         yield world
+
+
+def check_world(cfg: TrainConfig, size: int) -> None:
+    """What a run of `size` processes cannot do, refused in one sentence (by the launcher, before any starts)."""
+    if size <= 1:
+        return
+    per_rank(cfg.gradient_accumulation_steps, size)
+    if cfg.max_time is not None:
+        raise NanoGPTError(
+            "--max-time runs in one process only: with several processes each one's clock would set its "
+            "own learning rate; use --max-iters"
+        )
 
 
 def rank_device(name: str, local_rank: int) -> torch.device:

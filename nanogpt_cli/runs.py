@@ -233,6 +233,7 @@ class Info:
     best_val_loss: float | None = None
     status: str | None = None
     speed: dict[str, Any] | None = None  # the last invocation's speed (events.RunSpeed), from the trainer state
+    history: list[dict[str, Any]] = field(default_factory=list)  # what resumes changed (config.json's "history")
     files: list[FileInfo] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -308,6 +309,7 @@ def _inspect_run(path: Path) -> Info:
         pass
     if config is not None:
         _fill_model(info, config["model"], (config.get("dataset") or {}).get("tokenizer"))
+        info.history = [h for h in config.get("history") or [] if isinstance(h, dict)]
     else:
         meta = next(filter(None, map(_weights_meta, (run.best_path, run.last_path))), None)
         if meta is not None:

@@ -19,6 +19,7 @@ import signal
 import statistics
 import time
 from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -490,7 +491,15 @@ class Trainer:
         if world.main:
             if not saved:
                 self.run_dir.start(plan.force)
-            self.run_dir.write_config({"model": plan.model.to_dict(), "train": cfg.to_dict(), "dataset": plan.dataset})
+            changed = None
+            if plan.changes:  # the run's history: what this resume changed, from which step
+                changed = {
+                    "step": self.state.step,
+                    "changes": [c.record() for c in plan.changes],
+                    "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                }
+            config = {"model": plan.model.to_dict(), "train": cfg.to_dict(), "dataset": plan.dataset}
+            self.run_dir.write_config(config, changed)
         self.weights_meta = dict(tokenizer=plan.dataset["tokenizer"], dataset=plan.dataset.get("name") or cfg.data)
         self.compiled = torch.compile(self.wrapped) if cfg.compile else self.wrapped
         self.peak = peak_flops(device, dtype)
@@ -539,7 +548,11 @@ class Trainer:
     def _restore(self, saved: SavePoint) -> TrainerState:
         """A resumed run's optimizer, generators and grad scaler, as they were at its last save."""
         state, world = saved.state, self.world
+        # the saved state brings its hyperparameters along: a resume that changes one keeps the new value
+        fresh = [{k: g[k] for k in ("weight_decay", "betas") if k in g} for g in self.optimizer.param_groups]
         saved.load_optimizer(self.optimizer, lambda part, sd: world.load_optimizer_state(self.wrapped, part, sd))
+        for group, values in zip(self.optimizer.param_groups, fresh, strict=True):
+            group.update(values)
         self.batches.generator.set_state(state.rng_batches)
         if state.scaler and self.scaler.is_enabled():
             self.scaler.load_state_dict(state.scaler)

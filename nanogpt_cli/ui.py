@@ -415,6 +415,13 @@ def info_table(info):
         rows.append(("last val loss", _loss(info.val_loss)))
     if info.best_val_loss is not None:
         rows.append(("best val loss", _loss(info.best_val_loss)))
+    from nanogpt_cli.config import show_value as _value
+
+    for entry in info.history:  # the values resumes changed, each from its step on
+        changed = ", ".join(
+            f"{c.get('flag')} {_value(c.get('saved'))} -> {_value(c.get('given'))}" for c in entry.get("changes", [])
+        )
+        rows.append((f"from step {entry.get('step', 0):,}", changed))
     if info.speed:
         rows += speed_rows(info.speed)
     files = Table(title="files", title_justify="left")

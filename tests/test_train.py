@@ -537,6 +537,51 @@ def test_resume_accepts_the_starting_command_and_names_what_differs(char_data, t
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
+def test_a_resume_that_changes_a_training_value_announces_and_records_it(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    start = ["train", "--data", name, "--data-dir", str(data_dir), "--preset", "tiny", "--max-iters", "6"]
+    start += ["--eval-interval", "2", "--log-interval", "1", "--dtype", "float32", "--out", str(run), "--quiet"]
+    assert run_cli(*start, "--stop-at", "2")[0] == 0
+    code, output = run_cli(*start, "--learning-rate", "0.001", "--resume", "--stop-at", "4")
+    assert code == 0, output
+    assert "--learning-rate 0.003 -> 0.001 from step 2\n" in output
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    lrs = {m["step"]: m["lr"] for m in lines if m["kind"] == "train"}
+    changed = TrainConfig(learning_rate=1e-3, max_iters=6, warmup_iters=5)
+    assert lrs[3] == pytest.approx(lr_at(2, changed)) and lrs[4] == pytest.approx(lr_at(3, changed))
+    # the command that started the run, again: the preset's value comes back, announced as well
+    code, output = run_cli(*start, "--resume")
+    assert code == 0 and "--learning-rate 0.001 -> 0.003 from step 4\n" in output, output
+    info = json.loads(run_cli("info", str(run), "--json")[1])
+    assert [(h["step"], h["changes"]) for h in info["history"]] == [
+        (2, [{"flag": "--learning-rate", "saved": 0.003, "given": 0.001}]),
+        (4, [{"flag": "--learning-rate", "saved": 0.001, "given": 0.003}]),
+    ]
+    table = runner.invoke(app, ["info", str(run)], terminal_width=200).output
+    assert "from step 2" in table and "--learning-rate 0.003 -> 0.001" in table
+    # architecture and data are the run's: refused, naming both values
+    code, output = run_cli(*start, "--n-embd", "64", "--resume")
+    assert code == 1 and "--n-embd (saved 32, given 64)" in output
+    code, output = run_cli(*[a if a != name else "other" for a in start], "--resume")
+    assert code == 1 and "--data other is a different dataset from the one" in output and "'play'" in output
+    assert "another tokenizer" not in output
+
+
+def test_a_preset_accumulation_adapts_to_the_processes_and_a_given_one_must_divide(char_data, tmp_path):
+    data_dir, name = char_data
+    flags = {"preset": "tiny", "data": name, "data_dir": str(data_dir), "device": "cpu"}
+    plan = plan_run(flags, out=tmp_path / "a", world_size=3)
+    assert plan.train.gradient_accumulation_steps == 3
+    assert plan.notes == [
+        "--gradient-accumulation-steps 3 instead of the default 1: a multiple of the 3 processes "
+        "(1 micro-batch each per update)"
+    ]
+    with pytest.raises(NanoGPTError, match=r"--gradient-accumulation-steps \(4\) .* divisible by the number of "):
+        plan_run({**flags, "gradient_accumulation_steps": 4}, out=tmp_path / "b", world_size=3)
+    assert plan_run({**flags, "gradient_accumulation_steps": 4}, out=tmp_path / "c", world_size=2).notes == []
+
+
 def test_warnings_and_notes_before_a_run(char_data, tmp_path):
     data_dir, name = char_data
     plan = tiny_plan(data_dir, name, tmp_path / "a", max_iters=5, warmup_iters=5)
