@@ -74,6 +74,9 @@ def one_line_errors(command):
         try:
             return command(*args, **kwargs)
         except NanoGPTError as e:
+            from nanogpt_cli.launch import record_error
+
+            record_error(str(e))  # under a torch launcher: the sentence its report of the failure shows
             raise (fail(str(e)) if prints() else typer.Exit(1)) from None
 
     return run
@@ -562,12 +565,27 @@ def train(
             show_default=False,
         ),
     ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the whole config at the start.")] = False,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            help="Train in N processes on this machine (one per GPU, or gloo on the CPU), launched by torch's "
+            "elastic launcher.",
+            show_default=False,
+        ),
+    ] = None,
+    nnodes: Annotated[int, typer.Option(help="With --nproc: machines taking part, each running this command.")] = 1,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(help="With --nnodes: HOST:PORT where the machines meet (the same on each).", show_default=False),
+    ] = None,
     flags: dict | None = None,  # the config options given (config_options)
 ):
     """Train a GPT on a prepared dataset, with checkpoints you can resume.
 
     Example: nanogpt train --data shakespeare-char --preset cpu-char --out checkpoints/shk
     """
+    given = dict(flags or {})
     flags = dict(flags or {}, **({"preset": preset} if preset is not None else {}))
     from nanogpt_cli.config import load_toml
     from nanogpt_cli.device import set_threads
@@ -579,9 +597,17 @@ def train(
     set_threads(threads)
     from nanogpt_cli.trackers import Tee, open_tracker
 
-    sink = open_tracker(tracker) if tracker and prints() else None  # unknown or missing extra: refused first
     if last and init_from is None:
         raise NanoGPTError("--last picks the weights of --init-from RUN; give --init-from or drop --last")
+    if nproc is None and (nnodes != 1 or rdzv_endpoint):
+        raise NanoGPTError("--nnodes and --rdzv-endpoint go with --nproc N: the processes on each machine")
+    how = None
+    if nproc is not None:
+        from nanogpt_cli.launch import Launch
+
+        how = Launch(nproc, nnodes, rdzv_endpoint)
+        if os.environ.get("WORLD_SIZE"):
+            raise NanoGPTError("--nproc launches the processes itself; under torchrun drop it")
     plan = plan_run(
         flags,
         load_toml(config) if config else {},
@@ -590,7 +616,13 @@ def train(
         force=force,
         init_from=init_from,
         init_last=last,
+        world_size=how.world_size if how else None,
     )
+    if how is not None:  # everything was checked here, before any process starts
+        return launch_training(
+            plan, how, given, preset, config, resume, force, init_from, quiet, last, threads, tracker, verbose
+        )
+    sink = open_tracker(tracker) if tracker and prints() else None  # unknown or missing extra: refused first
     if prints():
         for message in plan.notes:
             note(message)
@@ -613,6 +645,37 @@ def train(
             report_training(plan, result)
     if result.stopped in ("SIGINT", "SIGTERM"):
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
+
+
+def launch_training(plan, how, given, preset, config, resume, force, init_from, quiet, last, threads, tracker, verbose):
+    """train --nproc: the planned run (its refusals already said) in how.world_size processes, each running this
+    command without the launch flags and with the run folder planned here."""
+    from nanogpt_cli.config import Choice
+    from nanogpt_cli.distributed import rank_device
+    from nanogpt_cli.launch import launch
+
+    if plan.complete:
+        return say_complete(plan)
+    rank_device(plan.train.device, how.nproc - 1)  # --device cuda:N, or more processes than GPUs: one line here
+    if tracker:
+        from nanogpt_cli.trackers import open_tracker
+
+        open_tracker(tracker).close()  # an unknown tracker or a missing extra: refused before the processes start
+    args: list[str] = []
+    for name, value in given.items():  # the config options given, as flags
+        if isinstance(value, bool):
+            args.append(f"--{flag(name)}" if value else f"--no-{flag(name)}")
+        else:
+            args += [f"--{flag(name)}", str(value.value if isinstance(value, Choice) else value)]
+    own = dict(preset=preset, config=config, init_from=init_from, threads=threads, tracker=tracker)
+    for name, value in own.items():
+        if value is not None:
+            args += [f"--{flag(name)}", str(value)]
+    switches = dict(resume=resume, force=force, quiet=quiet, last=last, verbose=verbose)
+    args += [f"--{name}" for name, on in switches.items() if on]
+    code = launch([*args, "--out", str(plan.run_dir)], how)
+    if code:
+        raise typer.Exit(code)
 
 
 def say_complete(plan) -> None:
@@ -642,7 +705,9 @@ def report_training(plan, result) -> None:
         write_png([plan.run_dir.path], plan.run_dir.loss_plot_path)
     except NanoGPTError as e:  # said once, here at the end, where it is seen
         note(f"{plan.run_dir.loss_plot_path.name} not drawn: {e}")
-    resume_with = f"nanogpt train --out {plan.run_dir} --resume"
+    from nanogpt_cli.launch import launch_flags
+
+    resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
     if result.stopped in ("SIGINT", "SIGTERM"):
         fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}")
     if result.stopped == "stop_at":
