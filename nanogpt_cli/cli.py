@@ -636,7 +636,7 @@ def train(
     # torchrun stop the others) before
     with open_world(plan.train) as world:
         try:
-            with TrainDisplay(quiet or not prints()) as display:
+            with TrainDisplay(quiet or not prints(), verbose) as display:
                 result = Trainer(plan, Tee(display, sink) if sink else display, world).fit()
         finally:
             if sink is not None:

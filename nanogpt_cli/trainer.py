@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import signal
 import statistics
 import time
@@ -230,6 +231,48 @@ class Clock:
         return timed, max(elapsed - self.set_aside_s - (self.first_s if done > 1 else 0.0), 1e-9), elapsed
 
 
+SLOW = 2.5  # steps this many times longer than the first steady ones: something else took the CPU
+
+
+def busy_hint(steps_s: list[float], load: float | None, cores: int, threads: int) -> str | None:
+    """Why a CPU run is slow, when the machine is busy: the steady steps now against the first steady ones, and the
+    load average against the cores; None when neither shows it. The advice names --threads."""
+    said = []
+    first, recent = steps_s[STEADY_SKIP : STEADY_SKIP + 10], steps_s[-10:]
+    if len(steps_s) >= STEADY_SKIP + 20:
+        before, now = statistics.median(first), statistics.median(recent)
+        if now > SLOW * before:
+            said.append(
+                f"steps take {now / before:.1f}x as long as the first ones ({now * 1000:,.0f} ms, were "
+                f"{before * 1000:,.0f} ms)"
+            )
+    if load is not None and load > cores:
+        said.append(f"the load average is {load:.1f} on {cores} cores")
+    if not said:
+        return None
+    others = max(0.0, (load or 0.0) - (threads if steps_s else 0))  # once it trains, the load counts this run too
+    free = max(1, int(cores - others))
+    return (
+        " and ".join(said)
+        + f": other processes share the CPU; stop them, or train with --threads {free} (this run uses {threads}), "
+        "as threads that wait for a core slow every step"
+    )
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on this platform
+        return None
+
+
 class StopSignals:
     """Ctrl-C / SIGTERM set a flag; the loop finishes its step, saves and stops. A second Ctrl-C aborts, except
     under torchrun, which passes a terminal's Ctrl-C on to its workers a second time (and kills them itself
@@ -303,6 +346,7 @@ class Trainer:
         self.saved_at: int | None = None  # the step of the last checkpoint this call wrote
         self.stopped: str | None = None
         self.skipped = 0  # fp16 updates the scaler skipped since the last progress line
+        self.hinted = False  # the busy-machine hint is given once
 
     def fit(self) -> TrainResult:
         self._setup()
@@ -395,6 +439,16 @@ class Trainer:
             self.run_dir.append_metrics(logged.record())
         self.show.on_step(logged)
         self.skipped = 0
+        self.watch_load()
+
+    def watch_load(self) -> None:
+        """On the CPU, one hint (once) when the machine is busy: see busy_hint."""
+        if self.hinted or self.world.device.type != "cpu":
+            return
+        hint = busy_hint(self.clock.steps, load_average(), cpu_cores(), torch.get_num_threads())
+        if hint is not None:
+            self.hinted = True
+            self.show.on_hint(hint)
 
     def evaluate(self, checkpoint: bool = True) -> None:
         """Both splits' loss on the fixed evaluation batches, a metrics line, and (unless told not to) a save."""
@@ -529,6 +583,7 @@ class Trainer:
         self.clock = Clock(self.state.elapsed_s, cfg.max_time, self.state.eval_s, self.state.step)
         if cfg.max_time is not None and device.type == "cuda":  # the clock must see the GPU's work, not its queue
             self.clock.sync = functools.partial(torch.cuda.synchronize, world.device)
+        self.watch_load()  # busy before the first step already
 
     def _build_model(self, saved: SavePoint | None) -> GPT:
         """The model on its device with its starting weights, and only the trainable parameters unfrozen."""

@@ -163,16 +163,47 @@ def prepare_table(result):
 
 
 def _fmt_eta(seconds: float) -> str:
+    """m:ss under an hour, h:mm:ss from there on."""
     seconds = int(max(0, seconds))
+    if seconds < 3600:
+        return f"{seconds // 60}:{seconds % 60:02d}"
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def start_lines(e) -> list[str]:
+    """The start of a run in a few lines (a RunStarted): the model's size and shape, the tokens of one step, the
+    schedule, where it saves. The whole config is in the run folder's config.json (and under --verbose)."""
+    m, t = e.model, e.train
+    lines = []
+    if m:
+        size = f"{e.params / 1e6:,.1f}M" if e.params >= 10_000_000 else f"{e.params:,}"
+        lines.append(
+            f"model: {m['n_layer']} layers, {m['n_embd']} wide, {m['n_head']} heads, context {m['block_size']:,}, "
+            f"{size} non-embedding params"
+        )
+    if t:
+        accumulation = t["gradient_accumulation_steps"]
+        micro = f"{accumulation} micro-batch{'es' if accumulation > 1 else ''}"
+        lines.append(
+            f"batch: {e.tokens_per_iter:,} tokens per step ({t['batch_size']} rows x {m.get('block_size', '?'):,} "
+            f"tokens x {micro})"
+        )
+        optimizer = f"muon (lr {t['muon_lr']:g}) + adamw" if t["optimizer"] == "muon" else str(t["optimizer"])
+        lines.append(
+            f"schedule: {optimizer}, lr {t['learning_rate']:g} {t['lr_schedule']} to {t['min_lr']:g}, warmup "
+            f"{t['warmup_iters']:,}; saved every {t['eval_interval']:,} steps"
+        )
+    verb = "resuming at step" if e.resume else "training from step"
+    lines.append(f"{verb} {e.step:,} of {e.max_iters:,} on {e.device} ({e.dtype}) -> {e.run_dir}")
+    return lines
 
 
 class TrainDisplay:
     """Shows the trainer's events (events.Display): a live rich progress bar on a terminal, plain log lines
-    elsewhere, or nothing with quiet (errors still go to stderr)."""
+    elsewhere, or nothing with quiet (errors still go to stderr). verbose: the whole config at the start too."""
 
-    def __init__(self, quiet: bool = False):
-        self.quiet = quiet
+    def __init__(self, quiet: bool = False, verbose: bool = False):
+        self.quiet, self.verbose = quiet, verbose
         self.live = console.is_terminal and not quiet
         self.progress = None
         self.task = None
@@ -195,12 +226,9 @@ class TrainDisplay:
 
         self.start_step, self.max_iters = e.step, e.max_iters
         self.max_time = e.train.get("max_time")
-        console.print(f"model: {json.dumps(e.model)}\ntrain: {json.dumps(e.train)}")
-        verb = "resuming at step" if e.resume else "training from step"
-        console.print(
-            f"{verb} {e.step:,} of {e.max_iters:,} on {e.device} ({e.dtype}): "
-            f"{e.params:,} non-embedding parameters, {e.tokens_per_iter:,} tokens/iter -> {e.run_dir}"
-        )
+        if self.verbose:
+            console.print(f"model: {json.dumps(e.model)}\ntrain: {json.dumps(e.train)}")
+        console.print("\n".join(start_lines(e)))
         if self.live:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -209,6 +237,7 @@ class TrainDisplay:
                 BarColumn(bar_width=10),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[stats]}"),
+                TextColumn("elapsed"),
                 TimeElapsedColumn(),
                 console=console,
             )
@@ -221,33 +250,44 @@ class TrainDisplay:
         if not self.quiet and (self.live or self.max_iters):
             console.print(f"{text} ...", style="dim" if self.live else None)
 
+    def on_hint(self, text: str) -> None:
+        """Advice about the run while it goes (a busy machine), said once by the trainer."""
+        if not self.quiet:
+            (self.progress.console if self.progress is not None else err_console).print(
+                f"note: {text}", markup=False, highlight=False
+            )
+
     def on_step(self, e) -> None:
         if self.quiet:
             return
         eta = (self.max_iters - e.step) * e.ms_per_iter / 1000
         if self.max_time is not None:  # --max-time ends the run first when its time runs out sooner
             eta = max(0.0, min(eta, self.max_time - e.elapsed_s))
-        # (priority, text) in display order; on a narrow terminal the lowest priorities go first
+        # (priority, text) in display order; where the line is too long the highest numbers go first, so that
+        # loss, the time left, val and tok/s stay in 80 columns
         parts = [(0, f"loss {e.loss:.4f}")]
         if self.val_loss is not None:
             parts.append((2, f"val {self.val_loss:.4f}"))
-        parts += [(5, f"lr {e.lr:.2e}"), (3, f"{e.tokens_per_s:,.0f} tok/s"), (4, f"{e.ms_per_iter:.1f} ms/it")]
+        parts += [(3, f"{e.tokens_per_s:,.0f} tok/s"), (6, f"{e.ms_per_iter:.1f} ms/it"), (7, f"lr {e.lr:.2e}")]
         if e.mfu is not None:
-            parts.append((6, f"MFU {e.mfu:.1%}"))
+            parts.append((8, f"MFU {e.mfu:.1%}"))
         if e.scale is not None:
             parts.append(
                 (
-                    1 if e.skipped else 7,
+                    1 if e.skipped else 9,
                     f"fp16 scale {e.scale:g}" + (f", skipped {e.skipped} (overflow)" if e.skipped else ""),
                 )
             )
         parts.append((1, f"ETA {_fmt_eta(eta)}"))
         if self.progress is not None:
-            # the bar's own columns: "train", a bar of at least 10, "1234/5000", the elapsed time, and spaces
-            room = console.width - (6 + 11 + (2 * len(f"{self.max_iters}") + 2) + 8)
+            # the bar's own columns: "train", a bar of at least 10, "1234/5000", "elapsed 0:00:00", and spaces
+            room = console.width - (6 + 11 + (2 * len(f"{self.max_iters}") + 2) + 16)
             self.progress.update(self.task, completed=e.step, stats=fit_fields(parts, room))
         elif e.step > self.start_step:
-            console.print(f"step {e.step:>6,}/{self.max_iters:,} | {fit_fields(parts, 10**6)}")
+            width = len(f"{self.max_iters:,}")
+            head = f"step {e.step:>{width},}/{self.max_iters:,} | "
+            parts.append((5, f"elapsed {_fmt_eta(e.elapsed_s)}"))
+            console.print(head + fit_fields(parts, console.width - len(head)))
 
     def on_eval(self, e) -> None:
         if self.quiet:
@@ -260,8 +300,14 @@ class TrainDisplay:
         (self.progress.console if self.progress is not None else console).print(line)
 
     def on_save(self, step: int) -> None:
-        if not self.quiet:
-            console.print(f"step {step:>6,}: checkpoint saved")
+        """A save outside the evaluations (Ctrl-C, SIGTERM, --stop-at): the bar stops at the step saved."""
+        if self.quiet:
+            return
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step)
+            self.progress.stop()  # its last frame stays on the screen, at this step
+            self.progress = None
+        console.print(f"step {step:>6,}: checkpoint saved")
 
 
 def fit_fields(parts: list[tuple[int, str]], width: int) -> str:

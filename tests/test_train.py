@@ -727,3 +727,34 @@ def test_a_batch_is_one_copy_of_its_windows_sliced_after(char_data):
     windows = torch.from_numpy(batches.splits["train"].read(starts, 17).astype("int64"))
     assert torch.equal(x, windows[:, :-1]) and torch.equal(y, windows[:, 1:])
     assert x.data_ptr() == y.data_ptr() - y.element_size()  # views of one block: one copy to the device
+
+
+# --- a busy machine explained ---
+
+
+def test_a_busy_machine_is_explained_by_step_times_or_load_with_the_threads_to_use():
+    from nanogpt_cli.trainer import busy_hint
+
+    steady = [0.5] * 5 + [0.01] * 30  # warm-up, then 10 ms steps
+    assert busy_hint(steady, load=1.0, cores=2, threads=2) is None
+    slowed = steady + [0.05] * 10  # five times as long now
+    hint = busy_hint(slowed, load=1.5, cores=2, threads=2)
+    assert hint.startswith("steps take 5.0x as long as the first ones (50 ms, were 10 ms): other processes share")
+    assert "--threads 2 (this run uses 2)" in hint
+    loaded = busy_hint([], load=7.0, cores=2, threads=2)  # before the first step: the load is the others'
+    assert loaded.startswith("the load average is 7.0 on 2 cores") and "--threads 1 " in loaded
+    assert busy_hint(steady[:10], load=None, cores=2, threads=2) is None  # too few steps to judge, no load known
+
+
+def test_a_busy_machine_hint_is_given_once(char_data, tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 64.0, 64.0))  # as on a machine far busier than its cores
+    data_dir, name = char_data
+    result = runner.invoke(
+        app,
+        ["train", "--data", name, "--data-dir", str(data_dir), "--preset", "tiny", "--max-iters", "30"]
+        + ["--log-interval", "5", "--dtype", "float32", "--out", str(tmp_path / "run")],
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("note: the load average is 64.0") == 1 and "--threads" in result.stderr
