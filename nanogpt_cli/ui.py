@@ -6,6 +6,7 @@ from nanogpt_cli.ui import console; console.print(table)
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 
 console = Console(highlight=False, soft_wrap=True)  # log lines stay whole in pipes and files
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -390,39 +391,81 @@ def _count(value) -> str:
     return str(value)
 
 
-def runs_table(runs, root):
-    """The rows of `nanogpt runs` (runs.RunSummary), one per run."""
+def shorten(text: str, width: int) -> str:
+    """text cut in the middle to width characters ("shakespeare-c…-20261201-120000"): runs named by date differ at
+    the end, runs of one family at the start."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return text[:width]
+    tail = (width - 1) // 2
+    return text[: width - 1 - tail] + "…" + (text[-tail:] if tail else "")
+
+
+RUN_COLUMNS = ("run", "dataset", "params", "steps", "best val", "tokens", "updated", "status")
+DROPPED_FIRST = ("tokens", "updated", "params", "dataset")  # when the names would not fit: these go, in order
+MIN_NAME = 16  # the run column never narrower than this, unless the name is shorter
+
+
+def runs_table(runs, root, width: int | None = None):
+    """The rows of `nanogpt runs` (runs.RunSummary), one per run, fitted to width (the console's): columns are
+    dropped (tokens, updated, params, dataset) before a name is shortened, and a name is shortened in the middle,
+    never wrapped."""
     from rich import box
     from rich.table import Table
 
-    table = Table(title=f"runs in {root} (times UTC)", title_justify="left", box=box.SIMPLE_HEAD)
-    # names fold when the terminal is narrow; the numbers and the status never do
-    for name, justify in (
-        ("run", "left"),
-        ("dataset", "left"),
-        ("params", "right"),
-        ("steps", "right"),
-        ("best val", "right"),
-        ("tokens", "right"),
-        ("updated", "left"),
-        ("status", "left"),
-    ):
-        table.add_column(name, justify=justify, overflow="fold", no_wrap=name not in ("run", "dataset"))
+    width = width or console.width
+    rows = []
     for r in runs:
         steps = f"{r.step:,}" if r.step is not None else "-"
         if r.max_iters is not None:
             steps += f"/{r.max_iters:,}"
-        status = {"finished": "[green]finished[/]", "damaged": "[red]damaged[/]"}.get(r.status, r.status)
-        table.add_row(
-            r.name,
-            r.dataset or "-",
-            _count(r.params),
-            steps,
-            _loss(r.best_val_loss),
-            _count(r.tokens),
-            r.updated[5:16].replace("T", " "),
-            status,
+        rows.append(
+            dict(
+                zip(
+                    RUN_COLUMNS,
+                    (
+                        r.name,
+                        r.dataset or "-",
+                        _count(r.params),
+                        steps,
+                        _loss(r.best_val_loss),
+                        _count(r.tokens),
+                        r.updated[5:16].replace("T", " "),
+                        r.status,
+                    ),
+                )
+            )
         )
+    natural = {c: max([len(c)] + [len(row[c]) for row in rows]) for c in RUN_COLUMNS}
+    shown = list(RUN_COLUMNS)
+
+    def needed(columns) -> int:  # each column is padded by a space on either side; a space between columns
+        return sum(natural[c] + 3 for c in columns) - 1
+
+    for column in DROPPED_FIRST:
+        if needed(shown) - natural["run"] + min(natural["run"], MIN_NAME) <= width:
+            break
+        shown.remove(column)
+    room = width - needed([c for c in shown if c != "run"]) - 3
+    name_width = max(min(natural["run"], room), min(natural["run"], 8))
+    if "dataset" in shown and needed(shown) > width:  # the dataset's name gives way too, to at least 8
+        natural["dataset"] = max(8, natural["dataset"] - (needed(shown) - natural["run"] + name_width - width))
+    table = Table(title=f"runs in {root} (times UTC)", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    for name in shown:
+        justify = "left" if name in ("run", "dataset", "updated", "status") else "right"
+        table.add_column(name, justify=justify, no_wrap=True)
+    colours = {"finished": "[green]finished[/]", "damaged": "[red]damaged[/]"}
+    for row in rows:
+        cells = []
+        for name in shown:
+            value = row[name]
+            if name == "run":
+                value = shorten(value, name_width)
+            elif name == "dataset":
+                value = shorten(value, natural["dataset"])
+            cells.append(escape(value) if name != "status" else colours.get(value, value))
+        table.add_row(*cells)
     return table
 
 
