@@ -597,6 +597,9 @@ def train(
     set_threads(threads)
     from nanogpt_cli.trackers import Tee, open_tracker
 
+    if nproc is not None and tracker:  # the processes open it; an unknown one or a missing extra is refused here
+        open_tracker(tracker).close()
+    sink = open_tracker(tracker) if tracker and prints() and nproc is None else None  # refused first, too
     if last and init_from is None:
         raise NanoGPTError("--last picks the weights of --init-from RUN; give --init-from or drop --last")
     if nproc is None and (nnodes != 1 or rdzv_endpoint):
@@ -622,7 +625,6 @@ def train(
         return launch_training(
             plan, how, given, preset, config, resume, force, init_from, quiet, last, threads, tracker, verbose
         )
-    sink = open_tracker(tracker) if tracker and prints() else None  # unknown or missing extra: refused first
     if prints():
         for message in plan.notes:
             note(message)
@@ -657,10 +659,6 @@ def launch_training(plan, how, given, preset, config, resume, force, init_from, 
     if plan.complete:
         return say_complete(plan)
     rank_device(plan.train.device, how.nproc - 1)  # --device cuda:N, or more processes than GPUs: one line here
-    if tracker:
-        from nanogpt_cli.trackers import open_tracker
-
-        open_tracker(tracker).close()  # an unknown tracker or a missing extra: refused before the processes start
     args: list[str] = []
     for name, value in given.items():  # the config options given, as flags
         if isinstance(value, bool):

@@ -252,11 +252,14 @@ def busy_hint(steps_s: list[float], load: float | None, cores: int, threads: int
         return None
     others = max(0.0, (load or 0.0) - (threads if steps_s else 0))  # once it trains, the load counts this run too
     free = max(1, int(cores - others))
-    return (
-        " and ".join(said)
-        + f": other processes share the CPU; stop them, or train with --threads {free} (this run uses {threads}), "
-        "as threads that wait for a core slow every step"
-    )
+    if free < threads:
+        advice = (
+            f"stop them, or train with --threads {free} (this run uses {threads}), as threads that wait for a "
+            "core slow every step"
+        )
+    else:
+        advice = f"stop them, or expect it to be slower (this run uses {threads} thread{'s' if threads > 1 else ''})"
+    return " and ".join(said) + ": other processes share the CPU; " + advice
 
 
 def cpu_cores() -> int:

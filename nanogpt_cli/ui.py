@@ -211,6 +211,7 @@ class TrainDisplay:
         self.val_loss: float | None = None
         self.start_step = 0
         self.max_iters = 0
+        self.step_width = 6
         self.max_time: float | None = None
 
     def __enter__(self):
@@ -226,6 +227,7 @@ class TrainDisplay:
         import json
 
         self.start_step, self.max_iters = e.step, e.max_iters
+        self.step_width = len(f"{e.max_iters:,}")  # step numbers line up in every line of the run
         self.max_time = e.train.get("max_time")
         if self.verbose:
             console.print(f"model: {json.dumps(e.model)}\ntrain: {json.dumps(e.train)}")
@@ -285,8 +287,7 @@ class TrainDisplay:
             room = console.width - (6 + 11 + (2 * len(f"{self.max_iters}") + 2) + 16)
             self.progress.update(self.task, completed=e.step, stats=fit_fields(parts, room))
         elif e.step > self.start_step:
-            width = len(f"{self.max_iters:,}")
-            head = f"step {e.step:>{width},}/{self.max_iters:,} | "
+            head = f"step {e.step:>{self.step_width},}/{self.max_iters:,} | "
             parts.append((5, f"elapsed {_fmt_eta(e.elapsed_s)}"))
             console.print(head + fit_fields(parts, console.width - len(head)))
 
@@ -295,7 +296,7 @@ class TrainDisplay:
             return
         self.val_loss = e.val_loss
         line = (
-            f"step {e.step:>6,}: train loss {e.train_loss:.4f}, val loss {e.val_loss:.4f}"
+            f"step {e.step:>{self.step_width},}: train loss {e.train_loss:.4f}, val loss {e.val_loss:.4f}"
             f" (best {e.best_val_loss:.4f})" + (", checkpoint saved" if e.saved else "")
         )
         (self.progress.console if self.progress is not None else console).print(line)
@@ -308,7 +309,7 @@ class TrainDisplay:
             self.progress.update(self.task, completed=step)
             self.progress.stop()  # its last frame stays on the screen, at this step
             self.progress = None
-        console.print(f"step {step:>6,}: checkpoint saved")
+        console.print(f"step {step:>{self.step_width},}: checkpoint saved")
 
 
 def fit_fields(parts: list[tuple[int, str]], width: int) -> str:
