@@ -646,7 +646,18 @@ def train(
         if prints():
             report_training(plan, result)
     if result.stopped in ("SIGINT", "SIGTERM"):
+        from nanogpt_cli.launch import record_error
+
+        record_error(stopped_line(plan, result))  # every rank: torchrun's report of the stop ends with this line
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
+
+
+def stopped_line(plan, result) -> str:
+    """How a run stopped by a signal ended, and the command that resumes it (with the launch flags of --nproc)."""
+    from nanogpt_cli.launch import launch_flags
+
+    resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
+    return f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}"
 
 
 def launch_training(plan, how, given, preset, config, resume, force, init_from, quiet, last, threads, tracker, verbose):
@@ -707,7 +718,7 @@ def report_training(plan, result) -> None:
 
     resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
     if result.stopped in ("SIGINT", "SIGTERM"):
-        fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}")
+        fail(stopped_line(plan, result))
     if result.stopped == "stop_at":
         console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_with}")
     if result.stopped == "max_time":

@@ -179,16 +179,16 @@ def check_world(cfg: TrainConfig, size: int) -> None:
 def rank_device(name: str, local_rank: int) -> torch.device:
     """--device under torchrun: one GPU per local rank (cuda:LOCAL_RANK), or the CPU."""
     if name == "mps" or name.startswith("mps:"):
-        raise NanoGPTError("--device mps runs one process; start it without torchrun")
+        raise NanoGPTError("--device mps runs one process; start it without --nproc or torchrun")
     if name == "cpu":
         return torch.device("cpu")
     if name.startswith("cuda:"):
         raise NanoGPTError(
-            f"--device {name}: under torchrun each process takes the GPU of its local rank; "
+            f"--device {name}: with several processes each takes the GPU of its local rank; "
             "pass --device cuda (or auto)"
         )
     if name not in ("auto", "cuda"):
-        raise NanoGPTError(f"--device {name!r} is not a device; use auto, cpu or cuda under torchrun")
+        raise NanoGPTError(f"--device {name!r} is not a device; use auto, cpu or cuda with several processes")
     if not torch.cuda.is_available():
         if name == "cuda":
             raise NanoGPTError("--device cuda was asked for, but this torch sees no CUDA GPU; use --device cpu")

@@ -299,6 +299,8 @@ class TrainDisplay:
             f"step {e.step:>{self.step_width},}: train loss {e.train_loss:.4f}, val loss {e.val_loss:.4f}"
             f" (best {e.best_val_loss:.4f})" + (", checkpoint saved" if e.saved else "")
         )
+        if self.progress is not None:
+            self.progress.update(self.task, completed=e.step)  # the bar is at the step evaluated (and saved)
         (self.progress.console if self.progress is not None else console).print(line)
 
     def on_save(self, step: int) -> None:
