@@ -622,9 +622,9 @@ def train(
         world_size=how.world_size if how else None,
     )
     if how is not None:  # everything was checked here, before any process starts
-        return launch_training(
-            plan, how, given, preset, config, resume, force, init_from, quiet, last, threads, tracker, verbose
-        )
+        options = dict(preset=preset, config=config, init_from=init_from, threads=threads, tracker=tracker)
+        switches = dict(resume=resume, force=force, quiet=quiet, last=last, verbose=verbose)
+        return launch_training(plan, how, given, {**options, **switches})
     if prints():
         for message in plan.notes:
             note(message)
@@ -660,29 +660,17 @@ def stopped_line(plan, result) -> str:
     return f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}"
 
 
-def launch_training(plan, how, given, preset, config, resume, force, init_from, quiet, last, threads, tracker, verbose):
+def launch_training(plan, how, given: dict, options: dict) -> None:
     """train --nproc: the planned run (its refusals already said) in how.world_size processes, each running this
-    command without the launch flags and with the run folder planned here."""
-    from nanogpt_cli.config import Choice
+    command without the launch flags (given: the config options given; options: train's own) and with the run
+    folder planned here."""
     from nanogpt_cli.distributed import rank_device
-    from nanogpt_cli.launch import launch
+    from nanogpt_cli.launch import launch, train_args
 
     if plan.complete:
         return say_complete(plan)
     rank_device(plan.train.device, how.nproc - 1)  # --device cuda:N, or more processes than GPUs: one line here
-    args: list[str] = []
-    for name, value in given.items():  # the config options given, as flags
-        if isinstance(value, bool):
-            args.append(f"--{flag(name)}" if value else f"--no-{flag(name)}")
-        else:
-            args += [f"--{flag(name)}", str(value.value if isinstance(value, Choice) else value)]
-    own = dict(preset=preset, config=config, init_from=init_from, threads=threads, tracker=tracker)
-    for name, value in own.items():
-        if value is not None:
-            args += [f"--{flag(name)}", str(value)]
-    switches = dict(resume=resume, force=force, quiet=quiet, last=last, verbose=verbose)
-    args += [f"--{name}" for name, on in switches.items() if on]
-    code = launch([*args, "--out", str(plan.run_dir)], how)
+    code = launch(train_args(given, options, plan.run_dir.path), how)
     if code:
         raise typer.Exit(code)
 

@@ -21,7 +21,10 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from nanogpt_cli.config import flag
 from nanogpt_cli.errors import NanoGPTError
 
 LAUNCH_ENV = "NANOGPT_LAUNCH"  # the launch flags, for the resume command a process prints
@@ -56,6 +59,23 @@ class Launch:
         if self.rdzv_endpoint:
             flags += ["--rdzv-endpoint", self.rdzv_endpoint]
         return flags
+
+
+def train_args(config_flags: dict[str, Any], options: dict[str, Any], out: Path) -> list[str]:
+    """`nanogpt train`'s arguments for each process: the config options given (config_flags, by field name), the
+    command's own options (None or False: not given) and the run folder, which the launcher planned."""
+    args: list[str] = []
+    for name, value in config_flags.items():
+        if isinstance(value, bool):
+            args.append(f"--{flag(name)}" if value else f"--no-{flag(name)}")
+        else:
+            args += [f"--{flag(name)}", str(value)]  # a Choice prints as its value
+    for name, value in options.items():
+        if value is True:
+            args.append(f"--{flag(name)}")
+        elif value not in (None, False):
+            args += [f"--{flag(name)}", str(value)]
+    return [*args, "--out", str(out)]
 
 
 def launch_flags() -> str:

@@ -336,3 +336,15 @@ def test_a_failing_process_under_plain_torchrun_reports_our_sentence(char_data, 
     # torchrun's report ends with the root cause: its traceback line is our sentence, not a pointer to the docs
     last = [line for line in proc.stderr.splitlines() if "traceback :" in line][-1]
     assert said in last, proc.stderr[-3000:]
+
+
+def test_each_process_gets_the_command_as_given_with_the_planned_run_folder():
+    from nanogpt_cli.config import LRSchedule
+    from nanogpt_cli.launch import train_args
+
+    given = {"learning_rate": 1e-3, "compile": False, "lr_schedule": LRSchedule.wsd}
+    options = {"preset": "tiny", "resume": True, "quiet": False, "config": None, "threads": 2}
+    assert train_args(given, options, Path("checkpoints/x")) == [
+        *["--learning-rate", "0.001", "--no-compile", "--lr-schedule", "wsd", "--preset", "tiny", "--resume"],
+        *["--threads", "2", "--out", "checkpoints/x"],
+    ]
