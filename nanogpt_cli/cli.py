@@ -6,7 +6,6 @@ nanogpt prepare examples/tinyshakespeare.txt --name shakespeare-char --tokenizer
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import os
 import sys
@@ -75,6 +74,9 @@ def one_line_errors(command):
         try:
             return command(*args, **kwargs)
         except NanoGPTError as e:
+            from nanogpt_cli.launch import record_error
+
+            record_error(str(e))  # under a torch launcher: the sentence its report of the failure shows
             raise (fail(str(e)) if prints() else typer.Exit(1)) from None
 
     return run
@@ -563,12 +565,27 @@ def train(
             show_default=False,
         ),
     ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the whole config at the start.")] = False,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            help="Train in N processes on this machine (one per GPU, or gloo on the CPU), launched by torch's "
+            "elastic launcher.",
+            show_default=False,
+        ),
+    ] = None,
+    nnodes: Annotated[int, typer.Option(help="With --nproc: machines taking part, each running this command.")] = 1,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(help="With --nnodes: HOST:PORT where the machines meet (the same on each).", show_default=False),
+    ] = None,
     flags: dict | None = None,  # the config options given (config_options)
 ):
     """Train a GPT on a prepared dataset, with checkpoints you can resume.
 
     Example: nanogpt train --data shakespeare-char --preset cpu-char --out checkpoints/shk
     """
+    given = dict(flags or {})
     flags = dict(flags or {}, **({"preset": preset} if preset is not None else {}))
     from nanogpt_cli.config import load_toml
     from nanogpt_cli.device import set_threads
@@ -577,14 +594,30 @@ def train(
 
     set_threads(threads)
 
-    sink = open_tracker(tracker) if tracker and prints() else None  # unknown or missing extra: refused first
+    if nproc is not None and tracker:  # the processes open it; an unknown one or a missing extra is refused here
+        open_tracker(tracker).close()
+    sink = open_tracker(tracker) if tracker and prints() and nproc is None else None  # refused first, too
     if last and init_from is None:
         raise NanoGPTError("--last picks the weights of --init-from RUN; give --init-from or drop --last")
+    if nproc is None and (nnodes != 1 or rdzv_endpoint):
+        raise NanoGPTError("--nnodes and --rdzv-endpoint go with --nproc N: the processes on each machine")
+    how = None
+    if nproc is not None:
+        from nanogpt_cli.launch import Launch
+
+        how = Launch(nproc, nnodes, rdzv_endpoint)
+        if os.environ.get("WORLD_SIZE"):
+            raise NanoGPTError("--nproc launches the processes itself; under torchrun drop it")
     from nanogpt_cli.finetune import is_finetune_run, plan_finetune
 
     if resume and out is not None and is_finetune_run(out):  # a LoRA run resumes on its base, with its adapters
+        if how is not None:
+            raise NanoGPTError(
+                f"{out} is a LoRA run, which --nproc does not launch; resume it in one process, or with "
+                "torchrun --nproc-per-node N -m nanogpt_cli finetune --out RUN --resume"
+            )
         job = plan_finetune(flags, load_toml(config) if config else {}, out=out, resume=True, force=force)
-        return run_planned(job.plan, quiet, sink, job.trainable)
+        return run_planned(job.plan, quiet, sink, job.trainable, verbose)
     plan = plan_run(
         flags,
         load_toml(config) if config else {},
@@ -593,16 +626,21 @@ def train(
         force=force,
         init_from=init_from,
         init_last=last,
+        world_size=how.world_size if how else None,
     )
     if init_from is not None and plan.dataset.get("masks"):  # the same run as `finetune` without --lora
         from nanogpt_cli.finetune import record_full_finetune
 
         record_full_finetune(plan, init_from)
         plan.notes.append("fine-tuning on a chat dataset: `nanogpt finetune` does the same, and LoRA with --lora")
-    run_planned(plan, quiet, sink)
+    if how is not None:  # everything was checked here, before any process starts
+        options = dict(preset=preset, config=config, init_from=init_from, threads=threads, tracker=tracker)
+        switches = dict(resume=resume, force=force, quiet=quiet, last=last, verbose=verbose)
+        return launch_training(plan, how, given, {**options, **switches})
+    run_planned(plan, quiet, sink, verbose=verbose)
 
 
-def run_planned(plan, quiet: bool, sink, trainable=None) -> None:
+def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False) -> None:
     """Train a planned run with the progress display (and a tracker's sink), then report it: train and finetune."""
     from nanogpt_cli.distributed import open_world
     from nanogpt_cli.trackers import Tee
@@ -612,6 +650,8 @@ def run_planned(plan, quiet: bool, sink, trainable=None) -> None:
     if prints():
         for message in plan.notes:
             note(message)
+        for change in plan.changes:  # "--learning-rate 0.001 -> 0.0003 from step 723"
+            print(change, flush=True)
     if plan.complete:
         if prints():
             say_complete(plan)
@@ -620,7 +660,7 @@ def run_planned(plan, quiet: bool, sink, trainable=None) -> None:
     # torchrun stop the others) before
     with open_world(plan.train) as world:
         try:
-            with TrainDisplay(quiet or not prints()) as display:
+            with TrainDisplay(quiet or not prints(), verbose) as display:
                 result = Trainer(plan, Tee(display, sink) if sink else display, world, trainable=trainable).fit()
         finally:
             if sink is not None:
@@ -628,6 +668,9 @@ def run_planned(plan, quiet: bool, sink, trainable=None) -> None:
         if prints():
             report_training(plan, result)
     if result.stopped in ("SIGINT", "SIGTERM"):
+        from nanogpt_cli.launch import record_error
+
+        record_error(stopped_line(plan, result))  # every rank: torchrun's report of the stop ends with this line
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
 
 
@@ -713,6 +756,29 @@ def finetune(
     run_planned(job.plan, quiet, sink, job.trainable)
 
 
+def stopped_line(plan, result) -> str:
+    """How a run stopped by a signal ended, and the command that resumes it (with the launch flags of --nproc)."""
+    from nanogpt_cli.launch import launch_flags
+
+    resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
+    return f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}"
+
+
+def launch_training(plan, how, given: dict, options: dict) -> None:
+    """train --nproc: the planned run (its refusals already said) in how.world_size processes, each running this
+    command without the launch flags (given: the config options given; options: train's own) and with the run
+    folder planned here."""
+    from nanogpt_cli.distributed import rank_device
+    from nanogpt_cli.launch import launch, train_args
+
+    if plan.complete:
+        return say_complete(plan)
+    rank_device(plan.train.device, how.nproc - 1)  # --device cuda:N, or more processes than GPUs: one line here
+    code = launch(train_args(given, options, plan.run_dir.path), how)
+    if code:
+        raise typer.Exit(code)
+
+
 def say_complete(plan) -> None:
     """A run that has nothing left to train: why, and what to raise."""
     from nanogpt_cli.ui import console
@@ -734,22 +800,26 @@ def report_training(plan, result) -> None:
     from nanogpt_cli.ui import console, train_table
 
     console.print(train_table(result))
-    if importlib.util.find_spec("matplotlib") is not None:  # the plot extra: a picture of the curves
-        from nanogpt_cli.plot import write_png
+    from nanogpt_cli.plot import write_png
 
+    try:  # the plot extra: a picture of the curves
         write_png([plan.run_dir.path], plan.run_dir.loss_plot_path)
-    resume_with = f"nanogpt train --out {plan.run_dir} --resume"
+    except NanoGPTError as e:  # said once, here at the end, where it is seen
+        note(f"{plan.run_dir.loss_plot_path.name} not drawn: {e}")
+    from nanogpt_cli.launch import launch_flags
+
+    resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
     if result.stopped in ("SIGINT", "SIGTERM"):
-        fail(f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}")
+        fail(stopped_line(plan, result))
     if result.stopped == "stop_at":
         console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_with}")
     if result.stopped == "max_time":
         console.print(f"ended at step {result.step:,}: --max-time {plan.train.max_time:g} s was spent")
 
 
-def print_samples(sampler, text: str, settings, num_samples: int, stream: bool) -> None:
-    """Continue one prompt: the samples printed after it, streamed when asked."""
-    from nanogpt_cli.ui import console, err_console
+def print_samples(sampler, text: str, settings, num_samples: int, stream: bool, json_out: bool = False) -> None:
+    """Continue one prompt: the samples printed after it, streamed when asked (or one JSON object each)."""
+    from nanogpt_cli.ui import err_console
 
     ids, cut = sampler.encode_prompt(text)
     if cut:
@@ -758,9 +828,16 @@ def print_samples(sampler, text: str, settings, num_samples: int, stream: bool) 
             f"the context of {sampler.block_size:,}",
             soft_wrap=True,
         )
+    if json_out:  # one object per sample, for scripts
+        for i, r in enumerate(sampler.generate_many([text] * num_samples, settings)):
+            record = {"sample": i + 1, "prompt": text, "text": r.text, "tokens": r.tokens}
+            record.update(stop_reason=r.stop_reason, tokens_per_s=round(r.tokens_per_s, 1))
+            print(json.dumps(record, ensure_ascii=False), flush=True)
+        return
     for i, pieces in enumerate(sampler.samples(text, settings, num_samples)):
-        if num_samples > 1:
-            console.rule(f"sample {i + 1} of {num_samples}")
+        if num_samples > 1:  # on stderr: stdout holds the samples' text only
+            sys.stdout.flush()
+            err_console.rule(f"sample {i + 1} of {num_samples}")
         sys.stdout.write(text)
         for piece in pieces:
             sys.stdout.write(piece)
@@ -789,6 +866,10 @@ def sample(
     ] = None,
     ignore_eot: Annotated[bool, typer.Option("--ignore-eot", help="Keep going past the end-of-text token.")] = False,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print text as it is generated.")] = True,
+    json_out: Annotated[
+        bool,
+        typer.Option("--json", help="One JSON object per sample: text, tokens, stop_reason, tokens_per_s."),
+    ] = False,
     last: Last = False,
     interactive: Annotated[
         bool, typer.Option("--interactive", "-i", help="Ask for prompts in a loop (--prompt is the first).")
@@ -826,23 +907,36 @@ def sample(
         use_cache=not no_cache,
     )
     sampler = Sampler.load(checkpoint, last=last, device=device, dtype=dtype)
-    run = functools.partial(print_samples, sampler, settings=settings, num_samples=num_samples, stream=stream)
+    run = functools.partial(
+        print_samples, sampler, settings=settings, num_samples=num_samples, stream=stream, json_out=json_out
+    )
     if not interactive:
         return run(prompt or "")
-    first = prompt  # --prompt (or --prompt-file) with --interactive is the first prompt
+    interactive_loop(run, prompt)
+
+
+def interactive_loop(run, first: str | None) -> None:
+    """sample -i: a prompt at a time until Ctrl-D (or Ctrl-C at the prompt); Ctrl-C while a sample is written
+    stops that sample. The shell's prompt comes back on a line of its own."""
+    from nanogpt_cli.ui import err_console
+
+    err_console.print("type a prompt and press Enter; Ctrl-D (or Ctrl-C) leaves", highlight=False)
     while True:
-        if first is not None:
+        if first is not None:  # --prompt (or --prompt-file) with --interactive is the first prompt
             text, first = first, None
             print(f"prompt> {text}")
         else:
             try:
                 text = input("prompt> ")
-            except EOFError:
-                break
+            except (EOFError, KeyboardInterrupt):
+                print(flush=True)  # the shell's prompt on a new line, not after ours
+                return
         try:
             run(text)
         except NanoGPTError as e:  # a bad prompt should not end the session
             fail(str(e))
+        except KeyboardInterrupt:  # stops this sample, not the session
+            print(flush=True)
 
 
 @app.command()
@@ -1042,8 +1136,8 @@ def runs(
     else:
         console.print(runs_table(found, folder))
         for run in found:
-            if run.problem:
-                console.print(f"{run.name}: {run.problem}", markup=False)
+            if run.problem or run.description:
+                console.print(f"{run.name}: {run.problem or run.description}", markup=False)
 
 
 @app.command()

@@ -416,6 +416,13 @@ def check_values(config) -> None:
             raise ValueError(f"--{flag(f.name)} must be one of {', '.join(c.value for c in kind)}, got {value!r}")
 
 
+def show_value(value: Any) -> str:
+    """A config value as a flag takes it, for messages: 0.0003, cosine, none."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return "none" if value is None else str(value)
+
+
 def flag(name: str) -> str:
     """The CLI flag for a config field: n_embd -> n-embd."""
     return name.replace("_", "-")

@@ -159,29 +159,36 @@ def open_world(cfg: TrainConfig) -> Iterator[World]:
     if n <= 1:
         yield World(resolve_device(cfg.device))
         return
-    per_rank(cfg.gradient_accumulation_steps, n)
-    if cfg.max_time is not None:
-        raise NanoGPTError(
-            "--max-time runs in one process only: under torchrun each rank's clock would set its "
-            "own learning rate; use --max-iters"
-        )
+    check_world(cfg, n)
     with process_group(cfg.device) as world:
         yield world
+
+
+def check_world(cfg: TrainConfig, size: int) -> None:
+    """What a run of `size` processes cannot do, refused in one sentence (by the launcher, before any starts)."""
+    if size <= 1:
+        return
+    per_rank(cfg.gradient_accumulation_steps, size)
+    if cfg.max_time is not None:
+        raise NanoGPTError(
+            "--max-time runs in one process only: with several processes each one's clock would set its "
+            "own learning rate; use --max-iters"
+        )
 
 
 def rank_device(name: str, local_rank: int) -> torch.device:
     """--device under torchrun: one GPU per local rank (cuda:LOCAL_RANK), or the CPU."""
     if name == "mps" or name.startswith("mps:"):
-        raise NanoGPTError("--device mps runs one process; start it without torchrun")
+        raise NanoGPTError("--device mps runs one process; start it without --nproc or torchrun")
     if name == "cpu":
         return torch.device("cpu")
     if name.startswith("cuda:"):
         raise NanoGPTError(
-            f"--device {name}: under torchrun each process takes the GPU of its local rank; "
+            f"--device {name}: with several processes each takes the GPU of its local rank; "
             "pass --device cuda (or auto)"
         )
     if name not in ("auto", "cuda"):
-        raise NanoGPTError(f"--device {name!r} is not a device; use auto, cpu or cuda under torchrun")
+        raise NanoGPTError(f"--device {name!r} is not a device; use auto, cpu or cuda with several processes")
     if not torch.cuda.is_available():
         if name == "cuda":
             raise NanoGPTError("--device cuda was asked for, but this torch sees no CUDA GPU; use --device cpu")

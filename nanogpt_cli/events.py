@@ -90,6 +90,7 @@ class Display(Protocol):
     def on_eval(self, event: Evaluated) -> None: ...
     def on_save(self, step: int) -> None: ...
     def on_status(self, text: str) -> None: ...  # what happens before the first step (no long silences)
+    def on_hint(self, text: str) -> None: ...  # advice while the run goes (a busy machine), at most once each
 
 
 class NoDisplay:
@@ -106,6 +107,9 @@ class NoDisplay:
         pass
 
     def on_status(self, text: str) -> None:
+        pass
+
+    def on_hint(self, text: str) -> None:
         pass
 
 

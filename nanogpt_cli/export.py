@@ -27,6 +27,7 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
 
 FORMATS = ("hf", "gguf", "peft")
+ORIGIN_KEY = "nanogpt_origin"  # in an exported config.json: the run, step and dataset the weights came from
 
 
 @dataclass
@@ -81,7 +82,7 @@ def export(
     model, meta = load_source(source, last)
     template = meta.get("chat_template") if isinstance(meta.get("chat_template"), str) else None
     if fmt == "hf":
-        return export_hf(model, meta["tokenizer"], Path(out), force, chat_template=template)
+        return export_hf(model, meta["tokenizer"], Path(out), force, origin_of(source, meta), template)
     return export_gguf(model, meta["tokenizer"], Path(out), force, quant or "f32", chat_template=template)
 
 
@@ -106,6 +107,17 @@ def lora_weights(source: str | Path, last: bool) -> tuple[Path, dict[str, Any]] 
     path = resolve_weights(source, last)
     meta = read_metadata(path)
     return (path, meta) if "lora" in meta else None
+
+
+def origin_of(source: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Where exported weights came from (ORIGIN_KEY's value): the run, the source named, step, tokens, dataset."""
+    from nanogpt_cli import __version__
+
+    path = Path(source)
+    run = path if path.is_dir() else path.parent  # a weights file names its run folder
+    origin = {"run": str(run), "source": str(source), "version": __version__}
+    origin.update({k: meta[k] for k in ("step", "tokens", "dataset", "val_loss") if meta.get(k) is not None})
+    return origin
 
 
 def _check_target(out: Path, force: bool) -> None:
@@ -134,9 +146,15 @@ def _staging(out: Path) -> Path:
 
 
 def export_hf(
-    model: GPT, desc: dict[str, Any], out: Path, force: bool = False, chat_template: str | None = None
+    model: GPT,
+    desc: dict[str, Any],
+    out: Path,
+    force: bool = False,
+    origin: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> ExportResult:
-    """Write a folder that AutoModelForCausalLM, AutoTokenizer and pipeline("text-generation") load offline. With
+    """Write a folder that AutoModelForCausalLM, AutoTokenizer and pipeline("text-generation") load offline.
+    origin: where the weights came from (run, step, ...), kept under ORIGIN_KEY in config.json for `info`. With
     a chat template, `apply_chat_template` renders conversations as the run was trained on them, and generation
     stops where the template ends a reply."""
     transformers = hf.require("transformers")
@@ -159,6 +177,8 @@ def export_hf(
         config_path = tmp / "config.json"
         config = json.loads(config_path.read_text(encoding="utf-8"))
         config.update(extra)
+        if origin:  # transformers keeps unknown keys as config attributes; `info` and `runs` read this one
+            config[ORIGIN_KEY] = origin
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         # a padded head (vocab_size above the tokenizer's) never picks a token the tokenizer lacks, as in ours
         padding = list(range(desc["vocab_size"], model.config.vocab_size))

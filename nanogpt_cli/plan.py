@@ -6,6 +6,7 @@ a resume that must agree with the saved one, or a start from other weights).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -13,9 +14,20 @@ from typing import Any
 
 from nanogpt_cli import hf
 from nanogpt_cli.checkpoint import read_metadata
-from nanogpt_cli.config import Dtype, GPTConfig, TrainConfig, build_configs, flag, preset_values, split_values
+from nanogpt_cli.config import (
+    Dtype,
+    GPTConfig,
+    TrainConfig,
+    build_configs,
+    flag,
+    parse_value,
+    preset_values,
+    show_value,
+    split_values,
+)
 from nanogpt_cli.data import load_meta
 from nanogpt_cli.device import resolve_device
+from nanogpt_cli.distributed import check_world, launched_size
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.loading import load_model
 from nanogpt_cli.model import GPT
@@ -41,6 +53,7 @@ class RunPlan:
     # a fine-tuning run (finetune.py): what config.json records under "finetune"; its "weights" entries go into
     # the weights files' metadata (a LoRA run: its adapter config and its base)
     finetune: dict[str, Any] | None = None
+    changes: list[Change] = field(default_factory=list)  # training values a resume changes, from its step on
 
     @property
     def complete(self) -> bool:
@@ -50,6 +63,10 @@ class RunPlan:
     @property
     def time_over(self) -> bool:
         return self.time_spent is not None and (self.train.max_time or 0) <= self.time_spent
+
+
+def values_from(preset: str | None) -> dict[str, Any]:
+    return preset_values(preset) if preset else {}
 
 
 def default_run_dir(data: str) -> Path:
@@ -73,12 +90,16 @@ def plan_run(
     force: bool = False,
     init_from: str | None = None,
     init_last: bool = False,
+    world_size: int | None = None,
 ) -> RunPlan:
     """The effective configs of a run. Fresh: preset < config file < flags, with the vocabulary from the dataset.
     Resume: the saved run's configs; the same preset, file and flags may be given again (values equal to the
     saved architecture are accepted, differing ones refused), and training fields they give apply.
     --init-from: the checkpoint's architecture (dropout may change; best weights unless init_last), training
-    fields as for a fresh run. `preset` and `out` may come from the flags or the config file (flags win)."""
+    fields as for a fresh run. `preset` and `out` may come from the flags or the config file (flags win).
+    world_size: the processes it trains in (default: torchrun's WORLD_SIZE, or 1); a preset's (or the default)
+    --gradient-accumulation-steps is raised to a multiple of it, said in a note."""
+    world_size = launched_size() if world_size is None else world_size
     values = {**(file_values or {}), **flags}
     preset = values.pop("preset", None)
     out = out or values.pop("out", None)
@@ -91,16 +112,29 @@ def plan_run(
     if resume:
         if init_from is not None:
             raise NanoGPTError("--resume continues a run with its own weights; drop --init-from")
-        return _plan_resume(run_dir, preset, values)
+        return _plan_resume(run_dir, preset, values, world_size)
     explicit_model, _ = split_values(values)
+    accumulation_given = "gradient_accumulation_steps" in values
     values = {**(preset_values(preset) if preset else {}), **values}
     model_values, train_values = split_values(values)
+    notes: list[str] = []
+    if not accumulation_given and world_size > 1:
+        n_micro = train_values.get("gradient_accumulation_steps", TrainConfig.gradient_accumulation_steps)
+        adapted = _adapted_accumulation(n_micro, world_size)
+        if adapted != n_micro:
+            train_values["gradient_accumulation_steps"] = adapted
+            where = f"--preset {preset}'s" if "gradient_accumulation_steps" in values_from(preset) else "the default"
+            notes.append(
+                f"--gradient-accumulation-steps {adapted} instead of {where} {n_micro}: a multiple of the "
+                f"{world_size} processes ({adapted // world_size} micro-batch{'es' if adapted > world_size else ''} "
+                "each per update)"
+            )
     _, train_cfg = build_configs(train_values)
     if not train_cfg.data:
         raise NanoGPTError("--data is required: the name of a dataset made by `nanogpt prepare`")
     meta = load_meta(Path(train_cfg.data_dir), train_cfg.data)
     init: dict[str, Any] = {}  # init_weights or init_model, for the plan
-    notes: list[str] = []
+
     if init_from is not None:
         model_values, init, note = _plan_init(init_from, init_last, meta, train_cfg.data, model_values, explicit_model)
         notes.append(note)
@@ -112,6 +146,7 @@ def plan_run(
             f"--vocab-size {model_cfg.vocab_size:,} is smaller than the {meta['vocab_size']:,} tokens "
             f"of dataset '{train_cfg.data}'; drop it to use the dataset's, or give at least that"
         )
+    check_world(train_cfg, world_size)
     notes += _warnings(model_cfg, train_cfg)
     return RunPlan(model_cfg, train_cfg, run_dir, meta, force=force, notes=notes, **init)
 
@@ -178,14 +213,16 @@ def _warnings(model_cfg: GPTConfig, cfg: TrainConfig) -> list[str]:
     return notes
 
 
-def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any]) -> RunPlan:
+def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any], world_size: int) -> RunPlan:
     saved = run_dir.read_config()
     state, notes = run_dir.check_resumable()
-    # the command that started the run may be given again: what it says must agree with the saved run
+    # the command that started the run may be given again, preset included: its architecture and dataset must be
+    # the saved run's; a training value it changes applies from the resumed step, and is announced and recorded
     from_preset = preset_values(preset) if preset else {}
     said = {**from_preset, **given}
-    model_said, _ = split_values(said)
-    differ = [k for k, v in model_said.items() if saved["model"].get(k) != v]
+    model_said, train_said = split_values(said)
+    saved_model = {k: parse_value(k, v) for k, v in saved["model"].items()}
+    differ = [k for k, v in model_said.items() if saved_model.get(k) != parse_value(k, v)]
     if differ:
 
         def where(k):
@@ -197,26 +234,32 @@ def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any]) -> 
                 f"--{flag(k)} (saved {saved['model'].get(k)!r}, {where(k)} {model_said[k]!r})" for k in sorted(differ)
             )
         )
-    preset_only = [
-        k for k, v in from_preset.items() if k not in given and k in saved["train"] and saved["train"][k] != v
-    ]
-    if preset_only:
+    saved_train = {k: v for k, v in saved["train"].items() if k not in ("stop_at", "out")}  # out: older runs
+    if "data" in train_said and train_said["data"] != saved_train.get("data"):
         raise NanoGPTError(
-            f"--preset {preset} would change the resumed run's "
-            + ", ".join(
-                f"--{flag(k)} (saved {saved['train'][k]!r}, preset {from_preset[k]!r})" for k in sorted(preset_only)
-            )
-            + "; drop --preset when resuming, or give those flags"
+            f"--data {train_said['data']} is a different dataset from the one {run_dir} trains on "
+            f"({saved_train.get('data')!r}); resume without --data, or train on it in a new run: "
+            f"nanogpt train --init-from {run_dir} --data {train_said['data']} --out NEW_FOLDER"
         )
-    _, train_over = split_values(given)
-    saved_optimizer = saved["train"].get("optimizer", "adamw")
-    if train_over.get("optimizer", saved_optimizer) != saved_optimizer:
+    saved_optimizer = saved_train.get("optimizer", "adamw")
+    if train_said.get("optimizer", saved_optimizer) != saved_optimizer:
         raise NanoGPTError(
             f"--resume continues the run's --optimizer {saved_optimizer}; it cannot change to "
-            f"{train_over['optimizer']} (start a new run with --init-from instead)"
+            f"{train_said['optimizer']} (start a new run with --init-from instead)"
         )
-    saved_train = {k: v for k, v in saved["train"].items() if k not in ("stop_at", "out")}  # out: older runs
-    model_cfg, train_cfg = build_configs({**saved["model"], **saved_train, **train_over})
+    defaults = TrainConfig().to_dict()
+    changes = []
+    for k, v in sorted(train_said.items()):
+        if k in ("data", "data_dir", "stop_at"):  # where the data is, and when this invocation stops: not the run's
+            continue
+        before = parse_value(k, saved_train.get(k, defaults[k]))
+        after = parse_value(k, v)
+        if k == "gradient_accumulation_steps" and k not in given:  # a preset's adapts to the world, as when started
+            after = _adapted_accumulation(after, world_size)
+        if before != after:
+            changes.append(Change(k, before, after, state.step))
+    model_cfg, train_cfg = build_configs({**saved["model"], **saved_train, **{c.field: c.given for c in changes}})
+    train_cfg = dataclasses.replace(train_cfg, **{k: v for k, v in train_said.items() if k in ("data_dir", "stop_at")})
     plan_step = state.step
     if state.step < train_cfg.max_iters and train_cfg.stop_at is not None and train_cfg.stop_at <= state.step:
         raise NanoGPTError(
@@ -233,16 +276,44 @@ def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any]) -> 
             f"dataset '{train_cfg.data}' was prepared again with another tokenizer since {run_dir} "
             f"started ({differ_tok}); prepare it as before, or start a new run"
         )
-    if (
-        saved_meta.get("created")
-        and meta.get("created") != saved_meta.get("created")
-        and train_cfg.data == saved["train"].get("data")
-    ):
+    if saved_meta.get("created") and meta.get("created") != saved_meta.get("created"):
         notes.append(
             f"dataset '{train_cfg.data}' was prepared again since this run started (then "
             f"{saved_meta['created']}, now {meta.get('created')}); the run continues on the new data"
         )
+    check_world(train_cfg, world_size)
     notes += _warnings(model_cfg, train_cfg)
     return RunPlan(
-        model_cfg, train_cfg, run_dir, meta, resume=True, step=plan_step, notes=notes, time_spent=state.max_time_spent
+        model_cfg,
+        train_cfg,
+        run_dir,
+        meta,
+        resume=True,
+        step=plan_step,
+        notes=notes,
+        time_spent=state.max_time_spent,
+        changes=changes,
     )
+
+
+def _adapted_accumulation(n_micro: int, world_size: int) -> int:
+    """--gradient-accumulation-steps from a preset (or the default) raised to the next multiple of the number of
+    processes, so every process runs the same share of each update."""
+    return -(-n_micro // world_size) * world_size
+
+
+@dataclass(frozen=True)
+class Change:
+    """A training value a resume changes: applied from `step` on, announced, and kept in the run's history."""
+
+    field: str
+    saved: Any
+    given: Any
+    step: int
+
+    def __str__(self) -> str:
+        """ "--learning-rate 0.001 -> 0.0003 from step 723"."""
+        return f"--{flag(self.field)} {show_value(self.saved)} -> {show_value(self.given)} from step {self.step:,}"
+
+    def record(self) -> dict[str, Any]:
+        return {"flag": f"--{flag(self.field)}", "saved": self.saved, "given": self.given}

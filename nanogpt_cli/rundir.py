@@ -6,7 +6,7 @@ with its recovery from a save cut short, config.json and metrics.jsonl all live 
     saved = run.restore(); saved.load_weights(model); saved.load_optimizer(optimizer)
 
 Layout of a run folder:
-    config.json            the effective model and training config
+    config.json            the effective model and training config, and the history of values resumes changed
     model.safetensors      the last weights; metadata: config, tokenizer, step, tokens, val_loss, version
     best.safetensors       the weights with the lowest validation loss so far (when the last save is the best,
                            a hard link to model.safetensors: one copy on disk)
@@ -124,8 +124,18 @@ class RunDir:
 
     # --- config.json and metrics.jsonl ---
 
-    def write_config(self, config: dict[str, Any]) -> None:
-        write_json(self.path / CONFIG, {**config, "version": __version__})
+    def write_config(self, config: dict[str, Any], changes: dict[str, Any] | None = None) -> None:
+        """config.json: the effective config, and its "history": the training values resumes changed, each entry
+        {"step", "changes": [{"flag", "saved", "given"}], "time"}, kept from the file being replaced."""
+        history = []
+        if (self.path / CONFIG).is_file():
+            try:
+                history = list(self.read_config().get("history") or [])
+            except NanoGPTError:
+                pass  # a damaged config.json is being replaced: its history is lost with it
+        if changes:
+            history.append(changes)
+        write_json(self.path / CONFIG, {**config, "history": history, "version": __version__})
 
     def read_config(self) -> dict[str, Any]:
         config = self._read_json(CONFIG)

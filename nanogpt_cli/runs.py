@@ -28,6 +28,7 @@ STATUSES = {
     "resumable": "stopped before --max-iters; `nanogpt train --out RUN --resume` continues it",
     "stopped": "weights but no trainer state: start from it with --init-from",
     "damaged": "a file it needs cannot be read",
+    "export": "a Hugging Face folder (`nanogpt export --format hf`): sample, eval and --init-from read it",
 }
 
 
@@ -46,6 +47,7 @@ class RunSummary:
     updated: str  # ISO time of the newest file in the folder
     status: str  # one of STATUSES
     problem: str | None = None  # why it is damaged
+    description: str | None = None  # what an export folder is, in words
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -59,10 +61,91 @@ def model_counts(config: GPTConfig) -> tuple[int, int, int]:
     return model.num_params(non_embedding=False), model.num_params(), model.flops_per_token()
 
 
+@dataclass
+class HFExport:
+    """A Hugging Face model folder, read from its config.json and its weights' header (nothing loaded)."""
+
+    architecture: str
+    params: int | None
+    origin: dict[str, Any]  # export.ORIGIN_KEY: run, step, dataset of the weights; {} when nanogpt did not write it
+
+    def describe(self) -> str:
+        """ "Hugging Face export: GPTNeoXForCausalLM, 0.8M parameters, from run checkpoints/shk step 300"."""
+        words = [self.architecture]
+        if self.params is not None:
+            words.append(f"{_millions(self.params)} parameters")
+        if not self.origin:
+            return "Hugging Face model: " + ", ".join(words)
+        source = f"from run {self.origin.get('run')}"
+        if self.origin.get("step") is not None:
+            source += f" step {self.origin['step']:,}"
+        return "Hugging Face export: " + ", ".join(words + [source])
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.1f}M" if n >= 100_000 else f"{n:,}"
+
+
+def read_hf_folder(path: Path) -> HFExport | None:
+    """The folder as a Hugging Face model (an export of ours, or any transformers folder), or None."""
+    from safetensors import safe_open
+
+    from nanogpt_cli import hf
+    from nanogpt_cli.export import ORIGIN_KEY
+
+    if str(path).startswith("hf:") or not hf.is_hf_source(path):
+        return None
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    params = None
+    weights = sorted(path.glob("*.safetensors"))
+    if weights:
+        try:
+            params = 0
+            for file in weights:
+                with safe_open(str(file), framework="pt") as f:
+                    for key in f.keys():
+                        params += _numel(f.get_slice(key))
+        except Exception:  # unreadable weights: the architecture is still known
+            params = None
+    arch = (config.get("architectures") or [config.get("model_type", "unknown")])[0]
+    origin = config.get(ORIGIN_KEY) if isinstance(config.get(ORIGIN_KEY), dict) else {}
+    return HFExport(arch, params, origin)
+
+
+def _numel(tensor_slice) -> int:
+    n = 1
+    for d in tensor_slice.get_shape():
+        n *= d
+    return n
+
+
+def summarize_export(path: Path, export: HFExport, updated: str) -> RunSummary:
+    return RunSummary(
+        name=path.name,
+        path=str(path),
+        dataset=export.origin.get("dataset"),
+        params=export.params,
+        step=export.origin.get("step"),
+        max_iters=None,
+        best_val_loss=None,
+        tokens=export.origin.get("tokens"),
+        status="export",
+        updated=updated,
+        description=export.describe(),
+    )
+
+
 def summarize_run(path: Path) -> RunSummary:
     run = RunDir(path)
     files = [p for p in path.iterdir() if p.is_file()]
     updated = max((p.stat().st_mtime for p in files), default=path.stat().st_mtime)
+    stamp = datetime.fromtimestamp(updated, timezone.utc).isoformat(timespec="seconds")
+    export = read_hf_folder(path)
+    if export is not None:
+        return summarize_export(path, export, stamp)
     summary = RunSummary(
         name=path.name,
         path=str(path),
@@ -73,7 +156,7 @@ def summarize_run(path: Path) -> RunSummary:
         best_val_loss=None,
         tokens=None,
         status="damaged",
-        updated=datetime.fromtimestamp(updated, timezone.utc).isoformat(timespec="seconds"),
+        updated=stamp,
     )
     try:
         config = run.read_config()
@@ -106,10 +189,14 @@ def list_runs(root: Path) -> list[RunSummary]:
     root = Path(root)
     if not root.is_dir():
         raise NanoGPTError(f"{root} is not a folder of runs")
+
+    def listed(p: Path) -> bool:
+        return RunDir(p).has_run() or read_hf_folder(p) is not None
+
     folders = (
         [root]
-        if RunDir(root).has_run()
-        else sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and RunDir(p).has_run())
+        if listed(root)
+        else sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and listed(p))
     )
     return sorted((summarize_run(p) for p in folders), key=lambda r: r.updated, reverse=True)
 
@@ -130,7 +217,8 @@ class Info:
     """Everything `nanogpt info` shows about a run folder or a weights file."""
 
     path: str
-    kind: str  # "run" or "weights"
+    kind: str  # "run", "weights", "gguf (ARCH)", "hf export" (a Hugging Face folder we wrote) or "hf model"
+    description: str | None = None  # a Hugging Face folder in words: architecture, size, the run it came from
     model: dict[str, Any] | None = None
     params: int | None = None
     params_non_embedding: int | None = None
@@ -146,6 +234,7 @@ class Info:
     status: str | None = None
     speed: dict[str, Any] | None = None  # the last invocation's speed (events.RunSpeed), from the trainer state
     finetune: str | None = None  # a fine-tune: full or LoRA, and what it started from, in words
+    history: list[dict[str, Any]] = field(default_factory=list)  # what resumes changed (config.json's "history")
     files: list[FileInfo] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,8 +284,27 @@ def finetune_words(record: dict[str, Any] | None) -> str | None:
     )
 
 
+def _inspect_export(path: Path, export: HFExport) -> Info:
+    origin = export.origin
+    info = Info(
+        path=str(path),
+        kind="hf export" if export.origin else "hf model",
+        description=export.describe(),
+        params=export.params,
+        dataset=origin.get("dataset"),
+        step=origin.get("step"),
+        tokens=origin.get("tokens"),
+        val_loss=origin.get("val_loss"),
+    )
+    info.files = [_file_info(p) for p in sorted(path.iterdir()) if p.is_file() and not p.name.startswith(".")]
+    return info
+
+
 def _inspect_run(path: Path) -> Info:
     run = RunDir(path)
+    export = read_hf_folder(path)
+    if export is not None:
+        return _inspect_export(path, export)
     if not run.has_run():
         raise NanoGPTError(f"{path} holds no run ({run.no_run_reason()})")
     summary = summarize_run(path)
@@ -218,6 +326,7 @@ def _inspect_run(path: Path) -> Info:
     if config is not None:
         _fill_model(info, config["model"], (config.get("dataset") or {}).get("tokenizer"))
         info.finetune = finetune_words(config.get("finetune"))
+        info.history = [h for h in config.get("history") or [] if isinstance(h, dict)]
     else:
         meta = next(filter(None, map(_weights_meta, (run.best_path, run.last_path))), None)
         if meta is not None:

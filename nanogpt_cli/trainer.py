@@ -15,10 +15,12 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import signal
 import statistics
 import time
 from collections.abc import Callable, Iterable
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -282,6 +284,51 @@ class Clock:
         return timed, max(elapsed - self.set_aside_s - (self.first_s if done > 1 else 0.0), 1e-9), elapsed
 
 
+SLOW = 2.5  # steps this many times longer than the first steady ones: something else took the CPU
+
+
+def busy_hint(steps_s: list[float], load: float | None, cores: int, threads: int) -> str | None:
+    """Why a CPU run is slow, when the machine is busy: the steady steps now against the first steady ones, and the
+    load average against the cores; None when neither shows it. The advice names --threads."""
+    said = []
+    first, recent = steps_s[STEADY_SKIP : STEADY_SKIP + 10], steps_s[-10:]
+    if len(steps_s) >= STEADY_SKIP + 20:
+        before, now = statistics.median(first), statistics.median(recent)
+        if now > SLOW * before:
+            said.append(
+                f"steps take {now / before:.1f}x as long as the first ones ({now * 1000:,.0f} ms, were "
+                f"{before * 1000:,.0f} ms)"
+            )
+    if load is not None and load > cores:
+        said.append(f"the load average is {load:.1f} on {cores} cores")
+    if not said:
+        return None
+    others = max(0.0, (load or 0.0) - (threads if steps_s else 0))  # once it trains, the load counts this run too
+    free = max(1, int(cores - others))
+    if free < threads:
+        advice = (
+            f"stop them, or train with --threads {free} (this run uses {threads}), as threads that wait for a "
+            "core slow every step"
+        )
+    else:
+        advice = f"stop them, or expect it to be slower (this run uses {threads} thread{'s' if threads > 1 else ''})"
+    return " and ".join(said) + ": other processes share the CPU; " + advice
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on this platform
+        return None
+
+
 class StopSignals:
     """Ctrl-C / SIGTERM set a flag; the loop finishes its step, saves and stops. A second Ctrl-C aborts, except
     under torchrun, which passes a terminal's Ctrl-C on to its workers a second time (and kills them itself
@@ -355,6 +402,7 @@ class Trainer:
         self.saved_at: int | None = None  # the step of the last checkpoint this call wrote
         self.stopped: str | None = None
         self.skipped = 0  # fp16 updates the scaler skipped since the last progress line
+        self.hinted = False  # the busy-machine hint is given once
 
     def fit(self) -> TrainResult:
         self._setup()
@@ -452,6 +500,16 @@ class Trainer:
             self.run_dir.append_metrics(logged.record())
         self.show.on_step(logged)
         self.skipped = 0
+        self.watch_load()
+
+    def watch_load(self) -> None:
+        """On the CPU, one hint (once) when the machine is busy: see busy_hint."""
+        if self.hinted or self.world.device.type != "cpu":
+            return
+        hint = busy_hint(self.clock.steps, load_average(), cpu_cores(), torch.get_num_threads())
+        if hint is not None:
+            self.hinted = True
+            self.show.on_hint(hint)
 
     def _take_trained(self) -> float:
         """The targets trained on (mask 1) since the last call, summed over ranks; the count starts again."""
@@ -562,10 +620,17 @@ class Trainer:
         if world.main:
             if not saved:
                 self.run_dir.start(plan.force)
+            changed = None
+            if plan.changes:  # the run's history: what this resume changed, from which step
+                changed = {
+                    "step": self.state.step,
+                    "changes": [c.record() for c in plan.changes],
+                    "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                }
             config = {"model": plan.model.to_dict(), "train": cfg.to_dict(), "dataset": plan.dataset}
             if plan.finetune:
                 config["finetune"] = plan.finetune
-            self.run_dir.write_config(config)
+            self.run_dir.write_config(config, changed)
         self.weights_meta = dict(tokenizer=plan.dataset["tokenizer"], dataset=plan.dataset.get("name") or cfg.data)
         template = checkpoint_template(plan.dataset)
         if template is not None:  # sample, serve and the exports format conversations with it
@@ -599,6 +664,7 @@ class Trainer:
         self.clock = Clock(self.state.elapsed_s, cfg.max_time, self.state.eval_s, self.state.step)
         if cfg.max_time is not None and device.type == "cuda":  # the clock must see the GPU's work, not its queue
             self.clock.sync = functools.partial(torch.cuda.synchronize, world.device)
+        self.watch_load()  # busy before the first step already
 
     def _build_model(self, saved: SavePoint | None) -> GPT:
         """The model on its device with its starting weights, and only the trainable parameters unfrozen."""
@@ -618,7 +684,11 @@ class Trainer:
     def _restore(self, saved: SavePoint) -> TrainerState:
         """A resumed run's optimizer, generators and grad scaler, as they were at its last save."""
         state, world = saved.state, self.world
+        # the saved state brings its hyperparameters along: a resume that changes one keeps the new value
+        fresh = [{k: g[k] for k in ("weight_decay", "betas") if k in g} for g in self.optimizer.param_groups]
         saved.load_optimizer(self.optimizer, lambda part, sd: world.load_optimizer_state(self.wrapped, part, sd))
+        for group, values in zip(self.optimizer.param_groups, fresh, strict=True):
+            group.update(values)
         self.batches.generator.set_state(state.rng_batches)
         if state.scaler and self.scaler.is_enabled():
             self.scaler.load_state_dict(state.scaler)

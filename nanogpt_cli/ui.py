@@ -6,6 +6,7 @@ from nanogpt_cli.ui import console; console.print(table)
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 
 console = Console(highlight=False, soft_wrap=True)  # log lines stay whole in pipes and files
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -163,22 +164,54 @@ def prepare_table(result):
 
 
 def _fmt_eta(seconds: float) -> str:
+    """m:ss under an hour, h:mm:ss from there on."""
     seconds = int(max(0, seconds))
+    if seconds < 3600:
+        return f"{seconds // 60}:{seconds % 60:02d}"
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def start_lines(e) -> list[str]:
+    """The start of a run in a few lines (a RunStarted): the model's size and shape, the tokens of one step, the
+    schedule, where it saves. The whole config is in the run folder's config.json (and under --verbose)."""
+    m, t = e.model, e.train
+    lines = []
+    if m:
+        size = f"{e.params / 1e6:,.1f}M" if e.params >= 10_000_000 else f"{e.params:,}"
+        lines.append(
+            f"model: {m['n_layer']} layers, {m['n_embd']} wide, {m['n_head']} heads, context {m['block_size']:,}, "
+            f"{size} non-embedding params"
+        )
+    if t:
+        accumulation = t["gradient_accumulation_steps"]
+        micro = f"{accumulation} micro-batch{'es' if accumulation > 1 else ''}"
+        lines.append(
+            f"batch: {e.tokens_per_iter:,} tokens per step ({t['batch_size']} rows x {m.get('block_size', '?'):,} "
+            f"tokens x {micro})"
+        )
+        optimizer = f"muon (lr {t['muon_lr']:g}) + adamw" if t["optimizer"] == "muon" else str(t["optimizer"])
+        lines.append(
+            f"schedule: {optimizer}, lr {t['learning_rate']:g} {t['lr_schedule']} to {t['min_lr']:g}, warmup "
+            f"{t['warmup_iters']:,}; saved every {t['eval_interval']:,} steps"
+        )
+    verb = "resuming at step" if e.resume else "training from step"
+    lines.append(f"{verb} {e.step:,} of {e.max_iters:,} on {e.device} ({e.dtype}) -> {e.run_dir}")
+    return lines
 
 
 class TrainDisplay:
     """Shows the trainer's events (events.Display): a live rich progress bar on a terminal, plain log lines
-    elsewhere, or nothing with quiet (errors still go to stderr)."""
+    elsewhere, or nothing with quiet (errors still go to stderr). verbose: the whole config at the start too."""
 
-    def __init__(self, quiet: bool = False):
-        self.quiet = quiet
+    def __init__(self, quiet: bool = False, verbose: bool = False):
+        self.quiet, self.verbose = quiet, verbose
         self.live = console.is_terminal and not quiet
         self.progress = None
         self.task = None
         self.val_loss: float | None = None
         self.start_step = 0
         self.max_iters = 0
+        self.step_width = 6
         self.max_time: float | None = None
 
     def __enter__(self):
@@ -194,13 +227,11 @@ class TrainDisplay:
         import json
 
         self.start_step, self.max_iters = e.step, e.max_iters
+        self.step_width = len(f"{e.max_iters:,}")  # step numbers line up in every line of the run
         self.max_time = e.train.get("max_time")
-        console.print(f"model: {json.dumps(e.model)}\ntrain: {json.dumps(e.train)}")
-        verb = "resuming at step" if e.resume else "training from step"
-        console.print(
-            f"{verb} {e.step:,} of {e.max_iters:,} on {e.device} ({e.dtype}): "
-            f"{e.params:,} non-embedding parameters, {e.tokens_per_iter:,} tokens/iter -> {e.run_dir}"
-        )
+        if self.verbose:
+            console.print(f"model: {json.dumps(e.model)}\ntrain: {json.dumps(e.train)}")
+        console.print("\n".join(start_lines(e)))
         if self.live:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -209,6 +240,7 @@ class TrainDisplay:
                 BarColumn(bar_width=10),
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[stats]}"),
+                TextColumn("elapsed"),
                 TimeElapsedColumn(),
                 console=console,
             )
@@ -221,47 +253,65 @@ class TrainDisplay:
         if not self.quiet and (self.live or self.max_iters):
             console.print(f"{text} ...", style="dim" if self.live else None)
 
+    def on_hint(self, text: str) -> None:
+        """Advice about the run while it goes (a busy machine), said once by the trainer."""
+        if not self.quiet:
+            (self.progress.console if self.progress is not None else err_console).print(
+                f"note: {text}", markup=False, highlight=False
+            )
+
     def on_step(self, e) -> None:
         if self.quiet:
             return
         eta = (self.max_iters - e.step) * e.ms_per_iter / 1000
         if self.max_time is not None:  # --max-time ends the run first when its time runs out sooner
             eta = max(0.0, min(eta, self.max_time - e.elapsed_s))
-        # (priority, text) in display order; on a narrow terminal the lowest priorities go first
+        # (priority, text) in display order; where the line is too long the highest numbers go first, so that
+        # loss, the time left, val and tok/s stay in 80 columns
         parts = [(0, f"loss {e.loss:.4f}")]
         if self.val_loss is not None:
             parts.append((2, f"val {self.val_loss:.4f}"))
-        parts += [(5, f"lr {e.lr:.2e}"), (3, f"{e.tokens_per_s:,.0f} tok/s"), (4, f"{e.ms_per_iter:.1f} ms/it")]
+        parts += [(3, f"{e.tokens_per_s:,.0f} tok/s"), (6, f"{e.ms_per_iter:.1f} ms/it"), (7, f"lr {e.lr:.2e}")]
         if e.mfu is not None:
-            parts.append((6, f"MFU {e.mfu:.1%}"))
+            parts.append((8, f"MFU {e.mfu:.1%}"))
         if e.scale is not None:
             parts.append(
                 (
-                    1 if e.skipped else 7,
+                    1 if e.skipped else 9,
                     f"fp16 scale {e.scale:g}" + (f", skipped {e.skipped} (overflow)" if e.skipped else ""),
                 )
             )
         parts.append((1, f"ETA {_fmt_eta(eta)}"))
         if self.progress is not None:
-            # the bar's own columns: "train", a bar of at least 10, "1234/5000", the elapsed time, and spaces
-            room = console.width - (6 + 11 + (2 * len(f"{self.max_iters}") + 2) + 8)
+            # the bar's own columns: "train", a bar of at least 10, "1234/5000", "elapsed 0:00:00", and spaces
+            room = console.width - (6 + 11 + (2 * len(f"{self.max_iters}") + 2) + 16)
             self.progress.update(self.task, completed=e.step, stats=fit_fields(parts, room))
         elif e.step > self.start_step:
-            console.print(f"step {e.step:>6,}/{self.max_iters:,} | {fit_fields(parts, 10**6)}")
+            head = f"step {e.step:>{self.step_width},}/{self.max_iters:,} | "
+            parts.append((5, f"elapsed {_fmt_eta(e.elapsed_s)}"))
+            console.print(head + fit_fields(parts, console.width - len(head)))
 
     def on_eval(self, e) -> None:
         if self.quiet:
             return
         self.val_loss = e.val_loss
         line = (
-            f"step {e.step:>6,}: train loss {e.train_loss:.4f}, val loss {e.val_loss:.4f}"
+            f"step {e.step:>{self.step_width},}: train loss {e.train_loss:.4f}, val loss {e.val_loss:.4f}"
             f" (best {e.best_val_loss:.4f})" + (", checkpoint saved" if e.saved else "")
         )
+        if self.progress is not None:
+            self.progress.update(self.task, completed=e.step)  # the bar is at the step evaluated (and saved)
         (self.progress.console if self.progress is not None else console).print(line)
 
     def on_save(self, step: int) -> None:
-        if not self.quiet:
-            console.print(f"step {step:>6,}: checkpoint saved")
+        """A save outside the evaluations (Ctrl-C, SIGTERM, --stop-at): the bar stops at the step saved."""
+        if self.quiet:
+            return
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step)
+            self.progress.stop()  # its last frame stays on the screen, at this step
+            self.progress = None
+        console.print(f"step {step:>{self.step_width},}: checkpoint saved")
 
 
 def fit_fields(parts: list[tuple[int, str]], width: int) -> str:
@@ -348,39 +398,81 @@ def _count(value) -> str:
     return str(value)
 
 
-def runs_table(runs, root):
-    """The rows of `nanogpt runs` (runs.RunSummary), one per run."""
+def shorten(text: str, width: int) -> str:
+    """text cut in the middle to width characters ("shakespeare-c…-20261201-120000"): runs named by date differ at
+    the end, runs of one family at the start."""
+    if len(text) <= width:
+        return text
+    if width <= 1:
+        return text[:width]
+    tail = (width - 1) // 2
+    return text[: width - 1 - tail] + "…" + (text[-tail:] if tail else "")
+
+
+RUN_COLUMNS = ("run", "dataset", "params", "steps", "best val", "tokens", "updated", "status")
+DROPPED_FIRST = ("tokens", "updated", "params", "dataset")  # when the names would not fit: these go, in order
+MIN_NAME = 16  # the run column never narrower than this, unless the name is shorter
+
+
+def runs_table(runs, root, width: int | None = None):
+    """The rows of `nanogpt runs` (runs.RunSummary), one per run, fitted to width (the console's): columns are
+    dropped (tokens, updated, params, dataset) before a name is shortened, and a name is shortened in the middle,
+    never wrapped."""
     from rich import box
     from rich.table import Table
 
-    table = Table(title=f"runs in {root} (times UTC)", title_justify="left", box=box.SIMPLE_HEAD)
-    # names fold when the terminal is narrow; the numbers and the status never do
-    for name, justify in (
-        ("run", "left"),
-        ("dataset", "left"),
-        ("params", "right"),
-        ("steps", "right"),
-        ("best val", "right"),
-        ("tokens", "right"),
-        ("updated", "left"),
-        ("status", "left"),
-    ):
-        table.add_column(name, justify=justify, overflow="fold", no_wrap=name not in ("run", "dataset"))
+    width = width or console.width
+    rows = []
     for r in runs:
         steps = f"{r.step:,}" if r.step is not None else "-"
         if r.max_iters is not None:
             steps += f"/{r.max_iters:,}"
-        status = {"finished": "[green]finished[/]", "damaged": "[red]damaged[/]"}.get(r.status, r.status)
-        table.add_row(
-            r.name,
-            r.dataset or "-",
-            _count(r.params),
-            steps,
-            _loss(r.best_val_loss),
-            _count(r.tokens),
-            r.updated[5:16].replace("T", " "),
-            status,
+        rows.append(
+            dict(
+                zip(
+                    RUN_COLUMNS,
+                    (
+                        r.name,
+                        r.dataset or "-",
+                        _count(r.params),
+                        steps,
+                        _loss(r.best_val_loss),
+                        _count(r.tokens),
+                        r.updated[5:16].replace("T", " "),
+                        r.status,
+                    ),
+                )
+            )
         )
+    natural = {c: max([len(c)] + [len(row[c]) for row in rows]) for c in RUN_COLUMNS}
+    shown = list(RUN_COLUMNS)
+
+    def needed(columns) -> int:  # each column is padded by a space on either side; a space between columns
+        return sum(natural[c] + 3 for c in columns) - 1
+
+    for column in DROPPED_FIRST:
+        if needed(shown) - natural["run"] + min(natural["run"], MIN_NAME) <= width:
+            break
+        shown.remove(column)
+    room = width - needed([c for c in shown if c != "run"]) - 3
+    name_width = max(min(natural["run"], room), min(natural["run"], 8))
+    if "dataset" in shown and needed(shown) > width:  # the dataset's name gives way too, to at least 8
+        natural["dataset"] = max(8, natural["dataset"] - (needed(shown) - natural["run"] + name_width - width))
+    table = Table(title=f"runs in {root} (times UTC)", title_justify="left", box=box.SIMPLE_HEAD, show_edge=False)
+    for name in shown:
+        justify = "left" if name in ("run", "dataset", "updated", "status") else "right"
+        table.add_column(name, justify=justify, no_wrap=True)
+    colours = {"finished": "[green]finished[/]", "damaged": "[red]damaged[/]"}
+    for row in rows:
+        cells = []
+        for name in shown:
+            value = row[name]
+            if name == "run":
+                value = shorten(value, name_width)
+            elif name == "dataset":
+                value = shorten(value, natural["dataset"])
+            cells.append(escape(value) if name != "status" else colours.get(value, value))
+        table.add_row(*cells)
     return table
 
 
@@ -401,11 +493,13 @@ def info_table(info):
                 f"{m['block_size']:,}, {m['pos_encoding']}, {m['norm']}, {m['mlp']}",
             )
         )
-    if info.params is not None:
+    if info.params is not None and info.params_non_embedding is not None:
         rows += [
             ("parameters", f"{info.params:,} ({info.params_non_embedding:,} non-embedding)"),
             ("FLOPs per token", f"{info.flops_per_token:,} (training, full context)"),
         ]
+    elif info.params is not None:  # a Hugging Face folder: counted from its weights' header
+        rows.append(("parameters", f"{info.params:,}"))
     if info.finetune:
         rows.append(("fine-tune", info.finetune))
     rows += [("tokenizer", info.tokenizer or "-"), ("dataset", info.dataset or "-")]
@@ -419,6 +513,13 @@ def info_table(info):
         rows.append(("last val loss", _loss(info.val_loss)))
     if info.best_val_loss is not None:
         rows.append(("best val loss", _loss(info.best_val_loss)))
+    from nanogpt_cli.config import show_value as _value
+
+    for entry in info.history:  # the values resumes changed, each from its step on
+        changed = ", ".join(
+            f"{c.get('flag')} {_value(c.get('saved'))} -> {_value(c.get('given'))}" for c in entry.get("changes", [])
+        )
+        rows.append((f"from step {entry.get('step', 0):,}", changed))
     if info.speed:
         rows += speed_rows(info.speed)
     files = Table(title="files", title_justify="left")
@@ -428,4 +529,8 @@ def info_table(info):
     files.add_column("", overflow="fold")
     for f in info.files:
         files.add_row(f.name, f"{f.bytes:,}", "yes" if f.loads else "[red]no[/]", f.note)
+    if info.description:  # a Hugging Face folder: what it is, on a line of its own
+        from rich.text import Text
+
+        return Group(Text(info.description), summary_table(info.path, rows), files)
     return Group(summary_table(info.path, rows), files)

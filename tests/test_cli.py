@@ -44,7 +44,7 @@ def test_prepare_train_resume_sample_eval_end_to_end(tmp_path):
         "--dtype",
         "float32",
     )
-    assert "--resume" in out and "step     20" in out
+    assert "--resume" in out and "step 20: train loss" in out
     evals = {line.split(":")[0].split()[-1]: line for line in out.splitlines() if "val loss" in line}
     assert "checkpoint saved" not in evals["0"] and "checkpoint saved" in evals["20"]  # none at step 0
     out = ok("train", "--out", run, "--resume")

@@ -121,6 +121,20 @@ def test_jsonl_documents_are_split_by_document(tmp_path, data_dir):
     assert load_meta(data_dir, "docs")["val_split"] == "documents"
 
 
+def test_progress_of_a_jsonl_file_is_in_bytes_as_for_text_files(tmp_path):
+    """A .jsonl counts the UTF-8 bytes of its rows' text as it reads them (not characters: three bytes each
+    here), and the rest of the file (its JSON) at the end, like a text file its bytes: its bar moves with the file
+    and its MB/s are megabytes."""
+    docs = ["東京の夜 " * 50 + str(i) for i in range(30)]
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs), encoding="utf-8")
+    ticks = []
+    with sources.open_source(str(path)) as src:
+        assert src.unit == "bytes" and src.total == path.stat().st_size
+        assert [text for text, _ in src.pieces(ticks.append)] == docs
+    assert sum(ticks[:-1]) == sum(len(d.encode("utf-8")) for d in docs) and sum(ticks) == path.stat().st_size
+
+
 def test_few_documents_still_give_validation_one(tmp_path, data_dir):
     path = write_jsonl(
         tmp_path / "few.jsonl", [{"text": "alpha beta"}, {"text": "gamma delta"}, {"text": "epsilon zeta eta"}]

@@ -208,7 +208,11 @@ def test_sigterm_to_one_rank_stops_both_after_a_save(char_data, tmp_path):
         if launcher.poll() is None:
             os.killpg(launcher.pid, signal.SIGKILL)
     assert launcher.returncode != 0
-    assert (out + err).count(f"nanogpt train --out {run} --resume") == 1, out + err
+    resume = f"nanogpt train --out {run} --resume"
+    said, report = err.split("Traceback (most recent call last)", 1)  # rank 0's lines, then torchrun's report
+    assert (out + said).count(resume) == 1, out + err
+    # the report's root cause is our line too (the error file), not a pointer to the docs
+    assert resume in [line for line in report.splitlines() if "traceback :" in line][-1], report[-3000:]
     # torchrun's failure report: both ranks ended with SIGTERM's 143 (none was killed by torchrun on the way out)
     assert re.findall(r"exitcode\s*:\s*(-?\d+) \(pid", err) == ["143", "143"], err[-3000:]
     state = json.loads((run / "trainer.json").read_text())
@@ -255,3 +259,92 @@ def test_accumulation_not_divisible_by_processes_is_one_sentence(char_data, tmp_
     assert result.exit_code == 1
     assert "--gradient-accumulation-steps (3) counts micro-batches over all processes" in result.output
     assert not (tmp_path / "run").exists()
+
+
+# --- nanogpt train --nproc: torch's elastic launcher, run inside our process ---
+
+
+def test_nproc_refusals_are_one_line_before_any_process_starts(char_data, tmp_path):
+    data_dir, name = char_data
+    base = ["train", "--nproc", "2", "--data", name, "--data-dir", str(data_dir), *SMALL, "--out", str(tmp_path / "r")]
+    for extra, said in (
+        ([ACCUM, "3"], "--gradient-accumulation-steps (3) counts micro-batches over all processes"),
+        (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+        (["--max-time", "60"], "--max-time runs in one process only"),
+        (["--device", "cuda:1"], "--device cuda:1: with several processes each takes the GPU of its local rank"),
+    ):
+        result = runner.invoke(app, [*base, *extra])
+        assert result.exit_code == 1 and said in result.output, result.output
+        assert result.output.count("\n") == 1 and not (tmp_path / "r").exists()
+
+
+def test_nproc_trains_and_ctrl_c_stops_every_process_with_one_resume_line(char_data, tmp_path):
+    """`nanogpt train --nproc 2` as a user runs it: the launcher is the nanogpt process; Ctrl-C (SIGINT to it, as a
+    terminal sends) stops both processes after a save, and the command printed to resume resumes."""
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    args = ["--nproc", "2", "--data", name, "--data-dir", str(data_dir), *SMALL, "--max-iters", "100000"]
+    nanogpt = [sys.executable, "-m", "nanogpt_cli", "train"]
+    launcher = subprocess.Popen(
+        [*nanogpt, *args, "--eval-interval", "100000", "--out", str(run)],
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline, logged = time.monotonic() + 90, run / "metrics.jsonl"
+        while launcher.poll() is None and time.monotonic() < deadline:  # until rank 0 logs a step (--log-interval 1)
+            if logged.exists() and '"kind": "train"' in logged.read_text():
+                break
+            time.sleep(0.05)
+        started = workers(launcher.pid)
+        assert len(started) == 2 and sorted(rank_of(p) for p in started) == [0, 1]
+        os.kill(launcher.pid, signal.SIGINT)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode == 130, err[-3000:]
+    resume = f"nanogpt train --nproc 2 --out {run} --resume"
+    assert (out + err).count("resume with") == 1 and err.rstrip().endswith(resume), err[-3000:]
+    assert "Traceback" not in err and "torch.distributed" not in err
+    assert not [p for p in started if Path(f"/proc/{p}").exists()]  # no process left behind
+    step = json.loads((run / "trainer.json").read_text())["step"]
+    assert step > 0
+    # the printed command, as printed (plus where to stop), continues the run in two processes
+    proc = subprocess.run(
+        [*nanogpt, *resume.split()[2:], "--stop-at", str(step + 2)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resuming at step {step:,}" in proc.stdout and "2 x cpu, ddp" in proc.stdout
+    assert json.loads((run / "trainer.json").read_text())["step"] == step + 2
+
+
+def test_a_failing_process_under_plain_torchrun_reports_our_sentence(char_data, tmp_path):
+    data_dir, name = char_data
+    proc = train(
+        2, "--data", name, "--data-dir", str(data_dir), *SMALL, ACCUM, "3", "--out", str(tmp_path / "r"), ok=False
+    )
+    assert proc.returncode == 1
+    said = "error: --gradient-accumulation-steps (3) counts micro-batches over all processes"
+    # torchrun's report ends with the root cause: its traceback line is our sentence, not a pointer to the docs
+    last = [line for line in proc.stderr.splitlines() if "traceback :" in line][-1]
+    assert said in last, proc.stderr[-3000:]
+
+
+def test_each_process_gets_the_command_as_given_with_the_planned_run_folder():
+    from nanogpt_cli.config import LRSchedule
+    from nanogpt_cli.launch import train_args
+
+    given = {"learning_rate": 1e-3, "compile": False, "lr_schedule": LRSchedule.wsd}
+    options = {"preset": "tiny", "resume": True, "quiet": False, "config": None, "threads": 2}
+    assert train_args(given, options, Path("checkpoints/x")) == [
+        *["--learning-rate", "0.001", "--no-compile", "--lr-schedule", "wsd", "--preset", "tiny", "--resume"],
+        *["--threads", "2", "--out", "checkpoints/x"],
+    ]

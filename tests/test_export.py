@@ -266,6 +266,27 @@ def test_cli_export_writes_once_and_refuses_to_overwrite(trained_run, tmp_path):
     assert bad.exit_code == 1 and "--format must be one of hf, gguf" in bad.output
 
 
+def test_info_and_runs_say_what_an_export_folder_is(trained_run, tmp_path):
+    """An export folder is described as one (architecture, size, the run and step it came from), not a damaged run."""
+    runner = CliRunner()
+    exports = tmp_path / "exports"
+    out = exports / "shk"
+    assert runner.invoke(app, ["export", str(trained_run), "--format", "hf", "--out", str(out)]).exit_code == 0
+    step = json.loads((trained_run / "trainer.json").read_text())["step"]
+    info = runner.invoke(app, ["info", str(out)], terminal_width=200)
+    assert info.exit_code == 0, info.output
+    params = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(out).parameters())
+    said = f"Hugging Face export: GPTNeoXForCausalLM, {params:,} parameters, from run {trained_run} step {step}"
+    assert said in info.output and "damaged" not in info.output
+    as_json = json.loads(runner.invoke(app, ["info", str(out), "--json"]).output)
+    assert as_json["params"] == params and as_json["step"] == step and as_json["dataset"] == "play"
+    for folder in (out, exports):  # the export itself, and a folder holding it
+        listed = runner.invoke(app, ["runs", str(folder)], terminal_width=200)
+        assert listed.exit_code == 0 and "damaged" not in listed.output and said in listed.output, listed.output
+        row = json.loads(runner.invoke(app, ["runs", str(folder), "--json"]).output)
+        assert row["status"] == "export" and row["step"] == step and row["params"] == params
+
+
 def test_loading_what_is_not_a_usable_hf_model_is_one_sentence(tmp_path):
     with pytest.raises(NanoGPTError, match="is not a folder holding a Hugging Face model"):
         hf.load_pretrained(tmp_path / "nothing")

@@ -42,6 +42,32 @@ def test_runs_lists_every_run_with_its_status(three_runs):
     assert "finished" in table and "resumable" in table and "damaged" in table and "3/6" in table
 
 
+@pytest.mark.parametrize("width", [80, 60])
+def test_runs_fits_the_width_without_wrapping_a_name(three_runs, tmp_path, width):
+    import io
+    import shutil
+
+    from rich.console import Console
+
+    from nanogpt_cli import ui
+    from nanogpt_cli.runs import list_runs
+
+    names = ["shakespeare-char-cpu-fast-muon-wsd-20261201-120000", "shakespeare-char-cpu-fast-muon-wsd-20261202-093000"]
+    for name in names:
+        shutil.copytree(three_runs / "done", tmp_path / name)
+    shutil.copytree(three_runs / "half", tmp_path / "half")
+    console = Console(file=io.StringIO(), width=width, color_system=None)  # a pipe or a terminal of that width
+    console.print(ui.runs_table(list_runs(tmp_path), tmp_path, width=width))
+    lines = console.file.getvalue().splitlines()
+    assert all(len(line) <= width for line in lines), lines
+    rows = [line for line in lines if "finished" in line or "resumable" in line]
+    assert len(rows) == 3, lines  # one line per run: no name folded over several
+    assert any("…" in row and row.split()[0].endswith("120000") for row in rows)  # the ends that tell them apart
+    assert any(row.split()[0].endswith("093000") for row in rows)
+    assert all("best val" in line for line in lines if "status" in line)  # steps, best val and status always stay
+    assert "6/6" in "".join(rows) and "3/6" in "".join(rows)
+
+
 def test_runs_of_a_missing_folder_is_one_sentence(tmp_path):
     result = runner.invoke(app, ["runs", str(tmp_path / "nope")])
     assert result.exit_code == 1 and "is not a folder of runs" in result.output
@@ -111,6 +137,21 @@ def test_training_writes_loss_png_and_feeds_tensorboard(char_data, tmp_path):
     val = [s.value for s in events.Scalars("eval/val_loss")]
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert val == pytest.approx([m["val_loss"] for m in metrics if m["kind"] == "eval"])
+
+
+def test_loss_png_not_drawn_for_lack_of_matplotlib_is_said_once_at_the_end(char_data, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as where the plot extra is not installed: import fails
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    args = ["train", "--data", name, "--data-dir", data_dir, "--preset", "tiny", "--max-iters", "2"]
+    result = runner.invoke(app, [str(a) for a in [*args, "--eval-interval", "2", "--dtype", "float32", "--out", run]])
+    assert result.exit_code == 0, result.output
+    assert not (run / "loss.png").exists()
+    hint = 'note: loss.png not drawn: plotting to a file needs the matplotlib package: pip install -e ".[plot]"'
+    assert result.stderr.count("loss.png") == 1 and hint in result.stderr
+    assert result.output.rstrip().endswith(hint)  # the last thing the run says
 
 
 def test_wandb_runs_offline_without_network(char_data, tmp_path, monkeypatch, no_network):

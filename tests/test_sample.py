@@ -310,3 +310,26 @@ def test_prompt_with_interactive_is_the_first_prompt(trained_run):
     assert out.exit_code == 0, out.output
     first, second = out.output.split("prompt> ")[1:3]
     assert first.startswith("QUEEN:\nQUEEN:") and second.startswith("KING:")
+
+
+def test_sample_separators_stay_out_of_stdout_and_json_gives_one_object_per_sample(trained_run):
+    args = ["sample", "--checkpoint", str(trained_run), "--prompt", "KING:", "--max-new-tokens", "12"]
+    plain = runner.invoke(app, [*args, "--num-samples", "3", "--temperature", "0"])
+    assert plain.exit_code == 0, plain.output
+    assert "sample" not in plain.stdout and "─" not in plain.stdout and "sample 3 of 3" in plain.stderr
+    assert plain.stdout.count("KING:") == 3
+    out = runner.invoke(app, [*args, "--num-samples", "3", "--temperature", "0", "--json"])
+    assert out.exit_code == 0, out.output
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [r["sample"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert set(r) == {"sample", "prompt", "text", "tokens", "stop_reason", "tokens_per_s"}
+        assert r["prompt"] + r["text"] + "\n" in plain.stdout and r["stop_reason"] in ("length", "eot", "stop")
+        assert 0 < r["tokens"] <= 12 and r["tokens_per_s"] > 0
+
+
+def test_interactive_sampling_says_how_to_leave_and_leaves_on_a_new_line(trained_run):
+    out = runner.invoke(app, ["sample", "--checkpoint", str(trained_run), "-i", "--max-new-tokens", "3"], input="the\n")
+    assert out.exit_code == 0, out.output
+    assert "Ctrl-D" in out.stderr
+    assert out.stdout.endswith("prompt> \n")  # Ctrl-D at the prompt: the shell's prompt starts a line of its own

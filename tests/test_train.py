@@ -537,6 +537,51 @@ def test_resume_accepts_the_starting_command_and_names_what_differs(char_data, t
     assert {p.name: p.read_bytes() for p in run.iterdir()} == before
 
 
+def test_a_resume_that_changes_a_training_value_announces_and_records_it(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    start = ["train", "--data", name, "--data-dir", str(data_dir), "--preset", "tiny", "--max-iters", "6"]
+    start += ["--eval-interval", "2", "--log-interval", "1", "--dtype", "float32", "--out", str(run), "--quiet"]
+    assert run_cli(*start, "--stop-at", "2")[0] == 0
+    code, output = run_cli(*start, "--learning-rate", "0.001", "--resume", "--stop-at", "4")
+    assert code == 0, output
+    assert "--learning-rate 0.003 -> 0.001 from step 2\n" in output
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    lrs = {m["step"]: m["lr"] for m in lines if m["kind"] == "train"}
+    changed = TrainConfig(learning_rate=1e-3, max_iters=6, warmup_iters=5)
+    assert lrs[3] == pytest.approx(lr_at(2, changed)) and lrs[4] == pytest.approx(lr_at(3, changed))
+    # the command that started the run, again: the preset's value comes back, announced as well
+    code, output = run_cli(*start, "--resume")
+    assert code == 0 and "--learning-rate 0.001 -> 0.003 from step 4\n" in output, output
+    info = json.loads(run_cli("info", str(run), "--json")[1])
+    assert [(h["step"], h["changes"]) for h in info["history"]] == [
+        (2, [{"flag": "--learning-rate", "saved": 0.003, "given": 0.001}]),
+        (4, [{"flag": "--learning-rate", "saved": 0.001, "given": 0.003}]),
+    ]
+    table = runner.invoke(app, ["info", str(run)], terminal_width=200).output
+    assert "from step 2" in table and "--learning-rate 0.003 -> 0.001" in table
+    # architecture and data are the run's: refused, naming both values
+    code, output = run_cli(*start, "--n-embd", "64", "--resume")
+    assert code == 1 and "--n-embd (saved 32, given 64)" in output
+    code, output = run_cli(*[a if a != name else "other" for a in start], "--resume")
+    assert code == 1 and "--data other is a different dataset from the one" in output and "'play'" in output
+    assert "another tokenizer" not in output
+
+
+def test_a_preset_accumulation_adapts_to_the_processes_and_a_given_one_must_divide(char_data, tmp_path):
+    data_dir, name = char_data
+    flags = {"preset": "tiny", "data": name, "data_dir": str(data_dir), "device": "cpu"}
+    plan = plan_run(flags, out=tmp_path / "a", world_size=3)
+    assert plan.train.gradient_accumulation_steps == 3
+    assert plan.notes == [
+        "--gradient-accumulation-steps 3 instead of the default 1: a multiple of the 3 processes "
+        "(1 micro-batch each per update)"
+    ]
+    with pytest.raises(NanoGPTError, match=r"--gradient-accumulation-steps \(4\) .* divisible by the number of "):
+        plan_run({**flags, "gradient_accumulation_steps": 4}, out=tmp_path / "b", world_size=3)
+    assert plan_run({**flags, "gradient_accumulation_steps": 4}, out=tmp_path / "c", world_size=2).notes == []
+
+
 def test_warnings_and_notes_before_a_run(char_data, tmp_path):
     data_dir, name = char_data
     plan = tiny_plan(data_dir, name, tmp_path / "a", max_iters=5, warmup_iters=5)
@@ -682,3 +727,34 @@ def test_a_batch_is_one_copy_of_its_windows_sliced_after(char_data):
     windows = torch.from_numpy(batches.splits["train"].read(starts, 17).astype("int64"))
     assert torch.equal(x, windows[:, :-1]) and torch.equal(y, windows[:, 1:])
     assert x.data_ptr() == y.data_ptr() - y.element_size()  # views of one block: one copy to the device
+
+
+# --- a busy machine explained ---
+
+
+def test_a_busy_machine_is_explained_by_step_times_or_load_with_the_threads_to_use():
+    from nanogpt_cli.trainer import busy_hint
+
+    steady = [0.5] * 5 + [0.01] * 30  # warm-up, then 10 ms steps
+    assert busy_hint(steady, load=1.0, cores=2, threads=2) is None
+    slowed = steady + [0.05] * 10  # five times as long now
+    hint = busy_hint(slowed, load=1.5, cores=2, threads=2)
+    assert hint.startswith("steps take 5.0x as long as the first ones (50 ms, were 10 ms): other processes share")
+    assert hint.endswith("stop them, or expect it to be slower (this run uses 2 threads)")
+    loaded = busy_hint([], load=7.0, cores=2, threads=2)  # before the first step: the load is the others'
+    assert loaded.startswith("the load average is 7.0 on 2 cores") and "--threads 1 (this run uses 2)" in loaded
+    assert busy_hint(steady[:10], load=None, cores=2, threads=2) is None  # too few steps to judge, no load known
+
+
+def test_a_busy_machine_hint_is_given_once(char_data, tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (64.0, 64.0, 64.0))  # as on a machine far busier than its cores
+    data_dir, name = char_data
+    result = runner.invoke(
+        app,
+        ["train", "--data", name, "--data-dir", str(data_dir), "--preset", "tiny", "--max-iters", "30"]
+        + ["--log-interval", "5", "--dtype", "float32", "--out", str(tmp_path / "run")],
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("note: the load average is 64.0") == 1 and "--threads" in result.stderr

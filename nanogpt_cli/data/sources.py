@@ -204,7 +204,9 @@ def _read_structured(builder: str, files: list[Path], text_column: str, encoding
     import datasets
 
     label = str(files[0]) if len(files) == 1 else f"the {builder} files"
-    left = sum(f.stat().st_size for f in files)  # progress in bytes: a row's text stands in for its bytes
+    # progress in bytes, as for text files: a row's text counts its UTF-8 bytes (the file's rest, its JSON or CSV
+    # around the text, is counted at the end), so the bar and MB/s measure bytes, not characters
+    left = sum(f.stat().st_size for f in files)
 
     def spend(n: int) -> None:
         nonlocal left
@@ -217,7 +219,7 @@ def _read_structured(builder: str, files: list[Path], text_column: str, encoding
         ds = datasets.load_dataset(
             builder, data_files=[str(f) for f in files], split="train", streaming=True, **options
         )
-        yield from _rows(ds, label, text_column, spend)
+        yield from _rows(ds, label, text_column, spend, text_bytes=True)
     except NanoGPTError:
         raise
     except Exception as e:  # pyarrow and datasets raise many types for a bad file; all mean "cannot read it"
@@ -225,7 +227,8 @@ def _read_structured(builder: str, files: list[Path], text_column: str, encoding
     tick(left)
 
 
-def _rows(ds, label: str, text_column: str, tick: Tick) -> Pieces:
+def _rows(ds, label: str, text_column: str, tick: Tick, text_bytes: bool = False) -> Pieces:
+    """The text of each row; tick(n) with its UTF-8 bytes (text_bytes) or its characters."""
     columns = ds.column_names  # None for a streamed json/csv until it is read
     if columns is not None and text_column not in columns:
         raise _no_column(label, text_column, columns)
@@ -240,7 +243,7 @@ def _rows(ds, label: str, text_column: str, tick: Tick) -> Pieces:
                     f"column {text_column!r} of {label} holds {type(value).__name__} values, not "
                     "text; pass --text-column with a text column"
                 )
-            tick(len(value))
+            tick(len(value.encode("utf-8", "surrogatepass")) if text_bytes else len(value))
             yield value, True
 
 
