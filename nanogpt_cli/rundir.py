@@ -1,8 +1,10 @@
-"""A run folder: the only code that knows its file names. Its checks, the staged multi-file save, the resume
-with its recovery from a save cut short, config.json and metrics.jsonl all live here; the trainer, `runs`,
-`info`, `plot` and `export` ask a RunDir instead of building paths.
+"""A run folder: the only code that knows its file names. Its checks, the staged multi-file save and the
+background writer that runs it (Saver), the resume with its recovery from a save cut short, config.json and
+metrics.jsonl all live here; the trainer, `runs`, `info`, `plot` and `export` ask a RunDir instead of building
+paths.
 
     run = RunDir("checkpoints/shk"); run.save(model, optimizer, TrainerState(step=500, ...), weights_meta)
+    with Saver(run) as saver: saver.save(model, optimizer, state, weights_meta, is_best)  # returns while it writes
     saved = run.restore(); saved.load_weights(model); saved.load_optimizer(optimizer)
 
 Layout of a run folder:
@@ -22,6 +24,8 @@ import functools
 import json
 import os
 import shutil
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +40,9 @@ from nanogpt_cli.checkpoint import (
     file_step,
     load_optimizer,
     load_weights,
-    save_model,
-    save_optimizer,
+    model_tensors,
+    optimizer_tensors,
+    write_tensors,
 )
 from nanogpt_cli.errors import NanoGPTError, first_line
 from nanogpt_cli.files import atomic_write, check_creatable, read_jsonl, write_json
@@ -211,11 +216,13 @@ class RunDir:
         model_state: dict | None = None,
         optimizer_state: dict | None = None,
     ) -> None:
+        """One save, written now from the live tensors (Saver writes them in the background)."""
+        self.write(Snapshot.take(model, optimizer, state, weights_meta, is_best, model_state, optimizer_state))
+
+    def write(self, snap: Snapshot) -> None:
         """Write every file under a temporary name first, then rename them into place one after another, so a
         crash can at worst leave files of two adjacent saves, which latest() detects, never a half-written one.
-        trainer.json is renamed last: it names the step the others must match. model_state / optimizer_state:
-        the full states when model and optimizer hold shards (gathered by distributed.full_states)."""
-        weights_meta = dict(weights_meta, step=state.step, tokens=state.tokens)
+        trainer.json is renamed last: it names the step the others must match."""
         staged: list[tuple[Path, Path]] = []
 
         def stage(name: str, write) -> None:
@@ -224,11 +231,12 @@ class RunDir:
             staged.append((tmp, self.path / name))
 
         try:
-            stage(LAST, lambda p: save_model(p, model, weights_meta, model_state))
-            if is_best:  # the same bytes: a second name for the file just written, not a second write
+            stage(LAST, lambda p: write_tensors(p, snap.weights, snap.weights_meta))
+            _between_files()
+            if snap.is_best:  # the same bytes: a second name for the file just written, not a second write
                 stage(BEST, functools.partial(_link_or_copy, staged[0][0]))
-            stage(OPTIMIZER, lambda p: save_optimizer(p, optimizer, state.step, optimizer_state))
-            stage(TRAINER, lambda p: write_json(p, state.to_json()))
+            stage(OPTIMIZER, lambda p: write_tensors(p, snap.optimizer, snap.optimizer_meta))
+            stage(TRAINER, lambda p: write_json(p, snap.trainer))
             # keep the previous set reachable (hard links: no copy) until the new one is complete
             for _, final in staged:
                 _prev(final).unlink(missing_ok=True)
@@ -255,6 +263,130 @@ class RunDir:
                 "short; start over with --force or --init-from"
             )
         return SavePoint(state, weights, optim)
+
+
+# Seconds a save sleeps between writing its weights and its optimizer: a test's way to stop or kill a run
+# while a background save is half written. Never set it outside tests.
+SLOW_SAVE_S = float(os.environ.get("NANOGPT_TEST_SLOW_SAVE", "0") or 0)
+
+
+def _between_files() -> None:
+    if SLOW_SAVE_S:
+        time.sleep(SLOW_SAVE_S)
+
+
+@dataclass
+class Snapshot:
+    """One save's content, taken on the training thread: the weights' and the optimizer's tensors with their
+    header metadata, and the trainer state as JSON. Taken with copy=True its tensors are host-memory copies that
+    training no longer changes, which a background writer may take its time over."""
+
+    weights: dict[str, torch.Tensor]
+    weights_meta: dict[str, str]
+    optimizer: dict[str, torch.Tensor]
+    optimizer_meta: dict[str, str]
+    trainer: dict[str, Any]
+    is_best: bool
+
+    @classmethod
+    def take(
+        cls,
+        model: GPT,
+        optimizer: torch.optim.Optimizer,
+        state: TrainerState,
+        weights_meta: dict[str, Any],
+        is_best: bool,
+        model_state: dict | None = None,
+        optimizer_state: dict | None = None,
+        copy: bool = False,
+    ) -> Snapshot:
+        """model_state / optimizer_state: the full states when model and optimizer hold shards, gathered by
+        distributed.full_states into host memory of their own (so never copied again); None: the live objects'
+        states, copied to host memory when copy is set."""
+        weights, weights_header = model_tensors(
+            model, dict(weights_meta, step=state.step, tokens=state.tokens), model_state
+        )
+        optim, optim_header = optimizer_tensors(optimizer, state.step, optimizer_state)
+        if copy:
+            weights = weights if model_state is not None else _host_copy(weights)
+            optim = optim if optimizer_state is not None else _host_copy(optim)
+        return cls(weights, weights_header, optim, optim_header, state.to_json(), is_best)
+
+
+def _host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.to("cpu", memory_format=torch.contiguous_format, copy=True) for k, v in tensors.items()}
+
+
+class Saver:
+    """A run's saves, written by a background thread: save() takes a Snapshot (a host copy of the state, the
+    only part that stalls the loop) and returns while the thread writes it through RunDir.write, whose staged
+    renames keep a save cut short (kill -9) invisible. A save waits only for the one before it still being
+    written, so at most one copy is held; wait() (and leaving the `with` block) waits for the write in progress
+    and raises its error. background=False writes on the caller's thread with no copy (--sync-save). Under
+    torchrun every rank has one and takes part in the gather; only rank 0's writes (writes=True).
+
+        with Saver(run) as saver: saver.save(model, optimizer, state, meta, is_best)
+    """
+
+    def __init__(self, run: RunDir, background: bool = True, writes: bool = True):
+        self.run, self.background, self.writes = run, background, writes
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(
+        self,
+        model: GPT,
+        optimizer: torch.optim.Optimizer,
+        state: TrainerState,
+        weights_meta: dict[str, Any],
+        is_best: bool,
+        full_states: Callable[[], tuple[dict | None, dict | None]] | None = None,
+    ) -> None:
+        """Hand one save over. full_states(): the gather of a sharded model's and optimizer's states, which
+        every rank joins; it comes after the wait, so rank 0 never holds two copies."""
+        self.wait()
+        model_state, optimizer_state = full_states() if full_states else (None, None)
+        if not self.writes:
+            return
+        snap = Snapshot.take(
+            model, optimizer, state, weights_meta, is_best, model_state, optimizer_state, copy=self.background
+        )
+        if not self.background:
+            self.run.write(snap)
+            return
+        self._thread = threading.Thread(target=self._write, args=(snap,), name="nanogpt-save")
+        self._thread.start()  # not a daemon: even an interpreter on its way out finishes the write first
+
+    def _write(self, snap: Snapshot) -> None:
+        try:
+            self.run.write(snap)
+        except BaseException as e:  # raised on the training thread by the next save or wait
+            self._error = e
+
+    def busy(self) -> bool:
+        """Whether a save is being written now."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Until the save in progress is written; its error, if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def __enter__(self) -> Saver:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is None:
+            self.wait()
+            return
+        try:  # already failing: finish the write, and keep the first error as the one raised
+            self.wait()
+        except Exception:
+            pass
 
 
 @dataclass
