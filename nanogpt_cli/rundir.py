@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from nanogpt_cli import __version__
@@ -278,7 +279,7 @@ def _between_files() -> None:
 @dataclass
 class Snapshot:
     """One save's content, taken on the training thread: the weights' and the optimizer's tensors with their
-    header metadata, and the trainer state as JSON. Taken with copy=True its tensors are host-memory copies that
+    header metadata, and the trainer state as JSON. Taken into buffers, its tensors are host-memory copies that
     training no longer changes, which a background writer may take its time over."""
 
     weights: dict[str, torch.Tensor]
@@ -298,32 +299,48 @@ class Snapshot:
         is_best: bool,
         model_state: dict | None = None,
         optimizer_state: dict | None = None,
-        copy: bool = False,
+        buffers: dict[str, torch.Tensor] | None = None,
     ) -> Snapshot:
         """model_state / optimizer_state: the full states when model and optimizer hold shards, gathered by
         distributed.full_states into host memory of their own (so never copied again); None: the live objects'
-        states, copied to host memory when copy is set."""
-        weights, weights_header = model_tensors(
-            model, dict(weights_meta, step=state.step, tokens=state.tokens), model_state
-        )
+        states, copied into host buffers when `buffers` is given (see _host_copy), else taken as they are."""
+        meta = dict(weights_meta, step=state.step, tokens=state.tokens)
+        weights, weights_header = model_tensors(model, meta, model_state)
         optim, optim_header = optimizer_tensors(optimizer, state.step, optimizer_state)
-        if copy:
-            weights = weights if model_state is not None else _host_copy(weights)
-            optim = optim if optimizer_state is not None else _host_copy(optim)
+        if buffers is not None:
+            weights = weights if model_state is not None else _host_copy(weights, buffers, "weights.")
+            optim = optim if optimizer_state is not None else _host_copy(optim, buffers, "optimizer.")
         return cls(weights, weights_header, optim, optim_header, state.to_json(), is_best)
 
 
-def _host_copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.to("cpu", memory_format=torch.contiguous_format, copy=True) for k, v in tensors.items()}
+def _host_copy(tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], prefix: str) -> dict:
+    """Each tensor copied into a host buffer kept from the previous save (memory already touched: fresh memory
+    costs a page fault per 4 KiB, more than the copy itself); pinned for a GPU's tensors, whose copies run
+    asynchronously until one wait at the end. A CPU tensor is copied by numpy, on this thread: torch's copy runs
+    on its intra-op threads, which on a busy machine made it 4-10x slower."""
+    out, on_gpu = {}, False
+    for name, t in tensors.items():
+        buf = buffers.get(prefix + name)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = buffers[prefix + name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        if t.device.type == "cpu" and t.is_contiguous():
+            np.copyto(buf.view(-1).view(torch.uint8).numpy(), t.view(-1).view(torch.uint8).numpy())
+        else:
+            buf.copy_(t, non_blocking=t.is_cuda)
+            on_gpu = on_gpu or t.is_cuda
+        out[name] = buf
+    if on_gpu:
+        torch.cuda.synchronize()
+    return out
 
 
 class Saver:
     """A run's saves, written by a background thread: save() takes a Snapshot (a host copy of the state, the
     only part that stalls the loop) and returns while the thread writes it through RunDir.write, whose staged
     renames keep a save cut short (kill -9) invisible. A save waits only for the one before it still being
-    written, so at most one copy is held; wait() (and leaving the `with` block) waits for the write in progress
-    and raises its error. background=False writes on the caller's thread with no copy (--sync-save). Under
-    torchrun every rank has one and takes part in the gather; only rank 0's writes (writes=True).
+    written, so the one host copy is reused; wait() (and leaving the `with` block) waits for the write in
+    progress and raises its error. background=False writes every save on the caller's thread, with no copy
+    (--sync-save). Under torchrun every rank has one and takes part in the gather; only rank 0's writes.
 
         with Saver(run) as saver: saver.save(model, optimizer, state, meta, is_best)
     """
@@ -332,6 +349,7 @@ class Saver:
         self.run, self.background, self.writes = run, background, writes
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._buffers: dict[str, torch.Tensor] = {}  # the host copy, reused by every save until the run ends
 
     def save(
         self,
@@ -341,17 +359,19 @@ class Saver:
         weights_meta: dict[str, Any],
         is_best: bool,
         full_states: Callable[[], tuple[dict | None, dict | None]] | None = None,
+        background: bool = True,
     ) -> None:
         """Hand one save over. full_states(): the gather of a sharded model's and optimizer's states, which
-        every rank joins; it comes after the wait, so rank 0 never holds two copies."""
+        every rank joins; it comes after the wait, so rank 0 never holds two copies. background=False: write it
+        now, with no copy (the last save of a run, which is waited for anyway)."""
         self.wait()
         model_state, optimizer_state = full_states() if full_states else (None, None)
         if not self.writes:
             return
-        snap = Snapshot.take(
-            model, optimizer, state, weights_meta, is_best, model_state, optimizer_state, copy=self.background
-        )
-        if not self.background:
+        background = background and self.background
+        buffers = self._buffers if background else None
+        snap = Snapshot.take(model, optimizer, state, weights_meta, is_best, model_state, optimizer_state, buffers)
+        if not background:
             self.run.write(snap)
             return
         self._thread = threading.Thread(target=self._write, args=(snap,), name="nanogpt-save")
@@ -380,13 +400,14 @@ class Saver:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is None:
-            self.wait()
-            return
-        try:  # already failing: finish the write, and keep the first error as the one raised
+        try:
             self.wait()
         except Exception:
-            pass
+            if exc is None:
+                raise
+            # already failing: the write is finished, and the first error is the one raised
+        finally:
+            self._buffers.clear()
 
 
 @dataclass

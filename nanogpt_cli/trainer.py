@@ -450,6 +450,8 @@ class Trainer:
         timed, train_s, _ = self.clock.training_time(state.step - self.start_step)
         state.speed = dataclasses.asdict(self.clock.speed(train_s / timed * 1000 if timed else 0.0))
         self._capture_rng()
+        # the run's last save is waited for anyway: written on this thread, it needs no copy of the state
+        last = self.stopped is not None or state.step >= self.end or state.max_time_spent is not None
         started = time.perf_counter()
         try:  # the loop stalls for the wait on the previous save, the gather and the host copy, not the write
             self.saver.save(
@@ -459,6 +461,7 @@ class Trainer:
                 dict(self.weights_meta, val_loss=val_loss),
                 is_best,
                 lambda: self.world.full_states(self.wrapped, self.optimizer),  # every rank takes part
+                background=not last,
             )
         finally:
             self.world.barrier()  # no rank goes on before rank 0 holds the save
