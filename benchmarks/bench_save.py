@@ -51,7 +51,7 @@ def cycles(model, optimizer, ctx, run: RunDir, background: bool, saves: int, upd
                 optimizer_step(model, optimizer, [(x, y)], ctx, scaler, grad_clip=1.0)
                 done += 1
             t = time.perf_counter()
-            saver.save(model, optimizer, TrainerState(step=i + 1), {"tokenizer": {"name": "char"}}, is_best=i == 0)
+            saver.save(model, optimizer, TrainerState(step=i + 1), {"tokenizer": {"name": "char"}}, is_best=False)
             out["stall"].append(time.perf_counter() - t)
             out["cycle_s"].append(time.perf_counter() - started)
             out["updates"].append(done)
@@ -63,10 +63,13 @@ def main():
     p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated subset of {', '.join(SIZES)}")
     p.add_argument("--saves", type=int, default=3, help="saves per mode (the first warms up)")
     p.add_argument("--updates", type=int, default=1, help="updates before each save, at least (more while writing)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
     args = p.parse_args()
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     if [s for s in sizes if s not in SIZES] or args.saves < 2:
         p.error(f"--sizes: choose from {', '.join(SIZES)}; --saves must be at least 2")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     dtype = resolve_dtype("auto", device)
     ctx = autocast_for(device, dtype)

@@ -78,6 +78,7 @@ def main():
     p.add_argument("--nanogpt", type=Path, required=True, help="a checkout of github.com/karpathy/nanoGPT")
     p.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated subset of {', '.join(SIZES)}")
     p.add_argument("--iters", type=int, default=None, help="iterations per run (default: per size)")
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of every run (default: torch's)")
     args = p.parse_args()
     sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in sizes if s not in SIZES]
@@ -93,6 +94,9 @@ def main():
     from nanogpt_cli.rundir import RunDir
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)  # for the table's title
     rows, load = [], os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
