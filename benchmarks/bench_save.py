@@ -55,6 +55,9 @@ def cycles(model, optimizer, ctx, run: RunDir, background: bool, saves: int, upd
             out["stall"].append(time.perf_counter() - t)
             out["cycle_s"].append(time.perf_counter() - started)
             out["updates"].append(done)
+        t = time.perf_counter()
+        saver.wait()
+        out["final_wait"] = time.perf_counter() - t
     return out
 
 
@@ -99,6 +102,7 @@ def main():
                     f"{base / stall:.1f}x",
                     f"{per_update / sum(r['updates'][1:]):.2f} s",
                     "/".join(str(u) for u in r["updates"][1:]),
+                    f"{r['final_wait']:.2f} s",
                 ]
             )
             print(" | ".join(rows[-1]), flush=True)
@@ -106,7 +110,7 @@ def main():
     table(
         f"stall per save, {torch.get_num_threads()} threads, {dtype}, load average {load:.1f} at the start and "
         f"{os.getloadavg()[0]:.1f} at the end (cut: synchronous stall / this one)",
-        ["size", "save", "stall per save", "cut", "s per update", "updates before each save"],
+        ["size", "save", "stall per save", "cut", "s per update", "updates before each save", "last save's wait"],
         rows,
     )
 

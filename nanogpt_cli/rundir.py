@@ -20,10 +20,12 @@ Layout of a run folder:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -222,7 +224,7 @@ class RunDir:
 
     def write(self, snap: Snapshot) -> None:
         """Write every file under a temporary name first, then rename them into place one after another, so a
-        crash can at worst leave files of two adjacent saves, which latest() detects, never a half-written one.
+        crash can at worst leave files of two adjacent saves, which restore() detects, never a half-written one.
         trainer.json is renamed last: it names the step the others must match."""
         staged: list[tuple[Path, Path]] = []
 
@@ -269,6 +271,10 @@ class RunDir:
 # Seconds a save sleeps between writing its weights and its optimizer: a test's way to stop or kill a run
 # while a background save is half written. Never set it outside tests.
 SLOW_SAVE_S = float(os.environ.get("NANOGPT_TEST_SLOW_SAVE", "0") or 0)
+# The writer thread's nice value (Linux): below training, so that on a machine with no idle core the updates
+# go first; measured at 85M parameters on 2 busy cores, 0 made updates 1.5x slower during a write and 19 starved
+# the writer for minutes, while 10 cost the updates 12 % and wrote 0.95 GiB in 17-40 s.
+WRITER_NICE = 10
 
 
 def _between_files() -> None:
@@ -378,6 +384,9 @@ class Saver:
         self._thread.start()  # not a daemon: even an interpreter on its way out finishes the write first
 
     def _write(self, snap: Snapshot) -> None:
+        if sys.platform == "linux":  # a lower CPU priority for this thread alone: training goes first
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         try:
             self.run.write(snap)
         except BaseException as e:  # raised on the training thread by the next save or wait
