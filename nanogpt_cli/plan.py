@@ -38,6 +38,9 @@ class RunPlan:
     step: int = 0  # where the run starts: 0, or the step a resumed run stopped at
     notes: list[str] = field(default_factory=list)  # things the user should know before it starts (warnings)
     time_spent: float | None = None  # a resumed run that --max-time ended: the --max-time it ended under
+    # a fine-tuning run (finetune.py): what config.json records under "finetune"; its "weights" entries go into
+    # the weights files' metadata (a LoRA run: its adapter config and its base)
+    finetune: dict[str, Any] | None = None
 
     @property
     def complete(self) -> bool:
@@ -130,6 +133,8 @@ def _plan_init(
         source = resolve_weights(init_from, last=init_last)
         weights_meta = read_metadata(source)
         init = {"init_weights": source}
+        if "lora" in weights_meta:  # a LoRA run's file holds adapters: start from its base with them merged in
+            init = {"init_model": load_model(source)[0]}
     theirs, ours = (weights_meta.get("tokenizer") or {}).get("name"), meta["tokenizer"]["name"]
     if theirs != ours:
         raise NanoGPTError(

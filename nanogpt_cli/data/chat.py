@@ -70,6 +70,35 @@ def conversation(row: Any) -> list[dict[str, str]]:
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def checkpoint_template(dataset: dict[str, Any]) -> str | None:
+    """The chat template a run on this dataset records, made to render alone: prepare gives the template the
+    end-of-text text as eos_token, which char and byte tokenizers have no token for, so there it is set inside."""
+    template = dataset.get("chat_template")
+    if not isinstance(template, str):
+        return None
+    if dataset.get("eot_id") is None:
+        return f"{{% set eos_token = {EOT!r} %}}" + template
+    return template
+
+
+def turn_end(template: str) -> str:
+    """The text a template puts after the assistant's words inside its generation block: what ends a reply
+    (the built-in template's end-of-text). Empty when the template marks no such text."""
+    sentinel = "\x01reply\x01"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": sentinel}]
+    text = ChatTemplate(template)._compiled.render(messages=messages, eos_token=EOT, add_generation_prompt=False)
+    after = text.partition(sentinel)[2]
+    return after.partition(_END)[0] if _END in after else ""
+
+
+def strip_generation_tags(template: str) -> str:
+    """The template without its `{% generation %}` / `{% endgeneration %}` tags (the same text rendered), for
+    engines that do not know them (llama.cpp)."""
+    import re
+
+    return re.sub(r"{%-?\s*(end)?generation\s*-?%}", "", template)
+
+
 def _environment():
     import jinja2
     from jinja2.ext import Extension
@@ -87,7 +116,8 @@ def _environment():
         def _mark(self, caller):
             return _START + caller() + _END
 
-    return jinja2.Environment(extensions=[Generation, "jinja2.ext.loopcontrols"], trim_blocks=False)
+    # as transformers renders chat templates: trim_blocks and lstrip_blocks (a newline after a tag is dropped)
+    return jinja2.Environment(extensions=[Generation, "jinja2.ext.loopcontrols"], trim_blocks=True, lstrip_blocks=True)
 
 
 @dataclass
@@ -216,10 +246,10 @@ def prepare_chat(
         raise NanoGPTError(f"{final} exists and is not a prepared dataset; pick another --name or --data-dir")
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=data_dir))
-    shards, trained = {}, 0
+    shards, trained, lengths = {}, 0, {}
     try:
         for split, convs in (("train", rows.conversations[:-n_val]), ("val", rows.conversations[-n_val:])):
-            shards[split], n = _write_split(stage, split, convs, template, tok, dtype, shard_tokens)
+            shards[split], n, lengths[split] = _write_split(stage, split, convs, template, tok, dtype, shard_tokens)
             trained += n
         meta = {
             "version": __version__,
@@ -239,6 +269,8 @@ def prepare_chat(
             "shard_tokens": shard_tokens,
             "shards": shards,
             "masks": True,
+            # each conversation's length in tokens, in order: training packs whole conversations into windows
+            "conversations": lengths,
             "chat_template": template.text,
         }
         (stage / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
@@ -253,22 +285,26 @@ def prepare_chat(
     )
 
 
-def _write_split(stage, split: str, convs, template, tok, dtype: str, shard_tokens: int) -> tuple[list, int]:
-    """One split's token shards and mask shards (listed together), and how many tokens the mask trains on."""
+def _write_split(stage, split: str, convs, template, tok, dtype: str, shard_tokens: int) -> tuple[list, int, dict]:
+    """One split's token shards and mask shards (listed together), how many tokens the mask trains on, and the
+    file of its conversations' lengths (SPLIT.conversations.bin, uint32, listed in meta.json)."""
     from .shards import ShardWriter
 
     ids_w = ShardWriter(stage, split, dtype, shard_tokens, [], 0)
     mask_w = _MaskWriter(stage, split, "uint8", shard_tokens, [], 0)
-    trained = 0
+    trained, lengths = 0, []
     for messages in convs:
         ids, mask = template.render(messages, tok)
         ids_w.write(ids.astype(dtype))
         mask_w.write(mask)
         trained += int(mask.sum())
+        lengths.append(len(ids))
     ids_w.finish()
     mask_w.finish()
     shards = [dict(s, mask=m["file"], mask_sha256=m["sha256"]) for s, m in zip(ids_w.shards, mask_w.shards)]
-    return shards, trained
+    name = f"{split}.conversations.bin"
+    np.asarray(lengths, dtype=np.uint32).tofile(stage / name)
+    return shards, trained, {"file": name, "count": len(lengths)}
 
 
 class _MaskWriter:

@@ -46,7 +46,23 @@ def _compile(source: str):
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    class Generation(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` (the assistant's part, for training masks) renders its body,
+        as in transformers: templates that fine-tuning stored in a checkpoint use it."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, Generation]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -73,7 +89,7 @@ class ChatTemplate:
             except (OSError, ValueError):
                 source = None
         if isinstance(source, str) and source.strip():
-            return cls(source, "checkpoint", [], special)
+            return cls(source, "checkpoint", _reply_end(source), special)
         return cls(DEFAULT_TEMPLATE, DEFAULT_NAME, list(DEFAULT_STOP), special)
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
@@ -85,6 +101,19 @@ class ChatTemplate:
             )
         except jinja2.exceptions.TemplateError as e:
             raise NanoGPTError(f"the chat template failed on these messages: {e}") from None
+
+
+def _reply_end(source: str) -> list[str]:
+    """A stop text where the template ends an assistant turn, from its `{% generation %}` block (fine-tuned runs
+    record such templates): char and byte models write the end-of-text marker as text, which only a stop text
+    ends. None for a template without the block."""
+    from nanogpt_cli.data.chat import turn_end
+
+    try:
+        end = turn_end(source).strip()
+    except Exception:  # a template that cannot render a plain user/assistant exchange: no stop text from it
+        return []
+    return [end] if end else []
 
 
 def message_text(content: Any) -> str:
