@@ -33,14 +33,28 @@ def save_model(path: Path, model: GPT, meta: dict[str, Any], state: dict[str, to
     metadata is str -> str). A tied LM head is stored once, as the embedding, and re-tied on load. state: the
     weights when they are not model.state_dict() (gathered from the shards of many processes). A LoRA run
     (meta has "lora") stores its adapters only; its metadata names the base they go on."""
+    write_tensors(path, *model_tensors(model, meta, state))
+
+
+def model_tensors(
+    model: GPT, meta: dict[str, Any], state: dict[str, torch.Tensor] | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """What save_model writes: the tensors (the live ones, not copies) and the header metadata."""
     state = model.state_dict() if state is None else state
-    tensors = {k: v.detach().contiguous() for k, v in state.items()}
+    tensors = {k: v.detach() for k, v in state.items()}
     if "lora" in meta:
         tensors = {k: v for k, v in tensors.items() if is_adapter_key(k)}
     elif model.config.tie_embeddings:
         tensors.pop("lm_head.weight")
     metadata = {"format": "nanogpt", "version": __version__, "config": model.config.to_json()}
     metadata.update({k: json.dumps(v) for k, v in meta.items()})
+    return tensors, metadata
+
+
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """One safetensors file, written atomically. safetensors releases the GIL while it writes, so a thread can
+    write while another trains."""
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
 
@@ -128,6 +142,13 @@ def save_optimizer(path: Path, optimizer, step: int, state: dict | None = None) 
     """Per-parameter state tensors as `<prefix>state.<index>.<name>`; each optimizer's param groups (lr, betas,
     ...) as JSON in `<prefix>param_groups`. state: the state dict of a lone optimizer when it is not
     optimizer.state_dict() (gathered from the shards of many processes)."""
+    write_tensors(path, *optimizer_tensors(optimizer, step, state))
+
+
+def optimizer_tensors(
+    optimizer, step: int, state: dict | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """What save_optimizer writes: the state tensors (the live ones, not copies) and the header metadata."""
     parts = optimizer_parts(optimizer)
     sds = [state] if state is not None and len(parts) == 1 else [part.state_dict() for part in parts]
     tensors, metadata = {}, {"step": json.dumps(step)}
@@ -136,7 +157,7 @@ def save_optimizer(path: Path, optimizer, step: int, state: dict | None = None) 
             for name, value in param_state.items():
                 tensors[f"{prefix}state.{index}.{name}"] = value if torch.is_tensor(value) else torch.tensor(value)
         metadata[f"{prefix}param_groups"] = json.dumps(sd["param_groups"])
-    atomic_write(path, lambda tmp: save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata))
+    return tensors, metadata
 
 
 def read_optimizer(path: Path, optimizer) -> tuple[list[dict[str, Any]], int]:

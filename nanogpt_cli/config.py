@@ -215,6 +215,8 @@ class TrainConfig:
     device: str = setting("auto", "auto, cpu, cuda, cuda:N or mps.")
     dtype: Dtype = setting(Dtype.auto, "Training precision (auto: from the device).")
     compile: bool = setting(False, "torch.compile the model.")
+    # a background save holds a host copy of the weights and optimizer state while it writes
+    sync_save: bool = setting(False, "Write checkpoints on the training thread (no copy of the state in memory).")
     # the schedule still follows max_iters
     stop_at: int | None = setting(None, "Stop after update K as if interrupted.")
     # evaluations included (the last one's length is kept free for the final one); the schedule runs on the share

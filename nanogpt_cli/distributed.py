@@ -366,12 +366,13 @@ def is_ddp(model: nn.Module) -> bool:
     return isinstance(model, DistributedDataParallel)
 
 
-def full_states(model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> tuple[dict, dict | None]:
+def full_states(model: nn.Module, optimizer: torch.optim.Optimizer, world: World) -> tuple[dict | None, dict | None]:
     """The model's and the optimizer's whole states for rank 0 to save, laid out as in one process; {} on the
-    other ranks. Every rank must call it (FSDP gathers the shards). With DDP every rank holds all of it
-    already: the optimizer's state is then None, meaning the optimizer's own (it may be several, Muon's)."""
+    other ranks. Every rank must call it (FSDP gathers the shards, into new tensors on rank 0's CPU that the
+    save keeps without copying them again). With DDP every rank holds all of it already: both are then None,
+    meaning the objects' own (the optimizer may be several, Muon's), which a background save copies."""
     if is_ddp(model):
-        return (unwrap(model).state_dict() if world.main else {}), None
+        return None, None
     return full_model_state(model), full_optimizer_state(model, optimizer)
 
 

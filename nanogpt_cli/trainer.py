@@ -39,7 +39,7 @@ from nanogpt_cli.events import Display, Evaluated, NoDisplay, RunSpeed, RunStart
 from nanogpt_cli.model import GPT
 from nanogpt_cli.optim import lr_at, make_optimizer, set_lr
 from nanogpt_cli.plan import RunPlan
-from nanogpt_cli.rundir import RunDir, SavePoint
+from nanogpt_cli.rundir import RunDir, SavePoint, Saver
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # (model, x, y) -> mean loss, a scalar
 Trainable = Callable[[GPT], Iterable[nn.Parameter]]  # the parameters to train; every other one is frozen
@@ -267,6 +267,10 @@ class Clock:
     def saved(self, started: float) -> None:
         self.save_s += time.perf_counter() - started
 
+    def ended(self, started: float) -> None:
+        """The end of the run since `started` (the final save, the wait for the writer): not training time."""
+        self.set_aside_s += time.perf_counter() - started
+
     def speed(self, average_ms: float) -> RunSpeed:
         """This invocation's speed: the median update after the first STEADY_SKIP (warm-up, compilation,
         allocator growth), the whole-run average, and the time evaluations and saves took."""
@@ -413,7 +417,7 @@ class Trainer:
 
     def _loop(self) -> None:
         cfg, state = self.cfg, self.state
-        with self.signals:
+        with self.signals, self.saver:  # leaving it waits for the save being written, on every way out
             if not self.plan.resume:  # the loss at init, for the record; a checkpoint of it would resume nothing
                 self.show.on_status("first evaluation")
                 self.evaluate(checkpoint=False)
@@ -439,8 +443,14 @@ class Trainer:
                     break
             if not self.stopped and state.step == self.end < cfg.max_iters and not self.plan.complete:
                 self.stopped = "stop_at"
-            if self.stopped and self.saved_at != state.step:
+            ended, final = time.perf_counter(), self.stopped and self.saved_at != state.step
+            if final:
                 self.save(self.last.val_loss if self.last else None, is_best=False)
+            waiting = time.perf_counter()
+            self.saver.wait()  # the end of a run, stopped or not, is a complete save on disk
+            self.clock.saved(waiting)
+            self.clock.ended(ended)
+            if final:
                 self.show.on_save(state.step)
 
     def train_step(self) -> torch.Tensor:
@@ -563,21 +573,21 @@ class Trainer:
         timed, train_s, _ = self.clock.training_time(state.step - self.start_step)
         state.speed = dataclasses.asdict(self.clock.speed(train_s / timed * 1000 if timed else 0.0))
         self._capture_rng()
+        # the run's last save is waited for anyway: written on this thread, it needs no copy of the state
+        last = self.stopped is not None or state.step >= self.end or state.max_time_spent is not None
         started = time.perf_counter()
-        model_state, optimizer_state = self.world.full_states(self.wrapped, self.optimizer)  # every rank takes part
-        try:
-            if self.world.main:
-                self.run_dir.save(
-                    self.model,
-                    self.optimizer,
-                    state,
-                    dict(self.weights_meta, val_loss=val_loss),
-                    is_best,
-                    model_state,
-                    optimizer_state,
-                )
+        try:  # the loop stalls for the wait on the previous save, the gather and the host copy, not the write
+            self.saver.save(
+                self.model,
+                self.optimizer,
+                state,
+                dict(self.weights_meta, val_loss=val_loss),
+                is_best,
+                lambda: self.world.full_states(self.wrapped, self.optimizer),  # every rank takes part
+                background=not last,
+            )
         finally:
-            self.world.barrier()  # no rank goes on (or ends) before the save is complete
+            self.world.barrier()  # no rank goes on before rank 0 holds the save
             self.clock.saved(started)
 
     # --- before the loop ---
@@ -661,6 +671,7 @@ class Trainer:
         self.state.max_time_spent = None
         self.lr = lr_at(max(self.state.step - 1, 0), cfg)  # the last update's rate, for evaluation lines
         self.signals = StopSignals(abort_on_second=world.size == 1)
+        self.saver = Saver(self.run_dir, background=not cfg.sync_save, writes=world.main)
         self.clock = Clock(self.state.elapsed_s, cfg.max_time, self.state.eval_s, self.state.step)
         if cfg.max_time is not None and device.type == "cuda":  # the clock must see the GPU's work, not its queue
             self.clock.sync = functools.partial(torch.cuda.synchronize, world.device)

@@ -2,6 +2,7 @@
 
 import json
 import os
+import threading
 
 import pytest
 import torch
@@ -254,3 +255,179 @@ def test_best_weights_saved_last_are_one_file_on_disk_and_resume_exactly(char_da
         assert best.st_ino == last.st_ino
     else:  # the best stays the step-3 file, untouched by the later save
         assert best.st_ino != last.st_ino and best.st_nlink == 1
+
+
+# --- saves written in the background ---
+
+
+def trained_pair(muon: bool = False):
+    """A tiny model and its optimizer after two updates, so the optimizer has state to save."""
+    from nanogpt_cli.config import TrainConfig
+    from nanogpt_cli.optim import make_optimizer
+
+    torch.manual_seed(0)
+    model = tiny()
+    opt = make_optimizer(model, TrainConfig(optimizer="muon" if muon else "adamw"), torch.device("cpu"))
+    for _ in range(2):
+        update(model, opt)
+    return model, opt
+
+
+def update(model, opt):
+    model(torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8)))[1].backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def files(run):
+    """Each file of a run folder by name: its bytes, safetensors files as (header, data bytes). safetensors'
+    writer orders the header's metadata keys at random (a Rust HashMap), so two saves of one state differ in
+    that order and in nothing else: everything else is compared byte for byte."""
+    out = {}
+    for path in sorted(run.iterdir()):
+        data = path.read_bytes()
+        if path.suffix == ".safetensors":
+            n = int.from_bytes(data[:8], "little")
+            out[path.name] = (json.loads(data[8 : 8 + n]), len(data), data[8 + n :])
+        else:
+            out[path.name] = data
+    return out
+
+
+@pytest.mark.parametrize("muon", [False, True])
+def test_a_background_save_is_the_synchronous_one_byte_for_byte_while_training_goes_on(tmp_path, monkeypatch, muon):
+    from nanogpt_cli import rundir
+
+    model, opt = trained_pair(muon)
+    state = ckpt.TrainerState(step=2, tokens=32, best_val_loss=1.5, rng_torch=torch.get_rng_state())
+    meta = {"tokenizer": {"name": "byte", "vocab_size": 256}, "val_loss": 1.5}
+    (tmp_path / "sync").mkdir(), (tmp_path / "background").mkdir()
+    rundir.RunDir(tmp_path / "sync").save(model, opt, state, meta, is_best=True)
+    go_on = threading.Event()  # the write stops half way until training has changed the state
+    monkeypatch.setattr(rundir, "_between_files", lambda: go_on.wait(timeout=30))
+    with rundir.Saver(rundir.RunDir(tmp_path / "background")) as saver:
+        saver.save(model, opt, state, meta, is_best=True)
+        update(model, opt)  # what training does next: weights and optimizer state change in place
+        state.step, state.best_val_loss = 3, 1.0
+        assert saver.busy() and (tmp_path / "background" / ".model.safetensors.staged").is_file()
+        go_on.set()
+    sync, background = files(tmp_path / "sync"), files(tmp_path / "background")
+    assert {"model.safetensors", "best.safetensors", "optimizer.safetensors", "trainer.json"} == set(background)
+    assert background == sync  # the snapshot, not the state it was written after
+    assert (tmp_path / "background" / "best.safetensors").stat().st_nlink == 2
+
+
+def test_a_failed_background_write_is_raised_on_the_training_thread(tmp_path):
+    from nanogpt_cli import rundir
+
+    model, opt = trained_pair()
+    saver = rundir.Saver(rundir.RunDir(tmp_path / "gone"))  # no such folder: the write fails
+    saver.save(model, opt, ckpt.TrainerState(step=2), {}, is_best=False)
+    with pytest.raises(Exception, match="No such file or directory"):
+        saver.wait()
+    saver.wait()  # raised once
+
+
+def test_a_run_saved_in_the_background_equals_one_saved_synchronously(char_data, tmp_path):
+    data_dir, name = char_data
+    for mode, sync in (("sync", True), ("background", False)):
+        train(tiny_plan(data_dir, name, tmp_path / mode, max_iters=6, eval_interval=2, sync_save=sync))
+    sync, background = files(tmp_path / "sync"), files(tmp_path / "background")
+    assert set(sync) == set(background)
+    for fname in ("model.safetensors", "best.safetensors", "optimizer.safetensors"):
+        assert sync[fname] == background[fname], fname
+    timings = ("elapsed_s", "eval_s", "speed")
+    a, b = (json.loads(run["trainer.json"]) for run in (sync, background))
+    assert {k: v for k, v in a.items() if k not in timings} == {k: v for k, v in b.items() if k not in timings}
+    assert metrics(tmp_path / "sync") == [
+        dict(m, elapsed_s=s["elapsed_s"]) for m, s in zip(metrics(tmp_path / "background"), metrics(tmp_path / "sync"))
+    ]
+
+
+def slow_train(run, data_dir, name, *flags, delay="1.5"):
+    """`nanogpt train` of the tiny preset in a process of its own, each save taking `delay` more seconds
+    between writing its weights and its optimizer state."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "nanogpt_cli", "train", "--data", name, "--data-dir", str(data_dir)]
+    cmd += ["--preset", "tiny", "--dtype", "float32", "--device", "cpu", "--out", str(run), *flags]
+    env = dict(os.environ, NANOGPT_TEST_SLOW_SAVE=delay)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def wait_for(proc, condition, timeout=60):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def trained_steps(run):
+    """The steps of metrics.jsonl's train lines: how far the loop has got."""
+    if not (run / "metrics.jsonl").is_file():
+        return []
+    lines = (json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.endswith("}"))
+    return [m["step"] for m in lines if m.get("kind") == "train"]
+
+
+def saved_step(run):
+    try:
+        return json.loads((run / "trainer.json").read_text())["step"]
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+@pytest.mark.slow
+def test_kill_9_during_a_background_save_resumes_from_the_previous_complete_one(char_data, tmp_path):
+    import signal
+
+    data_dir, name = char_data
+    flags = dict(max_iters=8, eval_interval=2)
+    whole = tmp_path / "whole"
+    train(tiny_plan(data_dir, name, whole, **flags))
+    run = tmp_path / "run"
+    proc = slow_train(run, data_dir, name, "--max-iters", "8", "--eval-interval", "2", "--log-interval", "1")
+    try:
+        # the step-2 save is complete, the step-4 one is half written, and the loop has trained on past it
+        wait_for(proc, lambda: saved_step(run) == 2 and max(trained_steps(run)) >= 5)
+        assert (run / ".model.safetensors.staged").is_file() and saved_step(run) == 2
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.communicate()
+    result = train(plan_run({}, out=run, resume=True))
+    assert result.step == 8
+    assert metrics(run) == [dict(m, elapsed_s=p["elapsed_s"]) for m, p in zip(metrics(whole), metrics(run))]
+    assert not list(run.glob(".*.staged"))
+    a, _ = load_model(whole, last=True)
+    b, _ = load_model(run, last=True)
+    for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(p, q), n
+
+
+@pytest.mark.slow
+def test_sigint_during_a_background_save_waits_for_it_and_leaves_a_resumable_run(char_data, tmp_path):
+    import signal
+
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    proc = slow_train(run, data_dir, name, "--max-iters", "100000", "--eval-interval", "2", "--log-interval", "1")
+    try:
+        # the first save (step 2) is half written and the loop has trained on past it
+        wait_for(proc, lambda: (run / ".model.safetensors.staged").is_file() and max(trained_steps(run)) >= 3)
+        assert saved_step(run) is None
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    step = saved_step(run)
+    assert step >= 3  # the final save, written after the one in progress
+    assert ckpt.file_step(run / "model.safetensors") == ckpt.file_step(run / "optimizer.safetensors") == step
+    assert not list(run.glob(".*.staged")) and not list(run.glob(".*.prev"))
+    result = train(plan_run({"max_iters": step + 2}, out=run, resume=True))
+    assert result.step == step + 2
