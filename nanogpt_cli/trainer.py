@@ -492,6 +492,8 @@ class Trainer:
                 self.run_dir.start(plan.force)
             self.run_dir.write_config({"model": plan.model.to_dict(), "train": cfg.to_dict(), "dataset": plan.dataset})
         self.weights_meta = dict(tokenizer=plan.dataset["tokenizer"], dataset=plan.dataset.get("name") or cfg.data)
+        if plan.dataset.get("chat_template"):  # a chat dataset's template goes with the weights: chat, serve, export
+            self.weights_meta["chat_template"] = plan.dataset["chat_template"]
         self.compiled = torch.compile(self.wrapped) if cfg.compile else self.wrapped
         self.peak = peak_flops(device, dtype)
         if self.peak:
