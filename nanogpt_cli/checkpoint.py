@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from nanogpt_cli import __version__
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.files import atomic_write
+from nanogpt_cli.lora import is_adapter_key
 from nanogpt_cli.model import GPT
 
 # --- weights ---
@@ -30,10 +31,13 @@ from nanogpt_cli.model import GPT
 def save_model(path: Path, model: GPT, meta: dict[str, Any], state: dict[str, torch.Tensor] | None = None) -> None:
     """Weights in float32-or-as-trained safetensors; meta values are stored as JSON strings (safetensors
     metadata is str -> str). A tied LM head is stored once, as the embedding, and re-tied on load. state: the
-    weights when they are not model.state_dict() (gathered from the shards of many processes)."""
+    weights when they are not model.state_dict() (gathered from the shards of many processes). A LoRA run
+    (meta has "lora") stores its adapters only; its metadata names the base they go on."""
     state = model.state_dict() if state is None else state
     tensors = {k: v.detach().contiguous() for k, v in state.items()}
-    if model.config.tie_embeddings:
+    if "lora" in meta:
+        tensors = {k: v for k, v in tensors.items() if is_adapter_key(k)}
+    elif model.config.tie_embeddings:
         tensors.pop("lm_head.weight")
     metadata = {"format": "nanogpt", "version": __version__, "config": model.config.to_json()}
     metadata.update({k: json.dumps(v) for k, v in meta.items()})
@@ -81,12 +85,23 @@ def file_step(path: Path) -> int | None:
 
 
 def load_weights(model: GPT, path: Path) -> None:
+    """Load a weights file into `model`. An adapters file (a LoRA run's) loads into a model that has those
+    adapters already on its base (lora.add_lora): only the adapters are replaced."""
     from safetensors.torch import load_file
 
     try:
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as e:
         raise NanoGPTError(f"{path} is not a valid safetensors checkpoint ({e})") from None
+    if tensors and all(is_adapter_key(k) for k in tensors):
+        ours = {k for k in model.state_dict() if is_adapter_key(k)}
+        if ours != set(tensors):
+            raise NanoGPTError(
+                f"{path} holds adapters for other layers than this model's: missing "
+                f"{sorted(ours - set(tensors))[:3]}, unexpected {sorted(set(tensors) - ours)[:3]}"
+            )
+        model.load_state_dict(tensors, strict=False)
+        return
     if model.config.tie_embeddings:
         tensors["lm_head.weight"] = tensors["transformer.wte.weight"]
     missing, unexpected = model.load_state_dict(tensors, strict=False)

@@ -572,17 +572,19 @@ def train(
     flags = dict(flags or {}, **({"preset": preset} if preset is not None else {}))
     from nanogpt_cli.config import load_toml
     from nanogpt_cli.device import set_threads
-    from nanogpt_cli.distributed import open_world
     from nanogpt_cli.plan import plan_run
-    from nanogpt_cli.trainer import Trainer
-    from nanogpt_cli.ui import TrainDisplay
+    from nanogpt_cli.trackers import open_tracker
 
     set_threads(threads)
-    from nanogpt_cli.trackers import Tee, open_tracker
 
     sink = open_tracker(tracker) if tracker and prints() else None  # unknown or missing extra: refused first
     if last and init_from is None:
         raise NanoGPTError("--last picks the weights of --init-from RUN; give --init-from or drop --last")
+    from nanogpt_cli.finetune import is_finetune_run, plan_finetune
+
+    if resume and out is not None and is_finetune_run(out):  # a LoRA run resumes on its base, with its adapters
+        job = plan_finetune(flags, load_toml(config) if config else {}, out=out, resume=True, force=force)
+        return run_planned(job.plan, quiet, sink, job.trainable)
     plan = plan_run(
         flags,
         load_toml(config) if config else {},
@@ -592,6 +594,21 @@ def train(
         init_from=init_from,
         init_last=last,
     )
+    if init_from is not None and plan.dataset.get("masks"):  # the same run as `finetune` without --lora
+        from nanogpt_cli.finetune import record_full_finetune
+
+        record_full_finetune(plan, init_from)
+        plan.notes.append("fine-tuning on a chat dataset: `nanogpt finetune` does the same, and LoRA with --lora")
+    run_planned(plan, quiet, sink)
+
+
+def run_planned(plan, quiet: bool, sink, trainable=None) -> None:
+    """Train a planned run with the progress display (and a tracker's sink), then report it: train and finetune."""
+    from nanogpt_cli.distributed import open_world
+    from nanogpt_cli.trackers import Tee
+    from nanogpt_cli.trainer import Trainer
+    from nanogpt_cli.ui import TrainDisplay
+
     if prints():
         for message in plan.notes:
             note(message)
@@ -604,7 +621,7 @@ def train(
     with open_world(plan.train) as world:
         try:
             with TrainDisplay(quiet or not prints()) as display:
-                result = Trainer(plan, Tee(display, sink) if sink else display, world).fit()
+                result = Trainer(plan, Tee(display, sink) if sink else display, world, trainable=trainable).fit()
         finally:
             if sink is not None:
                 sink.close()
@@ -612,6 +629,87 @@ def train(
             report_training(plan, result)
     if result.stopped in ("SIGINT", "SIGTERM"):
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
+
+
+@app.command()
+@config_options
+@one_line_errors
+def finetune(
+    init_from: Annotated[
+        str | None,
+        typer.Option(
+            help="The weights to start from: a run folder, a .safetensors file, a Hugging Face folder or hf:NAME "
+            "(not needed with --resume).",
+            show_default=False,
+        ),
+    ] = None,
+    lora: Annotated[
+        bool, typer.Option("--lora", help="Train LoRA adapters on the frozen weights (any --lora-* flag implies it).")
+    ] = False,
+    lora_r: Annotated[int | None, typer.Option(help="LoRA rank.  [default: 8]", show_default=False)] = None,
+    lora_alpha: Annotated[
+        float | None, typer.Option(help="LoRA scale: the update is times alpha / r.  [default: 16]", show_default=False)
+    ] = None,
+    lora_dropout: Annotated[
+        float | None, typer.Option(help="Dropout on the adapters' input.  [default: 0]", show_default=False)
+    ] = None,
+    lora_targets: Annotated[
+        str | None,
+        typer.Option(
+            help="Projections to adapt, comma-separated: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj, or attn, "
+            "mlp, all.  [default: attn.c_attn]",
+            show_default=False,
+        ),
+    ] = None,
+    preset: Annotated[
+        str | None, typer.Option(help="Named training config (its model fields must match the checkpoint's).")
+    ] = None,
+    config: Annotated[Path | None, typer.Option(help="TOML file of config keys; flags override it.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Run folder (default checkpoints/DATA-TIMESTAMP).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out where it stopped.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="Start over in an --out that holds a run (deletes it).")
+    ] = False,
+    last: Annotated[bool, typer.Option("--last", help="With --init-from RUN: its last weights, not its best.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")] = False,
+    threads: Threads = None,
+    tracker: Annotated[
+        str | None,
+        typer.Option(help="Also log to tensorboard or wandb; needs the track extra.", show_default=False),
+    ] = None,
+    flags: dict | None = None,  # the config options given (config_options)
+):
+    """Fine-tune trained weights on a dataset: all of them, or LoRA adapters (--lora). On a chat dataset only the
+    assistant's tokens are trained on, and the run keeps the dataset's chat template.
+
+    Example: nanogpt finetune --init-from checkpoints/base --data chats --lora --max-iters 300 --out checkpoints/chat
+    """
+    from nanogpt_cli.config import load_toml
+    from nanogpt_cli.device import set_threads
+    from nanogpt_cli.finetune import plan_finetune
+    from nanogpt_cli.lora import DEFAULT_TARGETS, LoRAConfig
+    from nanogpt_cli.trackers import open_tracker
+
+    flags = dict(flags or {}, **({"preset": preset} if preset is not None else {}))
+    set_threads(threads)
+    sink = open_tracker(tracker) if tracker and prints() else None
+    given = {"r": lora_r, "alpha": lora_alpha, "dropout": lora_dropout, "targets": lora_targets}
+    given = {k: v for k, v in given.items() if v is not None}
+    lora_cfg = None
+    if lora or given:
+        targets = given.pop("targets", None)
+        lora_cfg = LoRAConfig(**given, targets=(targets,) if targets is not None else DEFAULT_TARGETS)
+    job = plan_finetune(
+        flags,
+        load_toml(config) if config else {},
+        out=out,
+        resume=resume,
+        force=force,
+        init_from=init_from,
+        init_last=last,
+        lora=lora_cfg,
+    )
+    run_planned(job.plan, quiet, sink, job.trainable)
 
 
 def say_complete(plan) -> None:

@@ -37,6 +37,8 @@ def load_model(path: str | Path, last: bool = False, device: str | torch.device 
         return model.to(device), meta
     path = resolve_weights(path, last)
     meta = read_metadata(path)
+    if "lora" in meta:
+        return load_lora(path, meta, merge=True)[0].to(device), meta
     try:
         config = GPTConfig.from_dict(meta["config"])
     except (TypeError, ValueError) as e:
@@ -44,6 +46,32 @@ def load_model(path: str | Path, last: bool = False, device: str | torch.device 
     model = GPT(config)
     load_weights(model, path)
     return model.to(device), meta
+
+
+def load_lora(path: Path, meta: dict, merge: bool) -> tuple[GPT, GPT | None]:
+    """A LoRA run's weights file (adapters only) on its base, which is loaded from where the run recorded it and
+    checked against the recorded hash: (the model with adapters, merged into plain layers when `merge`, and,
+    unmerged, the base alone as loaded)."""
+    import copy
+
+    from nanogpt_cli.lora import LoRAConfig, add_lora, merge_lora, weights_hash
+
+    base = meta["base"]
+    try:
+        model, _ = load_model(base["source"], last=base.get("last", False))
+    except NanoGPTError as e:
+        raise NanoGPTError(f"{path} holds LoRA adapters, and their base could not be loaded: {e}") from None
+    digest = weights_hash(model)
+    if digest != base["sha256"]:
+        raise NanoGPTError(
+            f"{path} holds LoRA adapters for other base weights than {base['source']} holds now (sha256 "
+            f"{base['sha256'][:12]}..., found {digest[:12]}...); it was changed since the adapters were trained"
+        )
+    plain = None if merge else copy.deepcopy(model)
+    add_lora(model, LoRAConfig.from_dict(meta["lora"]))
+    load_weights(model, path)
+    model.requires_grad_(False)
+    return (merge_lora(model) if merge else model), plain
 
 
 @dataclass

@@ -284,7 +284,11 @@ class GPT(nn.Module):
         logits = softcap(self.lm_head(x), self.config.logit_softcap)  # (B, T, V)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            # the mean over the targets that count; a batch with none (a chat window of prompt only) gives 0, not
+            # 0/0 = NaN, and no gradient
+            flat = targets.reshape(-1)
+            total = F.cross_entropy(logits.float().view(-1, logits.size(-1)), flat, ignore_index=-1, reduction="sum")
+            loss = total / (flat != -1).sum().clamp(min=1)
         return logits, loss
 
     # --- accounting ---

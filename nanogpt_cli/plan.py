@@ -38,6 +38,9 @@ class RunPlan:
     step: int = 0  # where the run starts: 0, or the step a resumed run stopped at
     notes: list[str] = field(default_factory=list)  # things the user should know before it starts (warnings)
     time_spent: float | None = None  # a resumed run that --max-time ended: the --max-time it ended under
+    # a fine-tuning run (finetune.py): what config.json records under "finetune"; its "weights" entries go into
+    # the weights files' metadata (a LoRA run: its adapter config and its base)
+    finetune: dict[str, Any] | None = None
 
     @property
     def complete(self) -> bool:

@@ -28,6 +28,7 @@ from torch import nn
 
 from nanogpt_cli.checkpoint import TrainerState, load_weights
 from nanogpt_cli.data import open_split
+from nanogpt_cli.data.chat import checkpoint_template
 from nanogpt_cli.data.reader import open_mask_split
 from nanogpt_cli.device import autocast_for, enable_tf32, peak_flops, resolve_device, resolve_dtype
 from nanogpt_cli.distributed import World, launched_size
@@ -350,6 +351,8 @@ class Trainer:
         # every rank draws each update's micro-batches from the one stream, and runs its own share of them
         starts = [self.batches.draw("train") for _ in range(cfg.gradient_accumulation_steps)]
         micro = [self.batches.load("train", starts[i]) for i in self.world.micro_share(len(starts))]
+        if self.masked:  # a chat dataset: speed counts the targets trained on (counted on the device, read at logs)
+            self.trained = self.trained + sum((y != -1).sum() for _, y in micro)
         started = time.perf_counter()
         # fp16: the scaler backs off only when it skips an update; compared on the device, read at the next log
         scale = scale_tensor(scaler, self.world.device) if scaler.is_enabled() else None
@@ -376,7 +379,10 @@ class Trainer:
         value = self.world.mean(loss).item()
         if not math.isfinite(value):
             raise non_finite(state.step, self.run_dir)
+        updates = max(1, state.step - self.logged_step)
+        self.logged_step = state.step
         dt, elapsed = self.clock.window(state.step)
+        per_iter = self.tokens_per_iter if not self.masked else self._take_trained() / updates
         logged = StepLogged(
             step=state.step,
             loss=value,
@@ -384,8 +390,8 @@ class Trainer:
             tokens=state.tokens,
             elapsed_s=elapsed,
             ms_per_iter=dt * 1000,
-            tokens_per_s=self.tokens_per_iter / dt,
-            mfu=self.flops_per_iter / dt / self.peak if self.peak else None,
+            tokens_per_s=per_iter / dt,
+            mfu=self.flops_per_token * per_iter / dt / self.peak if self.peak else None,
             skipped=int(self.skipped),
             scale=scaler.get_scale() if scaler.is_enabled() else None,
             recorded=recorded,
@@ -394,6 +400,13 @@ class Trainer:
             self.run_dir.append_metrics(logged.record())
         self.show.on_step(logged)
         self.skipped = 0
+
+    def _take_trained(self) -> float:
+        """The targets trained on (mask 1) since the last call, summed over ranks; the count starts again."""
+        trained = (self.world.mean(self.trained.double()) * self.world.size).item()
+        self.trained_total += trained
+        self.trained = torch.zeros((), dtype=torch.int64, device=self.world.device)
+        return trained
 
     def evaluate(self, checkpoint: bool = True) -> None:
         """Both splits' loss on the fixed evaluation batches, a metrics line, and (unless told not to) a save."""
@@ -479,7 +492,12 @@ class Trainer:
         saved = self.run_dir.restore() if plan.resume else None
         self.model = self._build_model(saved)
         self.tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * plan.model.block_size  # all ranks'
-        self.flops_per_iter = self.model.flops_per_token() * self.tokens_per_iter
+        self.flops_per_token = self.model.flops_per_token()
+        self.flops_per_iter = self.flops_per_token * self.tokens_per_iter
+        # a chat dataset: tokens/s and MFU count the targets trained on (mask 1), not every token read
+        self.masked = self.batches.masks["train"] is not None
+        self.trained = torch.zeros((), dtype=torch.int64, device=device)
+        self.trained_total = 0.0
         params = self.model.num_params()
         world.seed_dropout(cfg.seed)
         self.wrapped = world.wrap(self.model, cfg.parallel, dtype)
@@ -490,10 +508,15 @@ class Trainer:
         if world.main:
             if not saved:
                 self.run_dir.start(plan.force)
-            self.run_dir.write_config({"model": plan.model.to_dict(), "train": cfg.to_dict(), "dataset": plan.dataset})
+            config = {"model": plan.model.to_dict(), "train": cfg.to_dict(), "dataset": plan.dataset}
+            if plan.finetune:
+                config["finetune"] = plan.finetune
+            self.run_dir.write_config(config)
         self.weights_meta = dict(tokenizer=plan.dataset["tokenizer"], dataset=plan.dataset.get("name") or cfg.data)
-        if plan.dataset.get("chat_template"):  # a chat dataset's template goes with the weights: chat, serve, export
-            self.weights_meta["chat_template"] = plan.dataset["chat_template"]
+        template = checkpoint_template(plan.dataset)
+        if template is not None:  # sample, serve and the exports format conversations with it
+            self.weights_meta["chat_template"] = template
+        self.weights_meta.update(plan.finetune.get("weights", {}) if plan.finetune else {})
         self.compiled = torch.compile(self.wrapped) if cfg.compile else self.wrapped
         self.peak = peak_flops(device, dtype)
         if self.peak:
@@ -515,7 +538,7 @@ class Trainer:
         self.end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
         if plan.complete:  # --max-time spent (and not raised since): nothing to train
             self.end = self.state.step
-        self.start_step = self.state.step
+        self.start_step = self.logged_step = self.state.step
         self.state.max_time_spent = None
         self.lr = lr_at(max(self.state.step - 1, 0), cfg)  # the last update's rate, for evaluation lines
         self.signals = StopSignals(abort_on_second=world.size == 1)
@@ -530,12 +553,12 @@ class Trainer:
             load_weights(model, self.plan.init_weights)
         elif self.plan.init_model is not None:
             model.load_state_dict(self.plan.init_model.state_dict())  # copies in place: a tied head stays tied
-        if saved:
-            saved.load_weights(model)  # on every rank, before DDP or FSDP takes the model over
-        if self.trainable is not None:  # it may add modules (adapters) first, so before the model moves
+        if self.trainable is not None:  # it may add modules (adapters): before the saved weights and the move
             keep = {id(p) for p in self.trainable(model)}
             for p in model.parameters():
                 p.requires_grad_(id(p) in keep)
+        if saved:
+            saved.load_weights(model)  # on every rank, before DDP or FSDP takes the model over
         return model.to(self.world.device)
 
     def _restore(self, saved: SavePoint) -> TrainerState:
@@ -576,6 +599,10 @@ class Trainer:
         state, last = self.state, self.last
         timed, train_s, elapsed = self.clock.training_time(state.step - self.start_step)
         ms_per_iter = train_s / timed * 1000 if timed else 0.0
+        per_iter = self.tokens_per_iter  # tokens each update trained on
+        if self.masked:
+            self._take_trained()
+            per_iter = self.trained_total / max(1, state.step - self.start_step)
         return TrainResult(
             run_dir=self.run_dir.path,
             step=state.step,
@@ -585,10 +612,10 @@ class Trainer:
             eval_step=last.step if last else None,
             best_val_loss=state.best_val_loss,
             elapsed_s=elapsed,
-            tokens_per_s=self.tokens_per_iter * timed / train_s if timed else 0.0,
+            tokens_per_s=per_iter * timed / train_s if timed else 0.0,
             ms_per_iter=ms_per_iter,
             speed=self.clock.speed(ms_per_iter),
-            mfu=(self.flops_per_iter * timed / train_s / self.peak) if self.peak and timed else None,
+            mfu=(self.flops_per_token * per_iter * timed / train_s / self.peak) if self.peak and timed else None,
             stopped=self.stopped,
         )
 

@@ -1,4 +1,4 @@
-"""`nanogpt chat`: the conversation kept by chat.py, and the terminal loop driven through stdin and a pseudo-terminal."""
+"""`nanogpt chat`: the conversation (chat.py) and the terminal loop, driven through stdin and a pseudo-terminal."""
 
 from __future__ import annotations
 

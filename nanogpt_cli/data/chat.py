@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..chat_template import DEFAULT_TEMPLATE, ChatTemplate
+from ..chat_template import DEFAULT_TEMPLATE, EOT, ChatTemplate
 from ..errors import NanoGPTError
 
 ROLES = ("system", "user", "assistant")
@@ -50,6 +50,17 @@ def conversation(row: Any) -> list[dict[str, str]]:
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRow("the conversation has no assistant turn")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def checkpoint_template(dataset: dict[str, Any]) -> str | None:
+    """The chat template a run on this dataset records, made to render alone: prepare gives the template the
+    end-of-text text as eos_token, which char and byte tokenizers have no token for, so there it is set inside."""
+    template = dataset.get("chat_template")
+    if not isinstance(template, str):
+        return None
+    if dataset.get("eot_id") is None:
+        return f"{{% set eos_token = {EOT!r} %}}" + template
+    return template
 
 
 @dataclass

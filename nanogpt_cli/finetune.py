@@ -1,0 +1,142 @@
+"""Fine-tuning: a run that starts from trained weights, all of them trained (full) or a frozen base with LoRA
+adapters. On a chat dataset only the assistant's tokens are in the loss (the trainer reads the masks). The loop
+is the trainer's; this module plans the start and hands the trainer its `trainable` hook.
+
+    job = plan_finetune({"data": "chats", "max_iters": 200}, out="checkpoints/chat", init_from="hf:gpt2",
+                        lora=LoRAConfig(r=8))
+    Trainer(job.plan, trainable=job.trainable).fit()
+
+A LoRA run saves its adapters only, with a reference to its base: where it came from and the sha256 of its
+weights (lora.weights_hash), checked whenever the run is resumed or loaded. config.json records it all under
+"finetune", which is how `--resume` finds the base again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nanogpt_cli import hf
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.lora import LoRAConfig, add_lora, weights_hash
+from nanogpt_cli.model import GPT
+from nanogpt_cli.plan import RunPlan, plan_run
+from nanogpt_cli.rundir import resolve_weights
+
+
+@dataclass
+class FinetunePlan:
+    plan: RunPlan
+    lora: LoRAConfig | None  # None: full fine-tuning
+    trainable: Any = None  # the trainer's hook: LoRA's adapters (None: every parameter trains)
+
+
+class LoRAStart:
+    """The trainer's `trainable` hook for a LoRA run: it sees the model with its base weights loaded, records
+    (or, on resume, checks) the base's hash, puts the adapters on and returns their parameters."""
+
+    def __init__(self, cfg: LoRAConfig, record: dict[str, Any], expect_hash: str | None):
+        self.cfg, self.record, self.expect_hash = cfg, record, expect_hash
+
+    def __call__(self, model: GPT):
+        digest = weights_hash(model)
+        base = self.record["weights"]["base"]
+        if self.expect_hash is not None and digest != self.expect_hash:
+            raise NanoGPTError(
+                f"the base weights {base['source']} changed since this LoRA run started (sha256 "
+                f"{self.expect_hash[:12]}..., now {digest[:12]}...); resume needs the same base"
+            )
+        base["sha256"] = digest  # config.json and the weights files are written after this, with it
+        return add_lora(model, self.cfg)
+
+
+def base_source(plan: RunPlan, init_from: str) -> str:
+    """Where the base weights are, as a LoRA run records it: the weights file (absolute), or the Hugging Face
+    folder (absolute) or hf:NAME."""
+    if plan.init_weights is not None:
+        return str(Path(plan.init_weights).resolve())
+    return init_from if init_from.startswith("hf:") else str(Path(init_from).resolve())
+
+
+def plan_finetune(
+    flags: dict[str, Any],
+    file_values: dict[str, Any] | None = None,
+    out: str | Path | None = None,
+    resume: bool = False,
+    force: bool = False,
+    init_from: str | None = None,
+    init_last: bool = False,
+    lora: LoRAConfig | None = None,
+) -> FinetunePlan:
+    """A fine-tuning run's plan. Fresh: --init-from is required, the architecture is its checkpoint's, and
+    `lora` (None: full fine-tuning) says what trains. Resume: the run's own record says both; LoRA flags given
+    again must agree with it."""
+    if not resume and init_from is None:
+        raise NanoGPTError(
+            "finetune needs --init-from: the weights to start from (a run folder, a .safetensors file, a "
+            "Hugging Face folder or hf:NAME)"
+        )
+    values = {**(file_values or {}), **flags}
+    if lora is not None and values.get("optimizer", "adamw") != "adamw":
+        raise NanoGPTError("LoRA trains its adapters with --optimizer adamw; drop --optimizer muon")
+    plan = plan_run(flags, file_values, out=out, resume=resume, force=force, init_from=init_from, init_last=init_last)
+    if resume:
+        return _resume(plan, lora)
+    record: dict[str, Any] = {"init_from": init_from, "method": "lora" if lora else "full"}
+    if lora is None:
+        plan.finetune = record
+        return FinetunePlan(plan, None)
+    record["weights"] = {
+        "lora": lora.to_dict(),
+        "base": {"source": base_source(plan, init_from), "last": init_last, "sha256": None},
+    }
+    plan.finetune = record
+    return FinetunePlan(plan, lora, LoRAStart(lora, record, expect_hash=None))
+
+
+def _resume(plan: RunPlan, lora: LoRAConfig | None) -> FinetunePlan:
+    record = plan.run_dir.read_config().get("finetune")
+    if record is None:
+        raise NanoGPTError(
+            f"{plan.run_dir} was not started by `nanogpt finetune`; continue it with `nanogpt train --out "
+            f"{plan.run_dir} --resume`"
+        )
+    plan.finetune = record
+    if record.get("method") != "lora":
+        if lora is not None:
+            raise NanoGPTError(f"{plan.run_dir} is a full fine-tune; drop the --lora-* flags to resume it")
+        return FinetunePlan(plan, None)
+    saved = LoRAConfig.from_dict(record["weights"]["lora"])
+    if lora is not None and lora != saved:
+        differ = [
+            f"--lora-{k} (saved {v!r}, given {lora.to_dict()[k]!r})"
+            for k, v in saved.to_dict().items()
+            if lora.to_dict()[k] != v
+        ]
+        raise NanoGPTError(f"--resume continues the run's adapters; these differ from it: {', '.join(differ)}")
+    base = record["weights"]["base"]
+    if hf.is_hf_source(base["source"]):
+        from nanogpt_cli.loading import load_model
+
+        plan.init_model, _ = load_model(base["source"])
+    else:
+        plan.init_weights = resolve_weights(base["source"], last=base.get("last", False))
+    return FinetunePlan(plan, saved, LoRAStart(saved, record, expect_hash=base["sha256"]))
+
+
+def record_full_finetune(plan: RunPlan, init_from: str) -> None:
+    """`train --init-from` on a chat dataset is a full fine-tune: recorded as `finetune` records one, so either
+    command resumes it."""
+    plan.finetune = {"init_from": init_from, "method": "full"}
+
+
+def is_finetune_run(out: str | Path) -> bool:
+    """Whether the run folder holds a run that `finetune` (or `train --init-from` on a chat dataset) started."""
+    from nanogpt_cli.rundir import RunDir
+
+    run = RunDir(out)
+    try:
+        return run.has_run() and "finetune" in run.read_config()
+    except NanoGPTError:
+        return False

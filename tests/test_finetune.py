@@ -1,0 +1,222 @@
+"""Fine-tuning: LoRA adapters on a frozen base (step 0 is the base, only adapters train, merged equals base +
+adapters, exact resume), full fine-tuning, the masked loss's guard and trained-token speed, the record a run keeps
+(base hash, chat template), and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.finetune import plan_finetune
+from nanogpt_cli.lora import LoRAConfig, adapters, add_lora, merge_lora, parse_targets
+from nanogpt_cli.model import GPT
+from nanogpt_cli.trainer import Trainer
+from conftest import tiny_config, tiny_plan
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}],
+    [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Reverse abc."},
+        {"role": "assistant", "content": "cba"},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def chat_data(tmp_path_factory):
+    """A byte-level chat dataset: (data_dir, name)."""
+    from nanogpt_cli.data.chat import prepare_chat
+
+    root = tmp_path_factory.mktemp("chat")
+    src = root / "chats.jsonl"
+    src.write_text("\n".join(json.dumps({"messages": CONVERSATIONS[i % 2]}) for i in range(40)) + "\n")
+    prepare_chat(str(src), "chats", data_dir=str(root / "data"), tokenizer="byte")
+    return root / "data", "chats"
+
+
+@pytest.fixture(scope="module")
+def base_run(chat_data, tmp_path_factory):
+    """A tiny byte model trained a few steps: the base the fine-tunes start from."""
+    data_dir, name = chat_data
+    run = tmp_path_factory.mktemp("base") / "base"
+    Trainer(tiny_plan(data_dir, name, run, max_iters=4, eval_interval=4, eval_iters=1, block_size=32)).fit()
+    return run
+
+
+def finetune_run(chat_data, base_run, out, lora=None, **flags):
+    data_dir, name = chat_data
+    values = dict(data=name, data_dir=str(data_dir), dtype="float32", device="cpu", max_iters=6, eval_interval=3)
+    values.update(eval_iters=1, batch_size=4, warmup_iters=0, learning_rate=1e-2, log_interval=1, **flags)
+    job = plan_finetune(values, out=out, init_from=str(base_run), lora=lora)
+    return job, Trainer(job.plan, trainable=job.trainable)
+
+
+def test_lora_at_step_zero_is_the_base_exactly():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(bias=True))
+    idx = torch.randint(0, 61, (2, 16))
+    before = model(idx)[0]
+    params = add_lora(model, LoRAConfig(r=4, targets=("all",)))
+    assert len(params) == 2 * 4 * 2  # A and B, four projections, two blocks
+    assert torch.equal(model(idx)[0], before)
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [
+        n for n in dict(model.named_parameters()) if n.endswith(("lora_A", "lora_B"))
+    ]
+
+
+def test_merged_weights_give_the_logits_of_base_plus_adapters():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(mlp="swiglu", norm="rmsnorm"))
+    add_lora(model, LoRAConfig(r=2, alpha=8, targets=("attn", "mlp")))
+    with torch.no_grad():
+        for layer in adapters(model).values():
+            layer.lora_B.normal_(0, 0.1)
+    model.eval()
+    idx = torch.randint(0, 61, (2, 16))
+    with torch.no_grad():
+        adapted = model(idx)[0]
+        merged = merge_lora(model)(idx)[0]
+    assert not adapters(model) and not torch.equal(adapted, GPT(tiny_config())(idx)[0])
+    assert torch.allclose(adapted, merged, atol=1e-5)
+
+
+def test_targets_and_bad_lora_values():
+    assert parse_targets(["attn,mlp.c_fc"]) == ("attn.c_attn", "attn.c_proj", "mlp.c_fc")
+    with pytest.raises(NanoGPTError, match="unknown projection 'q_proj'"):
+        LoRAConfig(targets=("q_proj",))
+    with pytest.raises(NanoGPTError, match="--lora-r must be a positive integer"):
+        LoRAConfig(r=0)
+
+
+def test_lora_run_trains_only_adapters_and_saves_them_with_its_base(chat_data, base_run, tmp_path):
+    from nanogpt_cli.checkpoint import read_metadata
+    from nanogpt_cli.loading import load_lora, load_model
+
+    job, trainer = finetune_run(chat_data, base_run, tmp_path / "lora", LoRAConfig(r=4, targets=("attn", "mlp")))
+    trainer.fit()
+    saved = load_file(str(tmp_path / "lora" / "model.safetensors"))
+    assert saved and all(k.endswith((".lora_A", ".lora_B")) for k in saved)  # the adapters only
+    optimizer = load_file(str(tmp_path / "lora" / "optimizer.safetensors"))
+    assert {k.split(".")[1] for k in optimizer} == {str(i) for i in range(len(saved))}  # their state only
+    meta = read_metadata(tmp_path / "lora" / "model.safetensors")
+    base, _ = load_model(base_run)
+    assert meta["base"]["sha256"] == job.plan.finetune["weights"]["base"]["sha256"]
+    assert meta["chat_template"].startswith("{% set eos_token = '<|endoftext|>' %}")  # byte: no end token
+    model, plain = load_lora(tmp_path / "lora" / "model.safetensors", meta, merge=False)
+    for name, t in base.state_dict().items():  # the base did not move
+        assert torch.equal(model.state_dict()[name], t) and torch.equal(plain.state_dict()[name], t)
+    assert all(layer.lora_B.abs().sum() > 0 for layer in adapters(model).values())  # the adapters did
+    # sample, serve and eval load the run as one model: base + merged adapters
+    merged, _ = load_model(tmp_path / "lora")
+    idx = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        assert torch.allclose(merged.eval()(idx)[0], model.eval()(idx)[0], atol=1e-5)
+
+
+def test_lora_resume_is_exact(chat_data, base_run, tmp_path):
+    lora = LoRAConfig(r=2, dropout=0.1)
+    finetune_run(chat_data, base_run, tmp_path / "once", lora)[1].fit()
+    finetune_run(chat_data, base_run, tmp_path / "twice", lora, stop_at=3)[1].fit()
+    data_dir, name = chat_data
+    job = plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "twice", resume=True)
+    assert job.lora == lora and job.plan.init_weights is not None
+    Trainer(job.plan, trainable=job.trainable).fit()
+    a, b = (load_file(str(tmp_path / r / "model.safetensors")) for r in ("once", "twice"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(NanoGPTError, match="--lora-r"):
+        again = {"data": name, "data_dir": str(data_dir)}
+        plan_finetune(again, out=tmp_path / "twice", resume=True, lora=LoRAConfig(r=3))
+
+
+def test_lora_refuses_a_changed_base(chat_data, base_run, tmp_path):
+    import shutil
+
+    from nanogpt_cli.loading import load_model
+
+    base = tmp_path / "base"
+    shutil.copytree(base_run, base)
+    finetune_run(chat_data, base, tmp_path / "lora", LoRAConfig(r=2), max_iters=2, eval_interval=2)[1].fit()
+    Trainer(tiny_plan(*chat_data, tmp_path / "other", max_iters=1, eval_interval=1, eval_iters=1, block_size=32)).fit()
+    shutil.copy(tmp_path / "other" / "best.safetensors", base / "best.safetensors")
+    with pytest.raises(NanoGPTError, match="other base weights"):
+        load_model(tmp_path / "lora")
+
+
+def test_full_finetune_trains_every_weight_and_keeps_the_template(chat_data, base_run, tmp_path):
+    from nanogpt_cli.checkpoint import read_metadata
+    from nanogpt_cli.loading import load_model
+
+    job, trainer = finetune_run(chat_data, base_run, tmp_path / "full")
+    assert job.lora is None and job.trainable is None
+    trainer.fit()
+    tuned, _ = load_model(tmp_path / "full")
+    base, _ = load_model(base_run)
+    assert all(not torch.equal(tuned.state_dict()[k], t) for k, t in base.state_dict().items() if t.dim() == 2)
+    meta = read_metadata(tmp_path / "full" / "model.safetensors")
+    assert "chat_template" in meta and "lora" not in meta
+    assert json.loads((tmp_path / "full" / "config.json").read_text())["finetune"]["method"] == "full"
+
+
+def test_a_batch_with_no_trained_target_has_zero_loss_not_nan():
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    x = torch.randint(0, 61, (2, 16))
+    _, loss = model(x, torch.full((2, 16), -1))
+    loss.backward()
+    assert loss.item() == 0.0 and all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_speed_counts_the_trained_tokens_of_a_chat_dataset(chat_data, base_run, tmp_path):
+    from nanogpt_cli.events import NoDisplay
+    from nanogpt_cli.trainer import Batches
+
+    class Lines(NoDisplay):
+        def __init__(self):
+            self.steps = []
+
+        def on_step(self, event):
+            self.steps.append(event)
+
+    job, _ = finetune_run(chat_data, base_run, tmp_path / "speed", LoRAConfig(r=2))
+    shown = Lines()
+    result = Trainer(job.plan, shown, trainable=job.trainable).fit()
+    # the same stream of training batches, drawn again: how many targets each update trained on
+    cfg, data_dir = job.plan.train, chat_data[0]
+    again = Batches(data_dir, cfg.data, job.plan.model.block_size, cfg.batch_size, torch.device("cpu"), cfg.seed)
+    trained = [int((again.get_batch("train")[1] != -1).sum()) for _ in range(cfg.max_iters)]
+    assert 0 < min(trained) and max(trained) < cfg.batch_size * job.plan.model.block_size
+    for event, n in zip(shown.steps, trained):  # a line per update (--log-interval 1)
+        assert event.tokens_per_s * event.ms_per_iter / 1000 == pytest.approx(n, rel=1e-6)
+    assert result.tokens_per_s * result.ms_per_iter / 1000 == pytest.approx(sum(trained) / len(trained), rel=1e-6)
+
+
+def test_cli_finetune(chat_data, base_run, tmp_path):
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    data_dir, name = chat_data
+    common = ["--data", name, "--data-dir", str(data_dir), "--device", "cpu", "--dtype", "float32", "-q"]
+    runner = CliRunner()
+    missing = runner.invoke(app, ["finetune", *common, "--out", str(tmp_path / "x")])
+    assert missing.exit_code == 1 and "finetune needs --init-from" in missing.output
+    out = str(tmp_path / "lora")
+    args = ["finetune", "--init-from", str(base_run), *common, "--out", out, "--lora-r", "2", "--eval-iters", "1"]
+    ok = runner.invoke(app, [*args, "--max-iters", "2", "--eval-interval", "2", "--stop-at", "1"])
+    assert ok.exit_code == 0, ok.output
+    resumed = runner.invoke(app, ["train", "--out", out, "--resume", "-q"])  # train resumes a LoRA run too
+    assert resumed.exit_code == 0, resumed.output
+    assert json.loads((tmp_path / "lora" / "trainer.json").read_text())["step"] == 2
+
+
+def test_hf_base_offline_is_one_sentence(chat_data, tmp_path, no_network, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    data_dir, name = chat_data
+    with pytest.raises(NanoGPTError, match="could not load hf:gpt2") as e:
+        plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "x", init_from="hf:gpt2")
+    assert "\n" not in str(e.value)
