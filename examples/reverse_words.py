@@ -6,6 +6,10 @@ Each line is one conversation, {"messages": [{"role": "user", "content": "revers
 {"role": "assistant", "content": "eltsac"}]}, ready for `nanogpt prepare --format chat`. The words are random
 lowercase letters (3 to 6 of them), so the model cannot have seen the answers in its pre-training text, and no
 held-out word appears in the training file: a model that gets them right has learnt to reverse, not to recall.
+
+No letter appears twice in a word. Then each step of the reversal is unambiguous: find the letter just
+written in the word, and write the one before it. A small model learns that in minutes. With repeated letters,
+it would also have to learn to tell the occurrences apart by position, which takes much longer.
 """
 
 import argparse
@@ -31,7 +35,7 @@ def main() -> None:
     rng = random.Random(args.seed)
 
     def word() -> str:
-        return "".join(rng.choices(string.ascii_lowercase, k=rng.randint(args.min_letters, args.max_letters)))
+        return "".join(rng.sample(string.ascii_lowercase, k=rng.randint(args.min_letters, args.max_letters)))
 
     heldout: set[str] = set()
     while len(heldout) < args.heldout:
