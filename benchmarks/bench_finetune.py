@@ -1,16 +1,16 @@
-"""Held-out accuracy of the worked example (examples/reverse_words.py): a base model pre-trained briefly on Tiny
+"""Held-out accuracy of the worked example (examples/count_letters.py): a base model pre-trained briefly on Tiny
 Shakespeare (bytes), the same model fine-tuned on the reversal conversations with the loss mask, and fine-tuned
 the same way without it. Prints one table.
 
-    python benchmarks/bench_finetune.py                    # base: 60 s of cpu-fast; fine-tunes: 300 updates
-    python benchmarks/bench_finetune.py --base checkpoints/base --iters 150
+    python benchmarks/bench_finetune.py                             # the README's base and fine-tune flags
+    python benchmarks/bench_finetune.py --base checkpoints/base --masked checkpoints/count   # reuse its runs
 
-Accuracy is the exact match of the greedy reply (temperature 0, stripped) with the reversed word, over the
+Accuracy is the exact match of the greedy reply (temperature 0, stripped) with the number of letters, over the
 held-out words, none of which is in the training file. Without the mask means: the same conversations and
 the same token ids, with every token in the loss, user turns and role lines included. It is prepared with a
 template that renders the same text as the default one but puts the whole conversation inside
-`{% generation %}`, which is an all-ones mask. Both fine-tunes start from the same base weights with the same
-flags, seed and batches.
+`{% generation %}`, which is an all-ones mask. Both fine-tunes run `nanogpt finetune` from the same base
+weights with the same flags, seed and batches.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from nanogpt_cli.chat import ChatSession  # noqa: E402
 from nanogpt_cli.chat_template import DEFAULT_TEMPLATE, ChatTemplate  # noqa: E402
 from nanogpt_cli.data import prepare  # noqa: E402
 from nanogpt_cli.data.chat import prepare_chat  # noqa: E402
-from nanogpt_cli.events import NoDisplay  # noqa: E402
-from nanogpt_cli.plan import plan_run  # noqa: E402
 from nanogpt_cli.sample import SampleSettings  # noqa: E402
-from nanogpt_cli.trainer import train  # noqa: E402
+
+# what the README runs
+BASE_FLAGS = "--preset tiny --n-head 4 --n-embd 64 --block-size 128 --dtype float32"
+FINETUNE_FLAGS = "--max-iters 300 --learning-rate 3e-3 --warmup-iters 30 --dtype float32"
 
 # the default template's text, with the whole conversation in the loss
 ALL_TOKENS = (
@@ -44,24 +45,11 @@ ALL_TOKENS = (
 )
 
 
-def fine_tune(base: Path, data: str, data_dir: Path, out: Path, args) -> float:
-    """Train from the base's weights on a chat dataset; the seconds it took."""
-    flags = {
-        "data": data,
-        "data_dir": str(data_dir),
-        "max_iters": args.iters,
-        "batch_size": args.batch_size,
-        "learning_rate": args.learning_rate,
-        "min_lr": args.learning_rate / 10,
-        "warmup_iters": max(1, args.iters // 10),
-        "eval_interval": args.iters,
-        "eval_iters": 5,
-        "dtype": args.dtype,
-        "device": "cpu",
-        "seed": 1337,
-    }
+def nanogpt(args: list[str], cwd: Path) -> float:
+    """Run one nanogpt command in a fresh process, as the README does; the seconds it took."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     t0 = time.perf_counter()
-    train(plan_run(flags, out=out, init_from=str(base)), NoDisplay())
+    subprocess.run([sys.executable, "-m", "nanogpt_cli", *args, "-q"], cwd=cwd, env=env, check=True)
     return time.perf_counter() - t0
 
 
@@ -83,61 +71,64 @@ def load_avg() -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base", type=Path, help="a byte-level base run to start from (default: train one)")
-    p.add_argument("--base-seconds", type=float, default=60, help="pre-training time of the base (default 60)")
-    p.add_argument("--iters", type=int, default=300, help="fine-tuning updates (default 300)")
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--learning-rate", type=float, default=2e-3)
+    p.add_argument("--base", type=Path, help="a byte-level base run (default: train one as the README does)")
+    p.add_argument("--base-flags", default=BASE_FLAGS, help=f"nanogpt train flags of the base (default: {BASE_FLAGS})")
+    p.add_argument("--flags", default=FINETUNE_FLAGS, help=f"nanogpt finetune flags (default: {FINETUNE_FLAGS})")
+    p.add_argument("--masked", type=Path, help="a masked fine-tune of --base with --flags already done")
+    p.add_argument("--unmasked", type=Path, help="the same without the mask (on ALL_TOKENS data), already done")
     p.add_argument("--train", type=int, default=20_000, help="training conversations")
     p.add_argument("--heldout", type=int, default=200, help="held-out conversations")
-    p.add_argument("--dtype", default="float32")
     p.add_argument("--work", type=Path, help="keep the data and runs here (default: a temporary folder)")
     args = p.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="bench-finetune-"))
+    work = (args.work or Path(tempfile.mkdtemp(prefix="bench-finetune-"))).resolve()
+    work.mkdir(parents=True, exist_ok=True)
     data_dir = work / "data"
     print(f"load average before: {load_avg()}", flush=True)
-    base = args.base
+    base = args.base.resolve() if args.base else None
     if base is None:
         prepare(str(shakespeare_path()), "shk-byte", tokenizer="byte", data_dir=data_dir)
         base = work / "base"
-        flags = {"preset": "cpu-fast", "data": "shk-byte", "data_dir": str(data_dir), "max_time": args.base_seconds}
-        train(plan_run({**flags, "dtype": args.dtype, "device": "cpu"}, out=base, force=True), NoDisplay())
+        secs = nanogpt(["train", "--data", "shk-byte", *args.base_flags.split(), "--out", str(base), "--force"], work)
+        print(f"base trained in {secs:.0f} s (load {load_avg()})", flush=True)
     subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "reverse_words.py"), "--out", str(work)]
+        [sys.executable, str(ROOT / "examples" / "count_letters.py"), "--out", str(work)]
         + ["--train", str(args.train), "--heldout", str(args.heldout)],
         check=True,
         stdout=subprocess.DEVNULL,
     )
     all_tokens = work / "all-tokens.jinja"
     all_tokens.write_text(ALL_TOKENS, encoding="utf-8")
-    source = str(work / "reverse-train.jsonl")
-    masked = prepare_chat(source, "reverse", tokenizer="byte", data_dir=str(data_dir))
-    prepare_chat(source, "reverse-all", tokenizer="byte", data_dir=str(data_dir), chat_template=str(all_tokens))
-    heldout = [json.loads(line) for line in (work / "reverse-heldout.jsonl").read_text().splitlines()]
+    source = str(work / "count-train.jsonl")
+    masked = prepare_chat(source, "count", tokenizer="byte", data_dir=str(data_dir))
+    prepare_chat(source, "count-all", tokenizer="byte", data_dir=str(data_dir), chat_template=str(all_tokens))
+    heldout = [json.loads(line) for line in (work / "count-heldout.jsonl").read_text().splitlines()]
+    given = {"masked": args.masked, "unmasked": args.unmasked}
+    runs = {name: path.resolve() if path else work / name for name, path in given.items()}
     seconds = {}
-    for name, data in (("masked", "reverse"), ("unmasked", "reverse-all")):
-        seconds[name] = fine_tune(base, data, data_dir, work / name, args)
+    for name, data in (("masked", "count"), ("unmasked", "count-all")):
+        if given[name]:
+            continue
+        flags = ["finetune", "--init-from", str(base), "--data", data, *args.flags.split()]
+        seconds[name] = nanogpt([*flags, "--out", str(runs[name]), "--force"], work)
         print(f"fine-tuned {name} in {seconds[name]:.0f} s (load {load_avg()})", flush=True)
     chat_template = ChatTemplate(DEFAULT_TEMPLATE)
     rows = []
     for label, run, template, secs in (
         ("base, plain transcript (as nanogpt chat gives it)", base, None, None),
         ("base, the fine-tunes' template", base, chat_template, None),
-        ("fine-tuned with the loss mask", work / "masked", None, seconds["masked"]),
-        ("fine-tuned without the mask (every token)", work / "unmasked", None, seconds["unmasked"]),
+        ("fine-tuned with the loss mask", runs["masked"], None, seconds.get("masked")),
+        ("fine-tuned without the mask (every token)", runs["unmasked"], None, seconds.get("unmasked")),
     ):
         acc, replies = accuracy(run, heldout, template)
         rows.append([label, f"{acc:.1%}", f"{secs:.0f} s" if secs else "", " | ".join(replies)])
-    trained = masked.trained_tokens
+    words = [row["messages"][0]["content"].split()[-1] for row in heldout[:3]]
     table(
-        f"held-out accuracy, {len(heldout)} words, greedy exact match; {args.iters} updates x {args.batch_size} "
-        f"rows; {trained:,} of {masked.train_tokens + masked.val_tokens:,} tokens in the mask; "
+        f"held-out accuracy on {len(heldout)} words (greedy, exact match); finetune {args.flags}; "
+        f"{masked.trained_tokens:,} of {masked.train_tokens + masked.val_tokens:,} tokens in the mask; "
         f"load {load_avg()}",
-        ["model", "accuracy", "fine-tune", "first replies"],
+        ["model", "accuracy", "fine-tune time", f"replies to {' | '.join(words)}"],
         rows,
     )
-    words = [row["messages"][0]["content"].split()[-1] for row in heldout[:3]]
-    print(f"first held-out words: {' | '.join(words)}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """A conversation with a model: the turns so far, rendered with the model's chat template, and each reply
 streamed from the engine. `nanogpt chat` is a terminal loop over it; this module never prints.
 
-    session = ChatSession.load("checkpoints/reverse", SampleSettings(temperature=0), system=None)
-    reply = session.ask("reverse castle")     # reply.dropped: oldest turns cut to fit the context
+    session = ChatSession.load("checkpoints/count", SampleSettings(temperature=0), system=None)
+    reply = session.ask("count castle")       # reply.dropped: oldest turns cut to fit the context
     for piece in reply: print(piece, end="")  # the reply joins the history when it ends (or is closed early)
 
 The history is cut from the oldest turn when the rendered conversation, plus room for a reply, outgrows the

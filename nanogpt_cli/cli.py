@@ -876,7 +876,7 @@ def chat(
 ):
     """Talk to a model in the terminal, formatted with its chat template; /reset, /exit, Ctrl-C stops a reply.
 
-    Example: nanogpt chat checkpoints/reverse --temperature 0
+    Example: nanogpt chat checkpoints/count --temperature 0
     """
     from nanogpt_cli.chat import ChatSession
     from nanogpt_cli.device import set_threads
