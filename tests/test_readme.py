@@ -104,6 +104,8 @@ def test_the_readme_shows_every_command_and_ci_runs_its_test_command():
         ("info",),
         ("plot",),
         ("torchrun",),
+        ("finetune",),
+        ("chat",),
     } <= shown
     test_command = 'pip install torch==2.13.0 -e ".[dev]" && pytest'
     assert test_command in README and 'pytest -m "not slow"' in README
@@ -179,3 +181,4 @@ def test_the_readme_examples_run_as_written_and_print_what_it_shows(tmp_path):
         os.chdir(cwd)
         torch.set_num_threads(threads)
     assert {"prepare", "train", "sample", "eval", "export", "runs", "info", "plot", "torchrun"} <= set(ran)
+    assert {"python", "finetune", "chat"} <= set(ran)  # the fine-tuning example, end to end
