@@ -54,15 +54,16 @@ def nanogpt(args: list[str], cwd: Path) -> float:
 
 
 def accuracy(source: Path, heldout: list[dict], template: ChatTemplate | None = None) -> tuple[float, list[str]]:
-    """Exact-match accuracy of greedy one-turn replies, all decoded as one batch; and the first few replies."""
+    """Exact-match accuracy of greedy one-turn replies (stripped), all decoded as one batch; and the start of the
+    first few replies as written."""
     session = ChatSession.load(source, SampleSettings(temperature=0.0), device="cpu", dtype="float32")
     template = template or session.template
     questions = [[m for m in row["messages"] if m["role"] != "assistant"] for row in heldout]
     answers = [row["messages"][-1]["content"] for row in heldout]
     prompts = [template.tokens(q, session.tokenizer) for q in questions]
     settings = SampleSettings(temperature=0.0, max_new_tokens=16, stop=session.settings.stop + template.stop)
-    replies = [r.text.strip() for r in session.sampler.generate_many(prompts, settings)]
-    return sum(r == a for r, a in zip(replies, answers)) / len(answers), replies[:3]
+    texts = [r.text for r in session.sampler.generate_many(prompts, settings)]
+    return sum(t.strip() == a for t, a in zip(texts, answers)) / len(answers), [t[:12] for t in texts[:3]]
 
 
 def load_avg() -> str:
@@ -120,7 +121,7 @@ def main():
         ("fine-tuned without the mask (every token)", runs["unmasked"], None, seconds.get("unmasked")),
     ):
         acc, replies = accuracy(run, heldout, template)
-        rows.append([label, f"{acc:.1%}", f"{secs:.0f} s" if secs else "", " | ".join(replies)])
+        rows.append([label, f"{acc:.1%}", f"{secs:.0f} s" if secs else "", " | ".join(map(repr, replies))])
     words = [row["messages"][0]["content"].split()[-1] for row in heldout[:3]]
     table(
         f"held-out accuracy on {len(heldout)} words (greedy, exact match); finetune {args.flags}; "
