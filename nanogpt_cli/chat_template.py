@@ -115,7 +115,7 @@ class ChatTemplate:
         it has none: then the marker is written out as text, as `prepare --format chat` wrote it, and ends a
         reply when the model writes it."""
         special = {"bos_token": eos_token or EOT, "eos_token": eos_token or EOT}
-        spelled = [] if eos_token else [EOT]
+        spelled = [] if eos_token else [EOT]  # written as text: only a stop text ends a reply there
         source = meta.get("chat_template")
         config = folder / "tokenizer_config.json" if folder is not None else None
         if not isinstance(source, str) and config is not None and config.is_file():
@@ -124,7 +124,13 @@ class ChatTemplate:
             except (OSError, ValueError):
                 source = None
         if isinstance(source, str) and source.strip():
-            return cls(source, "checkpoint", spelled, special)
+            template = cls(source, "checkpoint", [], special)
+            try:  # the text the template ends an assistant turn with, when it marks one: it ends a reply too
+                end = turn_end(source, special).strip()
+            except NanoGPTError:  # a template that cannot render a plain user/assistant exchange
+                end = ""
+            template.stop = ([end] if end else []) + [s for s in spelled if s != end]
+            return template
         return cls(PLAIN_TEMPLATE, PLAIN_NAME, PLAIN_STOP + spelled, special)
 
     @classmethod
@@ -171,6 +177,18 @@ class ChatTemplate:
             trained, _, rest = part.partition(_END) if i else ("", "", part)
             parts += [(trained, True), (rest, False)]
         return [(t, trained) for t, trained in parts if t]
+
+
+def turn_end(source: str, special: dict[str, str] | None = None) -> str:
+    """The text a template puts after the assistant's words inside its generation block: what ends a reply
+    (the built-in template's end-of-text marker). Empty when the template marks no such text."""
+    sentinel = "\x01reply\x01"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": sentinel}]
+    template = ChatTemplate(source, special=special or {"bos_token": EOT, "eos_token": EOT})
+    for text, trained in template._spans(messages, False):
+        if trained and sentinel in text:
+            return text.partition(sentinel)[2]
+    return ""
 
 
 def encode(text: str, tokenizer: Tokenizer) -> list[int]:

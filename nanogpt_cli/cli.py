@@ -662,7 +662,7 @@ def finetune(
         ),
     ] = None,
     preset: Annotated[
-        str | None, typer.Option(help="Named training config (its model fields must match the checkpoint's).")
+        str | None, typer.Option(help="Named training config (the architecture stays the checkpoint's).")
     ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML file of config keys; flags override it.")] = None,
     out: Annotated[Path | None, typer.Option(help="Run folder (default checkpoints/DATA-TIMESTAMP).")] = None,
@@ -695,8 +695,8 @@ def finetune(
     sink = open_tracker(tracker) if tracker and prints() else None
     given = {"r": lora_r, "alpha": lora_alpha, "dropout": lora_dropout, "targets": lora_targets}
     given = {k: v for k, v in given.items() if v is not None}
-    lora_cfg = None
-    if lora or given:
+    lora_cfg = None  # on --resume without --lora-* values: the run's own
+    if given or (lora and not resume):
         targets = given.pop("targets", None)
         lora_cfg = LoRAConfig(**given, targets=(targets,) if targets is not None else DEFAULT_TARGETS)
     job = plan_finetune(
@@ -708,6 +708,7 @@ def finetune(
         init_from=init_from,
         init_last=last,
         lora=lora_cfg,
+        lora_flags=set(given) | ({"targets"} if lora_targets is not None else set()),
     )
     run_planned(job.plan, quiet, sink, job.trainable)
 
@@ -1066,8 +1067,13 @@ def export(
         str,
         typer.Argument(help="Run folder (its best weights), a .safetensors file, a Hugging Face folder or hf:NAME."),
     ],
-    out: Annotated[Path, typer.Option(help="Folder to write (hf) or FILE.gguf (gguf).")],
-    format: Annotated[str, typer.Option("--format", help="hf (transformers folder) or gguf (llama.cpp file).")] = "hf",
+    out: Annotated[Path, typer.Option(help="Folder to write (hf, peft) or FILE.gguf (gguf).")],
+    format: Annotated[
+        str,
+        typer.Option(
+            "--format", help="hf (transformers folder), gguf (llama.cpp file) or peft (a LoRA run's adapter folder)."
+        ),
+    ] = "hf",
     last: Last = False,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
     quant: Annotated[
@@ -1075,6 +1081,13 @@ def export(
         typer.Option(
             help="gguf: the type of the weight matrices: f32 (default), f16, bf16, q8_0, q5_1, q5_0, q4_1 or q4_0."
         ),
+    ] = None,
+    merge: Annotated[
+        bool, typer.Option("--merge", help="A LoRA run: fold its adapters into its base weights (hf, gguf).")
+    ] = False,
+    base: Annotated[
+        Path | None,
+        typer.Option(help="peft: the Hugging Face export of the LoRA run's base, which the adapter is for."),
     ] = None,
 ):
     """Write a run as a Hugging Face folder or a GGUF file that other tools load.
@@ -1084,8 +1097,15 @@ def export(
     from nanogpt_cli.export import export as export_run
     from nanogpt_cli.ui import console
 
-    result = export_run(run, format, out, last=last, force=force, quant=quant)
-    if result.format == "hf":
+    result = export_run(run, format, out, last=last, force=force, quant=quant, merge=merge, base=base)
+    if result.format == "peft":
+        console.print(
+            f"wrote {result.path} (PEFT LoRA adapter for the {result.architecture} in {base}); load it with "
+            f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({str(base)!r}), {str(result.path)!r})",
+            soft_wrap=True,
+            highlight=False,
+        )
+    elif result.format == "hf":
         console.print(
             f"wrote {result.path} ({result.architecture}, {result.tokenizer} tokenizer); load it with "
             f"AutoModelForCausalLM.from_pretrained({str(result.path)!r})",

@@ -223,6 +223,8 @@ class TrainConfig:
         None, "End after this many seconds of training; the LR schedule then follows the time spent."
     )
     parallel: Parallel = setting(Parallel.ddp, "Under torchrun: ddp (weights on every GPU) or fsdp (sharded).")
+    # a chat dataset's loss mask: off trains on the prompts too (the comparison the mask is measured against)
+    loss_mask: bool = setting(True, "On a chat dataset, train on the assistant's tokens only.")
 
     def __post_init__(self):
         check_values(self)

@@ -136,3 +136,4 @@ class TrainResult:
     mfu: float | None  # model FLOPs utilisation against the device's known peak (CUDA only)
     stopped: str | None = None  # None: finished; "max_time" (finished by the clock), "stop_at", "SIGINT", "SIGTERM"
     speed: RunSpeed | None = None
+    trained_only: bool = False  # a chat dataset: tokens_per_s and mfu count the trained tokens (mask 1) only

@@ -4,10 +4,13 @@
     export("checkpoints/shk", "hf", Path("exports/shk"))  # then AutoModelForCausalLM.from_pretrained("exports/shk")
 
 A Hugging Face folder holds config.json, generation_config.json, model.safetensors, tokenizer.json and
-tokenizer_config.json; gguf_file.py writes the GGUF file. Which stock architecture a run becomes is decided in
-`hf.hf_kind`; a config that no stock architecture computes exactly is refused, never approximated. Everything is
-built in a temporary folder (or file) beside the target and renamed into place, so a refusal or a crash leaves
-nothing behind.
+tokenizer_config.json (with the run's chat template, when it was fine-tuned on chats); gguf_file.py writes the
+GGUF file. A LoRA run exports merged (--merge: the adapters folded into its base), or as a PEFT adapter folder
+(adapter_config.json, adapter_model.safetensors) for the Hugging Face export of its base.
+
+Which stock architecture a run becomes is decided in `hf.hf_kind`; a config that no stock architecture computes
+exactly is refused, never approximated. Everything is built in a temporary folder (or file) beside the target
+and renamed into place, so a refusal or a crash leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from nanogpt_cli import hf
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
 
-FORMATS = ("hf", "gguf")
+FORMATS = ("hf", "gguf", "peft")
 
 
 @dataclass
@@ -38,28 +41,71 @@ class ExportResult:
 
 
 def export(
-    source: str | Path, fmt: str, out: str | Path, last: bool = False, force: bool = False, quant: str | None = None
+    source: str | Path,
+    fmt: str,
+    out: str | Path,
+    last: bool = False,
+    force: bool = False,
+    quant: str | None = None,
+    merge: bool = False,
+    base: str | Path | None = None,
 ) -> ExportResult:
     """Export a run folder or .safetensors checkpoint (or a Hugging Face folder / hf:NAME) to `out`. quant: the
-    GGUF type of the matrices (gguf_file.QUANTS; default f32)."""
+    GGUF type of the matrices (gguf_file.QUANTS; default f32). A LoRA run: `merge` for hf and gguf; `base` (the
+    Hugging Face export of its base) for peft."""
     if fmt not in FORMATS:
         raise NanoGPTError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if quant is not None and fmt != "gguf":
         raise NanoGPTError("--quant applies to --format gguf only")
-    model, desc = load_source(source, last)
+    if base is not None and fmt != "peft":
+        raise NanoGPTError("--base applies to --format peft only")
+    lora = lora_weights(source, last)
+    if fmt == "peft":
+        if lora is None:
+            raise NanoGPTError(f"{source} is not a LoRA run; --format peft writes a LoRA run's adapters")
+        if merge:
+            raise NanoGPTError("--merge folds the adapters in, and --format peft writes them apart; give one")
+        if base is None:
+            raise NanoGPTError(
+                "--format peft needs --base DIR: the Hugging Face export of the run's base "
+                f"(`nanogpt export {lora[1]['base']['source']} --format hf --out DIR`)"
+            )
+        return export_peft(lora[0], lora[1], Path(base), Path(out), force)
+    if lora is not None and not merge:
+        raise NanoGPTError(
+            f"{source} is a LoRA run (adapters on {lora[1]['base']['source']}); export it with --merge (the "
+            "adapters folded into the base) or as an adapter with --format peft --base DIR"
+        )
+    if lora is None and merge:
+        raise NanoGPTError(f"--merge folds a LoRA run's adapters into its base; {source} holds whole weights")
+    model, meta = load_source(source, last)
+    template = meta.get("chat_template") if isinstance(meta.get("chat_template"), str) else None
     if fmt == "hf":
-        return export_hf(model, desc, Path(out), force)
-    return export_gguf(model, desc, Path(out), force, quant or "f32")
+        return export_hf(model, meta["tokenizer"], Path(out), force, chat_template=template)
+    return export_gguf(model, meta["tokenizer"], Path(out), force, quant or "f32", chat_template=template)
 
 
 def load_source(source: str | Path, last: bool = False) -> tuple[GPT, dict[str, Any]]:
-    """Our model and tokenizer description from one of our checkpoints or a Hugging Face model."""
+    """Our model and its metadata (the tokenizer's description in it) from one of our checkpoints or a Hugging
+    Face model; a LoRA run comes merged."""
     from nanogpt_cli.loading import load_model
 
     model, meta = load_model(source, last=last)
     if "tokenizer" not in meta:
         raise NanoGPTError(f"{source} has no tokenizer in its metadata, so it cannot be exported with one")
-    return model, meta["tokenizer"]
+    return model, meta
+
+
+def lora_weights(source: str | Path, last: bool) -> tuple[Path, dict[str, Any]] | None:
+    """(weights file, metadata) when the source is a LoRA run of ours, else None."""
+    from nanogpt_cli.checkpoint import read_metadata
+    from nanogpt_cli.rundir import resolve_weights
+
+    if hf.is_hf_source(source) or str(source).endswith(".gguf"):
+        return None
+    path = resolve_weights(source, last)
+    meta = read_metadata(path)
+    return (path, meta) if "lora" in meta else None
 
 
 def _check_target(out: Path, force: bool) -> None:
@@ -87,8 +133,12 @@ def _staging(out: Path) -> Path:
 # --- Hugging Face ---------------------------------------------------------------------------------------
 
 
-def export_hf(model: GPT, desc: dict[str, Any], out: Path, force: bool = False) -> ExportResult:
-    """Write a folder that AutoModelForCausalLM, AutoTokenizer and pipeline("text-generation") load offline."""
+def export_hf(
+    model: GPT, desc: dict[str, Any], out: Path, force: bool = False, chat_template: str | None = None
+) -> ExportResult:
+    """Write a folder that AutoModelForCausalLM, AutoTokenizer and pipeline("text-generation") load offline. With
+    a chat template, `apply_chat_template` renders conversations as the run was trained on them, and generation
+    stops where the template ends a reply."""
     transformers = hf.require("transformers")
     kind = hf.hf_kind(model.config)  # refusals first: nothing is written before every check has passed
     tok, eot = hf.tokenizers_object(desc)
@@ -112,7 +162,10 @@ def export_hf(model: GPT, desc: dict[str, Any], out: Path, force: bool = False) 
         config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         # a padded head (vocab_size above the tokenizer's) never picks a token the tokenizer lacks, as in ours
         padding = list(range(desc["vocab_size"], model.config.vocab_size))
-        generation = transformers.GenerationConfig(**special, **({"suppress_tokens": padding} if padding else {}))
+        stops = _reply_stops(chat_template, tok, eot_id) if chat_template else {}
+        generation = transformers.GenerationConfig(
+            **{**special, **stops}, **({"suppress_tokens": padding} if padding else {})
+        )
         generation.save_pretrained(tmp)
         tok.save(str(tmp / "tokenizer.json"))
         # written here, not by save_pretrained: transformers 5 names its own backend class, which 4.x cannot load
@@ -123,6 +176,8 @@ def export_hf(model: GPT, desc: dict[str, Any], out: Path, force: bool = False) 
         }
         if eot is not None:
             tokenizer_config.update(bos_token=eot, eos_token=eot, unk_token=eot)
+        if chat_template:
+            tokenizer_config["chat_template"] = chat_template
         (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n", encoding="utf-8")
         _replace(tmp, out)
     finally:
@@ -131,11 +186,94 @@ def export_hf(model: GPT, desc: dict[str, Any], out: Path, force: bool = False) 
     return ExportResult(out, "hf", hf.ARCHS[kind][3], desc["name"])
 
 
+def _reply_stops(template: str, tok, eot_id: int | None) -> dict[str, Any]:
+    """generation_config entries that end a reply where the template ends an assistant turn: its end token among
+    the stop ids, or, when that text is several tokens (char and byte vocabularies), a stop string."""
+    from nanogpt_cli.data.chat import turn_end
+
+    end = turn_end(template)
+    if not end.strip():
+        return {}
+    ids = tok.encode(end, add_special_tokens=False).ids
+    if len(ids) == 1:
+        return {"eos_token_id": sorted({ids[0]} | ({eot_id} if eot_id is not None else set()))}
+    return {"stop_strings": [end.strip()]}
+
+
+# --- PEFT -----------------------------------------------------------------------------------------------
+
+
+def export_peft(path: Path, meta: dict[str, Any], base: Path, out: Path, force: bool = False) -> ExportResult:
+    """Write a LoRA run's adapters as a PEFT adapter folder for `base`, the Hugging Face export of the run's base
+    (checked: its weights must be that base's): `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
+    base), out)` computes what the run computes."""
+    from safetensors.torch import save_file
+
+    from nanogpt_cli.loading import load_lora
+    from nanogpt_cli.lora import adapters
+
+    transformers = hf.require("transformers")
+    model, plain = load_lora(path, meta, merge=False)
+    kind = hf.hf_kind(model.config)
+    if not hf.is_hf_source(base) or str(base).startswith("hf:"):
+        raise NanoGPTError(f"--base {base} is not a Hugging Face model folder; export the base with --format hf")
+    with hf.quiet_transformers():
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(base), local_files_only=True).state_dict()
+    ours = hf.to_hf(plain).state_dict()
+    if any(k not in theirs or not _same(theirs[k], t) for k, t in ours.items()):
+        raise NanoGPTError(
+            f"--base {base} is not the Hugging Face export of this run's base ({meta['base']['source']}); "
+            f"export that with `nanogpt export {meta['base']['source']} --format hf --out DIR`"
+        )
+    _check_target(out, force)
+    cfg = meta["lora"]
+    layers = {name: (m.lora_A.detach(), m.lora_B.detach()) for name, m in adapters(model).items()}
+    tensors, targets = hf.peft_tensors(model.config, kind, layers)
+    adapter_config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": cfg["r"],
+        "lora_alpha": cfg["alpha"],
+        "lora_dropout": cfg["dropout"],
+        "target_modules": targets,  # exact module paths: a suffix such as c_proj would match more than ours
+        "fan_in_fan_out": kind == "gpt2",  # GPT-2's Conv1D stores its weights (in, out)
+        "bias": "none",
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+    }
+    tmp = _staging(out)
+    try:
+        tmp.mkdir()
+        save_file(tensors, str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n", encoding="utf-8")
+        _replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return ExportResult(out, "peft", hf.ARCHS[kind][3], meta["tokenizer"]["name"])
+
+
+def _same(a, b) -> bool:
+    return a.shape == b.shape and bool((a.float() == b.float()).all())
+
+
 # --- GGUF ---------------------------------------------------------------------------------------------
 
 
-def export_gguf(model: GPT, desc: dict[str, Any], out: Path, force: bool = False, quant: str = "f32") -> ExportResult:
-    """Write one GGUF file (see gguf_file.py) with float32, float16 or quantized matrices."""
+def export_gguf(
+    model: GPT,
+    desc: dict[str, Any],
+    out: Path,
+    force: bool = False,
+    quant: str = "f32",
+    chat_template: str | None = None,
+) -> ExportResult:
+    """Write one GGUF file (see gguf_file.py) with float32, float16 or quantized matrices, and the run's chat
+    template as tokenizer.chat_template."""
     from nanogpt_cli import gguf_file
 
     hf.require("gguf")
@@ -148,7 +286,7 @@ def export_gguf(model: GPT, desc: dict[str, Any], out: Path, force: bool = False
     _check_target(out, force)
     tmp = _staging(out)
     try:
-        gguf_file.write_gguf(model, desc, tmp, quant)
+        gguf_file.write_gguf(model, desc, tmp, quant, chat_template)
         size = tmp.stat().st_size
         _replace(tmp, out)
     finally:

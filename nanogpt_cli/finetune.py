@@ -51,11 +51,13 @@ class LoRAStart:
         return add_lora(model, self.cfg)
 
 
-def base_source(plan: RunPlan, init_from: str) -> str:
+def base_source(plan: RunPlan, init_from: str, last: bool = False) -> str:
     """Where the base weights are, as a LoRA run records it: the weights file (absolute), or the Hugging Face
     folder (absolute) or hf:NAME."""
     if plan.init_weights is not None:
         return str(Path(plan.init_weights).resolve())
+    if not hf.is_hf_source(init_from):  # a LoRA run of ours, loaded merged: its weights file
+        return str(resolve_weights(init_from, last=last).resolve())
     return init_from if init_from.startswith("hf:") else str(Path(init_from).resolve())
 
 
@@ -68,10 +70,11 @@ def plan_finetune(
     init_from: str | None = None,
     init_last: bool = False,
     lora: LoRAConfig | None = None,
+    lora_flags: set[str] | None = None,
 ) -> FinetunePlan:
     """A fine-tuning run's plan. Fresh: --init-from is required, the architecture is its checkpoint's, and
     `lora` (None: full fine-tuning) says what trains. Resume: the run's own record says both; LoRA flags given
-    again must agree with it."""
+    again must agree with it (lora_flags: the fields the user gave, r, alpha, dropout, targets; None: all)."""
     if not resume and init_from is None:
         raise NanoGPTError(
             "finetune needs --init-from: the weights to start from (a run folder, a .safetensors file, a "
@@ -82,20 +85,20 @@ def plan_finetune(
         raise NanoGPTError("LoRA trains its adapters with --optimizer adamw; drop --optimizer muon")
     plan = plan_run(flags, file_values, out=out, resume=resume, force=force, init_from=init_from, init_last=init_last)
     if resume:
-        return _resume(plan, lora)
+        return _resume(plan, lora, lora_flags)
     record: dict[str, Any] = {"init_from": init_from, "method": "lora" if lora else "full"}
     if lora is None:
         plan.finetune = record
         return FinetunePlan(plan, None)
     record["weights"] = {
         "lora": lora.to_dict(),
-        "base": {"source": base_source(plan, init_from), "last": init_last, "sha256": None},
+        "base": {"source": base_source(plan, init_from, init_last), "last": init_last, "sha256": None},
     }
     plan.finetune = record
     return FinetunePlan(plan, lora, LoRAStart(lora, record, expect_hash=None))
 
 
-def _resume(plan: RunPlan, lora: LoRAConfig | None) -> FinetunePlan:
+def _resume(plan: RunPlan, lora: LoRAConfig | None, lora_flags: set[str] | None) -> FinetunePlan:
     record = plan.run_dir.read_config().get("finetune")
     if record is None:
         raise NanoGPTError(
@@ -108,21 +111,27 @@ def _resume(plan: RunPlan, lora: LoRAConfig | None) -> FinetunePlan:
             raise NanoGPTError(f"{plan.run_dir} is a full fine-tune; drop the --lora-* flags to resume it")
         return FinetunePlan(plan, None)
     saved = LoRAConfig.from_dict(record["weights"]["lora"])
-    if lora is not None and lora != saved:
-        differ = [
-            f"--lora-{k} (saved {v!r}, given {lora.to_dict()[k]!r})"
-            for k, v in saved.to_dict().items()
-            if lora.to_dict()[k] != v
-        ]
+    given = {} if lora is None else {k: v for k, v in lora.to_dict().items() if lora_flags is None or k in lora_flags}
+    differ = [
+        f"--lora-{k} (saved {saved.to_dict()[k]!r}, given {v!r})" for k, v in given.items() if saved.to_dict()[k] != v
+    ]
+    if differ:
         raise NanoGPTError(f"--resume continues the run's adapters; these differ from it: {', '.join(differ)}")
     base = record["weights"]["base"]
-    if hf.is_hf_source(base["source"]):
+    if hf.is_hf_source(base["source"]) or _holds_adapters(base["source"], base.get("last", False)):
         from nanogpt_cli.loading import load_model
 
-        plan.init_model, _ = load_model(base["source"])
+        plan.init_model, _ = load_model(base["source"], last=base.get("last", False))
     else:
         plan.init_weights = resolve_weights(base["source"], last=base.get("last", False))
     return FinetunePlan(plan, saved, LoRAStart(saved, record, expect_hash=base["sha256"]))
+
+
+def _holds_adapters(source: str, last: bool) -> bool:
+    """Whether these weights are a LoRA run's (adapters on a base of their own)."""
+    from nanogpt_cli.checkpoint import read_metadata
+
+    return "lora" in read_metadata(resolve_weights(source, last=last))
 
 
 def record_full_finetune(plan: RunPlan, init_from: str) -> None:

@@ -111,8 +111,11 @@ def _patterns() -> dict[str, str]:
     return PATTERNS
 
 
-def write_gguf(model: GPT, desc: dict[str, Any], path: Path, quant: str = "f32") -> None:
-    """Write the model to `path` (checks first: a refusal writes nothing)."""
+def write_gguf(
+    model: GPT, desc: dict[str, Any], path: Path, quant: str = "f32", chat_template: str | None = None
+) -> None:
+    """Write the model to `path` (checks first: a refusal writes nothing); a chat template goes in as
+    tokenizer.chat_template, without the generation tags llama.cpp does not know."""
     gguf = hf.require("gguf")
     if quant not in QUANTS:
         raise NanoGPTError(f"--quant must be one of {', '.join(QUANTS)}, got {quant!r}")
@@ -134,6 +137,10 @@ def write_gguf(model: GPT, desc: dict[str, Any], path: Path, quant: str = "f32")
         writer.add_bos_token_id(vocab["eot"])
         writer.add_eos_token_id(vocab["eot"])
     writer.add_add_bos_token(False)
+    if chat_template:
+        from nanogpt_cli.data.chat import strip_generation_tags
+
+        writer.add_chat_template(strip_generation_tags(chat_template))
     writer.add_string(CONFIG_KEY, c.to_json())
     writer.add_string(TOKENIZER_KEY, json.dumps(desc, ensure_ascii=False))
     for name, tensor in tensors.items():

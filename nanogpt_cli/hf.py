@@ -367,6 +367,30 @@ def _to_theirs(kind: str, name: str, tensor: torch.Tensor, config: GPTConfig) ->
     return tensor
 
 
+def peft_tensors(
+    config: GPTConfig, kind: str, layers: dict[str, tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Our LoRA adapters ({module name: (A (r, in), B (out, r))}) as a PEFT adapter's tensors for the `kind` model,
+    and the exact paths of the modules they go on. A fused projection of ours that is several modules there
+    (Llama's q/k/v_proj, gate/up_proj) gives each its rows of B and the same A: B_q A is the q rows of B A.
+    GPT-NeoX's fused rows are ordered by head (_neox_qkv); GPT-2's Conv1D needs no transpose here, as PEFT keeps
+    lora_A and lora_B as linear layers there too (fan_in_fan_out applies to the merge)."""
+    names = _mapping(config, kind)
+    tensors: dict[str, torch.Tensor] = {}
+    targets: list[str] = []
+    for module, (a, b) in layers.items():
+        theirs = names[f"{module}.weight"]
+        theirs = theirs if isinstance(theirs, tuple) else (theirs,)
+        if kind == "gpt_neox" and module.endswith("attn.c_attn"):
+            b = _neox_qkv(b, config.n_head, to_neox=True)
+        for name, part in zip(theirs, b.chunk(len(theirs), dim=0)):
+            path = name.removesuffix(".weight")
+            tensors[f"base_model.model.{path}.lora_A.weight"] = a.float().contiguous().clone()
+            tensors[f"base_model.model.{path}.lora_B.weight"] = part.float().contiguous().clone()
+            targets.append(path)
+    return tensors, targets
+
+
 def _has_bias(state: dict[str, torch.Tensor]) -> bool:
     return any(name.endswith(".bias") and t.is_floating_point() and bool(t.any()) for name, t in state.items())
 

@@ -133,6 +133,8 @@ def _plan_init(
         source = resolve_weights(init_from, last=init_last)
         weights_meta = read_metadata(source)
         init = {"init_weights": source}
+        if "lora" in weights_meta:  # a LoRA run's file holds adapters: start from its base with them merged in
+            init = {"init_model": load_model(source)[0]}
     theirs, ours = (weights_meta.get("tokenizer") or {}).get("name"), meta["tokenizer"]["name"]
     if theirs != ours:
         raise NanoGPTError(

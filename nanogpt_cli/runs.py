@@ -145,6 +145,7 @@ class Info:
     best_val_loss: float | None = None
     status: str | None = None
     speed: dict[str, Any] | None = None  # the last invocation's speed (events.RunSpeed), from the trainer state
+    finetune: str | None = None  # a fine-tune: full or LoRA, and what it started from, in words
     files: list[FileInfo] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -175,8 +176,23 @@ def inspect_path(path: str | Path) -> Info:
         dataset=meta.get("dataset") or None,
     )
     _fill_model(info, meta.get("config"), meta.get("tokenizer"))
+    info.finetune = finetune_words(meta.get("lora") and {"method": "lora", "weights": meta})
     info.files = [_file_info(path)]
     return info
+
+
+def finetune_words(record: dict[str, Any] | None) -> str | None:
+    """A fine-tune's record (config.json's "finetune") in words: 'LoRA r 8, alpha 16 on attn.c_attn; base ...'."""
+    if not record:
+        return None
+    if record.get("method") != "lora":
+        return f"full, from {record.get('init_from')}"
+    lora, base = record["weights"]["lora"], record["weights"]["base"]
+    digest = (base.get("sha256") or "")[:12]
+    return (
+        f"LoRA r {lora['r']}, alpha {lora['alpha']:g}, dropout {lora['dropout']:g} on {', '.join(lora['targets'])}; "
+        f"adapters only, on the base {base['source']} (sha256 {digest}...)"
+    )
 
 
 def _inspect_run(path: Path) -> Info:
@@ -201,6 +217,7 @@ def _inspect_run(path: Path) -> Info:
         pass
     if config is not None:
         _fill_model(info, config["model"], (config.get("dataset") or {}).get("tokenizer"))
+        info.finetune = finetune_words(config.get("finetune"))
     else:
         meta = next(filter(None, map(_weights_meta, (run.best_path, run.last_path))), None)
         if meta is not None:

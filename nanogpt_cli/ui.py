@@ -299,7 +299,11 @@ def train_table(result):
         ]
     rows += [
         ("time", f"{result.elapsed_s:.1f} s"),
-        ("speed", f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_s:,.0f} tokens/s"),
+        (
+            "speed",
+            f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_s:,.0f} "
+            + ("trained tokens/s" if result.trained_only else "tokens/s"),
+        ),
     ]
     if result.speed is not None:
         rows += speed_rows(result.speed)
@@ -402,6 +406,8 @@ def info_table(info):
             ("parameters", f"{info.params:,} ({info.params_non_embedding:,} non-embedding)"),
             ("FLOPs per token", f"{info.flops_per_token:,} (training, full context)"),
         ]
+    if info.finetune:
+        rows.append(("fine-tune", info.finetune))
     rows += [("tokenizer", info.tokenizer or "-"), ("dataset", info.dataset or "-")]
     if info.step is not None:
         rows.append(("step", f"{info.step:,}" + (f" of {info.max_iters:,}" if info.max_iters else "")))

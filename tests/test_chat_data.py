@@ -20,6 +20,11 @@ CONVERSATIONS = [
         {"role": "assistant", "content": "zyx, done.\nBye"},
     ],
 ]
+NEWLINES = (  # newlines after the tags, which transformers' trim_blocks drops
+    "{% for m in messages %}\n{{ m['role'] }}:\n{% if m['role'] == 'assistant' %}\n"
+    "{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}\n{% else %}\n{{ m['content'] }}\n"
+    "{% endif %}\n{% endfor %}"
+)
 CUSTOM = (
     "{% for m in messages %}{{ '### ' + m['role'] + '\\n' }}{% if m['role'] == 'assistant' %}"
     "{% generation %}{{ m['content'] + eos_token }}{% endgeneration %}{% else %}{{ m['content'] + '\\n' }}"
@@ -42,7 +47,7 @@ def test_byte_tokenizer_spells_the_end_marker():
     assert bytes(ids[mask == 1].tolist()) == b" 5<|endoftext|>"
 
 
-@pytest.mark.parametrize("template", [DEFAULT_TEMPLATE, CUSTOM])
+@pytest.mark.parametrize("template", [DEFAULT_TEMPLATE, CUSTOM, NEWLINES])
 def test_transformers_renders_the_same_ids_and_mask(template):
     transformers = pytest.importorskip("transformers")
     from nanogpt_cli.hf import tokenizers_object
@@ -173,10 +178,6 @@ def test_masked_targets_get_no_gradient(tmp_path):
         return [p.grad.clone() for p in model.parameters()]
 
     # the targets under mask 0, whatever they are, change nothing: a copy with other ids there gives equal grads
-    raw = torch.from_numpy(
-        batches.splits["train"].read(batches.draw("train", torch.Generator().manual_seed(0)), 33).astype(np.int64)
-    )
-    assert raw.shape == (4, 33)
     other = y.clone()
     other[y == -1] = (x[y == -1] + 7) % 256  # made-up targets where the mask is 0 ...
     masked_again = other.masked_fill(y == -1, -1)  # ... masked as the reader masks them
@@ -204,4 +205,61 @@ def test_all_ones_mask_reads_like_plain_tokens(tmp_path):
     meta_path.write_text(json.dumps(meta))
     plain = Batches(data, "chats", 32, 4, torch.device("cpu"), seed=0)
     x2, y2 = plain.get_batch("train")
-    assert torch.equal(x, x2) and torch.equal(y, y2) and (y != -1).all()
+    assert torch.equal(x, x2) and torch.equal(y, y2)
+    # every target of the packed conversations counts; only the padding after them does not
+    starts = masked.draw("train", torch.Generator().manual_seed(0))
+    x, y = masked.load("train", starts)
+    assert [int((row != -1).sum()) for row in y] == [n - 1 for _, _, n in starts]
+
+
+def test_windows_pack_whole_conversations_and_cut_long_ones_with_their_mask(tmp_path):
+    import torch
+
+    from nanogpt_cli.data.reader import pack_windows
+    from nanogpt_cli.trainer import Batches
+
+    # lengths 5, 3, 9, 2 in windows of 8: 5 + 3 fit together; 9 is cut into 8 and the 2 after its overlap token,
+    # and the next conversation joins that last piece
+    assert pack_windows(np.array([5, 3, 9, 2]), [19], 8).tolist() == [[0, 0, 8], [0, 8, 8], [0, 15, 4]]
+    assert pack_windows(np.array([20]), [20], 8).tolist() == [[0, 0, 8], [0, 7, 8], [0, 14, 6]]  # each target once
+    assert pack_windows(np.array([5, 3]), [6, 2], 8).tolist() == [[0, 0, 6], [1, 0, 2]]  # windows stay in a shard
+    data = _chat_dataset(tmp_path)
+    batches = Batches(data, "chats", 256, 8, torch.device("cpu"), seed=0)  # the longest conversation fits
+    x, y = batches.get_batch("train")
+    assert all(n > 160 for _, _, n in batches.packed["train"][:-1].tolist())  # each window holds several
+    starts = [bytes(row[:5].tolist()) for row in x]
+    assert all(s.startswith((b"user:", b"syste")) for s in starts)  # every window begins a conversation
+    # a context shorter than the longest conversation: it is cut into windows, each target trained once, with its mask
+    long = Batches(data, "chats", 16, 4, torch.device("cpu"), seed=0)
+    meta = json.loads((data / "chats" / "meta.json").read_text())
+    lengths = np.fromfile(data / "chats" / meta["conversations"]["train"]["file"], dtype=np.uint32)
+    assert lengths.max() > 17
+    windows = long.packed["train"]
+    assert sum(n - 1 for _, _, n in windows.tolist()) == meta["train_tokens"] - len(lengths)
+    ids = np.fromfile(data / "chats" / meta["shards"]["train"][0]["file"], dtype=meta["dtype"]).astype(np.int64)
+    mask = np.fromfile(data / "chats" / meta["shards"]["train"][0]["mask"], dtype=np.uint8)
+    x, y = long.load("train", [tuple(w) for w in windows.tolist()[:4]])
+    for row, (_, offset, n) in zip(y, windows.tolist()[:4]):
+        expect = np.where(mask[offset + 1 : offset + n] == 1, ids[offset + 1 : offset + n], -1)
+        assert row[: n - 1].tolist() == expect.tolist() and (row[n - 1 :] == -1).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("template", [DEFAULT_TEMPLATE, CUSTOM])
+def test_hf_export_of_a_chat_run_renders_our_ids_and_mask(tmp_path, template):
+    """A model exported with the template its run recorded: AutoTokenizer on the export reproduces prepare's ids
+    and mask, and generation stops at the token that ends a reply."""
+    transformers = pytest.importorskip("transformers")
+    from nanogpt_cli.export import export_hf
+    from nanogpt_cli.model import GPT
+    from conftest import tiny_config
+
+    ours = build_tokenizer("gpt2")
+    export_hf(GPT(tiny_config(vocab_size=50257)), ours.describe(), tmp_path / "export", chat_template=template)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    for messages in CONVERSATIONS:  # with and without a system turn
+        ids, mask = ChatTemplate(template).tokens_and_mask(messages, ours)
+        out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert out["input_ids"] == ids.tolist() and out["assistant_masks"] == mask.tolist()
+    generation = json.loads((tmp_path / "export" / "generation_config.json").read_text())
+    assert generation["eos_token_id"] in (ours.eot_id, [ours.eot_id])

@@ -189,7 +189,7 @@ def test_speed_counts_the_trained_tokens_of_a_chat_dataset(chat_data, base_run, 
     cfg, data_dir = job.plan.train, chat_data[0]
     again = Batches(data_dir, cfg.data, job.plan.model.block_size, cfg.batch_size, torch.device("cpu"), cfg.seed)
     trained = [int((again.get_batch("train")[1] != -1).sum()) for _ in range(cfg.max_iters)]
-    assert 0 < min(trained) and max(trained) < cfg.batch_size * job.plan.model.block_size
+    assert 0 < max(trained) < cfg.batch_size * job.plan.model.block_size  # a batch of prompts only trains on none
     for event, n in zip(shown.steps, trained):  # a line per update (--log-interval 1)
         assert event.tokens_per_s * event.ms_per_iter / 1000 == pytest.approx(n, rel=1e-6)
     assert result.tokens_per_s * result.ms_per_iter / 1000 == pytest.approx(sum(trained) / len(trained), rel=1e-6)
@@ -212,6 +212,14 @@ def test_cli_finetune(chat_data, base_run, tmp_path):
     resumed = runner.invoke(app, ["train", "--out", out, "--resume", "-q"])  # train resumes a LoRA run too
     assert resumed.exit_code == 0, resumed.output
     assert json.loads((tmp_path / "lora" / "trainer.json").read_text())["step"] == 2
+    info = runner.invoke(app, ["info", out, "--json"])
+    assert json.loads(info.output)["finetune"].startswith("LoRA r 2, alpha 16, dropout 0 on attn.c_attn; adapters")
+    # train --init-from on a chat dataset is the same full fine-tune, and says that finetune has LoRA
+    full = ["train", "--init-from", str(base_run), *common, "--out", str(tmp_path / "full"), "--eval-iters", "1"]
+    trained = runner.invoke(app, [*full, "--max-iters", "1", "--eval-interval", "1"])
+    assert trained.exit_code == 0, trained.output
+    assert "`nanogpt finetune` does the same" in trained.output
+    assert json.loads((tmp_path / "full" / "config.json").read_text())["finetune"]["method"] == "full"
 
 
 def test_hf_base_offline_is_one_sentence(chat_data, tmp_path, no_network, monkeypatch):
@@ -220,3 +228,57 @@ def test_hf_base_offline_is_one_sentence(chat_data, tmp_path, no_network, monkey
     with pytest.raises(NanoGPTError, match="could not load hf:gpt2") as e:
         plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "x", init_from="hf:gpt2")
     assert "\n" not in str(e.value)
+
+
+def test_sample_and_serve_format_chats_with_the_runs_template(chat_data, base_run, tmp_path):
+    from nanogpt_cli.data.chat import ChatTemplate as PrepareTemplate
+    from nanogpt_cli.loading import load_for_inference
+    from nanogpt_cli.serve.chat import ChatTemplate
+
+    finetune_run(chat_data, base_run, tmp_path / "lora", LoRAConfig(r=2), max_iters=1, eval_interval=1)[1].fit()
+    loaded = load_for_inference(tmp_path / "lora", device="cpu")
+    template = ChatTemplate.for_meta(loaded.meta)  # what serve (and chat) format conversations with
+    assert template.name == "checkpoint" and template.stop == ["<|endoftext|>"]  # byte: the end is a stop text
+    messages = CONVERSATIONS[1]
+    prepared = PrepareTemplate().render(messages, add_generation_prompt=False)
+    assert template.render(messages, add_generation_prompt=False) == prepared
+    assert template.render(messages[:2]).endswith("<|endoftext|>assistant:")
+
+
+def test_evaluation_batches_of_a_chat_dataset_each_score_a_trained_target(tmp_path):
+    from nanogpt_cli.data.chat import prepare_chat
+    from nanogpt_cli.trainer import Batches
+
+    src = tmp_path / "long.jsonl"  # long prompts, one-letter replies: most 17-token windows are prompt only
+    row = {"messages": [{"role": "user", "content": "tell me " * 20}, {"role": "assistant", "content": "k"}]}
+    src.write_text("\n".join(json.dumps(row) for _ in range(12)) + "\n")
+    prepare_chat(str(src), "long", data_dir=str(tmp_path / "data"), tokenizer="byte")
+    batches = Batches(tmp_path / "data", "long", 16, 1, torch.device("cpu"), seed=0)
+    g = torch.Generator().manual_seed(0)
+    assert any(not (batches.get_batch("train", g)[1] != -1).any() for _ in range(20))  # plain draws: some score none
+    assert all((y != -1).any() for _, y in batches.fixed_batches("train", 20, seed=1))
+
+
+def test_no_loss_mask_trains_on_every_token_of_the_conversations(chat_data):
+    from nanogpt_cli.trainer import Batches
+
+    data_dir, name = chat_data
+    masked, every = (Batches(data_dir, name, 64, 4, torch.device("cpu"), 0, loss_mask=m) for m in (True, False))
+    starts = masked.draw("train")
+    (x, y), (x2, y2) = masked.load("train", starts), every.load("train", starts)
+    assert torch.equal(x, x2) and (y2 != -1).sum() > (y != -1).sum() > 0
+    assert [int((row != -1).sum()) for row in y2] == [n - 1 for _, _, n in starts]  # all but the padding
+
+
+def test_a_lora_run_is_a_base_too(chat_data, base_run, tmp_path):
+    from nanogpt_cli.loading import load_model
+
+    finetune_run(chat_data, base_run, tmp_path / "first", LoRAConfig(r=2), max_iters=2, eval_interval=2)[1].fit()
+    job, trainer = finetune_run(chat_data, tmp_path / "first", tmp_path / "second", LoRAConfig(r=2), stop_at=1)
+    merged, _ = load_model(tmp_path / "first")
+    assert all(torch.equal(job.plan.init_model.state_dict()[k], t) for k, t in merged.state_dict().items())
+    trainer.fit()
+    data_dir, name = chat_data
+    again = plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "second", resume=True)
+    Trainer(again.plan, trainable=again.trainable).fit()  # its base (the first run, merged) loads and checks out
+    assert load_model(tmp_path / "second")[1]["step"] == 6

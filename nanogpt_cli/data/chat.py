@@ -13,10 +13,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..chat_template import DEFAULT_TEMPLATE, EOT, ChatTemplate
+import numpy as np
+
+from ..chat_template import DEFAULT_TEMPLATE, EOT, ChatTemplate, turn_end
 from ..errors import NanoGPTError
 
 ROLES = ("system", "user", "assistant")
+__all__ = ["turn_end"]  # exports read it from here
 
 
 class BadRow(NanoGPTError):
@@ -61,6 +64,14 @@ def checkpoint_template(dataset: dict[str, Any]) -> str | None:
     if dataset.get("eot_id") is None:
         return f"{{% set eos_token = {EOT!r} %}}" + template
     return template
+
+
+def strip_generation_tags(template: str) -> str:
+    """The template without its `{% generation %}` / `{% endgeneration %}` tags (the same text rendered), for
+    engines that do not know them (llama.cpp)."""
+    import re
+
+    return re.sub(r"{%-?\s*(end)?generation\s*-?%}", "", template)
 
 
 @dataclass
@@ -144,10 +155,10 @@ def prepare_chat(
         raise NanoGPTError(f"{final} exists and is not a prepared dataset; pick another --name or --data-dir")
     Path(data_dir).mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=data_dir))
-    shards, trained = {}, 0
+    shards, trained, lengths = {}, 0, {}
     try:
         for split, convs in (("train", rows.conversations[:-n_val]), ("val", rows.conversations[-n_val:])):
-            shards[split], n = _write_split(stage, split, convs, template, tok, dtype, shard_tokens)
+            shards[split], n, lengths[split] = _write_split(stage, split, convs, template, tok, dtype, shard_tokens)
             trained += n
         meta = {
             "version": __version__,
@@ -167,6 +178,8 @@ def prepare_chat(
             "shard_tokens": shard_tokens,
             "shards": shards,
             "masks": True,
+            # each conversation's length in tokens, in order: training packs whole conversations into windows
+            "conversations": lengths,
             "chat_template": template.source,
         }
         (stage / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
@@ -181,22 +194,26 @@ def prepare_chat(
     )
 
 
-def _write_split(stage, split: str, convs, template, tok, dtype: str, shard_tokens: int) -> tuple[list, int]:
-    """One split's token shards and mask shards (listed together), and how many tokens the mask trains on."""
+def _write_split(stage, split: str, convs, template, tok, dtype: str, shard_tokens: int) -> tuple[list, int, dict]:
+    """One split's token shards and mask shards (listed together), how many tokens the mask trains on, and the
+    file of its conversations' lengths (SPLIT.conversations.bin, uint32, listed in meta.json)."""
     from .shards import ShardWriter
 
     ids_w = ShardWriter(stage, split, dtype, shard_tokens, [], 0)
     mask_w = _MaskWriter(stage, split, "uint8", shard_tokens, [], 0)
-    trained = 0
+    trained, lengths = 0, []
     for messages in convs:
         ids, mask = template.tokens_and_mask(messages, tok)
         ids_w.write(ids.astype(dtype))
         mask_w.write(mask)
         trained += int(mask.sum())
+        lengths.append(len(ids))
     ids_w.finish()
     mask_w.finish()
     shards = [dict(s, mask=m["file"], mask_sha256=m["sha256"]) for s, m in zip(ids_w.shards, mask_w.shards)]
-    return shards, trained
+    name = f"{split}.conversations.bin"
+    np.asarray(lengths, dtype=np.uint32).tofile(stage / name)
+    return shards, trained, {"file": name, "count": len(lengths)}
 
 
 class _MaskWriter:

@@ -136,6 +136,55 @@ def open_mask_split(data_dir: Path, name: str, split: str) -> TokenShards | None
     return TokenShards([folder / s["mask"] for s in shards], [s["tokens"] for s in shards], "uint8")
 
 
+def open_conversations(data_dir: Path, name: str, split: str) -> np.ndarray | None:
+    """The lengths of a chat dataset's conversations in one split, in order (uint32), or None when the dataset
+    does not record them (plain text, or chat datasets prepared before it did)."""
+    entry = (load_meta(data_dir, name).get("conversations") or {}).get(split)
+    if not entry:
+        return None
+    path = Path(data_dir) / name / entry["file"]
+    if not path.is_file() or path.stat().st_size != 4 * entry["count"]:
+        raise NanoGPTError(f"{path} should hold {entry['count']:,} conversation lengths; prepare the dataset again")
+    return np.fromfile(path, dtype=np.uint32)
+
+
+def pack_windows(lengths: np.ndarray, counts: list[int], length: int) -> np.ndarray:
+    """Windows of at most `length` tokens made of whole conversations, as rows (shard, offset, tokens). In order,
+    conversations are added to a window while they fit; a conversation longer than a window (or cut by a shard's
+    end) is cut into windows that overlap by one token, so each of its targets is in exactly one window, and its
+    last piece starts a window that the next conversations may join. A window that is one token has no target and
+    is dropped."""
+    windows: list[tuple[int, int, int]] = []
+    current: list[int] | None = None  # [shard, offset, tokens] of the window being filled
+
+    def close():
+        if current is not None and current[2] > 1:
+            windows.append(tuple(current))
+
+    shard, offset = 0, 0  # where the next conversation starts
+    for n in lengths.tolist():
+        while n > 0:
+            while offset >= counts[shard]:  # a conversation that ends a shard: the next starts the next shard
+                shard, offset = shard + 1, 0
+            take = min(n, counts[shard] - offset)  # the piece of it in this shard
+            start, n = offset, n - take
+            offset += take
+            if current is not None and current[0] == shard and current[1] + current[2] == start:
+                if current[2] + take <= length:  # it fits beside the conversations already there
+                    current[2] += take
+                    continue
+            if take > length:  # longer than a window: whole windows, overlapping by one token
+                close()
+                while take > length:
+                    windows.append((shard, start, length))
+                    start, take = start + length - 1, take - length + 1
+            else:
+                close()
+            current = [shard, start, take]
+    close()
+    return np.asarray(windows, dtype=np.int64).reshape(-1, 3)
+
+
 def sha256_file(path: Path, h=None):
     """The hex sha256 of a file (meta.json records one per shard); with `h` given, that hash object updated
     with the file (to go on hashing)."""
