@@ -129,6 +129,7 @@ def cli(*args: str) -> list[str]:
 ENV = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TERM="dumb")
 
 
+@pytest.mark.slow  # the CLI as a subprocess
 def test_chat_through_stdin_two_turns_reset_and_exit(chat_model):
     lines = "hello\nand again\n/reset\nhello\n/exit\nnever sent\n"
     proc = subprocess.run(
@@ -146,6 +147,7 @@ def test_chat_through_stdin_two_turns_reset_and_exit(chat_model):
     assert "the conversation is cleared" in proc.stderr and "has no chat template" not in proc.stderr
 
 
+@pytest.mark.slow  # the CLI as a subprocess
 def test_a_base_model_is_told_in_one_line(base_model):
     proc = subprocess.run(cli(str(base_model)), input="", capture_output=True, text=True, env=ENV, timeout=120)
     assert proc.returncode == 0 and proc.stdout == ""
@@ -216,6 +218,7 @@ def long_model(tmp_path_factory) -> Path:
     return save_model(tmp_path_factory.mktemp("long") / "long.safetensors", 2048, DEFAULT_TEMPLATE)
 
 
+@pytest.mark.slow  # the CLI as a subprocess
 def test_on_a_terminal_ctrl_c_stops_a_reply_and_the_session_goes_on(long_model):
     term = Terminal(cli(str(long_model), "--temperature", "1"))
     try:
@@ -237,6 +240,7 @@ def test_on_a_terminal_ctrl_c_stops_a_reply_and_the_session_goes_on(long_model):
             term.proc.kill()
 
 
+@pytest.mark.slow  # the CLI as a subprocess
 def test_on_a_terminal_two_turns_then_ctrl_d_leaves(chat_model):
     term = Terminal(cli(str(chat_model), "--temperature", "0", "--max-new-tokens", "6"))
     session = ChatSession.load(chat_model, GREEDY, max_new_tokens=6, device="cpu")
