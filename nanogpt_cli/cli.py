@@ -847,6 +847,16 @@ def print_samples(sampler, text: str, settings, num_samples: int, stream: bool, 
         sys.stdout.flush()
 
 
+# the sampling options that sample and chat share
+Temperature = Annotated[float, typer.Option(help="0 is greedy; lower is more conservative.")]
+TopK = Annotated[int, typer.Option(help="Keep only the K most likely tokens (0: off).")]
+TopP = Annotated[float, typer.Option(help="Keep the fewest tokens whose probability reaches P (1: off).")]
+MinP = Annotated[float, typer.Option(help="Drop tokens below P x the top token's probability (0: off).")]
+RepetitionPenalty = Annotated[float, typer.Option(help="Above 1 discourages tokens already present.")]
+Seed = Annotated[int, typer.Option(help="Random seed: the same seed gives the same text.")]
+Stop = Annotated[list[str] | None, typer.Option(help="End a sample at this text (repeatable).", metavar="<text>")]
+
+
 @app.command()
 @one_line_errors
 def sample(
@@ -854,16 +864,14 @@ def sample(
     prompt: Annotated[str | None, typer.Option(help="Text to continue (empty: start a new text).")] = None,
     prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from this file.")] = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per sample.")] = 256,
-    temperature: Annotated[float, typer.Option(help="0 is greedy; lower is more conservative.")] = 0.8,
-    top_k: Annotated[int, typer.Option(help="Keep only the K most likely tokens (0: off).")] = 200,
-    top_p: Annotated[float, typer.Option(help="Keep the fewest tokens whose probability reaches P (1: off).")] = 1.0,
-    min_p: Annotated[float, typer.Option(help="Drop tokens below P x the top token's probability (0: off).")] = 0.0,
-    repetition_penalty: Annotated[float, typer.Option(help="Above 1 discourages tokens already present.")] = 1.0,
+    temperature: Temperature = 0.8,
+    top_k: TopK = 200,
+    top_p: TopP = 1.0,
+    min_p: MinP = 0.0,
+    repetition_penalty: RepetitionPenalty = 1.0,
     num_samples: Annotated[int, typer.Option(help="How many samples (decoded together as one batch).")] = 1,
-    seed: Annotated[int, typer.Option(help="Random seed: the same seed gives the same text.")] = 1337,
-    stop: Annotated[
-        list[str] | None, typer.Option(help="End a sample at this text (repeatable).", metavar="<text>")
-    ] = None,
+    seed: Seed = 1337,
+    stop: Stop = None,
     ignore_eot: Annotated[bool, typer.Option("--ignore-eot", help="Keep going past the end-of-text token.")] = False,
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print text as it is generated.")] = True,
     json_out: Annotated[
@@ -937,6 +945,102 @@ def interactive_loop(run, first: str | None) -> None:
             fail(str(e))
         except KeyboardInterrupt:  # stops this sample, not the session
             print(flush=True)
+
+
+@app.command()
+@one_line_errors
+def chat(
+    source: Annotated[str, typer.Argument(help="Run folder, .safetensors file, Hugging Face folder or hf:NAME.")],
+    system: Annotated[
+        str | None, typer.Option(help="A system prompt at the start of the conversation.", show_default=False)
+    ] = None,
+    max_new_tokens: Annotated[
+        int | None, typer.Option(help="Most tokens per reply (default: up to the end of the context).")
+    ] = None,
+    temperature: Temperature = 0.8,
+    top_k: TopK = 200,
+    top_p: TopP = 1.0,
+    min_p: MinP = 0.0,
+    repetition_penalty: RepetitionPenalty = 1.0,
+    seed: Seed = 1337,
+    stop: Stop = None,
+    last: Last = False,
+    device: Device = "auto",
+    dtype: DtypeOption = Dtype.auto,
+    threads: Threads = None,
+):
+    """Talk to a model in the terminal, formatted with its chat template; /reset, /exit, Ctrl-C stops a reply.
+
+    Example: nanogpt chat checkpoints/count --temperature 0
+    """
+    from nanogpt_cli.chat import ChatSession
+    from nanogpt_cli.device import set_threads
+    from nanogpt_cli.sample import SampleSettings
+
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise NanoGPTError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    settings = SampleSettings(
+        temperature=temperature,
+        top_k=top_k or None,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+        stop=stop or [],
+    )
+    set_threads(threads)
+    session = ChatSession.load(source, settings, system, max_new_tokens, last=last, device=device, dtype=dtype)
+    if session.template.plain:
+        note(f"{source} has no chat template (a base model): it gets a plain User:/Assistant: transcript")
+    converse(session)
+
+
+def converse(session) -> None:
+    """The terminal loop: a prompt on a terminal (none when stdin is a pipe), each reply streamed on its own line,
+    /reset and /exit; Ctrl-C during a reply stops it, Ctrl-C or Ctrl-D at the prompt leaves."""
+    tty = sys.stdin.isatty()
+    if tty:
+        import readline  # noqa: F401  (line editing and history for input())
+
+        print(f"chatting with {session.block_size:,} tokens of context; /reset clears it, /exit or Ctrl-D leaves")
+    while True:
+        try:
+            text = input(">>> " if tty else "")
+        except (EOFError, KeyboardInterrupt):
+            if tty:
+                print()  # the shell's prompt on a line of its own
+            return
+        command = text.strip()
+        if command in ("/exit", "/quit", "/bye"):
+            return
+        if command == "/reset":
+            session.reset()
+            note("the conversation is cleared")
+            continue
+        if command.startswith("/") and command[1:2].isalpha() and " " not in command:
+            note(f"unknown command {command}; /reset clears the conversation, /exit leaves")
+            continue
+        if not command:
+            continue
+        try:
+            reply = session.ask(text)
+        except NanoGPTError as e:  # a message too long for the context: the session goes on
+            fail(str(e))
+            continue
+        if reply.first_cut:
+            note(
+                f"the conversation outgrew the model's context of {session.block_size:,} tokens: "
+                "from now on its oldest turns are left out"
+            )
+        try:
+            for piece in reply:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            print()
+        except KeyboardInterrupt:
+            reply.close()
+            print()
+            note("stopped; the reply so far stays in the conversation")
 
 
 @app.command()

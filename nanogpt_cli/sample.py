@@ -116,17 +116,18 @@ class Sampler:
         return ids[cut:], cut
 
     def stream_many(
-        self, prompts: list[str], settings: SampleSettings, generator: torch.Generator | None = None
+        self, prompts: list[str | list[int]], settings: SampleSettings, generator: torch.Generator | None = None
     ) -> Iterator[Piece]:
-        """Continue every prompt at once, as rows of one batch on the engine, and yield each sample's text as it
-        is produced: Piece(row, text, result), result set on the piece that ends its row. Each row ends on its
-        own (length, end-of-text, stop text) and leaves the batch at once. Prompts of different lengths are
-        not padded: each row keeps its own position in the KV cache, so its text is what sampling it alone
-        computes, up to float rounding. Row r draws from its own generator seeded with settings.seed + r (the
-        first row of a batch is the single sample of that seed), or, given `generator`, all rows from that."""
+        """Continue every prompt (text, or token ids used as given, such as a rendered chat) at once, as rows of
+        one batch on the engine, and yield each sample's text as it is produced: Piece(row, text, result),
+        result set on the piece that ends its row. Each row ends on its own (length, end-of-text, stop text) and
+        leaves the batch at once. Prompts of different lengths are not padded: each row keeps its own position
+        in the KV cache, so its text is what sampling it alone computes, up to float rounding. Row r draws from
+        its own generator seeded with settings.seed + r (the first row of a batch is the single sample of that
+        seed), or, given `generator`, all rows from that."""
         if not prompts:
             return
-        encoded = [self.encode_prompt(p)[0] for p in prompts]
+        encoded = [p if isinstance(p, list) else self.encode_prompt(p)[0] for p in prompts]
         eot = None if settings.ignore_eot else self.tokenizer.eot_id
         rows = [TextStream(self.tokenizer, settings.stop, eot, settings.max_new_tokens) for _ in prompts]
         t0 = time.perf_counter()
@@ -156,7 +157,7 @@ class Sampler:
 
     def stream(
         self,
-        prompt: str,
+        prompt: str | list[int],
         settings: SampleSettings,
         generator: torch.Generator | None = None,
         result: dict | None = None,
@@ -170,7 +171,7 @@ class Sampler:
                 result.update(dataclasses.asdict(piece.result))
 
     def generate_many(
-        self, prompts: list[str], settings: SampleSettings, generator: torch.Generator | None = None
+        self, prompts: list[str | list[int]], settings: SampleSettings, generator: torch.Generator | None = None
     ) -> list[SampleResult]:
         """One sample per prompt, generated together as one batch (see stream_many)."""
         results: list[SampleResult | None] = [None] * len(prompts)

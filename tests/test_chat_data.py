@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from nanogpt_cli.data.chat import DEFAULT_TEMPLATE, ChatTemplate, conversation, read_chat_lines
+from nanogpt_cli.chat_template import DEFAULT_TEMPLATE, ChatTemplate
+from nanogpt_cli.data.chat import conversation, read_chat_lines
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.tokenizer import build_tokenizer
 
@@ -33,7 +34,7 @@ CUSTOM = (
 
 def test_mask_covers_assistant_content_and_its_end_token():
     tok = build_tokenizer("gpt2")
-    ids, mask = ChatTemplate().render(CONVERSATIONS[0], tok)
+    ids, mask = ChatTemplate().tokens_and_mask(CONVERSATIONS[0], tok)
     assert len(ids) == len(mask)
     assert tok.decode(ids[mask == 1]) == " 5<|endoftext|>"
     assert ids[-1] == tok.eot_id and mask[-1] == 1
@@ -42,7 +43,7 @@ def test_mask_covers_assistant_content_and_its_end_token():
 
 def test_byte_tokenizer_spells_the_end_marker():
     tok = build_tokenizer("byte")
-    ids, mask = ChatTemplate().render(CONVERSATIONS[0], tok)
+    ids, mask = ChatTemplate().tokens_and_mask(CONVERSATIONS[0], tok)
     assert bytes(ids[mask == 1].tolist()) == b" 5<|endoftext|>"
 
 
@@ -55,7 +56,7 @@ def test_transformers_renders_the_same_ids_and_mask(template):
     backend, eot = tokenizers_object(ours.describe())
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eot, chat_template=template)
     for messages in CONVERSATIONS:
-        ids, mask = ChatTemplate(template).render(messages, ours)
+        ids, mask = ChatTemplate(template).tokens_and_mask(messages, ours)
         out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         assert out["input_ids"] == ids.tolist()
         assert out["assistant_masks"] == mask.tolist()
@@ -89,7 +90,7 @@ def test_bad_rows_are_counted_by_line_and_strict_stops_at_the_first():
 def test_bad_template_is_one_sentence():
     with pytest.raises(NanoGPTError, match="does not compile"):
         ChatTemplate("{% for %}")
-    assert np.all(ChatTemplate().render(CONVERSATIONS[1], build_tokenizer("gpt2"))[1][:3] == 0)
+    assert np.all(ChatTemplate().tokens_and_mask(CONVERSATIONS[1], build_tokenizer("gpt2"))[1][:3] == 0)
 
 
 def test_prepare_chat_writes_mask_shards_listed_in_meta(tmp_path):
@@ -257,7 +258,7 @@ def test_hf_export_of_a_chat_run_renders_our_ids_and_mask(tmp_path, template):
     export_hf(GPT(tiny_config(vocab_size=50257)), ours.describe(), tmp_path / "export", chat_template=template)
     hf = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
     for messages in CONVERSATIONS:  # with and without a system turn
-        ids, mask = ChatTemplate(template).render(messages, ours)
+        ids, mask = ChatTemplate(template).tokens_and_mask(messages, ours)
         out = hf.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         assert out["input_ids"] == ids.tolist() and out["assistant_masks"] == mask.tolist()
     generation = json.loads((tmp_path / "export" / "generation_config.json").read_text())

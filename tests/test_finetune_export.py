@@ -115,7 +115,7 @@ def test_hf_export_renders_the_runs_chats_and_stops_at_the_turn_end(chat_data, t
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "merged")
     byte = build_tokenizer("byte")
     for messages in CONVERSATIONS:  # with and without a system turn
-        ids, mask = ChatTemplate(DEFAULT_TEMPLATE).render(messages, byte)
+        ids, mask = ChatTemplate(DEFAULT_TEMPLATE).tokens_and_mask(messages, byte)
         out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         assert out["input_ids"] == ids.tolist() and out["assistant_masks"] == mask.tolist()
     generation = json.loads((tmp_path / "merged" / "generation_config.json").read_text())

@@ -34,13 +34,16 @@ COMMANDS = (
     "attention",
     "heads",
     "positions",
+    "finetune",
+    "chat",
 )
 LONG_RUNNING = ("serve",)  # a server: its flags are checked, it is not run
+INTERACTIVE = ("chat",)  # reads the lines the README shows after its prompt, `>>> `, as its input
 
 
 class Command(NamedTuple):
-    kind: str  # "nanogpt" or "torchrun"
-    args: list[str]  # nanogpt's arguments (for torchrun: those after -m nanogpt_cli)
+    kind: str  # "nanogpt", "torchrun" or "python" (a script in examples/)
+    args: list[str]  # nanogpt's arguments (torchrun's and python's: the whole command line)
     setup: bool  # part of a `pip install ... && ...` chain: installs, and trains for minutes
     shown: list[str]  # the output the README shows under it
 
@@ -68,6 +71,8 @@ def commands() -> list[Command]:
                     out.append(Command("nanogpt", words[1:], setup, shown if language == "" else []))
                 elif words[:1] == ["torchrun"] and "nanogpt_cli" in words:
                     out.append(Command("torchrun", words, setup, shown if language == "" else []))
+                elif words[:1] == ["python"] and words[1:2] and words[1].startswith("examples/"):
+                    out.append(Command("python", words, setup, shown if language == "" else []))
     return out
 
 
@@ -76,7 +81,9 @@ def nanogpt_args(command: Command) -> list[str]:
     return words[words.index("nanogpt_cli") + 1 :] if command.kind == "torchrun" else words
 
 
-@pytest.mark.parametrize("command", commands(), ids=lambda c: " ".join(nanogpt_args(c)[:2]))
+@pytest.mark.parametrize(
+    "command", [c for c in commands() if c.kind != "python"], ids=lambda c: " ".join(nanogpt_args(c)[:2])
+)
 def test_readme_commands_use_real_flags(command):
     args = nanogpt_args(command)
     path = [a for a in args[:2] if not a.startswith("-") and a in COMMANDS]
@@ -97,6 +104,8 @@ def test_the_readme_shows_every_command_and_ci_runs_its_test_command():
         ("info",),
         ("plot",),
         ("torchrun",),
+        ("finetune",),
+        ("chat",),
     } <= shown
     test_command = 'pip install torch==2.13.0 -e ".[dev]" && pytest'
     assert test_command in README and 'pytest -m "not slow"' in README
@@ -158,11 +167,22 @@ def test_the_readme_examples_run_as_written_and_print_what_it_shows(tmp_path):
                 )
                 assert proc.returncode == 0, proc.stdout[-3000:]
                 output = proc.stdout
+            elif command.kind == "python":
+                proc = subprocess.run(
+                    [sys.executable, *command.args[1:]], env=env, capture_output=True, text=True, timeout=300
+                )
+                assert proc.returncode == 0, proc.stderr[-3000:]
+                output = proc.stdout
             else:
                 args = tiny(command.args) if command.args[0] == "train" else command.args
-                result = runner.invoke(app, args, terminal_width=100)
+                typed = [line.removeprefix(">>> ") for line in command.shown if line.startswith(">>> ")]
+                stdin = "".join(line + "\n" for line in typed) if command.args[0] in INTERACTIVE else None
+                result = runner.invoke(app, args, terminal_width=100, input=stdin)
                 assert result.exit_code == 0, f"nanogpt {shlex.join(args)}:\n{result.output}"
                 output = result.stdout
+                if command.args[0] in INTERACTIVE:  # the replies of a tiny model are not the README's
+                    ran.append(command.args[0])
+                    continue
             first_shown = next((line for line in command.shown if line.strip()), None)
             if first_shown is not None and "..." not in first_shown:
                 first = next((line for line in output.splitlines() if line.strip()), "")
@@ -172,3 +192,4 @@ def test_the_readme_examples_run_as_written_and_print_what_it_shows(tmp_path):
         os.chdir(cwd)
         torch.set_num_threads(threads)
     assert {"prepare", "train", "sample", "eval", "export", "runs", "info", "plot", "torchrun"} <= set(ran)
+    assert {"python", "finetune", "chat"} <= set(ran)  # the fine-tuning example, end to end

@@ -3,38 +3,23 @@
 A conversation is rendered with a Jinja chat template. The parts of the template inside
 `{% generation %} ... {% endgeneration %}` are what the assistant says: those tokens get mask 1, the rest 0.
 This is the same convention transformers' `apply_chat_template(..., return_assistant_tokens_mask=True)`
-uses, so the template stored with a dataset renders the same ids and mask there.
+uses, so the template stored with a dataset renders the same ids and mask there. The rendering itself is
+chat_template.py's, which serve and chat use too.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..chat_template import DEFAULT_TEMPLATE, EOT, ChatTemplate, turn_end
 from ..errors import NanoGPTError
-from ..tokenizer import Tokenizer
-
-EOT = "<|endoftext|>"
-
-# Role lines ended by the end-of-text token: no new vocabulary entries are needed. The end-of-text token that
-# ends an assistant turn is inside the generation block, so the model learns to stop.
-DEFAULT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ message['role'] + ':' }}"
-    "{% if message['role'] == 'assistant' %}"
-    "{% generation %}{{ ' ' + message['content'] + eos_token }}{% endgeneration %}"
-    "{% else %}"
-    "{{ ' ' + message['content'] + eos_token }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
-)
 
 ROLES = ("system", "user", "assistant")
-_START, _END = "\x00<gen>\x00", "\x00</gen>\x00"  # markers no template text contains
+__all__ = ["turn_end"]  # exports read it from here
 
 
 class BadRow(NanoGPTError):
@@ -81,89 +66,12 @@ def checkpoint_template(dataset: dict[str, Any]) -> str | None:
     return template
 
 
-def turn_end(template: str) -> str:
-    """The text a template puts after the assistant's words inside its generation block: what ends a reply
-    (the built-in template's end-of-text). Empty when the template marks no such text."""
-    sentinel = "\x01reply\x01"
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": sentinel}]
-    text = ChatTemplate(template)._compiled.render(messages=messages, eos_token=EOT, add_generation_prompt=False)
-    after = text.partition(sentinel)[2]
-    return after.partition(_END)[0] if _END in after else ""
-
-
 def strip_generation_tags(template: str) -> str:
     """The template without its `{% generation %}` / `{% endgeneration %}` tags (the same text rendered), for
     engines that do not know them (llama.cpp)."""
     import re
 
     return re.sub(r"{%-?\s*(end)?generation\s*-?%}", "", template)
-
-
-def _environment():
-    import jinja2
-    from jinja2.ext import Extension
-
-    class Generation(Extension):
-        """`{% generation %}...{% endgeneration %}` wraps its body in markers we split on afterwards."""
-
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
-
-        def _mark(self, caller):
-            return _START + caller() + _END
-
-    # as transformers renders chat templates: trim_blocks and lstrip_blocks (a newline after a tag is dropped)
-    return jinja2.Environment(extensions=[Generation, "jinja2.ext.loopcontrols"], trim_blocks=True, lstrip_blocks=True)
-
-
-@dataclass
-class ChatTemplate:
-    """A Jinja chat template compiled once; `render` gives (ids, mask) for one conversation."""
-
-    text: str = DEFAULT_TEMPLATE
-    _compiled: Any = field(default=None, repr=False)
-
-    def __post_init__(self):
-        import jinja2
-
-        try:
-            self._compiled = _environment().from_string(self.text)
-        except jinja2.TemplateError as e:
-            raise NanoGPTError(f"the chat template does not compile: {e}") from None
-
-    def render_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        text = self._compiled.render(messages=messages, eos_token=EOT, add_generation_prompt=add_generation_prompt)
-        return text.replace(_START, "").replace(_END, "")
-
-    def render(self, messages: list[dict[str, str]], tok: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids and the loss mask (uint8) of a whole conversation."""
-        text = self._compiled.render(messages=messages, eos_token=EOT, add_generation_prompt=False)
-        ids: list[int] = []
-        mask: list[int] = []
-        for i, part in enumerate(text.split(_START)):
-            trained, _, rest = part.partition(_END) if i else ("", "", part)
-            for piece, bit in ((trained, 1), (rest, 0)):
-                new = _encode(piece, tok)
-                ids += new
-                mask += [bit] * len(new)
-        return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
-
-
-def _encode(text: str, tok: Tokenizer) -> list[int]:
-    """Encode text in which the literal end-of-text string means the end-of-text token (for every tokenizer)."""
-    if tok.eot_id is None:  # byte and char tokenizers: the marker is spelled out as ordinary text
-        return tok.encode(text) if text else []
-    out: list[int] = []
-    for j, chunk in enumerate(text.split(EOT)):
-        if j:
-            out.append(tok.eot_id)
-        if chunk:
-            out += tok.encode(chunk)
-    return out
 
 
 @dataclass
@@ -237,7 +145,8 @@ def prepare_chat(
             f"{source} has {len(rows.conversations)} usable conversations; at least 2 are needed "
             "(one to train on, one to validate)"
         )
-    texts = [template.render_text(m) for m in rows.conversations] if tokenizer == "char" else None
+    char = tokenizer == "char"
+    texts = [template.render(m, add_generation_prompt=False) for m in rows.conversations] if char else None
     tok = build_tokenizer(tokenizer, texts=texts)
     dtype = token_dtype(tok.vocab_size)
     n_val = max(1, int(round(len(rows.conversations) * val_fraction)))
@@ -271,7 +180,7 @@ def prepare_chat(
             "masks": True,
             # each conversation's length in tokens, in order: training packs whole conversations into windows
             "conversations": lengths,
-            "chat_template": template.text,
+            "chat_template": template.source,
         }
         (stage / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
         if final.exists():
@@ -294,7 +203,7 @@ def _write_split(stage, split: str, convs, template, tok, dtype: str, shard_toke
     mask_w = _MaskWriter(stage, split, "uint8", shard_tokens, [], 0)
     trained, lengths = 0, []
     for messages in convs:
-        ids, mask = template.render(messages, tok)
+        ids, mask = template.tokens_and_mask(messages, tok)
         ids_w.write(ids.astype(dtype))
         mask_w.write(mask)
         trained += int(mask.sum())

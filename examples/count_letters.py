@@ -1,0 +1,54 @@
+"""A synthetic chat dataset for a task a base model cannot do: count the letters of a word.
+
+    python examples/count_letters.py            # writes count-train.jsonl and count-heldout.jsonl
+
+Each line is one conversation, {"messages": [{"role": "user", "content": "count castle"},
+{"role": "assistant", "content": "6"}]}, ready for `nanogpt prepare --format chat`. The words are random
+lowercase letters (3 to 9 of them), so the model cannot have seen the answers in its pre-training text, and no
+held-out word appears in the training file: a model that gets them right has learnt to count, not to recall.
+"""
+
+import argparse
+import json
+import random
+import string
+from pathlib import Path
+
+
+def conversation(word: str) -> dict:
+    return {
+        "messages": [{"role": "user", "content": f"count {word}"}, {"role": "assistant", "content": str(len(word))}]
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--train", type=int, default=20_000, help="training conversations (default 20,000)")
+    parser.add_argument("--heldout", type=int, default=200, help="held-out conversations (default 200)")
+    parser.add_argument("--min-letters", type=int, default=3)
+    parser.add_argument("--max-letters", type=int, default=9)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("."), help="folder for the two files (default: here)")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+
+    def word() -> str:
+        return "".join(rng.choices(string.ascii_lowercase, k=rng.randint(args.min_letters, args.max_letters)))
+
+    heldout: set[str] = set()
+    while len(heldout) < args.heldout:
+        heldout.add(word())
+    train = []
+    while len(train) < args.train:
+        w = word()
+        if w not in heldout:
+            train.append(w)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name, words in (("count-train.jsonl", train), ("count-heldout.jsonl", sorted(heldout))):
+        with open(args.out / name, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(conversation(w)) + "\n" for w in words)
+        print(f"wrote {args.out / name} ({len(words):,} conversations)")
+
+
+if __name__ == "__main__":
+    main()
