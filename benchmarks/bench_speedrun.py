@@ -44,8 +44,6 @@ RECIPE = [  # nanoGPT README's "I only have a macbook" run, at its 2,000 iterati
     "--n_layer=4",
     "--n_head=4",
     "--n_embd=128",
-    "--max_iters=2000",
-    "--lr_decay_iters=2000",
     "--dropout=0.0",
 ]
 TRAIN_LINE = re.compile(r"(?:iter|step)\s+([\d,]+)(?::|/[\d,]+ \|) loss ([\d.]+)")  # nanoGPT's / ours
@@ -109,9 +107,10 @@ def overhead_s(data_dir: Path, tmp: Path, preset: str, env: dict, extra: list[st
 
 def one_round(nano: Path, tmp: Path, args, env: dict, extra: list[str]) -> list[tuple]:
     """nanoGPT's recipe, then ours for T/3 and for T: (name, wall, val points, train points, budget) each."""
-    nano_cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", *RECIPE]
+    iters = [f"--max_iters={args.iters}", f"--lr_decay_iters={args.iters}"]
+    nano_cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", *RECIPE, *iters]
     T, lines = run_timed(nano_cmd + [f"--out_dir={tmp / 'nano'}", "--wandb_log=False"], nano, env)
-    runs = [("nanoGPT train.py, CPU recipe, 2,000 iters", T, *curves(lines), None)]
+    runs = [(f"nanoGPT train.py, CPU recipe, {args.iters:,} iters", T, *curves(lines), None)]
     for preset, budget in ((args.speedrun, T / 3), (args.fast, T)):
         max_time = budget - overhead_s(tmp / "data", tmp, preset, env, extra)
         wall, lines = run_timed(ours_cmd(tmp / "data", tmp / preset, preset, max_time, extra), tmp, env)
@@ -123,6 +122,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nanogpt", type=Path, required=True, help="a checkout of github.com/karpathy/nanoGPT")
     p.add_argument("--rounds", type=int, default=1, help="nanoGPT then ours, this many times")
+    p.add_argument("--iters", type=int, default=2000, help="nanoGPT's iterations (its recipe: 2000)")
     p.add_argument("--speedrun", default="cpu-speedrun", help="our preset for T/3")
     p.add_argument("--fast", default="cpu-fast", help="our preset for T")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every run (default: torch's)")

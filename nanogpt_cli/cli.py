@@ -554,6 +554,9 @@ def train(
         ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")] = False,
+    plot: Annotated[
+        bool, typer.Option("--plot/--no-plot", help="Draw loss.png in the run folder at the end (with matplotlib).")
+    ] = True,
     last: Annotated[bool, typer.Option("--last", help="With --init-from RUN: its last weights, not its best.")] = False,
     threads: Threads = None,
     tracker: Annotated[
@@ -609,7 +612,7 @@ def train(
             if sink is not None:
                 sink.close()
         if prints():
-            report_training(plan, result)
+            report_training(plan, result, plot)
     if result.stopped in ("SIGINT", "SIGTERM"):
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
 
@@ -630,12 +633,13 @@ def say_complete(plan) -> None:
         )
 
 
-def report_training(plan, result) -> None:
+def report_training(plan, result, plot: bool = True) -> None:
     """The summary table, the loss curves' picture (with the plot extra) and how the run ended."""
     from nanogpt_cli.ui import console, train_table
 
     console.print(train_table(result))
-    if importlib.util.find_spec("matplotlib") is not None:  # the plot extra: a picture of the curves
+    # the plot extra: a picture of the curves (importing matplotlib and drawing take ~1 s: --no-plot saves it)
+    if plot and importlib.util.find_spec("matplotlib") is not None:
         from nanogpt_cli.plot import write_png
 
         write_png([plan.run_dir.path], plan.run_dir.loss_plot_path)

@@ -113,6 +113,27 @@ def test_training_writes_loss_png_and_feeds_tensorboard(char_data, tmp_path):
     assert val == pytest.approx([m["val_loss"] for m in metrics if m["kind"] == "eval"])
 
 
+def test_no_plot_skips_loss_png(char_data, tmp_path):
+    pytest.importorskip("matplotlib")
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    ok(
+        "train",
+        "--data",
+        name,
+        "--data-dir",
+        data_dir,
+        "--preset",
+        "tiny",
+        "--max-iters",
+        "2",
+        "--out",
+        run,
+        "--no-plot",
+    )
+    assert (run / "model.safetensors").is_file() and not (run / "loss.png").exists()
+
+
 def test_wandb_runs_offline_without_network(char_data, tmp_path, monkeypatch, no_network):
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)
