@@ -538,7 +538,10 @@ def tokenizer_encode(
 @one_line_errors
 def train(
     preset: Annotated[
-        str | None, typer.Option(help="Named config: tiny, cpu-char, cpu-fast, shakespeare-char, gpt2-124m, gpt2-350m.")
+        str | None,
+        typer.Option(
+            help="Named config: tiny, cpu-char, cpu-speedrun, cpu-fast, shakespeare-char, gpt2-124m, gpt2-350m."
+        ),
     ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML file of config keys; flags override it.")] = None,
     out: Annotated[Path | None, typer.Option(help="Run folder (default checkpoints/DATA-TIMESTAMP).")] = None,
