@@ -207,7 +207,7 @@ class TrainConfig:
     muon_lr: float = setting(0.02, "Muon's peak learning rate.")  # the schedule scales it like --learning-rate
     muon_momentum: float = setting(0.95, "Muon's momentum.")  # Nesterov
     muon_momentum_warmup: int = setting(0, "Updates to raise Muon's momentum from 0.85.")
-    # each step is three small matmuls per matrix: on a CPU, 5 steps are ~15 % of a 4 x 128 model's update
+    # each step is three small matmuls per matrix: on a CPU, 5 steps are ~10 % of a 4 x 128 model's update
     muon_ns_steps: int = setting(5, "Muon's Newton-Schulz steps.")
     eval_interval: int = setting(250, "Evaluate and checkpoint every N updates.")  # and at the end
     eval_iters: int = setting(20, "Batches per split in an evaluation.")
