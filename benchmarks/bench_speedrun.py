@@ -114,7 +114,12 @@ def one_round(nano: Path, tmp: Path, args, env: dict, extra: list[str]) -> list[
     T, lines = run_timed(nano_cmd + [f"--out_dir={tmp / 'nano'}", "--wandb_log=False"], nano, env)
     runs = [(f"nanoGPT train.py, CPU recipe, {args.iters:,} iters", T, *curves(lines), None)]
     for preset, budget in ((args.speedrun, T / 3), (args.fast, T)):
-        max_time = budget - overhead_s(tmp / "data", tmp, preset, env, extra)
+        over = overhead_s(tmp / "data", tmp, preset, env, extra)
+        if budget - over < 1:
+            sys.exit(
+                f"the budget of {budget:.1f} s leaves no time to train after our {over:.1f} s of start-up: more --iters"
+            )
+        max_time = budget - over
         wall, lines = run_timed(ours_cmd(tmp / "data", tmp / preset, preset, max_time, extra), tmp, env)
         runs.append((f"ours, --preset {preset} --max-time {max_time:.1f}", wall, *curves(lines), budget))
     return runs

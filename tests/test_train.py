@@ -375,6 +375,15 @@ def test_no_eval_first_evaluates_only_at_the_end_and_keeps_time_for_it(char_data
     assert [m["step"] for m in metrics(run)] == [result.step]  # no loss at init: the final evaluation only
 
 
+def test_cpu_speedrun_under_a_clock_trains_until_it_is_spent_and_evaluates_once(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    small = dict(n_layer=1, n_embd=32, block_size=16, batch_size=4, eval_iters=2)  # the preset's recipe, tiny
+    result = train(tiny_plan(data_dir, name, run, preset="cpu-speedrun", max_iters=10**6, max_time=1.0, **small))
+    assert result.stopped == "max_time" and result.step > 20  # past the preset's 20-update warm-up
+    assert [m["step"] for m in metrics(run)] == [result.step]
+
+
 def test_the_clock_guesses_the_final_evaluation_from_the_update_until_one_is_timed():
     from nanogpt_cli.trainer import Clock
 
