@@ -113,6 +113,7 @@ def one_round(nano: Path, tmp: Path, args, env: dict, extra: list[str]) -> list[
     nano_cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", *RECIPE, *iters]
     T, lines = run_timed(nano_cmd + [f"--out_dir={tmp / 'nano'}", "--wandb_log=False"], nano, env)
     runs = [(f"nanoGPT train.py, CPU recipe, {args.iters:,} iters", T, *curves(lines), None)]
+    print(f"nanoGPT: {T:.1f} s, val {runs[0][2][-1][1]:.4f} (load {os.getloadavg()[0]:.1f})", flush=True)
     for preset, budget in ((args.speedrun, T / 3), (args.fast, T)):
         over = overhead_s(tmp / "data", tmp, preset, env, extra)
         if budget - over < 1:
@@ -122,6 +123,7 @@ def one_round(nano: Path, tmp: Path, args, env: dict, extra: list[str]) -> list[
         max_time = budget - over
         wall, lines = run_timed(ours_cmd(tmp / "data", tmp / preset, preset, max_time, extra), tmp, env)
         runs.append((f"ours, --preset {preset} --max-time {max_time:.1f}", wall, *curves(lines), budget))
+        print(f"{preset}: {wall:.1f} s of {budget:.1f}, val {runs[-1][2][-1][1]:.4f} (load {os.getloadavg()[0]:.1f})")
     return runs
 
 

@@ -313,7 +313,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # --muon-lr 0.03 1.634, AdamW lr 4e-3 1.628; context 128 beat 64 at equal tokens. See bench_quality.py
     "cpu-fast": dict(
         n_layer=4,
-        n_head=4,
+        n_head=2,
         n_embd=128,
         block_size=128,
         batch_size=16,
@@ -334,6 +334,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         warmup_iters=50,
         eval_iters=20,
         eval_interval=250,
+        eval_first=False,
         beta2=0.99,
     ),
     # nanoGPT's CPU-recipe quality (val ~1.88) in a third of its wall time, e.g. `--max-time 10` on a 2-core CPU:
