@@ -198,7 +198,7 @@ def draw(runs, path: Path) -> None:
     ax.axhline(target, color="tab:grey", linestyle="--", linewidth=1, label=f"nanoGPT's final val {target:.3f}")
     ax.set_xlabel("wall time since launch (s)")
     ax.set_ylabel("loss (nats/char)")
-    ax.set_ylim(1.4, 2.8)
+    ax.set_ylim(1.4, 3.2)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.savefig(path, dpi=110, bbox_inches="tight")

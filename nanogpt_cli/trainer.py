@@ -184,8 +184,10 @@ class Clock:
 
     def eval_s(self) -> float:
         """The final evaluation's expected length: the last one's, or (when none has run: --no-eval-first) a
-        guess from the last update's."""
-        return self.last_eval_s or self.eval_steps * self.step_s
+        guess from the last update's; not from the first, which warms up and can take ten times as long."""
+        if self.last_eval_s:
+            return self.last_eval_s
+        return self.eval_steps * self.step_s if len(self.steps) > 1 else 0.0
 
     def out_of_time(self, due: bool) -> bool:
         """Whether another update and the final evaluation (after the one due now) would not fit."""
