@@ -211,7 +211,7 @@ class TrainConfig:
     muon_ns_steps: int = setting(5, "Muon's Newton-Schulz steps.")
     eval_interval: int = setting(250, "Evaluate and checkpoint every N updates.")  # and at the end
     eval_iters: int = setting(20, "Batches per split in an evaluation.")
-    # a speedrun under a short --max-time skips it: it costs as much as a dozen updates and trains nothing
+    # a speedrun under a short --max-time skips it: it costs about ten updates and trains nothing
     eval_first: bool = setting(True, "Evaluate before the first update (the loss at init).")
     log_interval: int = setting(10, "Progress every N updates.")
     # seeds the init, the batches, dropout and the evaluation batches
@@ -312,7 +312,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 600 x 16): WSD decay share 0.3 / 0.5 / 0.7 gave 1.621 / 1.615 / 1.607, 16 rows x 600 1.601, 24 x 400 1.645,
     # --muon-lr 0.03 1.634, AdamW lr 4e-3 1.628; context 128 beat 64 at equal tokens. See bench_quality.py.
     # Then (bench_speedrun.py): 2 heads of 64 instead of 4 of 32 (cpu-speedrun's 300 updates: 1.849 -> 1.834, and a
-    # step costs 0.95x), and no evaluation at init (a dozen updates' time); at 650 updates context 256 x 8 rows
+    # step costs 0.95x), and no evaluation at init (about ten updates); at 650 updates context 256 x 8 rows
     # gave 1.615 against 128 x 16's 1.595
     "cpu-fast": dict(
         n_layer=4,

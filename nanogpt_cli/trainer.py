@@ -184,10 +184,11 @@ class Clock:
 
     def eval_s(self) -> float:
         """The final evaluation's expected length: the last one's, or (when none has run: --no-eval-first) a
-        guess from the last update's; not from the first, which warms up and can take ten times as long."""
+        guess from the fastest update after the first STEADY_SKIP: the first few warm up, and on a busy CPU
+        can each take ten times a steady one."""
         if self.last_eval_s:
             return self.last_eval_s
-        return self.eval_steps * self.step_s if len(self.steps) > 1 else 0.0
+        return self.eval_steps * min(self.steps[STEADY_SKIP:]) if len(self.steps) > STEADY_SKIP else 0.0
 
     def out_of_time(self, due: bool) -> bool:
         """Whether another update and the final evaluation (after the one due now) would not fit."""
