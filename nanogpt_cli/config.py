@@ -311,12 +311,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 600 iterations take about the wall time of its 2000. Tuned at equal steps (val after 800 x 12 rows, or
     # 600 x 16): WSD decay share 0.3 / 0.5 / 0.7 gave 1.621 / 1.615 / 1.607, 16 rows x 600 1.601, 24 x 400 1.645,
     # --muon-lr 0.03 1.634, AdamW lr 4e-3 1.628; context 128 beat 64 at equal tokens. See bench_quality.py.
-    # Then (bench_speedrun.py): 2 heads of 64 instead of 4 of 32 (cpu-speedrun's 300 updates: 1.849 -> 1.834, and a
-    # step costs 0.95x), and no evaluation at init (about ten updates); at 650 updates context 256 x 8 rows
-    # gave 1.615 against 128 x 16's 1.595
+    # Then (bench_speedrun.py): no evaluation at init (about ten updates' time). 2 heads of 64 (better in
+    # cpu-speedrun) gave 1.590-1.605 in nanoGPT's wall time, no better than 4, so 4 stay (docs/inspect.md shows
+    # them); at 650 updates context 256 x 8 rows gave 1.615 against 128 x 16's 1.595
     "cpu-fast": dict(
         n_layer=4,
-        n_head=2,
+        n_head=4,
         n_embd=128,
         block_size=128,
         batch_size=16,
