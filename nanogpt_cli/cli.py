@@ -540,7 +540,10 @@ def tokenizer_encode(
 @one_line_errors
 def train(
     preset: Annotated[
-        str | None, typer.Option(help="Named config: tiny, cpu-char, cpu-fast, shakespeare-char, gpt2-124m, gpt2-350m.")
+        str | None,
+        typer.Option(
+            help="Named config: tiny, cpu-char, cpu-speedrun, cpu-fast, shakespeare-char, gpt2-124m, gpt2-350m."
+        ),
     ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML file of config keys; flags override it.")] = None,
     out: Annotated[Path | None, typer.Option(help="Run folder (default checkpoints/DATA-TIMESTAMP).")] = None,
@@ -556,6 +559,9 @@ def train(
         ),
     ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")] = False,
+    plot: Annotated[
+        bool, typer.Option("--plot/--no-plot", help="Draw loss.png in the run folder at the end (with matplotlib).")
+    ] = True,
     last: Annotated[bool, typer.Option("--last", help="With --init-from RUN: its last weights, not its best.")] = False,
     threads: Threads = None,
     tracker: Annotated[
@@ -617,7 +623,7 @@ def train(
                 "torchrun --nproc-per-node N -m nanogpt_cli finetune --out RUN --resume"
             )
         job = plan_finetune(flags, load_toml(config) if config else {}, out=out, resume=True, force=force)
-        return run_planned(job.plan, quiet, sink, job.trainable, verbose)
+        return run_planned(job.plan, quiet, sink, job.trainable, verbose, plot)
     plan = plan_run(
         flags,
         load_toml(config) if config else {},
@@ -635,12 +641,12 @@ def train(
         plan.notes.append("fine-tuning on a chat dataset: `nanogpt finetune` does the same, and LoRA with --lora")
     if how is not None:  # everything was checked here, before any process starts
         options = dict(preset=preset, config=config, init_from=init_from, threads=threads, tracker=tracker)
-        switches = dict(resume=resume, force=force, quiet=quiet, last=last, verbose=verbose)
+        switches = dict(resume=resume, force=force, quiet=quiet, last=last, verbose=verbose, no_plot=not plot)
         return launch_training(plan, how, given, {**options, **switches})
-    run_planned(plan, quiet, sink, verbose=verbose)
+    run_planned(plan, quiet, sink, verbose=verbose, plot=plot)
 
 
-def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False) -> None:
+def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False, plot: bool = True) -> None:
     """Train a planned run with the progress display (and a tracker's sink), then report it: train and finetune."""
     from nanogpt_cli.distributed import open_world
     from nanogpt_cli.trackers import Tee
@@ -666,7 +672,7 @@ def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False) 
             if sink is not None:
                 sink.close()
         if prints():
-            report_training(plan, result)
+            report_training(plan, result, plot)
     if result.stopped in ("SIGINT", "SIGTERM"):
         from nanogpt_cli.launch import record_error
 
@@ -795,17 +801,18 @@ def say_complete(plan) -> None:
         )
 
 
-def report_training(plan, result) -> None:
+def report_training(plan, result, plot: bool = True) -> None:
     """The summary table, the loss curves' picture (with the plot extra) and how the run ended."""
     from nanogpt_cli.ui import console, train_table
 
     console.print(train_table(result))
-    from nanogpt_cli.plot import write_png
+    if plot:  # the plot extra: a picture of the curves (importing matplotlib and drawing take ~1 s: --no-plot)
+        from nanogpt_cli.plot import write_png
 
-    try:  # the plot extra: a picture of the curves
-        write_png([plan.run_dir.path], plan.run_dir.loss_plot_path)
-    except NanoGPTError as e:  # said once, here at the end, where it is seen
-        note(f"{plan.run_dir.loss_plot_path.name} not drawn: {e}")
+        try:
+            write_png([plan.run_dir.path], plan.run_dir.loss_plot_path)
+        except NanoGPTError as e:  # said once, here at the end, where it is seen
+            note(f"{plan.run_dir.loss_plot_path.name} not drawn: {e}")
     from nanogpt_cli.launch import launch_flags
 
     resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"

@@ -207,8 +207,12 @@ class TrainConfig:
     muon_lr: float = setting(0.02, "Muon's peak learning rate.")  # the schedule scales it like --learning-rate
     muon_momentum: float = setting(0.95, "Muon's momentum.")  # Nesterov
     muon_momentum_warmup: int = setting(0, "Updates to raise Muon's momentum from 0.85.")
+    # each step is three small matmuls per matrix: on a CPU, 5 steps are ~10 % of a 4 x 128 model's update
+    muon_ns_steps: int = setting(5, "Muon's Newton-Schulz steps.")
     eval_interval: int = setting(250, "Evaluate and checkpoint every N updates.")  # and at the end
     eval_iters: int = setting(20, "Batches per split in an evaluation.")
+    # a speedrun under a short --max-time skips it: it costs about ten updates and trains nothing
+    eval_first: bool = setting(True, "Evaluate before the first update (the loss at init).")
     log_interval: int = setting(10, "Progress every N updates.")
     # seeds the init, the batches, dropout and the evaluation batches
     seed: int = setting(1337, "Random seed.")
@@ -237,6 +241,7 @@ class TrainConfig:
             "eval_interval",
             "eval_iters",
             "log_interval",
+            "muon_ns_steps",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -309,7 +314,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # batch. A step costs ~3x cpu-char's on a CPU (twice the context, 4/3 the rows, Muon's Newton-Schulz), so
     # 600 iterations take about the wall time of its 2000. Tuned at equal steps (val after 800 x 12 rows, or
     # 600 x 16): WSD decay share 0.3 / 0.5 / 0.7 gave 1.621 / 1.615 / 1.607, 16 rows x 600 1.601, 24 x 400 1.645,
-    # --muon-lr 0.03 1.634, AdamW lr 4e-3 1.628; context 128 beat 64 at equal tokens. See bench_quality.py
+    # --muon-lr 0.03 1.634, AdamW lr 4e-3 1.628; context 128 beat 64 at equal tokens. See bench_quality.py.
+    # Then (bench_speedrun.py): no evaluation at init (about ten updates' time). 2 heads of 64 (better in
+    # cpu-speedrun) gave 1.590-1.605 in nanoGPT's wall time, no better than 4, so 4 stay (docs/inspect.md shows
+    # them); at 650 updates context 256 x 8 rows gave 1.615 against 128 x 16's 1.595
     "cpu-fast": dict(
         n_layer=4,
         n_head=4,
@@ -333,6 +341,38 @@ PRESETS: dict[str, dict[str, Any]] = {
         warmup_iters=50,
         eval_iters=20,
         eval_interval=250,
+        eval_first=False,
+        beta2=0.99,
+    ),
+    # nanoGPT's CPU-recipe quality (val ~1.88) in a third of its wall time, e.g. `--max-time 10` on a 2-core CPU:
+    # cpu-fast's blocks at cpu-char's context, 2 heads of 64, a short warm-up and one evaluation, at the end (the
+    # loss at init is skipped). Tuned at equal updates (300, val): cpu-fast's 8 x 128 rows 1.855 (a step costs
+    # 1.07x), 16 x 64 1.851, with --learning-rate 3e-3 1.849, with 2 heads 1.834; at 8 x 128, 3 Newton-Schulz
+    # steps (a step costs 0.92x) gave 1.876 against 5's 1.855
+    "cpu-speedrun": dict(
+        n_layer=4,
+        n_head=2,
+        n_embd=128,
+        block_size=64,
+        batch_size=16,
+        max_iters=300,
+        dropout=0.0,
+        qk_norm=True,
+        mlp="relu2",
+        logit_softcap=30.0,
+        zero_init_proj=True,
+        optimizer="muon",
+        muon_lr=0.02,
+        muon_momentum=0.95,
+        muon_momentum_warmup=50,
+        learning_rate=3e-3,
+        min_lr=1e-4,
+        lr_schedule="wsd",
+        wsd_decay_frac=0.7,
+        warmup_iters=20,
+        eval_iters=20,
+        eval_interval=1000,
+        eval_first=False,
         beta2=0.99,
     ),
     # nanoGPT's config/train_shakespeare_char.py: a few minutes on a GPU

@@ -105,7 +105,13 @@ def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device):
         )
     inner, rest = muon_params(model)
     muon_class = CPUMuon if device.type == "cpu" else torch.optim.Muon
-    muon = muon_class(inner, lr=cfg.muon_lr, momentum=muon_momentum_at(0, cfg), weight_decay=cfg.weight_decay)
+    muon = muon_class(
+        inner,
+        lr=cfg.muon_lr,
+        momentum=muon_momentum_at(0, cfg),
+        weight_decay=cfg.weight_decay,
+        ns_steps=cfg.muon_ns_steps,
+    )
     matrices = [p for p in rest if p.dim() >= 2]  # the embedding and an untied head: decayed, as with AdamW alone
     others = [p for p in rest if p.dim() < 2]
     groups = [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": others, "weight_decay": 0.0}]

@@ -216,8 +216,9 @@ class Clock:
     evaluating and saving (left out of the speed figures), the first update (warm-up or compilation, also left
     out), and --max-time's budget, which keeps the last evaluation's length free for the final one."""
 
-    def __init__(self, before: float, max_time: float | None, last_eval_s: float, step: int):
+    def __init__(self, before: float, max_time: float | None, last_eval_s: float, step: int, eval_steps: float = 0.0):
         self.before, self.max_time, self.last_eval_s = before, max_time, last_eval_s
+        self.eval_steps = eval_steps  # an evaluation's length in updates, guessed, until one has been timed
         self.t0 = time.perf_counter()
         self.window_t, self.window_step = self.t0, step  # since the last progress line
         self.set_aside_s = 0.0  # evaluating and saving
@@ -234,13 +235,21 @@ class Clock:
         """--max-time: the share of it spent, out of the time left once the final evaluation is set aside."""
         if self.max_time is None:
             return None
-        return self.elapsed() / max(self.max_time - self.last_eval_s, 1e-9)
+        return self.elapsed() / max(self.max_time - self.eval_s(), 1e-9)
+
+    def eval_s(self) -> float:
+        """The final evaluation's expected length: the last one's, or (when none has run: --no-eval-first) a
+        guess from the fastest update after the first STEADY_SKIP: the first few warm up, and on a busy CPU
+        can each take ten times a steady one."""
+        if self.last_eval_s:
+            return self.last_eval_s
+        return self.eval_steps * min(self.steps[STEADY_SKIP:]) if len(self.steps) > STEADY_SKIP else 0.0
 
     def out_of_time(self, due: bool) -> bool:
         """Whether another update and the final evaluation (after the one due now) would not fit."""
         return (
             self.max_time is not None
-            and self.elapsed() + self.step_s + self.last_eval_s * (2 if due else 1) >= self.max_time
+            and self.elapsed() + self.step_s + self.eval_s() * (2 if due else 1) >= self.max_time
         )
 
     def stepped(self, started: float, first: bool) -> None:
@@ -418,7 +427,7 @@ class Trainer:
     def _loop(self) -> None:
         cfg, state = self.cfg, self.state
         with self.signals, self.saver:  # leaving it waits for the save being written, on every way out
-            if not self.plan.resume:  # the loss at init, for the record; a checkpoint of it would resume nothing
+            if not self.plan.resume and cfg.eval_first:  # the loss at init; a checkpoint of it would resume nothing
                 self.show.on_status("first evaluation")
                 self.evaluate(checkpoint=False)
             if cfg.compile:
@@ -672,7 +681,10 @@ class Trainer:
         self.lr = lr_at(max(self.state.step - 1, 0), cfg)  # the last update's rate, for evaluation lines
         self.signals = StopSignals(abort_on_second=world.size == 1)
         self.saver = Saver(self.run_dir, background=not cfg.sync_save, writes=world.main)
-        self.clock = Clock(self.state.elapsed_s, cfg.max_time, self.state.eval_s, self.state.step)
+        # a forward costs about a third of a forward and backward: an evaluation of both splits' batches is
+        # 2 * eval_iters / 3 updates of one micro-batch each (here, this rank's share of them)
+        eval_steps = 2 * len(self.eval_sets["val"]) / 3 / len(world.micro_share(cfg.gradient_accumulation_steps))
+        self.clock = Clock(self.state.elapsed_s, cfg.max_time, self.state.eval_s, self.state.step, eval_steps)
         if cfg.max_time is not None and device.type == "cuda":  # the clock must see the GPU's work, not its queue
             self.clock.sync = functools.partial(torch.cuda.synchronize, world.device)
         self.watch_load()  # busy before the first step already

@@ -51,6 +51,7 @@ def test_bad_toml_is_one_sentence(tmp_path, text, message):
         ({"compile": 1}, "--compile must be true or false"),
         ({"lr_schedule": "linear"}, "--lr-schedule must be one of cosine, constant, wsd"),
         ({"batch_size": 0}, "--batch-size must be a positive integer"),
+        ({"muon_ns_steps": 0}, "--muon-ns-steps must be a positive integer"),
         ({"n_embd": 30, "n_head": 4}, "--n-embd (30) must be divisible by --n-head (4)"),
     ],
 )

@@ -154,6 +154,27 @@ def test_loss_png_not_drawn_for_lack_of_matplotlib_is_said_once_at_the_end(char_
     assert result.output.rstrip().endswith(hint)  # the last thing the run says
 
 
+def test_no_plot_skips_loss_png(char_data, tmp_path):
+    pytest.importorskip("matplotlib")
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    ok(
+        "train",
+        "--data",
+        name,
+        "--data-dir",
+        data_dir,
+        "--preset",
+        "tiny",
+        "--max-iters",
+        "2",
+        "--out",
+        run,
+        "--no-plot",
+    )
+    assert (run / "model.safetensors").is_file() and not (run / "loss.png").exists()
+
+
 def test_wandb_runs_offline_without_network(char_data, tmp_path, monkeypatch, no_network):
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)

@@ -366,6 +366,39 @@ def test_max_time_ends_the_run_on_time_with_its_decay_done_and_a_final_evaluatio
     assert train(more).step > result.step
 
 
+def test_no_eval_first_evaluates_only_at_the_end_and_keeps_time_for_it(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    over = dict(max_iters=10**6, eval_interval=10**6, max_time=1.0, warmup_iters=0, eval_first=False)
+    result = train(tiny_plan(data_dir, name, run, **over))
+    assert result.stopped == "max_time" and result.step > 0
+    assert [m["step"] for m in metrics(run)] == [result.step]  # no loss at init: the final evaluation only
+
+
+def test_cpu_speedrun_under_a_clock_trains_until_it_is_spent_and_evaluates_once(char_data, tmp_path):
+    data_dir, name = char_data
+    run = tmp_path / "run"
+    small = dict(n_layer=1, n_embd=32, block_size=16, batch_size=4, eval_iters=2)  # the preset's recipe, tiny
+    result = train(tiny_plan(data_dir, name, run, preset="cpu-speedrun", max_iters=10**6, max_time=2.0, **small))
+    assert result.stopped == "max_time" and result.step > 1  # the slow first update did not end it
+    assert [m["step"] for m in metrics(run)] == [result.step]
+
+
+def test_the_clock_guesses_the_final_evaluation_from_the_update_until_one_is_timed():
+    from nanogpt_cli.trainer import Clock
+
+    for eval_steps, over in ((3, True), (2, False)):  # 8 s spent + a 0.5 s update + the evaluation, of 10 s
+        clock = Clock(before=8.0, max_time=10.0, last_eval_s=0.0, step=0, eval_steps=eval_steps)
+        clock.steps = [5.0, 2.0, 2.0, 2.0, 2.0]  # the first updates warm up: no guess from them
+        assert clock.eval_s() == 0.0
+        clock.steps += [0.5, 0.7]
+        clock.step_s = 0.5
+        assert clock.eval_s() == pytest.approx(0.5 * eval_steps)  # from the fastest steady update
+        assert clock.out_of_time(due=False) is over
+    clock.last_eval_s = 0.2  # timed: the guess is no longer used
+    assert clock.eval_s() == 0.2 and not clock.out_of_time(due=False)
+
+
 def test_max_time_and_stop_at_on_the_same_step_save_once(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
@@ -475,6 +508,22 @@ def test_the_schedule_scales_both_optimizers_and_warms_muons_momentum():
     assert muon.param_groups[0]["momentum"] == pytest.approx(0.9)  # half way from 0.85 to 0.95
     set_lr(opt, lr_at(0, cfg), 10, cfg)
     assert muon.param_groups[0]["momentum"] == 0.95 and muon.param_groups[0]["lr"] == pytest.approx(0.02)
+
+
+def test_muon_ns_steps_reach_the_update():
+    from nanogpt_cli.optim import make_optimizer
+
+    after = []
+    for steps in (5, 2):
+        torch.manual_seed(0)
+        model = GPT(tiny_config())
+        opt = make_optimizer(model, TrainConfig(optimizer="muon", muon_ns_steps=steps), torch.device("cpu"))
+        assert opt.optimizers[0].param_groups[0]["ns_steps"] == steps
+        for p in model.parameters():
+            p.grad = torch.ones_like(p).cumsum(-1).sin()
+        opt.step()
+        after.append(model.transformer.h[0].attn.c_attn.weight.detach().clone())
+    assert not torch.allclose(after[0], after[1])  # fewer steps: a less orthogonal, different update
 
 
 def test_the_cpu_muon_makes_torchs_muon_update_in_fp32():
