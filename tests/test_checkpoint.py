@@ -3,6 +3,7 @@
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -309,7 +310,11 @@ def test_a_background_save_is_the_synchronous_one_byte_for_byte_while_training_g
         saver.save(model, opt, state, meta, is_best=True)
         update(model, opt)  # what training does next: weights and optimizer state change in place
         state.step, state.best_val_loss = 3, 1.0
-        assert saver.busy() and (tmp_path / "background" / ".model.safetensors.staged").is_file()
+        staged, until = tmp_path / "background" / ".model.safetensors.staged", time.monotonic() + 30
+        while not staged.is_file():  # the writer thread (at a lower priority) has begun: the weights are written
+            assert time.monotonic() < until, "the background writer wrote nothing within 30 s"
+            time.sleep(0.01)
+        assert saver.busy()  # and it waits half way, on go_on
         go_on.set()
     sync, background = files(tmp_path / "sync"), files(tmp_path / "background")
     assert {"model.safetensors", "best.safetensors", "optimizer.safetensors", "trainer.json"} == set(background)
