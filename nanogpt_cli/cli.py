@@ -172,6 +172,26 @@ Threads = Annotated[
 ]
 
 
+# options that train and finetune share, declared once
+RunConfig = Annotated[Path | None, typer.Option("--config", help="TOML file of config keys; flags override it.")]
+RunOut = Annotated[Path | None, typer.Option("--out", help="Run folder (default checkpoints/DATA-TIMESTAMP).")]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue the run in --out where it stopped.")]
+Force = Annotated[bool, typer.Option("--force", help="Start over in an --out that holds a run (deletes it).")]
+Last = Annotated[bool, typer.Option("--last", help="With --init-from RUN: its last weights, not its best.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")]
+Plot = Annotated[
+    bool, typer.Option("--plot/--no-plot", help="Draw loss.png in the run folder at the end (with matplotlib).")
+]
+Tracker = Annotated[
+    str | None,
+    typer.Option(
+        "--tracker",
+        help="Also log to tensorboard or wandb (offline unless WANDB_MODE=online); needs the track extra.",
+        show_default=False,
+    ),
+]
+
+
 def note(message: str) -> None:
     from nanogpt_cli.ui import err_console
 
@@ -545,12 +565,10 @@ def train(
             help="Named config: tiny, cpu-char, cpu-speedrun, cpu-fast, shakespeare-char, gpt2-124m, gpt2-350m."
         ),
     ] = None,
-    config: Annotated[Path | None, typer.Option(help="TOML file of config keys; flags override it.")] = None,
-    out: Annotated[Path | None, typer.Option(help="Run folder (default checkpoints/DATA-TIMESTAMP).")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out where it stopped.")] = False,
-    force: Annotated[
-        bool, typer.Option("--force", help="Start over in an --out that holds a run (deletes it).")
-    ] = False,
+    config: RunConfig = None,
+    out: RunOut = None,
+    resume: Resume = False,
+    force: Force = False,
     init_from: Annotated[
         str | None,
         typer.Option(
@@ -558,19 +576,11 @@ def train(
             "Hugging Face folder or hf:NAME) with a fresh optimizer."
         ),
     ] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")] = False,
-    plot: Annotated[
-        bool, typer.Option("--plot/--no-plot", help="Draw loss.png in the run folder at the end (with matplotlib).")
-    ] = True,
-    last: Annotated[bool, typer.Option("--last", help="With --init-from RUN: its last weights, not its best.")] = False,
+    quiet: Quiet = False,
+    plot: Plot = True,
+    last: Last = False,
     threads: Threads = None,
-    tracker: Annotated[
-        str | None,
-        typer.Option(
-            help="Also log to tensorboard or wandb (offline unless WANDB_MODE=online); needs the track extra.",
-            show_default=False,
-        ),
-    ] = None,
+    tracker: Tracker = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the whole config at the start.")] = False,
     nproc: Annotated[
         int | None,
@@ -713,19 +723,15 @@ def finetune(
     preset: Annotated[
         str | None, typer.Option(help="Named training config (the architecture stays the checkpoint's).")
     ] = None,
-    config: Annotated[Path | None, typer.Option(help="TOML file of config keys; flags override it.")] = None,
-    out: Annotated[Path | None, typer.Option(help="Run folder (default checkpoints/DATA-TIMESTAMP).")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out where it stopped.")] = False,
-    force: Annotated[
-        bool, typer.Option("--force", help="Start over in an --out that holds a run (deletes it).")
-    ] = False,
-    last: Annotated[bool, typer.Option("--last", help="With --init-from RUN: its last weights, not its best.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")] = False,
+    config: RunConfig = None,
+    out: RunOut = None,
+    resume: Resume = False,
+    force: Force = False,
+    last: Last = False,
+    quiet: Quiet = False,
     threads: Threads = None,
-    tracker: Annotated[
-        str | None,
-        typer.Option(help="Also log to tensorboard or wandb; needs the track extra.", show_default=False),
-    ] = None,
+    tracker: Tracker = None,
+    plot: Plot = True,
     flags: dict | None = None,  # the config options given (config_options)
 ):
     """Fine-tune trained weights on a dataset: all of them, or LoRA adapters (--lora). On a chat dataset only the
@@ -759,7 +765,7 @@ def finetune(
         lora=lora_cfg,
         lora_flags=set(given) | ({"targets"} if lora_targets is not None else set()),
     )
-    run_planned(job.plan, quiet, sink, job.trainable)
+    run_planned(job.plan, quiet, sink, job.trainable, plot=plot)
 
 
 def stopped_line(plan, result) -> str:
