@@ -4,8 +4,8 @@ context 64, then 6 x 384, 12 x 768 and 24 x 1024 at context 256, char-level Tiny
 process. One table: steady ms/iter, tokens/s, achieved GFLOP/s, peak RSS and wall, with nanoGPT's figure over
 ours as the speed-up.
 
-    python benchmarks/bench_scale.py --nanogpt /work/nanoGPT            # all four sizes, ~10 min on 2 cores
-    python benchmarks/bench_scale.py --nanogpt /work/nanoGPT --sizes 0.8M,10M
+    python benchmarks/bench_scale.py --nanogpt DIR            # all four sizes, ~10 min on 2 cores
+    python benchmarks/bench_scale.py --nanogpt DIR --sizes 0.8M,10M
 
 The nanoGPT files it needs are copied into a temporary folder (its checkout is never written to), and its
 Tiny Shakespeare is made by its own `data/shakespeare_char/prepare.py` from our copy of the text. Both sides
