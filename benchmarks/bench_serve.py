@@ -2,7 +2,7 @@
 exported to GGUF, llama.cpp's own OpenAI server (PyPI's xllamacpp, used only here).
 
     python benchmarks/bench_serve.py                                  # 1, 4 and 16 clients, both servers
-    python benchmarks/bench_serve.py --clients 1 16 --requests 32 --max-tokens 64 --threads 1 --only nanogpt
+    python benchmarks/bench_serve.py --clients 1 16 --requests 128 --max-tokens 64 --threads 1 --only nanogpt
     python benchmarks/bench_serve.py --step        # the decode step alone, ours against llama.cpp's, batch 1 and 5
     python benchmarks/bench_serve.py --baseline ../other-checkout   # that checkout's server too, side by side
 
@@ -328,7 +328,13 @@ def pct(values: list[float], q: float) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--requests", type=int, default=32, help="requests per client count (at least one per client)")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=128,
+        help="requests per client count and round (at least one per client); 16 clients then make 8 each, so the "
+        "figure is the full batch's, not its filling and draining",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="CPU threads for each server")
     p.add_argument("--only", choices=["nanogpt", "llama.cpp"], default=None)
