@@ -32,21 +32,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vs_nanogpt import CPU_RECIPE as RECIPE  # noqa: E402  (at its 2,000 iterations here)
 from bench_vs_nanogpt import EVAL_LINE, prepare_nanogpt  # noqa: E402
 from common import ROOT, shakespeare_path, table  # noqa: E402
 
-RECIPE = [  # nanoGPT README's "I only have a macbook" run, at its 2,000 iterations
-    "--device=cpu",
-    "--compile=False",
-    "--eval_iters=20",
-    "--log_interval=1",
-    "--block_size=64",
-    "--batch_size=12",
-    "--n_layer=4",
-    "--n_head=4",
-    "--n_embd=128",
-    "--dropout=0.0",
-]
 TRAIN_LINE = re.compile(r"(?:iter|step)\s+([\d,]+)(?::|/[\d,]+ \|) loss ([\d.]+)")  # nanoGPT's / ours
 
 

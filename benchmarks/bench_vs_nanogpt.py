@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import shakespeare_path, table  # noqa: E402
 
 ITERS = 300
-RECIPE = [
+CPU_RECIPE = [  # nanoGPT README's "I only have a macbook" run, at its own length
     "--device=cpu",
     "--compile=False",
     "--eval_iters=20",
@@ -44,10 +44,9 @@ RECIPE = [
     "--n_layer=4",
     "--n_head=4",
     "--n_embd=128",
-    f"--max_iters={ITERS}",
-    f"--lr_decay_iters={ITERS}",
     "--dropout=0.0",
-]  # nanoGPT README's "I only have a macbook" run
+]
+RECIPE = [*CPU_RECIPE, f"--max_iters={ITERS}", f"--lr_decay_iters={ITERS}"]
 EVAL_LINE = re.compile(r"step\s+([\d,]+): train loss ([\d.]+), val loss ([\d.]+)")
 
 

@@ -280,6 +280,33 @@ class TrainConfig:
 
 
 # A preset names values for fields of GPTConfig and TrainConfig; flags and config files override it.
+_CPU_FAST: dict[str, Any] = dict(
+    n_layer=4,
+    n_head=4,
+    n_embd=128,
+    block_size=128,
+    batch_size=16,
+    max_iters=600,
+    dropout=0.0,
+    qk_norm=True,
+    mlp="relu2",
+    logit_softcap=30.0,
+    zero_init_proj=True,
+    optimizer="muon",
+    muon_lr=0.02,
+    muon_momentum=0.95,
+    muon_momentum_warmup=100,
+    learning_rate=2e-3,
+    min_lr=1e-4,
+    lr_schedule="wsd",
+    wsd_decay_frac=0.7,
+    warmup_iters=50,
+    eval_iters=20,
+    eval_interval=250,
+    eval_first=False,
+    beta2=0.99,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # tests, CI and smoke runs: a few seconds on a CPU
     "tiny": dict(
@@ -318,62 +345,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Then (bench_speedrun.py): no evaluation at init (about ten updates' time). 2 heads of 64 (better in
     # cpu-speedrun) gave 1.590-1.605 in nanoGPT's wall time, no better than 4, so 4 stay (docs/inspect.md shows
     # them); at 650 updates context 256 x 8 rows gave 1.615 against 128 x 16's 1.595
-    "cpu-fast": dict(
-        n_layer=4,
-        n_head=4,
-        n_embd=128,
-        block_size=128,
-        batch_size=16,
-        max_iters=600,
-        dropout=0.0,
-        qk_norm=True,
-        mlp="relu2",
-        logit_softcap=30.0,
-        zero_init_proj=True,
-        optimizer="muon",
-        muon_lr=0.02,
-        muon_momentum=0.95,
-        muon_momentum_warmup=100,
-        learning_rate=2e-3,
-        min_lr=1e-4,
-        lr_schedule="wsd",
-        wsd_decay_frac=0.7,
-        warmup_iters=50,
-        eval_iters=20,
-        eval_interval=250,
-        eval_first=False,
-        beta2=0.99,
-    ),
+    "cpu-fast": _CPU_FAST,
     # nanoGPT's CPU-recipe quality (val ~1.88) in a third of its wall time, e.g. `--max-time 10` on a 2-core CPU:
     # cpu-fast's blocks at cpu-char's context, 2 heads of 64, a short warm-up and one evaluation, at the end (the
     # loss at init is skipped). Tuned at equal updates (300, val): cpu-fast's 8 x 128 rows 1.855 (a step costs
     # 1.07x), 16 x 64 1.851, with --learning-rate 3e-3 1.849, with 2 heads 1.834; at 8 x 128, 3 Newton-Schulz
     # steps (a step costs 0.92x) gave 1.876 against 5's 1.855
     "cpu-speedrun": dict(
-        n_layer=4,
+        _CPU_FAST,
         n_head=2,
-        n_embd=128,
         block_size=64,
-        batch_size=16,
         max_iters=300,
-        dropout=0.0,
-        qk_norm=True,
-        mlp="relu2",
-        logit_softcap=30.0,
-        zero_init_proj=True,
-        optimizer="muon",
-        muon_lr=0.02,
-        muon_momentum=0.95,
         muon_momentum_warmup=50,
         learning_rate=3e-3,
-        min_lr=1e-4,
-        lr_schedule="wsd",
-        wsd_decay_frac=0.7,
         warmup_iters=20,
-        eval_iters=20,
         eval_interval=1000,
-        eval_first=False,
-        beta2=0.99,
     ),
     # nanoGPT's config/train_shakespeare_char.py: a few minutes on a GPU
     "shakespeare-char": dict(
