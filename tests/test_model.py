@@ -74,6 +74,53 @@ def test_squared_relu_backward_is_autograds():
     torch.testing.assert_close(ours, autograds, rtol=0, atol=0)
 
 
+def composite_attention(attn, x, cos, sin):
+    """CausalSelfAttention's output computed from its modules one by one: the norms, apply_rope, attention."""
+    B, T, C = x.shape
+    qkv = attn.c_attn(x).view(B, T, 3, attn.n_head, attn.head_size)
+    qk = torch.stack([attn.q_norm(qkv[:, :, 0]), attn.k_norm(qkv[:, :, 1])], dim=2)
+    q, k = apply_rope(qk, cos, sin).unbind(2)
+    y = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, 2].transpose(1, 2), is_causal=True
+    )
+    return attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def test_the_fused_qk_norm_and_rope_computes_the_modules_values_and_gradients():
+    """Attention with QK-norm and RoPE runs one Function (NormRopeQKV) for the norms, the rotation and the
+    layout: its backward passes gradcheck in fp64, and a block gives the output and every weight's gradient
+    that its modules give one by one; under CPU bf16 autocast it stays within bf16's precision of them."""
+    from nanogpt_cli.model import NormRopeQKV
+
+    torch.manual_seed(0)
+    B, T, nh, hs = 2, 6, 3, 8
+    qkv = torch.randn(B, T, 3, nh, hs, dtype=torch.float64, requires_grad=True)
+    gains = [(1 + 0.3 * torch.randn(hs, dtype=torch.float64)).requires_grad_() for _ in range(2)]
+    cos, sin = (t[:, None, None, :].double() for t in rope_tables(torch.arange(T), hs, 10000.0))
+    fused = lambda a, gq, gk: NormRopeQKV.apply(a, gq, gk, cos, sin, 1e-5, torch.float64)  # noqa: E731
+    assert torch.autograd.gradcheck(fused, (qkv, *gains))
+
+    model = GPT(tiny(qk_norm=True))
+    attn = model.transformer.h[0].attn
+    with torch.no_grad():  # gains away from their init of ones, so that a gain mixed up would show
+        attn.q_norm.weight.normal_(1.0, 0.3)
+        attn.k_norm.weight.normal_(1.0, 0.3)
+    x = torch.randn(2, 16, 32)
+    cos, sin = model.rope_cos[:16], model.rope_sin[:16]
+    names = [n for n, p in attn.named_parameters()]
+    grads = {}
+    for name, fn in (("fused", lambda: attn(x, cos, sin)), ("modules", lambda: composite_attention(attn, x, cos, sin))):
+        y = fn()
+        grads[name] = (y, torch.autograd.grad(y.square().sum(), list(attn.parameters())))
+    torch.testing.assert_close(grads["fused"][0], grads["modules"][0], atol=1e-6, rtol=1e-5)
+    for name, a, b in zip(names, grads["fused"][1], grads["modules"][1]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+        assert a.abs().sum() > 0, name
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = attn(x, cos, sin)
+    torch.testing.assert_close(low.float(), grads["modules"][0], atol=3e-2, rtol=3e-2)
+
+
 def test_zero_init_projections_start_each_block_as_the_identity_and_still_train():
     torch.manual_seed(0)
     model = GPT(tiny(zero_init_proj=True))

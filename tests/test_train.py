@@ -526,7 +526,7 @@ def test_muon_ns_steps_reach_the_update():
     assert not torch.allclose(after[0], after[1])  # fewer steps: a less orthogonal, different update
 
 
-def test_the_cpu_muon_makes_torchs_muon_update_in_fp32():
+def test_the_cpu_muon_makes_torchs_muon_update():
     from nanogpt_cli.optim import CPUMuon
 
     torch.manual_seed(0)
@@ -544,6 +544,30 @@ def test_the_cpu_muon_makes_torchs_muon_update_in_fp32():
         torch.testing.assert_close(p, q, atol=2e-3, rtol=0)
         assert not torch.equal(p, torch.zeros_like(p))
     b.load_state_dict(a.state_dict())  # the same state: checkpoints move between them
+
+
+def test_the_cpu_muon_orthogonalises_same_shaped_matrices_together_as_each_alone():
+    """CPUMuon stacks the updates of one shape into one batched Newton-Schulz: the result is each matrix's own,
+    in fp32 to rounding, for a shape with several matrices, a shape with one, and a wide and a tall one."""
+    from nanogpt_cli.optim import CPUMuon
+
+    torch.manual_seed(0)
+    shapes = [(48, 16), (48, 16), (48, 16), (16, 40)]
+    together = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
+    alone = [torch.nn.Parameter(p.detach().clone()) for p in together]
+    starts = [p.detach().clone() for p in together]
+    a = CPUMuon(together, lr=0.02, momentum=0.9, weight_decay=0.1, ns_dtype=torch.float32)
+    singles = [CPUMuon([p], lr=0.02, momentum=0.9, weight_decay=0.1, ns_dtype=torch.float32) for p in alone]
+    for _ in range(3):
+        for p, q in zip(together, alone):
+            p.grad = torch.randn_like(p)
+            q.grad = p.grad.clone()
+        a.step()
+        for opt in singles:
+            opt.step()
+    for p, q, start in zip(together, alone, starts):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-5)
+        assert (p - start).abs().max() > 1e-3  # updated
 
 
 # --- resuming with the command that started the run (issue 12) ---
