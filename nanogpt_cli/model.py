@@ -58,48 +58,60 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, x.roll(half, dims=-1), sin)  # roll: (x1, x2) -> (x2, x1)
 
 
+def rotate_half_into(out: torch.Tensor, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """out = x * c + roll(x) * s over the last dimension, roll being the swap of its two halves, written half by
+    half into out: torch.roll copies through a concatenation, a pass that costs as much as the product."""
+    half = x.size(-1) // 2
+    for lo, hi in ((slice(None, half), slice(half, None)), (slice(half, None), slice(None, half))):
+        torch.mul(x[..., lo], c[..., lo], out=out[..., lo]).addcmul_(x[..., hi], s[..., lo])
+    return out
+
+
 class NormRopeQKV(torch.autograd.Function):
     """QK-norm then RoPE on the fused qkv (B, T, 3, nh, hs), returning q, k, v each (B, nh, T, hs) contiguous in
     out_dtype, as scaled_dot_product_attention reads them: the same values as norming q and k with their
     RMSNorms, apply_rope and the transposes, with a hand-written backward that writes qkv's gradient in one
     buffer. On a CPU these passes over small tensors are bound by memory, and autograd's graph for them (the
-    norms' composite ops, a stack, the slices' zero-filled gradients) made a 4 x 128 model's update ~1.3x
-    slower. The norm and RoPE run in fp32; the gains fold into RoPE's tables, n * (g cos) + roll(n) * (roll(g)
-    sin) with n = x / rms(x), as the gain, the rotation and the roll are all per dimension."""
+    norms' composite ops, a stack, torch.roll's concatenations, the slices' zero-filled gradients) made a
+    4 x 128 model's update ~1.3x slower. q and k are normed and rotated in fp32, laid out (2, B, nh, T, hs) from
+    the first copy on; the gains fold into RoPE's tables, n * (g cos) + roll(n) * (roll(g) sin) with
+    n = x / rms(x), as the gain, the rotation and the roll all act per dimension."""
 
     @staticmethod
     def forward(ctx, qkv, q_gain, k_gain, cos, sin, eps: float, out_dtype: torch.dtype):
-        hs = qkv.size(-1)
-        half = hs // 2
+        T, hs = qkv.size(1), qkv.size(-1)
         dtype = torch.promote_types(qkv.dtype, torch.float32)
-        x = qkv[:, :, :2].to(dtype, copy=True)  # (B, T, 2, nh, hs)
+        x = qkv[:, :, :2].permute(2, 0, 3, 1, 4).to(dtype, memory_format=torch.contiguous_format, copy=True)
         inv_rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(hs).add_(eps).rsqrt_()
-        n = x.mul_(inv_rms)  # x is a copy: normalised in place
-        g = torch.stack([q_gain, k_gain]).to(dtype).unsqueeze(1)  # (2, 1, hs), broadcast over (B, T, 2, nh, hs)
-        cos, sin = cos.to(dtype), sin.to(dtype)  # (T, 1, 1, hs)
-        out = torch.addcmul(n * (g * cos), n.roll(half, dims=-1), g.roll(half, dims=-1) * sin)
-        q, k = (out.select(2, i).transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format) for i in (0, 1))
+        n = x.mul_(inv_rms)  # (2, B, nh, T, hs): x is a copy, normalised in place
+        g = torch.stack([q_gain, k_gain]).to(dtype).view(2, 1, 1, 1, hs)
+        cos, sin = cos.to(dtype).view(T, hs), sin.to(dtype).view(T, hs)
+        out = rotate_half_into(torch.empty_like(n), n, g * cos, g.roll(hs // 2, dims=-1) * sin)
+        if out_dtype != dtype:
+            out = out.to(out_dtype)
         v = qkv.select(2, 2).transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format)
         ctx.save_for_backward(n, inv_rms, g, cos, sin)
         ctx.qkv_dtype, ctx.gain_dtype = qkv.dtype, q_gain.dtype
-        return q, k, v
+        return out[0], out[1], v
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dq, dk, dv):
         n, inv_rms, g, cos, sin = ctx.saved_tensors
-        half = n.size(-1) // 2
-        d_out = torch.stack([dq.transpose(1, 2), dk.transpose(1, 2)], dim=2).to(n.dtype)  # (B, T, 2, nh, hs)
-        # RoPE's transpose: the roll by half a head is its own inverse
-        d_y = torch.addcmul((d_out * sin).roll(half, dims=-1), d_out, cos)  # d(n * g)
-        d_gain = (d_y * n).sum(dim=(0, 1, 3))  # (2, hs)
-        d_n = d_y.mul_(g)
-        # RMSNorm's backward without the gain: (d_n - n * mean(d_n * n)) / rms
-        d_x = torch.addcmul(d_n, n, (d_n * n).mean(dim=-1, keepdim=True), value=-1.0).mul_(inv_rms)
-        d_qkv = torch.empty(*n.shape[:2], 3, *n.shape[3:], dtype=ctx.qkv_dtype, device=n.device)
-        d_qkv[:, :, :2] = d_x
+        B, nh, T, hs = dq.shape
+        d_qkv = torch.empty(B, T, 3, nh, hs, dtype=ctx.qkv_dtype, device=dq.device)
+        d_gains = []
+        for i, d_out in enumerate((dq, dk)):  # q, then k: no stack of the two
+            d_out = d_out.to(n.dtype)
+            # RoPE's transpose: the swap of halves is its own inverse, so d(n g) = d_out cos + roll(d_out sin)
+            d_y = rotate_half_into(torch.empty_like(d_out), d_out, cos, sin.roll(hs // 2, dims=-1))
+            d_gains.append((d_y * n[i]).sum(dim=(0, 1, 2)).to(ctx.gain_dtype))
+            d_n = d_y.mul_(g[i])
+            # RMSNorm's backward without the gain: (d_n - n * mean(d_n * n)) / rms
+            d_x = torch.addcmul(d_n, n[i], (d_n * n[i]).mean(dim=-1, keepdim=True), value=-1.0).mul_(inv_rms[i])
+            d_qkv[:, :, i] = d_x.transpose(1, 2)
         d_qkv[:, :, 2] = dv.transpose(1, 2)
-        return d_qkv, d_gain[0].to(ctx.gain_dtype), d_gain[1].to(ctx.gain_dtype), None, None, None, None
+        return d_qkv, d_gains[0], d_gains[1], None, None, None, None
 
 
 # --- the cache a forward can fill ---------------------------------------------------------------
