@@ -547,12 +547,13 @@ def test_the_cpu_muon_makes_torchs_muon_update():
 
 
 def test_the_cpu_muon_orthogonalises_same_shaped_matrices_together_as_each_alone():
-    """CPUMuon stacks the updates of one shape into one batched Newton-Schulz: the result is each matrix's own,
-    in fp32 to rounding, for a shape with several matrices, a shape with one, and a wide and a tall one."""
+    """CPUMuon stacks the updates of one shape, a tall matrix as its transpose, into one batched Newton-Schulz: the
+    result is each matrix's own, in fp32 to rounding, for tall and wide matrices stacked together and a shape
+    with one matrix."""
     from nanogpt_cli.optim import CPUMuon
 
     torch.manual_seed(0)
-    shapes = [(48, 16), (48, 16), (48, 16), (16, 40)]
+    shapes = [(48, 16), (48, 16), (16, 48), (16, 40)]
     together = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
     alone = [torch.nn.Parameter(p.detach().clone()) for p in together]
     starts = [p.detach().clone() for p in together]
