@@ -63,12 +63,12 @@ def orthogonalize(
 
 class CPUMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.optim.Optimizer):
     """torch.optim.Muon's update with the Newton-Schulz steps made for a CPU: the matrices of one shape (each
-    block's c_attn, say; a tall one as its transpose) are stacked and orthogonalised together, in bf16 where the CPU multiplies it natively
-    (AVX-512 BF16 or AMX) and in fp32 elsewhere. A 4 x 128 model's 16 matrices took 4.4 ms so, against 15.7 ms
-    one by one in fp32 (11.6 in bf16) on two AMX cores: a matrix of these sizes is too small to keep the cores
-    busy alone. The update is otherwise torch's (Nesterov momentum, the "original" shape scaling
-    sqrt(max(1, rows / cols)), decoupled weight decay), and so are the state and the param groups: a checkpoint
-    moves between the two."""
+    block's c_attn, say; a tall one as its transpose) are stacked and orthogonalised together, in bf16 where the
+    CPU multiplies it natively (AVX-512 BF16 or AMX) and in fp32 elsewhere. A 4 x 128 model's 16 matrices took
+    4.4 ms so, against 15.7 ms one by one in fp32 (11.6 in bf16) on two AMX cores: a matrix of these sizes is too
+    small to keep the cores busy alone. The update is otherwise torch's (Nesterov momentum, the "original" shape
+    scaling sqrt(max(1, rows / cols)), decoupled weight decay), and so are the state and the param groups: a
+    checkpoint moves between the two."""
 
     def __init__(self, params, *args, ns_dtype: torch.dtype | None = None, **kwargs):
         super().__init__(params, *args, **kwargs)
