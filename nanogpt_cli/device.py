@@ -6,7 +6,9 @@ device = resolve_device("auto"); dtype = resolve_dtype(Dtype.auto, device)
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
+import sys
 from pathlib import Path
 
 import torch
@@ -140,6 +142,31 @@ def resolve_inference_dtype(name: Dtype, device: torch.device, weight_bytes: int
             return torch.bfloat16
         return torch.float32
     return TORCH_DTYPES[Dtype(name)]
+
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Have glibc's malloc keep the memory that freed tensors leave, for the next ones; True when it took.
+
+    A training step on a CPU frees and allocates the same activations every update. By default glibc serves
+    blocks over its mmap threshold (which adapts, starting at 128 KiB) with fresh pages and gives free memory at
+    the heap's top back to the system past its trim threshold, so every update faults its activations in
+    again: a 4 x 128 model's update faulted ~7,000 pages (28 MB) and 150 updates took 20.6 s against 18.2 s
+    with these settings, which leave ~100 faults per update. Blocks under 32 MiB now come from the heap, and up
+    to 1 GiB of free memory stays in the process; larger tensors are still mapped and unmapped on their own.
+    Elsewhere (not Linux, or another C library) nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
 def set_threads(n: int | None) -> None:

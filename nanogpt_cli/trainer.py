@@ -32,7 +32,14 @@ from nanogpt_cli.checkpoint import TrainerState, load_weights
 from nanogpt_cli.data import open_split
 from nanogpt_cli.data.chat import checkpoint_template
 from nanogpt_cli.data.reader import open_conversations, open_mask_split, pack_windows
-from nanogpt_cli.device import autocast_for, enable_tf32, peak_flops, resolve_device, resolve_dtype
+from nanogpt_cli.device import (
+    autocast_for,
+    enable_tf32,
+    keep_freed_memory,
+    peak_flops,
+    resolve_device,
+    resolve_dtype,
+)
 from nanogpt_cli.distributed import World, launched_size
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.events import Display, Evaluated, NoDisplay, RunSpeed, RunStarted, StepLogged, TrainResult
@@ -608,6 +615,8 @@ class Trainer:
         dtype = resolve_dtype(cfg.dtype, device)
         if device.type == "cuda":
             enable_tf32()
+        elif device.type == "cpu":
+            keep_freed_memory()  # activations come from freed memory, not fresh pages, every update
         torch.manual_seed(cfg.seed)
         self.show.on_status("loading the data")
         self.batches = Batches(
