@@ -11,7 +11,6 @@ hs head size (C // nh), H MLP hidden width, V vocab_size.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Protocol
 
@@ -200,28 +199,25 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, cos=None, sin=None, cache: Cache | None = None, layer: int = 0):
         B, T, C = x.size()
         qkv = self.c_attn(x).view(B, T, 3, self.n_head, self.head_size)  # (B, T, 3, nh, hs)
-        if cache is None and self.rope and self.q_norm is not None:
-            # the CPU flash-attention kernel's bf16 backward is ~5x slower than its fp32 one (torch 2.13): under
-            # CPU autocast q, k and v come out in fp32, and attention runs outside autocast
-            cpu_autocast = x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-            eps = self.q_norm.eps if self.q_norm.eps is not None else torch.finfo(torch.float32).eps
-            out_dtype = torch.float32 if cpu_autocast else qkv.dtype
-            q, k, v = NormRopeQKV.apply(qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, eps, out_dtype)
-            with torch.autocast("cpu", enabled=False) if cpu_autocast else contextlib.nullcontext():
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout * self.training)
-            return dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)), self.dropout, self.training)
-        qk = qkv[:, :, :2]  # (B, T, 2, nh, hs)
-        if self.q_norm is not None:  # per head, before RoPE
-            qk = torch.stack([self.q_norm(qkv[:, :, 0]), self.k_norm(qkv[:, :, 1])], dim=2)
-        if self.rope:
-            # rotate q and k together: one set of elementwise ops instead of two
-            qk = apply_rope(qk, cos, sin)  # (B, T, 2, nh, hs); cos, sin: (T, 1, 1, hs)
-        q, k = qk.unbind(dim=2)
-        v = qkv[:, :, 2]
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
+        cpu_autocast = x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+        if cache is None and self.rope and self.q_norm is not None:  # training's path: one Function for all three
+            out_dtype = torch.float32 if cpu_autocast else qkv.dtype  # fp32 for the CPU's attention below
+            q, k, v = NormRopeQKV.apply(
+                qkv, self.q_norm.weight, self.k_norm.weight, cos, sin, self.q_norm.eps, out_dtype
+            )  # (B, nh, T, hs) each
+        else:
+            qk = qkv[:, :, :2]  # (B, T, 2, nh, hs)
+            if self.q_norm is not None:  # per head, before RoPE
+                qk = torch.stack([self.q_norm(qkv[:, :, 0]), self.k_norm(qkv[:, :, 1])], dim=2)
+            if self.rope:
+                # rotate q and k together: one set of elementwise ops instead of two
+                qk = apply_rope(qk, cos, sin)  # (B, T, 2, nh, hs); cos, sin: (T, 1, 1, hs)
+            q, k = qk.unbind(dim=2)
+            v = qkv[:, :, 2]
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
         if cache is None:
             dropout_p = self.dropout if self.training else 0.0
-            if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+            if cpu_autocast:
                 # the CPU flash-attention kernel's bf16 backward is ~5x slower than its fp32 one (torch 2.13),
                 # and autocast would cast fp32 inputs back down: run it in fp32 outside autocast
                 with torch.autocast("cpu", enabled=False):

@@ -45,20 +45,15 @@ class Optimizers:
 def orthogonalize(
     G: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype
 ) -> torch.Tensor:
-    """Muon's quintic Newton-Schulz iteration in `dtype`, on one matrix G (m, n) or a stack of them (k, m, n):
-    each -> roughly the nearest semi-orthogonal matrix (U V^T of its SVD, with singular values near 1)."""
+    """Muon's quintic Newton-Schulz iteration in `dtype` on a stack of wide matrices G (k, m, n), m <= n: each
+    -> roughly the nearest semi-orthogonal matrix (U V^T of its SVD, with singular values near 1)."""
     a, b, c = coefficients
     X = G.to(dtype)
-    tall = G.size(-2) > G.size(-1)
-    if tall:
-        X = X.mT
     X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
-    stacked = X.dim() == 3
-    mm = torch.baddbmm if stacked else torch.addmm
     for _ in range(steps):
         A = X @ X.mT
-        X = mm(X, mm(A, A, A, beta=b, alpha=c), X, beta=a)
-    return X.mT if tall else X
+        X = torch.baddbmm(X, torch.baddbmm(A, A, A, beta=b, alpha=c), X, beta=a)
+    return X
 
 
 class CPUMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.optim.Optimizer):
@@ -96,14 +91,13 @@ class CPUMuon(torch.optim.Muon if hasattr(torch.optim, "Muon") else torch.optim.
             for i, p in enumerate(params):
                 by_shape.setdefault((min(p.shape), max(p.shape)), []).append(i)
             for members in by_shape.values():
-                wide = [updates[i].mT if params[i].size(0) > params[i].size(1) else updates[i] for i in members]
-                stack = torch.stack(wide) if len(wide) > 1 else wide[0]
+                tall = [params[i].size(0) > params[i].size(1) for i in members]
+                stack = torch.stack([updates[i].mT if t else updates[i] for i, t in zip(members, tall)])
                 ortho = orthogonalize(stack, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
-                for j, i in enumerate(members):
+                for o, i, t in zip(ortho, members, tall):
                     p = params[i]
-                    o = ortho[j] if len(wide) > 1 else ortho
                     scale = max(1.0, p.size(0) / p.size(1)) ** 0.5
-                    p.add_((o.mT if p.size(0) > p.size(1) else o).to(p.dtype), alpha=-lr * scale)
+                    p.add_((o.mT if t else o).to(p.dtype), alpha=-lr * scale)
 
 
 def muon_params(model: GPT) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
