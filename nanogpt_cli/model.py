@@ -387,11 +387,3 @@ class GPT(nn.Module):
         T = seq_len or cfg.block_size
         matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         return 6 * matmul + 12 * cfg.n_layer * cfg.n_embd * T
-
-    def optimizer_groups(self, weight_decay: float) -> list[dict]:
-        """Weight decay on matrices and embeddings (2-D and up), none on biases and norm gains."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        return [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]

@@ -113,8 +113,9 @@ def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device):
     # the fused AdamW kernel is one call for all parameters (CUDA and CPU); mps falls back to foreach
     fused = device.type in ("cuda", "cpu")
     if cfg.optimizer == "adamw":
+        params = [p for p in model.parameters() if p.requires_grad]
         return torch.optim.AdamW(
-            model.optimizer_groups(cfg.weight_decay), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused
+            adamw_groups(model, params, cfg), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused
         )
     if not hasattr(torch.optim, "Muon"):
         raise NanoGPTError(
@@ -130,11 +131,26 @@ def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device):
         weight_decay=cfg.weight_decay,
         ns_steps=cfg.muon_ns_steps,
     )
-    matrices = [p for p in rest if p.dim() >= 2]  # the embedding and an untied head: decayed, as with AdamW alone
-    others = [p for p in rest if p.dim() < 2]
-    groups = [{"params": matrices, "weight_decay": cfg.weight_decay}, {"params": others, "weight_decay": 0.0}]
-    adamw = torch.optim.AdamW(groups, lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused)
+    adamw = torch.optim.AdamW(
+        adamw_groups(model, rest, cfg), lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), fused=fused
+    )
     return Optimizers([muon, adamw])
+
+
+def adamw_groups(model: GPT, params: list[torch.Tensor], cfg: TrainConfig) -> list[dict]:
+    """AdamW's groups of `params`: weight decay on matrices and embeddings (2-D and up), none on biases and norm
+    gains; with --embedding-lr, an untied token embedding in a third group at that peak (its `lr_scale` against
+    --learning-rate, which set_lr applies)."""
+    wte = model.transformer.wte.weight
+    own = cfg.embedding_lr is not None and not model.config.tie_embeddings and any(p is wte for p in params)
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2 and not (own and p is wte)], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    if own:
+        scale = cfg.embedding_lr / cfg.learning_rate
+        groups.append({"params": [wte], "weight_decay": cfg.weight_decay, "lr_scale": scale})
+    return groups
 
 
 def muon_momentum_at(step: int, cfg: TrainConfig) -> float:
@@ -155,7 +171,7 @@ def set_lr(optimizer: torch.optim.Optimizer | Optimizers, lr: float, step: int, 
                 group["lr"] = cfg.muon_lr * (lr / cfg.learning_rate)
                 group["momentum"] = muon_momentum_at(step, cfg)
             else:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)
 
 
 def lr_at(step: int, cfg: TrainConfig, time_frac: float | None = None) -> float:

@@ -114,6 +114,7 @@ def plan_run(
             raise NanoGPTError("--resume continues a run with its own weights; drop --init-from")
         return _plan_resume(run_dir, preset, values, world_size)
     explicit_model, _ = split_values(values)
+    given = set(values)
     accumulation_given = "gradient_accumulation_steps" in values
     values = {**(preset_values(preset) if preset else {}), **values}
     model_values, train_values = split_values(values)
@@ -146,9 +147,24 @@ def plan_run(
             f"--vocab-size {model_cfg.vocab_size:,} is smaller than the {meta['vocab_size']:,} tokens "
             f"of dataset '{train_cfg.data}'; drop it to use the dataset's, or give at least that"
         )
+    if train_cfg.embedding_lr is not None and model_cfg.tie_embeddings:
+        if "embedding_lr" in given:
+            raise tied_embedding_lr(train_cfg.embedding_lr)
+        notes.append(
+            f"--preset {preset}'s --embedding-lr {train_cfg.embedding_lr:g} is for an untied embedding; this "
+            "model's is tied to the LM head, so it trains at --learning-rate"
+        )
+        train_cfg = dataclasses.replace(train_cfg, embedding_lr=None)
     check_world(train_cfg, world_size)
     notes += _warnings(model_cfg, train_cfg)
     return RunPlan(model_cfg, train_cfg, run_dir, meta, force=force, notes=notes, **init)
+
+
+def tied_embedding_lr(value: float) -> NanoGPTError:
+    return NanoGPTError(
+        f"--embedding-lr {value:g} is for an untied token embedding, and this model ties it to the LM head; "
+        "add --no-tie-embeddings, or drop --embedding-lr"
+    )
 
 
 def _plan_init(
@@ -252,12 +268,21 @@ def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any], wor
     for k, v in sorted(train_said.items()):
         if k in ("data", "data_dir", "stop_at"):  # where the data is, and when this invocation stops: not the run's
             continue
+        if k == "embedding_lr" and saved_model.get("tie_embeddings", True):  # a preset's does not apply
+            if k in given:
+                raise tied_embedding_lr(parse_value(k, v))
+            continue
         before = parse_value(k, saved_train.get(k, defaults[k]))
         after = parse_value(k, v)
         if k == "gradient_accumulation_steps" and k not in given:  # a preset's adapts to the world, as when started
             after = _adapted_accumulation(after, world_size)
         if before != after:
             changes.append(Change(k, before, after, state.step))
+    if any(c.field == "embedding_lr" and c.saved is None for c in changes):
+        raise NanoGPTError(
+            f"--embedding-lr would give the embedding an optimizer group of its own, which {run_dir} was not "
+            f"trained with; resume without it, or start a new run from these weights with --init-from {run_dir}"
+        )
     model_cfg, train_cfg = build_configs({**saved["model"], **saved_train, **{c.field: c.given for c in changes}})
     train_cfg = dataclasses.replace(train_cfg, **{k: v for k, v in train_said.items() if k in ("data_dir", "stop_at")})
     plan_step = state.step

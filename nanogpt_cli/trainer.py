@@ -717,7 +717,9 @@ class Trainer:
         """A resumed run's optimizer, generators and grad scaler, as they were at its last save."""
         state, world = saved.state, self.world
         # the saved state brings its hyperparameters along: a resume that changes one keeps the new value
-        fresh = [{k: g[k] for k in ("weight_decay", "betas") if k in g} for g in self.optimizer.param_groups]
+        fresh = [
+            {k: g[k] for k in ("weight_decay", "betas", "lr_scale") if k in g} for g in self.optimizer.param_groups
+        ]
         saved.load_optimizer(self.optimizer, lambda part, sd: world.load_optimizer_state(self.wrapped, part, sd))
         for group, values in zip(self.optimizer.param_groups, fresh, strict=True):
             group.update(values)

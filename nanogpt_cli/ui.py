@@ -190,6 +190,8 @@ def start_lines(e) -> list[str]:
             f"tokens x {micro})"
         )
         optimizer = f"muon (lr {t['muon_lr']:g}) + adamw" if t["optimizer"] == "muon" else str(t["optimizer"])
+        if t.get("embedding_lr") is not None:
+            optimizer += f" (embedding lr {t['embedding_lr']:g})"
         lines.append(
             f"schedule: {optimizer}, lr {t['learning_rate']:g} {t['lr_schedule']} to {t['min_lr']:g}, warmup "
             f"{t['warmup_iters']:,}; saved every {t['eval_interval']:,} steps"

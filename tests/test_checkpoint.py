@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from nanogpt_cli import checkpoint as ckpt
+from nanogpt_cli.config import TrainConfig
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.files import atomic_write, write_json
 from nanogpt_cli.loading import load_model
 from nanogpt_cli.model import GPT
+from nanogpt_cli.optim import adamw_groups
 from nanogpt_cli.plan import plan_run
 from nanogpt_cli.rundir import resolve_weights
 from nanogpt_cli.trainer import train
@@ -40,11 +42,11 @@ def test_save_load_gives_identical_logits_and_keeps_ties(tmp_path, tie):
 def test_optimizer_state_round_trips(tmp_path):
     torch.manual_seed(0)
     model = tiny()
-    opt = torch.optim.AdamW(model.optimizer_groups(0.1), lr=1e-3)
+    opt = torch.optim.AdamW(adamw_groups(model, list(model.parameters()), TrainConfig(weight_decay=0.1)), lr=1e-3)
     model(torch.randint(0, 50, (2, 8)), torch.randint(0, 50, (2, 8)))[1].backward()
     opt.step()
     ckpt.save_optimizer(tmp_path / "o.safetensors", opt, step=3)
-    other = torch.optim.AdamW(model.optimizer_groups(0.5), lr=9.0)
+    other = torch.optim.AdamW(adamw_groups(model, list(model.parameters()), TrainConfig(weight_decay=0.5)), lr=9.0)
     assert ckpt.load_optimizer(tmp_path / "o.safetensors", other) == 3
     a, b = opt.state_dict(), other.state_dict()
     assert a["param_groups"] == b["param_groups"]

@@ -214,14 +214,6 @@ def test_init_scales_residual_projections():
     assert model.transformer.h[0].attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.05)
 
 
-def test_optimizer_groups_decay_matrices_only():
-    model = GPT(tiny(bias=True))
-    decay, no_decay = model.optimizer_groups(0.1)
-    assert all(p.dim() >= 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
-    assert all(p.dim() < 2 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
-    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
-
-
 def test_flops_per_token_counts_matmuls_and_attention():
     cfg = tiny()
     model = GPT(cfg)

@@ -468,6 +468,7 @@ def test_muon_trains_a_tiny_model_lower_than_adamw_in_the_same_steps(char_data, 
 def test_a_stopped_and_resumed_muon_run_equals_an_uninterrupted_one(char_data, tmp_path):
     data_dir, name = char_data
     over = dict(max_iters=24, eval_interval=8, optimizer="muon", muon_momentum_warmup=10, gradient_accumulation_steps=2)
+    over |= dict(tie_embeddings=False, embedding_lr=0.01)  # the embedding's own AdamW group resumes too
     whole = tmp_path / "whole"
     train(tiny_plan(data_dir, name, whole, **over))
     parts = tmp_path / "parts"
@@ -508,6 +509,48 @@ def test_the_schedule_scales_both_optimizers_and_warms_muons_momentum():
     assert muon.param_groups[0]["momentum"] == pytest.approx(0.9)  # half way from 0.85 to 0.95
     set_lr(opt, lr_at(0, cfg), 10, cfg)
     assert muon.param_groups[0]["momentum"] == 0.95 and muon.param_groups[0]["lr"] == pytest.approx(0.02)
+
+
+def test_adamw_decays_matrices_only_and_gives_an_untied_embedding_its_own_rate():
+    from nanogpt_cli.optim import make_optimizer, set_lr
+
+    model = GPT(tiny_config(bias=True))
+    decay, no_decay = make_optimizer(model, TrainConfig(weight_decay=0.1), torch.device("cpu")).param_groups
+    assert all(p.dim() >= 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
+    assert all(p.dim() < 2 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    for optimizer in ("adamw", "muon"):
+        cfg = TrainConfig(optimizer=optimizer, learning_rate=1e-3, embedding_lr=0.03, warmup_iters=0, max_iters=100)
+        untied = GPT(tiny_config(tie_embeddings=False))
+        opt = make_optimizer(untied, cfg, torch.device("cpu"))
+        groups = opt.param_groups
+        assert sum(len(g["params"]) for g in groups) == len(list(untied.parameters()))
+        (embedding,) = [g for g in groups if any(p is untied.transformer.wte.weight for p in g["params"])]
+        assert len(embedding["params"]) == 1 and embedding["weight_decay"] == 0.1
+        set_lr(opt, lr_at(100, cfg), 100, cfg)  # the end of the decay: a tenth of each peak
+        assert embedding["lr"] == pytest.approx(3e-3)
+        assert [g["lr"] for g in groups if g is not embedding and "momentum" not in g] == [pytest.approx(1e-4)] * 2
+    # tied, the embedding is the head too, and trains with the other matrices at --learning-rate
+    tied = make_optimizer(GPT(tiny_config()), TrainConfig(embedding_lr=0.03), torch.device("cpu")).param_groups
+    assert len(tied) == 2 and all("lr_scale" not in g for g in tied)
+
+
+def test_embedding_lr_is_for_an_untied_embedding(char_data, tmp_path):
+    data_dir, name = char_data
+    with pytest.raises(NanoGPTError, match="--embedding-lr 0.01 is for an untied token embedding"):
+        tiny_plan(data_dir, name, tmp_path / "tied", embedding_lr=0.01)
+    plan = tiny_plan(data_dir, name, tmp_path / "fast", preset="cpu-fast", tie_embeddings=True)
+    assert plan.train.embedding_lr is None
+    assert any("--preset cpu-fast's --embedding-lr" in note for note in plan.notes)
+    untied = tmp_path / "untied"
+    train(tiny_plan(data_dir, name, untied, tie_embeddings=False, max_iters=4, eval_interval=2, stop_at=2))
+    with pytest.raises(NanoGPTError, match="an optimizer group of its own, which .* was not trained with"):
+        resumed(untied, embedding_lr=0.01)
+    run = tmp_path / "run"
+    train(tiny_plan(data_dir, name, run, tie_embeddings=False, embedding_lr=0.01, max_iters=4, stop_at=2))
+    plan = resumed(run, embedding_lr=0.02)
+    assert [str(c) for c in plan.changes] == ["--embedding-lr 0.01 -> 0.02 from step 2"]
+    assert train(plan).step == 4
 
 
 def test_muon_ns_steps_reach_the_update():
