@@ -357,11 +357,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 1.578, 2 layers (1,333) 1.579, 12 rows (950) 1.584, MLP width 384 (780) 1.582, 6 layers (450) 1.651, width
     # 192 (440) 1.639. 3 layers again at seed 1: 1.569 against 4 layers' 1.597, so cpu-fast has 3 layers and
     # 800 updates (about the wall time of 600 with 4). One evaluation every 500 updates, not 250: under
-    # --max-time each costs ~10 updates. Then, at 800 updates (seeds 1337 and 1): value embeddings, x0 mixing,
-    # value residuals, RMSNorm, beta1 0.8, 8 heads within 0.005 of 1.591 and 1.593; 2 heads 1.619; untied
-    # embeddings 1.604, and untied with the embedding at --embedding-lr 10 / 30 / 50 / 100 / 300 x
-    # --learning-rate 1.588 / 1.579 / 1.584 / 1.588 / 1.600; at 30x, 1.584 at seed 1, and with its weight decay off
-    # or the head at half or twice the rate no better: so untied, the embedding at 0.06
+    # --max-time each costs ~10 updates. Then, at 800 updates (seed 1337): value embeddings, x0 mixing, value
+    # residuals, RMSNorm, beta1 0.8, 8 heads within 0.007 of 1.591; 2 heads 1.619; untied embeddings 1.604, and
+    # untied with the embedding at --embedding-lr 10 / 30 / 50 / 100 / 300 x --learning-rate 1.588 / 1.579 /
+    # 1.584 / 1.588 / 1.600. At 30x, seeds 1 and 2 gave 1.584 and 1.591 against the tied 1.593 and 1.610; its
+    # weight decay off, or the head at half or twice the rate, no better: so untied, the embedding at 0.06
     "cpu-fast": _CPU_FAST,
     # nanoGPT's CPU-recipe quality (val ~1.88) in a third of its wall time, e.g. `--max-time 10` on a 2-core CPU:
     # cpu-fast's blocks at cpu-char's context, 2 heads of 64, a short warm-up and one evaluation, at the end (the

@@ -13,11 +13,13 @@ weights (lora.weights_hash), checked whenever the run is resumed or loaded. conf
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from nanogpt_cli import hf
+from nanogpt_cli.config import OptimizerName, flag, show_value
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.lora import LoRAConfig, add_lora, weights_hash
 from nanogpt_cli.model import GPT
@@ -86,6 +88,8 @@ def plan_finetune(
     plan = plan_run(flags, file_values, out=out, resume=resume, force=force, init_from=init_from, init_last=init_last)
     if resume:
         return _resume(plan, lora, lora_flags)
+    if lora is not None:
+        _lora_optimizer(plan, values)
     record: dict[str, Any] = {"init_from": init_from, "method": "lora" if lora else "full"}
     if lora is None:
         plan.finetune = record
@@ -96,6 +100,22 @@ def plan_finetune(
     }
     plan.finetune = record
     return FinetunePlan(plan, lora, LoRAStart(lora, record, expect_hash=None))
+
+
+def _lora_optimizer(plan: RunPlan, given: dict[str, Any]) -> None:
+    """LoRA trains its adapters with AdamW and keeps the embedding frozen: a preset's --optimizer muon and
+    --embedding-lr are set aside, with a note (given, the first is refused above and the second here)."""
+    if plan.train.embedding_lr is not None and "embedding_lr" in given:
+        raise NanoGPTError("LoRA keeps the token embedding frozen, so --embedding-lr has nothing to train; drop it")
+    aside = {"optimizer": OptimizerName.adamw, "embedding_lr": None}
+    said = [
+        f"--{flag(k)} {show_value(getattr(plan.train, k))}" for k, v in aside.items() if getattr(plan.train, k) != v
+    ]
+    if said:
+        plan.notes.append(
+            f"LoRA trains its adapters with AdamW at --learning-rate: the preset's {' and '.join(said)} set aside"
+        )
+        plan.train = dataclasses.replace(plan.train, **aside)
 
 
 def _resume(plan: RunPlan, lora: LoRAConfig | None, lora_flags: set[str] | None) -> FinetunePlan:

@@ -93,6 +93,20 @@ def test_targets_and_bad_lora_values():
         LoRAConfig(r=0)
 
 
+def test_lora_sets_a_presets_muon_and_embedding_lr_aside(chat_data, tmp_path):
+    data_dir, name = chat_data
+    base = tmp_path / "untied"
+    Trainer(tiny_plan(data_dir, name, base, max_iters=2, eval_iters=1, block_size=32, tie_embeddings=False)).fit()
+    values = dict(preset="cpu-fast", data=name, data_dir=str(data_dir))
+    job = plan_finetune(values, out=tmp_path / "a", init_from=str(base), lora=LoRAConfig(r=2))
+    assert job.plan.train.optimizer == "adamw" and job.plan.train.embedding_lr is None
+    assert "the preset's --optimizer muon and --embedding-lr 0.06 set aside" in job.plan.notes[-1]
+    with pytest.raises(NanoGPTError, match="LoRA keeps the token embedding frozen"):
+        plan_finetune({**values, "embedding_lr": 0.01}, out=tmp_path / "b", init_from=str(base), lora=LoRAConfig(r=2))
+    full = plan_finetune({**values, "embedding_lr": 0.01}, out=tmp_path / "c", init_from=str(base))
+    assert full.plan.train.optimizer == "muon" and full.plan.train.embedding_lr == 0.01  # full fine-tuning keeps both
+
+
 def test_lora_run_trains_only_adapters_and_saves_them_with_its_base(chat_data, base_run, tmp_path):
     from nanogpt_cli.checkpoint import read_metadata
     from nanogpt_cli.loading import load_lora, load_model

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from nanogpt_cli import checkpoint as ckpt
 from nanogpt_cli.cli import app
-from nanogpt_cli.config import GPTConfig, TrainConfig
+from nanogpt_cli.config import GPTConfig, TrainConfig, preset_values, split_values
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.loading import load_model
 from nanogpt_cli.model import GPT
@@ -465,10 +465,12 @@ def test_muon_trains_a_tiny_model_lower_than_adamw_in_the_same_steps(char_data, 
     assert any(k.startswith("opt1.state.") and k.endswith("exp_avg_sq") for k in keys)  # AdamW's
 
 
-def test_a_stopped_and_resumed_muon_run_equals_an_uninterrupted_one(char_data, tmp_path):
+@pytest.mark.parametrize("untied", [False, True])
+def test_a_stopped_and_resumed_muon_run_equals_an_uninterrupted_one(char_data, tmp_path, untied):
     data_dir, name = char_data
     over = dict(max_iters=24, eval_interval=8, optimizer="muon", muon_momentum_warmup=10, gradient_accumulation_steps=2)
-    over |= dict(tie_embeddings=False, embedding_lr=0.01)  # the embedding's own AdamW group resumes too
+    if untied:  # the embedding's own AdamW group resumes too
+        over |= dict(tie_embeddings=False, embedding_lr=0.01)
     whole = tmp_path / "whole"
     train(tiny_plan(data_dir, name, whole, **over))
     parts = tmp_path / "parts"
@@ -476,6 +478,8 @@ def test_a_stopped_and_resumed_muon_run_equals_an_uninterrupted_one(char_data, t
     with pytest.raises(NanoGPTError, match="cannot change to adamw"):
         resumed(parts, optimizer="adamw")
     train(resumed(parts))
+    with safe_open(str(parts / "optimizer.safetensors"), framework="pt") as f:
+        assert len(json.loads(f.metadata()["opt1.param_groups"])) == (3 if untied else 2)  # AdamW's
     assert metrics(parts) == [dict(m, elapsed_s=p["elapsed_s"]) for m, p in zip(metrics(whole), metrics(parts))]
     a, _ = load_model(whole, last=True)
     b, _ = load_model(parts, last=True)
@@ -551,6 +555,22 @@ def test_embedding_lr_is_for_an_untied_embedding(char_data, tmp_path):
     plan = resumed(run, embedding_lr=0.02)
     assert [str(c) for c in plan.changes] == ["--embedding-lr 0.01 -> 0.02 from step 2"]
     assert train(plan).step == 4
+    with safe_open(str(run / "optimizer.safetensors"), framework="pt") as f:
+        groups = json.loads(f.metadata()["param_groups"])
+    # the resumed run's embedding group took the new rate, not the one its saved state brought along
+    assert [g.get("lr_scale") for g in groups] == [None, None, pytest.approx(0.02 / plan.train.learning_rate)]
+    tied = tmp_path / "tied-run"
+    train(tiny_plan(data_dir, name, tied, max_iters=4, eval_interval=2, stop_at=2))
+    with pytest.raises(NanoGPTError, match=f"0.01 is for an untied token embedding, and {tied} ties it.*; drop"):
+        resumed(tied, embedding_lr=0.01)
+    # a run of cpu-fast's shape trained without --embedding-lr, resumed with the preset: its value is set aside
+    shape, _ = split_values(preset_values("cpu-fast"))
+    other = tmp_path / "other"
+    small = dict(max_iters=4, eval_interval=2, batch_size=2, eval_iters=1)
+    train(tiny_plan(data_dir, name, other, preset="cpu-char", optimizer="muon", stop_at=2, **shape, **small))
+    plan = resumed(other, preset="cpu-fast", **small)
+    assert plan.train.embedding_lr is None
+    assert any("--preset cpu-fast's --embedding-lr 0.06 is set aside" in note for note in plan.notes)
 
 
 def test_muon_ns_steps_reach_the_update():
