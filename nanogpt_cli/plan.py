@@ -149,7 +149,7 @@ def plan_run(
         )
     if train_cfg.embedding_lr is not None and model_cfg.tie_embeddings:
         if "embedding_lr" in given:
-            raise tied_embedding_lr(train_cfg.embedding_lr, "" if init_from is None else init_from)
+            raise tied_embedding_lr(train_cfg.embedding_lr, init_from)
         notes.append(
             f"--preset {preset}'s --embedding-lr {train_cfg.embedding_lr:g} is for an untied embedding; this "
             "model's is tied to the LM head, so it trains at --learning-rate"
@@ -160,10 +160,10 @@ def plan_run(
     return RunPlan(model_cfg, train_cfg, run_dir, meta, force=force, notes=notes, **init)
 
 
-def tied_embedding_lr(value: float, source: str) -> NanoGPTError:
+def tied_embedding_lr(value: float, source: str | None) -> NanoGPTError:
     """The refusal of --embedding-lr for a tied embedding; source: the run or weights whose architecture it is, or
-    "" for a fresh model, which can be untied."""
-    if not source:
+    None for a fresh model, which can be untied."""
+    if source is None:
         return NanoGPTError(
             f"--embedding-lr {value:g} is for an untied token embedding, and this model ties it to the LM head; "
             "add --no-tie-embeddings, or drop --embedding-lr"
@@ -275,29 +275,28 @@ def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any], wor
     for k, v in sorted(train_said.items()):
         if k in ("data", "data_dir", "stop_at"):  # where the data is, and when this invocation stops: not the run's
             continue
-        if k == "embedding_lr" and saved_model.get("tie_embeddings", True):  # a preset's does not apply
-            if k in given:
+        if k == "embedding_lr" and saved_train.get(k) is None:
+            # the run trains its embedding at --learning-rate (tied, or untied without one): its optimizer has no
+            # group for the embedding to take a rate of its own
+            if k not in given:
+                notes.append(
+                    f"--preset {preset}'s --embedding-lr {show_value(parse_value(k, v))} is set aside: {run_dir} "
+                    "trains its embedding at --learning-rate"
+                )
+                continue
+            if saved_model.get("tie_embeddings", True):
                 raise tied_embedding_lr(parse_value(k, v), str(run_dir))
-            continue
-        if k == "embedding_lr" and saved_train.get(k) is None and k not in given:
-            # a preset's, for a run trained without one: its optimizer has no group for the embedding
-            notes.append(
-                f"--preset {preset}'s --embedding-lr {show_value(parse_value(k, v))} is set aside: {run_dir} "
-                "trains its embedding at --learning-rate"
+            raise NanoGPTError(
+                f"--embedding-lr {show_value(parse_value(k, v))} would give the embedding an optimizer group of "
+                f"its own, which {run_dir} was not trained with; resume without it, or start a new run from these "
+                f"weights with --init-from {run_dir}"
             )
-            continue
         before = parse_value(k, saved_train.get(k, defaults[k]))
         after = parse_value(k, v)
         if k == "gradient_accumulation_steps" and k not in given:  # a preset's adapts to the world, as when started
             after = _adapted_accumulation(after, world_size)
         if before != after:
             changes.append(Change(k, before, after, state.step))
-    if any(c.field == "embedding_lr" and c.saved is None for c in changes):
-        raise NanoGPTError(
-            f"--embedding-lr {show_value(train_said['embedding_lr'])} would give the embedding an optimizer group "
-            f"of its own, which {run_dir} was not trained with; resume without it, or start a new run from these "
-            f"weights with --init-from {run_dir}"
-        )
     model_cfg, train_cfg = build_configs({**saved["model"], **saved_train, **{c.field: c.given for c in changes}})
     train_cfg = dataclasses.replace(train_cfg, **{k: v for k, v in train_said.items() if k in ("data_dir", "stop_at")})
     plan_step = state.step
