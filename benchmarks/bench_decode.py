@@ -23,7 +23,7 @@ from common import sync, table  # noqa: E402
 
 from nanogpt_cli.config import GPTConfig  # noqa: E402
 from nanogpt_cli.device import resolve_device  # noqa: E402
-from nanogpt_cli.engine import DecodePlan, KVCache, decode_plan, decode_step, head_logits, linear  # noqa: E402
+from nanogpt_cli.inference.engine import DecodePlan, KVCache, decode_plan, decode_step, head_logits, linear  # noqa: E402
 from nanogpt_cli.model import GPT, apply_rope, softcap  # noqa: E402
 
 

@@ -27,11 +27,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, shakespeare_path, table  # noqa: E402
 
-from nanogpt_cli.chat import ChatSession  # noqa: E402
-from nanogpt_cli.chat_template import DEFAULT_TEMPLATE, ChatTemplate  # noqa: E402
 from nanogpt_cli.data import prepare  # noqa: E402
 from nanogpt_cli.data.chat import prepare_chat  # noqa: E402
-from nanogpt_cli.sample import SampleSettings  # noqa: E402
+from nanogpt_cli.data.chat_template import DEFAULT_TEMPLATE, ChatTemplate  # noqa: E402
+from nanogpt_cli.inference.chat import ChatSession  # noqa: E402
+from nanogpt_cli.inference.sample import SampleSettings  # noqa: E402
 
 # what the README runs
 BASE_FLAGS = "--preset tiny --n-head 4 --n-embd 64 --block-size 128 --dtype float32"

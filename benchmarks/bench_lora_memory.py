@@ -65,10 +65,10 @@ def main():
     args = p.parse_args()
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     sys.path.insert(0, str(ROOT))
-    from nanogpt_cli.checkpoint import save_model
     from nanogpt_cli.config import GPTConfig, preset_values, split_values
     from nanogpt_cli.data.chat import prepare_chat
     from nanogpt_cli.model import GPT
+    from nanogpt_cli.runs.checkpoint import save_model
     from nanogpt_cli.tokenizer import build_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, shakespeare_path, table  # noqa: E402
 
 from nanogpt_cli.data import prepare  # noqa: E402
-from nanogpt_cli.events import NoDisplay  # noqa: E402
-from nanogpt_cli.plan import plan_run  # noqa: E402
-from nanogpt_cli.trainer import train  # noqa: E402
+from nanogpt_cli.training.events import NoDisplay  # noqa: E402
+from nanogpt_cli.training.plan import plan_run  # noqa: E402
+from nanogpt_cli.training.trainer import train  # noqa: E402
 
 
 class Curve(NoDisplay):

@@ -22,11 +22,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table  # noqa: E402
 
-from nanogpt_cli import checkpoint as ckpt  # noqa: E402
 from nanogpt_cli.config import GPTConfig  # noqa: E402
-from nanogpt_cli.evaluate import score_tokens  # noqa: E402
+from nanogpt_cli.inference.evaluate import score_tokens  # noqa: E402
+from nanogpt_cli.inference.sample import Sampler, SampleSettings  # noqa: E402
 from nanogpt_cli.model import GPT  # noqa: E402
-from nanogpt_cli.sample import Sampler, SampleSettings  # noqa: E402
+from nanogpt_cli.runs import checkpoint as ckpt  # noqa: E402
 from nanogpt_cli.tokenizer import build_tokenizer  # noqa: E402
 
 CHARS = "\n !$&',-.3:;?ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"  # Tiny Shakespeare's 65

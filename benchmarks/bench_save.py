@@ -25,13 +25,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table  # noqa: E402
 
-from nanogpt_cli.checkpoint import TrainerState  # noqa: E402
 from nanogpt_cli.config import GPTConfig, TrainConfig  # noqa: E402
 from nanogpt_cli.device import autocast_for, resolve_dtype  # noqa: E402
 from nanogpt_cli.model import GPT  # noqa: E402
-from nanogpt_cli.optim import make_optimizer  # noqa: E402
-from nanogpt_cli.rundir import RunDir, Saver  # noqa: E402
-from nanogpt_cli.trainer import optimizer_step  # noqa: E402
+from nanogpt_cli.runs.checkpoint import TrainerState  # noqa: E402
+from nanogpt_cli.runs.rundir import RunDir, Saver  # noqa: E402
+from nanogpt_cli.training.optim import make_optimizer  # noqa: E402
+from nanogpt_cli.training.trainer import optimizer_step  # noqa: E402
 
 SIZES = {"10M": (6, 6, 384), "85M": (12, 12, 768), "300M": (24, 16, 1024)}  # n_layer, n_head, n_embd
 CONTEXT, VOCAB = 256, 65

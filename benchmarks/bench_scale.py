@@ -91,7 +91,7 @@ def main():
 
     from nanogpt_cli.config import GPTConfig
     from nanogpt_cli.model import GPT
-    from nanogpt_cli.rundir import RunDir
+    from nanogpt_cli.runs.rundir import RunDir
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if args.threads:

@@ -48,10 +48,10 @@ sys.stdin.read()  # until the benchmark closes our stdin
 def make_model(folder: Path, block_size: int) -> tuple[Path, Path]:
     import torch
 
-    from nanogpt_cli import checkpoint as ckpt
     from nanogpt_cli.config import GPTConfig
-    from nanogpt_cli.export import export
+    from nanogpt_cli.interop.export import export
     from nanogpt_cli.model import GPT
+    from nanogpt_cli.runs import checkpoint as ckpt
     from nanogpt_cli.tokenizer import build_tokenizer
 
     torch.manual_seed(0)
@@ -217,7 +217,7 @@ def cpu_seconds(pid: int) -> float:
 def our_step(loaded, batch: int, tokens: int) -> tuple[float, float]:
     """ms per engine step (sample, then one decode step) with `batch` greedy rows, after their prefill: wall
     time and this process's CPU time."""
-    from nanogpt_cli.engine import Engine, SamplingParams
+    from nanogpt_cli.inference.engine import Engine, SamplingParams
 
     engine = Engine(loaded.model, max_batch=batch, vocab_size=loaded.tokenizer.vocab_size)
     engine.add_many([[464, 3290, 318, 257]] * batch, SamplingParams(temperature=0.0), tokens + 8)
@@ -257,7 +257,7 @@ def step_table(args) -> None:
     theirs: the server's) counts only the work, so its ratio is the steadier one on a busy machine."""
     import torch
 
-    from nanogpt_cli.loading import load_for_inference
+    from nanogpt_cli.interop.loading import load_for_inference
 
     torch.set_num_threads(args.threads)
     rows = []

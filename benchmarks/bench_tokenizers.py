@@ -27,14 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import shakespeare_path, table  # noqa: E402
 
 from nanogpt_cli.data import prepare  # noqa: E402
-from nanogpt_cli.evaluate import perplexity_of_files  # noqa: E402
-from nanogpt_cli.events import NoDisplay  # noqa: E402
-from nanogpt_cli.loading import load_for_inference  # noqa: E402
-from nanogpt_cli.plan import plan_run  # noqa: E402
-from nanogpt_cli.runs import model_counts  # noqa: E402
+from nanogpt_cli.data.tokenizer_train import train_tokenizer  # noqa: E402
+from nanogpt_cli.inference.evaluate import perplexity_of_files  # noqa: E402
+from nanogpt_cli.inspect.catalog import model_counts  # noqa: E402
+from nanogpt_cli.interop.loading import load_for_inference  # noqa: E402
 from nanogpt_cli.tokenizer import build_tokenizer  # noqa: E402
-from nanogpt_cli.tokenizer_train import train_tokenizer  # noqa: E402
-from nanogpt_cli.trainer import train  # noqa: E402
+from nanogpt_cli.training.events import NoDisplay  # noqa: E402
+from nanogpt_cli.training.plan import plan_run  # noqa: E402
+from nanogpt_cli.training.trainer import train  # noqa: E402
 
 TRAINED = (512, 2048, 8192)
 

@@ -24,9 +24,9 @@ from common import matmul_peak, shakespeare_path, table  # noqa: E402
 
 from nanogpt_cli.data import prepare  # noqa: E402
 from nanogpt_cli.device import resolve_device, resolve_dtype  # noqa: E402
-from nanogpt_cli.events import NoDisplay  # noqa: E402
-from nanogpt_cli.plan import plan_run  # noqa: E402
-from nanogpt_cli.trainer import train  # noqa: E402
+from nanogpt_cli.training.events import NoDisplay  # noqa: E402
+from nanogpt_cli.training.plan import plan_run  # noqa: E402
+from nanogpt_cli.training.trainer import train  # noqa: E402
 
 NANOGPT = {"ms_per_iter": (40, 52), "tokens_per_s": (15_000, 19_000), "val_loss_2000": 1.886, "val_loss_300": 2.396}
 
@@ -41,7 +41,7 @@ def interleaved(device: torch.device, dtype_names: list[str], rounds: int = 5, s
     from nanogpt_cli.config import GPTConfig, TrainConfig, preset_values, split_values
     from nanogpt_cli.device import autocast_for
     from nanogpt_cli.model import GPT
-    from nanogpt_cli.optim import make_optimizer
+    from nanogpt_cli.training.optim import make_optimizer
 
     model_kw, _ = split_values(preset_values("cpu-char"))
     torch.manual_seed(0)

@@ -125,8 +125,8 @@ def throughput(device: torch.device, cfg: GPTConfig, vocab: int, compile: bool, 
 def stopped_and_resumed(device: torch.device, data_dir: Path, run_dir: Path, args) -> tuple[bool, str]:
     """A cpu-fast-style run (Muon, fp16 with the scaler, --compile) stopped halfway, resumed, and compared
     with the same run uninterrupted."""
-    from nanogpt_cli.plan import plan_run
-    from nanogpt_cli.trainer import train
+    from nanogpt_cli.training.plan import plan_run
+    from nanogpt_cli.training.trainer import train
 
     flags = dict(
         preset=args.run_preset,
@@ -163,9 +163,9 @@ def stopped_and_resumed(device: torch.device, data_dir: Path, run_dir: Path, arg
 
 def sampling_and_eval(device: torch.device, run_dir: Path, data_dir: Path) -> list[tuple[str, bool, str]]:
     from nanogpt_cli.data import open_split
-    from nanogpt_cli.engine import generate
-    from nanogpt_cli.evaluate import score_tokens
-    from nanogpt_cli.loading import load_for_inference
+    from nanogpt_cli.inference.engine import generate
+    from nanogpt_cli.inference.evaluate import score_tokens
+    from nanogpt_cli.interop.loading import load_for_inference
 
     loaded = load_for_inference(run_dir, device=str(device), dtype=Dtype.float32)
     model = loaded.model

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from nanogpt_cli.distributed import open_world
-from nanogpt_cli.plan import plan_run
-from nanogpt_cli.trainer import train
+from nanogpt_cli.training.distributed import open_world
+from nanogpt_cli.training.plan import plan_run
+from nanogpt_cli.training.trainer import train
 
 
 def main() -> None:

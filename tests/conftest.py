@@ -98,7 +98,7 @@ def char_data(tmp_path_factory) -> tuple[Path, str]:
 @pytest.fixture(scope="session")
 def trained_run(char_data, tmp_path_factory) -> Path:
     """A tiny char model trained briefly on char_data, in float32: its run folder."""
-    from nanogpt_cli.trainer import train
+    from nanogpt_cli.training.trainer import train
 
     data_dir, name = char_data
     run = tmp_path_factory.mktemp("runs") / "tiny"
@@ -119,7 +119,7 @@ def tiny_config(**overrides):
 
 def tiny_plan(data_dir: Path, name: str, run_dir: Path, **overrides):
     """A run plan of the `tiny` preset on a prepared dataset, in float32 on the CPU (deterministic)."""
-    from nanogpt_cli.plan import plan_run
+    from nanogpt_cli.training.plan import plan_run
 
     flags = {
         "preset": "tiny",

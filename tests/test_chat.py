@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanogpt_cli import checkpoint as ckpt
-from nanogpt_cli.chat import ChatSession
-from nanogpt_cli.chat_template import DEFAULT_TEMPLATE, EOT, PLAIN_NAME, ChatTemplate
 from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.data.chat_template import DEFAULT_TEMPLATE, EOT, PLAIN_NAME, ChatTemplate
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.inference.chat import ChatSession
+from nanogpt_cli.inference.sample import Sampler, SampleSettings
 from nanogpt_cli.model import GPT
-from nanogpt_cli.sample import Sampler, SampleSettings
+from nanogpt_cli.runs import checkpoint as ckpt
 from nanogpt_cli.tokenizer import build_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from nanogpt_cli.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from nanogpt_cli.data.chat import conversation, read_chat_lines
+from nanogpt_cli.data.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.tokenizer import build_tokenizer
 
@@ -50,7 +50,7 @@ def test_byte_tokenizer_spells_the_end_marker():
 @pytest.mark.parametrize("template", [DEFAULT_TEMPLATE, CUSTOM, NEWLINES])
 def test_transformers_renders_the_same_ids_and_mask(template):
     transformers = pytest.importorskip("transformers")
-    from nanogpt_cli.hf import tokenizers_object
+    from nanogpt_cli.interop.hf import tokenizers_object
 
     ours = build_tokenizer("gpt2")
     backend, eot = tokenizers_object(ours.describe())
@@ -163,7 +163,7 @@ def test_masked_targets_get_no_gradient(tmp_path):
 
     from nanogpt_cli.config import GPTConfig
     from nanogpt_cli.model import GPT
-    from nanogpt_cli.trainer import Batches, next_token_loss
+    from nanogpt_cli.training.trainer import Batches, next_token_loss
 
     data = _chat_dataset(tmp_path)
     batches = Batches(data, "chats", 32, 4, torch.device("cpu"), seed=0)
@@ -194,7 +194,7 @@ def test_masked_targets_get_no_gradient(tmp_path):
 def test_all_ones_mask_reads_like_plain_tokens(tmp_path):
     import torch
 
-    from nanogpt_cli.trainer import Batches
+    from nanogpt_cli.training.trainer import Batches
 
     data = _chat_dataset(tmp_path, ones=True)
     masked = Batches(data, "chats", 32, 4, torch.device("cpu"), seed=0)
@@ -216,7 +216,7 @@ def test_windows_pack_whole_conversations_and_cut_long_ones_with_their_mask(tmp_
     import torch
 
     from nanogpt_cli.data.reader import pack_windows
-    from nanogpt_cli.trainer import Batches
+    from nanogpt_cli.training.trainer import Batches
 
     # lengths 5, 3, 9, 2 in windows of 8: 5 + 3 fit together; 9 is cut into 8 and the 2 after its overlap token,
     # and the next conversation joins that last piece
@@ -250,7 +250,7 @@ def test_hf_export_of_a_chat_run_renders_our_ids_and_mask(tmp_path, template):
     """A model exported with the template its run recorded: AutoTokenizer on the export reproduces prepare's ids
     and mask, and generation stops at the token that ends a reply."""
     transformers = pytest.importorskip("transformers")
-    from nanogpt_cli.export import export_hf
+    from nanogpt_cli.interop.export import export_hf
     from nanogpt_cli.model import GPT
     from conftest import tiny_config
 

@@ -8,16 +8,16 @@ import time
 import pytest
 import torch
 
-from nanogpt_cli import checkpoint as ckpt
 from nanogpt_cli.config import TrainConfig
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.files import atomic_write, write_json
-from nanogpt_cli.loading import load_model
+from nanogpt_cli.interop.loading import load_model
 from nanogpt_cli.model import GPT
-from nanogpt_cli.optim import adamw_groups
-from nanogpt_cli.plan import plan_run
-from nanogpt_cli.rundir import resolve_weights
-from nanogpt_cli.trainer import train
+from nanogpt_cli.runs import checkpoint as ckpt
+from nanogpt_cli.runs.rundir import resolve_weights
+from nanogpt_cli.training.optim import adamw_groups
+from nanogpt_cli.training.plan import plan_run
+from nanogpt_cli.training.trainer import train
 from conftest import tiny_config, tiny_plan
 
 
@@ -221,7 +221,7 @@ def test_only_rundir_knows_the_run_folder_file_names():
     from pathlib import Path
 
     import nanogpt_cli
-    from nanogpt_cli import rundir
+    from nanogpt_cli.runs import rundir
 
     names = [rundir.BEST, rundir.OPTIMIZER, rundir.TRAINER, rundir.METRICS]
     package = Path(nanogpt_cli.__file__).parent
@@ -266,7 +266,7 @@ def test_best_weights_saved_last_are_one_file_on_disk_and_resume_exactly(char_da
 def trained_pair(muon: bool = False):
     """A tiny model and its optimizer after two updates, so the optimizer has state to save."""
     from nanogpt_cli.config import TrainConfig
-    from nanogpt_cli.optim import make_optimizer
+    from nanogpt_cli.training.optim import make_optimizer
 
     torch.manual_seed(0)
     model = tiny()
@@ -299,7 +299,7 @@ def files(run):
 
 @pytest.mark.parametrize("muon", [False, True])
 def test_a_background_save_is_the_synchronous_one_byte_for_byte_while_training_goes_on(tmp_path, monkeypatch, muon):
-    from nanogpt_cli import rundir
+    from nanogpt_cli.runs import rundir
 
     model, opt = trained_pair(muon)
     state = ckpt.TrainerState(step=2, tokens=32, best_val_loss=1.5, rng_torch=torch.get_rng_state())
@@ -325,7 +325,7 @@ def test_a_background_save_is_the_synchronous_one_byte_for_byte_while_training_g
 
 
 def test_a_failed_background_write_is_raised_on_the_training_thread(tmp_path):
-    from nanogpt_cli import rundir
+    from nanogpt_cli.runs import rundir
 
     model, opt = trained_pair()
     saver = rundir.Saver(rundir.RunDir(tmp_path / "gone"))  # no such folder: the write fails

@@ -588,15 +588,15 @@ def metrics_of(run: Path) -> list[dict]:
 
 
 def train_metrics(data_dir: Path, name: str, run: Path, **over) -> list[dict]:
-    from nanogpt_cli.trainer import train
+    from nanogpt_cli.training.trainer import train
 
     train(tiny_plan(data_dir, name, run, max_iters=6, eval_interval=3, eval_iters=2, **over))
     return metrics_of(run)
 
 
 def test_training_on_shards_resumes_exactly(tmp_path, data_dir):
-    from nanogpt_cli.plan import plan_run
-    from nanogpt_cli.trainer import train
+    from nanogpt_cli.training.plan import plan_run
+    from nanogpt_cli.training.trainer import train
 
     source = tmp_path / "play.txt"
     source.write_text(make_text(lines=300, seed=1), encoding="utf-8")

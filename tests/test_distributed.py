@@ -236,7 +236,7 @@ def rank_of(pid: int) -> int | None:
 
 
 def test_evaluation_batches_are_dealt_out_with_equal_passes():
-    from nanogpt_cli.distributed import ProcessGroup, World
+    from nanogpt_cli.training.distributed import ProcessGroup, World
 
     worlds = [ProcessGroup(torch.device("cpu"), rank, rank, 2) for rank in (0, 1)]
     assert [w.eval_share(3) for w in worlds] == [([0, 2], 2), ([1, 1], 1)]  # rank 1 repeats its batch, uncounted
@@ -340,7 +340,7 @@ def test_a_failing_process_under_plain_torchrun_reports_our_sentence(char_data, 
 
 def test_each_process_gets_the_command_as_given_with_the_planned_run_folder():
     from nanogpt_cli.config import LRSchedule
-    from nanogpt_cli.launch import train_args
+    from nanogpt_cli.training.launch import train_args
 
     given = {"learning_rate": 1e-3, "compile": False, "lr_schedule": LRSchedule.wsd}
     options = {"preset": "tiny", "resume": True, "quiet": False, "config": None, "threads": 2}

@@ -5,7 +5,8 @@ per-row seeds, the restart past the context, logits processing, and non-finite p
 import pytest
 import torch
 
-from nanogpt_cli.engine import (
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.inference.engine import (
     Engine,
     KVCache,
     SamplingParams,
@@ -14,7 +15,6 @@ from nanogpt_cli.engine import (
     generate,
     process_logits,
 )
-from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
 from conftest import tiny_config as tiny
 
@@ -240,7 +240,7 @@ def test_process_logits_filters_in_documented_order():
 
 
 def test_sampling_draws_from_the_processed_distribution_and_never_a_filtered_token():
-    from nanogpt_cli.engine import sample_tokens
+    from nanogpt_cli.inference.engine import sample_tokens
 
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0, 0.0]])).repeat(20_000, 1)  # two tokens at -inf
     tokens = torch.tensor(sample_tokens(logits, 1.0, [torch.Generator().manual_seed(0)]))

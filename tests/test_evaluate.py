@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from nanogpt_cli.cli import app
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.data import prepare
-from nanogpt_cli.evaluate import perplexity_of_files, perplexity_of_split, score_tokens
-from nanogpt_cli.loading import load_model
+from nanogpt_cli.inference.evaluate import perplexity_of_files, perplexity_of_split, score_tokens
+from nanogpt_cli.interop.loading import load_model
 from nanogpt_cli.model import GPT
 from nanogpt_cli.tokenizer import build_tokenizer
 
@@ -112,7 +112,7 @@ def test_bad_eval_input_is_one_sentence(trained_run, char_data, tmp_path, make_a
 
 
 def test_bits_per_byte_leaves_end_of_text_separators_out(tmp_path):
-    from nanogpt_cli.evaluate import text_bytes
+    from nanogpt_cli.inference.evaluate import text_bytes
 
     tok = build_tokenizer("gpt2")
     ids = tok.encode("héllo") + [tok.eot_id] + tok.encode(" world")

@@ -11,14 +11,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from nanogpt_cli import hf
-from nanogpt_cli.checkpoint import save_model
 from nanogpt_cli.cli import app
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.export import export, export_gguf, export_hf
+from nanogpt_cli.inference.sample import Sampler, SampleSettings
+from nanogpt_cli.interop import hf
+from nanogpt_cli.interop.export import export, export_gguf, export_hf
 from nanogpt_cli.model import GPT
-from nanogpt_cli.sample import Sampler, SampleSettings
+from nanogpt_cli.runs.checkpoint import save_model
 from nanogpt_cli.tokenizer import build_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -343,8 +343,8 @@ def save_random_gpt2(folder: Path, desc: dict, n_embd: int = 32) -> None:
 
 def test_init_from_a_hugging_face_folder_trains_and_saves_our_run(char_data, tmp_path):
     from nanogpt_cli.data import load_meta
-    from nanogpt_cli.plan import plan_run
-    from nanogpt_cli.trainer import train
+    from nanogpt_cli.training.plan import plan_run
+    from nanogpt_cli.training.trainer import train
 
     data_dir, name = char_data
     save_random_gpt2(tmp_path / "gpt2", load_meta(data_dir, name)["tokenizer"])

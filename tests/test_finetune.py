@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.finetune import plan_finetune
 from nanogpt_cli.lora import LoRAConfig, adapters, add_lora, merge_lora, parse_targets
 from nanogpt_cli.model import GPT
-from nanogpt_cli.trainer import Trainer
+from nanogpt_cli.training.finetune import plan_finetune
+from nanogpt_cli.training.trainer import Trainer
 from conftest import tiny_config, tiny_plan
 
 CONVERSATIONS = [
@@ -108,8 +108,8 @@ def test_lora_sets_a_presets_muon_and_embedding_lr_aside(chat_data, tmp_path):
 
 
 def test_lora_run_trains_only_adapters_and_saves_them_with_its_base(chat_data, base_run, tmp_path):
-    from nanogpt_cli.checkpoint import read_metadata
-    from nanogpt_cli.loading import load_lora, load_model
+    from nanogpt_cli.interop.loading import load_lora, load_model
+    from nanogpt_cli.runs.checkpoint import read_metadata
 
     job, trainer = finetune_run(chat_data, base_run, tmp_path / "lora", LoRAConfig(r=4, targets=("attn", "mlp")))
     trainer.fit()
@@ -150,7 +150,7 @@ def test_lora_resume_is_exact(chat_data, base_run, tmp_path):
 def test_lora_refuses_a_changed_base(chat_data, base_run, tmp_path):
     import shutil
 
-    from nanogpt_cli.loading import load_model
+    from nanogpt_cli.interop.loading import load_model
 
     base = tmp_path / "base"
     shutil.copytree(base_run, base)
@@ -162,8 +162,8 @@ def test_lora_refuses_a_changed_base(chat_data, base_run, tmp_path):
 
 
 def test_full_finetune_trains_every_weight_and_keeps_the_template(chat_data, base_run, tmp_path):
-    from nanogpt_cli.checkpoint import read_metadata
-    from nanogpt_cli.loading import load_model
+    from nanogpt_cli.interop.loading import load_model
+    from nanogpt_cli.runs.checkpoint import read_metadata
 
     job, trainer = finetune_run(chat_data, base_run, tmp_path / "full")
     assert job.lora is None and job.trainable is None
@@ -186,8 +186,8 @@ def test_a_batch_with_no_trained_target_has_zero_loss_not_nan():
 
 
 def test_speed_counts_the_trained_tokens_of_a_chat_dataset(chat_data, base_run, tmp_path):
-    from nanogpt_cli.events import NoDisplay
-    from nanogpt_cli.trainer import Batches
+    from nanogpt_cli.training.events import NoDisplay
+    from nanogpt_cli.training.trainer import Batches
 
     class Lines(NoDisplay):
         def __init__(self):
@@ -246,7 +246,7 @@ def test_hf_base_offline_is_one_sentence(chat_data, tmp_path, no_network, monkey
 
 def test_sample_and_serve_format_chats_with_the_runs_template(chat_data, base_run, tmp_path):
     from nanogpt_cli.data.chat import ChatTemplate as PrepareTemplate
-    from nanogpt_cli.loading import load_for_inference
+    from nanogpt_cli.interop.loading import load_for_inference
     from nanogpt_cli.serve.chat import ChatTemplate
 
     finetune_run(chat_data, base_run, tmp_path / "lora", LoRAConfig(r=2), max_iters=1, eval_interval=1)[1].fit()
@@ -261,7 +261,7 @@ def test_sample_and_serve_format_chats_with_the_runs_template(chat_data, base_ru
 
 def test_evaluation_batches_of_a_chat_dataset_each_score_a_trained_target(tmp_path):
     from nanogpt_cli.data.chat import prepare_chat
-    from nanogpt_cli.trainer import Batches
+    from nanogpt_cli.training.trainer import Batches
 
     src = tmp_path / "long.jsonl"  # long prompts, one-letter replies: most 17-token windows are prompt only
     row = {"messages": [{"role": "user", "content": "tell me " * 20}, {"role": "assistant", "content": "k"}]}
@@ -274,7 +274,7 @@ def test_evaluation_batches_of_a_chat_dataset_each_score_a_trained_target(tmp_pa
 
 
 def test_no_loss_mask_trains_on_every_token_of_the_conversations(chat_data):
-    from nanogpt_cli.trainer import Batches
+    from nanogpt_cli.training.trainer import Batches
 
     data_dir, name = chat_data
     masked, every = (Batches(data_dir, name, 64, 4, torch.device("cpu"), 0, loss_mask=m) for m in (True, False))
@@ -285,7 +285,7 @@ def test_no_loss_mask_trains_on_every_token_of_the_conversations(chat_data):
 
 
 def test_a_lora_run_is_a_base_too(chat_data, base_run, tmp_path):
-    from nanogpt_cli.loading import load_model
+    from nanogpt_cli.interop.loading import load_model
 
     finetune_run(chat_data, base_run, tmp_path / "first", LoRAConfig(r=2), max_iters=2, eval_interval=2)[1].fit()
     job, trainer = finetune_run(chat_data, tmp_path / "first", tmp_path / "second", LoRAConfig(r=2), stop_at=1)

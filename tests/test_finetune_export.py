@@ -12,11 +12,11 @@ import torch
 
 from nanogpt_cli.data.chat import DEFAULT_TEMPLATE, ChatTemplate
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.export import export
-from nanogpt_cli.finetune import plan_finetune
+from nanogpt_cli.interop.export import export
 from nanogpt_cli.lora import LoRAConfig
 from nanogpt_cli.tokenizer import build_tokenizer
-from nanogpt_cli.trainer import Trainer
+from nanogpt_cli.training.finetune import plan_finetune
+from nanogpt_cli.training.trainer import Trainer
 from conftest import tiny_plan
 
 pytestmark = pytest.mark.slow  # transformers and peft load every model
@@ -64,8 +64,8 @@ def lora_run(chat_data, root, shape: str):
 def test_peft_adapter_equals_our_lora_model_and_the_merged_export(chat_data, tmp_path, shape):
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
-    from nanogpt_cli.checkpoint import read_metadata
-    from nanogpt_cli.loading import load_lora
+    from nanogpt_cli.interop.loading import load_lora
+    from nanogpt_cli.runs.checkpoint import read_metadata
 
     base, run = lora_run(chat_data, tmp_path, shape)
     export(base, "hf", tmp_path / "base-hf")

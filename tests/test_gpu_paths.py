@@ -6,8 +6,8 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
-from nanogpt_cli.distributed import ProcessGroup
-from nanogpt_cli.trainer import Batches, train
+from nanogpt_cli.training.distributed import ProcessGroup
+from nanogpt_cli.training.trainer import Batches, train
 from conftest import tiny_plan
 
 
@@ -107,8 +107,8 @@ def padded_twin(model, padded_vocab: int):
 
 
 def test_a_padded_vocabulary_samples_and_scores_exactly_as_the_unpadded_one():
-    from nanogpt_cli.engine import Engine, SamplingParams
-    from nanogpt_cli.evaluate import score_tokens
+    from nanogpt_cli.inference.engine import Engine, SamplingParams
+    from nanogpt_cli.inference.evaluate import score_tokens
     from nanogpt_cli.model import GPT
     from conftest import tiny_config
 
@@ -130,7 +130,7 @@ def test_a_padded_vocabulary_samples_and_scores_exactly_as_the_unpadded_one():
 
 
 def test_gpt2_runs_get_a_vocabulary_padded_to_a_multiple_of_64():
-    from nanogpt_cli.plan import padded_vocab_size
+    from nanogpt_cli.training.plan import padded_vocab_size
 
     assert padded_vocab_size({"tokenizer": {"name": "gpt2"}, "vocab_size": 50257}) == 50304
     assert padded_vocab_size({"tokenizer": {"name": "char"}, "vocab_size": 65}) == 65

@@ -24,7 +24,7 @@ from nanogpt_cli.inspect import (
     position_views,
     score_heads,
 )
-from nanogpt_cli.loading import InferenceModel, load_for_inference
+from nanogpt_cli.interop.loading import InferenceModel, load_for_inference
 from nanogpt_cli.model import GPT
 from nanogpt_cli.tokenizer import build_tokenizer
 

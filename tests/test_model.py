@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from nanogpt_cli import hf
 from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.interop import hf
 from nanogpt_cli.model import GPT, activation, apply_rope, rope_tables, sinusoidal_table
 from conftest import tiny_config
 

@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from nanogpt_cli.cli import app
-from nanogpt_cli.trainer import train
+from nanogpt_cli.training.trainer import train
 from conftest import tiny_plan
 
 runner = CliRunner()
@@ -49,8 +49,8 @@ def test_runs_fits_the_width_without_wrapping_a_name(three_runs, tmp_path, width
 
     from rich.console import Console
 
-    from nanogpt_cli import ui
-    from nanogpt_cli.runs import list_runs
+    from nanogpt_cli.cli import ui
+    from nanogpt_cli.inspect.catalog import list_runs
 
     names = ["shakespeare-char-cpu-fast-muon-wsd-20261201-120000", "shakespeare-char-cpu-fast-muon-wsd-20261202-093000"]
     for name in names:

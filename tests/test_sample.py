@@ -7,12 +7,12 @@ import torch
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
-from nanogpt_cli import checkpoint as ckpt
 from nanogpt_cli.cli import app
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.inference.sample import Sampler, SampleSettings
 from nanogpt_cli.model import GPT
-from nanogpt_cli.sample import Sampler, SampleSettings
+from nanogpt_cli.runs import checkpoint as ckpt
 from nanogpt_cli.tokenizer import build_tokenizer
 
 runner = CliRunner()

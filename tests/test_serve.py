@@ -20,11 +20,11 @@ from typer.testing import CliRunner
 openai = pytest.importorskip("openai", reason="the serve tests need the openai package (the dev extra)")
 pytest.importorskip("fastapi", reason="nanogpt serve needs the serve extra")
 
-from nanogpt_cli import checkpoint as ckpt  # noqa: E402
 from nanogpt_cli.cli import app  # noqa: E402
 from nanogpt_cli.config import GPTConfig  # noqa: E402
+from nanogpt_cli.inference.sample import Sampler, SampleSettings  # noqa: E402
 from nanogpt_cli.model import GPT  # noqa: E402
-from nanogpt_cli.sample import Sampler, SampleSettings  # noqa: E402
+from nanogpt_cli.runs import checkpoint as ckpt  # noqa: E402
 from nanogpt_cli.serve import ServeOptions, build_server  # noqa: E402
 from nanogpt_cli.serve.chat import DEFAULT_STOP, ChatTemplate  # noqa: E402
 from nanogpt_cli.tokenizer import build_tokenizer  # noqa: E402
@@ -182,7 +182,7 @@ def test_chat_streams_with_the_assistant_role_first_and_uses_the_template(client
 
 def test_a_checkpoint_chat_template_gives_the_token_ids_transformers_gives():
     transformers = pytest.importorskip("transformers")
-    from nanogpt_cli import hf
+    from nanogpt_cli.interop import hf
 
     source = (
         "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] | trim }}{{ eos_token }}\n"

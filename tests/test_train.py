@@ -13,15 +13,15 @@ import torch
 from safetensors import safe_open
 from typer.testing import CliRunner
 
-from nanogpt_cli import checkpoint as ckpt
 from nanogpt_cli.cli import app
 from nanogpt_cli.config import GPTConfig, TrainConfig, preset_values, split_values
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.loading import load_model
+from nanogpt_cli.interop.loading import load_model
 from nanogpt_cli.model import GPT
-from nanogpt_cli.optim import lr_at
-from nanogpt_cli.plan import plan_run
-from nanogpt_cli.trainer import optimizer_step, train
+from nanogpt_cli.runs import checkpoint as ckpt
+from nanogpt_cli.training.optim import lr_at
+from nanogpt_cli.training.plan import plan_run
+from nanogpt_cli.training.trainer import optimizer_step, train
 from conftest import tiny_config, tiny_plan
 
 runner = CliRunner()
@@ -385,7 +385,7 @@ def test_cpu_speedrun_under_a_clock_trains_until_it_is_spent_and_evaluates_once(
 
 
 def test_the_clock_guesses_the_final_evaluation_from_the_update_until_one_is_timed():
-    from nanogpt_cli.trainer import Clock
+    from nanogpt_cli.training.trainer import Clock
 
     for eval_steps, over in ((3, True), (2, False)):  # 8 s spent + a 0.5 s update + the evaluation, of 10 s
         clock = Clock(before=8.0, max_time=10.0, last_eval_s=0.0, step=0, eval_steps=eval_steps)
@@ -402,7 +402,7 @@ def test_the_clock_guesses_the_final_evaluation_from_the_update_until_one_is_tim
 def test_max_time_and_stop_at_on_the_same_step_save_once(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "run"
-    from nanogpt_cli.events import NoDisplay
+    from nanogpt_cli.training.events import NoDisplay
 
     class Saves(NoDisplay):  # every checkpoint the run reports: with an evaluation, or on its own
         def __init__(self):
@@ -488,7 +488,7 @@ def test_a_stopped_and_resumed_muon_run_equals_an_uninterrupted_one(char_data, t
 
 
 def test_the_schedule_scales_both_optimizers_and_warms_muons_momentum():
-    from nanogpt_cli.optim import make_optimizer, set_lr
+    from nanogpt_cli.training.optim import make_optimizer, set_lr
 
     cfg = TrainConfig(
         optimizer="muon",
@@ -516,7 +516,7 @@ def test_the_schedule_scales_both_optimizers_and_warms_muons_momentum():
 
 
 def test_adamw_decays_matrices_only_and_gives_an_untied_embedding_its_own_rate():
-    from nanogpt_cli.optim import make_optimizer, set_lr
+    from nanogpt_cli.training.optim import make_optimizer, set_lr
 
     model = GPT(tiny_config(bias=True))
     decay, no_decay = make_optimizer(model, TrainConfig(weight_decay=0.1), torch.device("cpu")).param_groups
@@ -574,7 +574,7 @@ def test_embedding_lr_is_for_an_untied_embedding(char_data, tmp_path):
 
 
 def test_muon_ns_steps_reach_the_update():
-    from nanogpt_cli.optim import make_optimizer
+    from nanogpt_cli.training.optim import make_optimizer
 
     after = []
     for steps in (5, 2):
@@ -590,7 +590,7 @@ def test_muon_ns_steps_reach_the_update():
 
 
 def test_the_cpu_muon_makes_torchs_muon_update():
-    from nanogpt_cli.optim import CPUMuon
+    from nanogpt_cli.training.optim import CPUMuon
 
     torch.manual_seed(0)
     ours = [torch.nn.Parameter(torch.randn(48, 16)), torch.nn.Parameter(torch.randn(16, 40))]
@@ -613,7 +613,7 @@ def test_the_cpu_muon_orthogonalises_same_shaped_matrices_together_as_each_alone
     """CPUMuon stacks the updates of one shape, a tall matrix as its transpose, into one batched Newton-Schulz: the
     result is each matrix's own, in fp32 to rounding, for tall and wide matrices stacked together and a shape
     with one matrix."""
-    from nanogpt_cli.optim import CPUMuon
+    from nanogpt_cli.training.optim import CPUMuon
 
     torch.manual_seed(0)
     shapes = [(48, 16), (48, 16), (16, 48), (16, 40)]
@@ -813,7 +813,7 @@ def test_fp16_trains_skips_an_overflow_step_and_resumes_the_scaler_exactly(char_
 
 
 def test_the_summary_and_info_report_steady_speed_and_the_time_evaluating_and_saving(char_data, tmp_path):
-    from nanogpt_cli.runs import inspect_path
+    from nanogpt_cli.inspect.catalog import inspect_path
 
     data_dir, name = char_data
     result = train(tiny_plan(data_dir, name, tmp_path / "run", max_iters=12, eval_interval=6))
@@ -835,8 +835,8 @@ def test_many_processes_ask_for_a_stop_once_per_log_interval_not_every_update(ch
 
     import torch
 
-    from nanogpt_cli.distributed import World
-    from nanogpt_cli.trainer import Trainer
+    from nanogpt_cli.training.distributed import World
+    from nanogpt_cli.training.trainer import Trainer
 
     @dataclass(frozen=True)
     class CountingWorld(World):
@@ -855,7 +855,7 @@ def test_many_processes_ask_for_a_stop_once_per_log_interval_not_every_update(ch
 
 
 def test_a_batch_is_one_copy_of_its_windows_sliced_after(char_data):
-    from nanogpt_cli.trainer import Batches
+    from nanogpt_cli.training.trainer import Batches
 
     data_dir, name = char_data
     batches = Batches(data_dir, name, block_size=16, batch_size=4, device=torch.device("cpu"), seed=0)
@@ -870,7 +870,7 @@ def test_a_batch_is_one_copy_of_its_windows_sliced_after(char_data):
 
 
 def test_a_busy_machine_is_explained_by_step_times_or_load_with_the_threads_to_use():
-    from nanogpt_cli.trainer import busy_hint
+    from nanogpt_cli.training.trainer import busy_hint
 
     steady = [0.5] * 5 + [0.01] * 30  # warm-up, then 10 ms steps
     assert busy_hint(steady, load=1.0, cores=2, threads=2) is None

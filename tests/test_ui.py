@@ -5,8 +5,8 @@ import io
 import pytest
 from rich.console import Console
 
-from nanogpt_cli import ui
-from nanogpt_cli.events import Evaluated, RunStarted, StepLogged
+from nanogpt_cli.cli import ui
+from nanogpt_cli.training.events import Evaluated, RunStarted, StepLogged
 
 
 def terminal(monkeypatch, width):
@@ -71,8 +71,8 @@ def test_fit_fields_drops_the_least_important_first():
 
 
 def test_eval_reports_progress_up_to_every_token(trained_run):
-    from nanogpt_cli.evaluate import score_tokens
-    from nanogpt_cli.loading import load_for_inference
+    from nanogpt_cli.inference.evaluate import score_tokens
+    from nanogpt_cli.interop.loading import load_for_inference
 
     model = load_for_inference(trained_run, device="cpu", dtype="float32").model
     calls = []

@@ -15,8 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from ..chat_template import DEFAULT_TEMPLATE, EOT, ChatTemplate, turn_end
 from ..errors import NanoGPTError
+from .chat_template import DEFAULT_TEMPLATE, EOT, ChatTemplate, turn_end
 
 ROLES = ("system", "user", "assistant")
 __all__ = ["turn_end"]  # exports read it from here

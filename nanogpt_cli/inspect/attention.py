@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.loading import InferenceModel
+from nanogpt_cli.interop.loading import InferenceModel
 from nanogpt_cli.model import GPT, CausalSelfAttention, apply_rope, softcap
 
 

@@ -22,7 +22,7 @@ import torch
 
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inspect.attention import attention_forward
-from nanogpt_cli.loading import InferenceModel
+from nanogpt_cli.interop.loading import InferenceModel
 
 PROBE_ROWS = 8  # random sequences averaged over: enough that a head's scores move by < 0.01 between seeds
 # a label when one behaviour clearly dominates: its score reaches this (uniform attention scores ~0.02-0.07)

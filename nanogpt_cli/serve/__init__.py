@@ -71,7 +71,7 @@ def build_server(options: ServeOptions, on_ready: Callable[[str], None] | None =
     """Load the model, start the engine thread and return an uvicorn Server for the app (not yet running)."""
     require("fastapi", "serve", "nanogpt serve")
     uvicorn = require("uvicorn", "serve", "nanogpt serve")
-    from nanogpt_cli.loading import load_for_inference
+    from nanogpt_cli.interop.loading import load_for_inference
     from nanogpt_cli.serve.api import Limits, ServerState, create_app
     from nanogpt_cli.serve.chat import ChatTemplate
     from nanogpt_cli.serve.scheduler import Scheduler

@@ -26,8 +26,8 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanogpt_cli.engine import SamplingParams, prompt_logprobs
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.inference.engine import SamplingParams, prompt_logprobs
 from nanogpt_cli.serve.chat import ChatTemplate, message_text
 from nanogpt_cli.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 from nanogpt_cli.serve.scheduler import Done, Failed, Job, QueueFull, Scheduler

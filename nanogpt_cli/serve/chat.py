@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from nanogpt_cli.chat_template import PLAIN_NAME as DEFAULT_NAME
-from nanogpt_cli.chat_template import PLAIN_STOP as DEFAULT_STOP
-from nanogpt_cli.chat_template import PLAIN_TEMPLATE as DEFAULT_TEMPLATE
-from nanogpt_cli.chat_template import ChatTemplate
+from nanogpt_cli.data.chat_template import PLAIN_NAME as DEFAULT_NAME
+from nanogpt_cli.data.chat_template import PLAIN_STOP as DEFAULT_STOP
+from nanogpt_cli.data.chat_template import PLAIN_TEMPLATE as DEFAULT_TEMPLATE
+from nanogpt_cli.data.chat_template import ChatTemplate
 from nanogpt_cli.errors import NanoGPTError
 
 __all__ = ["DEFAULT_NAME", "DEFAULT_STOP", "DEFAULT_TEMPLATE", "ChatTemplate", "message_text"]

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from nanogpt_cli.engine import Engine, RowError, SamplingParams, StepToken
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.sample import TextStream
+from nanogpt_cli.inference.engine import Engine, RowError, SamplingParams, StepToken
+from nanogpt_cli.inference.sample import TextStream
 
 log = logging.getLogger("nanogpt.serve")
 

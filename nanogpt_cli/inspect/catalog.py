@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from nanogpt_cli.checkpoint import damage, file_step, read_metadata
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError, first_line
 from nanogpt_cli.files import read_jsonl
 from nanogpt_cli.model import GPT
-from nanogpt_cli.rundir import RunDir
+from nanogpt_cli.runs.checkpoint import damage, file_step, read_metadata
+from nanogpt_cli.runs.rundir import RunDir
 
 STATUSES = {
     "finished": "step reached --max-iters, or --max-time was spent",
@@ -90,8 +90,8 @@ def read_hf_folder(path: Path) -> HFExport | None:
     """The folder as a Hugging Face model (an export of ours, or any transformers folder), or None."""
     from safetensors import safe_open
 
-    from nanogpt_cli import hf
-    from nanogpt_cli.export import ORIGIN_KEY
+    from nanogpt_cli.interop import hf
+    from nanogpt_cli.interop.export import ORIGIN_KEY
 
     if str(path).startswith("hf:") or not hf.is_hf_source(path):
         return None
@@ -248,7 +248,7 @@ def inspect_path(path: str | Path) -> Info:
     if not path.exists():
         raise NanoGPTError(f"{path} does not exist; give a run folder or a .safetensors file")
     if path.suffix.lower() == ".gguf":  # a GGUF file nanogpt exported: its metadata holds our config and tokenizer
-        from nanogpt_cli.gguf_file import read_gguf_meta
+        from nanogpt_cli.interop.gguf_file import read_gguf_meta
 
         meta = read_gguf_meta(path)
         info = Info(path=str(path), kind=f"gguf ({meta['architecture']})")

@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from nanogpt_cli import hf
-from nanogpt_cli.checkpoint import load_weights, read_metadata
 from nanogpt_cli.config import Dtype, GPTConfig
 from nanogpt_cli.device import resolve_device, resolve_inference_dtype
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.interop import hf
 from nanogpt_cli.model import GPT
-from nanogpt_cli.rundir import resolve_weights
+from nanogpt_cli.runs.checkpoint import load_weights, read_metadata
+from nanogpt_cli.runs.rundir import resolve_weights
 from nanogpt_cli.tokenizer import Tokenizer, tokenizer_from_description
 
 
@@ -30,7 +30,7 @@ def load_model(path: str | Path, last: bool = False, device: str | torch.device 
     if hf.is_hf_source(path):
         model, tokenizer = hf.load_pretrained(path)
         return model.to(device), {"config": model.config.to_dict(), "tokenizer": tokenizer, "source": str(path)}
-    from nanogpt_cli import gguf_file
+    from nanogpt_cli.interop import gguf_file
 
     if gguf_file.is_gguf(path):  # a GGUF file that nanogpt exported
         model, meta = gguf_file.read_gguf(path)

@@ -12,8 +12,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from nanogpt_cli import hf
-from nanogpt_cli.checkpoint import read_metadata
 from nanogpt_cli.config import (
     Dtype,
     GPTConfig,
@@ -27,12 +25,14 @@ from nanogpt_cli.config import (
 )
 from nanogpt_cli.data import load_meta
 from nanogpt_cli.device import resolve_device
-from nanogpt_cli.distributed import check_world, launched_size
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.loading import load_model
+from nanogpt_cli.interop import hf
+from nanogpt_cli.interop.loading import load_model
 from nanogpt_cli.model import GPT
-from nanogpt_cli.rundir import RunDir, resolve_weights
+from nanogpt_cli.runs.checkpoint import read_metadata
+from nanogpt_cli.runs.rundir import RunDir, resolve_weights
 from nanogpt_cli.tokenizer import describe_difference
+from nanogpt_cli.training.distributed import check_world, launched_size
 
 
 @dataclass

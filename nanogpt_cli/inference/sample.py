@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
-from nanogpt_cli.engine import Engine, SamplingParams
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.loading import InferenceModel, load_for_inference
+from nanogpt_cli.inference.engine import Engine, SamplingParams
+from nanogpt_cli.interop.loading import InferenceModel, load_for_inference
 from nanogpt_cli.tokenizer import Tokenizer
 
 

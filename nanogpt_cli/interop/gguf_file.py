@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from nanogpt_cli import hf
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.interop import hf
 from nanogpt_cli.model import GPT
 
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # --quant: what gguf's writer can produce

@@ -45,7 +45,7 @@ def fail(message: str) -> typer.Exit:
     """Print one styled error line on stderr and return the exit to raise."""
     from rich.markup import escape
 
-    from nanogpt_cli.ui import err_console
+    from nanogpt_cli.cli.ui import err_console
 
     # escaped: a message may hold brackets that are text, not styles (pip install -e ".[hf]")
     err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
@@ -74,7 +74,7 @@ def one_line_errors(command):
         try:
             return command(*args, **kwargs)
         except NanoGPTError as e:
-            from nanogpt_cli.launch import record_error
+            from nanogpt_cli.training.launch import record_error
 
             record_error(str(e))  # under a torch launcher: the sentence its report of the failure shows
             raise (fail(str(e)) if prints() else typer.Exit(1)) from None
@@ -84,7 +84,7 @@ def one_line_errors(command):
 
 def stopped(message: str) -> typer.Exit:
     """Ctrl-C: what was kept (on stderr), and the shell's exit code for it."""
-    from nanogpt_cli.ui import err_console
+    from nanogpt_cli.cli.ui import err_console
 
     err_console.print(message, highlight=False, soft_wrap=True)
     return typer.Exit(130)
@@ -193,7 +193,7 @@ Tracker = Annotated[
 
 
 def note(message: str) -> None:
-    from nanogpt_cli.ui import err_console
+    from nanogpt_cli.cli.ui import err_console
 
     err_console.print(f"note: {message}", highlight=False, soft_wrap=True, markup=False)
 
@@ -275,10 +275,10 @@ def prepare(
 
     Example: nanogpt prepare shakespeare --name shakespeare-char --tokenizer char
     """
+    from nanogpt_cli.cli.ui import console, prepare_progress, prepare_table
     from nanogpt_cli.data import interrupted_prepare
     from nanogpt_cli.data import prepare as prepare_data
     from nanogpt_cli.files import check_creatable
-    from nanogpt_cli.ui import console, prepare_progress, prepare_table
 
     check_creatable(data_dir, "--data-dir")
     tokenizer = trained_or_named(tokenizer, tokenizers_dir)
@@ -330,8 +330,8 @@ def prepare_chat(source, name, tokenizer, data_dir, chat_template, val_fraction,
     """prepare --format chat: conversations rendered with a template, a loss mask beside each token shard."""
     if fmt != "chat":
         raise NanoGPTError(f"unknown --format {fmt!r}; use text or chat")
+    from nanogpt_cli.cli.ui import console
     from nanogpt_cli.data.chat import prepare_chat as prepare_chat_data
-    from nanogpt_cli.ui import console
 
     result = prepare_chat_data(
         source,
@@ -374,7 +374,7 @@ def _tokenizer_root(ctx: typer.Context):
 
 def tokenizer_table(result):
     """What tokenizer train made, as a table."""
-    from nanogpt_cli.ui import summary_table
+    from nanogpt_cli.cli.ui import summary_table
 
     tok = result.tokenizer
     return summary_table(
@@ -428,9 +428,9 @@ def tokenizer_train(
 
     Example: nanogpt tokenizer train examples/tinyshakespeare.txt --vocab-size 2048 --name shk2k
     """
+    from nanogpt_cli.cli.ui import console, prepare_progress
+    from nanogpt_cli.data.tokenizer_train import train_tokenizer
     from nanogpt_cli.tokenizer import EOT
-    from nanogpt_cli.tokenizer_train import train_tokenizer
-    from nanogpt_cli.ui import console, prepare_progress
 
     specials = [EOT] + [s for s in (special or []) if s != EOT]
     with prepare_progress() as progress:
@@ -485,8 +485,8 @@ def tokenizer_info(
 
     Example: nanogpt tokenizer info shk2k
     """
+    from nanogpt_cli.cli.ui import console, summary_table
     from nanogpt_cli.tokenizer import BPETokenizer, tokenizer_folder
-    from nanogpt_cli.ui import console, summary_table
 
     tok = _load_tokenizer(name, tokenizers_dir)
     folder = tokenizer_folder(name, tokenizers_dir) if isinstance(tok, BPETokenizer) else None
@@ -605,8 +605,8 @@ def train(
     flags = dict(flags or {}, **({"preset": preset} if preset is not None else {}))
     from nanogpt_cli.config import load_toml
     from nanogpt_cli.device import set_threads
-    from nanogpt_cli.plan import plan_run
-    from nanogpt_cli.trackers import open_tracker
+    from nanogpt_cli.training.plan import plan_run
+    from nanogpt_cli.training.trackers import open_tracker
 
     set_threads(threads)
 
@@ -619,12 +619,12 @@ def train(
         raise NanoGPTError("--nnodes and --rdzv-endpoint go with --nproc N: the processes on each machine")
     how = None
     if nproc is not None:
-        from nanogpt_cli.launch import Launch
+        from nanogpt_cli.training.launch import Launch
 
         how = Launch(nproc, nnodes, rdzv_endpoint)
         if os.environ.get("WORLD_SIZE"):
             raise NanoGPTError("--nproc launches the processes itself; under torchrun drop it")
-    from nanogpt_cli.finetune import is_finetune_run, plan_finetune
+    from nanogpt_cli.training.finetune import is_finetune_run, plan_finetune
 
     if resume and out is not None and is_finetune_run(out):  # a LoRA run resumes on its base, with its adapters
         if how is not None:
@@ -645,7 +645,7 @@ def train(
         world_size=how.world_size if how else None,
     )
     if init_from is not None and plan.dataset.get("masks"):  # the same run as `finetune` without --lora
-        from nanogpt_cli.finetune import record_full_finetune
+        from nanogpt_cli.training.finetune import record_full_finetune
 
         record_full_finetune(plan, init_from)
         plan.notes.append("fine-tuning on a chat dataset: `nanogpt finetune` does the same, and LoRA with --lora")
@@ -658,10 +658,10 @@ def train(
 
 def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False, plot: bool = True) -> None:
     """Train a planned run with the progress display (and a tracker's sink), then report it: train and finetune."""
-    from nanogpt_cli.distributed import open_world
-    from nanogpt_cli.trackers import Tee
-    from nanogpt_cli.trainer import Trainer
-    from nanogpt_cli.ui import TrainDisplay
+    from nanogpt_cli.cli.ui import TrainDisplay
+    from nanogpt_cli.training.distributed import open_world
+    from nanogpt_cli.training.trackers import Tee
+    from nanogpt_cli.training.trainer import Trainer
 
     if prints():
         for message in plan.notes:
@@ -684,7 +684,7 @@ def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False, 
         if prints():
             report_training(plan, result, plot)
     if result.stopped in ("SIGINT", "SIGTERM"):
-        from nanogpt_cli.launch import record_error
+        from nanogpt_cli.training.launch import record_error
 
         record_error(stopped_line(plan, result))  # every rank: torchrun's report of the stop ends with this line
         raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
@@ -741,9 +741,9 @@ def finetune(
     """
     from nanogpt_cli.config import load_toml
     from nanogpt_cli.device import set_threads
-    from nanogpt_cli.finetune import plan_finetune
     from nanogpt_cli.lora import DEFAULT_TARGETS, LoRAConfig
-    from nanogpt_cli.trackers import open_tracker
+    from nanogpt_cli.training.finetune import plan_finetune
+    from nanogpt_cli.training.trackers import open_tracker
 
     flags = dict(flags or {}, **({"preset": preset} if preset is not None else {}))
     set_threads(threads)
@@ -770,7 +770,7 @@ def finetune(
 
 def stopped_line(plan, result) -> str:
     """How a run stopped by a signal ended, and the command that resumes it (with the launch flags of --nproc)."""
-    from nanogpt_cli.launch import launch_flags
+    from nanogpt_cli.training.launch import launch_flags
 
     resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
     return f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}"
@@ -780,8 +780,8 @@ def launch_training(plan, how, given: dict, options: dict) -> None:
     """train --nproc: the planned run (its refusals already said) in how.world_size processes, each running this
     command without the launch flags (given: the config options given; options: train's own) and with the run
     folder planned here."""
-    from nanogpt_cli.distributed import rank_device
-    from nanogpt_cli.launch import launch, train_args
+    from nanogpt_cli.training.distributed import rank_device
+    from nanogpt_cli.training.launch import launch, train_args
 
     if plan.complete:
         return say_complete(plan)
@@ -793,7 +793,7 @@ def launch_training(plan, how, given: dict, options: dict) -> None:
 
 def say_complete(plan) -> None:
     """A run that has nothing left to train: why, and what to raise."""
-    from nanogpt_cli.ui import console
+    from nanogpt_cli.cli.ui import console
 
     if plan.time_over:
         console.print(
@@ -809,17 +809,17 @@ def say_complete(plan) -> None:
 
 def report_training(plan, result, plot: bool = True) -> None:
     """The summary table, the loss curves' picture (with the plot extra) and how the run ended."""
-    from nanogpt_cli.ui import console, train_table
+    from nanogpt_cli.cli.ui import console, train_table
 
     console.print(train_table(result))
     if plot:  # the plot extra: a picture of the curves (importing matplotlib and drawing take ~1 s: --no-plot)
-        from nanogpt_cli.plot import write_png
+        from nanogpt_cli.inspect.plot import write_png
 
         try:
             write_png([plan.run_dir.path], plan.run_dir.loss_plot_path)
         except NanoGPTError as e:  # said once, here at the end, where it is seen
             note(f"{plan.run_dir.loss_plot_path.name} not drawn: {e}")
-    from nanogpt_cli.launch import launch_flags
+    from nanogpt_cli.training.launch import launch_flags
 
     resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
     if result.stopped in ("SIGINT", "SIGTERM"):
@@ -832,7 +832,7 @@ def report_training(plan, result, plot: bool = True) -> None:
 
 def print_samples(sampler, text: str, settings, num_samples: int, stream: bool, json_out: bool = False) -> None:
     """Continue one prompt: the samples printed after it, streamed when asked (or one JSON object each)."""
-    from nanogpt_cli.ui import err_console
+    from nanogpt_cli.cli.ui import err_console
 
     ids, cut = sampler.encode_prompt(text)
     if cut:
@@ -904,7 +904,7 @@ def sample(
 
     Example: nanogpt sample --checkpoint checkpoints/shk --prompt "ROMEO:" --max-new-tokens 200
     """
-    from nanogpt_cli.sample import Sampler, SampleSettings
+    from nanogpt_cli.inference.sample import Sampler, SampleSettings
 
     if prompt is not None and prompt_file is not None:
         raise NanoGPTError("give --prompt or --prompt-file, not both")
@@ -939,7 +939,7 @@ def sample(
 def interactive_loop(run, first: str | None) -> None:
     """sample -i: a prompt at a time until Ctrl-D (or Ctrl-C at the prompt); Ctrl-C while a sample is written
     stops that sample. The shell's prompt comes back on a line of its own."""
-    from nanogpt_cli.ui import err_console
+    from nanogpt_cli.cli.ui import err_console
 
     err_console.print("type a prompt and press Enter; Ctrl-D (or Ctrl-C) leaves", highlight=False)
     while True:
@@ -986,9 +986,9 @@ def chat(
 
     Example: nanogpt chat checkpoints/count --temperature 0
     """
-    from nanogpt_cli.chat import ChatSession
     from nanogpt_cli.device import set_threads
-    from nanogpt_cli.sample import SampleSettings
+    from nanogpt_cli.inference.chat import ChatSession
+    from nanogpt_cli.inference.sample import SampleSettings
 
     if max_new_tokens is not None and max_new_tokens < 1:
         raise NanoGPTError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
@@ -1138,9 +1138,9 @@ def perplexity(
 
     Example: nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char --split val
     """
-    from nanogpt_cli.evaluate import perplexity_of_files, perplexity_of_split
-    from nanogpt_cli.loading import load_for_inference
-    from nanogpt_cli.ui import console, eval_table
+    from nanogpt_cli.cli.ui import console, eval_table
+    from nanogpt_cli.inference.evaluate import perplexity_of_files, perplexity_of_split
+    from nanogpt_cli.interop.loading import load_for_inference
 
     if (data is None) == (not input):
         raise NanoGPTError("give either --data NAME (with --split) or --input FILE")
@@ -1152,7 +1152,7 @@ def perplexity(
 
     set_threads(threads)
     loaded = load_for_inference(checkpoint, last=last, device=device, dtype=dtype)
-    from nanogpt_cli.ui import eval_progress
+    from nanogpt_cli.cli.ui import eval_progress
 
     with eval_progress() as progress:  # a bar on a terminal: tokens scored, rate, time left
         if data is not None:
@@ -1201,8 +1201,8 @@ def export(
 
     Example: nanogpt export checkpoints/shk --format hf --out exports/shk
     """
-    from nanogpt_cli.export import export as export_run
-    from nanogpt_cli.ui import console
+    from nanogpt_cli.cli.ui import console
+    from nanogpt_cli.interop.export import export as export_run
 
     result = export_run(run, format, out, last=last, force=force, quant=quant, merge=merge, base=base)
     if result.format == "peft":
@@ -1241,8 +1241,8 @@ def runs(
 
     Example: nanogpt runs checkpoints
     """
-    from nanogpt_cli.runs import list_runs
-    from nanogpt_cli.ui import console, runs_table
+    from nanogpt_cli.cli.ui import console, runs_table
+    from nanogpt_cli.inspect.catalog import list_runs
 
     found = list_runs(folder)
     if json_out:
@@ -1267,8 +1267,8 @@ def info(
 
     Example: nanogpt info checkpoints/shk
     """
-    from nanogpt_cli.runs import inspect_path
-    from nanogpt_cli.ui import console, info_table
+    from nanogpt_cli.cli.ui import console, info_table
+    from nanogpt_cli.inspect.catalog import inspect_path
 
     result = inspect_path(path)
     if json_out:
@@ -1289,8 +1289,8 @@ def plot(
 
     Example: nanogpt plot checkpoints/shk checkpoints/shk-wsd --out loss.png
     """
-    from nanogpt_cli.plot import terminal_plot, write_png
-    from nanogpt_cli.ui import console
+    from nanogpt_cli.cli.ui import console
+    from nanogpt_cli.inspect.plot import terminal_plot, write_png
 
     if out is not None:
         from nanogpt_cli.files import check_creatable
@@ -1331,7 +1331,7 @@ def _inspect_root(ctx: typer.Context):
 def _inspect_load(source: str, last: bool, device: str, dtype: Dtype, threads: int | None):
     from nanogpt_cli.device import set_threads
     from nanogpt_cli.inspect import display_name
-    from nanogpt_cli.loading import load_for_inference
+    from nanogpt_cli.interop.loading import load_for_inference
 
     set_threads(threads)
     loaded = load_for_inference(source, last=last, device=device, dtype=dtype)
@@ -1386,9 +1386,9 @@ def inspect_attention(
 
     Example: nanogpt inspect attention checkpoints/shk --prompt "ROMEO: But soft" --out attention.png
     """
+    from nanogpt_cli.cli.ui import console, err_console
     from nanogpt_cli.inspect.attention import attention_maps, check_selection
     from nanogpt_cli.inspect.draw import draw_attention, parse_size
-    from nanogpt_cli.ui import console, err_console
 
     text = _inspect_prompt(prompt, prompt_file)
     if text is None:
@@ -1447,9 +1447,9 @@ def inspect_heads(
 
     Example: nanogpt inspect heads checkpoints/shk --plot heads.png
     """
+    from nanogpt_cli.cli.ui import console, err_console
     from nanogpt_cli.inspect import heads_table, score_heads
     from nanogpt_cli.inspect.draw import draw_heads, parse_size
-    from nanogpt_cli.ui import console, err_console
 
     text = _inspect_prompt(prompt, prompt_file)
     pixels = parse_size(size) if size is not None else None
@@ -1478,9 +1478,9 @@ def inspect_positions(
 
     Example: nanogpt inspect positions checkpoints/shk --out positions.png
     """
+    from nanogpt_cli.cli.ui import console
     from nanogpt_cli.inspect import position_views
     from nanogpt_cli.inspect.draw import draw_positions, parse_size
-    from nanogpt_cli.ui import console
 
     pixels = parse_size(size) if size is not None else None
     _inspect_target(out)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanogpt_cli import hf
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.interop import hf
 from nanogpt_cli.model import GPT
 
 FORMATS = ("hf", "gguf", "peft")
@@ -89,7 +89,7 @@ def export(
 def load_source(source: str | Path, last: bool = False) -> tuple[GPT, dict[str, Any]]:
     """Our model and its metadata (the tokenizer's description in it) from one of our checkpoints or a Hugging
     Face model; a LoRA run comes merged."""
-    from nanogpt_cli.loading import load_model
+    from nanogpt_cli.interop.loading import load_model
 
     model, meta = load_model(source, last=last)
     if "tokenizer" not in meta:
@@ -99,8 +99,8 @@ def load_source(source: str | Path, last: bool = False) -> tuple[GPT, dict[str, 
 
 def lora_weights(source: str | Path, last: bool) -> tuple[Path, dict[str, Any]] | None:
     """(weights file, metadata) when the source is a LoRA run of ours, else None."""
-    from nanogpt_cli.checkpoint import read_metadata
-    from nanogpt_cli.rundir import resolve_weights
+    from nanogpt_cli.runs.checkpoint import read_metadata
+    from nanogpt_cli.runs.rundir import resolve_weights
 
     if hf.is_hf_source(source) or str(source).endswith(".gguf"):
         return None
@@ -229,7 +229,7 @@ def export_peft(path: Path, meta: dict[str, Any], base: Path, out: Path, force: 
     base), out)` computes what the run computes."""
     from safetensors.torch import save_file
 
-    from nanogpt_cli.loading import load_lora
+    from nanogpt_cli.interop.loading import load_lora
     from nanogpt_cli.lora import adapters
 
     transformers = hf.require("transformers")
@@ -294,7 +294,7 @@ def export_gguf(
 ) -> ExportResult:
     """Write one GGUF file (see gguf_file.py) with float32, float16 or quantized matrices, and the run's chat
     template as tokenizer.chat_template."""
-    from nanogpt_cli import gguf_file
+    from nanogpt_cli.interop import gguf_file
 
     hf.require("gguf")
     if quant not in gguf_file.QUANTS:

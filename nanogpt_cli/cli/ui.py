@@ -1,6 +1,6 @@
 """Rich consoles, the training progress display and result tables. Rich styling only on a terminal.
 
-from nanogpt_cli.ui import console; console.print(table)
+from nanogpt_cli.cli.ui import console; console.print(table)
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from nanogpt_cli.chat_template import ChatTemplate
+from nanogpt_cli.data.chat_template import ChatTemplate
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.loading import InferenceModel, load_for_inference
-from nanogpt_cli.sample import Sampler, SampleSettings
+from nanogpt_cli.inference.sample import Sampler, SampleSettings
+from nanogpt_cli.interop.loading import InferenceModel, load_for_inference
 
 
 class ChatSession:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from nanogpt_cli.errors import NanoGPTError, require
 from nanogpt_cli.files import atomic_write
-from nanogpt_cli.rundir import RunDir
+from nanogpt_cli.runs.rundir import RunDir
 
 
 @dataclass

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanogpt_cli import hf
 from nanogpt_cli.config import OptimizerName, flag, show_value
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.interop import hf
 from nanogpt_cli.lora import LoRAConfig, add_lora, weights_hash
 from nanogpt_cli.model import GPT
-from nanogpt_cli.plan import RunPlan, plan_run
-from nanogpt_cli.rundir import resolve_weights
+from nanogpt_cli.runs.rundir import resolve_weights
+from nanogpt_cli.training.plan import RunPlan, plan_run
 
 
 @dataclass
@@ -139,7 +139,7 @@ def _resume(plan: RunPlan, lora: LoRAConfig | None, lora_flags: set[str] | None)
         raise NanoGPTError(f"--resume continues the run's adapters; these differ from it: {', '.join(differ)}")
     base = record["weights"]["base"]
     if hf.is_hf_source(base["source"]) or _holds_adapters(base["source"], base.get("last", False)):
-        from nanogpt_cli.loading import load_model
+        from nanogpt_cli.interop.loading import load_model
 
         plan.init_model, _ = load_model(base["source"], last=base.get("last", False))
     else:
@@ -149,7 +149,7 @@ def _resume(plan: RunPlan, lora: LoRAConfig | None, lora_flags: set[str] | None)
 
 def _holds_adapters(source: str, last: bool) -> bool:
     """Whether these weights are a LoRA run's (adapters on a base of their own)."""
-    from nanogpt_cli.checkpoint import read_metadata
+    from nanogpt_cli.runs.checkpoint import read_metadata
 
     return "lora" in read_metadata(resolve_weights(source, last=last))
 
@@ -162,7 +162,7 @@ def record_full_finetune(plan: RunPlan, init_from: str) -> None:
 
 def is_finetune_run(out: str | Path) -> bool:
     """Whether the run folder holds a run that `finetune` (or `train --init-from` on a chat dataset) started."""
-    from nanogpt_cli.rundir import RunDir
+    from nanogpt_cli.runs.rundir import RunDir
 
     run = RunDir(out)
     try:

@@ -37,7 +37,10 @@ import numpy as np
 import torch
 
 from nanogpt_cli import __version__
-from nanogpt_cli.checkpoint import (
+from nanogpt_cli.errors import NanoGPTError, first_line
+from nanogpt_cli.files import atomic_write, check_creatable, read_jsonl, write_json
+from nanogpt_cli.model import GPT
+from nanogpt_cli.runs.checkpoint import (
     TrainerState,
     damage,
     file_step,
@@ -47,9 +50,6 @@ from nanogpt_cli.checkpoint import (
     optimizer_tensors,
     write_tensors,
 )
-from nanogpt_cli.errors import NanoGPTError, first_line
-from nanogpt_cli.files import atomic_write, check_creatable, read_jsonl, write_json
-from nanogpt_cli.model import GPT
 
 LAST, BEST = "model.safetensors", "best.safetensors"
 OPTIMIZER, TRAINER, CONFIG, METRICS = "optimizer.safetensors", "trainer.json", "config.json", "metrics.jsonl"

@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from nanogpt_cli.checkpoint import TrainerState, load_weights
 from nanogpt_cli.data import open_split
 from nanogpt_cli.data.chat import checkpoint_template
 from nanogpt_cli.data.reader import open_conversations, open_mask_split, pack_windows
@@ -40,13 +39,14 @@ from nanogpt_cli.device import (
     resolve_device,
     resolve_dtype,
 )
-from nanogpt_cli.distributed import World, launched_size
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.events import Display, Evaluated, NoDisplay, RunSpeed, RunStarted, StepLogged, TrainResult
 from nanogpt_cli.model import GPT
-from nanogpt_cli.optim import lr_at, make_optimizer, set_lr
-from nanogpt_cli.plan import RunPlan
-from nanogpt_cli.rundir import RunDir, SavePoint, Saver
+from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
+from nanogpt_cli.runs.rundir import RunDir, SavePoint, Saver
+from nanogpt_cli.training.distributed import World, launched_size
+from nanogpt_cli.training.events import Display, Evaluated, NoDisplay, RunSpeed, RunStarted, StepLogged, TrainResult
+from nanogpt_cli.training.optim import lr_at, make_optimizer, set_lr
+from nanogpt_cli.training.plan import RunPlan
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # (model, x, y) -> mean loss, a scalar
 Trainable = Callable[[GPT], Iterable[nn.Parameter]]  # the parameters to train; every other one is frozen

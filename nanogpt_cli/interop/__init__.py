@@ -1,0 +1,11 @@
+"""Models in and out: load any source the tool reads, and write the formats other tools read.
+
+    loaded = load_for_inference("checkpoints/shk"); export("checkpoints/shk", "hf", Path("exports/shk"))
+
+- hf.py: the one name mapping between our GPT and Hugging Face architectures (GPT-2, Llama, GPT-NeoX)
+- gguf_file.py: GGUF files, written for llama.cpp and read back
+- loading.py: any source (run folder, .safetensors, Hugging Face folder or hf:NAME, .gguf) -> a model
+- export.py: Hugging Face folders, GGUF files and PEFT adapters from a run
+
+May import: the top-level modules, data/ and runs/. Never training/, inference/, serve/, inspect/ or cli/.
+"""
