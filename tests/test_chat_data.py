@@ -162,8 +162,9 @@ def test_masked_targets_get_no_gradient(tmp_path):
     import torch
 
     from nanogpt_cli.config import GPTConfig
+    from nanogpt_cli.data.batches import Batches
     from nanogpt_cli.model import GPT
-    from nanogpt_cli.training.trainer import Batches, next_token_loss
+    from nanogpt_cli.training.trainer import next_token_loss
 
     data = _chat_dataset(tmp_path)
     batches = Batches(data, "chats", 32, 4, torch.device("cpu"), seed=0)
@@ -194,7 +195,7 @@ def test_masked_targets_get_no_gradient(tmp_path):
 def test_all_ones_mask_reads_like_plain_tokens(tmp_path):
     import torch
 
-    from nanogpt_cli.training.trainer import Batches
+    from nanogpt_cli.data.batches import Batches
 
     data = _chat_dataset(tmp_path, ones=True)
     masked = Batches(data, "chats", 32, 4, torch.device("cpu"), seed=0)
@@ -215,8 +216,8 @@ def test_all_ones_mask_reads_like_plain_tokens(tmp_path):
 def test_windows_pack_whole_conversations_and_cut_long_ones_with_their_mask(tmp_path):
     import torch
 
+    from nanogpt_cli.data.batches import Batches
     from nanogpt_cli.data.reader import pack_windows
-    from nanogpt_cli.training.trainer import Batches
 
     # lengths 5, 3, 9, 2 in windows of 8: 5 + 3 fit together; 9 is cut into 8 and the 2 after its overlap token,
     # and the next conversation joins that last piece

@@ -186,8 +186,8 @@ def test_a_batch_with_no_trained_target_has_zero_loss_not_nan():
 
 
 def test_speed_counts_the_trained_tokens_of_a_chat_dataset(chat_data, base_run, tmp_path):
+    from nanogpt_cli.data.batches import Batches
     from nanogpt_cli.training.events import NoDisplay
-    from nanogpt_cli.training.trainer import Batches
 
     class Lines(NoDisplay):
         def __init__(self):
@@ -260,8 +260,8 @@ def test_sample_and_serve_format_chats_with_the_runs_template(chat_data, base_ru
 
 
 def test_evaluation_batches_of_a_chat_dataset_each_score_a_trained_target(tmp_path):
+    from nanogpt_cli.data.batches import Batches
     from nanogpt_cli.data.chat import prepare_chat
-    from nanogpt_cli.training.trainer import Batches
 
     src = tmp_path / "long.jsonl"  # long prompts, one-letter replies: most 17-token windows are prompt only
     row = {"messages": [{"role": "user", "content": "tell me " * 20}, {"role": "assistant", "content": "k"}]}
@@ -274,7 +274,7 @@ def test_evaluation_batches_of_a_chat_dataset_each_score_a_trained_target(tmp_pa
 
 
 def test_no_loss_mask_trains_on_every_token_of_the_conversations(chat_data):
-    from nanogpt_cli.training.trainer import Batches
+    from nanogpt_cli.data.batches import Batches
 
     data_dir, name = chat_data
     masked, every = (Batches(data_dir, name, 64, 4, torch.device("cpu"), 0, loss_mask=m) for m in (True, False))

@@ -6,8 +6,9 @@ import torch
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
+from nanogpt_cli.data.batches import Batches
 from nanogpt_cli.training.distributed import ProcessGroup
-from nanogpt_cli.training.trainer import Batches, train
+from nanogpt_cli.training.trainer import train
 from conftest import tiny_plan
 
 

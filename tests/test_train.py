@@ -385,7 +385,7 @@ def test_cpu_speedrun_under_a_clock_trains_until_it_is_spent_and_evaluates_once(
 
 
 def test_the_clock_guesses_the_final_evaluation_from_the_update_until_one_is_timed():
-    from nanogpt_cli.training.trainer import Clock
+    from nanogpt_cli.training.clock import Clock
 
     for eval_steps, over in ((3, True), (2, False)):  # 8 s spent + a 0.5 s update + the evaluation, of 10 s
         clock = Clock(before=8.0, max_time=10.0, last_eval_s=0.0, step=0, eval_steps=eval_steps)
@@ -855,7 +855,7 @@ def test_many_processes_ask_for_a_stop_once_per_log_interval_not_every_update(ch
 
 
 def test_a_batch_is_one_copy_of_its_windows_sliced_after(char_data):
-    from nanogpt_cli.training.trainer import Batches
+    from nanogpt_cli.data.batches import Batches
 
     data_dir, name = char_data
     batches = Batches(data_dir, name, block_size=16, batch_size=4, device=torch.device("cpu"), seed=0)
@@ -870,7 +870,7 @@ def test_a_batch_is_one_copy_of_its_windows_sliced_after(char_data):
 
 
 def test_a_busy_machine_is_explained_by_step_times_or_load_with_the_threads_to_use():
-    from nanogpt_cli.training.trainer import busy_hint
+    from nanogpt_cli.training.clock import busy_hint
 
     steady = [0.5] * 5 + [0.01] * 30  # warm-up, then 10 ms steps
     assert busy_hint(steady, load=1.0, cores=2, threads=2) is None

@@ -15,22 +15,18 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
 import signal
-import statistics
 import time
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-from nanogpt_cli.data import open_split
+from nanogpt_cli.data.batches import Batches
 from nanogpt_cli.data.chat import checkpoint_template
-from nanogpt_cli.data.reader import open_conversations, open_mask_split, pack_windows
 from nanogpt_cli.device import (
     autocast_for,
     enable_tf32,
@@ -43,8 +39,9 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
 from nanogpt_cli.runs.rundir import RunDir, SavePoint, Saver
+from nanogpt_cli.training.clock import Clock, busy_hint, cpu_cores, load_average
 from nanogpt_cli.training.distributed import World, launched_size
-from nanogpt_cli.training.events import Display, Evaluated, NoDisplay, RunSpeed, RunStarted, StepLogged, TrainResult
+from nanogpt_cli.training.events import Display, Evaluated, NoDisplay, RunStarted, StepLogged, TrainResult
 from nanogpt_cli.training.optim import lr_at, make_optimizer, set_lr
 from nanogpt_cli.training.plan import RunPlan
 
@@ -56,116 +53,6 @@ def next_token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch
     """Pre-training's loss: the mean cross-entropy of each next token (nats/token), as the model computes it."""
     _, loss = model(x, y)
     return loss
-
-
-# --- data ---
-
-
-class Batches:
-    """Random (block_size + 1)-token windows from the train and val shards, never across two shards. A chat
-    dataset that records its conversations is read as packed windows instead (data.reader.pack_windows): whole
-    conversations where they fit, padded at the end with targets that do not count."""
-
-    def __init__(
-        self,
-        data_dir: Path,
-        name: str,
-        block_size: int,
-        batch_size: int,
-        device: torch.device,
-        seed: int,
-        loss_mask: bool = True,
-    ):
-        self.splits = {s: open_split(data_dir, name, s) for s in ("train", "val")}
-        # chat datasets: a mask per token; a target whose mask is 0 becomes -1, which the loss ignores
-        # (loss_mask=False: every token of the conversations is a target)
-        self.masks = {s: open_mask_split(data_dir, name, s) if loss_mask else None for s in ("train", "val")}
-        self.packed: dict[str, np.ndarray | None] = {}  # (n, 3): shard, offset, tokens of each packed window
-        for split, tokens in self.splits.items():
-            lengths = open_conversations(data_dir, name, split)
-            self.packed[split] = None if lengths is None else pack_windows(lengths, tokens.counts, block_size + 1)
-        for split, tokens in self.splits.items():
-            if self.packed[split] is not None and len(self.packed[split]):
-                continue
-            if tokens.num_windows(block_size + 1) == 0:
-                longest = (
-                    f" (the longest of its {len(tokens.counts)} shards has {max(tokens.counts):,})"
-                    if len(tokens.counts) > 1
-                    else ""
-                )
-                raise NanoGPTError(
-                    f"the {split} split of '{name}' has {len(tokens):,} tokens{longest}, fewer than "
-                    f"--block-size + 1 = {block_size + 1}; use a smaller --block-size or more data"
-                )
-        self.block_size, self.batch_size, self.device = block_size, batch_size, device
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def draw(self, split: str, generator: torch.Generator | None = None) -> list[tuple[int, int]]:
-        """Where the windows of one batch start, (shard, offset) each, or (shard, offset, tokens) for packed
-        windows: the random part, which every rank draws alike."""
-        packed = self.packed[split]
-        if packed is not None:
-            ix = torch.randint(len(packed), (self.batch_size,), generator=generator or self.generator)
-            return [tuple(row) for row in packed[ix.numpy()].tolist()]
-        return self.splits[split].starts(self.batch_size, self.block_size + 1, generator or self.generator)
-
-    def load(self, split: str, starts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-        data, T = self.splits[split], self.block_size
-        if self.packed[split] is not None:
-            return self._load_packed(split, starts)
-        windows = self.to_device(torch.from_numpy(data.read(starts, T + 1).astype(np.int64)))  # (B, T+1)
-        x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each, sliced on the device
-        if self.masks[split] is not None:
-            keep = torch.from_numpy(self.masks[split].read(starts, T + 1).astype(np.bool_)[:, 1:].copy())  # (B, T)
-            y = y.masked_fill(~self.to_device(keep), -1)
-        return x, y
-
-    def _load_packed(self, split: str, starts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Packed windows, each padded to T+1 tokens; the padding's targets (and those under mask 0) are -1."""
-        T1 = self.block_size + 1
-        tokens, masks = self.splits[split], self.masks[split]
-        ids = np.zeros((len(starts), T1), dtype=np.int64)
-        keep = np.zeros((len(starts), T1), dtype=np.bool_)
-        for row, (shard, offset, n) in enumerate(starts):
-            ids[row, :n] = tokens.shard(shard)[offset : offset + n]
-            keep[row, :n] = masks.shard(shard)[offset : offset + n] if masks is not None else True
-        windows = self.to_device(torch.from_numpy(ids))  # (B, T+1)
-        x, y = windows[:, :-1], windows[:, 1:]  # (B, T) each
-        return x, y.masked_fill(~self.to_device(torch.from_numpy(keep[:, 1:].copy())), -1)
-
-    def to_device(self, windows: torch.Tensor) -> torch.Tensor:
-        """One copy of the whole (B, T+1) block. On CUDA it is pinned first, contiguous as it is, so the copy is
-        asynchronous (a sliced view would go through an unpinned temporary)."""
-        if self.device.type == "cuda":
-            return windows.pin_memory().to(self.device, non_blocking=True)
-        return windows.to(self.device)
-
-    def get_batch(self, split: str, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.load(split, self.draw(split, generator))
-
-    def fixed_batches(
-        self, split: str, n: int, seed: int, share: list[int] | None = None
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The same n batches at every evaluation: curves move because the model does, not the sample. Under
-        torchrun a rank loads only its share of them (indices into the n)."""
-        g = torch.Generator().manual_seed(seed)
-        starts = [self._scored_draw(split, g) for _ in range(n)]
-        return [self.load(split, starts[i]) for i in (range(n) if share is None else share)]
-
-    def _scored_draw(self, split: str, g: torch.Generator, tries: int = 100) -> list[tuple[int, ...]]:
-        """An evaluation batch: on a chat dataset, one with at least one trained target (a batch of prompts only
-        would score 0 and pull the mean down), drawn again from the same generator up to `tries` times."""
-        masks = self.masks[split]
-        for _ in range(tries):
-            starts = self.draw(split, g)
-            if masks is None:
-                return starts
-            if any(
-                masks.shard(s[0])[s[1] + 1 : s[1] + (s[2] if len(s) == 3 else self.block_size + 1)].any()
-                for s in starts
-            ):
-                return starts
-        return starts
 
 
 @torch.no_grad()
@@ -210,143 +97,6 @@ def scale_tensor(scaler: torch.amp.GradScaler, device: torch.device) -> torch.Te
     """The fp16 loss scale as a tensor on the device, read without waiting for it (get_scale() syncs)."""
     scale = scaler._get_scale_async()  # None until the first scale(): the initial (or restored) value then
     return scale.clone() if scale is not None else torch.tensor(scaler.get_scale(), device=device)
-
-
-# --- time: the budget and the speed ---
-
-
-STEADY_SKIP = 5  # updates left out of the steady-state step time: warm-up, compilation, allocator growth
-
-
-class Clock:
-    """A run's wall time and what it went to: the time of earlier invocations, this one's, the time spent
-    evaluating and saving (left out of the speed figures), the first update (warm-up or compilation, also left
-    out), and --max-time's budget, which keeps the last evaluation's length free for the final one."""
-
-    def __init__(self, before: float, max_time: float | None, last_eval_s: float, step: int, eval_steps: float = 0.0):
-        self.before, self.max_time, self.last_eval_s = before, max_time, last_eval_s
-        self.eval_steps = eval_steps  # an evaluation's length in updates, guessed, until one has been timed
-        self.t0 = time.perf_counter()
-        self.window_t, self.window_step = self.t0, step  # since the last progress line
-        self.set_aside_s = 0.0  # evaluating and saving
-        self.save_s = 0.0  # the saving part of it
-        self.step_s = self.first_s = 0.0  # the last update's length; the first one's
-        self.sync: Callable[[], None] | None = None  # waits for the device (CUDA with --max-time)
-        self.steps: list[float] = []  # every update's length in this invocation
-
-    def elapsed(self, at: float | None = None) -> float:
-        """Wall time of every invocation so far (up to `at`, a perf_counter time)."""
-        return self.before + (time.perf_counter() if at is None else at) - self.t0
-
-    def share(self) -> float | None:
-        """--max-time: the share of it spent, out of the time left once the final evaluation is set aside."""
-        if self.max_time is None:
-            return None
-        return self.elapsed() / max(self.max_time - self.eval_s(), 1e-9)
-
-    def eval_s(self) -> float:
-        """The final evaluation's expected length: the last one's, or (when none has run: --no-eval-first) a
-        guess from the fastest update after the first STEADY_SKIP: the first few warm up, and on a busy CPU
-        can each take ten times a steady one."""
-        if self.last_eval_s:
-            return self.last_eval_s
-        return self.eval_steps * min(self.steps[STEADY_SKIP:]) if len(self.steps) > STEADY_SKIP else 0.0
-
-    def out_of_time(self, due: bool) -> bool:
-        """Whether another update and the final evaluation (after the one due now) would not fit."""
-        return (
-            self.max_time is not None
-            and self.elapsed() + self.step_s + self.eval_s() * (2 if due else 1) >= self.max_time
-        )
-
-    def stepped(self, started: float, first: bool) -> None:
-        if self.sync is not None:
-            self.sync()
-        self.step_s = time.perf_counter() - started
-        self.steps.append(self.step_s)
-        if first:
-            self.first_s = self.step_s
-
-    def window(self, step: int) -> tuple[float, float]:
-        """(seconds per update since the last progress line, elapsed now), and a new window starts."""
-        now = time.perf_counter()
-        dt = (now - self.window_t) / max(1, step - self.window_step)
-        self.window_t, self.window_step = now, step
-        return dt, self.elapsed(now)
-
-    def set_aside(self, started: float) -> None:
-        """An evaluation (and its save) that began at `started` is over: its time is not training time."""
-        self.last_eval_s = time.perf_counter() - started
-        self.set_aside_s += self.last_eval_s
-        self.window_t += self.last_eval_s  # the next progress line reports training speed only
-
-    def saved(self, started: float) -> None:
-        self.save_s += time.perf_counter() - started
-
-    def ended(self, started: float) -> None:
-        """The end of the run since `started` (the final save, the wait for the writer): not training time."""
-        self.set_aside_s += time.perf_counter() - started
-
-    def speed(self, average_ms: float) -> RunSpeed:
-        """This invocation's speed: the median update after the first STEADY_SKIP (warm-up, compilation,
-        allocator growth), the whole-run average, and the time evaluations and saves took."""
-        steady = self.steps[STEADY_SKIP:] or self.steps[1:] or self.steps
-        median = statistics.median(steady) * 1000 if steady else 0.0
-        skipped = len(self.steps) - len(steady)
-        eval_s = self.set_aside_s - self.save_s
-        return RunSpeed(round(median, 3), round(average_ms, 3), skipped, round(eval_s, 3), round(self.save_s, 3))
-
-    def training_time(self, done: int) -> tuple[int, float, float]:
-        """(updates timed, their seconds, this invocation's seconds): the warm-up step is left out when there
-        are others."""
-        elapsed = time.perf_counter() - self.t0
-        timed = done - 1 if done > 1 else done
-        return timed, max(elapsed - self.set_aside_s - (self.first_s if done > 1 else 0.0), 1e-9), elapsed
-
-
-SLOW = 2.5  # steps this many times longer than the first steady ones: something else took the CPU
-
-
-def busy_hint(steps_s: list[float], load: float | None, cores: int, threads: int) -> str | None:
-    """Why a CPU run is slow, when the machine is busy: the steady steps now against the first steady ones, and the
-    load average against the cores; None when neither shows it. The advice names --threads."""
-    said = []
-    first, recent = steps_s[STEADY_SKIP : STEADY_SKIP + 10], steps_s[-10:]
-    if len(steps_s) >= STEADY_SKIP + 20:
-        before, now = statistics.median(first), statistics.median(recent)
-        if now > SLOW * before:
-            said.append(
-                f"steps take {now / before:.1f}x as long as the first ones ({now * 1000:,.0f} ms, were "
-                f"{before * 1000:,.0f} ms)"
-            )
-    if load is not None and load > cores:
-        said.append(f"the load average is {load:.1f} on {cores} cores")
-    if not said:
-        return None
-    others = max(0.0, (load or 0.0) - (threads if steps_s else 0))  # once it trains, the load counts this run too
-    free = max(1, int(cores - others))
-    if free < threads:
-        advice = (
-            f"stop them, or train with --threads {free} (this run uses {threads}), as threads that wait for a "
-            "core slow every step"
-        )
-    else:
-        advice = f"stop them, or expect it to be slower (this run uses {threads} thread{'s' if threads > 1 else ''})"
-    return " and ".join(said) + ": other processes share the CPU; " + advice
-
-
-def cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):  # not on this platform
-        return None
 
 
 class StopSignals:

@@ -1,0 +1,147 @@
+"""A run's clock and its speed: wall time across invocations, --max-time's budget, steady step times, and the
+hint that names a busy CPU.
+
+    clock = Clock(before=0.0, max_time=60.0, last_eval_s=0.0, step=0); clock.stepped(started, first=True)
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+from nanogpt_cli.training.events import RunSpeed
+
+STEADY_SKIP = 5  # updates left out of the steady-state step time: warm-up, compilation, allocator growth
+
+
+class Clock:
+    """A run's wall time and what it went to: the time of earlier invocations, this one's, the time spent
+    evaluating and saving (left out of the speed figures), the first update (warm-up or compilation, also left
+    out), and --max-time's budget, which keeps the last evaluation's length free for the final one."""
+
+    def __init__(self, before: float, max_time: float | None, last_eval_s: float, step: int, eval_steps: float = 0.0):
+        self.before, self.max_time, self.last_eval_s = before, max_time, last_eval_s
+        self.eval_steps = eval_steps  # an evaluation's length in updates, guessed, until one has been timed
+        self.t0 = time.perf_counter()
+        self.window_t, self.window_step = self.t0, step  # since the last progress line
+        self.set_aside_s = 0.0  # evaluating and saving
+        self.save_s = 0.0  # the saving part of it
+        self.step_s = self.first_s = 0.0  # the last update's length; the first one's
+        self.sync: Callable[[], None] | None = None  # waits for the device (CUDA with --max-time)
+        self.steps: list[float] = []  # every update's length in this invocation
+
+    def elapsed(self, at: float | None = None) -> float:
+        """Wall time of every invocation so far (up to `at`, a perf_counter time)."""
+        return self.before + (time.perf_counter() if at is None else at) - self.t0
+
+    def share(self) -> float | None:
+        """--max-time: the share of it spent, out of the time left once the final evaluation is set aside."""
+        if self.max_time is None:
+            return None
+        return self.elapsed() / max(self.max_time - self.eval_s(), 1e-9)
+
+    def eval_s(self) -> float:
+        """The final evaluation's expected length: the last one's, or (when none has run: --no-eval-first) a
+        guess from the fastest update after the first STEADY_SKIP: the first few warm up, and on a busy CPU
+        can each take ten times a steady one."""
+        if self.last_eval_s:
+            return self.last_eval_s
+        return self.eval_steps * min(self.steps[STEADY_SKIP:]) if len(self.steps) > STEADY_SKIP else 0.0
+
+    def out_of_time(self, due: bool) -> bool:
+        """Whether another update and the final evaluation (after the one due now) would not fit."""
+        return (
+            self.max_time is not None
+            and self.elapsed() + self.step_s + self.eval_s() * (2 if due else 1) >= self.max_time
+        )
+
+    def stepped(self, started: float, first: bool) -> None:
+        if self.sync is not None:
+            self.sync()
+        self.step_s = time.perf_counter() - started
+        self.steps.append(self.step_s)
+        if first:
+            self.first_s = self.step_s
+
+    def window(self, step: int) -> tuple[float, float]:
+        """(seconds per update since the last progress line, elapsed now), and a new window starts."""
+        now = time.perf_counter()
+        dt = (now - self.window_t) / max(1, step - self.window_step)
+        self.window_t, self.window_step = now, step
+        return dt, self.elapsed(now)
+
+    def set_aside(self, started: float) -> None:
+        """An evaluation (and its save) that began at `started` is over: its time is not training time."""
+        self.last_eval_s = time.perf_counter() - started
+        self.set_aside_s += self.last_eval_s
+        self.window_t += self.last_eval_s  # the next progress line reports training speed only
+
+    def saved(self, started: float) -> None:
+        self.save_s += time.perf_counter() - started
+
+    def ended(self, started: float) -> None:
+        """The end of the run since `started` (the final save, the wait for the writer): not training time."""
+        self.set_aside_s += time.perf_counter() - started
+
+    def speed(self, average_ms: float) -> RunSpeed:
+        """This invocation's speed: the median update after the first STEADY_SKIP (warm-up, compilation,
+        allocator growth), the whole-run average, and the time evaluations and saves took."""
+        steady = self.steps[STEADY_SKIP:] or self.steps[1:] or self.steps
+        median = statistics.median(steady) * 1000 if steady else 0.0
+        skipped = len(self.steps) - len(steady)
+        eval_s = self.set_aside_s - self.save_s
+        return RunSpeed(round(median, 3), round(average_ms, 3), skipped, round(eval_s, 3), round(self.save_s, 3))
+
+    def training_time(self, done: int) -> tuple[int, float, float]:
+        """(updates timed, their seconds, this invocation's seconds): the warm-up step is left out when there
+        are others."""
+        elapsed = time.perf_counter() - self.t0
+        timed = done - 1 if done > 1 else done
+        return timed, max(elapsed - self.set_aside_s - (self.first_s if done > 1 else 0.0), 1e-9), elapsed
+
+
+SLOW = 2.5  # steps this many times longer than the first steady ones: something else took the CPU
+
+
+def busy_hint(steps_s: list[float], load: float | None, cores: int, threads: int) -> str | None:
+    """Why a CPU run is slow, when the machine is busy: the steady steps now against the first steady ones, and the
+    load average against the cores; None when neither shows it. The advice names --threads."""
+    said = []
+    first, recent = steps_s[STEADY_SKIP : STEADY_SKIP + 10], steps_s[-10:]
+    if len(steps_s) >= STEADY_SKIP + 20:
+        before, now = statistics.median(first), statistics.median(recent)
+        if now > SLOW * before:
+            said.append(
+                f"steps take {now / before:.1f}x as long as the first ones ({now * 1000:,.0f} ms, were "
+                f"{before * 1000:,.0f} ms)"
+            )
+    if load is not None and load > cores:
+        said.append(f"the load average is {load:.1f} on {cores} cores")
+    if not said:
+        return None
+    others = max(0.0, (load or 0.0) - (threads if steps_s else 0))  # once it trains, the load counts this run too
+    free = max(1, int(cores - others))
+    if free < threads:
+        advice = (
+            f"stop them, or train with --threads {free} (this run uses {threads}), as threads that wait for a "
+            "core slow every step"
+        )
+    else:
+        advice = f"stop them, or expect it to be slower (this run uses {threads} thread{'s' if threads > 1 else ''})"
+    return " and ".join(said) + ": other processes share the CPU; " + advice
+
+
+def cpu_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on this platform
+        return None
