@@ -5,7 +5,7 @@ import io
 import pytest
 from rich.console import Console
 
-from nanogpt_cli.cli import ui
+from nanogpt_cli.cli import train_ui, ui
 from nanogpt_cli.training.events import Evaluated, RunStarted, StepLogged
 
 
@@ -20,7 +20,7 @@ def terminal(monkeypatch, width):
 @pytest.mark.parametrize("width", [80, 200])
 def test_the_live_progress_line_fits_the_terminal_and_keeps_the_step_counter(monkeypatch, width):
     console = terminal(monkeypatch, width)
-    display = ui.TrainDisplay()
+    display = train_ui.TrainDisplay()
     display.on_start(
         RunStarted(
             step=0,
@@ -65,9 +65,9 @@ def test_the_live_progress_line_fits_the_terminal_and_keeps_the_step_counter(mon
 
 def test_fit_fields_drops_the_least_important_first():
     parts = [(0, "loss 1.0000"), (5, "lr 1.00e-03"), (1, "ETA 0:00:10")]
-    assert ui.fit_fields(parts, 100) == "loss 1.0000 | lr 1.00e-03 | ETA 0:00:10"
-    assert ui.fit_fields(parts, 30) == "loss 1.0000 | ETA 0:00:10"
-    assert ui.fit_fields(parts, 5) == "loss 1.0000"
+    assert train_ui.fit_fields(parts, 100) == "loss 1.0000 | lr 1.00e-03 | ETA 0:00:10"
+    assert train_ui.fit_fields(parts, 30) == "loss 1.0000 | ETA 0:00:10"
+    assert train_ui.fit_fields(parts, 5) == "loss 1.0000"
 
 
 def test_eval_reports_progress_up_to_every_token(trained_run):
@@ -129,7 +129,7 @@ def step(n: int, **over) -> StepLogged:
 def test_a_run_starts_with_a_few_lines_that_fit_80_columns_and_the_whole_config_under_verbose(monkeypatch):
     console = Console(file=io.StringIO(), width=80, highlight=False, soft_wrap=True, color_system=None)
     monkeypatch.setattr(ui, "console", console)
-    ui.TrainDisplay().on_start(started())
+    train_ui.TrainDisplay().on_start(started())
     lines = console.file.getvalue().splitlines()
     assert len(lines) <= 5 and all(len(ln) <= 80 for ln in lines[:-1]), lines  # the last ends with the run folder
     text = "\n".join(lines)
@@ -138,14 +138,14 @@ def test_a_run_starts_with_a_few_lines_that_fit_80_columns_and_the_whole_config_
     assert lines[-1] == "training from step 0 of 2,000 on cpu (float32) -> checkpoints/shakespeare-char-20261201-120000"
     assert '"n_layer"' not in text
     console.file = io.StringIO()
-    ui.TrainDisplay(verbose=True).on_start(started())
+    train_ui.TrainDisplay(verbose=True).on_start(started())
     assert '"n_layer": 4' in console.file.getvalue() and '"learning_rate": 0.001' in console.file.getvalue()
 
 
 def test_the_progress_line_in_a_pipe_labels_its_times_and_keeps_loss_val_and_speed_in_80_columns(monkeypatch):
     console = Console(file=io.StringIO(), width=80, highlight=False, soft_wrap=True, color_system=None)
     monkeypatch.setattr(ui, "console", console)
-    display = ui.TrainDisplay()
+    display = train_ui.TrainDisplay()
     display.on_start(started())
     display.on_eval(Evaluated(step=0, train_loss=4.2, val_loss=4.2003, lr=0, tokens=0, elapsed_s=0, best_val_loss=4.2))
     display.on_step(step(10))
@@ -160,7 +160,7 @@ def test_the_progress_line_in_a_pipe_labels_its_times_and_keeps_loss_val_and_spe
 
 def test_the_live_bar_labels_elapsed_and_stops_at_the_step_saved_on_ctrl_c(monkeypatch):
     console = terminal(monkeypatch, 100)
-    display = ui.TrainDisplay()
+    display = train_ui.TrainDisplay()
     display.on_start(started(max_iters=50))
     display.on_step(step(10))
     display.on_save(13)  # Ctrl-C at step 13: saved there, between two progress lines

@@ -1,5 +1,6 @@
 """What the trainer tells a display: typed events, the Display protocol they go through, and the result of a
-run. The CLI's display (ui.TrainDisplay) and the trackers implement Display; the trainer prints nothing.
+run. The CLI's display (cli/train_ui.TrainDisplay) and the trackers implement Display; the trainer
+prints nothing.
 
     result = Trainer(plan, display=NoDisplay()).fit(); print(result.val_loss)
 """

@@ -1,0 +1,150 @@
+"""What every command shares: one-line errors and notes, the options generated from the config dataclasses, and
+the options several families declare alike (the weights to load, device, dtype, threads).
+
+    @one_line_errors
+    def sample(checkpoint: Checkpoint, last: Last = False, device: Device = "auto"): ...
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Annotated
+
+import typer
+
+from nanogpt_cli.config import Dtype, TrainConfig, field_help, flag
+from nanogpt_cli.errors import NanoGPTError
+
+
+def fail(message: str) -> typer.Exit:
+    """Print one styled error line on stderr and return the exit to raise."""
+    from rich.markup import escape
+
+    from nanogpt_cli.cli.ui import err_console
+
+    # escaped: a message may hold brackets that are text, not styles (pip install -e ".[hf]")
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    return typer.Exit(1)
+
+
+def one_line_errors(command):
+    """Every command's library errors become one styled line on stderr and exit code 1."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except NanoGPTError as e:
+            from nanogpt_cli.training.launch import record_error
+
+            record_error(str(e))  # under a torch launcher: the sentence its report of the failure shows
+            raise (fail(str(e)) if prints() else typer.Exit(1)) from None
+
+    return run
+
+
+def stopped(message: str) -> typer.Exit:
+    """Ctrl-C: what was kept (on stderr), and the shell's exit code for it."""
+    from nanogpt_cli.cli.ui import err_console
+
+    err_console.print(message, highlight=False, soft_wrap=True)
+    return typer.Exit(130)
+
+
+def prints() -> bool:
+    """Whether this process prints: always, except under torchrun, where rank 0 speaks for all (they meet the
+    same errors, as they read the same files and agree on losses and stop signals)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def config_options(command):
+    """`command`'s own options plus one option per field of GPTConfig and TrainConfig, generated from each
+    field's type (a Choice offers its choices), help text, panel and default, as config.py declares them. The
+    options given reach `command` as one dict, `flags`; the others stay unset, so a preset or config file can
+    fill them, and their help shows the value they stand for when nothing does."""
+    import dataclasses
+    import inspect
+    import typing
+
+    from nanogpt_cli.config import MAIN, GPTConfig, TrainConfig
+
+    hints = typing.get_type_hints(command, include_extras=True)
+    own = [
+        p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
+        for p in inspect.signature(command).parameters.values()
+        if p.name != "flags"
+    ]
+    generated = [(cls, f) for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)]
+    options = {f.name: config_option(cls, f) for cls, f in generated}
+    first = [options[f.name] for cls, f in generated if f.metadata.get("panel") == MAIN]  # beside the command's own
+
+    @functools.wraps(command)
+    def run(**kwargs):
+        given = {name: kwargs.pop(name) for name in options}
+        return command(**kwargs, flags={k: v for k, v in given.items() if v is not None})
+
+    params = first + own + [p for p in options.values() if p not in first]
+    run.__signature__ = inspect.Signature(params)
+    run.__annotations__ = {p.name: p.annotation for p in params}
+    return run
+
+
+def config_option(cls, field):
+    """The CLI option of one config field: --name (--name/--no-name for a bool), of the field's type."""
+    import inspect
+
+    from nanogpt_cli.config import field_types
+
+    kind, _ = field_types(cls)[field.name]
+    name, default = flag(field.name), field.default
+    if default in (None, "") or not field.metadata.get("default_shown", True):
+        shown = False
+    elif kind is bool:
+        shown = name if default else f"no-{name}"
+    else:
+        shown = str(default)
+    option = typer.Option(
+        *([f"--{name}/--no-{name}"] if kind is bool else []),
+        help=field.metadata["help"],
+        show_default=shown,
+        rich_help_panel=field.metadata.get("panel", cls.PANEL) or None,
+    )
+    return inspect.Parameter(
+        field.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind | None, option]
+    )
+
+
+# options that several commands share
+Checkpoint = Annotated[
+    str,
+    typer.Option(help="Run folder (its best weights), a .safetensors file, or a Hugging Face model folder or hf:NAME."),
+]
+
+
+Last = Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")]
+
+
+Device = Annotated[str, typer.Option(help=field_help(TrainConfig, "device"))]
+
+
+DtypeOption = Annotated[
+    Dtype, typer.Option(help="Precision the weights are cast to (auto: from the device and their size).")
+]
+
+
+DATA_DIR_HELP = field_help(TrainConfig, "data_dir")
+
+
+Threads = Annotated[
+    int | None,
+    typer.Option(
+        help="CPU threads (default: torch's choice, one per core); fewer help on a busy machine.", show_default=False
+    ),
+]
+
+
+def note(message: str) -> None:
+    from nanogpt_cli.cli.ui import err_console
+
+    err_console.print(f"note: {message}", highlight=False, soft_wrap=True, markup=False)

@@ -1,0 +1,377 @@
+"""prepare and tokenizer: datasets and vocabularies (library: data/).
+
+nanogpt prepare examples/tinyshakespeare.txt --name shakespeare-char --tokenizer char
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from nanogpt_cli.cli.common import DATA_DIR_HELP, note, one_line_errors, stopped
+from nanogpt_cli.errors import NanoGPTError
+
+# what prepare and tokenizer train both read
+Source = Annotated[
+    str,
+    typer.Argument(
+        help="A .txt/.md file, a folder or glob of them, a .jsonl/.json/.parquet/.csv file, hf:OWNER/NAME, or "
+        "shakespeare (downloaded once)."
+    ),
+]
+
+
+TextColumn = Annotated[str, typer.Option(help="Column with the text in .jsonl/.json/.parquet/.csv and hub datasets.")]
+
+
+Subset = Annotated[str | None, typer.Option(help="Hub dataset subset (configuration) name.")]
+
+
+Split = Annotated[str, typer.Option(help="Hub dataset split to read.")]
+
+
+Streaming = Annotated[bool, typer.Option(help="Stream a hub dataset instead of downloading it first.")]
+
+
+DataFormat = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help="text, or chat: a .jsonl of conversations (messages, prompt/completion or Alpaca rows) rendered with "
+        "a chat template, with a loss mask on the assistant's tokens.",
+    ),
+]
+
+
+ChatTemplateFile = Annotated[
+    Path | None, typer.Option(help="A Jinja chat template file for --format chat (the default needs no new tokens).")
+]
+
+
+Strict = Annotated[
+    bool, typer.Option("--strict", help="With --format chat, stop at the first bad row instead of skipping it.")
+]
+
+
+TokenizerName = Annotated[
+    str,
+    typer.Option(
+        help="gpt2, char, byte, a tiktoken encoding such as cl100k_base, or a tokenizer trained by "
+        "`nanogpt tokenizer train` (NAME or folder)."
+    ),
+]
+
+
+@one_line_errors
+def prepare(
+    source: Source,
+    name: Annotated[str, typer.Option(help="Dataset name: the folder DATA_DIR/NAME that training reads.")],
+    tokenizer: TokenizerName = "gpt2",
+    val_fraction: Annotated[
+        float, typer.Option(help="Share held out for validation: the tail of one text, or every (1/f)-th document.")
+    ] = 0.1,
+    data_dir: Annotated[Path, typer.Option(help=DATA_DIR_HELP)] = Path("data"),
+    tokenizers_dir: Annotated[Path, typer.Option(help="Folder of trained tokenizers (for --tokenizer NAME).")] = Path(
+        "tokenizers"
+    ),
+    text_column: TextColumn = "text",
+    subset: Subset = None,
+    split: Split = "train",
+    streaming: Streaming = False,
+    max_docs: Annotated[int | None, typer.Option(help="Keep only the first N documents.")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="Stop after N tokens (train and val together).")] = None,
+    val_tokens: Annotated[
+        int | None, typer.Option(help="Validate on the first N tokens of the stream instead of --val-fraction.")
+    ] = None,
+    shard_tokens: Annotated[int, typer.Option(help="Tokens per shard file.")] = 100_000_000,
+    num_proc: Annotated[int, typer.Option(help="Tokenizer worker processes (the output does not depend on it).")] = 1,
+    resume: Annotated[
+        bool,
+        typer.Option("--resume", help="Continue an interrupted prepare of --name (or start one if there is none)."),
+    ] = False,
+    encoding: Annotated[
+        str, typer.Option(help="Text encoding of .txt/.md/.jsonl/.json/.csv files, e.g. cp1252 or latin-1.")
+    ] = "utf-8",
+    format: DataFormat = "text",
+    chat_template: ChatTemplateFile = None,
+    strict: Strict = False,
+):
+    """Tokenize text into DATA_DIR/NAME: train-00000.bin, ..., val-00000.bin, ... and meta.json.
+
+    Example: nanogpt prepare shakespeare --name shakespeare-char --tokenizer char
+    """
+    from nanogpt_cli.cli.ui import console, prepare_progress, prepare_table
+    from nanogpt_cli.data import interrupted_prepare
+    from nanogpt_cli.data import prepare as prepare_data
+    from nanogpt_cli.files import check_creatable
+
+    check_creatable(data_dir, "--data-dir")
+    tokenizer = trained_or_named(tokenizer, tokenizers_dir)
+    replacing = (data_dir / name / "meta.json").is_file() and not resume  # --resume continues, not replaces
+    if format != "text":
+        return prepare_chat(
+            source, name, tokenizer, data_dir, chat_template, val_fraction, strict, shard_tokens, format
+        )
+    try:
+        with prepare_progress() as progress:
+            result = prepare_data(
+                source,
+                name,
+                tokenizer=tokenizer,
+                val_fraction=val_fraction,
+                data_dir=data_dir,
+                text_column=text_column,
+                subset=subset,
+                split=split,
+                streaming=streaming,
+                max_docs=max_docs,
+                num_proc=num_proc,
+                shard_tokens=shard_tokens,
+                max_tokens=max_tokens,
+                val_tokens=val_tokens,
+                resume=resume,
+                encoding=encoding,
+                progress=progress,
+            )
+    except KeyboardInterrupt:  # the partial prepare is kept: say where and how to continue it
+        kept = interrupted_prepare(data_dir, name)
+        raise stopped(f"interrupted; {kept}" if kept else "interrupted") from None
+    console.print(prepare_table(result))
+    if replacing:  # said after the table, where it is seen: runs trained on the old data see the new
+        console.print(
+            f"replaced the dataset that was in {result.path}; runs trained on it continue on the new data when resumed"
+        )
+
+
+def trained_or_named(tokenizer: str, tokenizers_dir: Path) -> str:
+    """--tokenizer as prepare takes it: a trained tokenizer's NAME becomes its folder, other names stay."""
+    from nanogpt_cli.tokenizer import available_tokenizers, tokenizer_folder
+
+    trained = tokenizer_folder(tokenizer, tokenizers_dir) if tokenizer not in available_tokenizers() else None
+    return str(trained) if trained is not None else tokenizer
+
+
+def prepare_chat(source, name, tokenizer, data_dir, chat_template, val_fraction, strict, shard_tokens, fmt) -> None:
+    """prepare --format chat: conversations rendered with a template, a loss mask beside each token shard."""
+    if fmt != "chat":
+        raise NanoGPTError(f"unknown --format {fmt!r}; use text or chat")
+    from nanogpt_cli.cli.ui import console
+    from nanogpt_cli.data.chat import prepare_chat as prepare_chat_data
+
+    result = prepare_chat_data(
+        source,
+        name,
+        tokenizer=tokenizer,
+        data_dir=str(data_dir),
+        val_fraction=val_fraction,
+        chat_template=str(chat_template) if chat_template else None,
+        strict=strict,
+        shard_tokens=shard_tokens,
+    )
+    for line, why in result.bad[:20]:
+        console.print(f"skipped line {line}: {why}", highlight=False, soft_wrap=True)
+    if result.bad:
+        console.print(f"skipped {len(result.bad):,} bad rows (--strict stops at the first)", highlight=False)
+    console.print(
+        f"{result.path}: {result.conversations:,} conversations, {result.train_tokens:,} train and "
+        f"{result.val_tokens:,} val tokens, {result.trained_tokens:,} of them in the loss mask",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+tokenizer_app = typer.Typer(
+    help="Train your own BPE tokenizer and look at what a tokenizer does.\n\n"
+    "Example: nanogpt tokenizer train examples/tinyshakespeare.txt --vocab-size 2048 "
+    "--name shk2k",
+    rich_markup_mode=None,
+)
+
+
+TOKENIZERS_DIR_HELP = "Folder of trained tokenizers."
+
+
+def tokenizer_table(result):
+    """What tokenizer train made, as a table."""
+    from nanogpt_cli.cli.ui import summary_table
+
+    tok = result.tokenizer
+    return summary_table(
+        f"trained {result.path}",
+        [
+            ("source", result.source),
+            (
+                "characters",
+                f"{result.characters:,} ({result.documents:,} document{'s' if result.documents != 1 else ''})",
+            ),
+            (
+                "vocabulary size",
+                f"{tok.vocab_size:,} (256 bytes, {len(tok.ranks) - 256:,} merges, {len(tok.special_tokens)} special)",
+            ),
+            ("pattern", tok.pattern_name),
+            ("time", f"{result.elapsed_s:.2f} s ({result.chars_per_s / 1e6:,.2f} M characters/s)"),
+        ],
+    )
+
+
+@tokenizer_app.command("train")
+@one_line_errors
+def tokenizer_train(
+    source: Source,
+    name: Annotated[
+        str, typer.Option(help="Tokenizer name: the folder TOKENIZERS_DIR/NAME that --tokenizer NAME reads.")
+    ],
+    vocab_size: Annotated[
+        int, typer.Option(help="Tokens in the vocabulary: 256 bytes + merges + special tokens.")
+    ] = 8192,
+    pattern: Annotated[
+        str, typer.Option(help="Pre-tokenization regex: gpt2, gpt4 (cl100k), gpt4o (o200k) or nanochat.")
+    ] = "gpt4",
+    special: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A special token (repeatable; default <|endoftext|>, which always comes first).",
+            metavar="<text>",
+            show_default=False,
+        ),
+    ] = None,
+    max_chars: Annotated[int | None, typer.Option(help="Train on the first N characters only.")] = None,
+    tokenizers_dir: Annotated[Path, typer.Option(help=TOKENIZERS_DIR_HELP)] = Path("tokenizers"),
+    text_column: TextColumn = "text",
+    subset: Subset = None,
+    split: Split = "train",
+    streaming: Streaming = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace TOKENIZERS_DIR/NAME if it exists.")] = False,
+):
+    """Train a byte-level BPE tokenizer (Hugging Face tokenizers' trainer; tiktoken encodes with it).
+
+    Example: nanogpt tokenizer train examples/tinyshakespeare.txt --vocab-size 2048 --name shk2k
+    """
+    from nanogpt_cli.cli.ui import console, prepare_progress
+    from nanogpt_cli.data.tokenizer_train import train_tokenizer
+    from nanogpt_cli.tokenizer import EOT
+
+    specials = [EOT] + [s for s in (special or []) if s != EOT]
+    with prepare_progress() as progress:
+        result = train_tokenizer(
+            source,
+            name,
+            vocab_size,
+            pattern,
+            specials,
+            max_chars,
+            tokenizers_dir,
+            text_column=text_column,
+            subset=subset,
+            split=split,
+            streaming=streaming,
+            force=force,
+            progress=progress,
+        )
+    tok = result.tokenizer
+    console.print(tokenizer_table(result))
+    if tok.vocab_size < result.requested_vocab_size:
+        note(
+            f"the text ran out of pairs to merge: the vocabulary has {tok.vocab_size:,} tokens, not the "
+            f"{result.requested_vocab_size:,} of --vocab-size; train on more text for more"
+        )
+    console.print(
+        f"use it with: nanogpt prepare SOURCE --name DATASET --tokenizer {name}"
+        + (f" --tokenizers-dir {tokenizers_dir}" if tokenizers_dir != Path("tokenizers") else ""),
+        markup=False,
+    )
+
+
+def _load_tokenizer(name: str, tokenizers_dir: Path):
+    from nanogpt_cli.tokenizer import build_tokenizer
+
+    if name == "char":
+        raise NanoGPTError(
+            "the char tokenizer's vocabulary comes from the text it is prepared from; name a "
+            "dataset's tokenizer through its checkpoint instead"
+        )
+    return build_tokenizer(name, tokenizers_dir=tokenizers_dir)
+
+
+@tokenizer_app.command("info")
+@one_line_errors
+def tokenizer_info(
+    name: Annotated[str, typer.Argument(help="A trained tokenizer's NAME or folder, or gpt2, byte, cl100k_base.")],
+    tokenizers_dir: Annotated[Path, typer.Option(help=TOKENIZERS_DIR_HELP)] = Path("tokenizers"),
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
+):
+    """Describe a tokenizer: vocabulary size, pattern, special tokens, longest tokens.
+
+    Example: nanogpt tokenizer info shk2k
+    """
+    from nanogpt_cli.cli.ui import console, summary_table
+    from nanogpt_cli.tokenizer import BPETokenizer, tokenizer_folder
+
+    tok = _load_tokenizer(name, tokenizers_dir)
+    folder = tokenizer_folder(name, tokenizers_dir) if isinstance(tok, BPETokenizer) else None
+    info = {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id}
+    if isinstance(tok, BPETokenizer):
+        trained = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("trained", {})
+        longest = sorted(tok.ranks, key=len, reverse=True)[:3]
+        info.update(
+            path=str(folder),
+            pattern=tok.pattern_name or tok.pattern,
+            merges=len(tok.ranks) - 256,
+            special_tokens=tok.special_tokens,
+            trained=trained,
+            longest=[t.decode("utf-8", errors="replace") for t in longest],
+        )
+    if json_out:
+        print(json.dumps(info, ensure_ascii=False))
+        return
+    rows = [
+        ("vocabulary size", f"{tok.vocab_size:,}"),
+        ("end of text", "none" if tok.eot_id is None else f"id {tok.eot_id}"),
+    ]
+    if isinstance(tok, BPETokenizer):
+        rows += [
+            ("folder", info["path"]),
+            ("pattern", str(info["pattern"])),
+            ("merges", f"{info['merges']:,}"),
+            ("special tokens", ", ".join(f"{t} = {i}" for t, i in tok.special_tokens.items())),
+            ("longest tokens", "  ".join(repr(t) for t in info["longest"])),
+        ]
+        if trained:
+            rows.append(("trained on", f"{trained.get('source')} ({trained.get('characters', 0):,} characters)"))
+    console.print(summary_table(f"tokenizer {tok.name}", rows))
+
+
+@tokenizer_app.command("encode")
+@one_line_errors
+def tokenizer_encode(
+    name: Annotated[str, typer.Argument(help="A trained tokenizer's NAME or folder, or gpt2, byte, cl100k_base.")],
+    text: Annotated[str, typer.Argument(help="The text to encode.")],
+    tokenizers_dir: Annotated[Path, typer.Option(help=TOKENIZERS_DIR_HELP)] = Path("tokenizers"),
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the pieces.")] = False,
+):
+    """Show the ids a tokenizer gives a text, and the piece of text each one stands for.
+
+    Example: nanogpt tokenizer encode shk2k "ROMEO: What light"
+    """
+    from nanogpt_cli.tokenizer import BPETokenizer
+
+    tok = _load_tokenizer(name, tokenizers_dir)
+    ids = tok.encode_special(text) if isinstance(tok, BPETokenizer) else tok.encode(text)
+    pieces = [tok.decode_bytes([i]).decode("utf-8", errors="backslashreplace") for i in ids]
+    if json_out:
+        print(
+            json.dumps(
+                {"ids": ids, "pieces": pieces, "tokens": len(ids), "bytes": len(text.encode("utf-8"))},
+                ensure_ascii=False,
+            )
+        )
+        return
+    print(" ".join(str(i) for i in ids))
+    print("|".join(pieces))
+    print(
+        f"{len(ids):,} tokens for {len(text.encode('utf-8')):,} bytes "
+        f"({len(text.encode('utf-8')) / max(len(ids), 1):.2f} bytes per token)"
+    )

@@ -1,0 +1,76 @@
+"""export: a run as a Hugging Face folder, a GGUF file or a PEFT adapter (library: interop/export.py).
+
+nanogpt export checkpoints/shk --format hf --out exports/shk
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from nanogpt_cli.cli.common import Last, one_line_errors
+
+
+@one_line_errors
+def export(
+    run: Annotated[
+        str,
+        typer.Argument(help="Run folder (its best weights), a .safetensors file, a Hugging Face folder or hf:NAME."),
+    ],
+    out: Annotated[Path, typer.Option(help="Folder to write (hf, peft) or FILE.gguf (gguf).")],
+    format: Annotated[
+        str,
+        typer.Option(
+            "--format", help="hf (transformers folder), gguf (llama.cpp file) or peft (a LoRA run's adapter folder)."
+        ),
+    ] = "hf",
+    last: Last = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
+    quant: Annotated[
+        str | None,
+        typer.Option(
+            help="gguf: the type of the weight matrices: f32 (default), f16, bf16, q8_0, q5_1, q5_0, q4_1 or q4_0."
+        ),
+    ] = None,
+    merge: Annotated[
+        bool, typer.Option("--merge", help="A LoRA run: fold its adapters into its base weights (hf, gguf).")
+    ] = False,
+    base: Annotated[
+        Path | None,
+        typer.Option(help="peft: the Hugging Face export of the LoRA run's base, which the adapter is for."),
+    ] = None,
+):
+    """Write a run as a Hugging Face folder or a GGUF file that other tools load.
+
+    Example: nanogpt export checkpoints/shk --format hf --out exports/shk
+    """
+    from nanogpt_cli.cli.ui import console
+    from nanogpt_cli.interop.export import export as export_run
+
+    result = export_run(run, format, out, last=last, force=force, quant=quant, merge=merge, base=base)
+    if result.format == "peft":
+        console.print(
+            f"wrote {result.path} (PEFT LoRA adapter for the {result.architecture} in {base}); load it with "
+            f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({str(base)!r}), {str(result.path)!r})",
+            soft_wrap=True,
+            highlight=False,
+        )
+    elif result.format == "hf":
+        console.print(
+            f"wrote {result.path} ({result.architecture}, {result.tokenizer} tokenizer); load it with "
+            f"AutoModelForCausalLM.from_pretrained({str(result.path)!r})",
+            soft_wrap=True,
+            highlight=False,
+        )
+    else:
+        size = f"{result.bytes / 1e6:,.2f} MB"
+        if result.quant != "f32":
+            ratio = result.f32_bytes / max(result.bytes, 1)
+            size += f", {ratio:.1f}x smaller than float32 ({result.f32_bytes / 1e6:,.2f} MB)"
+        console.print(
+            f"wrote {result.path} (GGUF, {result.architecture}, {result.tokenizer} tokenizer, {result.quant}: {size})",
+            soft_wrap=True,
+            highlight=False,
+        )

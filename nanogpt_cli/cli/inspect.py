@@ -1,0 +1,198 @@
+"""inspect: attention maps, head roles and position schemes, as pictures and tables (library: inspect/).
+
+nanogpt inspect heads checkpoints/shk
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from nanogpt_cli.cli.common import Device, DtypeOption, Last, Threads, note, one_line_errors
+from nanogpt_cli.config import Dtype
+from nanogpt_cli.errors import NanoGPTError
+
+inspect_app = typer.Typer(
+    help="Look inside a trained model: attention maps, what each head does, positions.\n\n"
+    "Example: nanogpt inspect heads checkpoints/shk",
+    rich_markup_mode=None,
+)
+
+
+InspectSource = Annotated[
+    str,
+    typer.Argument(
+        help="Run folder (its best weights), a .safetensors file, or a Hugging Face model folder or hf:NAME."
+    ),
+]
+
+
+Size = Annotated[
+    str | None,
+    typer.Option(help="Picture size in pixels, WIDTHxHEIGHT (default: fits the labels).", show_default=False),
+]
+
+
+def _inspect_load(source: str, last: bool, device: str, dtype: Dtype, threads: int | None):
+    from nanogpt_cli.device import set_threads
+    from nanogpt_cli.inspect import display_name
+    from nanogpt_cli.interop.loading import load_for_inference
+
+    set_threads(threads)
+    loaded = load_for_inference(source, last=last, device=device, dtype=dtype)
+    return loaded, display_name(source, loaded.meta)
+
+
+def _inspect_target(out: Path) -> Path:
+    """Refuse a picture that cannot be written, or drawn, before the model is loaded."""
+    from nanogpt_cli.files import check_creatable
+    from nanogpt_cli.inspect.draw import pyplot
+
+    pyplot()
+    check_creatable(out.parent if str(out.parent) else Path("."), "the folder of the picture")
+    return out
+
+
+def _inspect_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
+    if prompt is not None and prompt_file is not None:
+        raise NanoGPTError("give --prompt or --prompt-file, not both")
+    if prompt_file is None:
+        return prompt
+    from nanogpt_cli.files import read_text_file
+
+    return read_text_file(prompt_file, "--prompt-file")
+
+
+@inspect_app.command("attention")
+@one_line_errors
+def inspect_attention(
+    source: InspectSource,
+    prompt: Annotated[str | None, typer.Option(help="Text whose attention to draw.")] = None,
+    prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from this file.")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Picture to write (.png, .svg or .pdf); default attention.png, none with --json.", show_default=False
+        ),
+    ] = None,
+    layer: Annotated[int | None, typer.Option(help="Only this layer (from 0).")] = None,
+    head: Annotated[
+        int | None, typer.Option(help="Only this head (from 0); with --layer, one head drawn large.")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(help="Draw the last N tokens of a longer prompt.")] = 64,
+    size: Size = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the attention weights as JSON.")] = False,
+    last: Last = False,
+    device: Device = "auto",
+    dtype: DtypeOption = Dtype.float32,
+    threads: Threads = None,
+):
+    """Draw every layer's and head's attention over a prompt's tokens as a grid of heatmaps.
+
+    Example: nanogpt inspect attention checkpoints/shk --prompt "ROMEO: But soft" --out attention.png
+    """
+    from nanogpt_cli.cli.ui import console, err_console
+    from nanogpt_cli.inspect.attention import attention_maps, check_selection
+    from nanogpt_cli.inspect.draw import draw_attention, parse_size
+
+    text = _inspect_prompt(prompt, prompt_file)
+    if text is None:
+        raise NanoGPTError("give the text to look at with --prompt or --prompt-file")
+    if max_tokens < 2:
+        raise NanoGPTError(f"--max-tokens must be at least 2, got {max_tokens}")
+    pixels = parse_size(size) if size is not None else None
+    if out is None and not json_out:
+        out = Path("attention.png")
+    if out is not None:
+        _inspect_target(out)
+    loaded, name = _inspect_load(source, last, device, dtype, threads)
+    check_selection(loaded.model.config.n_layer, loaded.model.config.n_head, layer, head)
+    maps = attention_maps(loaded, text, source=source, name=name)
+    if maps.cut:
+        note(
+            f"the prompt is {len(maps.ids) + maps.cut:,} tokens; its first {maps.cut:,} are cut to fit the context "
+            f"of {loaded.block_size:,}"
+        )
+    if out is not None:
+        written = draw_attention(maps, out, layer=layer, head=head, size=pixels, max_tokens=max_tokens)
+        (err_console if json_out else console).print(f"wrote {written}", highlight=False, soft_wrap=True)
+    if json_out:
+        print(json.dumps(maps.to_dict()))
+
+
+@inspect_app.command("heads")
+@one_line_errors
+def inspect_heads(
+    source: InspectSource,
+    plot: Annotated[
+        Path | None,
+        typer.Option(help="Also draw the scores as layers x heads grids (.png, .svg, .pdf).", show_default=False),
+    ] = None,
+    prompt: Annotated[
+        str | None,
+        typer.Option(help="Measure previous-token, first-token and distance on this text instead of random tokens."),
+    ] = None,
+    prompt_file: Annotated[Path | None, typer.Option(help="Read that text from this file.")] = None,
+    length: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens in the random sequence that is repeated (default 64, or half the context if shorter).",
+            show_default=False,
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the random sequences.")] = 0,
+    size: Size = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the scores as JSON instead of a table.")] = False,
+    last: Last = False,
+    device: Device = "auto",
+    dtype: DtypeOption = Dtype.float32,
+    threads: Threads = None,
+):
+    """Score every head on standard probes and name what it does: previous-token, induction, sink, local, mixed.
+
+    Example: nanogpt inspect heads checkpoints/shk --plot heads.png
+    """
+    from nanogpt_cli.cli.ui import console, err_console
+    from nanogpt_cli.inspect import heads_table, score_heads
+    from nanogpt_cli.inspect.draw import draw_heads, parse_size
+
+    text = _inspect_prompt(prompt, prompt_file)
+    pixels = parse_size(size) if size is not None else None
+    if plot is not None:
+        _inspect_target(plot)
+    loaded, name = _inspect_load(source, last, device, dtype, threads)
+    report = score_heads(loaded, source=source, name=name, length=length, seed=seed, prompt=text)
+    if json_out:
+        print(json.dumps(report.to_dict()))
+    else:
+        console.print(heads_table(report))
+    if plot is not None:
+        written = draw_heads(report, plot, size=pixels)
+        (err_console if json_out else console).print(f"wrote {written}", highlight=False, soft_wrap=True)
+
+
+@inspect_app.command("positions")
+@one_line_errors
+def inspect_positions(
+    source: InspectSource,
+    out: Annotated[Path, typer.Option(help="Picture to write (.png, .svg or .pdf).")] = Path("positions.png"),
+    size: Size = None,
+    last: Last = False,
+):
+    """Draw the model's position scheme: the sinusoidal or learned table, or RoPE's rotation frequencies.
+
+    Example: nanogpt inspect positions checkpoints/shk --out positions.png
+    """
+    from nanogpt_cli.cli.ui import console
+    from nanogpt_cli.inspect import position_views
+    from nanogpt_cli.inspect.draw import draw_positions, parse_size
+
+    pixels = parse_size(size) if size is not None else None
+    _inspect_target(out)
+    loaded, name = _inspect_load(source, last, "cpu", "float32", None)
+    views = position_views(loaded.model)
+    console.print(views.summary, highlight=False, soft_wrap=True)
+    console.print(f"wrote {draw_positions(views, name, out, size=pixels)}", highlight=False, soft_wrap=True)

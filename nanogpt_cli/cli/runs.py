@@ -1,0 +1,81 @@
+"""runs, info and plot: the runs table, one run or file described, loss curves (library: inspect/catalog.py, plot.py).
+
+nanogpt runs; nanogpt info checkpoints/shk; nanogpt plot checkpoints/shk --out loss.png
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from nanogpt_cli.cli.common import one_line_errors
+
+
+@one_line_errors
+def runs(
+    folder: Annotated[Path, typer.Argument(help="A folder of run folders (or one run).")] = Path("checkpoints"),
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object per run instead of a table.")] = False,
+):
+    """List the runs in a folder: dataset, size, progress, best val loss, last update, status.
+
+    Example: nanogpt runs checkpoints
+    """
+    from nanogpt_cli.cli.ui import console, runs_table
+    from nanogpt_cli.inspect.catalog import list_runs
+
+    found = list_runs(folder)
+    if json_out:
+        for run in found:
+            print(json.dumps(run.to_dict()))
+    elif not found:
+        console.print(f"no runs in {folder}")
+    else:
+        console.print(runs_table(found, folder))
+        for run in found:
+            if run.problem or run.description:
+                console.print(f"{run.name}: {run.problem or run.description}", markup=False)
+
+
+@one_line_errors
+def info(
+    path: Annotated[Path, typer.Argument(help="A run folder, a .safetensors weights file or a .gguf export.")],
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+):
+    """Describe a run or weights file: config, parameters, FLOPs per token, tokenizer, losses, files.
+
+    Example: nanogpt info checkpoints/shk
+    """
+    from nanogpt_cli.cli.ui import console, info_table
+    from nanogpt_cli.inspect.catalog import inspect_path
+
+    result = inspect_path(path)
+    if json_out:
+        print(json.dumps(result.to_dict()))
+    else:
+        console.print(info_table(result))
+
+
+@one_line_errors
+def plot(
+    runs: Annotated[list[Path], typer.Argument(help="Run folders to draw (one or more).")],
+    out: Annotated[
+        Path | None, typer.Option(help="Write a .png/.svg/.pdf here instead of drawing in the terminal.")
+    ] = None,
+):
+    """Draw train and val loss against tokens seen, for one or several runs.
+
+    Example: nanogpt plot checkpoints/shk checkpoints/shk-wsd --out loss.png
+    """
+    from nanogpt_cli.cli.ui import console
+    from nanogpt_cli.inspect.plot import terminal_plot, write_png
+
+    if out is not None:
+        from nanogpt_cli.files import check_creatable
+
+        check_creatable(out.parent if str(out.parent) else Path("."), "the folder of --out")
+        console.print(f"wrote {write_png(runs, out)}")
+    else:
+        print(terminal_plot(runs, width=min(console.width, 100), height=20, color=console.is_terminal))

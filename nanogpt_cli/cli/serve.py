@@ -1,0 +1,72 @@
+"""serve: the OpenAI-compatible HTTP server and chat page (library: serve/).
+
+nanogpt serve checkpoints/shk --port 8000
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from nanogpt_cli.cli.common import Device, DtypeOption, Last, Threads, note, one_line_errors
+from nanogpt_cli.config import Dtype
+
+
+@one_line_errors
+def serve(
+    source: Annotated[str, typer.Argument(help="Run folder, .safetensors file, Hugging Face folder or hf:NAME.")],
+    host: Annotated[
+        str, typer.Option(help="Address to listen on; anything but loopback wants --api-key.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: a free one, printed).")] = 8000,
+    max_batch: Annotated[int, typer.Option(help="Rows decoded together (requests and their choices).")] = 8,
+    model_name: Annotated[
+        str | None, typer.Option(help="The name /v1/models reports (default: the run's).", show_default=False)
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(help="Require 'Authorization: Bearer KEY'.", envvar="NANOGPT_API_KEY", show_default=False),
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(help="Most tokens one request may ask for, per choice.")] = 4096,
+    max_n: Annotated[int, typer.Option(help="Most choices (n) per request.")] = 8,
+    max_queue: Annotated[int, typer.Option(help="Most rows waiting for a free row; beyond it, 503.")] = 64,
+    max_body: Annotated[int, typer.Option(help="Most bytes in a request body; beyond it, 413.")] = 1_000_000,
+    no_ui: Annotated[bool, typer.Option("--no-ui", help="Do not serve the chat page at /.")] = False,
+    last: Last = False,
+    device: Device = "auto",
+    dtype: DtypeOption = Dtype.auto,
+    threads: Threads = None,
+):
+    """Serve a model over the OpenAI API (completions, chat, streaming) with a chat page at /.
+
+    Example: nanogpt serve checkpoints/shk --port 8000
+    """
+    from nanogpt_cli.device import set_threads
+    from nanogpt_cli.serve import ServeOptions, default_model_name, is_loopback
+    from nanogpt_cli.serve import serve as run_server
+
+    options = ServeOptions(
+        source=source,
+        host=host,
+        port=port,
+        max_batch=max_batch,
+        model_name=model_name,
+        api_key=api_key,
+        device=device,
+        dtype=dtype,
+        last=last,
+        ui=not no_ui,
+        max_body=max_body,
+        max_tokens=max_tokens,
+        max_n=max_n,
+        max_queue=max_queue,
+    )
+    set_threads(threads)
+    if not is_loopback(host) and options.api_key is None:
+        note(
+            f"--host {host} is reachable from other machines and no --api-key is set: anyone who can reach it "
+            "can use the model"
+        )
+    name = options.model_name or default_model_name(source)
+    run_server(options, on_ready=lambda url: print(f"serving {name} at {url} (Ctrl-C to stop)", flush=True))

@@ -1,0 +1,322 @@
+"""train and finetune: thin commands over training/ (planning, the loop, --nproc), with the progress display.
+
+nanogpt train --data shakespeare-char --preset cpu-char --out checkpoints/shk
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from nanogpt_cli.cli.common import Threads, config_options, fail, note, one_line_errors, prints
+from nanogpt_cli.errors import NanoGPTError
+
+# options that train and finetune share, declared once
+RunConfig = Annotated[Path | None, typer.Option("--config", help="TOML file of config keys; flags override it.")]
+
+
+RunOut = Annotated[Path | None, typer.Option("--out", help="Run folder (default checkpoints/DATA-TIMESTAMP).")]
+
+
+Resume = Annotated[bool, typer.Option("--resume", help="Continue the run in --out where it stopped.")]
+
+
+Force = Annotated[bool, typer.Option("--force", help="Start over in an --out that holds a run (deletes it).")]
+
+
+InitLast = Annotated[bool, typer.Option("--last", help="With --init-from RUN: its last weights, not its best.")]
+
+
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")]
+
+
+Plot = Annotated[
+    bool, typer.Option("--plot/--no-plot", help="Draw loss.png in the run folder at the end (with matplotlib).")
+]
+
+
+Tracker = Annotated[
+    str | None,
+    typer.Option(
+        "--tracker",
+        help="Also log to tensorboard or wandb (offline unless WANDB_MODE=online); needs the track extra.",
+        show_default=False,
+    ),
+]
+
+
+@config_options
+@one_line_errors
+def train(
+    preset: Annotated[
+        str | None,
+        typer.Option(
+            help="Named config: tiny, cpu-char, cpu-speedrun, cpu-fast, shakespeare-char, gpt2-124m, gpt2-350m."
+        ),
+    ] = None,
+    config: RunConfig = None,
+    out: RunOut = None,
+    resume: Resume = False,
+    force: Force = False,
+    init_from: Annotated[
+        str | None,
+        typer.Option(
+            help="Start from these weights (run folder, .safetensors, "
+            "Hugging Face folder or hf:NAME) with a fresh optimizer."
+        ),
+    ] = None,
+    quiet: Quiet = False,
+    plot: Plot = True,
+    last: InitLast = False,
+    threads: Threads = None,
+    tracker: Tracker = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the whole config at the start.")] = False,
+    nproc: Annotated[
+        int | None,
+        typer.Option(
+            help="Train in N processes on this machine (one per GPU, or gloo on the CPU), launched by torch's "
+            "elastic launcher.",
+            show_default=False,
+        ),
+    ] = None,
+    nnodes: Annotated[int, typer.Option(help="With --nproc: machines taking part, each running this command.")] = 1,
+    rdzv_endpoint: Annotated[
+        str | None,
+        typer.Option(help="With --nnodes: HOST:PORT where the machines meet (the same on each).", show_default=False),
+    ] = None,
+    flags: dict | None = None,  # the config options given (config_options)
+):
+    """Train a GPT on a prepared dataset, with checkpoints you can resume.
+
+    Example: nanogpt train --data shakespeare-char --preset cpu-char --out checkpoints/shk
+    """
+    given = dict(flags or {})
+    flags = dict(flags or {}, **({"preset": preset} if preset is not None else {}))
+    from nanogpt_cli.config import load_toml
+    from nanogpt_cli.device import set_threads
+    from nanogpt_cli.training.plan import plan_run
+    from nanogpt_cli.training.trackers import open_tracker
+
+    set_threads(threads)
+
+    if nproc is not None and tracker:  # the processes open it; an unknown one or a missing extra is refused here
+        open_tracker(tracker).close()
+    sink = open_tracker(tracker) if tracker and prints() and nproc is None else None  # refused first, too
+    if last and init_from is None:
+        raise NanoGPTError("--last picks the weights of --init-from RUN; give --init-from or drop --last")
+    if nproc is None and (nnodes != 1 or rdzv_endpoint):
+        raise NanoGPTError("--nnodes and --rdzv-endpoint go with --nproc N: the processes on each machine")
+    how = None
+    if nproc is not None:
+        from nanogpt_cli.training.launch import Launch
+
+        how = Launch(nproc, nnodes, rdzv_endpoint)
+        if os.environ.get("WORLD_SIZE"):
+            raise NanoGPTError("--nproc launches the processes itself; under torchrun drop it")
+    from nanogpt_cli.training.finetune import is_finetune_run, plan_finetune
+
+    if resume and out is not None and is_finetune_run(out):  # a LoRA run resumes on its base, with its adapters
+        if how is not None:
+            raise NanoGPTError(
+                f"{out} is a LoRA run, which --nproc does not launch; resume it in one process, or with "
+                "torchrun --nproc-per-node N -m nanogpt_cli finetune --out RUN --resume"
+            )
+        job = plan_finetune(flags, load_toml(config) if config else {}, out=out, resume=True, force=force)
+        return run_planned(job.plan, quiet, sink, job.trainable, verbose, plot)
+    plan = plan_run(
+        flags,
+        load_toml(config) if config else {},
+        out=out,
+        resume=resume,
+        force=force,
+        init_from=init_from,
+        init_last=last,
+        world_size=how.world_size if how else None,
+    )
+    if init_from is not None and plan.dataset.get("masks"):  # the same run as `finetune` without --lora
+        from nanogpt_cli.training.finetune import record_full_finetune
+
+        record_full_finetune(plan, init_from)
+        plan.notes.append("fine-tuning on a chat dataset: `nanogpt finetune` does the same, and LoRA with --lora")
+    if how is not None:  # everything was checked here, before any process starts
+        options = dict(preset=preset, config=config, init_from=init_from, threads=threads, tracker=tracker)
+        switches = dict(resume=resume, force=force, quiet=quiet, last=last, verbose=verbose, no_plot=not plot)
+        return launch_training(plan, how, given, {**options, **switches})
+    run_planned(plan, quiet, sink, verbose=verbose, plot=plot)
+
+
+def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False, plot: bool = True) -> None:
+    """Train a planned run with the progress display (and a tracker's sink), then report it: train and finetune."""
+    from nanogpt_cli.cli.train_ui import TrainDisplay
+    from nanogpt_cli.training.distributed import open_world
+    from nanogpt_cli.training.trackers import Tee
+    from nanogpt_cli.training.trainer import Trainer
+
+    if prints():
+        for message in plan.notes:
+            note(message)
+        for change in plan.changes:  # "--learning-rate 0.001 -> 0.0003 from step 723"
+            print(change, flush=True)
+    if plan.complete:
+        if prints():
+            say_complete(plan)
+        return
+    # under torchrun the process group is left only after rank 0 has printed, so no rank ends (and has
+    # torchrun stop the others) before
+    with open_world(plan.train) as world:
+        try:
+            with TrainDisplay(quiet or not prints(), verbose) as display:
+                result = Trainer(plan, Tee(display, sink) if sink else display, world, trainable=trainable).fit()
+        finally:
+            if sink is not None:
+                sink.close()
+        if prints():
+            report_training(plan, result, plot)
+    if result.stopped in ("SIGINT", "SIGTERM"):
+        from nanogpt_cli.training.launch import record_error
+
+        record_error(stopped_line(plan, result))  # every rank: torchrun's report of the stop ends with this line
+        raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
+
+
+@config_options
+@one_line_errors
+def finetune(
+    init_from: Annotated[
+        str | None,
+        typer.Option(
+            help="The weights to start from: a run folder, a .safetensors file, a Hugging Face folder or hf:NAME "
+            "(not needed with --resume).",
+            show_default=False,
+        ),
+    ] = None,
+    lora: Annotated[
+        bool, typer.Option("--lora", help="Train LoRA adapters on the frozen weights (any --lora-* flag implies it).")
+    ] = False,
+    lora_r: Annotated[int | None, typer.Option(help="LoRA rank.  [default: 8]", show_default=False)] = None,
+    lora_alpha: Annotated[
+        float | None, typer.Option(help="LoRA scale: the update is times alpha / r.  [default: 16]", show_default=False)
+    ] = None,
+    lora_dropout: Annotated[
+        float | None, typer.Option(help="Dropout on the adapters' input.  [default: 0]", show_default=False)
+    ] = None,
+    lora_targets: Annotated[
+        str | None,
+        typer.Option(
+            help="Projections to adapt, comma-separated: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj, or attn, "
+            "mlp, all.  [default: attn.c_attn]",
+            show_default=False,
+        ),
+    ] = None,
+    preset: Annotated[
+        str | None, typer.Option(help="Named training config (the architecture stays the checkpoint's).")
+    ] = None,
+    config: RunConfig = None,
+    out: RunOut = None,
+    resume: Resume = False,
+    force: Force = False,
+    last: InitLast = False,
+    quiet: Quiet = False,
+    threads: Threads = None,
+    tracker: Tracker = None,
+    plot: Plot = True,
+    flags: dict | None = None,  # the config options given (config_options)
+):
+    """Fine-tune trained weights on a dataset: all of them, or LoRA adapters (--lora). On a chat dataset only the
+    assistant's tokens are trained on, and the run keeps the dataset's chat template.
+
+    Example: nanogpt finetune --init-from checkpoints/base --data chats --lora --max-iters 300 --out checkpoints/chat
+    """
+    from nanogpt_cli.config import load_toml
+    from nanogpt_cli.device import set_threads
+    from nanogpt_cli.lora import DEFAULT_TARGETS, LoRAConfig
+    from nanogpt_cli.training.finetune import plan_finetune
+    from nanogpt_cli.training.trackers import open_tracker
+
+    flags = dict(flags or {}, **({"preset": preset} if preset is not None else {}))
+    set_threads(threads)
+    sink = open_tracker(tracker) if tracker and prints() else None
+    given = {"r": lora_r, "alpha": lora_alpha, "dropout": lora_dropout, "targets": lora_targets}
+    given = {k: v for k, v in given.items() if v is not None}
+    lora_cfg = None  # on --resume without --lora-* values: the run's own
+    if given or (lora and not resume):
+        targets = given.pop("targets", None)
+        lora_cfg = LoRAConfig(**given, targets=(targets,) if targets is not None else DEFAULT_TARGETS)
+    job = plan_finetune(
+        flags,
+        load_toml(config) if config else {},
+        out=out,
+        resume=resume,
+        force=force,
+        init_from=init_from,
+        init_last=last,
+        lora=lora_cfg,
+        lora_flags=set(given) | ({"targets"} if lora_targets is not None else set()),
+    )
+    run_planned(job.plan, quiet, sink, job.trainable, plot=plot)
+
+
+def stopped_line(plan, result) -> str:
+    """How a run stopped by a signal ended, and the command that resumes it (with the launch flags of --nproc)."""
+    from nanogpt_cli.training.launch import launch_flags
+
+    resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
+    return f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}"
+
+
+def launch_training(plan, how, given: dict, options: dict) -> None:
+    """train --nproc: the planned run (its refusals already said) in how.world_size processes, each running this
+    command without the launch flags (given: the config options given; options: train's own) and with the run
+    folder planned here."""
+    from nanogpt_cli.training.distributed import rank_device
+    from nanogpt_cli.training.launch import launch, train_args
+
+    if plan.complete:
+        return say_complete(plan)
+    rank_device(plan.train.device, how.nproc - 1)  # --device cuda:N, or more processes than GPUs: one line here
+    code = launch(train_args(given, options, plan.run_dir.path), how)
+    if code:
+        raise typer.Exit(code)
+
+
+def say_complete(plan) -> None:
+    """A run that has nothing left to train: why, and what to raise."""
+    from nanogpt_cli.cli.ui import console
+
+    if plan.time_over:
+        console.print(
+            f"{plan.run_dir} is already complete: its --max-time {plan.time_spent:g} s was spent at "
+            f"step {plan.step:,}; raise --max-time to train it further"
+        )
+    else:
+        console.print(
+            f"{plan.run_dir} is already complete: step {plan.step:,} of --max-iters "
+            f"{plan.train.max_iters:,}; raise --max-iters to train it further"
+        )
+
+
+def report_training(plan, result, plot: bool = True) -> None:
+    """The summary table, the loss curves' picture (with the plot extra) and how the run ended."""
+    from nanogpt_cli.cli.train_ui import train_table
+    from nanogpt_cli.cli.ui import console
+
+    console.print(train_table(result))
+    if plot:  # the plot extra: a picture of the curves (importing matplotlib and drawing take ~1 s: --no-plot)
+        from nanogpt_cli.inspect.plot import write_png
+
+        try:
+            write_png([plan.run_dir.path], plan.run_dir.loss_plot_path)
+        except NanoGPTError as e:  # said once, here at the end, where it is seen
+            note(f"{plan.run_dir.loss_plot_path.name} not drawn: {e}")
+    from nanogpt_cli.training.launch import launch_flags
+
+    resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
+    if result.stopped in ("SIGINT", "SIGTERM"):
+        fail(stopped_line(plan, result))
+    if result.stopped == "stop_at":
+        console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_with}")
+    if result.stopped == "max_time":
+        console.print(f"ended at step {result.step:,}: --max-time {plan.train.max_time:g} s was spent")

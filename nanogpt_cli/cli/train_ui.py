@@ -1,0 +1,197 @@
+"""The training display: the start-of-run lines, the progress lines (a live status line on a terminal) and the
+final table, all driven by the trainer's typed events.
+
+    with TrainDisplay(quiet=False, verbose=False) as display: Trainer(plan, display, world).fit()
+"""
+
+from __future__ import annotations
+
+from nanogpt_cli.cli import ui  # ui.console, looked up at each use: tests swap it for one of a known width
+from nanogpt_cli.cli.ui import speed_rows, summary_table
+
+
+def _fmt_eta(seconds: float) -> str:
+    """m:ss under an hour, h:mm:ss from there on."""
+    seconds = int(max(0, seconds))
+    if seconds < 3600:
+        return f"{seconds // 60}:{seconds % 60:02d}"
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def start_lines(e) -> list[str]:
+    """The start of a run in a few lines (a RunStarted): the model's size and shape, the tokens of one step, the
+    schedule, where it saves. The whole config is in the run folder's config.json (and under --verbose)."""
+    m, t = e.model, e.train
+    lines = []
+    if m:
+        size = f"{e.params / 1e6:,.1f}M" if e.params >= 10_000_000 else f"{e.params:,}"
+        lines.append(
+            f"model: {m['n_layer']} layers, {m['n_embd']} wide, {m['n_head']} heads, context {m['block_size']:,}, "
+            f"{size} non-embedding params"
+        )
+    if t:
+        accumulation = t["gradient_accumulation_steps"]
+        micro = f"{accumulation} micro-batch{'es' if accumulation > 1 else ''}"
+        lines.append(
+            f"batch: {e.tokens_per_iter:,} tokens per step ({t['batch_size']} rows x {m.get('block_size', '?'):,} "
+            f"tokens x {micro})"
+        )
+        optimizer = f"muon (lr {t['muon_lr']:g}) + adamw" if t["optimizer"] == "muon" else str(t["optimizer"])
+        if t.get("embedding_lr") is not None:
+            optimizer += f" (embedding lr {t['embedding_lr']:g})"
+        lines.append(
+            f"schedule: {optimizer}, lr {t['learning_rate']:g} {t['lr_schedule']} to {t['min_lr']:g}, warmup "
+            f"{t['warmup_iters']:,}; saved every {t['eval_interval']:,} steps"
+        )
+    verb = "resuming at step" if e.resume else "training from step"
+    lines.append(f"{verb} {e.step:,} of {e.max_iters:,} on {e.device} ({e.dtype}) -> {e.run_dir}")
+    return lines
+
+
+class TrainDisplay:
+    """Shows the trainer's events (events.Display): a live rich progress bar on a terminal, plain log lines
+    elsewhere, or nothing with quiet (errors still go to stderr). verbose: the whole config at the start too."""
+
+    def __init__(self, quiet: bool = False, verbose: bool = False):
+        self.quiet, self.verbose = quiet, verbose
+        self.live = ui.console.is_terminal and not quiet
+        self.progress = None
+        self.task = None
+        self.val_loss: float | None = None
+        self.start_step = 0
+        self.max_iters = 0
+        self.step_width = 6
+        self.max_time: float | None = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.progress is not None:
+            self.progress.stop()
+
+    def on_start(self, e) -> None:
+        if self.quiet:
+            return
+        import json
+
+        self.start_step, self.max_iters = e.step, e.max_iters
+        self.step_width = len(f"{e.max_iters:,}")  # step numbers line up in every line of the run
+        self.max_time = e.train.get("max_time")
+        if self.verbose:
+            ui.console.print(f"model: {json.dumps(e.model)}\ntrain: {json.dumps(e.train)}")
+        ui.console.print("\n".join(start_lines(e)))
+        if self.live:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(bar_width=10),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[stats]}"),
+                TextColumn("elapsed"),
+                TimeElapsedColumn(),
+                console=ui.console,
+            )
+            self.progress.start()
+            self.task = self.progress.add_task("train", total=e.max_iters, completed=e.step, stats="")
+
+    def on_status(self, text: str) -> None:
+        """What happens before the first step (loading, building, compiling, first evaluation): on a terminal
+        always; in pipes and logs only once the run's start line is out (an error before it stays one line)."""
+        if not self.quiet and (self.live or self.max_iters):
+            ui.console.print(f"{text} ...", style="dim" if self.live else None)
+
+    def on_hint(self, text: str) -> None:
+        """Advice about the run while it goes (a busy machine), said once by the trainer."""
+        if not self.quiet:
+            (self.progress.console if self.progress is not None else ui.err_console).print(
+                f"note: {text}", markup=False, highlight=False
+            )
+
+    def on_step(self, e) -> None:
+        if self.quiet:
+            return
+        eta = (self.max_iters - e.step) * e.ms_per_iter / 1000
+        if self.max_time is not None:  # --max-time ends the run first when its time runs out sooner
+            eta = max(0.0, min(eta, self.max_time - e.elapsed_s))
+        # (priority, text) in display order; where the line is too long the highest numbers go first, so that
+        # loss, the time left, val and tok/s stay in 80 columns
+        parts = [(0, f"loss {e.loss:.4f}")]
+        if self.val_loss is not None:
+            parts.append((2, f"val {self.val_loss:.4f}"))
+        parts += [(3, f"{e.tokens_per_s:,.0f} tok/s"), (6, f"{e.ms_per_iter:.1f} ms/it"), (7, f"lr {e.lr:.2e}")]
+        if e.mfu is not None:
+            parts.append((8, f"MFU {e.mfu:.1%}"))
+        if e.scale is not None:
+            parts.append(
+                (
+                    1 if e.skipped else 9,
+                    f"fp16 scale {e.scale:g}" + (f", skipped {e.skipped} (overflow)" if e.skipped else ""),
+                )
+            )
+        parts.append((1, f"ETA {_fmt_eta(eta)}"))
+        if self.progress is not None:
+            # the bar's own columns: "train", a bar of at least 10, "1234/5000", "elapsed 0:00:00", and spaces
+            room = ui.console.width - (6 + 11 + (2 * len(f"{self.max_iters}") + 2) + 16)
+            self.progress.update(self.task, completed=e.step, stats=fit_fields(parts, room))
+        elif e.step > self.start_step:
+            head = f"step {e.step:>{self.step_width},}/{self.max_iters:,} | "
+            parts.append((5, f"elapsed {_fmt_eta(e.elapsed_s)}"))
+            ui.console.print(head + fit_fields(parts, ui.console.width - len(head)))
+
+    def on_eval(self, e) -> None:
+        if self.quiet:
+            return
+        self.val_loss = e.val_loss
+        line = (
+            f"step {e.step:>{self.step_width},}: train loss {e.train_loss:.4f}, val loss {e.val_loss:.4f}"
+            f" (best {e.best_val_loss:.4f})" + (", checkpoint saved" if e.saved else "")
+        )
+        if self.progress is not None:
+            self.progress.update(self.task, completed=e.step)  # the bar is at the step evaluated (and saved)
+        (self.progress.console if self.progress is not None else ui.console).print(line)
+
+    def on_save(self, step: int) -> None:
+        """A save outside the evaluations (Ctrl-C, SIGTERM, --stop-at): the bar stops at the step saved."""
+        if self.quiet:
+            return
+        if self.progress is not None:
+            self.progress.update(self.task, completed=step)
+            self.progress.stop()  # its last frame stays on the screen, at this step
+            self.progress = None
+        ui.console.print(f"step {step:>{self.step_width},}: checkpoint saved")
+
+
+def fit_fields(parts: list[tuple[int, str]], width: int) -> str:
+    """Join (priority, text) fields with " | ", dropping the least important (highest number) until the line
+    fits in width characters; the first field always stays."""
+    parts = list(parts)
+    while len(parts) > 1 and len(" | ".join(t for _, t in parts)) > width:
+        parts.remove(max(parts[1:], key=lambda p: p[0]))
+    return " | ".join(t for _, t in parts)
+
+
+def train_table(result):
+    """The summary of a `TrainResult`."""
+    rows = [("steps", f"{result.step:,}"), ("tokens seen", f"{result.tokens:,}")]
+    if result.train_loss is not None:
+        at = f" (step {result.eval_step:,})" if result.eval_step != result.step else ""
+        rows += [
+            (f"train loss{at}", f"{result.train_loss:.4f}"),
+            (f"val loss{at}", f"{result.val_loss:.4f}"),
+            ("best val loss", f"{result.best_val_loss:.4f}"),
+        ]
+    rows += [
+        ("time", f"{result.elapsed_s:.1f} s"),
+        (
+            "speed",
+            f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_s:,.0f} "
+            + ("trained tokens/s" if result.trained_only else "tokens/s"),
+        ),
+    ]
+    if result.speed is not None:
+        rows += speed_rows(result.speed)
+    if result.mfu is not None:
+        rows.append(("MFU", f"{result.mfu:.1%}"))
+    return summary_table(f"run {result.run_dir}", rows)
