@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -120,28 +121,19 @@ Checkpoint = Annotated[
     str,
     typer.Option(help="Run folder (its best weights), a .safetensors file, or a Hugging Face model folder or hf:NAME."),
 ]
-
-
 Last = Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")]
-
-
 Device = Annotated[str, typer.Option(help=field_help(TrainConfig, "device"))]
-
-
 DtypeOption = Annotated[
     Dtype, typer.Option(help="Precision the weights are cast to (auto: from the device and their size).")
 ]
-
-
 DATA_DIR_HELP = field_help(TrainConfig, "data_dir")
-
-
 Threads = Annotated[
     int | None,
     typer.Option(
         help="CPU threads (default: torch's choice, one per core); fewer help on a busy machine.", show_default=False
     ),
 ]
+PromptFile = Annotated[Path | None, typer.Option(help="Read the prompt from this file.")]
 
 
 def note(message: str) -> None:

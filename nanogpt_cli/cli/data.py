@@ -22,20 +22,10 @@ Source = Annotated[
         "shakespeare (downloaded once)."
     ),
 ]
-
-
 TextColumn = Annotated[str, typer.Option(help="Column with the text in .jsonl/.json/.parquet/.csv and hub datasets.")]
-
-
 Subset = Annotated[str | None, typer.Option(help="Hub dataset subset (configuration) name.")]
-
-
 Split = Annotated[str, typer.Option(help="Hub dataset split to read.")]
-
-
 Streaming = Annotated[bool, typer.Option(help="Stream a hub dataset instead of downloading it first.")]
-
-
 DataFormat = Annotated[
     str,
     typer.Option(
@@ -44,18 +34,13 @@ DataFormat = Annotated[
         "a chat template, with a loss mask on the assistant's tokens.",
     ),
 ]
-
-
 ChatTemplateFile = Annotated[
     Path | None, typer.Option(help="A Jinja chat template file for --format chat (the default needs no new tokens).")
 ]
-
-
 Strict = Annotated[
     bool, typer.Option("--strict", help="With --format chat, stop at the first bad row instead of skipping it.")
 ]
-
-
+TokenizersDir = Annotated[Path, typer.Option(help="Folder of trained tokenizers (the NAMEs --tokenizer takes).")]
 TokenizerName = Annotated[
     str,
     typer.Option(
@@ -74,9 +59,7 @@ def prepare(
         float, typer.Option(help="Share held out for validation: the tail of one text, or every (1/f)-th document.")
     ] = 0.1,
     data_dir: Annotated[Path, typer.Option(help=DATA_DIR_HELP)] = Path("data"),
-    tokenizers_dir: Annotated[Path, typer.Option(help="Folder of trained tokenizers (for --tokenizer NAME).")] = Path(
-        "tokenizers"
-    ),
+    tokenizers_dir: TokenizersDir = Path("tokenizers"),
     text_column: TextColumn = "text",
     subset: Subset = None,
     split: Split = "train",
@@ -191,9 +174,6 @@ tokenizer_app = typer.Typer(
 )
 
 
-TOKENIZERS_DIR_HELP = "Folder of trained tokenizers."
-
-
 def tokenizer_table(result):
     """What tokenizer train made, as a table."""
     from nanogpt_cli.cli.ui import summary_table
@@ -239,7 +219,7 @@ def tokenizer_train(
         ),
     ] = None,
     max_chars: Annotated[int | None, typer.Option(help="Train on the first N characters only.")] = None,
-    tokenizers_dir: Annotated[Path, typer.Option(help=TOKENIZERS_DIR_HELP)] = Path("tokenizers"),
+    tokenizers_dir: TokenizersDir = Path("tokenizers"),
     text_column: TextColumn = "text",
     subset: Subset = None,
     split: Split = "train",
@@ -300,7 +280,7 @@ def _load_tokenizer(name: str, tokenizers_dir: Path):
 @one_line_errors
 def tokenizer_info(
     name: Annotated[str, typer.Argument(help="A trained tokenizer's NAME or folder, or gpt2, byte, cl100k_base.")],
-    tokenizers_dir: Annotated[Path, typer.Option(help=TOKENIZERS_DIR_HELP)] = Path("tokenizers"),
+    tokenizers_dir: TokenizersDir = Path("tokenizers"),
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ):
     """Describe a tokenizer: vocabulary size, pattern, special tokens, longest tokens.
@@ -349,7 +329,7 @@ def tokenizer_info(
 def tokenizer_encode(
     name: Annotated[str, typer.Argument(help="A trained tokenizer's NAME or folder, or gpt2, byte, cl100k_base.")],
     text: Annotated[str, typer.Argument(help="The text to encode.")],
-    tokenizers_dir: Annotated[Path, typer.Option(help=TOKENIZERS_DIR_HELP)] = Path("tokenizers"),
+    tokenizers_dir: TokenizersDir = Path("tokenizers"),
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of the pieces.")] = False,
 ):
     """Show the ids a tokenizer gives a text, and the piece of text each one stands for.

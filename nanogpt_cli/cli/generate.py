@@ -8,12 +8,21 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import Checkpoint, Device, DtypeOption, Last, Threads, fail, note, one_line_errors
+from nanogpt_cli.cli.common import (
+    Checkpoint,
+    Device,
+    DtypeOption,
+    Last,
+    PromptFile,
+    Threads,
+    fail,
+    note,
+    one_line_errors,
+)
 from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError
 
@@ -50,23 +59,11 @@ def print_samples(sampler, text: str, settings, num_samples: int, stream: bool, 
 
 # the sampling options that sample and chat share
 Temperature = Annotated[float, typer.Option(help="0 is greedy; lower is more conservative.")]
-
-
 TopK = Annotated[int, typer.Option(help="Keep only the K most likely tokens (0: off).")]
-
-
 TopP = Annotated[float, typer.Option(help="Keep the fewest tokens whose probability reaches P (1: off).")]
-
-
 MinP = Annotated[float, typer.Option(help="Drop tokens below P x the top token's probability (0: off).")]
-
-
 RepetitionPenalty = Annotated[float, typer.Option(help="Above 1 discourages tokens already present.")]
-
-
 Seed = Annotated[int, typer.Option(help="Random seed: the same seed gives the same text.")]
-
-
 Stop = Annotated[list[str] | None, typer.Option(help="End a sample at this text (repeatable).", metavar="<text>")]
 
 
@@ -74,7 +71,7 @@ Stop = Annotated[list[str] | None, typer.Option(help="End a sample at this text 
 def sample(
     checkpoint: Checkpoint,
     prompt: Annotated[str | None, typer.Option(help="Text to continue (empty: start a new text).")] = None,
-    prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from this file.")] = None,
+    prompt_file: PromptFile = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per sample.")] = 256,
     temperature: Temperature = 0.8,
     top_k: TopK = 200,

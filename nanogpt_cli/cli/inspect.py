@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import Device, DtypeOption, Last, Threads, note, one_line_errors
+from nanogpt_cli.cli.common import Device, DtypeOption, Last, PromptFile, Threads, note, one_line_errors
 from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError
 
@@ -20,16 +20,12 @@ inspect_app = typer.Typer(
     "Example: nanogpt inspect heads checkpoints/shk",
     rich_markup_mode=None,
 )
-
-
 InspectSource = Annotated[
     str,
     typer.Argument(
         help="Run folder (its best weights), a .safetensors file, or a Hugging Face model folder or hf:NAME."
     ),
 ]
-
-
 Size = Annotated[
     str | None,
     typer.Option(help="Picture size in pixels, WIDTHxHEIGHT (default: fits the labels).", show_default=False),
@@ -71,7 +67,7 @@ def _inspect_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
 def inspect_attention(
     source: InspectSource,
     prompt: Annotated[str | None, typer.Option(help="Text whose attention to draw.")] = None,
-    prompt_file: Annotated[Path | None, typer.Option(help="Read the prompt from this file.")] = None,
+    prompt_file: PromptFile = None,
     out: Annotated[
         Path | None,
         typer.Option(
@@ -135,7 +131,7 @@ def inspect_heads(
         str | None,
         typer.Option(help="Measure previous-token, first-token and distance on this text instead of random tokens."),
     ] = None,
-    prompt_file: Annotated[Path | None, typer.Option(help="Read that text from this file.")] = None,
+    prompt_file: PromptFile = None,
     length: Annotated[
         int | None,
         typer.Option(

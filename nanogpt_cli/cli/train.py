@@ -5,39 +5,33 @@ nanogpt train --data shakespeare-char --preset cpu-char --out checkpoints/shk
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from nanogpt_cli.cli.common import Threads, config_options, fail, note, one_line_errors, prints
+from nanogpt_cli.config import PRESETS
 from nanogpt_cli.errors import NanoGPTError
 
 # options that train and finetune share, declared once
 RunConfig = Annotated[Path | None, typer.Option("--config", help="TOML file of config keys; flags override it.")]
-
-
 RunOut = Annotated[Path | None, typer.Option("--out", help="Run folder (default checkpoints/DATA-TIMESTAMP).")]
-
-
 Resume = Annotated[bool, typer.Option("--resume", help="Continue the run in --out where it stopped.")]
-
-
 Force = Annotated[bool, typer.Option("--force", help="Start over in an --out that holds a run (deletes it).")]
-
-
+InitFrom = Annotated[
+    str | None,
+    typer.Option(
+        help="The weights to start from, with a fresh optimizer: a run folder, a .safetensors file, a Hugging Face "
+        "folder or hf:NAME (not needed with --resume).",
+        show_default=False,
+    ),
+]
 InitLast = Annotated[bool, typer.Option("--last", help="With --init-from RUN: its last weights, not its best.")]
-
-
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")]
-
-
 Plot = Annotated[
     bool, typer.Option("--plot/--no-plot", help="Draw loss.png in the run folder at the end (with matplotlib).")
 ]
-
-
 Tracker = Annotated[
     str | None,
     typer.Option(
@@ -53,21 +47,13 @@ Tracker = Annotated[
 def train(
     preset: Annotated[
         str | None,
-        typer.Option(
-            help="Named config: tiny, cpu-char, cpu-speedrun, cpu-fast, shakespeare-char, gpt2-124m, gpt2-350m."
-        ),
+        typer.Option(help=f"Named config: {', '.join(PRESETS)}."),
     ] = None,
     config: RunConfig = None,
     out: RunOut = None,
     resume: Resume = False,
     force: Force = False,
-    init_from: Annotated[
-        str | None,
-        typer.Option(
-            help="Start from these weights (run folder, .safetensors, "
-            "Hugging Face folder or hf:NAME) with a fresh optimizer."
-        ),
-    ] = None,
+    init_from: InitFrom = None,
     quiet: Quiet = False,
     plot: Plot = True,
     last: InitLast = False,
@@ -93,59 +79,33 @@ def train(
 
     Example: nanogpt train --data shakespeare-char --preset cpu-char --out checkpoints/shk
     """
-    given = dict(flags or {})
-    flags = dict(flags or {}, **({"preset": preset} if preset is not None else {}))
-    from nanogpt_cli.config import load_toml
     from nanogpt_cli.device import set_threads
-    from nanogpt_cli.training.plan import plan_run
+    from nanogpt_cli.training.job import TrainRequest, plan_train
     from nanogpt_cli.training.trackers import open_tracker
 
+    given = dict(flags or {})
     set_threads(threads)
-
     if nproc is not None and tracker:  # the processes open it; an unknown one or a missing extra is refused here
         open_tracker(tracker).close()
     sink = open_tracker(tracker) if tracker and prints() and nproc is None else None  # refused first, too
-    if last and init_from is None:
-        raise NanoGPTError("--last picks the weights of --init-from RUN; give --init-from or drop --last")
-    if nproc is None and (nnodes != 1 or rdzv_endpoint):
-        raise NanoGPTError("--nnodes and --rdzv-endpoint go with --nproc N: the processes on each machine")
-    how = None
-    if nproc is not None:
-        from nanogpt_cli.training.launch import Launch
-
-        how = Launch(nproc, nnodes, rdzv_endpoint)
-        if os.environ.get("WORLD_SIZE"):
-            raise NanoGPTError("--nproc launches the processes itself; under torchrun drop it")
-    from nanogpt_cli.training.finetune import is_finetune_run, plan_finetune
-
-    if resume and out is not None and is_finetune_run(out):  # a LoRA run resumes on its base, with its adapters
-        if how is not None:
-            raise NanoGPTError(
-                f"{out} is a LoRA run, which --nproc does not launch; resume it in one process, or with "
-                "torchrun --nproc-per-node N -m nanogpt_cli finetune --out RUN --resume"
-            )
-        job = plan_finetune(flags, load_toml(config) if config else {}, out=out, resume=True, force=force)
-        return run_planned(job.plan, quiet, sink, job.trainable, verbose, plot)
-    plan = plan_run(
-        flags,
-        load_toml(config) if config else {},
+    request = TrainRequest(
+        flags=dict(given, **({"preset": preset} if preset is not None else {})),
+        config=config,
         out=out,
         resume=resume,
         force=force,
         init_from=init_from,
         init_last=last,
-        world_size=how.world_size if how else None,
+        nproc=nproc,
+        nnodes=nnodes,
+        rdzv_endpoint=rdzv_endpoint,
     )
-    if init_from is not None and plan.dataset.get("masks"):  # the same run as `finetune` without --lora
-        from nanogpt_cli.training.finetune import record_full_finetune
-
-        record_full_finetune(plan, init_from)
-        plan.notes.append("fine-tuning on a chat dataset: `nanogpt finetune` does the same, and LoRA with --lora")
-    if how is not None:  # everything was checked here, before any process starts
+    job = plan_train(request)
+    if job.launch is not None:  # everything was checked here, before any process starts
         options = dict(preset=preset, config=config, init_from=init_from, threads=threads, tracker=tracker)
         switches = dict(resume=resume, force=force, quiet=quiet, last=last, verbose=verbose, no_plot=not plot)
-        return launch_training(plan, how, given, {**options, **switches})
-    run_planned(plan, quiet, sink, verbose=verbose, plot=plot)
+        return launch_training(job.plan, job.launch, given, {**options, **switches})
+    run_planned(job.plan, quiet, sink, job.trainable, verbose, plot)
 
 
 def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False, plot: bool = True) -> None:
@@ -185,14 +145,7 @@ def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False, 
 @config_options
 @one_line_errors
 def finetune(
-    init_from: Annotated[
-        str | None,
-        typer.Option(
-            help="The weights to start from: a run folder, a .safetensors file, a Hugging Face folder or hf:NAME "
-            "(not needed with --resume).",
-            show_default=False,
-        ),
-    ] = None,
+    init_from: InitFrom = None,
     lora: Annotated[
         bool, typer.Option("--lora", help="Train LoRA adapters on the frozen weights (any --lora-* flag implies it).")
     ] = False,

@@ -1,0 +1,96 @@
+"""Every command's --help, read as a user reads it: an option name means one thing across the commands that take it."""
+
+import re
+
+import pytest
+from typer.testing import CliRunner
+
+from nanogpt_cli.cli import app
+
+runner = CliRunner()
+
+# names whose meaning is the command's own, each with why: the thing a command writes, reads or prints differs
+PER_COMMAND = {
+    "--out": "what the command writes: a run folder, an export, a picture",
+    "--json": "JSON instead of the command's own table or text",
+    "--force": "replace what the command would write (a run, an export, a tokenizer)",
+    "--format": "prepare's input format; export's output format",
+    "--name": "the name of what the command makes (a dataset, a tokenizer)",
+    "--prompt": "the text the command generates from or measures",
+    "--max-tokens": "a cap on the tokens of the command's own job",
+    "--max-new-tokens": "tokens per sample, or per reply",
+    "--batch-size": "rows per training micro-batch, or windows per scoring pass",
+    "--data": "the dataset a command trains on or scores",
+    "--dtype": "training's autocast precision, or the precision weights are cast to for inference",
+    "--seed": "training's seed, sampling's seed, the probes' random sequences",
+    "--split": "a hub dataset's split to read, or the prepared split to score",
+    "--preset": "train's whole config, or finetune's training config",
+    "--plot": "a picture beside the command's own output",
+    "--resume": "continue an interrupted prepare, or a run",
+    "--vocab-size": "a model's vocabulary, or the size of the tokenizer to train",
+    "--last": "which of a run's weights: the ones a command loads, or (train, finetune) those of --init-from",
+}
+
+
+def help_of(args: list[str]) -> str:
+    result = runner.invoke(app, [*args, "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def commands(args: tuple[str, ...] = ()) -> list[list[str]]:
+    """Every command, subcommands included, as `nanogpt --help` lists them."""
+    out = help_of(list(args))
+    if "Commands:" not in out:
+        return [list(args)]
+    listed = [line.split()[0] for line in out.split("Commands:")[1].splitlines() if line.startswith("  ")]
+    return [command for name in listed for command in commands((*args, name))]
+
+
+def options(out: str) -> dict[str, str]:
+    """--name -> its help text, defaults left out, wrapped lines joined."""
+    found, current = {}, None
+    for line in out.split("Options:")[1].splitlines():
+        m = re.match(r"^  (-\S.*?)(?:\s{2,}(.*))?$", line)
+        if m:
+            current = re.findall(r"--[a-z0-9-]+", m.group(1))[0]
+            found[current] = m.group(2) or ""
+        elif current and line.strip():
+            found[current] += " " + line.strip()
+    return {name: re.sub(r"\s*\[(default|required).*?\]", "", text).strip() for name, text in found.items()}
+
+
+@pytest.fixture(scope="module")
+def table() -> dict[str, dict[str, list[str]]]:
+    """option name -> help text -> the commands that show it."""
+    seen: dict[str, dict[str, list[str]]] = {}
+    for command in commands():
+        for name, text in options(help_of(command)).items():
+            seen.setdefault(name, {}).setdefault(text, []).append(" ".join(command))
+    return seen
+
+
+def test_every_command_and_family_renders_its_help():
+    names = {" ".join(c) for c in commands()}
+    assert {"train", "sample", "eval perplexity", "tokenizer train", "inspect heads", "serve", "export"} <= names
+
+
+def test_an_option_name_shared_by_commands_has_one_help_text_unless_its_meaning_is_the_commands_own(table):
+    split = {name: texts for name, texts in table.items() if len(texts) > 1 and name not in PER_COMMAND}
+    assert not split, f"one option name, several meanings (declare it once in cli/common.py, or list why): {split}"
+
+
+def test_last_on_the_commands_that_load_weights_describes_those_weights(table):
+    texts = table["--last"]
+    loading = {"sample", "chat", "serve", "export", "eval perplexity", "inspect attention", "inspect heads"}
+    for text, where in texts.items():
+        if loading & set(where):
+            assert loading <= set(where) and "--init-from" not in text and "last weights" in text, (text, where)
+    assert any("--init-from" in text and set(where) == {"train", "finetune"} for text, where in texts.items())
+
+
+def test_the_preset_list_in_train_help_is_every_preset():
+    from nanogpt_cli.config import PRESETS
+
+    text = options(help_of(["train"]))["--preset"]
+    assert all(name in text for name in PRESETS), text
