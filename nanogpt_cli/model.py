@@ -130,15 +130,15 @@ class Cache(Protocol):
 
 
 def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    # a function, not nn.Dropout modules: decoding one token at a time pays ~5 us per module call, and
-    # dropout has no weights to hold
+    # a function, not nn.Dropout modules: decoding one token at a time pays for every module call, and dropout
+    # has no weights to hold
     return F.dropout(x, p, training) if training and p > 0 else x
 
 
 class ReLUSquared(torch.autograd.Function):
     """relu(h)**2 with a hand-written backward, 2 * relu(h) * grad: autograd's own graph for relu().square()
-    makes six passes over the (B, T, H) hidden layer where this makes three, and on a CPU, where these passes
-    are bound by memory, it was 4.5x slower (8.4 against 1.8 ms for a 12 x 128 x 512 forward and backward)."""
+    makes six passes over the (B, T, H) hidden layer where this makes three, and on a CPU these passes are bound
+    by memory (benchmarks/README.md, measurements behind the code)."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor) -> torch.Tensor:
@@ -150,8 +150,8 @@ class ReLUSquared(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (r,) = ctx.saved_tensors
-        # one pass: addcmul against a broadcast zero (0.28 against 0.43 ms for grad.mul(r).mul_(2) at 16 x 128 x 512
-        # in bf16); doubling is exact, so the result is the same bit for bit
+        # one pass: addcmul against a broadcast zero, where grad.mul(r).mul_(2) makes two; doubling is exact, so the
+        # result is the same bit for bit
         return torch.addcmul(grad.new_zeros(()), grad, r, value=2.0)
 
 
@@ -164,7 +164,7 @@ def activation(h: torch.Tensor, mlp: str) -> torch.Tensor:
         if torch.is_grad_enabled() and h.requires_grad:
             return ReLUSquared.apply(h)
         return F.relu(h).square()  # decoding: no graph, and a Function's call costs more than the two ops
-    # exact GELU is ~3x cheaper than the tanh form on CPU; GPT-2's weights need the tanh form
+    # exact GELU is cheaper than the tanh form on a CPU; GPT-2's weights need the tanh form
     return F.gelu(h, approximate="tanh" if mlp == "gelu_tanh" else "none")
 
 
@@ -218,8 +218,8 @@ class CausalSelfAttention(nn.Module):
         if cache is None:
             dropout_p = self.dropout if self.training else 0.0
             if cpu_autocast:
-                # the CPU flash-attention kernel's bf16 backward is ~5x slower than its fp32 one (torch 2.13),
-                # and autocast would cast fp32 inputs back down: run it in fp32 outside autocast
+                # the CPU flash-attention kernel's bf16 backward is much slower than its fp32 one, and autocast
+                # would cast fp32 inputs back down: run it in fp32 outside autocast
                 with torch.autocast("cpu", enabled=False):
                     y = F.scaled_dot_product_attention(
                         q.float(), k.float(), v.float(), is_causal=True, dropout_p=dropout_p

@@ -140,9 +140,9 @@ def _as_function(module: nn.Module | None):
     shape, weight, eps = module.normalized_shape, module.weight, module.eps
     if isinstance(module, nn.RMSNorm):
         if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
-            # x / sqrt(mean(x^2) + eps) from the row's norm in three calls, ~2x cheaper than F.rms_norm on one
-            # row of a few hundred values on a CPU (4.7 against 8.1 us for 128); within 1e-6 of it. float32 only:
-            # the fused kernel accumulates bf16 in fp32
+            # x / sqrt(mean(x^2) + eps) from the row's norm in three calls, cheaper than F.rms_norm on one row of
+            # a few hundred values on a CPU, and within 1e-6 of it. float32 only: the fused kernel accumulates bf16
+            # in fp32
             scale = 1.0 / weight.numel()
             eps = torch.tensor(torch.finfo(torch.float32).eps if eps is None else eps)
 
@@ -194,9 +194,9 @@ def decode_plan(model: GPT, vocab_size: int | None = None) -> DecodePlan:
     elif cfg.pos_encoding == "sinusoidal":
         pos_table = model.pos_table
     head = model.lm_head.weight[: vocab_size or cfg.vocab_size]
-    # MKL's kernel for h @ W.T with a tall, thin W (V x C, V in the tens of thousands) is up to ~3x slower than
-    # for h @ W_t with the transpose stored contiguous (C x V): one copy of the head, once per engine, for the
-    # biggest matmul of a small model's token; a GPU has no such gap
+    # MKL's kernel for h @ W.T with a tall, thin W (V x C, V in the tens of thousands) is much slower than for
+    # h @ W_t with the transpose stored contiguous (C x V): one copy of the head, once per engine, for the biggest
+    # matmul of a small model's token; a GPU has no such gap
     head_t = head.t().contiguous() if head.device.type == "cpu" and head.size(0) >= 8 * head.size(1) else None
     return DecodePlan(
         layers=layers,
@@ -354,12 +354,12 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generators: Sequence
 
     A draw is one uniform number per row, looked up in the row's cumulative probabilities (inverse transform
     sampling): exactly torch.multinomial's distribution, with each row's randomness its own whatever else is
-    in the batch, and ~15x cheaper than torch.multinomial over a 50k vocabulary on a CPU. Non-finite
+    in the batch, and far cheaper than torch.multinomial over a 50k vocabulary on a CPU. Non-finite
     probabilities raise RowError (a NanoGPTError) naming the rows: torch.multinomial on a GPU would end the
     process with a device-side assert instead."""
     if temperature == 0:
-        # max over the row, not argmax: the same first index of the largest logit, ~2.5x cheaper over a 50k row on
-        # a CPU (24 against 63 us); a NaN or +inf wins when there is one, so checking the winners checks them all
+        # max over the row, not argmax: the same first index of the largest logit, cheaper over a 50k row on a
+        # CPU; a NaN or +inf wins when there is one, so checking the winners checks them all
         picked, tokens = logits.max(dim=-1)  # (B,) each
         if not torch.isfinite(picked).all():
             raise RowError(NOT_FINITE, (~torch.isfinite(picked)).nonzero().view(-1).tolist())
@@ -372,8 +372,8 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generators: Sequence
     torch.sub(logits, logits.amax(dim=-1, keepdim=True), out=w[:, :V]).exp_()
     w[:, V:] = 0
     w = w.view(B, blocks, DRAW_BLOCK)
-    # a cumulative sum over a whole row is one long chain of additions (~1 ms for 16 rows of 50k on a CPU): sum the
-    # blocks instead (vectorised), find the draw's block in their cumulative sums, then run the chain in it only
+    # a cumulative sum over a whole row is one long chain of additions: sum the blocks instead (vectorised), find
+    # the draw's block in their cumulative sums, then run the chain in it only
     mass = w.sum(dim=-1).cumsum_(dim=-1)  # (B, blocks)
     total = mass[:, -1]  # NaN if any logit is NaN or +inf, or if every one is -inf
     finite = torch.isfinite(total) & (total > 0)
