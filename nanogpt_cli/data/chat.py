@@ -134,17 +134,8 @@ def prepare_chat(
     from ..tokenizer import build_tokenizer
     from .shards import token_dtype
 
-    src = Path(source)
-    if not src.is_file():
-        raise NanoGPTError(f"no chat file {source}; give a .jsonl file of conversations")
     template = ChatTemplate(Path(chat_template).read_text(encoding="utf-8") if chat_template else DEFAULT_TEMPLATE)
-    with open(src, encoding="utf-8") as f:
-        rows = read_chat_lines(f, strict=strict)
-    if len(rows.conversations) < 2:
-        raise NanoGPTError(
-            f"{source} has {len(rows.conversations)} usable conversations; at least 2 are needed "
-            "(one to train on, one to validate)"
-        )
+    rows = _read_conversations(source, strict)
     char = tokenizer == "char"
     texts = [template.render(m, add_generation_prompt=False) for m in rows.conversations] if char else None
     tok = build_tokenizer(tokenizer, texts=texts)
@@ -192,6 +183,22 @@ def prepare_chat(
     return ChatPrepareResult(
         final, len(rows.conversations), rows.bad, meta["train_tokens"], meta["val_tokens"], trained
     )
+
+
+def _read_conversations(source: str, strict: bool) -> ChatRows:
+    """The file's conversations (and its bad rows), at least two: one to train on, one to validate."""
+    from pathlib import Path
+
+    if not Path(source).is_file():
+        raise NanoGPTError(f"no chat file {source}; give a .jsonl file of conversations")
+    with open(source, encoding="utf-8") as f:
+        rows = read_chat_lines(f, strict=strict)
+    if len(rows.conversations) < 2:
+        raise NanoGPTError(
+            f"{source} has {len(rows.conversations)} usable conversations; at least 2 are needed "
+            "(one to train on, one to validate)"
+        )
+    return rows
 
 
 def _write_split(stage, split: str, convs, template, tok, dtype: str, shard_tokens: int) -> tuple[list, int, dict]:
