@@ -139,7 +139,7 @@ class Model:
         read to the end); for a list, an iterator of Piece(row, text, result). settings: SampleSettings' fields
         (max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty, seed, stop, ignore_eot,
         use_cache); row r of a batch samples with seed + r, so the first row is the single prompt's sample."""
-        chosen = sample_settings(settings)
+        chosen = _sample_settings(settings)
         if isinstance(prompt, str):
             if stream:
                 return Stream(self._pieces(prompt, chosen))
@@ -179,7 +179,7 @@ class Model:
         max_new_tokens = settings.pop("max_new_tokens", None)
         if max_new_tokens is not None and max_new_tokens < 1:
             raise NanoGPTError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        chosen = sample_settings(settings)
+        chosen = _sample_settings(settings)
         ids = self.template.tokens(messages, self.tokenizer)
         if len(ids) >= self.block_size:
             raise NanoGPTError(
@@ -211,7 +211,7 @@ class Model:
         when the context is full (what `nanogpt chat` runs). Settings as for generate()."""
         from nanogpt_cli.inference.chat import ChatSession
 
-        return ChatSession(self.loaded, self.template, sample_settings(settings), system, max_new_tokens)
+        return ChatSession(self.loaded, self.template, _sample_settings(settings), system, max_new_tokens)
 
     def score(
         self,
@@ -270,10 +270,11 @@ class Stream:
         self.result: Any = None  # SampleResult (generate) or ChatReply (chat)
 
     def __iter__(self) -> Iterator[str]:
-        self.result = yield from self._pieces
+        result = yield from self._pieces  # None when read a second time: the first reading's result stays
+        self.result = result if result is not None else self.result
 
 
-def sample_settings(settings: dict[str, Any]) -> SampleSettings:
+def _sample_settings(settings: dict[str, Any]) -> SampleSettings:
     """SampleSettings from keyword arguments; an unknown one is refused with the names there are. A single stop
     text may be given as a string."""
     from nanogpt_cli.inference.sample import SampleSettings
@@ -437,6 +438,8 @@ def plan_training(
     from nanogpt_cli.training import finetune
     from nanogpt_cli.training.plan import plan_run
 
+    if last and init_from is None:
+        raise NanoGPTError("last=True picks the last weights of init_from; give init_from or drop last")
     values, file_values = _config_values(config, model)
     values.update(flags)
     init = None if init_from is None else str(init_from)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import json
 import math
 import os
 import re
@@ -65,6 +66,7 @@ def test_the_python_docs_examples_run_as_written(tmp_path):
         assert bool(printed.strip()) == shown, f"this block printed {printed!r}, and the doc shows otherwise:\n{code}"
     assert (tmp_path / "checkpoints" / "shk" / "best.safetensors").is_file()
     assert (tmp_path / "exports" / "shk.gguf").is_file()
+    assert "lora" in api.load(tmp_path / "checkpoints" / "shk-lora", device="cpu").meta  # adapters on their base
     assert outputs[-1].strip().startswith("unknown sampling setting(s) temprature")
 
 
@@ -99,6 +101,7 @@ def test_the_same_seed_gives_the_same_text_and_the_stream_joins_to_it(model):
     stream = model.generate("ROMEO:", max_new_tokens=40, seed=5, stream=True)
     pieces = list(stream)
     assert len(pieces) > 1 and "".join(pieces) == one.text and stream.result.token_ids == one.token_ids
+    assert list(stream) == [] and stream.result.token_ids == one.token_ids  # read once; its result stays
     assert model.generate("ROMEO:", max_new_tokens=40, seed=5, stop="e").text == one.text.partition("e")[0]
 
 
@@ -270,6 +273,13 @@ def test_prepare_returns_what_it_wrote(tmp_path, sample_text):
     assert (result.path / "meta.json").is_file()
     with pytest.raises(NanoGPTError, match="unknown option\\(s\\) val_frac; these exist: tokenizer"):
         api.prepare(tmp_path / "play.txt", "x", data_dir=tmp_path / "data", val_frac=0.2)
+    chats = tmp_path / "chats.jsonl"
+    turns = [{"role": "user", "content": "count to three"}, {"role": "assistant", "content": "one two three"}]
+    chats.write_text("\n".join(json.dumps({"messages": turns}) for _ in range(10)) + "\n", encoding="utf-8")
+    chat = api.prepare(chats, "chats", tokenizer="byte", data_dir=tmp_path / "data", format="chat", strict=True)
+    assert chat.conversations == 10 and chat.bad == [] and 0 < chat.trained_tokens < chat.train_tokens + chat.val_tokens
+    with pytest.raises(NanoGPTError, match="unknown option\\(s\\) max_docs; these exist: tokenizer, data_dir"):
+        api.prepare(chats, "chats", data_dir=tmp_path / "data", format="chat", max_docs=3)
     with pytest.raises(NanoGPTError, match="unknown format 'csv'"):
         api.prepare(tmp_path / "play.txt", "x", data_dir=tmp_path / "data", format="csv")
 
@@ -283,6 +293,8 @@ def test_bad_input_is_one_sentence(model):
         model.generate([1, 2])
     with pytest.raises(NanoGPTError, match="message 0 must be"):
         model.chat([{"role": "user"}])
+    with pytest.raises(NanoGPTError, match="last=True picks the last weights of init_from"):
+        api.plan_training("tiny", last=True)
     with pytest.raises(NanoGPTError, match="ignore_eot is for generate"):
         model.chat([{"role": "user", "content": "hi"}], ignore_eot=True)
 
