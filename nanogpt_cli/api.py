@@ -436,26 +436,32 @@ def plan_training(
     init_from: start from these weights (last: its last), as `train --init-from`; lora: train LoRA adapters
     on frozen init_from weights (True: the default adapters), as `finetune --lora`."""
     from nanogpt_cli.training import finetune
-    from nanogpt_cli.training.plan import plan_run
+    from nanogpt_cli.training.job import TrainRequest, plan_train
 
     if last and init_from is None:
         raise NanoGPTError("last=True picks the last weights of init_from; give init_from or drop last")
     values, file_values = _config_values(config, model)
     values.update(flags)
     init = None if init_from is None else str(init_from)
-    if lora is True:
+    if lora:
         from nanogpt_cli.lora import LoRAConfig
 
-        lora = LoRAConfig()
-    if lora or (resume and out is not None and finetune.is_finetune_run(out)):
+        cfg = LoRAConfig() if lora is True else lora
         job = finetune.plan_finetune(
-            values, file_values, out=out, resume=resume, force=force, init_from=init, init_last=last, lora=lora or None
+            values, file_values, out=out, resume=resume, force=force, init_from=init, init_last=last, lora=cfg
         )
         return Training(job.plan, job.trainable)
-    plan = plan_run(values, file_values, out=out, resume=resume, force=force, init_from=init, init_last=last)
-    if init is not None and plan.dataset.get("masks"):  # a full fine-tune on chats, as `train --init-from` records it
-        finetune.record_full_finetune(plan, init)
-    return Training(plan)
+    request = TrainRequest(
+        flags=values,
+        file_values=file_values,
+        out=None if out is None else Path(out),
+        resume=resume,
+        force=force,
+        init_from=init,
+        init_last=last,
+    )
+    job = plan_train(request)  # a fine-tuning run resumes on its base; a chat dataset records a full fine-tune
+    return Training(job.plan, job.trainable)
 
 
 def train(

@@ -79,6 +79,7 @@ def train(
 
     Example: nanogpt train --data shakespeare-char --preset cpu-char --out checkpoints/shk
     """
+    from nanogpt_cli.config import load_toml
     from nanogpt_cli.device import set_threads
     from nanogpt_cli.training.job import TrainRequest, plan_train
     from nanogpt_cli.training.trackers import open_tracker
@@ -90,7 +91,7 @@ def train(
     sink = open_tracker(tracker) if tracker and prints() and nproc is None else None  # refused first, too
     request = TrainRequest(
         flags=dict(given, **({"preset": preset} if preset is not None else {})),
-        config=config,
+        file_values=load_toml(config) if config else {},
         out=out,
         resume=resume,
         force=force,

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanogpt_cli.config import load_toml
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.training.launch import Launch
 from nanogpt_cli.training.plan import RunPlan, plan_run
@@ -23,7 +22,7 @@ class TrainRequest:
     """One `train` invocation's choices, as given (nothing filled in yet)."""
 
     flags: dict[str, Any] = field(default_factory=dict)  # config fields given (the preset too), by field name
-    config: Path | None = None  # a TOML file of config keys; flags override it
+    file_values: dict[str, Any] = field(default_factory=dict)  # a config file's keys; flags override them
     out: Path | None = None  # the run folder (None: checkpoints/DATA-TIMESTAMP)
     resume: bool = False  # continue the run in out
     force: bool = False  # start over in an out that holds a run
@@ -54,18 +53,17 @@ def plan_train(request: TrainRequest) -> TrainJob:
     launch = Launch(r.nproc, r.nnodes, r.rdzv_endpoint) if r.nproc is not None else None
     if launch is not None and os.environ.get("WORLD_SIZE"):
         raise NanoGPTError("--nproc launches the processes itself; under torchrun drop it")
-    file_values = load_toml(r.config) if r.config else {}
     if r.resume and r.out is not None and is_finetune_run(r.out):
         if launch is not None:
             raise NanoGPTError(
                 f"{r.out} is a LoRA run, which --nproc does not launch; resume it in one process, or with "
                 "torchrun --nproc-per-node N -m nanogpt_cli finetune --out RUN --resume"
             )
-        job = plan_finetune(r.flags, file_values, out=r.out, resume=True, force=r.force)
+        job = plan_finetune(r.flags, r.file_values, out=r.out, resume=True, force=r.force)
         return TrainJob(job.plan, job.trainable)
     plan = plan_run(
         r.flags,
-        file_values,
+        r.file_values,
         out=r.out,
         resume=r.resume,
         force=r.force,
