@@ -188,9 +188,8 @@ class GPTConfig:
     # modded-nanogpt / nanochat block options; off by default, so older checkpoints load unchanged
     # with a gain per head dimension, before RoPE
     qk_norm: bool = setting(False, "RMSNorm on queries and keys.", Resume.FIXED)
-    logit_softcap: float | None = setting(
-        None, "Soft-cap the logits at C with tanh.", Resume.FIXED
-    )  # in fp32 (Gemma 2)
+    # in fp32 (Gemma 2)
+    logit_softcap: float | None = setting(None, "Soft-cap the logits at C with tanh.", Resume.FIXED)
     # each residual branch's; init only
     zero_init_proj: bool = setting(False, "Start output projections at zero.", Resume.FIXED)
 
