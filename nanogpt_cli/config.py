@@ -14,6 +14,7 @@ import math
 import sys
 import types as types_module
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -83,19 +84,78 @@ class Parallel(Choice):
 MAIN = ""  # the panel of the command's own options, for config fields shown among them
 
 
-def setting(default: Any, help: str, panel: str | None = None, default_shown: bool = True) -> Any:
-    """A config field with its CLI option's help text (and panel: the class's PANEL unless given) declared
-    beside it; `nanogpt train` generates its options from these (cli.config_options). default_shown=False: the
-    help does not show the default (it says what applies instead)."""
-    metadata: dict[str, Any] = {"help": help, "default_shown": default_shown}
-    if panel is not None:
-        metadata["panel"] = panel
+class Resume(enum.Enum):
+    """How `--resume` treats a config field that the resumed command gives (again): training/plan.py applies
+    each field's rule. The command that started a run may be given again, preset included."""
+
+    # the run's own (its architecture, dataset, optimizer): a value equal to the saved one is accepted, another
+    # refused, naming both: every GPTConfig field is one, refused together in one sentence; a TrainConfig field
+    # declares its own `refusal`
+    FIXED = "fixed"
+    # applies from the resumed step on, announced ("--learning-rate 0.001 -> 0.0003 from step 723") and kept
+    # in the run's history
+    CHANGES = "changes"
+    # as CHANGES where the run was trained with a value; where it was not (the default, None), the run has no
+    # place for one: a preset's value is set aside with the field's `aside` note, a given one refused (`refusal`)
+    CHANGES_IF_SET = "changes if set"
+    # where this machine keeps the run's inputs: the value given now, else the saved one; not announced
+    LOCAL = "local"
+    # this invocation's only (when it stops): the value given now, else the default; not announced
+    INVOCATION = "invocation"
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a training value needs of the model to take effect, declared on its field (--embedding-lr: an
+    untied embedding). Where `holds(model)` is false, the plan sets a preset's value aside (back to the default)
+    with the `aside` note and refuses a given one; the optimizer gives it no effect (in_use). The sentences are
+    formats of {given}, {preset} and {source}, the run or weights whose model it is."""
+
+    holds: Callable[[GPTConfig], bool]
+    refused: str  # a given value, for the model of {source}
+    refused_new: str  # a given value, for a new model (its own flags can change it)
+    aside: str  # a preset's value, set aside
+
+    def refuse(self, given: Any, source: str | None) -> NanoGPTError:
+        """The refusal of a given value; source None: a new model."""
+        if source is None:
+            return NanoGPTError(self.refused_new.format(given=show_value(given)))
+        return NanoGPTError(self.refused.format(given=show_value(given), source=source))
+
+
+def setting(
+    default: Any,
+    help: str,
+    resume: Resume,
+    panel: str | None = None,
+    default_shown: bool = True,
+    needs: Needs | None = None,
+    refusal: str | None = None,
+    aside: str | None = None,
+) -> Any:
+    """A config field with its CLI option's help text (and panel: the class's PANEL unless given) and its rule
+    on resume (refusal and aside: that rule's sentences, see Resume; formats of {given}, {saved}, {preset} and
+    {run_dir}) declared beside it; `nanogpt train` generates its options from these (cli.config_options).
+    default_shown=False: the help does not show the default (it says what applies instead). needs: what the
+    model must have for the value to take effect."""
+    metadata: dict[str, Any] = {"help": help, "default_shown": default_shown, "resume": resume}
+    for key, value in (("panel", panel), ("needs", needs), ("refusal", refusal), ("aside", aside)):
+        if value is not None:
+            metadata[key] = value
     return dataclasses.field(default=default, metadata=metadata)
 
 
 def field_help(cls: type, name: str) -> str:
     """A config field's help text, for a command that offers the same option outside the config."""
     return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
+
+
+def in_use(train: TrainConfig, name: str, model: GPTConfig) -> bool:
+    """Whether a training value takes effect on this model: it is set (not its default), and what its field
+    needs of the model (Needs) holds."""
+    f = next(f for f in dataclasses.fields(TrainConfig) if f.name == name)
+    needs = f.metadata.get("needs")
+    return getattr(train, name) != f.default and (needs is None or needs.holds(model))
 
 
 @dataclass
@@ -105,27 +165,33 @@ class GPTConfig:
     PANEL: ClassVar[str] = "Model"
 
     # the dataset's meta.json sets it for training
-    vocab_size: int = setting(50304, "Vocabulary (default: the dataset's; larger pads it).", default_shown=False)
-    block_size: int = setting(256, "Context length.")
-    n_layer: int = setting(6, "Transformer blocks.")
-    n_head: int = setting(6, "Attention heads.")
-    n_embd: int = setting(384, "Residual width.")
-    dropout: float = setting(0.0, "Dropout rate.")  # on attention weights, residual branches and embeddings
-    bias: bool = setting(False, "Biases in linear and norm layers.")  # GPT-2 has them
-    pos_encoding: PosEncoding = setting(PosEncoding.rope, "Position encoding.")
-    rope_theta: float = setting(10000.0, "RoPE base.")
-    norm: Norm = setting(Norm.layernorm, "Norm layers.")
-    norm_eps: float = setting(1e-5, "Norm epsilon.")
+    vocab_size: int = setting(
+        50304, "Vocabulary (default: the dataset's; larger pads it).", Resume.FIXED, default_shown=False
+    )
+    block_size: int = setting(256, "Context length.", Resume.FIXED)
+    n_layer: int = setting(6, "Transformer blocks.", Resume.FIXED)
+    n_head: int = setting(6, "Attention heads.", Resume.FIXED)
+    n_embd: int = setting(384, "Residual width.", Resume.FIXED)
+    # on attention weights, residual branches and embeddings
+    dropout: float = setting(0.0, "Dropout rate.", Resume.FIXED)
+    bias: bool = setting(False, "Biases in linear and norm layers.", Resume.FIXED)  # GPT-2 has them
+    pos_encoding: PosEncoding = setting(PosEncoding.rope, "Position encoding.", Resume.FIXED)
+    rope_theta: float = setting(10000.0, "RoPE base.", Resume.FIXED)
+    norm: Norm = setting(Norm.layernorm, "Norm layers.", Resume.FIXED)
+    norm_eps: float = setting(1e-5, "Norm epsilon.", Resume.FIXED)
     # gelu_tanh is GPT-2's approximation of GELU and the one llama.cpp computes, so the default exports to GGUF;
     # gelu is exact (erf). Checkpoints store the value, so older ones keep theirs
-    mlp: MLP = setting(MLP.gelu_tanh, "MLP activation; relu2 is squared ReLU.")
+    mlp: MLP = setting(MLP.gelu_tanh, "MLP activation; relu2 is squared ReLU.", Resume.FIXED)
     # None: 4*n_embd (gelu) or ~8/3*n_embd rounded to 64 (swiglu)
-    mlp_hidden: int | None = setting(None, "MLP hidden width.")
-    tie_embeddings: bool = setting(True, "Share the embedding with the LM head.")
+    mlp_hidden: int | None = setting(None, "MLP hidden width.", Resume.FIXED)
+    tie_embeddings: bool = setting(True, "Share the embedding with the LM head.", Resume.FIXED)
     # modded-nanogpt / nanochat block options; off by default, so older checkpoints load unchanged
-    qk_norm: bool = setting(False, "RMSNorm on queries and keys.")  # with a gain per head dimension, before RoPE
-    logit_softcap: float | None = setting(None, "Soft-cap the logits at C with tanh.")  # in fp32 (Gemma 2)
-    zero_init_proj: bool = setting(False, "Start output projections at zero.")  # each residual branch's; init only
+    # with a gain per head dimension, before RoPE
+    qk_norm: bool = setting(False, "RMSNorm on queries and keys.", Resume.FIXED)
+    # in fp32 (Gemma 2)
+    logit_softcap: float | None = setting(None, "Soft-cap the logits at C with tanh.", Resume.FIXED)
+    # each residual branch's; init only
+    zero_init_proj: bool = setting(False, "Start output projections at zero.", Resume.FIXED)
 
     def __post_init__(self):
         check_values(self)
@@ -182,57 +248,101 @@ class GPTConfig:
         return cls.from_dict(json.loads(s))
 
 
+# --embedding-lr's need: an embedding of its own; one tied to the LM head is the head too, and trains at
+# --learning-rate
+UNTIED_EMBEDDING = Needs(
+    holds=lambda model: not model.tie_embeddings,
+    refused="--embedding-lr {given} is for an untied token embedding, and {source} ties it to the LM head; "
+    "drop --embedding-lr",
+    refused_new="--embedding-lr {given} is for an untied token embedding, and this model ties it to the LM head; "
+    "add --no-tie-embeddings, or drop --embedding-lr",
+    aside="--preset {preset}'s --embedding-lr {given} is for an untied embedding; this model's is tied to the LM "
+    "head, so it trains at --learning-rate",
+)
+
+
 @dataclass
 class TrainConfig:
     """How to train. Field names follow nanoGPT's train.py; one iteration is one optimizer update."""
 
     PANEL: ClassVar[str] = "Training"
 
-    data: str = setting("", "Dataset name under --data-dir (made by nanogpt prepare).", panel=MAIN)
-    data_dir: str = setting("data", "Folder of prepared datasets.", panel=MAIN)
-    batch_size: int = setting(12, "Sequences per micro-batch.")
-    gradient_accumulation_steps: int = setting(1, "Micro-batches per update.")
-    max_iters: int = setting(2000, "Optimizer updates in the run.")
-    learning_rate: float = setting(1e-3, "Peak learning rate.")
-    min_lr: float = setting(1e-4, "Final learning rate.")  # at the end of the decay
-    lr_schedule: LRSchedule = setting(LRSchedule.cosine, "Learning rate schedule; wsd is warmup-stable-decay.")
-    wsd_decay_frac: float = setting(0.2, "wsd: share of the decay iters spent decaying.")
-    warmup_iters: int = setting(100, "Linear warmup updates.")
-    lr_decay_iters: int | None = setting(None, "Updates until --min-lr (default --max-iters).")
-    weight_decay: float = setting(0.1, "AdamW weight decay on matrices.")  # not on biases, norms
-    beta1: float = setting(0.9, "AdamW beta1.")
-    beta2: float = setting(0.99, "AdamW beta2.")  # 0.95 for large models
-    grad_clip: float = setting(1.0, "Clip the gradient norm (0: off).")
-    optimizer: OptimizerName = setting(OptimizerName.adamw, "muon: Muon on the block matrices, AdamW on the rest.")
-    # the schedule scales it like --learning-rate; an embedding tied to the LM head trains at --learning-rate
-    embedding_lr: float | None = setting(None, "AdamW's peak learning rate for an untied token embedding.")
-    muon_lr: float = setting(0.02, "Muon's peak learning rate.")  # the schedule scales it like --learning-rate
-    muon_momentum: float = setting(0.95, "Muon's momentum.")  # Nesterov
-    muon_momentum_warmup: int = setting(0, "Updates to raise Muon's momentum from 0.85.")
-    # each step is three small matmuls per matrix: on a CPU, 5 steps are ~10 % of a 4 x 128 model's update
-    muon_ns_steps: int = setting(5, "Muon's Newton-Schulz steps.")
-    eval_interval: int = setting(250, "Evaluate and checkpoint every N updates.")  # and at the end
-    eval_iters: int = setting(20, "Batches per split in an evaluation.")
-    # a speedrun under a short --max-time skips it: it costs about ten updates and trains nothing
-    eval_first: bool = setting(True, "Evaluate before the first update (the loss at init).")
-    log_interval: int = setting(10, "Progress every N updates.")
-    # seeds the init, the batches, dropout and the evaluation batches
-    seed: int = setting(1337, "Random seed.")
-    device: str = setting("auto", "auto, cpu, cuda, cuda:N or mps.")
-    dtype: Dtype = setting(Dtype.auto, "Training precision (auto: from the device).")
-    compile: bool = setting(False, "torch.compile the model.")
-    # a background save holds a host copy of the weights and optimizer state while it writes
-    sync_save: bool = setting(False, "Write checkpoints on the training thread (no copy of the state in memory).")
-    # the schedule still follows max_iters
-    stop_at: int | None = setting(None, "Stop after update K as if interrupted.")
-    # evaluations included (the last one's length is kept free for the final one); the schedule runs on the share
-    # of the time spent or of lr_decay_iters done, whichever is further
-    max_time: float | None = setting(
-        None, "End after this many seconds of training; the LR schedule then follows the time spent."
+    data: str = setting(
+        "",
+        "Dataset name under --data-dir (made by nanogpt prepare).",
+        Resume.FIXED,
+        panel=MAIN,
+        refusal="--data {given} is a different dataset from the one {run_dir} trains on ({saved!r}); resume without "
+        "--data, or train on it in a new run: nanogpt train --init-from {run_dir} --data {given} --out NEW_FOLDER",
     )
-    parallel: Parallel = setting(Parallel.ddp, "Under torchrun: ddp (weights on every GPU) or fsdp (sharded).")
+    data_dir: str = setting("data", "Folder of prepared datasets.", Resume.LOCAL, panel=MAIN)
+    batch_size: int = setting(12, "Sequences per micro-batch.", Resume.CHANGES)
+    gradient_accumulation_steps: int = setting(1, "Micro-batches per update.", Resume.CHANGES)
+    max_iters: int = setting(2000, "Optimizer updates in the run.", Resume.CHANGES)
+    learning_rate: float = setting(1e-3, "Peak learning rate.", Resume.CHANGES)
+    min_lr: float = setting(1e-4, "Final learning rate.", Resume.CHANGES)  # at the end of the decay
+    lr_schedule: LRSchedule = setting(
+        LRSchedule.cosine, "Learning rate schedule; wsd is warmup-stable-decay.", Resume.CHANGES
+    )
+    wsd_decay_frac: float = setting(0.2, "wsd: share of the decay iters spent decaying.", Resume.CHANGES)
+    warmup_iters: int = setting(100, "Linear warmup updates.", Resume.CHANGES)
+    lr_decay_iters: int | None = setting(None, "Updates until --min-lr (default --max-iters).", Resume.CHANGES)
+    weight_decay: float = setting(0.1, "AdamW weight decay on matrices.", Resume.CHANGES)  # not on biases, norms
+    beta1: float = setting(0.9, "AdamW beta1.", Resume.CHANGES)
+    beta2: float = setting(0.99, "AdamW beta2.", Resume.CHANGES)  # 0.95 for large models
+    grad_clip: float = setting(1.0, "Clip the gradient norm (0: off).", Resume.CHANGES)
+    # its state is the run's: another optimizer starts a new run from the weights
+    optimizer: OptimizerName = setting(
+        OptimizerName.adamw,
+        "muon: Muon on the block matrices, AdamW on the rest.",
+        Resume.FIXED,
+        refusal="--resume continues the run's --optimizer {saved}; it cannot change to {given} (start a new run "
+        "with --init-from instead)",
+    )
+    # the schedule scales it like --learning-rate. A run trained without one has no optimizer group for the
+    # embedding to take a rate of its own
+    embedding_lr: float | None = setting(
+        None,
+        "AdamW's peak learning rate for an untied token embedding.",
+        Resume.CHANGES_IF_SET,
+        needs=UNTIED_EMBEDDING,
+        refusal="--embedding-lr {given} would give the embedding an optimizer group of its own, which {run_dir} was "
+        "not trained with; resume without it, or start a new run from these weights with --init-from {run_dir}",
+        aside="--preset {preset}'s --embedding-lr {given} is set aside: {run_dir} trains its embedding at "
+        "--learning-rate",
+    )
+    # the schedule scales it like --learning-rate
+    muon_lr: float = setting(0.02, "Muon's peak learning rate.", Resume.CHANGES)
+    muon_momentum: float = setting(0.95, "Muon's momentum.", Resume.CHANGES)  # Nesterov
+    muon_momentum_warmup: int = setting(0, "Updates to raise Muon's momentum from 0.85.", Resume.CHANGES)
+    # each step is three small matmuls per matrix: on a CPU, 5 steps are ~10 % of a 4 x 128 model's update
+    muon_ns_steps: int = setting(5, "Muon's Newton-Schulz steps.", Resume.CHANGES)
+    eval_interval: int = setting(250, "Evaluate and checkpoint every N updates.", Resume.CHANGES)  # and at the end
+    eval_iters: int = setting(20, "Batches per split in an evaluation.", Resume.CHANGES)
+    # a speedrun under a short --max-time skips it: it costs about ten updates and trains nothing
+    eval_first: bool = setting(True, "Evaluate before the first update (the loss at init).", Resume.CHANGES)
+    log_interval: int = setting(10, "Progress every N updates.", Resume.CHANGES)
+    # seeds the init, the batches, dropout and the evaluation batches
+    seed: int = setting(1337, "Random seed.", Resume.CHANGES)
+    device: str = setting("auto", "auto, cpu, cuda, cuda:N or mps.", Resume.CHANGES)
+    dtype: Dtype = setting(Dtype.auto, "Training precision (auto: from the device).", Resume.CHANGES)
+    compile: bool = setting(False, "torch.compile the model.", Resume.CHANGES)
+    # a background save holds a host copy of the weights and optimizer state while it writes
+    sync_save: bool = setting(
+        False, "Write checkpoints on the training thread (no copy of the state in memory).", Resume.CHANGES
+    )
+    # the schedule still follows max_iters
+    stop_at: int | None = setting(None, "Stop after update K as if interrupted.", Resume.INVOCATION)
+    # evaluations included (the last one's length is kept free for the final one); the schedule runs on the share
+    # of the time spent or of lr_decay_iters done, whichever is further. A resume that raises it trains on
+    max_time: float | None = setting(
+        None, "End after this many seconds of training; the LR schedule then follows the time spent.", Resume.CHANGES
+    )
+    parallel: Parallel = setting(
+        Parallel.ddp, "Under torchrun: ddp (weights on every GPU) or fsdp (sharded).", Resume.CHANGES
+    )
     # a chat dataset's loss mask: off trains on the prompts too (the comparison the mask is measured against)
-    loss_mask: bool = setting(True, "On a chat dataset, train on the assistant's tokens only.")
+    loss_mask: bool = setting(True, "On a chat dataset, train on the assistant's tokens only.", Resume.CHANGES)
 
     def __post_init__(self):
         check_values(self)

@@ -75,3 +75,37 @@ def test_the_example_run_toml_is_valid():
     preset, _ = values.pop("preset"), values.pop("out")
     model, train = build_configs({**preset_values(preset), **values})
     assert (model.n_layer, train.data, train.max_iters) == (4, "shakespeare-char", 2000)
+
+
+def test_every_config_field_declares_how_a_resume_treats_it():
+    import dataclasses
+
+    from nanogpt_cli.config import Needs, Resume, TrainConfig
+
+    for cls in (GPTConfig, TrainConfig):
+        for f in dataclasses.fields(cls):
+            rule = f.metadata.get("resume")
+            assert isinstance(rule, Resume), f"{cls.__name__}.{f.name} declares no resume rule"
+            if cls is GPTConfig:  # the architecture: plan.py refuses a change to any of them in one sentence
+                assert rule is Resume.FIXED, f.name
+            elif rule is Resume.FIXED:  # a training field's refusal is its own sentence
+                assert "{given}" in f.metadata["refusal"] and "{saved" in f.metadata["refusal"], f.name
+            elif rule is Resume.CHANGES_IF_SET:  # where the run was trained without one: refused, or set aside
+                assert f.default is None and "{given}" in f.metadata["refusal"], f.name
+                assert "{preset}" in f.metadata["aside"], f.name
+            needs = f.metadata.get("needs")
+            assert needs is None or (isinstance(needs, Needs) and cls is TrainConfig), f.name
+    rules = {f.name: f.metadata["resume"] for f in dataclasses.fields(TrainConfig)}
+    assert rules["learning_rate"] is Resume.CHANGES and rules["embedding_lr"] is Resume.CHANGES_IF_SET
+    assert (rules["data"], rules["optimizer"]) == (Resume.FIXED, Resume.FIXED)
+    assert (rules["data_dir"], rules["stop_at"]) == (Resume.LOCAL, Resume.INVOCATION)
+
+
+def test_a_fields_needs_decide_whether_its_value_takes_effect():
+    from nanogpt_cli.config import TrainConfig, in_use
+
+    untied, tied = GPTConfig(tie_embeddings=False), GPTConfig()
+    assert in_use(TrainConfig(embedding_lr=0.05), "embedding_lr", untied)
+    assert not in_use(TrainConfig(embedding_lr=0.05), "embedding_lr", tied)  # the head's rate: --learning-rate
+    assert not in_use(TrainConfig(), "embedding_lr", untied)  # not set
+    assert in_use(TrainConfig(max_time=5.0), "max_time", tied)  # no needs declared

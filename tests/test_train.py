@@ -1,5 +1,6 @@
 """Training: the LR schedule, loss going down, checkpoints, exact resume, signals, accumulation, configs."""
 
+import dataclasses
 import json
 import math
 import signal
@@ -703,6 +704,45 @@ def test_a_resume_that_changes_a_training_value_announces_and_records_it(char_da
     code, output = run_cli(*[a if a != name else "other" for a in start], "--resume")
     assert code == 1 and "--data other is a different dataset from the one" in output and "'play'" in output
     assert "another tokenizer" not in output
+
+
+def test_resume_applies_each_fields_declared_rule(char_data, tmp_path):
+    import shutil
+
+    from nanogpt_cli.config import Resume
+
+    data_dir, name = char_data
+    rules = {f.name: f.metadata["resume"] for f in dataclasses.fields(TrainConfig)}
+    run = tmp_path / "run"
+    train(tiny_plan(data_dir, name, run, max_iters=4, eval_interval=2, stop_at=2, tie_embeddings=False))
+    # fixed: repeated, accepted; changed, refused naming the saved and the given value
+    assert rules["optimizer"] is Resume.FIXED
+    assert resumed(run, n_layer=2, optimizer="adamw").changes == []
+    with pytest.raises(NanoGPTError, match=r"--n-layer \(saved 2, given 3\)"):
+        resumed(run, n_layer=3)
+    with pytest.raises(NanoGPTError, match="--optimizer adamw; it cannot change to muon"):
+        resumed(run, optimizer="muon")
+    # changes: from the resumed step, announced
+    assert rules["learning_rate"] is Resume.CHANGES
+    plan = resumed(run, learning_rate=1e-3)
+    assert [str(c) for c in plan.changes] == ["--learning-rate 0.003 -> 0.001 from step 2"]
+    assert plan.train.learning_rate == 1e-3
+    # changes where the run was trained with a value: this one was not
+    assert rules["embedding_lr"] is Resume.CHANGES_IF_SET
+    with pytest.raises(NanoGPTError, match=f"its own, which {run} was not trained with"):
+        resumed(run, embedding_lr=0.01)
+    # local: the given value, else the saved one, not announced
+    assert rules["data_dir"] is Resume.LOCAL
+    moved = tmp_path / "moved"
+    shutil.copytree(data_dir / name, moved / name)
+    plan = resumed(run, data_dir=str(moved))
+    assert plan.train.data_dir == str(moved) and plan.changes == []
+    assert resumed(run).train.data_dir == str(data_dir)
+    # this invocation's: the given value, else the default (the saved --stop-at 2 is not kept)
+    assert rules["stop_at"] is Resume.INVOCATION
+    plan = resumed(run, stop_at=3)
+    assert plan.train.stop_at == 3 and plan.changes == []
+    assert resumed(run).train.stop_at is None
 
 
 def test_a_preset_accumulation_adapts_to_the_processes_and_a_given_one_must_divide(char_data, tmp_path):

@@ -18,13 +18,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanogpt_cli.config import OptimizerName, flag, show_value
+from nanogpt_cli.config import OptimizerName, flag, parse_value, show_value
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop import hf
 from nanogpt_cli.lora import LoRAConfig, add_lora, weights_hash
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.rundir import resolve_weights
 from nanogpt_cli.training.plan import RunPlan, plan_run
+
+# what LoRA trains its adapters with, whatever a preset says, and the refusal of another given value: AdamW at
+# --learning-rate, and a frozen token embedding, which no --embedding-lr reaches
+LORA_TRAINS_WITH: dict[str, tuple[Any, str]] = {
+    "optimizer": (OptimizerName.adamw, "LoRA trains its adapters with --optimizer adamw; drop --optimizer muon"),
+    "embedding_lr": (None, "LoRA keeps the token embedding frozen, so --embedding-lr has nothing to train; drop it"),
+}
 
 
 @dataclass
@@ -83,13 +90,14 @@ def plan_finetune(
             "Hugging Face folder or hf:NAME)"
         )
     values = {**(file_values or {}), **flags}
-    if lora is not None and values.get("optimizer", "adamw") != "adamw":
-        raise NanoGPTError("LoRA trains its adapters with --optimizer adamw; drop --optimizer muon")
+    for name, (value, refusal) in LORA_TRAINS_WITH.items():
+        if lora is not None and name in values and parse_value(name, values[name]) != value:
+            raise NanoGPTError(refusal)
     plan = plan_run(flags, file_values, out=out, resume=resume, force=force, init_from=init_from, init_last=init_last)
     if resume:
         return _resume(plan, lora, lora_flags)
     if lora is not None:
-        _lora_optimizer(plan, values)
+        _lora_values(plan)
     record: dict[str, Any] = {"init_from": init_from, "method": "lora" if lora else "full"}
     if lora is None:
         plan.finetune = record
@@ -102,12 +110,10 @@ def plan_finetune(
     return FinetunePlan(plan, lora, LoRAStart(lora, record, expect_hash=None))
 
 
-def _lora_optimizer(plan: RunPlan, given: dict[str, Any]) -> None:
-    """LoRA trains its adapters with AdamW and keeps the embedding frozen: a preset's --optimizer muon and
-    --embedding-lr are set aside, with a note (given, the first is refused above and the second here)."""
-    if plan.train.embedding_lr is not None and "embedding_lr" in given:
-        raise NanoGPTError("LoRA keeps the token embedding frozen, so --embedding-lr has nothing to train; drop it")
-    aside = {"optimizer": OptimizerName.adamw, "embedding_lr": None}
+def _lora_values(plan: RunPlan) -> None:
+    """A preset's values that LoRA does not train with (LORA_TRAINS_WITH; given ones were refused before
+    planning) set aside, with a note."""
+    aside = {k: value for k, (value, _) in LORA_TRAINS_WITH.items()}
     said = [
         f"--{flag(k)} {show_value(getattr(plan.train, k))}" for k, v in aside.items() if getattr(plan.train, k) != v
     ]

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from nanogpt_cli.config import TrainConfig
+from nanogpt_cli.config import TrainConfig, in_use
 from nanogpt_cli.device import cpu_has_bf16
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
@@ -142,7 +142,7 @@ def adamw_groups(model: GPT, params: list[torch.Tensor], cfg: TrainConfig) -> li
     gains; with --embedding-lr, an untied token embedding in a third group at that peak (its `lr_scale` against
     --learning-rate, which set_lr applies)."""
     wte = model.transformer.wte.weight
-    own = cfg.embedding_lr is not None and not model.config.tie_embeddings and any(p is wte for p in params)
+    own = in_use(cfg, "embedding_lr", model.config) and any(p is wte for p in params)  # its Needs: untied
     groups = [
         {"params": [p for p in params if p.dim() >= 2 and not (own and p is wte)], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},

@@ -15,6 +15,7 @@ from typing import Any
 from nanogpt_cli.config import (
     Dtype,
     GPTConfig,
+    Resume,
     TrainConfig,
     build_configs,
     flag,
@@ -93,12 +94,11 @@ def plan_run(
     world_size: int | None = None,
 ) -> RunPlan:
     """The effective configs of a run. Fresh: preset < config file < flags, with the vocabulary from the dataset.
-    Resume: the saved run's configs; the same preset, file and flags may be given again (values equal to the
-    saved architecture are accepted, differing ones refused), and training fields they give apply.
-    --init-from: the checkpoint's architecture (dropout may change; best weights unless init_last), training
-    fields as for a fresh run. `preset` and `out` may come from the flags or the config file (flags win).
-    world_size: the processes it trains in (default: torchrun's WORLD_SIZE, or 1); a preset's (or the default)
-    --gradient-accumulation-steps is raised to a multiple of it, said in a note."""
+    Resume: the saved run's configs; the same preset, file and flags may be given again, and each field's
+    Resume rule (config.py) says what they may change. --init-from: the checkpoint's architecture (dropout may
+    change; best weights unless init_last), training fields as for a fresh run. `preset` and `out` may come from
+    the flags or the config file (flags win). world_size: the processes it trains in (default: torchrun's
+    WORLD_SIZE, or 1); a preset's (or the default) --gradient-accumulation-steps is raised to a multiple of it."""
     world_size = launched_size() if world_size is None else world_size
     values = {**(file_values or {}), **flags}
     preset = values.pop("preset", None)
@@ -113,23 +113,31 @@ def plan_run(
         if init_from is not None:
             raise NanoGPTError("--resume continues a run with its own weights; drop --init-from")
         return _plan_resume(run_dir, preset, values, world_size)
-    explicit_model, _ = split_values(values)
-    given = set(values)
-    accumulation_given = "gradient_accumulation_steps" in values
-    values = {**(preset_values(preset) if preset else {}), **values}
-    model_values, train_values = split_values(values)
+    return _plan_fresh(run_dir, preset, values, world_size, force, init_from, init_last)
+
+
+def _plan_fresh(
+    run_dir: RunDir,
+    preset: str | None,
+    given: dict[str, Any],
+    world_size: int,
+    force: bool,
+    init_from: str | None,
+    init_last: bool,
+) -> RunPlan:
+    """A new run (from scratch or from --init-from's weights): `given` holds the config file's and the flags'
+    values, which win over the preset's."""
+    explicit_model, _ = split_values(given)
+    model_values, train_values = split_values({**values_from(preset), **given})
     notes: list[str] = []
-    if not accumulation_given and world_size > 1:
-        n_micro = train_values.get("gradient_accumulation_steps", TrainConfig.gradient_accumulation_steps)
-        adapted = _adapted_accumulation(n_micro, world_size)
-        if adapted != n_micro:
-            train_values["gradient_accumulation_steps"] = adapted
-            where = f"--preset {preset}'s" if "gradient_accumulation_steps" in values_from(preset) else "the default"
-            notes.append(
-                f"--gradient-accumulation-steps {adapted} instead of {where} {n_micro}: a multiple of the "
-                f"{world_size} processes ({adapted // world_size} micro-batch{'es' if adapted > world_size else ''} "
-                "each per update)"
-            )
+    adapted = _adapt_accumulation(train_values, given, world_size, TrainConfig.gradient_accumulation_steps)
+    if adapted:
+        n_micro, n = adapted
+        where = f"--preset {preset}'s" if "gradient_accumulation_steps" in values_from(preset) else "the default"
+        notes.append(
+            f"--gradient-accumulation-steps {n} instead of {where} {n_micro}: a multiple of the "
+            f"{world_size} processes ({n // world_size} micro-batch{'es' if n > world_size else ''} each per update)"
+        )
     _, train_cfg = build_configs(train_values)
     if not train_cfg.data:
         raise NanoGPTError("--data is required: the name of a dataset made by `nanogpt prepare`")
@@ -147,31 +155,48 @@ def plan_run(
             f"--vocab-size {model_cfg.vocab_size:,} is smaller than the {meta['vocab_size']:,} tokens "
             f"of dataset '{train_cfg.data}'; drop it to use the dataset's, or give at least that"
         )
-    if train_cfg.embedding_lr is not None and model_cfg.tie_embeddings:
-        if "embedding_lr" in given:
-            raise tied_embedding_lr(train_cfg.embedding_lr, init_from)
-        notes.append(
-            f"--preset {preset}'s --embedding-lr {train_cfg.embedding_lr:g} is for an untied embedding; this "
-            "model's is tied to the LM head, so it trains at --learning-rate"
-        )
-        train_cfg = dataclasses.replace(train_cfg, embedding_lr=None)
+    train_cfg = _without_unneeded(train_cfg, model_cfg, given, preset, init_from, notes)
     check_world(train_cfg, world_size)
     notes += _warnings(model_cfg, train_cfg)
     return RunPlan(model_cfg, train_cfg, run_dir, meta, force=force, notes=notes, **init)
 
 
-def tied_embedding_lr(value: float, source: str | None) -> NanoGPTError:
-    """The refusal of --embedding-lr for a tied embedding; source: the run or weights whose architecture it is, or
-    None for a fresh model, which can be untied."""
-    if source is None:
-        return NanoGPTError(
-            f"--embedding-lr {value:g} is for an untied token embedding, and this model ties it to the LM head; "
-            "add --no-tie-embeddings, or drop --embedding-lr"
-        )
-    return NanoGPTError(
-        f"--embedding-lr {value:g} is for an untied token embedding, and {source} ties it to the LM head; "
-        "drop --embedding-lr"
-    )
+def _without_unneeded(
+    train_cfg: TrainConfig,
+    model_cfg: GPTConfig,
+    given: dict[str, Any],
+    preset: str | None,
+    source: str | None,
+    notes: list[str],
+) -> TrainConfig:
+    """The training values this model has no use for (what their field Needs does not hold): a given one is
+    refused (source: the weights whose model it is, or None for a new one), a preset's set aside with a note."""
+    for f in dataclasses.fields(TrainConfig):
+        needs, value = f.metadata.get("needs"), getattr(train_cfg, f.name)
+        if needs is None or value == f.default or needs.holds(model_cfg):
+            continue
+        if f.name in given:
+            raise needs.refuse(value, source)
+        notes.append(needs.aside.format(preset=preset, given=show_value(value)))
+        train_cfg = dataclasses.replace(train_cfg, **{f.name: f.default})
+    return train_cfg
+
+
+def _adapt_accumulation(
+    train_values: dict[str, Any], given: dict[str, Any], world_size: int, default: int | None = None
+) -> tuple[int, int] | None:
+    """A preset's --gradient-accumulation-steps (or, where train_values has none, `default`) raised in place to
+    the next multiple of the processes, so every process runs the same share of each update: (it, the new value),
+    or None when it was given (check_world refuses one that does not divide) or needs no change."""
+    name = "gradient_accumulation_steps"
+    n_micro = train_values.get(name, default)
+    if name in given or n_micro is None or world_size <= 1:
+        return None
+    adapted = -(-n_micro // world_size) * world_size
+    if adapted == n_micro:
+        return None
+    train_values[name] = adapted
+    return n_micro, adapted
 
 
 def _plan_init(
@@ -237,15 +262,57 @@ def _warnings(model_cfg: GPTConfig, cfg: TrainConfig) -> list[str]:
 
 
 def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any], world_size: int) -> RunPlan:
+    """A resume: the saved run's configs, and what the command says (the one that started the run may be given
+    again, preset included) applied by each field's Resume rule; its architecture and dataset are the run's."""
     saved = run_dir.read_config()
     state, notes = run_dir.check_resumable()
-    # the command that started the run may be given again, preset included: its architecture and dataset must be
-    # the saved run's; a training value it changes applies from the resumed step, and is announced and recorded
-    from_preset = preset_values(preset) if preset else {}
-    said = {**from_preset, **given}
-    model_said, train_said = split_values(said)
-    saved_model = {k: parse_value(k, v) for k, v in saved["model"].items()}
-    differ = [k for k, v in model_said.items() if saved_model.get(k) != parse_value(k, v)]
+    model_said, train_said = split_values({**values_from(preset), **given})
+    _check_architecture(run_dir, preset, given, saved["model"], model_said)
+    model_cfg, _ = build_configs(saved["model"])
+    _adapt_accumulation(train_said, given, world_size)  # a preset's adapts to the world, as when the run started
+    resuming = _Resuming(run_dir, preset, given, model_cfg, state.step, notes)
+    train_values, changes = _resume_training(resuming, saved["train"], train_said)
+    _, train_cfg = build_configs(train_values)
+    if state.step < train_cfg.max_iters and train_cfg.stop_at is not None and train_cfg.stop_at <= state.step:
+        raise NanoGPTError(
+            f"--stop-at {train_cfg.stop_at} is not after the run's step {state.step}; drop it (or "
+            "raise it) to continue the run"
+        )
+    meta = _resumed_dataset(run_dir, saved.get("dataset") or {}, train_cfg, notes)
+    check_world(train_cfg, world_size)
+    notes += _warnings(model_cfg, train_cfg)
+    return RunPlan(
+        model_cfg,
+        train_cfg,
+        run_dir,
+        meta,
+        resume=True,
+        step=state.step,
+        notes=notes,
+        time_spent=state.max_time_spent,
+        changes=changes,
+    )
+
+
+@dataclass
+class _Resuming:
+    """What the Resume rules of a resumed run's fields are applied with."""
+
+    run_dir: RunDir
+    preset: str | None
+    given: dict[str, Any]  # the config file's and the flags' values (a preset's are not given)
+    model: GPTConfig  # the run's architecture
+    step: int  # where it continues
+    notes: list[str]  # the plan's notes, added to
+
+
+def _check_architecture(
+    run_dir: RunDir, preset: str | None, given: dict[str, Any], saved: dict[str, Any], said: dict[str, Any]
+) -> None:
+    """The architecture's fields (all Resume.FIXED) that the command says, refused in one sentence where they
+    differ from the run's."""
+    saved_model = {k: parse_value(k, v) for k, v in saved.items()}
+    differ = [k for k, v in said.items() if saved_model.get(k) != parse_value(k, v)]
     if differ:
 
         def where(k):
@@ -253,60 +320,62 @@ def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any], wor
 
         raise NanoGPTError(
             f"--resume takes the architecture from {run_dir}; these differ from it: "
-            + ", ".join(
-                f"--{flag(k)} (saved {saved['model'].get(k)!r}, {where(k)} {model_said[k]!r})" for k in sorted(differ)
-            )
+            + ", ".join(f"--{flag(k)} (saved {saved.get(k)!r}, {where(k)} {said[k]!r})" for k in sorted(differ))
         )
-    saved_train = {k: v for k, v in saved["train"].items() if k not in ("stop_at", "out")}  # out: older runs
-    if "data" in train_said and train_said["data"] != saved_train.get("data"):
-        raise NanoGPTError(
-            f"--data {train_said['data']} is a different dataset from the one {run_dir} trains on "
-            f"({saved_train.get('data')!r}); resume without --data, or train on it in a new run: "
-            f"nanogpt train --init-from {run_dir} --data {train_said['data']} --out NEW_FOLDER"
-        )
-    saved_optimizer = saved_train.get("optimizer", "adamw")
-    if train_said.get("optimizer", saved_optimizer) != saved_optimizer:
-        raise NanoGPTError(
-            f"--resume continues the run's --optimizer {saved_optimizer}; it cannot change to "
-            f"{train_said['optimizer']} (start a new run with --init-from instead)"
-        )
+
+
+def _resume_training(r: _Resuming, saved: dict[str, Any], said: dict[str, Any]) -> tuple[dict[str, Any], list[Change]]:
+    """The resumed run's training values and what they change: the saved values, with each value the command
+    says applied by its field's Resume rule. The fixed ones are checked first, in their declared order; the
+    rest go in flag order."""
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+    def rule(name: str) -> Resume | None:
+        return fields[name].metadata["resume"] if name in fields else None
+
     defaults = TrainConfig().to_dict()
-    changes = []
-    for k, v in sorted(train_said.items()):
-        if k in ("data", "data_dir", "stop_at"):  # where the data is, and when this invocation stops: not the run's
-            continue
-        if k == "embedding_lr" and saved_train.get(k) is None:
-            # the run trains its embedding at --learning-rate (tied, or untied without one): its optimizer has no
-            # group for the embedding to take a rate of its own
-            if k not in given:
-                notes.append(
-                    f"--preset {preset}'s --embedding-lr {show_value(parse_value(k, v))} is set aside: {run_dir} "
-                    "trains its embedding at --learning-rate"
-                )
-                continue
-            if saved_model.get("tie_embeddings", True):
-                raise tied_embedding_lr(parse_value(k, v), str(run_dir))
-            raise NanoGPTError(
-                f"--embedding-lr {show_value(parse_value(k, v))} would give the embedding an optimizer group of "
-                f"its own, which {run_dir} was not trained with; resume without it, or start a new run from these "
-                f"weights with --init-from {run_dir}"
-            )
-        before = parse_value(k, saved_train.get(k, defaults[k]))
-        after = parse_value(k, v)
-        if k == "gradient_accumulation_steps" and k not in given:  # a preset's adapts to the world, as when started
-            after = _adapted_accumulation(after, world_size)
+    # out: older runs kept it here; an invocation's value is its own
+    saved = {k: v for k, v in saved.items() if k != "out" and rule(k) is not Resume.INVOCATION}
+    for name in [name for name in fields if name in said and rule(name) is Resume.FIXED]:
+        before, after = parse_value(name, saved.get(name, defaults[name])), parse_value(name, said[name])
         if before != after:
-            changes.append(Change(k, before, after, state.step))
-    model_cfg, train_cfg = build_configs({**saved["model"], **saved_train, **{c.field: c.given for c in changes}})
-    train_cfg = dataclasses.replace(train_cfg, **{k: v for k, v in train_said.items() if k in ("data_dir", "stop_at")})
-    plan_step = state.step
-    if state.step < train_cfg.max_iters and train_cfg.stop_at is not None and train_cfg.stop_at <= state.step:
-        raise NanoGPTError(
-            f"--stop-at {train_cfg.stop_at} is not after the run's step {state.step}; drop it (or "
-            "raise it) to continue the run"
-        )
+            text = fields[name].metadata["refusal"]
+            raise NanoGPTError(text.format(given=show_value(after), saved=show_value(before), run_dir=r.run_dir))
+    values, changes = dict(saved), []
+    for name, value in sorted(said.items()):
+        kind, after = rule(name), parse_value(name, value)
+        if kind is Resume.FIXED:  # checked above
+            continue
+        if kind in (Resume.LOCAL, Resume.INVOCATION):
+            values[name] = after
+            continue
+        before = parse_value(name, saved.get(name, defaults[name]))
+        if kind is Resume.CHANGES_IF_SET and before is None and after is not None:
+            _untrained_value(r, fields[name], after)  # refused, or set aside with a note
+        elif before != after:
+            changes.append(Change(name, before, after, r.step))
+            values[name] = after
+    return values, changes
+
+
+def _untrained_value(r: _Resuming, f: dataclasses.Field, value: Any) -> None:
+    """A Resume.CHANGES_IF_SET value for a run trained without one: a preset's is set aside with the field's
+    note; a given one is refused, by what the field needs of the model where the run's lacks it (Needs)."""
+    if f.name not in r.given:
+        r.notes.append(f.metadata["aside"].format(preset=r.preset, given=show_value(value), run_dir=r.run_dir))
+        return
+    needs = f.metadata.get("needs")
+    if needs is not None and not needs.holds(r.model):
+        raise needs.refuse(value, str(r.run_dir))
+    raise NanoGPTError(f.metadata["refusal"].format(given=show_value(value), run_dir=r.run_dir))
+
+
+def _resumed_dataset(
+    run_dir: RunDir, saved_meta: dict[str, Any], train_cfg: TrainConfig, notes: list[str]
+) -> dict[str, Any]:
+    """The dataset's meta.json, refused where it was prepared again with another tokenizer since the run started;
+    prepared again with the same one, it is named in a note."""
     meta = load_meta(Path(train_cfg.data_dir), train_cfg.data)
-    saved_meta = saved.get("dataset") or {}
     differ_tok = describe_difference(
         meta["tokenizer"], saved_meta.get("tokenizer", meta["tokenizer"]), f"dataset '{train_cfg.data}' now", "the run"
     )
@@ -320,25 +389,7 @@ def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any], wor
             f"dataset '{train_cfg.data}' was prepared again since this run started (then "
             f"{saved_meta['created']}, now {meta.get('created')}); the run continues on the new data"
         )
-    check_world(train_cfg, world_size)
-    notes += _warnings(model_cfg, train_cfg)
-    return RunPlan(
-        model_cfg,
-        train_cfg,
-        run_dir,
-        meta,
-        resume=True,
-        step=plan_step,
-        notes=notes,
-        time_spent=state.max_time_spent,
-        changes=changes,
-    )
-
-
-def _adapted_accumulation(n_micro: int, world_size: int) -> int:
-    """--gradient-accumulation-steps from a preset (or the default) raised to the next multiple of the number of
-    processes, so every process runs the same share of each update."""
-    return -(-n_micro // world_size) * world_size
+    return meta
 
 
 @dataclass(frozen=True)

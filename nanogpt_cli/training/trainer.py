@@ -18,6 +18,7 @@ import math
 import signal
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,32 @@ def non_finite(step: int, run_dir: RunDir) -> NanoGPTError:
 # --- the trainer ---
 
 
+@dataclass
+class TrainerParts:
+    """What a run trains with, built once before the loop (Trainer._setup) and read by it."""
+
+    batches: Batches  # the training stream (and its generator, saved with the run)
+    eval_sets: dict[str, list[tuple[torch.Tensor, torch.Tensor]]]  # each split's fixed batches, this rank's share
+    eval_counted: int  # the evaluation batches that count, over all ranks
+    model: GPT  # the module itself: what is saved, and whose parameters the optimizer holds
+    wrapped: nn.Module  # the model under DDP or FSDP (the model itself in one process)
+    compiled: nn.Module  # what the loop runs: `wrapped`, or its torch.compile with --compile
+    optimizer: Any  # a torch optimizer, or Optimizers (Muon and AdamW)
+    scaler: torch.amp.GradScaler  # fp16's loss scaling; disabled in other precisions
+    ctx: Any  # the autocast context every forward runs in
+    state: TrainerState  # what a save writes and a resume reads back: step, tokens, best loss, generators
+    weights_meta: dict[str, Any]  # the weights files' metadata: tokenizer, dataset, chat template, LoRA
+    tokens_per_iter: int  # the tokens of one update, over all ranks
+    flops_per_token: float  # the model's training FLOPs per token (MFU)
+    peak: float | None  # the devices' peak FLOP/s together (None: unknown, no MFU)
+    masked: bool  # a chat dataset: the speed counts the targets trained on, not every token read
+    start_step: int  # the step this invocation starts at
+    end: int  # the step it stops at: --max-iters, --stop-at, or the start when the run is complete
+    signals: StopSignals  # Ctrl-C and SIGTERM, noted for the loop
+    saver: Saver  # writes the checkpoints (in the background unless --sync-save)
+    clock: Clock  # wall time, --max-time's budget and the steady step time
+
+
 class Trainer:
     """Trains (or resumes) a planned run in a world of one process or many. `loss` scores a batch and `trainable`
     picks the parameters the optimizer updates: pre-training takes the defaults (next-token cross-entropy,
@@ -173,28 +200,36 @@ class Trainer:
         self.stopped: str | None = None
         self.skipped = 0  # fp16 updates the scaler skipped since the last progress line
         self.hinted = False  # the busy-machine hint is given once
+        self.trained_total = 0.0  # the targets trained on in this invocation (a chat dataset)
 
     def fit(self) -> TrainResult:
-        self._setup()
+        self.parts = self._setup()
+        step = self.parts.state.step
+        self.lr = lr_at(max(step - 1, 0), self.cfg)  # the last update's rate, for evaluation lines
+        self.logged_step = step
+        # the targets trained on since the last progress line (a chat dataset), counted on the device
+        self.trained = torch.zeros((), dtype=torch.int64, device=self.world.device)
+        self.watch_load()  # busy before the first step already
         self._loop()
         return self._result()
 
     # --- the loop ---
 
     def _loop(self) -> None:
-        cfg, state = self.cfg, self.state
-        with self.signals, self.saver:  # leaving it waits for the save being written, on every way out
+        cfg, p = self.cfg, self.parts
+        state = p.state
+        with p.signals, p.saver:  # leaving it waits for the save being written, on every way out
             if not self.plan.resume and cfg.eval_first:  # the loss at init; a checkpoint of it would resume nothing
                 self.show.on_status("first evaluation")
                 self.evaluate(checkpoint=False)
             if cfg.compile:
                 self.show.on_status("compiling the model (the first step takes a while)")
-            self.model.train()
-            while state.step < self.end:
+            p.model.train()
+            while state.step < p.end:
                 loss = self.train_step()
                 due = state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters
-                out_of_time = state.step < cfg.max_iters and self.clock.out_of_time(due)
-                if state.step % cfg.log_interval == 0 or state.step == self.end or out_of_time:
+                out_of_time = state.step < cfg.max_iters and p.clock.out_of_time(due)
+                if state.step % cfg.log_interval == 0 or state.step == p.end or out_of_time:
                     self.log(
                         loss, recorded=state.step % cfg.log_interval == 0 or state.step == cfg.max_iters or out_of_time
                     )
@@ -203,62 +238,64 @@ class Trainer:
                 if due or out_of_time:
                     self.evaluate()
                 every = self.world.stop_check_every or cfg.log_interval
-                received = self.stop_requested() if state.step % every == 0 or due or state.step == self.end else None
+                received = self.stop_requested() if state.step % every == 0 or due or state.step == p.end else None
                 if received or out_of_time:
                     self.stopped = received or "max_time"
                     break
-            if not self.stopped and state.step == self.end < cfg.max_iters and not self.plan.complete:
+            if not self.stopped and state.step == p.end < cfg.max_iters and not self.plan.complete:
                 self.stopped = "stop_at"
             ended, final = time.perf_counter(), self.stopped and self.saved_at != state.step
             if final:
                 self.save(self.last.val_loss if self.last else None, is_best=False)
             waiting = time.perf_counter()
-            self.saver.wait()  # the end of a run, stopped or not, is a complete save on disk
-            self.clock.saved(waiting)
-            self.clock.ended(ended)
+            p.saver.wait()  # the end of a run, stopped or not, is a complete save on disk
+            p.clock.saved(waiting)
+            p.clock.ended(ended)
             if final:
                 self.show.on_save(state.step)
 
     def train_step(self) -> torch.Tensor:
         """One optimizer update at the scheduled learning rate; returns its mean loss (a tensor: no sync)."""
-        cfg, state, scaler = self.cfg, self.state, self.scaler
-        self.lr = lr_at(state.step, cfg, self.clock.share())
-        set_lr(self.optimizer, self.lr, state.step, cfg)
+        cfg, p = self.cfg, self.parts
+        state, scaler = p.state, p.scaler
+        self.lr = lr_at(state.step, cfg, p.clock.share())
+        set_lr(p.optimizer, self.lr, state.step, cfg)
         # every rank draws each update's micro-batches from the one stream, and runs its own share of them
-        starts = [self.batches.draw("train") for _ in range(cfg.gradient_accumulation_steps)]
-        micro = [self.batches.load("train", starts[i]) for i in self.world.micro_share(len(starts))]
-        if self.masked:  # a chat dataset: speed counts the targets trained on (counted on the device, read at logs)
+        starts = [p.batches.draw("train") for _ in range(cfg.gradient_accumulation_steps)]
+        micro = [p.batches.load("train", starts[i]) for i in self.world.micro_share(len(starts))]
+        if p.masked:  # a chat dataset: speed counts the targets trained on (counted on the device, read at logs)
             self.trained = self.trained + sum((y != -1).sum() for _, y in micro)
         started = time.perf_counter()
         # fp16: the scaler backs off only when it skips an update; compared on the device, read at the next log
         scale = scale_tensor(scaler, self.world.device) if scaler.is_enabled() else None
         loss = optimizer_step(
-            self.compiled,
-            self.optimizer,
+            p.compiled,
+            p.optimizer,
             micro,
-            self.ctx,
+            p.ctx,
             scaler,
             cfg.grad_clip,
-            lambda enabled: self.world.gradient_sync(self.wrapped, enabled),
+            lambda enabled: self.world.gradient_sync(p.wrapped, enabled),
             self.loss_fn,
         )
         if scale is not None:
             self.skipped = self.skipped + (scale_tensor(scaler, self.world.device) < scale).int()
-        self.clock.stepped(started, first=state.step == self.start_step)  # the first step warms up: not speed
+        p.clock.stepped(started, first=state.step == p.start_step)  # the first step warms up: not speed
         state.step += 1
-        state.tokens += self.tokens_per_iter
+        state.tokens += p.tokens_per_iter
         return loss
 
     def log(self, loss: torch.Tensor, recorded: bool) -> None:
         """A progress line (and, when recorded, a metrics line): the loss averaged over ranks, and the speed."""
-        state, scaler = self.state, self.scaler
+        p = self.parts
+        state, scaler = p.state, p.scaler
         value = self.world.mean(loss).item()
         if not math.isfinite(value):
             raise non_finite(state.step, self.run_dir)
         updates = max(1, state.step - self.logged_step)
         self.logged_step = state.step
-        dt, elapsed = self.clock.window(state.step)
-        per_iter = self.tokens_per_iter if not self.masked else self._take_trained() / updates
+        dt, elapsed = p.clock.window(state.step)
+        per_iter = p.tokens_per_iter if not p.masked else self._take_trained() / updates
         logged = StepLogged(
             step=state.step,
             loss=value,
@@ -267,7 +304,7 @@ class Trainer:
             elapsed_s=elapsed,
             ms_per_iter=dt * 1000,
             tokens_per_s=per_iter / dt,
-            mfu=self.flops_per_token * per_iter / dt / self.peak if self.peak else None,
+            mfu=p.flops_per_token * per_iter / dt / p.peak if p.peak else None,
             skipped=int(self.skipped),
             scale=scaler.get_scale() if scaler.is_enabled() else None,
             recorded=recorded,
@@ -282,7 +319,7 @@ class Trainer:
         """On the CPU, one hint (once) when the machine is busy: see busy_hint."""
         if self.hinted or self.world.device.type != "cpu":
             return
-        hint = busy_hint(self.clock.steps, load_average(), cpu_cores(), torch.get_num_threads())
+        hint = busy_hint(self.parts.clock.steps, load_average(), cpu_cores(), torch.get_num_threads())
         if hint is not None:
             self.hinted = True
             self.show.on_hint(hint)
@@ -296,11 +333,12 @@ class Trainer:
 
     def evaluate(self, checkpoint: bool = True) -> None:
         """Both splits' loss on the fixed evaluation batches, a metrics line, and (unless told not to) a save."""
-        state, cfg = self.state, self.cfg
+        cfg, p = self.cfg, self.parts
+        state = p.state
         started = time.perf_counter()
         losses = {
             s: self.world.mean_loss(
-                eval_losses(self.compiled, self.eval_sets[s], self.ctx, self.loss_fn), self.eval_counted, cfg.eval_iters
+                eval_losses(p.compiled, p.eval_sets[s], p.ctx, self.loss_fn), p.eval_counted, cfg.eval_iters
             )
             for s in ("train", "val")
         }
@@ -315,7 +353,7 @@ class Trainer:
             val_loss=losses["val"],
             lr=self.lr,
             tokens=state.tokens,
-            elapsed_s=round(self.clock.elapsed(started), 3),
+            elapsed_s=round(p.clock.elapsed(started), 3),
             best_val_loss=state.best_val_loss,
             saved=checkpoint,
         )
@@ -324,129 +362,129 @@ class Trainer:
         if checkpoint:
             self.save(losses["val"], is_best)
         self.show.on_eval(self.last)
-        self.clock.set_aside(started)
+        p.clock.set_aside(started)
 
     def stop_requested(self) -> str | None:
         """A signal any rank received ("SIGINT", "SIGTERM"), agreed by all once per step, or None."""
-        code = self.world.max_int(STOP_CODES[self.signals.received])
+        code = self.world.max_int(STOP_CODES[self.parts.signals.received])
         return {code: name for name, code in STOP_CODES.items()}[code]
 
     def save(self, val_loss: float | None, is_best: bool) -> None:
-        state = self.state
+        p = self.parts
+        state, clock = p.state, p.clock
         self.saved_at = state.step
-        state.elapsed_s = self.clock.elapsed()
-        state.eval_s = self.clock.last_eval_s  # --max-time keeps this much free for the final evaluation
-        timed, train_s, _ = self.clock.training_time(state.step - self.start_step)
-        state.speed = dataclasses.asdict(self.clock.speed(train_s / timed * 1000 if timed else 0.0))
+        state.elapsed_s = clock.elapsed()
+        state.eval_s = clock.last_eval_s  # --max-time keeps this much free for the final evaluation
+        timed, train_s, _ = clock.training_time(state.step - p.start_step)
+        state.speed = dataclasses.asdict(clock.speed(train_s / timed * 1000 if timed else 0.0))
         self._capture_rng()
         # the run's last save is waited for anyway: written on this thread, it needs no copy of the state
-        last = self.stopped is not None or state.step >= self.end or state.max_time_spent is not None
+        last = self.stopped is not None or state.step >= p.end or state.max_time_spent is not None
         started = time.perf_counter()
         try:  # the loop stalls for the wait on the previous save, the gather and the host copy, not the write
-            self.saver.save(
-                self.model,
-                self.optimizer,
+            p.saver.save(
+                p.model,
+                p.optimizer,
                 state,
-                dict(self.weights_meta, val_loss=val_loss),
+                dict(p.weights_meta, val_loss=val_loss),
                 is_best,
-                lambda: self.world.full_states(self.wrapped, self.optimizer),  # every rank takes part
+                lambda: self.world.full_states(p.wrapped, p.optimizer),  # every rank takes part
                 background=not last,
             )
         finally:
             self.world.barrier()  # no rank goes on before rank 0 holds the save
-            self.clock.saved(started)
+            clock.saved(started)
 
     # --- before the loop ---
 
-    def _setup(self) -> None:
+    def _setup(self) -> TrainerParts:
+        """Everything the loop reads, built in this order: the device, the data, the model with its starting (or
+        saved) weights, its optimizer and precision, the resumed state, the run folder's config, the clock."""
         plan, cfg, world = self.plan, self.cfg, self.world
         world.barrier()  # every rank has planned (looked at the run folder) before rank 0 changes it
-        device = world.device
-        dtype = resolve_dtype(cfg.dtype, device)
-        if device.type == "cuda":
-            enable_tf32()
-        elif device.type == "cpu":
-            keep_freed_memory()  # activations come from freed memory, not fresh pages, every update
-        torch.manual_seed(cfg.seed)
+        dtype = self._prepare_device()
         self.show.on_status("loading the data")
-        self.batches = Batches(
-            Path(cfg.data_dir), cfg.data, plan.model.block_size, cfg.batch_size, device, cfg.seed, cfg.loss_mask
+        batches = Batches(
+            Path(cfg.data_dir), cfg.data, plan.model.block_size, cfg.batch_size, world.device, cfg.seed, cfg.loss_mask
         )
-        # each rank evaluates a share of the fixed batches, and the losses are summed over ranks
-        share, self.eval_counted = world.eval_share(cfg.eval_iters)
-        self.eval_sets = {
-            s: self.batches.fixed_batches(s, cfg.eval_iters, cfg.seed + 1 + i, share)
-            for i, s in enumerate(("train", "val"))
-        }
+        eval_sets, eval_counted = self._eval_sets(batches)
         self.show.on_status("building the model")
         saved = self.run_dir.restore() if plan.resume else None
-        self.model = self._build_model(saved)
-        self.tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * plan.model.block_size  # all ranks'
-        self.flops_per_token = self.model.flops_per_token()
-        self.flops_per_iter = self.flops_per_token * self.tokens_per_iter
-        # a chat dataset: tokens/s and MFU count the targets trained on (mask 1, not padding), not every token read
-        self.masked = self.batches.masks["train"] is not None or self.batches.packed["train"] is not None
-        self.trained = torch.zeros((), dtype=torch.int64, device=device)
-        self.trained_total = 0.0
-        params = self.model.num_params()
+        model = self._build_model(saved)
+        params, flops_per_token = model.num_params(), model.flops_per_token()  # before FSDP shards it
         world.seed_dropout(cfg.seed)
-        self.wrapped = world.wrap(self.model, cfg.parallel, dtype)
-        self.optimizer = make_optimizer(self.model, cfg, device)  # FSDP has sharded the parameters in place
-        self.scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        self.ctx = autocast_for(device, dtype)
-        self.state = self._restore(saved) if saved else TrainerState()
+        wrapped = world.wrap(model, cfg.parallel, dtype)
+        optimizer = make_optimizer(model, cfg, world.device)  # FSDP has sharded the parameters in place
+        scaler = torch.amp.GradScaler(world.device.type, enabled=dtype == torch.float16)
+        ctx = autocast_for(world.device, dtype)
+        state = self._restore(saved, batches, wrapped, optimizer, scaler) if saved else TrainerState()
         if world.main:
-            if not saved:
-                self.run_dir.start(plan.force)
-            changed = None
-            if plan.changes:  # the run's history: what this resume changed, from which step
-                changed = {
-                    "step": self.state.step,
-                    "changes": [c.record() for c in plan.changes],
-                    "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                }
-            config = {"model": plan.model.to_dict(), "train": cfg.to_dict(), "dataset": plan.dataset}
-            if plan.finetune:
-                config["finetune"] = plan.finetune
-            self.run_dir.write_config(config, changed)
-        self.weights_meta = dict(tokenizer=plan.dataset["tokenizer"], dataset=plan.dataset.get("name") or cfg.data)
-        template = checkpoint_template(plan.dataset)
-        if template is not None:  # sample, serve and the exports format conversations with it
-            self.weights_meta["chat_template"] = template
-        self.weights_meta.update(plan.finetune.get("weights", {}) if plan.finetune else {})
-        self.compiled = torch.compile(self.wrapped) if cfg.compile else self.wrapped
-        self.peak = peak_flops(device, dtype)
-        if self.peak:
-            self.peak *= world.size  # MFU of all the GPUs together
+            self._write_config(state, fresh=not saved)
+        compiled = torch.compile(wrapped) if cfg.compile else wrapped
+        peak = peak_flops(world.device, dtype)
+        tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * plan.model.block_size  # all ranks'
         self.show.on_start(
             RunStarted(
-                step=self.state.step,
+                step=state.step,
                 max_iters=cfg.max_iters,
                 device=world.describe(cfg.parallel),
                 dtype=str(dtype).replace("torch.", ""),
                 params=params,
-                tokens_per_iter=self.tokens_per_iter,
+                tokens_per_iter=tokens_per_iter,
                 run_dir=str(self.run_dir),
                 resume=plan.resume,
                 model=plan.model.to_dict(),
                 train=cfg.to_dict(),
             )
         )
-        self.end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
+        end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
         if plan.complete:  # --max-time spent (and not raised since): nothing to train
-            self.end = self.state.step
-        self.start_step = self.logged_step = self.state.step
-        self.state.max_time_spent = None
-        self.lr = lr_at(max(self.state.step - 1, 0), cfg)  # the last update's rate, for evaluation lines
-        self.signals = StopSignals(abort_on_second=world.size == 1)
-        self.saver = Saver(self.run_dir, background=not cfg.sync_save, writes=world.main)
-        # a forward costs about a third of a forward and backward: an evaluation of both splits' batches is
-        # 2 * eval_iters / 3 updates of one micro-batch each (here, this rank's share of them)
-        eval_steps = 2 * len(self.eval_sets["val"]) / 3 / len(world.micro_share(cfg.gradient_accumulation_steps))
-        self.clock = Clock(self.state.elapsed_s, cfg.max_time, self.state.eval_s, self.state.step, eval_steps)
-        if cfg.max_time is not None and device.type == "cuda":  # the clock must see the GPU's work, not its queue
-            self.clock.sync = functools.partial(torch.cuda.synchronize, world.device)
-        self.watch_load()  # busy before the first step already
+            end = state.step
+        clock = self._clock(state, eval_sets)
+        state.max_time_spent = None
+        return TrainerParts(
+            batches=batches,
+            eval_sets=eval_sets,
+            eval_counted=eval_counted,
+            model=model,
+            wrapped=wrapped,
+            compiled=compiled,
+            optimizer=optimizer,
+            scaler=scaler,
+            ctx=ctx,
+            state=state,
+            weights_meta=self._weights_meta(),
+            tokens_per_iter=tokens_per_iter,
+            flops_per_token=flops_per_token,
+            peak=peak * world.size if peak else peak,  # MFU of all the GPUs together
+            # a chat dataset: tokens/s and MFU count the targets trained on (mask 1, not padding), not every token
+            masked=batches.masks["train"] is not None or batches.packed["train"] is not None,
+            start_step=state.step,
+            end=end,
+            signals=StopSignals(abort_on_second=world.size == 1),
+            saver=Saver(self.run_dir, background=not cfg.sync_save, writes=world.main),
+            clock=clock,
+        )
+
+    def _prepare_device(self) -> torch.dtype:
+        """The training precision; the device's settings for training, and the seed of the model's init."""
+        device = self.world.device
+        if device.type == "cuda":
+            enable_tf32()
+        elif device.type == "cpu":
+            keep_freed_memory()  # activations come from freed memory, not fresh pages, every update
+        torch.manual_seed(self.cfg.seed)
+        return resolve_dtype(self.cfg.dtype, device)
+
+    def _eval_sets(self, batches: Batches) -> tuple[dict[str, list[tuple[torch.Tensor, torch.Tensor]]], int]:
+        """Each split's fixed evaluation batches, this rank's share (the losses are summed over ranks), and how
+        many count over all ranks."""
+        cfg = self.cfg
+        share, counted = self.world.eval_share(cfg.eval_iters)
+        sets = {
+            s: batches.fixed_batches(s, cfg.eval_iters, cfg.seed + 1 + i, share) for i, s in enumerate(("train", "val"))
+        }
+        return sets, counted
 
     def _build_model(self, saved: SavePoint | None) -> GPT:
         """The model on its device with its starting weights, and only the trainable parameters unfrozen."""
@@ -463,20 +501,18 @@ class Trainer:
             saved.load_weights(model)  # on every rank, before DDP or FSDP takes the model over
         return model.to(self.world.device)
 
-    def _restore(self, saved: SavePoint) -> TrainerState:
+    def _restore(self, saved: SavePoint, batches: Batches, wrapped: nn.Module, optimizer, scaler) -> TrainerState:
         """A resumed run's optimizer, generators and grad scaler, as they were at its last save."""
         state, world = saved.state, self.world
         # the saved state brings its hyperparameters along: a resume that changes one keeps the new value
-        fresh = [
-            {k: g[k] for k in ("weight_decay", "betas", "lr_scale") if k in g} for g in self.optimizer.param_groups
-        ]
-        saved.load_optimizer(self.optimizer, lambda part, sd: world.load_optimizer_state(self.wrapped, part, sd))
-        for group, values in zip(self.optimizer.param_groups, fresh, strict=True):
+        fresh = [{k: g[k] for k in ("weight_decay", "betas", "lr_scale") if k in g} for g in optimizer.param_groups]
+        saved.load_optimizer(optimizer, lambda part, sd: world.load_optimizer_state(wrapped, part, sd))
+        for group, values in zip(optimizer.param_groups, fresh, strict=True):
             group.update(values)
-        self.batches.generator.set_state(state.rng_batches)
-        if state.scaler and self.scaler.is_enabled():
-            self.scaler.load_state_dict(state.scaler)
-        ranks, device = state.rng_ranks or [], self.batches.device
+        batches.generator.set_state(state.rng_batches)
+        if state.scaler and scaler.is_enabled():
+            scaler.load_state_dict(state.scaler)
+        ranks, device = state.rng_ranks or [], batches.device
         if len(ranks) == world.size > 1:  # as many processes as were saved: each continues its own dropout
             torch.set_rng_state(ranks[world.rank]["cpu"])
             if ranks[world.rank]["cuda"] is not None and device.type == "cuda":
@@ -492,25 +528,65 @@ class Trainer:
             self.run_dir.truncate_metrics(state.step)
         return state
 
+    def _write_config(self, state: TrainerState, fresh: bool) -> None:
+        """Rank 0 starts the run folder (a fresh run) and writes its config, with what a resume changed."""
+        plan = self.plan
+        if fresh:
+            self.run_dir.start(plan.force)
+        changed = None
+        if plan.changes:  # the run's history: what this resume changed, from which step
+            changed = {
+                "step": state.step,
+                "changes": [c.record() for c in plan.changes],
+                "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            }
+        config = {"model": plan.model.to_dict(), "train": self.cfg.to_dict(), "dataset": plan.dataset}
+        if plan.finetune:
+            config["finetune"] = plan.finetune
+        self.run_dir.write_config(config, changed)
+
+    def _weights_meta(self) -> dict[str, Any]:
+        """What every weights file of the run records beside the tensors."""
+        plan = self.plan
+        meta = dict(tokenizer=plan.dataset["tokenizer"], dataset=plan.dataset.get("name") or self.cfg.data)
+        template = checkpoint_template(plan.dataset)
+        if template is not None:  # sample, serve and the exports format conversations with it
+            meta["chat_template"] = template
+        meta.update(plan.finetune.get("weights", {}) if plan.finetune else {})
+        return meta
+
+    def _clock(self, state: TrainerState, eval_sets: dict[str, list]) -> Clock:
+        """The run's clock, from the time the saved run had spent."""
+        cfg, world = self.cfg, self.world
+        # a forward costs about a third of a forward and backward: an evaluation of both splits' batches is
+        # 2 * eval_iters / 3 updates of one micro-batch each (here, this rank's share of them)
+        eval_steps = 2 * len(eval_sets["val"]) / 3 / len(world.micro_share(cfg.gradient_accumulation_steps))
+        clock = Clock(state.elapsed_s, cfg.max_time, state.eval_s, state.step, eval_steps)
+        if cfg.max_time is not None and world.device.type == "cuda":  # the clock must see the GPU's work, not its queue
+            clock.sync = functools.partial(torch.cuda.synchronize, world.device)
+        return clock
+
     def _capture_rng(self) -> None:
-        state, device = self.state, self.batches.device
+        p = self.parts
+        state, device = p.state, p.batches.device
         state.rng_torch = torch.get_rng_state()
-        state.rng_batches = self.batches.generator.get_state()
+        state.rng_batches = p.batches.generator.get_state()
         state.rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-        state.scaler = self.scaler.state_dict() if self.scaler.is_enabled() else None
+        state.scaler = p.scaler.state_dict() if p.scaler.is_enabled() else None
         # under torchrun every rank's dropout generators (rank 0's are also the ones above); None in one process
         state.rng_ranks = self.world.gather_objects(
             {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
         )
 
     def _result(self) -> TrainResult:
-        state, last = self.state, self.last
-        timed, train_s, elapsed = self.clock.training_time(state.step - self.start_step)
+        p, last = self.parts, self.last
+        state = p.state
+        timed, train_s, elapsed = p.clock.training_time(state.step - p.start_step)
         ms_per_iter = train_s / timed * 1000 if timed else 0.0
-        per_iter = self.tokens_per_iter  # tokens each update trained on
-        if self.masked:
+        per_iter = p.tokens_per_iter  # tokens each update trained on
+        if p.masked:
             self._take_trained()
-            per_iter = self.trained_total / max(1, state.step - self.start_step)
+            per_iter = self.trained_total / max(1, state.step - p.start_step)
         return TrainResult(
             run_dir=self.run_dir.path,
             step=state.step,
@@ -522,10 +598,10 @@ class Trainer:
             elapsed_s=elapsed,
             tokens_per_s=per_iter * timed / train_s if timed else 0.0,
             ms_per_iter=ms_per_iter,
-            speed=self.clock.speed(ms_per_iter),
-            mfu=(self.flops_per_token * per_iter * timed / train_s / self.peak) if self.peak and timed else None,
+            speed=p.clock.speed(ms_per_iter),
+            mfu=(p.flops_per_token * per_iter * timed / train_s / p.peak) if p.peak and timed else None,
             stopped=self.stopped,
-            trained_only=self.masked,
+            trained_only=p.masked,
         )
 
 
