@@ -1,6 +1,7 @@
 """Deterministic perplexity: every token of a split or file scored exactly once with a sliding window.
 
     result = perplexity_of_split(model, tokenizer, Path("data"), "shk", "val", stride=128)
+    result = perplexity_of_texts(model, tokenizer, ["To be, or not to be", "ROMEO:"])
 
 Units: `loss` is the mean negative log-likelihood per token in nats; `bits_per_byte` is the total NLL in
 bits over the UTF-8 bytes of the scored text, so models with different tokenizers can be compared.
@@ -164,14 +165,33 @@ def perplexity_of_files(
     progress: Progress | None = None,
 ) -> EvalResult:
     """Each file is scored on its own (its first token has no context and is not scored); sums are pooled."""
+    texts = ((str(path), read_text_file(path, "--input")) for path in paths)  # read one at a time
+    source = ", ".join(str(p) for p in paths)
+    return _pooled(model, tokenizer, texts, stride, batch_size, progress, source)
+
+
+def perplexity_of_texts(
+    model: GPT,
+    tokenizer: Tokenizer,
+    texts: list[str],
+    stride: int | None = None,
+    batch_size: int = 8,
+    progress: Progress | None = None,
+) -> EvalResult:
+    """perplexity_of_files for texts in memory: each scored on its own, sums pooled."""
+    labelled = ((f"text {i + 1}", text) for i, text in enumerate(texts))
+    source = f"{len(texts)} text" + ("" if len(texts) == 1 else "s")
+    return _pooled(model, tokenizer, labelled, stride, batch_size, progress, source)
+
+
+def _pooled(model, tokenizer, labelled, stride, batch_size, progress, source: str) -> EvalResult:
+    """Score each (label, text) on its own and pool the sums."""
     nll_total, n_total, bytes_total = 0.0, 0, 0
     stride = default_stride(model.config.block_size) if stride is None else stride
     t0 = time.perf_counter()
-    for path in paths:
-        text = read_text_file(path, "--input")
+    for label, text in labelled:
         tokens = tokenizer.encode(text)  # a char tokenizer names the characters it does not know
-        nll, n = score_tokens(model, tokens, stride, batch_size, progress, str(path), tokenizer.vocab_size)
+        nll, n = score_tokens(model, tokens, stride, batch_size, progress, label, tokenizer.vocab_size)
         nll_total, n_total = nll_total + nll, n_total + n
         bytes_total += text_bytes(tokenizer, tokens[1:])
-    source = ", ".join(str(p) for p in paths)
     return _result(nll_total, n_total, bytes_total, time.perf_counter() - t0, stride, source)
