@@ -55,6 +55,7 @@ def test_every_import_points_down_or_stays_in_its_folder():
     upward = [
         f"{m} -> {d}"
         for m, deps in imports().items()
+        if m != "nanogpt_cli"  # the package's face: __version__, and the Python API's names handed out lazily
         for d in deps
         if layer(d) > layer(m) or (layer(d) == layer(m) > 0 and room(d) != room(m))
     ]
@@ -63,6 +64,7 @@ def test_every_import_points_down_or_stays_in_its_folder():
 
 def test_the_imports_have_no_cycle():
     graph, state, cycles = imports(), {}, []
+    graph.pop("nanogpt_cli")  # its lazy __getattr__ imports the API on first use, not at import
 
     def visit(m: str, path: list[str]) -> None:
         state[m] = "open"
