@@ -1,0 +1,108 @@
+"""The package's shape, as docs/architecture.md draws it: layers that import downward only, no cycles, a short
+top level, thin command modules and short functions."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "nanogpt_cli"
+
+# bottom to top; the top-level modules (errors, files, config, device, model, lora, tokenizer) are layer 0.
+# Two folders on one layer never import each other.
+LAYERS = {"data": 1, "runs": 2, "interop": 3, "training": 4, "inference": 4, "inspect": 5, "serve": 5}
+LAYERS |= {"api": 6, "cli": 7, "__main__": 8}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    path = PACKAGE.parent / name.replace(".", "/")
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imports() -> dict[str, set[str]]:
+    """module -> the package's modules it imports, at the top or inside a function."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        name, found = module_name(path), set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                target = (
+                    ".".join(base[: len(base) - node.level + 1] + [node.module or ""]) if node.level else node.module
+                )
+                target = (target or "").rstrip(".")
+                if target.startswith("nanogpt_cli"):
+                    found |= {f"{target}.{a.name}" if is_module(f"{target}.{a.name}") else target for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name.startswith("nanogpt_cli")}
+        graph[name] = found - {name, "nanogpt_cli"}
+    return graph
+
+
+def room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def layer(module: str) -> int:
+    return LAYERS.get(room(module), 0)
+
+
+def test_every_import_points_down_or_stays_in_its_folder():
+    upward = [
+        f"{m} -> {d}"
+        for m, deps in imports().items()
+        if m != "nanogpt_cli"  # the package's face: __version__, and the Python API's names handed out lazily
+        for d in deps
+        if layer(d) > layer(m) or (layer(d) == layer(m) > 0 and room(d) != room(m))
+    ]
+    assert not upward, upward
+
+
+def test_the_imports_have_no_cycle():
+    graph, state, cycles = imports(), {}, []
+    graph.pop("nanogpt_cli")  # its lazy __getattr__ imports the API on first use, not at import
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = "open"
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == "open":
+                cycles.append(path[path.index(d) :] + [d])
+            elif d in graph and d not in state:
+                visit(d, [*path, d])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+def test_the_top_level_holds_about_ten_modules_and_every_folder_is_a_layer():
+    modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(modules) <= 10, modules
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file()}
+    assert folders <= set(LAYERS), folders - set(LAYERS)
+
+
+def test_each_folder_says_what_it_owns_and_what_it_may_import():
+    for init in PACKAGE.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert doc, f"{init} has no docstring"
+        if init.parent.name not in ("cli", "serve"):
+            assert "import" in doc, f"{init}'s docstring does not say what it may import"
+
+
+def test_command_modules_stay_under_400_lines_and_functions_under_80():
+    long_modules = [p.name for p in (PACKAGE / "cli").glob("*.py") if len(p.read_text().splitlines()) > 400]
+    assert not long_modules, long_modules
+    long_functions = [
+        f"{path.relative_to(PACKAGE)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in PACKAGE.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 80
+    ]
+    assert not long_functions, long_functions
