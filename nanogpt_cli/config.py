@@ -315,7 +315,7 @@ class TrainConfig:
     muon_lr: float = setting(0.02, "Muon's peak learning rate.", Resume.CHANGES)
     muon_momentum: float = setting(0.95, "Muon's momentum.", Resume.CHANGES)  # Nesterov
     muon_momentum_warmup: int = setting(0, "Updates to raise Muon's momentum from 0.85.", Resume.CHANGES)
-    # each step is three small matmuls per matrix: on a CPU, 5 steps are ~10 % of a 4 x 128 model's update
+    # each step is three small matmuls per matrix: a small share of a CPU update (benchmarks/README.md)
     muon_ns_steps: int = setting(5, "Muon's Newton-Schulz steps.", Resume.CHANGES)
     eval_interval: int = setting(250, "Evaluate and checkpoint every N updates.", Resume.CHANGES)  # and at the end
     eval_iters: int = setting(20, "Batches per split in an evaluation.", Resume.CHANGES)
@@ -452,32 +452,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         warmup_iters=100,
         beta2=0.99,
     ),
-    # the cpu-char budget spent better: Muon on the block matrices, QK-norm, squared ReLU, soft-capped
-    # logits, zero-initialised projections, a warmup-stable-decay schedule, twice the context and a third more
-    # batch. A step costs ~3x cpu-char's on a CPU (twice the context, 4/3 the rows, Muon's Newton-Schulz), so
-    # 600 iterations take about the wall time of its 2000. Tuned at equal steps (val after 800 x 12 rows, or
-    # 600 x 16): WSD decay share 0.3 / 0.5 / 0.7 gave 1.621 / 1.615 / 1.607, 16 rows x 600 1.601, 24 x 400 1.645,
-    # --muon-lr 0.03 1.634, AdamW lr 4e-3 1.628; context 128 beat 64 at equal tokens. See bench_quality.py.
-    # Then (bench_speedrun.py): no evaluation at init (about ten updates' time). 2 heads of 64 (better in
-    # cpu-speedrun) gave 1.590-1.605 in nanoGPT's wall time, no better than 4, so 4 stay (docs/inspect.md shows
-    # them); at 650 updates context 256 x 8 rows gave 1.615 against 128 x 16's 1.595. At 700 updates (val, seed
-    # 1337; seeds 1 and 2 gave 1.597 and 1.599, so differences under 0.01 are noise): 1.580 as it is, dropout
-    # 0.05 1.642, weight decay 0 / 0.3 1.589 / 1.597, untied embeddings 1.588, --learning-rate 3e-3 1.586, min lr
-    # 0, WSD share 0.9 and --muon-lr 0.015 within 0.003. In the wall time of 700 updates: 3 layers (965 updates)
-    # 1.578, 2 layers (1,333) 1.579, 12 rows (950) 1.584, MLP width 384 (780) 1.582, 6 layers (450) 1.651, width
-    # 192 (440) 1.639. 3 layers again at seed 1: 1.569 against 4 layers' 1.597, so cpu-fast has 3 layers and
-    # 800 updates (about the wall time of 600 with 4). One evaluation every 500 updates, not 250: under
-    # --max-time each costs ~10 updates. Then, at 800 updates (seed 1337): value embeddings, x0 mixing, value
-    # residuals, RMSNorm, beta1 0.8, 8 heads within 0.007 of 1.591; 2 heads 1.619; untied embeddings 1.604, and
-    # untied with the embedding at --embedding-lr 10 / 30 / 50 / 100 / 300 x --learning-rate 1.588 / 1.579 /
-    # 1.584 / 1.588 / 1.600. At 30x, seeds 1 and 2 gave 1.584 and 1.591 against the tied 1.593 and 1.610; its
-    # weight decay off, or the head at half or twice the rate, no better: so untied, the embedding at 0.06
+    # the cpu-char budget spent better: Muon on the block matrices, QK-norm, squared ReLU, soft-capped logits,
+    # zero-initialised projections, a warmup-stable-decay schedule, twice the context, an untied embedding at its
+    # own rate; 3 layers and 800 updates take about cpu-char's wall time. The sweeps that chose each value are in
+    # benchmarks/README.md ("How the CPU presets were tuned")
     "cpu-fast": _CPU_FAST,
     # nanoGPT's CPU-recipe quality (val ~1.88) in a third of its wall time, e.g. `--max-time 10` on a 2-core CPU:
     # cpu-fast's blocks at cpu-char's context, 2 heads of 64, a short warm-up and one evaluation, at the end (the
-    # loss at init is skipped). Tuned at equal updates (300, val): cpu-fast's 8 x 128 rows 1.855 (a step costs
-    # 1.07x), 16 x 64 1.851, with --learning-rate 3e-3 1.849, with 2 heads 1.834; at 8 x 128, 3 Newton-Schulz
-    # steps (a step costs 0.92x) gave 1.876 against 5's 1.855
+    # loss at init is skipped); tuned at equal updates (benchmarks/README.md, "How the CPU presets were tuned")
     "cpu-speedrun": dict(
         _CPU_FAST,
         n_layer=4,
