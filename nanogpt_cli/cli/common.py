@@ -117,10 +117,12 @@ def config_option(cls, field):
 
 
 # options that several commands share
-Checkpoint = Annotated[
-    str,
-    typer.Option(help="Run folder (its best weights), a .safetensors file, or a Hugging Face model folder or hf:NAME."),
-]
+# the weights a command loads (interop/loading.py): a bare name is a run in checkpoints/, as `nanogpt runs` lists it
+SOURCE_HELP = (
+    "Run folder (its best weights) or a run's name in checkpoints/, a .safetensors file, a Hugging Face folder or "
+    "hf:NAME."
+)
+Checkpoint = Annotated[str, typer.Option(help=SOURCE_HELP)]
 Last = Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")]
 Device = Annotated[str, typer.Option(help=field_help(TrainConfig, "device"))]
 DtypeOption = Annotated[

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import Device, DtypeOption, Last, PromptFile, Threads, note, one_line_errors
+from nanogpt_cli.cli.common import SOURCE_HELP, Device, DtypeOption, Last, PromptFile, Threads, note, one_line_errors
 from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError
 
@@ -22,9 +22,7 @@ inspect_app = typer.Typer(
 )
 InspectSource = Annotated[
     str,
-    typer.Argument(
-        help="Run folder (its best weights), a .safetensors file, or a Hugging Face model folder or hf:NAME."
-    ),
+    typer.Argument(help=SOURCE_HELP),
 ]
 Size = Annotated[
     str | None,

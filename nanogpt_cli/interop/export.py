@@ -60,6 +60,9 @@ def export(
         raise NanoGPTError("--quant applies to --format gguf only")
     if base is not None and fmt != "peft":
         raise NanoGPTError("--base applies to --format peft only")
+    from nanogpt_cli.runs.rundir import find_run
+
+    source = find_run(source)  # a bare run name: the run under checkpoints/, which the export's origin names
     lora = lora_weights(source, last)
     if fmt == "peft":
         if lora is None:
