@@ -25,7 +25,6 @@ PER_COMMAND = {
     "--seed": "training's seed, sampling's seed, the probes' random sequences",
     "--split": "a hub dataset's split to read, or the prepared split to score",
     "--preset": "train's whole config, or finetune's training config",
-    "--plot": "a picture beside the command's own output",
     "--resume": "continue an interrupted prepare, or a run",
     "--vocab-size": "a model's vocabulary, or the size of the tokenizer to train",
     "--last": "which of a run's weights: the ones a command loads, or (train, finetune) those of --init-from",
@@ -87,6 +86,12 @@ def test_last_on_the_commands_that_load_weights_describes_those_weights(table):
         if loading & set(where):
             assert loading <= set(where) and "--init-from" not in text and "last weights" in text, (text, where)
     assert any("--init-from" in text and set(where) == {"train", "finetune"} for text, where in texts.items())
+
+
+def test_every_command_that_draws_a_picture_takes_it_with_out():
+    for command in (["plot"], ["inspect", "attention"], ["inspect", "heads"], ["inspect", "positions"]):
+        names = options(help_of(command))
+        assert "--out" in names and "--plot" not in names, (command, sorted(names))
 
 
 def test_the_preset_list_in_train_help_is_every_preset():

@@ -294,10 +294,12 @@ def test_attention_json_round_trips_to_the_librarys_maps(trained_run, tmp_path):
 
 def test_heads_command_prints_the_table_json_and_plot(trained_run, tmp_path):
     plot = tmp_path / "heads.png"
-    out = ok("inspect", "heads", trained_run, "--plot", plot, "--size", "1000x640")
+    out = ok("inspect", "heads", trained_run, "--out", plot, "--size", "1000x640")
     for word in ("prev-token", "induction", "uniform", f"wrote {plot}"):
         assert word in out
     assert png_size(plot) == (1000, 640)
+    old_name = runner.invoke(app, ["inspect", "heads", str(trained_run), "--plot", str(tmp_path / "old.png")])
+    assert old_name.exit_code == 0 and "--plot is deprecated" in old_name.output and (tmp_path / "old.png").is_file()
     printed = json.loads(ok("inspect", "heads", trained_run, "--json", "--seed", "3"))
     report = HeadReport.from_dict(printed)
     assert report.to_dict() == printed and len(report.heads) == 4 and report.probe["seed"] == 3

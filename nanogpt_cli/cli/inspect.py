@@ -121,10 +121,11 @@ def inspect_attention(
 @one_line_errors
 def inspect_heads(
     source: InspectSource,
-    plot: Annotated[
+    out: Annotated[
         Path | None,
-        typer.Option(help="Also draw the scores as layers x heads grids (.png, .svg, .pdf).", show_default=False),
+        typer.Option(help="Also draw the scores as layers x heads grids in this picture (.png, .svg or .pdf)."),
     ] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", hidden=True, help="Deprecated: --out.")] = None,
     prompt: Annotated[
         str | None,
         typer.Option(help="Measure previous-token, first-token and distance on this text instead of random tokens."),
@@ -147,24 +148,29 @@ def inspect_heads(
 ):
     """Score every head on standard probes and name what it does: previous-token, induction, sink, local, mixed.
 
-    Example: nanogpt inspect heads checkpoints/shk --plot heads.png
+    Example: nanogpt inspect heads checkpoints/shk --out heads.png
     """
     from nanogpt_cli.cli.ui import console, err_console
     from nanogpt_cli.inspect import heads_table, score_heads
     from nanogpt_cli.inspect.draw import draw_heads, parse_size
 
+    if plot is not None:  # the picture's old name, kept working (hidden) so scripts that use it do not break
+        if out is not None:
+            raise NanoGPTError("--plot is the deprecated name of --out; give --out only")
+        note("--plot is deprecated: give the picture with --out, as the other inspect commands take it")
+        out = plot
     text = _inspect_prompt(prompt, prompt_file)
     pixels = parse_size(size) if size is not None else None
-    if plot is not None:
-        _inspect_target(plot)
+    if out is not None:
+        _inspect_target(out)
     loaded, name = _inspect_load(source, last, device, dtype, threads)
     report = score_heads(loaded, source=source, name=name, length=length, seed=seed, prompt=text)
     if json_out:
         print(json.dumps(report.to_dict()))
     else:
         console.print(heads_table(report))
-    if plot is not None:
-        written = draw_heads(report, plot, size=pixels)
+    if out is not None:
+        written = draw_heads(report, out, size=pixels)
         (err_console if json_out else console).print(f"wrote {written}", highlight=False, soft_wrap=True)
 
 
