@@ -21,7 +21,7 @@ PER_COMMAND = {
     "--max-new-tokens": "tokens per sample, or per reply",
     "--batch-size": "rows per training micro-batch, or windows per scoring pass",
     "--data": "the dataset a command trains on or scores",
-    "--dtype": "training's autocast precision, or the precision weights are cast to for inference",
+    "--dtype": "training's autocast precision, or the cast of the weights: auto to generate, float32 to score",
     "--seed": "training's seed, sampling's seed, the probes' random sequences",
     "--split": "a hub dataset's split to read, or the prepared split to score",
     "--preset": "train's whole config, or finetune's training config",
@@ -59,6 +59,14 @@ def options(out: str) -> dict[str, str]:
     return {name: re.sub(r"\s*\[(default|required).*?\]", "", text).strip() for name, text in found.items()}
 
 
+def raw_help(out: str, name: str) -> str:
+    """One option's help as printed, its [default: ...] or [required ...] mark included, wrapped lines joined."""
+    text = out.split("Options:")[1]
+    start = re.search(rf"^  (-\S+, )?{name}(?=[\s/]).*$", text, re.M).start()
+    end = re.search(r"^  -", text[start + 3 :], re.M)
+    return " ".join(text[start : start + 3 + end.start() if end else None].split())
+
+
 @pytest.fixture(scope="module")
 def table() -> dict[str, dict[str, list[str]]]:
     """option name -> help text -> the commands that show it."""
@@ -92,6 +100,33 @@ def test_every_command_that_draws_a_picture_takes_it_with_out():
     for command in (["plot"], ["inspect", "attention"], ["inspect", "heads"], ["inspect", "positions"]):
         names = options(help_of(command))
         assert "--out" in names and "--plot" not in names, (command, sorted(names))
+
+
+def test_defaults_are_shown_as_values_not_in_parentheses():
+    shown = {" ".join(c): re.findall(r"\[default: \(.*?\)\]", help_of(c)) for c in commands()}
+    assert not {c: found for c, found in shown.items() if found}
+
+
+def test_data_is_marked_required_where_training_needs_it():
+    for command in (["train"], ["finetune"]):
+        assert "[required unless --resume or --config gives it]" in raw_help(help_of(command), "--data")
+
+
+def test_a_dtype_defaulting_to_float32_says_so_in_its_help():
+    for command in commands():
+        out = help_of(command)
+        if "--dtype" not in out:
+            continue
+        raw = raw_help(out, "--dtype")
+        if "[default: float32]" in raw:
+            assert "float32" in options(out)["--dtype"], (command, raw)
+
+
+@pytest.mark.parametrize("group", [[], ["tokenizer"], ["eval"], ["inspect"]])
+def test_the_command_lists_show_whole_summaries_at_80_columns(group):
+    out = runner.invoke(app, [*group, "--help"], terminal_width=80).output
+    listed = [line for line in out.split("Commands:")[1].splitlines() if line.startswith("  ")]
+    assert listed and all(len(line) <= 80 and line.endswith(".") and not line.endswith("...") for line in listed), out
 
 
 def test_the_preset_list_in_train_help_is_every_preset():

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import SOURCE_HELP, Device, DtypeOption, Last, PromptFile, Threads, note, one_line_errors
+from nanogpt_cli.cli.common import SOURCE_HELP, Device, Last, PromptFile, ScoreDtype, Threads, note, one_line_errors
 from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError
 
@@ -60,7 +60,7 @@ def _inspect_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
     return read_text_file(prompt_file, "--prompt-file")
 
 
-@inspect_app.command("attention")
+@inspect_app.command("attention", short_help="Draw the attention of every head over a prompt.")
 @one_line_errors
 def inspect_attention(
     source: InspectSource,
@@ -81,7 +81,7 @@ def inspect_attention(
     json_out: Annotated[bool, typer.Option("--json", help="Print the attention weights as JSON.")] = False,
     last: Last = False,
     device: Device = "auto",
-    dtype: DtypeOption = Dtype.float32,
+    dtype: ScoreDtype = Dtype.float32,
     threads: Threads = None,
 ):
     """Draw every layer's and head's attention over a prompt's tokens as a grid of heatmaps.
@@ -117,7 +117,7 @@ def inspect_attention(
         print(json.dumps(maps.to_dict()))
 
 
-@inspect_app.command("heads")
+@inspect_app.command("heads", short_help="Score every head on probes and name what it does.")
 @one_line_errors
 def inspect_heads(
     source: InspectSource,
@@ -143,7 +143,7 @@ def inspect_heads(
     json_out: Annotated[bool, typer.Option("--json", help="Print the scores as JSON instead of a table.")] = False,
     last: Last = False,
     device: Device = "auto",
-    dtype: DtypeOption = Dtype.float32,
+    dtype: ScoreDtype = Dtype.float32,
     threads: Threads = None,
 ):
     """Score every head on standard probes and name what it does: previous-token, induction, sink, local, mixed.
@@ -174,7 +174,7 @@ def inspect_heads(
         (err_console if json_out else console).print(f"wrote {written}", highlight=False, soft_wrap=True)
 
 
-@inspect_app.command("positions")
+@inspect_app.command("positions", short_help="Draw the model's position scheme.")
 @one_line_errors
 def inspect_positions(
     source: InspectSource,
