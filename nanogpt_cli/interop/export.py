@@ -129,7 +129,11 @@ def _check_target(out: Path, force: bool) -> None:
 
 
 def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished tmp into out; an existing out (--force) is set aside first and removed after."""
+    """Move the finished tmp into out, with the modes of files the user makes (safetensors writes 0600); an
+    existing out (--force) is set aside first and removed after."""
+    from nanogpt_cli.files import usual_modes
+
+    usual_modes(tmp)
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     if out.exists():
         os.replace(out, old)
