@@ -114,6 +114,38 @@ def test_the_readme_shows_every_command_and_ci_runs_its_test_command():
     assert "\nruff check .\n" in ci and "\nruff format --check .\n" in ci
 
 
+def written_by_readme() -> set[str]:
+    """The files and folders the README's commands write where they run: every --out, every "wrote X" they show,
+    and the folders of the datasets and tokenizers they make."""
+    written = {"data/x"}  # prepare writes DATA_DIR/NAME
+    for command in commands():
+        args = nanogpt_args(command)
+        written |= {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--out", "-o")}
+        written |= {m.group(1) for line in command.shown if (m := re.match(r"wrote (\S+)", line))}
+        if args[:2] == ["tokenizer", "train"]:
+            written.add(f"tokenizers/{args[args.index('--name') + 1]}")
+    return written
+
+
+def test_what_the_readme_writes_is_ignored_by_git_and_the_docs_pictures_are_not():
+    import shutil
+
+    if not (ROOT / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout (or no git), so .gitignore is not in use")
+    written = written_by_readme()
+    assert {"exports/shk", "loss.png", "shk.gguf", "count-train.jsonl"} <= written  # the parse found them
+    check = ["git", "-C", str(ROOT), "check-ignore", "--no-index", "--verbose", "--non-matching", *sorted(written)]
+    kept = [
+        line.split("\t")[1]
+        for line in subprocess.run(check, capture_output=True, text=True).stdout.splitlines()
+        if line.startswith("::")
+    ]
+    assert not kept, f"the README's commands write these, and git would offer to commit them: {kept}"
+    pictures = [str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.png")]
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", *pictures], capture_output=True)
+    assert pictures and not ignored.stdout, ignored.stdout
+
+
 def tiny(args: list[str]) -> list[str]:
     """A train command with the tiny preset in place of its own: the README's flags, a model that trains in
     seconds."""
