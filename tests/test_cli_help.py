@@ -68,12 +68,18 @@ def raw_help(out: str, name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def table() -> dict[str, dict[str, list[str]]]:
+def helps() -> dict[str, str]:
+    """Every command's --help, by the command's words ("eval perplexity")."""
+    return {" ".join(command): help_of(command) for command in commands()}
+
+
+@pytest.fixture(scope="module")
+def table(helps) -> dict[str, dict[str, list[str]]]:
     """option name -> help text -> the commands that show it."""
     seen: dict[str, dict[str, list[str]]] = {}
-    for command in commands():
-        for name, text in options(help_of(command)).items():
-            seen.setdefault(name, {}).setdefault(text, []).append(" ".join(command))
+    for command, out in helps.items():
+        for name, text in options(out).items():
+            seen.setdefault(name, {}).setdefault(text, []).append(command)
     return seen
 
 
@@ -96,25 +102,24 @@ def test_last_on_the_commands_that_load_weights_describes_those_weights(table):
     assert any("--init-from" in text and set(where) == {"train", "finetune"} for text, where in texts.items())
 
 
-def test_every_command_that_draws_a_picture_takes_it_with_out():
-    for command in (["plot"], ["inspect", "attention"], ["inspect", "heads"], ["inspect", "positions"]):
-        names = options(help_of(command))
+def test_every_command_that_draws_a_picture_takes_it_with_out(helps):
+    for command in ("plot", "inspect attention", "inspect heads", "inspect positions"):
+        names = options(helps[command])
         assert "--out" in names and "--plot" not in names, (command, sorted(names))
 
 
-def test_defaults_are_shown_as_values_not_in_parentheses():
-    shown = {" ".join(c): re.findall(r"\[default: \(.*?\)\]", help_of(c)) for c in commands()}
+def test_defaults_are_shown_as_values_not_in_parentheses(helps):
+    shown = {command: re.findall(r"\[default: \(.*?\)\]", out) for command, out in helps.items()}
     assert not {c: found for c, found in shown.items() if found}
 
 
-def test_data_is_marked_required_where_training_needs_it():
-    for command in (["train"], ["finetune"]):
-        assert "[required unless --resume or --config gives it]" in raw_help(help_of(command), "--data")
+def test_data_is_marked_required_where_training_needs_it(helps):
+    for command in ("train", "finetune"):
+        assert "[required unless --resume or --config gives it]" in raw_help(helps[command], "--data")
 
 
-def test_a_dtype_defaulting_to_float32_says_so_in_its_help():
-    for command in commands():
-        out = help_of(command)
+def test_a_dtype_defaulting_to_float32_says_so_in_its_help(helps):
+    for command, out in helps.items():
         if "--dtype" not in out:
             continue
         raw = raw_help(out, "--dtype")
