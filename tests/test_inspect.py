@@ -193,6 +193,7 @@ def repeated_stretch(g: torch.Generator, vocab: int, T: int, rows: int) -> tuple
     return x, y
 
 
+@pytest.mark.slow
 def test_a_two_layer_model_trained_on_repeated_sequences_grows_an_induction_head_in_its_second_layer():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this small runs ~10x slower on two threads of a busy machine than on one
@@ -253,6 +254,7 @@ def test_position_views_describe_the_scheme(pos):
 # --- the commands ---
 
 
+@pytest.mark.slow
 def test_attention_command_writes_the_grid_and_one_head_at_the_sizes_asked(trained_run, tmp_path):
     grid, one = tmp_path / "grid.png", tmp_path / "pics" / "one.png"
     out = ok("inspect", "attention", trained_run, "--prompt", PROMPT, "--out", grid, "--size", "900x700")

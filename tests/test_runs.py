@@ -213,6 +213,7 @@ def test_no_plot_skips_loss_png(char_data, tmp_path):
     assert (run / "model.safetensors").is_file() and not (run / "loss.png").exists()
 
 
+@pytest.mark.slow
 def test_wandb_runs_offline_without_network(char_data, tmp_path, monkeypatch, no_network):
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)
