@@ -60,6 +60,17 @@ def current_umask() -> int:
     return mask
 
 
+def usual_modes(path: str | Path) -> None:
+    """Give a file, or a folder and everything in it, the mode a new one gets under the user's umask (0644 and
+    0755 under the usual 022): some writers (safetensors, tempfile) create theirs 0600, readable by no one else."""
+    path = Path(path)
+    mask = current_umask()
+    for p in [path, *(path.rglob("*") if path.is_dir() else [])]:
+        if p.is_symlink():
+            continue
+        os.chmod(p, (0o777 if p.is_dir() else 0o666) & ~mask)
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     """Run write(tmp) on a temporary file beside path, then rename it into place: a crash mid-write
     leaves the previous file intact."""
@@ -67,7 +78,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write(tmp)
-        os.chmod(tmp, 0o666 & ~current_umask())  # some writers (safetensors) create their files 0600
+        usual_modes(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

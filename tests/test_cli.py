@@ -81,8 +81,8 @@ def test_train_options_are_the_config_fields_with_their_declared_help_and_choice
     for cls in (GPTConfig, TrainConfig):
         for f in dataclasses.fields(cls):
             assert f"--{flag(f.name)}" in out and "".join(f.metadata["help"].split()) in out, f.name
-    assert "--lr-schedule<cosine|constant|wsd>Learningrateschedule" in out and "[default:(cosine)]" in out
-    assert "--qk-norm/--no-qk-normRMSNormonqueriesandkeys.[default:(no-qk-norm)]" in out
+    assert "--lr-schedule<cosine|constant|wsd>Learningrateschedule" in out and "[default:cosine]" in out
+    assert "--qk-norm/--no-qk-normRMSNormonqueriesandkeys.[default:no-qk-norm]" in out
     result = CliRunner().invoke(app, ["train", "--lr-schedule", "linear"])
     assert result.exit_code != 0 and "'linear' is not one of 'cosine', 'constant', 'wsd'" in result.output
 
@@ -123,7 +123,7 @@ def test_help_fits_80_columns_with_whole_flag_names_and_no_bool_placeholder():
         lines = out.stdout.splitlines()
         assert max(map(len, lines)) <= 80 and "…" not in out.stdout and "<bool>" not in out.stdout
     train_help = run_main("train", "--help", env={**os.environ, "COLUMNS": "80"}).stdout
-    assert "--gradient-accumulation-steps" in train_help and "(2000)]" in " ".join(train_help.split())
+    assert "--gradient-accumulation-steps" in train_help and "[default: 2000]" in " ".join(train_help.split())
 
 
 @pytest.mark.parametrize(

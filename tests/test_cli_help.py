@@ -21,11 +21,10 @@ PER_COMMAND = {
     "--max-new-tokens": "tokens per sample, or per reply",
     "--batch-size": "rows per training micro-batch, or windows per scoring pass",
     "--data": "the dataset a command trains on or scores",
-    "--dtype": "training's autocast precision, or the precision weights are cast to for inference",
+    "--dtype": "training's autocast precision, or the cast of the weights: auto to generate, float32 to score",
     "--seed": "training's seed, sampling's seed, the probes' random sequences",
     "--split": "a hub dataset's split to read, or the prepared split to score",
     "--preset": "train's whole config, or finetune's training config",
-    "--plot": "a picture beside the command's own output",
     "--resume": "continue an interrupted prepare, or a run",
     "--vocab-size": "a model's vocabulary, or the size of the tokenizer to train",
     "--last": "which of a run's weights: the ones a command loads, or (train, finetune) those of --init-from",
@@ -60,13 +59,27 @@ def options(out: str) -> dict[str, str]:
     return {name: re.sub(r"\s*\[(default|required).*?\]", "", text).strip() for name, text in found.items()}
 
 
+def raw_help(out: str, name: str) -> str:
+    """One option's help as printed, its [default: ...] or [required ...] mark included, wrapped lines joined."""
+    text = out.split("Options:")[1]
+    start = re.search(rf"^  (-\S+, )?{name}(?=[\s/]).*$", text, re.M).start()
+    end = re.search(r"^  -", text[start + 3 :], re.M)
+    return " ".join(text[start : start + 3 + end.start() if end else None].split())
+
+
 @pytest.fixture(scope="module")
-def table() -> dict[str, dict[str, list[str]]]:
+def helps() -> dict[str, str]:
+    """Every command's --help, by the command's words ("eval perplexity")."""
+    return {" ".join(command): help_of(command) for command in commands()}
+
+
+@pytest.fixture(scope="module")
+def table(helps) -> dict[str, dict[str, list[str]]]:
     """option name -> help text -> the commands that show it."""
     seen: dict[str, dict[str, list[str]]] = {}
-    for command in commands():
-        for name, text in options(help_of(command)).items():
-            seen.setdefault(name, {}).setdefault(text, []).append(" ".join(command))
+    for command, out in helps.items():
+        for name, text in options(out).items():
+            seen.setdefault(name, {}).setdefault(text, []).append(command)
     return seen
 
 
@@ -87,6 +100,38 @@ def test_last_on_the_commands_that_load_weights_describes_those_weights(table):
         if loading & set(where):
             assert loading <= set(where) and "--init-from" not in text and "last weights" in text, (text, where)
     assert any("--init-from" in text and set(where) == {"train", "finetune"} for text, where in texts.items())
+
+
+def test_every_command_that_draws_a_picture_takes_it_with_out(helps):
+    for command in ("plot", "inspect attention", "inspect heads", "inspect positions"):
+        names = options(helps[command])
+        assert "--out" in names and "--plot" not in names, (command, sorted(names))
+
+
+def test_defaults_are_shown_as_values_not_in_parentheses(helps):
+    shown = {command: re.findall(r"\[default: \(.*?\)\]", out) for command, out in helps.items()}
+    assert not {c: found for c, found in shown.items() if found}
+
+
+def test_data_is_marked_required_where_training_needs_it(helps):
+    for command in ("train", "finetune"):
+        assert "[required unless --resume or --config gives it]" in raw_help(helps[command], "--data")
+
+
+def test_a_dtype_defaulting_to_float32_says_so_in_its_help(helps):
+    for command, out in helps.items():
+        if "--dtype" not in out:
+            continue
+        raw = raw_help(out, "--dtype")
+        if "[default: float32]" in raw:
+            assert "float32" in options(out)["--dtype"], (command, raw)
+
+
+@pytest.mark.parametrize("group", [[], ["tokenizer"], ["eval"], ["inspect"]])
+def test_the_command_lists_show_whole_summaries_at_80_columns(group):
+    out = runner.invoke(app, [*group, "--help"], terminal_width=80).output
+    listed = [line for line in out.split("Commands:")[1].splitlines() if line.startswith("  ")]
+    assert listed and all(len(line) <= 80 and line.endswith(".") and not line.endswith("...") for line in listed), out
 
 
 def test_the_preset_list_in_train_help_is_every_preset():

@@ -260,6 +260,7 @@ def test_encoding_reads_text_that_is_not_utf8(tmp_path, data_dir):
     assert tok.decode(ids) == text and meta["encoding"] == "cp1252"
 
 
+@pytest.mark.slow
 def test_the_stage_line_counts_what_every_worker_wrote(monkeypatch, tmp_path, data_dir):
     source = tmp_path / "docs.jsonl"
     source.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(64)))

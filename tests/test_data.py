@@ -537,6 +537,7 @@ def test_a_killed_prepare_resumes_to_the_same_bytes(kind, tmp_path, data_dir):
     assert not (data_dir / ".web.partial").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker processes in /proc")
 def test_a_killed_prepare_leaves_no_worker_behind(tmp_path, data_dir):
     source = docs_jsonl(tmp_path / "docs.jsonl", 400)

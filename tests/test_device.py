@@ -88,6 +88,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc settings")
 def test_keeping_freed_memory_stops_tensors_faulting_their_pages_in_again():
     """Each fresh process allocates and frees three 4 MiB tensors 50 times: mapped afresh, each faults its 1,024

@@ -91,6 +91,26 @@ def test_hf_export_computes_our_function_and_round_trips(arch, tmp_path):
     assert tensors(out / "model.safetensors") == tensors(tmp_path / "again" / "model.safetensors")
 
 
+@pytest.mark.parametrize("umask,file_mode,folder_mode", [(0o022, 0o644, 0o755), (0o027, 0o640, 0o750)])
+def test_exported_files_get_the_mode_the_umask_gives_a_new_file(umask, file_mode, folder_mode, tmp_path):
+    """safetensors creates model.safetensors 0600; every file of an export gets the mode of any other new file."""
+    import os
+
+    tok = build_tokenizer("byte")
+    model = tiny_model(tok.vocab_size, norm="rmsnorm", mlp="swiglu")
+    old = os.umask(umask)
+    try:
+        export_hf(model, tok.describe(), tmp_path / "hf")
+        export_hf(model, tok.describe(), tmp_path / "hf", force=True)  # a replaced export too
+        export_gguf(model, tok.describe(), tmp_path / "model.gguf")
+    finally:
+        os.umask(old)
+    files = [*(tmp_path / "hf").iterdir(), tmp_path / "model.gguf"]
+    modes = {p.name: p.stat().st_mode & 0o777 for p in files}
+    assert "model.safetensors" in modes and set(modes.values()) == {file_mode}, modes
+    assert (tmp_path / "hf").stat().st_mode & 0o777 == folder_mode
+
+
 def test_hf_export_files_load_in_older_transformers_too(tmp_path):
     """The keys transformers 4.x reads: RoPE base at the top level, a tokenizer class it knows, n_ctx for GPT-2."""
     tok = build_tokenizer("byte")

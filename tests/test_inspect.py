@@ -193,6 +193,7 @@ def repeated_stretch(g: torch.Generator, vocab: int, T: int, rows: int) -> tuple
     return x, y
 
 
+@pytest.mark.slow
 def test_a_two_layer_model_trained_on_repeated_sequences_grows_an_induction_head_in_its_second_layer():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a model this small runs ~10x slower on two threads of a busy machine than on one
@@ -253,6 +254,7 @@ def test_position_views_describe_the_scheme(pos):
 # --- the commands ---
 
 
+@pytest.mark.slow
 def test_attention_command_writes_the_grid_and_one_head_at_the_sizes_asked(trained_run, tmp_path):
     grid, one = tmp_path / "grid.png", tmp_path / "pics" / "one.png"
     out = ok("inspect", "attention", trained_run, "--prompt", PROMPT, "--out", grid, "--size", "900x700")
@@ -294,10 +296,12 @@ def test_attention_json_round_trips_to_the_librarys_maps(trained_run, tmp_path):
 
 def test_heads_command_prints_the_table_json_and_plot(trained_run, tmp_path):
     plot = tmp_path / "heads.png"
-    out = ok("inspect", "heads", trained_run, "--plot", plot, "--size", "1000x640")
+    out = ok("inspect", "heads", trained_run, "--out", plot, "--size", "1000x640")
     for word in ("prev-token", "induction", "uniform", f"wrote {plot}"):
         assert word in out
     assert png_size(plot) == (1000, 640)
+    old_name = runner.invoke(app, ["inspect", "heads", str(trained_run), "--plot", str(tmp_path / "old.png")])
+    assert old_name.exit_code == 0 and "--plot is deprecated" in old_name.output and (tmp_path / "old.png").is_file()
     printed = json.loads(ok("inspect", "heads", trained_run, "--json", "--seed", "3"))
     report = HeadReport.from_dict(printed)
     assert report.to_dict() == printed and len(report.heads) == 4 and report.probe["seed"] == 3

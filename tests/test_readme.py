@@ -114,6 +114,71 @@ def test_the_readme_shows_every_command_and_ci_runs_its_test_command():
     assert "\nruff check .\n" in ci and "\nruff format --check .\n" in ci
 
 
+def test_the_command_table_names_every_command():
+    table = README.split("## Commands")[1].split("\n\n")[1]
+    named = {w for cell in re.findall(r"^\| ([^|]+) \|", table, re.M) for w in re.findall(r"`(?:nanogpt )?(\w+)", cell)}
+    listed = CliRunner().invoke(app, ["--help"], terminal_width=200).output.split("Commands:")[1].splitlines()
+    commands = {line.split()[0] for line in listed if line.startswith("  ")}
+    assert len(commands) > 10 and commands <= named, sorted(commands - named)
+
+
+# the README examples whose commands need an extra, and the extra (the library's `require` calls name it too)
+NEEDS_EXTRA = {("tokenizer", "train"): "hf", ("export",): "hf", ("serve",): "serve", ("plot",): "plot"}
+
+
+def test_each_readme_example_that_needs_an_extra_says_which():
+    for section in README.split("\n### ")[1:]:
+        for line in re.findall(r"^(?:\$ )?nanogpt (.+)$", section, re.M):
+            words = tuple(line.split())
+            for start, extra in NEEDS_EXTRA.items():
+                if words[: len(start)] == start:
+                    assert f'pip install -e ".[{extra}]"' in section, (section.splitlines()[0], extra)
+
+
+def test_the_extras_table_in_docs_cli_lists_every_extra():
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    text = (ROOT / "docs" / "cli.md").read_text(encoding="utf-8").split("## Optional extras")[1]
+    rows = set(re.findall(r"^\| `([\w-]+)` \|", text, re.M))
+    assert set(extras) <= rows, sorted(set(extras) - rows)
+
+
+def written_by_readme() -> set[str]:
+    """The files and folders the README's commands write where they run: every --out, every "wrote X" they show,
+    and the folders of the datasets and tokenizers they make."""
+    written = {"data/x"}  # prepare writes DATA_DIR/NAME
+    for command in commands():
+        args = nanogpt_args(command)
+        written |= {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--out", "-o")}
+        written |= {m.group(1) for line in command.shown if (m := re.match(r"wrote (\S+)", line))}
+        if args[:2] == ["tokenizer", "train"]:
+            written.add(f"tokenizers/{args[args.index('--name') + 1]}")
+    return written
+
+
+def test_what_the_readme_writes_is_ignored_by_git_and_the_docs_pictures_are_not():
+    import shutil
+
+    if not (ROOT / ".git").exists() or shutil.which("git") is None:
+        pytest.skip("not a git checkout (or no git), so .gitignore is not in use")
+    written = written_by_readme()
+    assert {"exports/shk", "loss.png", "shk.gguf", "count-train.jsonl"} <= written  # the parse found them
+    check = ["git", "-C", str(ROOT), "check-ignore", "--no-index", "--verbose", "--non-matching", *sorted(written)]
+    kept = [
+        line.split("\t")[1]
+        for line in subprocess.run(check, capture_output=True, text=True).stdout.splitlines()
+        if line.startswith("::")
+    ]
+    assert not kept, f"the README's commands write these, and git would offer to commit them: {kept}"
+    pictures = [str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.png")]
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", *pictures], capture_output=True)
+    assert pictures and not ignored.stdout, ignored.stdout
+
+
 def tiny(args: list[str]) -> list[str]:
     """A train command with the tiny preset in place of its own: the README's flags, a model that trains in
     seconds."""
@@ -121,6 +186,19 @@ def tiny(args: list[str]) -> list[str]:
         i = args.index("--preset")
         return [*args[:i], "--preset", "tiny", *args[i + 2 :]]
     return [*args, "--preset", "tiny"]
+
+
+def box_rows(lines: list[str]) -> dict[str, str]:
+    """The rows of the first box table in lines (label -> value; a value wrapped over lines joined)."""
+    rows, label = {}, None
+    for line in lines:
+        if line.startswith("└"):
+            break
+        if line.startswith("│"):
+            first, value = (cell.strip() for cell in line.strip("│").split("│"))
+            label = first or label
+            rows[label] = f"{rows[label]} {value}" if not first else value
+    return rows
 
 
 def digits(line: str) -> str:
@@ -183,6 +261,9 @@ def test_the_readme_examples_run_as_written_and_print_what_it_shows(tmp_path):
                 if command.args[0] in INTERACTIVE:  # the replies of a tiny model are not the README's
                     ran.append(command.args[0])
                     continue
+            if command.args[0] == "info":  # the rows it shows, and the model in words (numbers aside)
+                shown, printed = box_rows(command.shown), box_rows(output.splitlines())
+                assert list(shown) == list(printed) and digits(shown["model"]) == digits(printed["model"]), output
             first_shown = next((line for line in command.shown if line.strip()), None)
             if first_shown is not None and "..." not in first_shown:
                 first = next((line for line in output.splitlines() if line.strip()), "")

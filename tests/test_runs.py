@@ -1,6 +1,7 @@
 """The daily-use commands around runs: `runs`, `info`, `plot`, loss.png, trackers and shell completion."""
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -71,6 +72,43 @@ def test_runs_fits_the_width_without_wrapping_a_name(three_runs, tmp_path, width
 def test_runs_of_a_missing_folder_is_one_sentence(tmp_path):
     result = runner.invoke(app, ["runs", str(tmp_path / "nope")])
     assert result.exit_code == 1 and "is not a folder of runs" in result.output
+
+
+@pytest.fixture
+def runs_folder(three_runs, tmp_path, monkeypatch):
+    """A fresh working folder whose checkpoints/ holds one run, done: what `nanogpt runs` lists by default."""
+    import shutil
+
+    shutil.copytree(three_runs / "done", tmp_path / "checkpoints" / "done")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_a_run_name_as_runs_prints_it_is_the_run_in_checkpoints(runs_folder, char_data):
+    """`nanogpt runs` prints a run's name; the commands that load weights take that name (a path that exists wins)."""
+    data_dir, name = char_data
+    assert [json.loads(line)["name"] for line in ok("runs", "--json").splitlines()] == ["done"]
+    ok("sample", "--checkpoint", "done", "--max-new-tokens", "3")
+    ok("eval", "perplexity", "--checkpoint", "done", "--data", name, "--data-dir", data_dir)
+    assert json.loads(ok("info", "done", "--json"))["path"] == str(Path("checkpoints") / "done")
+    init = ["train", "--data", name, "--data-dir", data_dir, "--preset", "tiny", "--init-from", "done", "--out", "new"]
+    ok(*init, "--max-iters", "1", "--eval-iters", "1", "--no-plot", "--dtype", "float32", "--device", "cpu")
+    missing = runner.invoke(app, ["sample", "--checkpoint", "nope"])
+    assert missing.exit_code == 1
+    assert "checkpoint nope does not exist, nor does checkpoints/nope; runs in checkpoints: done" in missing.output
+    (runs_folder / "done").mkdir()  # a folder of that name here is what the user means: it wins over the run
+    (runs_folder / "done" / "notes.txt").write_text("not a run")
+    shadowed = runner.invoke(app, ["sample", "--checkpoint", "done"])
+    assert shadowed.exit_code == 1 and "no checkpoint in done: it holds notes.txt" in shadowed.output
+
+
+@pytest.mark.slow
+def test_a_run_name_is_the_run_in_checkpoints_for_pictures_and_exports_too(runs_folder):
+    ok("inspect", "positions", "done", "--out", "positions.png")
+    ok("plot", "done", "--out", "loss.png")
+    ok("export", "done", "--format", "hf", "--out", "exports/done")
+    origin = json.loads((runs_folder / "exports" / "done" / "config.json").read_text())["nanogpt_origin"]
+    assert origin["run"] == str(Path("checkpoints") / "done")  # the export names the run it came from
 
 
 def test_info_of_a_run_and_of_a_weights_file(three_runs):
@@ -175,6 +213,7 @@ def test_no_plot_skips_loss_png(char_data, tmp_path):
     assert (run / "model.safetensors").is_file() and not (run / "loss.png").exists()
 
 
+@pytest.mark.slow
 def test_wandb_runs_offline_without_network(char_data, tmp_path, monkeypatch, no_network):
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)

@@ -420,6 +420,7 @@ def _swallow(fn):
         return None
 
 
+@pytest.mark.slow
 def test_the_chat_page_in_a_real_browser_shows_the_greedy_reply(live, client, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs playwright (dev extra)")
     chromium = shutil.which("chromium") or (CHROMIUM if os.path.exists(CHROMIUM) else None)
@@ -453,6 +454,7 @@ def test_the_chat_page_in_a_real_browser_shows_the_greedy_reply(live, client, tm
     assert reply == expected and out.stat().st_size > 1000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_the_command_prints_its_url_and_a_signal_ends_open_streams_and_exits_0(model_path, sig):
     import signal

@@ -45,20 +45,39 @@ def show_help_without_command(ctx: typer.Context) -> None:
         raise typer.Exit(0)
 
 
-# the commands in the order `nanogpt --help` lists them: data, training, using a model, looking at runs
-app.command()(data.prepare)
-app.add_typer(data.tokenizer_app, name="tokenizer", callback=show_help_without_command, invoke_without_command=True)
-app.command()(train.train)
-app.command()(train.finetune)
-app.command()(generate.sample)
-app.command()(generate.chat)
-app.add_typer(eval.eval_app, name="eval", callback=show_help_without_command, invoke_without_command=True)
-app.command()(serve.serve)
-app.command()(export.export)
-app.command()(runs.runs)
-app.command()(runs.info)
-app.command()(runs.plot)
-app.add_typer(inspect.inspect_app, name="inspect", callback=show_help_without_command, invoke_without_command=True)
+# the commands in the order `nanogpt --help` lists them: data, training, using a model, looking at runs. Each has a
+# one-sentence summary for that list that fits 80 columns (click cuts a longer first line of the help with "...")
+app.command(short_help="Tokenize text into a dataset of shards that training reads.")(data.prepare)
+app.add_typer(
+    data.tokenizer_app,
+    name="tokenizer",
+    short_help="Train a BPE tokenizer, or see how a tokenizer splits text.",
+    callback=show_help_without_command,
+    invoke_without_command=True,
+)
+app.command(short_help="Train a GPT on a prepared dataset, with resumable checkpoints.")(train.train)
+app.command(short_help="Fine-tune trained weights: all of them, or LoRA adapters.")(train.finetune)
+app.command(short_help="Generate text from a trained model.")(generate.sample)
+app.command(short_help="Talk to a model in the terminal.")(generate.chat)
+app.add_typer(
+    eval.eval_app,
+    name="eval",
+    short_help="Evaluate a trained model.",
+    callback=show_help_without_command,
+    invoke_without_command=True,
+)
+app.command(short_help="Serve a model over the OpenAI API, with a chat page.")(serve.serve)
+app.command(short_help="Write a run as a Hugging Face folder or a GGUF file.")(export.export)
+app.command(short_help="List the runs in a folder, with their progress and status.")(runs.runs)
+app.command(short_help="Describe a run or weights file: config, size, losses, files.")(runs.info)
+app.command(short_help="Draw the loss curves of one run or several.")(runs.plot)
+app.add_typer(
+    inspect.inspect_app,
+    name="inspect",
+    short_help="Look inside a model: attention maps, heads, positions.",
+    callback=show_help_without_command,
+    invoke_without_command=True,
+)
 
 
 def main():

@@ -91,24 +91,31 @@ def config_options(command):
     return run
 
 
+# what a field's declaration cannot say: --data has no default, yet training needs it unless a resumed run or a
+# --config file gives it
+REQUIRED_UNLESS = {"data": "[required unless --resume or --config gives it]"}
+
+
 def config_option(cls, field):
-    """The CLI option of one config field: --name (--name/--no-name for a bool), of the field's type."""
+    """The CLI option of one config field: --name (--name/--no-name for a bool), of the field's type. The default
+    its help shows is the field's, written into the help text: the option's own default is None (unset)."""
     import inspect
 
     from nanogpt_cli.config import field_types
 
     kind, _ = field_types(cls)[field.name]
     name, default = flag(field.name), field.default
-    if default in (None, "") or not field.metadata.get("default_shown", True):
-        shown = False
-    elif kind is bool:
-        shown = name if default else f"no-{name}"
-    else:
-        shown = str(default)
+    help = field.metadata["help"]
+    if field.name in REQUIRED_UNLESS:
+        help += f"  {REQUIRED_UNLESS[field.name]}"
+    elif default not in (None, "") and field.metadata.get("default_shown", True):
+        # in the text, not show_default=: Click prints a string given there in parentheses, "[default: (256)]"
+        shown = (name if default else f"no-{name}") if kind is bool else default
+        help += f"  [default: {shown}]"
     option = typer.Option(
         *([f"--{name}/--no-{name}"] if kind is bool else []),
-        help=field.metadata["help"],
-        show_default=shown,
+        help=help,
+        show_default=False,
         rich_help_panel=field.metadata.get("panel", cls.PANEL) or None,
     )
     return inspect.Parameter(
@@ -117,14 +124,24 @@ def config_option(cls, field):
 
 
 # options that several commands share
-Checkpoint = Annotated[
-    str,
-    typer.Option(help="Run folder (its best weights), a .safetensors file, or a Hugging Face model folder or hf:NAME."),
-]
+# the weights a command loads (interop/loading.py): a bare name is a run in checkpoints/, as `nanogpt runs` lists it
+SOURCE_HELP = (
+    "Run folder (its best weights) or a run's name in checkpoints/, a .safetensors file, a Hugging Face folder or "
+    "hf:NAME."
+)
+Checkpoint = Annotated[str, typer.Option(help=SOURCE_HELP)]
 Last = Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")]
 Device = Annotated[str, typer.Option(help=field_help(TrainConfig, "device"))]
 DtypeOption = Annotated[
     Dtype, typer.Option(help="Precision the weights are cast to (auto: from the device and their size).")
+]
+# eval and inspect measure: their default is float32, and their help says so (DtypeOption's explains auto)
+ScoreDtype = Annotated[
+    Dtype,
+    typer.Option(
+        help="Precision the weights are cast to; the default float32 scores in full precision, comparable between "
+        "runs (auto: from the device and the weights' size)."
+    ),
 ]
 DATA_DIR_HELP = field_help(TrainConfig, "data_dir")
 Threads = Annotated[

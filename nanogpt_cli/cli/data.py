@@ -197,7 +197,7 @@ def tokenizer_table(result):
     )
 
 
-@tokenizer_app.command("train")
+@tokenizer_app.command("train", short_help="Train a byte-level BPE tokenizer on text.")
 @one_line_errors
 def tokenizer_train(
     source: Source,
@@ -276,7 +276,7 @@ def _load_tokenizer(name: str, tokenizers_dir: Path):
     return build_tokenizer(name, tokenizers_dir=tokenizers_dir)
 
 
-@tokenizer_app.command("info")
+@tokenizer_app.command("info", short_help="Describe a tokenizer: vocabulary, pattern, special tokens.")
 @one_line_errors
 def tokenizer_info(
     name: Annotated[str, typer.Argument(help="A trained tokenizer's NAME or folder, or gpt2, byte, cl100k_base.")],
@@ -324,7 +324,7 @@ def tokenizer_info(
     console.print(summary_table(f"tokenizer {tok.name}", rows))
 
 
-@tokenizer_app.command("encode")
+@tokenizer_app.command("encode", short_help="Show the ids a tokenizer gives a text.")
 @one_line_errors
 def tokenizer_encode(
     name: Annotated[str, typer.Argument(help="A trained tokenizer's NAME or folder, or gpt2, byte, cl100k_base.")],

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import DATA_DIR_HELP, Checkpoint, Device, DtypeOption, Last, Threads, one_line_errors
+from nanogpt_cli.cli.common import DATA_DIR_HELP, Checkpoint, Device, Last, ScoreDtype, Threads, one_line_errors
 from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError
 
@@ -22,7 +22,7 @@ eval_app = typer.Typer(
 )
 
 
-@eval_app.command()
+@eval_app.command(short_help="Score a dataset split or text files: loss, perplexity.")
 @one_line_errors
 def perplexity(
     checkpoint: Checkpoint,
@@ -37,7 +37,7 @@ def perplexity(
     last: Last = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     device: Device = "auto",
-    dtype: DtypeOption = Dtype.float32,
+    dtype: ScoreDtype = Dtype.float32,
     threads: Threads = None,
 ):
     """Score every token of a dataset split or text files once: loss, perplexity, bits per byte.

@@ -10,14 +10,14 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import Last, one_line_errors
+from nanogpt_cli.cli.common import SOURCE_HELP, Last, one_line_errors
 
 
 @one_line_errors
 def export(
     run: Annotated[
         str,
-        typer.Argument(help="Run folder (its best weights), a .safetensors file, a Hugging Face folder or hf:NAME."),
+        typer.Argument(help=SOURCE_HELP),
     ],
     out: Annotated[Path, typer.Option(help="Folder to write (hf, peft) or FILE.gguf (gguf).")],
     format: Annotated[

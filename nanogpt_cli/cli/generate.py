@@ -13,6 +13,7 @@ from typing import Annotated
 import typer
 
 from nanogpt_cli.cli.common import (
+    SOURCE_HELP,
     Checkpoint,
     Device,
     DtypeOption,
@@ -158,7 +159,7 @@ def interactive_loop(run, first: str | None) -> None:
 
 @one_line_errors
 def chat(
-    source: Annotated[str, typer.Argument(help="Run folder, .safetensors file, Hugging Face folder or hf:NAME.")],
+    source: Annotated[str, typer.Argument(help=SOURCE_HELP)],
     system: Annotated[
         str | None, typer.Option(help="A system prompt at the start of the conversation.", show_default=False)
     ] = None,

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import Device, DtypeOption, Last, PromptFile, Threads, note, one_line_errors
+from nanogpt_cli.cli.common import SOURCE_HELP, Device, Last, PromptFile, ScoreDtype, Threads, note, one_line_errors
 from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError
 
@@ -22,9 +22,7 @@ inspect_app = typer.Typer(
 )
 InspectSource = Annotated[
     str,
-    typer.Argument(
-        help="Run folder (its best weights), a .safetensors file, or a Hugging Face model folder or hf:NAME."
-    ),
+    typer.Argument(help=SOURCE_HELP),
 ]
 Size = Annotated[
     str | None,
@@ -62,7 +60,7 @@ def _inspect_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
     return read_text_file(prompt_file, "--prompt-file")
 
 
-@inspect_app.command("attention")
+@inspect_app.command("attention", short_help="Draw the attention of every head over a prompt.")
 @one_line_errors
 def inspect_attention(
     source: InspectSource,
@@ -83,7 +81,7 @@ def inspect_attention(
     json_out: Annotated[bool, typer.Option("--json", help="Print the attention weights as JSON.")] = False,
     last: Last = False,
     device: Device = "auto",
-    dtype: DtypeOption = Dtype.float32,
+    dtype: ScoreDtype = Dtype.float32,
     threads: Threads = None,
 ):
     """Draw every layer's and head's attention over a prompt's tokens as a grid of heatmaps.
@@ -119,14 +117,15 @@ def inspect_attention(
         print(json.dumps(maps.to_dict()))
 
 
-@inspect_app.command("heads")
+@inspect_app.command("heads", short_help="Score every head on probes and name what it does.")
 @one_line_errors
 def inspect_heads(
     source: InspectSource,
-    plot: Annotated[
+    out: Annotated[
         Path | None,
-        typer.Option(help="Also draw the scores as layers x heads grids (.png, .svg, .pdf).", show_default=False),
+        typer.Option(help="Also draw the scores as layers x heads grids in this picture (.png, .svg or .pdf)."),
     ] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", hidden=True, help="Deprecated: --out.")] = None,
     prompt: Annotated[
         str | None,
         typer.Option(help="Measure previous-token, first-token and distance on this text instead of random tokens."),
@@ -144,33 +143,38 @@ def inspect_heads(
     json_out: Annotated[bool, typer.Option("--json", help="Print the scores as JSON instead of a table.")] = False,
     last: Last = False,
     device: Device = "auto",
-    dtype: DtypeOption = Dtype.float32,
+    dtype: ScoreDtype = Dtype.float32,
     threads: Threads = None,
 ):
     """Score every head on standard probes and name what it does: previous-token, induction, sink, local, mixed.
 
-    Example: nanogpt inspect heads checkpoints/shk --plot heads.png
+    Example: nanogpt inspect heads checkpoints/shk --out heads.png
     """
     from nanogpt_cli.cli.ui import console, err_console
     from nanogpt_cli.inspect import heads_table, score_heads
     from nanogpt_cli.inspect.draw import draw_heads, parse_size
 
+    if plot is not None:  # the picture's old name, kept working (hidden) so scripts that use it do not break
+        if out is not None:
+            raise NanoGPTError("--plot is the deprecated name of --out; give --out only")
+        note("--plot is deprecated: give the picture with --out, as the other inspect commands take it")
+        out = plot
     text = _inspect_prompt(prompt, prompt_file)
     pixels = parse_size(size) if size is not None else None
-    if plot is not None:
-        _inspect_target(plot)
+    if out is not None:
+        _inspect_target(out)
     loaded, name = _inspect_load(source, last, device, dtype, threads)
     report = score_heads(loaded, source=source, name=name, length=length, seed=seed, prompt=text)
     if json_out:
         print(json.dumps(report.to_dict()))
     else:
         console.print(heads_table(report))
-    if plot is not None:
-        written = draw_heads(report, plot, size=pixels)
+    if out is not None:
+        written = draw_heads(report, out, size=pixels)
         (err_console if json_out else console).print(f"wrote {written}", highlight=False, soft_wrap=True)
 
 
-@inspect_app.command("positions")
+@inspect_app.command("positions", short_help="Draw the model's position scheme.")
 @one_line_errors
 def inspect_positions(
     source: InspectSource,

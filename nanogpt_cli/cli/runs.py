@@ -41,7 +41,9 @@ def runs(
 
 @one_line_errors
 def info(
-    path: Annotated[Path, typer.Argument(help="A run folder, a .safetensors weights file or a .gguf export.")],
+    path: Annotated[
+        Path, typer.Argument(help="A run folder or a run's name in checkpoints/, a .safetensors file or .gguf export.")
+    ],
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ):
     """Describe a run or weights file: config, parameters, FLOPs per token, tokenizer, losses, files.
@@ -49,8 +51,13 @@ def info(
     Example: nanogpt info checkpoints/shk
     """
     from nanogpt_cli.cli.ui import console, info_table
+    from nanogpt_cli.errors import NanoGPTError
     from nanogpt_cli.inspect.catalog import inspect_path
+    from nanogpt_cli.runs.rundir import find_run, missing_source
 
+    path = Path(find_run(path))
+    if not path.exists():
+        raise NanoGPTError(missing_source(path))
     result = inspect_path(path)
     if json_out:
         print(json.dumps(result.to_dict()))
@@ -60,7 +67,7 @@ def info(
 
 @one_line_errors
 def plot(
-    runs: Annotated[list[Path], typer.Argument(help="Run folders to draw (one or more).")],
+    runs: Annotated[list[Path], typer.Argument(help="Run folders (or run names in checkpoints/) to draw.")],
     out: Annotated[
         Path | None, typer.Option(help="Write a .png/.svg/.pdf here instead of drawing in the terminal.")
     ] = None,
@@ -71,7 +78,9 @@ def plot(
     """
     from nanogpt_cli.cli.ui import console
     from nanogpt_cli.inspect.plot import terminal_plot, write_png
+    from nanogpt_cli.runs.rundir import find_run
 
+    runs = [Path(find_run(run)) for run in runs]
     if out is not None:
         from nanogpt_cli.files import check_creatable
 

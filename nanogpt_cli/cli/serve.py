@@ -9,13 +9,13 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import Device, DtypeOption, Last, Threads, note, one_line_errors
+from nanogpt_cli.cli.common import SOURCE_HELP, Device, DtypeOption, Last, Threads, note, one_line_errors
 from nanogpt_cli.config import Dtype
 
 
 @one_line_errors
 def serve(
-    source: Annotated[str, typer.Argument(help="Run folder, .safetensors file, Hugging Face folder or hf:NAME.")],
+    source: Annotated[str, typer.Argument(help=SOURCE_HELP)],
     host: Annotated[
         str, typer.Option(help="Address to listen on; anything but loopback wants --api-key.")
     ] = "127.0.0.1",

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import Threads, config_options, fail, note, one_line_errors, prints
+from nanogpt_cli.cli.common import Threads, config_options, note, one_line_errors, prints
 from nanogpt_cli.config import PRESETS
 from nanogpt_cli.errors import NanoGPTError
 
@@ -22,8 +22,8 @@ Force = Annotated[bool, typer.Option("--force", help="Start over in an --out tha
 InitFrom = Annotated[
     str | None,
     typer.Option(
-        help="The weights to start from, with a fresh optimizer: a run folder, a .safetensors file, a Hugging Face "
-        "folder or hf:NAME (not needed with --resume).",
+        help="The weights to start from, with a fresh optimizer: a run folder or a run's name in checkpoints/, a "
+        ".safetensors file, a Hugging Face folder or hf:NAME (not needed with --resume).",
         show_default=False,
     ),
 ]
@@ -268,8 +268,8 @@ def report_training(plan, result, plot: bool = True) -> None:
     from nanogpt_cli.training.launch import launch_flags
 
     resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
-    if result.stopped in ("SIGINT", "SIGTERM"):
-        fail(stopped_line(plan, result))
+    if result.stopped in ("SIGINT", "SIGTERM"):  # a stop the user asked for, after a save: a note, not an error
+        note(stopped_line(plan, result))
     if result.stopped == "stop_at":
         console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_with}")
     if result.stopped == "max_time":

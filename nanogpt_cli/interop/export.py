@@ -60,6 +60,9 @@ def export(
         raise NanoGPTError("--quant applies to --format gguf only")
     if base is not None and fmt != "peft":
         raise NanoGPTError("--base applies to --format peft only")
+    from nanogpt_cli.runs.rundir import find_run
+
+    source = find_run(source)  # a bare run name: the run under checkpoints/, which the export's origin names
     lora = lora_weights(source, last)
     if fmt == "peft":
         if lora is None:
@@ -126,7 +129,11 @@ def _check_target(out: Path, force: bool) -> None:
 
 
 def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished tmp into out; an existing out (--force) is set aside first and removed after."""
+    """Move the finished tmp into out, with the modes of files the user makes (safetensors writes 0600); an
+    existing out (--force) is set aside first and removed after."""
+    from nanogpt_cli.files import usual_modes
+
+    usual_modes(tmp)
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     if out.exists():
         os.replace(out, old)

@@ -19,14 +19,15 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop import hf
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import load_weights, read_metadata
-from nanogpt_cli.runs.rundir import resolve_weights
+from nanogpt_cli.runs.rundir import find_run, resolve_weights
 from nanogpt_cli.tokenizer import Tokenizer, tokenizer_from_description
 
 
 def load_model(path: str | Path, last: bool = False, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
     """The model rebuilt from a checkpoint alone (its config is in the metadata), and that metadata. A Hugging
     Face model (hf:NAME, or a folder holding a transformers config.json) is converted, and its metadata holds
-    the config and our description of its tokenizer (see hf.py)."""
+    the config and our description of its tokenizer (see hf.py). A bare run name is a run under checkpoints/."""
+    path = find_run(path)
     if hf.is_hf_source(path):
         model, tokenizer = hf.load_pretrained(path)
         return model.to(device), {"config": model.config.to_dict(), "tokenizer": tokenizer, "source": str(path)}

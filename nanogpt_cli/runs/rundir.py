@@ -54,6 +54,7 @@ from nanogpt_cli.runs.checkpoint import (
 LAST, BEST = "model.safetensors", "best.safetensors"
 OPTIMIZER, TRAINER, CONFIG, METRICS = "optimizer.safetensors", "trainer.json", "config.json", "metrics.jsonl"
 LOSS_PLOT = "loss.png"  # drawn from metrics.jsonl at the end of `nanogpt train` when matplotlib is installed
+RUNS_DIR = Path("checkpoints")  # the folder of runs: `nanogpt runs` lists it; a bare run name is looked up in it
 
 
 class RunDir:
@@ -446,10 +447,21 @@ class SavePoint:
         load_optimizer(self.optimizer, optimizer, load)
 
 
+def find_run(source: str | Path) -> str | Path:
+    """Where a source the user gave points: itself when it exists (a path that exists always wins), is hf:NAME or
+    has a folder in it; a bare run name as `nanogpt runs` prints it ("shk") is that run's folder under RUNS_DIR
+    when there is one. Whatever names nothing comes back as given, for the loader's own error."""
+    text = str(source)
+    if text.startswith("hf:") or text in ("", ".", "..") or Path(text).name != text or Path(text).exists():
+        return source
+    named = RUNS_DIR / text
+    return named if named.exists() else source
+
+
 def resolve_weights(path: str | Path, last: bool = False) -> Path:
-    """A weights file from a run folder (best, or last with last=True) or a file path, with a clear error; a
-    damaged file is refused with a pointer to an intact one where the folder has it."""
-    path = Path(path)
+    """A weights file from a run folder (best, or last with last=True), a file path or a bare run name (find_run),
+    with a clear error; a damaged file is refused with a pointer to an intact one where the folder has it."""
+    path = Path(find_run(path))
     if path.is_dir():
         names = [LAST] if last else [BEST, LAST]
         for name in names:
@@ -462,11 +474,22 @@ def resolve_weights(path: str | Path, last: bool = False) -> Path:
             hint = f"; its {BEST} is intact: use it without --last"
         raise NanoGPTError(f"no checkpoint in {path}: it holds {', '.join(found) or 'nothing'}{hint}")
     if not path.exists():
-        runs = sorted(p.name for p in path.parent.glob("*") if (p / LAST).is_file()) if path.parent.is_dir() else []
-        hint = f"; runs in {path.parent}: {', '.join(runs)}" if runs else ""
-        raise NanoGPTError(f"checkpoint {path} does not exist{hint}")
+        raise NanoGPTError(missing_source(path))
     _check_intact(path)
     return path
+
+
+def missing_source(path: str | Path) -> str:
+    """The error for a source that names nothing: the paths tried (a bare name is also tried under RUNS_DIR) and
+    the runs (and exports, which hold a config.json too) in the folder it would be in."""
+    path = Path(path)
+    bare = path.name == str(path)
+    folder = RUNS_DIR if bare else path.parent
+    tried = f"checkpoint {path} does not exist" + (f", nor does {RUNS_DIR / path}" if bare else "")
+    if not folder.is_dir():
+        return f"{tried}; there is no folder {folder}"
+    runs = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and RunDir(p).has_run())
+    return f"{tried}; runs in {folder}: {', '.join(runs)}" if runs else f"{tried}; {folder} holds no runs"
 
 
 def _check_intact(path: Path) -> None:
