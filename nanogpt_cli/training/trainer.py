@@ -39,7 +39,7 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
 from nanogpt_cli.runs.rundir import RunDir, SavePoint, Saver
-from nanogpt_cli.training.clock import Clock, busy_hint, cpu_cores, load_average
+from nanogpt_cli.training.clock import Clock, busy_hint, cpu_cores, load_average, thread_tuner
 from nanogpt_cli.training.distributed import World, launched_size
 from nanogpt_cli.training.events import Display, Evaluated, NoDisplay, RunStarted, StepLogged, TrainResult
 from nanogpt_cli.training.optim import lr_at, make_optimizer, set_lr
@@ -173,6 +173,7 @@ class Trainer:
         self.stopped: str | None = None
         self.skipped = 0  # fp16 updates the scaler skipped since the last progress line
         self.hinted = False  # the busy-machine hint is given once
+        self.tuner = thread_tuner(world.device, world.size)  # the CPU threads follow the load (None: they stay)
 
     def fit(self) -> TrainResult:
         self._setup()
@@ -192,6 +193,7 @@ class Trainer:
             self.model.train()
             while state.step < self.end:
                 loss = self.train_step()
+                self.watch_load()
                 due = state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters
                 out_of_time = state.step < cfg.max_iters and self.clock.out_of_time(due)
                 if state.step % cfg.log_interval == 0 or state.step == self.end or out_of_time:
@@ -276,11 +278,16 @@ class Trainer:
             self.run_dir.append_metrics(logged.record())
         self.show.on_step(logged)
         self.skipped = 0
-        self.watch_load()
 
     def watch_load(self) -> None:
-        """On the CPU, one hint (once) when the machine is busy: see busy_hint."""
-        if self.hinted or self.world.device.type != "cpu":
+        """On the CPU, after each update: the thread count follows the load (clock.ThreadTuner, which says when
+        it changes it), and one hint (once) when the machine is busy and fewer threads cannot help: busy_hint."""
+        if self.world.device.type != "cpu":
+            return
+        changed = self.tuner.stepped(self.clock.step_s) if self.tuner is not None and self.clock.steps else None
+        if changed:
+            self.show.on_hint(changed)
+        if self.hinted or (self.tuner is not None and self.tuner.threads > 1):
             return
         hint = busy_hint(self.clock.steps, load_average(), cpu_cores(), torch.get_num_threads())
         if hint is not None:
@@ -362,7 +369,7 @@ class Trainer:
         plan, cfg, world = self.plan, self.cfg, self.world
         world.barrier()  # every rank has planned (looked at the run folder) before rank 0 changes it
         device = world.device
-        dtype = resolve_dtype(cfg.dtype, device)
+        dtype = resolve_dtype(cfg.dtype, device, plan.model, cfg.batch_size)  # a CPU's auto: by size
         if device.type == "cuda":
             enable_tf32()
         elif device.type == "cpu":
