@@ -313,8 +313,8 @@ def take_threads_choice() -> ThreadChoice | None:
     return choice
 
 
-def process_threads(nproc: int) -> int:
-    """Threads for each of `nproc` processes on this machine (`train --nproc`): the automatic choice shared
-    out, at least one each; the workers get it as OMP_NUM_THREADS and keep it."""
-    choice = _chosen or auto_threads()
+def process_threads(nproc: int, choice: ThreadChoice | None = None) -> int:
+    """Threads for each of `nproc` processes on this machine (`train --nproc`): the automatic choice (set_threads'
+    last, else one made now) shared out, at least one each; the processes get it as OMP_NUM_THREADS and keep it."""
+    choice = choice or _chosen or auto_threads()
     return max(1, choice.threads // nproc)
