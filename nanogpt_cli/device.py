@@ -209,13 +209,22 @@ class ThreadChoice:
     load: float | None  # the 1-minute load average; None where the platform has none
     source: str  # "auto" (chosen here), "given" (--threads) or "environment" (OMP_NUM_THREADS)
 
-    def line(self) -> str:
-        """What was chosen and why, for the note an automatic choice prints."""
+    def line(self, processes: int = 1) -> str:
+        """What was chosen and why, for the note an automatic choice prints; shared out between `processes`."""
         why = [] if self.load is None else [f"load {self.load:.1f}"]
         if self.running:
             why.append(f"{self.running:g} other thread{'s' if self.running > 1 else ''} running")
         why_text = ", ".join(why) or "load unknown"
+        if processes > 1:
+            return (
+                f"threads: {self.per_process(processes)} in each of {processes} processes, {self.threads} of "
+                f"{self.cores} cores ({why_text}); --threads N sets it"
+            )
         return f"threads: {self.threads} of {self.cores} cores ({why_text}); --threads N sets it"
+
+    def per_process(self, processes: int) -> int:
+        """The count shared out between `processes` on this machine, at least one each."""
+        return max(1, self.threads // processes)
 
 
 def cpu_cores() -> int:
@@ -281,13 +290,14 @@ def auto_threads() -> ThreadChoice:
     return ThreadChoice(choose_threads(cpus, top, others), top, running, load, "auto")
 
 
-_chosen: ThreadChoice | None = None  # set_threads' automatic choice, until a run or a model load takes it
+_chosen: ThreadChoice | None = None  # set_threads' automatic choice, until the command's work takes it
 
 
 def set_threads(n: int | None) -> ThreadChoice:
     """--threads: torch's CPU threads for this process. A given value is kept, and so is OMP_NUM_THREADS (the
     user's, torchrun's, or the one `train --nproc` gives its processes). Otherwise the count is chosen from the
-    load now (auto_threads) and said in one line on stderr."""
+    load now (auto_threads), and the work that follows says so in one line once it starts (take_threads_choice):
+    a refused command prints its error alone."""
     global _chosen
     _chosen = None
     if n is not None:
@@ -297,24 +307,23 @@ def set_threads(n: int | None) -> ThreadChoice:
         return ThreadChoice(n, n, None, None, "given")
     if os.environ.get("OMP_NUM_THREADS"):
         return ThreadChoice(torch.get_num_threads(), torch.get_num_threads(), None, None, "environment")
-    choice = auto_threads()
-    torch.set_num_threads(choice.threads)
-    print(f"note: {choice.line()}", file=sys.stderr, flush=True)
-    _chosen = choice
-    return choice
+    _chosen = auto_threads()
+    torch.set_num_threads(_chosen.threads)
+    return _chosen
 
 
 def take_threads_choice() -> ThreadChoice | None:
-    """The automatic choice the last set_threads made, once: a training run takes it to adapt the count as it
-    goes, a model loaded for inference takes it to keep it fixed, and a run started without set_threads (the
-    library, a test) keeps its threads as they are, so that two such runs compute the same bits."""
+    """The automatic choice the last set_threads made, once, for the work that follows: a CPU training run
+    says it and adapts the count as it goes, a model loaded for inference says it and keeps it. A run started
+    without set_threads (the library, a test) gets None and keeps its threads, so that two such runs compute
+    the same bits."""
     global _chosen
     choice, _chosen = _chosen, None
     return choice
 
 
-def process_threads(nproc: int, choice: ThreadChoice | None = None) -> int:
-    """Threads for each of `nproc` processes on this machine (`train --nproc`): the automatic choice (set_threads'
-    last, else one made now) shared out, at least one each; the processes get it as OMP_NUM_THREADS and keep it."""
-    choice = choice or _chosen or auto_threads()
-    return max(1, choice.threads // nproc)
+def say_threads(device: torch.device) -> None:
+    """Before inference on the CPU: the automatic thread choice, in one note line on stderr."""
+    choice = take_threads_choice()
+    if choice is not None and device.type == "cpu":
+        print(f"note: {choice.line()}", file=sys.stderr, flush=True)

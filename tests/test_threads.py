@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from nanogpt_cli import device
 from nanogpt_cli.cli import app
-from nanogpt_cli.device import ThreadChoice, choose_threads, process_threads, set_threads, take_threads_choice
+from nanogpt_cli.device import ThreadChoice, choose_threads, set_threads, take_threads_choice
 from nanogpt_cli.training.clock import STEADY_SKIP, ThreadTuner
 from nanogpt_cli.training.launch import LAUNCH_ENV, Launch, worker_env
 
@@ -66,12 +66,14 @@ def test_omp_num_threads_is_kept_as_given(monkeypatch, capsys):
     assert capsys.readouterr().err == "" and take_threads_choice() is None
 
 
-def test_the_automatic_choice_is_set_announced_and_taken_once(capsys):
+def test_the_automatic_choice_is_set_then_said_by_the_work_that_takes_it(capsys):
     choice = set_threads(None)
     assert choice.source == "auto" and torch.get_num_threads() == choice.threads
     assert 1 <= choice.threads <= choice.cores <= device.cpu_cores()
+    assert capsys.readouterr().err == ""  # not yet: a refused command prints its error alone
+    device.say_threads(torch.device("cpu"))
     assert NOTE.fullmatch(capsys.readouterr().err.strip())
-    assert take_threads_choice() == choice and take_threads_choice() is None
+    assert take_threads_choice() is None  # said once
 
 
 def test_a_cli_run_prints_the_note_once_and_not_with_threads(char_data, tmp_path):
@@ -136,14 +138,16 @@ def test_more_threads_are_tried_when_cores_free_up_and_a_slow_trial_ends_after_o
 # --- train --nproc gives each process its share ---
 
 
-def test_nproc_processes_get_the_choice_shared_out_and_keep_a_set_omp_num_threads(monkeypatch):
+def test_nproc_processes_get_the_choice_shared_out_and_keep_a_set_omp_num_threads(monkeypatch, capsys):
     eight = ThreadChoice(threads=8, cores=8, running=0, load=0.0, source="auto")
-    assert process_threads(2, eight) == 4 and process_threads(3, eight) == 2 and process_threads(16, eight) == 1
+    assert eight.per_process(2) == 4 and eight.per_process(3) == 2 and eight.per_process(16) == 1
+    assert eight.line(2) == "threads: 4 in each of 2 processes, 8 of 8 cores (load 0.0); --threads N sets it"
     choice = set_threads(None)
     env = worker_env(Launch(nproc=2))
-    assert env == {LAUNCH_ENV: "--nproc 2", "OMP_NUM_THREADS": str(max(1, choice.threads // 2))}
+    assert env == {LAUNCH_ENV: "--nproc 2", "OMP_NUM_THREADS": str(choice.per_process(2))}
+    assert capsys.readouterr().err == f"note: {choice.line(2)}\n"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's: every process keeps it
-    assert worker_env(Launch(nproc=2)) == {LAUNCH_ENV: "--nproc 2"}
+    assert worker_env(Launch(nproc=2)) == {LAUNCH_ENV: "--nproc 2"} and capsys.readouterr().err == ""
 
 
 @pytest.mark.slow
@@ -161,4 +165,5 @@ def test_nproc_processes_do_not_choose_again(char_data, tmp_path):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len(NOTE.findall(proc.stderr)) == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("note: threads:") == 1, proc.stderr[-3000:]
+    assert "note: threads: 1 in each of 2 processes, " in proc.stderr

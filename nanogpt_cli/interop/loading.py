@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from nanogpt_cli.config import Dtype, GPTConfig
-from nanogpt_cli.device import resolve_device, resolve_inference_dtype, take_threads_choice
+from nanogpt_cli.device import resolve_device, resolve_inference_dtype, say_threads
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop import hf
 from nanogpt_cli.model import GPT
@@ -95,11 +95,11 @@ def load_for_inference(
     """The one loader that sample and eval share. Inference casts the weights once instead of autocasting
     every call; `auto` picks the dtype from the device and the size of the weights (device.py)."""
     dev = resolve_device(device)
-    take_threads_choice()  # the threads set_threads chose stay as they are: no training run adapts them
     model, meta = load_model(checkpoint, last=last)
     if "tokenizer" not in meta:
         raise NanoGPTError(f"{checkpoint} has no tokenizer in its metadata, so its text cannot be decoded")
     tokenizer = tokenizer_from_description(meta["tokenizer"])
+    say_threads(dev)  # set_threads' automatic choice, once the model is there: it stays as it is
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     cast = resolve_inference_dtype(dtype, dev, weight_bytes)
     return InferenceModel(model.to(dev).cast(cast).eval(), tokenizer, meta, dev, cast)

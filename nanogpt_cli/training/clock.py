@@ -2,7 +2,7 @@
 thread count that follows a busy CPU, and the hint that names one.
 
     clock = Clock(before=0.0, max_time=60.0, last_eval_s=0.0, step=0); clock.stepped(started, first=True)
-    tuner = thread_tuner(device, world_size); note = tuner.stepped(clock.step_s) if tuner else None
+    tuner = thread_tuner(device, world_size, say=print); note = tuner.stepped(clock.step_s) if tuner else None
 """
 
 from __future__ import annotations
@@ -215,10 +215,14 @@ class ThreadTuner:
         return None
 
 
-def thread_tuner(device: torch.device, world_size: int) -> ThreadTuner | None:
-    """The tuner for a run of one CPU process whose threads set_threads chose itself; None for every other run
-    (a given --threads or OMP_NUM_THREADS, several processes, a GPU, a run started without set_threads)."""
+def thread_tuner(device: torch.device, world_size: int, say: Callable[[str], None]) -> ThreadTuner | None:
+    """For a CPU run whose threads set_threads chose itself: says the choice (`say`, a note line) and returns the
+    tuner that adapts it, for one process. None for every other run: a given --threads or OMP_NUM_THREADS,
+    several processes, a GPU, a run started without set_threads."""
     choice = take_threads_choice()
-    if choice is None or device.type != "cpu" or world_size > 1 or choice.cores < 2:
+    if choice is None or device.type != "cpu":
+        return None
+    say(choice.line())
+    if world_size > 1 or choice.cores < 2:
         return None
     return ThreadTuner(choice.threads, choice.cores, cpu_cores())

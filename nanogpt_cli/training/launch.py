@@ -137,14 +137,16 @@ def launch(args: list[str], how: Launch, run_id: str = "nanogpt") -> int:
 
 def worker_env(how: Launch) -> dict[str, str]:
     """What each process gets in its environment: the launch flags (for its resume command) and, unless
-    OMP_NUM_THREADS is set already, its CPU threads: this machine's automatic choice (device.set_threads, made
-    from the load when this command started) shared out between the processes here, so that each keeps the
-    same count rather than choosing its own; a --threads given is passed to each process as its argument."""
-    from nanogpt_cli.device import process_threads
+    OMP_NUM_THREADS is set already, its CPU threads: the automatic choice (device.set_threads, made from the
+    load when this command started) shared out between the processes here, said in one note line; each process
+    keeps that count rather than choosing its own. A --threads given reaches each process as its argument."""
+    from nanogpt_cli.device import auto_threads, take_threads_choice
 
     env = {LAUNCH_ENV: shlex.join(how.flags())}
     if not os.environ.get("OMP_NUM_THREADS"):  # as torchrun does: N processes of all cores each would fight
-        env["OMP_NUM_THREADS"] = str(process_threads(how.nproc))
+        choice = take_threads_choice() or auto_threads()
+        env["OMP_NUM_THREADS"] = str(choice.per_process(how.nproc))
+        print(f"note: {choice.line(how.nproc)}", file=sys.stderr, flush=True)
     return env
 
 

@@ -173,7 +173,7 @@ class Trainer:
         self.stopped: str | None = None
         self.skipped = 0  # fp16 updates the scaler skipped since the last progress line
         self.hinted = False  # the busy-machine hint is given once
-        self.tuner = thread_tuner(world.device, world.size)  # the CPU threads follow the load (None: they stay)
+        self.tuner = thread_tuner(world.device, world.size, self.show.on_hint)  # says the CPU threads, adapts them
 
     def fit(self) -> TrainResult:
         self._setup()
