@@ -290,7 +290,7 @@ def auto_threads() -> ThreadChoice:
     return ThreadChoice(choose_threads(cpus, top, others), top, running, load, "auto")
 
 
-_chosen: ThreadChoice | None = None  # set_threads' automatic choice, until the command's work takes it
+_chosen: ThreadChoice | None = None  # set_threads' last choice, until the command's work takes it
 
 
 def set_threads(n: int | None) -> ThreadChoice:
@@ -304,17 +304,18 @@ def set_threads(n: int | None) -> ThreadChoice:
         if n < 1:
             raise NanoGPTError(f"--threads must be at least 1, got {n}")
         torch.set_num_threads(n)
-        return ThreadChoice(n, n, None, None, "given")
-    if os.environ.get("OMP_NUM_THREADS"):
-        return ThreadChoice(torch.get_num_threads(), torch.get_num_threads(), None, None, "environment")
-    _chosen = auto_threads()
-    torch.set_num_threads(_chosen.threads)
+        _chosen = ThreadChoice(n, n, None, None, "given")
+    elif os.environ.get("OMP_NUM_THREADS"):
+        _chosen = ThreadChoice(torch.get_num_threads(), torch.get_num_threads(), None, None, "environment")
+    else:
+        _chosen = auto_threads()
+        torch.set_num_threads(_chosen.threads)
     return _chosen
 
 
 def take_threads_choice() -> ThreadChoice | None:
-    """The automatic choice the last set_threads made, once, for the work that follows: a CPU training run
-    says it and adapts the count as it goes, a model loaded for inference says it and keeps it. A run started
+    """The choice the last set_threads made, once, for the work that follows: a CPU training run says an
+    automatic one and adapts it as it goes, a model loaded for inference says it and keeps it. A run started
     without set_threads (the library, a test) gets None and keeps its threads, so that two such runs compute
     the same bits."""
     global _chosen
@@ -325,5 +326,5 @@ def take_threads_choice() -> ThreadChoice | None:
 def say_threads(device: torch.device) -> None:
     """Before inference on the CPU: the automatic thread choice, in one note line on stderr."""
     choice = take_threads_choice()
-    if choice is not None and device.type == "cpu":
+    if choice is not None and choice.source == "auto" and device.type == "cpu":
         print(f"note: {choice.line()}", file=sys.stderr, flush=True)

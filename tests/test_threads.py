@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from nanogpt_cli import device
 from nanogpt_cli.cli import app
 from nanogpt_cli.device import ThreadChoice, choose_threads, set_threads, take_threads_choice
-from nanogpt_cli.training.clock import STEADY_SKIP, ThreadTuner
+from nanogpt_cli.training.clock import STEADY_SKIP, ThreadTuner, thread_tuner
 from nanogpt_cli.training.launch import LAUNCH_ENV, Launch, worker_env
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +53,8 @@ def test_the_note_says_what_was_chosen_and_why():
 def test_a_given_count_is_kept_and_not_announced(capsys):
     choice = set_threads(3)
     assert torch.get_num_threads() == 3 and choice.source == "given"
-    assert capsys.readouterr().err == "" and take_threads_choice() is None  # no run adapts it
+    assert thread_tuner(torch.device("cpu"), 1, say=print) is None  # no run adapts it
+    assert capsys.readouterr().err == capsys.readouterr().out == ""
     with pytest.raises(device.NanoGPTError, match="--threads must be at least 1, got 0"):
         set_threads(0)
 
@@ -63,7 +64,8 @@ def test_omp_num_threads_is_kept_as_given(monkeypatch, capsys):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     choice = set_threads(None)
     assert choice.source == "environment" and torch.get_num_threads() == 1
-    assert capsys.readouterr().err == "" and take_threads_choice() is None
+    device.say_threads(torch.device("cpu"))
+    assert capsys.readouterr().err == ""
 
 
 def test_the_automatic_choice_is_set_then_said_by_the_work_that_takes_it(capsys):
@@ -146,7 +148,9 @@ def test_nproc_processes_get_the_choice_shared_out_and_keep_a_set_omp_num_thread
     env = worker_env(Launch(nproc=2))
     assert env == {LAUNCH_ENV: "--nproc 2", "OMP_NUM_THREADS": str(choice.per_process(2))}
     assert capsys.readouterr().err == f"note: {choice.line(2)}\n"
-    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's: every process keeps it
+    set_threads(3)  # given: each process gets it (as its --threads too), and nothing is said
+    assert worker_env(Launch(nproc=2)) == {LAUNCH_ENV: "--nproc 2", "OMP_NUM_THREADS": "3"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's: every process keeps it
     assert worker_env(Launch(nproc=2)) == {LAUNCH_ENV: "--nproc 2"} and capsys.readouterr().err == ""
 
 

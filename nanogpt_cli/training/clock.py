@@ -220,7 +220,7 @@ def thread_tuner(device: torch.device, world_size: int, say: Callable[[str], Non
     tuner that adapts it, for one process. None for every other run: a given --threads or OMP_NUM_THREADS,
     several processes, a GPU, a run started without set_threads."""
     choice = take_threads_choice()
-    if choice is None or device.type != "cpu":
+    if choice is None or choice.source != "auto" or device.type != "cpu":
         return None
     say(choice.line())
     if world_size > 1 or choice.cores < 2:

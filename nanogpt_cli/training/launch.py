@@ -143,8 +143,12 @@ def worker_env(how: Launch) -> dict[str, str]:
     from nanogpt_cli.device import auto_threads, take_threads_choice
 
     env = {LAUNCH_ENV: shlex.join(how.flags())}
-    if not os.environ.get("OMP_NUM_THREADS"):  # as torchrun does: N processes of all cores each would fight
-        choice = take_threads_choice() or auto_threads()
+    if os.environ.get("OMP_NUM_THREADS"):
+        return env
+    choice = take_threads_choice() or auto_threads()
+    if choice.source == "given":
+        env["OMP_NUM_THREADS"] = str(choice.threads)
+    else:  # as torchrun does, shared out: N processes of all cores each would fight
         env["OMP_NUM_THREADS"] = str(choice.per_process(how.nproc))
         print(f"note: {choice.line(how.nproc)}", file=sys.stderr, flush=True)
     return env
