@@ -324,7 +324,8 @@ def take_threads_choice() -> ThreadChoice | None:
 
 
 def say_threads(device: torch.device) -> None:
-    """Before inference on the CPU: the automatic thread choice, in one note line on stderr."""
+    """Before inference on the CPU: the automatic thread choice, in one note line on stderr when that is a
+    terminal (a person reads it; a script that reads what sample or eval write gets that alone)."""
     choice = take_threads_choice()
-    if choice is not None and choice.source == "auto" and device.type == "cpu":
+    if choice is not None and choice.source == "auto" and device.type == "cpu" and sys.stderr.isatty():
         print(f"note: {choice.line()}", file=sys.stderr, flush=True)

@@ -1,6 +1,7 @@
 """CPU threads: the automatic choice from the load, a given --threads kept, the one-line note, the run that adapts
 its count as the load changes, and the count `train --nproc` gives its processes."""
 
+import io
 import os
 import re
 import subprocess
@@ -53,7 +54,7 @@ def test_the_note_says_what_was_chosen_and_why():
 def test_a_given_count_is_kept_and_not_announced(capsys):
     choice = set_threads(3)
     assert torch.get_num_threads() == 3 and choice.source == "given"
-    assert thread_tuner(torch.device("cpu"), 1, say=print) is None  # no run adapts it
+    assert thread_tuner(torch.device("cpu"), 1) is None  # no run adapts it
     assert capsys.readouterr().err == capsys.readouterr().out == ""
     with pytest.raises(device.NanoGPTError, match="--threads must be at least 1, got 0"):
         set_threads(0)
@@ -68,25 +69,39 @@ def test_omp_num_threads_is_kept_as_given(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_the_automatic_choice_is_set_then_said_by_the_work_that_takes_it(capsys):
+def test_the_automatic_choice_is_set_then_said_by_the_run_that_takes_it(capsys):
     choice = set_threads(None)
     assert choice.source == "auto" and torch.get_num_threads() == choice.threads
     assert 1 <= choice.threads <= choice.cores <= device.cpu_cores()
     assert capsys.readouterr().err == ""  # not yet: a refused command prints its error alone
+    tuner = thread_tuner(torch.device("cpu"), 1)
+    assert tuner.watch([]) == choice.line() and tuner.watch([]) is None  # before the first update, once
+    assert thread_tuner(torch.device("cpu"), 1) is None  # taken
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_inference_says_the_choice_on_a_terminal_once(monkeypatch, capsys):
+    set_threads(None)
     device.say_threads(torch.device("cpu"))
-    assert NOTE.fullmatch(capsys.readouterr().err.strip())
-    assert take_threads_choice() is None  # said once
+    assert capsys.readouterr().err == ""  # stderr is not a terminal here: what a script reads stays clean
+    choice = set_threads(None)
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    device.say_threads(torch.device("cpu"))
+    device.say_threads(torch.device("cpu"))
+    assert sys.stderr.getvalue() == f"note: {choice.line()}\n"  # once
 
 
-def test_a_cli_run_prints_the_note_once_and_not_with_threads(char_data, tmp_path):
+def test_a_cli_training_run_says_the_choice_once_and_not_with_threads(char_data, tmp_path):
     data_dir, name = char_data
     base = ["--data", name, "--data-dir", str(data_dir), "--preset", "tiny", "--max-iters", "2", "--no-plot"]
     result = runner.invoke(app, ["train", *base, "--out", str(tmp_path / "a")])
     assert result.exit_code == 0, result.output
     assert len(NOTE.findall(result.stderr)) == 1, result.stderr
-    result = runner.invoke(app, ["sample", "--checkpoint", str(tmp_path / "a"), "--max-new-tokens", "5"])
-    assert result.exit_code == 0, result.output
-    assert len(NOTE.findall(result.stderr)) == 1, result.stderr
+    assert result.output.index("training from step 0") < result.output.index("note: threads:")  # with the start
     result = runner.invoke(app, ["train", *base, "--threads", "1", "--out", str(tmp_path / "b")])
     assert result.exit_code == 0 and "threads:" not in result.stderr, result.output
 

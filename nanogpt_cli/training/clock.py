@@ -2,7 +2,7 @@
 thread count that follows a busy CPU, and the hint that names one.
 
     clock = Clock(before=0.0, max_time=60.0, last_eval_s=0.0, step=0); clock.stepped(started, first=True)
-    tuner = thread_tuner(device, world_size, say=print); note = tuner.stepped(clock.step_s) if tuner else None
+    tuner = thread_tuner(device, world_size); note = tuner.watch(clock.steps) if tuner else None
 """
 
 from __future__ import annotations
@@ -155,8 +155,11 @@ class ThreadTuner:
     running elsewhere leave the cores for them; each comparison keeps the faster, and a trial of more threads
     ends after one update GIVE_UP times as long, so a wrong guess costs one update."""
 
-    def __init__(self, threads: int, top: int, cpus: int, apply: Callable[[int], None] = torch.set_num_threads):
+    def __init__(
+        self, threads: int, top: int, cpus: int, apply: Callable[[int], None] = torch.set_num_threads, note: str = ""
+    ):
         self.threads, self.top, self.cpus, self.apply = threads, top, cpus, apply
+        self.note = note  # the start's choice and why, said with the run's first lines
         self.times: list[float] = []  # the current count's updates (the trial's during one)
         self.kept: float | None = None  # the kept count's update time (a median of PROBE)
         self.trial: tuple[int, float] | None = None  # during a trial: the kept count and its time
@@ -164,8 +167,16 @@ class ThreadTuner:
         self.look_every = self.until_look = LOOK_EVERY
         self.probed = False  # the comparison after the first updates is done
 
-    def stepped(self, step_s: float, running: Callable[[], float | None] = running_elsewhere) -> str | None:
-        """After each update, its length: the note to print when the thread count changed, else None."""
+    def watch(self, steps_s: list[float]) -> str | None:
+        """The trainer's call, before the first update (the start's note) and after each (stepped)."""
+        if not steps_s:
+            note, self.note = self.note, ""
+            return note or None
+        return self.stepped(steps_s[-1])
+
+    def stepped(self, step_s: float, running: Callable[[], float | None] | None = None) -> str | None:
+        """After each update, its length: the note to print when the thread count changed, else None. running:
+        the threads running elsewhere now (default: three looks at /proc, ~4 ms, made every LOOK_EVERY updates)."""
         if self.skip:
             self.skip -= 1
             return None
@@ -183,7 +194,7 @@ class ThreadTuner:
         self.until_look -= PROBE
         if self.threads < self.top and self.until_look <= 0:
             self.until_look = self.look_every
-            others = running()
+            others = running() if running is not None else running_elsewhere(samples=3, gap_s=0.002)
             if others is not None and math.floor(self.cpus - others + 0.5) > self.threads:
                 return self._try(min(self.top, self.threads * 2), now)
         return None
@@ -215,14 +226,11 @@ class ThreadTuner:
         return None
 
 
-def thread_tuner(device: torch.device, world_size: int, say: Callable[[str], None]) -> ThreadTuner | None:
-    """For a CPU run whose threads set_threads chose itself: says the choice (`say`, a note line) and returns the
-    tuner that adapts it, for one process. None for every other run: a given --threads or OMP_NUM_THREADS,
-    several processes, a GPU, a run started without set_threads."""
+def thread_tuner(device: torch.device, world_size: int) -> ThreadTuner | None:
+    """For a CPU run of one process whose threads set_threads chose itself, the tuner that says the choice and
+    adapts it; None for every other run (a given --threads or OMP_NUM_THREADS, several processes, a GPU, a run
+    started without set_threads), whose threads stay as they are."""
     choice = take_threads_choice()
-    if choice is None or choice.source != "auto" or device.type != "cpu":
+    if choice is None or choice.source != "auto" or device.type != "cpu" or world_size > 1:
         return None
-    say(choice.line())
-    if world_size > 1 or choice.cores < 2:
-        return None
-    return ThreadTuner(choice.threads, choice.cores, cpu_cores())
+    return ThreadTuner(choice.threads, choice.cores, cpu_cores(), note=choice.line())

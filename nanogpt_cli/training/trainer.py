@@ -173,7 +173,7 @@ class Trainer:
         self.stopped: str | None = None
         self.skipped = 0  # fp16 updates the scaler skipped since the last progress line
         self.hinted = False  # the busy-machine hint is given once
-        self.tuner = thread_tuner(world.device, world.size, self.show.on_hint)  # says the CPU threads, adapts them
+        self.tuner = thread_tuner(world.device, world.size)  # says the CPU threads, adapts them (None: stay)
 
     def fit(self) -> TrainResult:
         self._setup()
@@ -284,9 +284,9 @@ class Trainer:
         it changes it), and one hint (once) when the machine is busy and fewer threads cannot help: busy_hint."""
         if self.world.device.type != "cpu":
             return
-        changed = self.tuner.stepped(self.clock.step_s) if self.tuner is not None and self.clock.steps else None
-        if changed:
-            self.show.on_hint(changed)
+        said = self.tuner.watch(self.clock.steps) if self.tuner is not None else None
+        if said:
+            self.show.on_hint(said)
         if self.hinted or (self.tuner is not None and self.tuner.threads > 1):
             return
         hint = busy_hint(self.clock.steps, load_average(), cpu_cores(), torch.get_num_threads())
