@@ -97,11 +97,12 @@ def resolve_dtype(
     return TORCH_DTYPES[Dtype(name)]
 
 
-# A CPU update's matmul work (FLOPs of one micro-batch) under which bf16 autocast is slower than fp32: its casts
-# cost more than the narrower matmuls save. Measured on 2 cores of an AMD EPYC with AVX-512 BF16, fp32 against
-# bf16 alternated in one process (benchmarks/README.md, "--dtype auto on a CPU"): 2 x 32 wide at 8 x 32 tokens
-# (38 MFLOP) 0.71x, 2 x 64 at 8 x 32 (152 MFLOP) 1.01x, and 1.1-1.8x above, from 0.1M to 85M parameters.
-BF16_MIN_FLOPS = 150e6
+# A CPU update's matmul work (FLOPs of one micro-batch) under which bf16 autocast is no faster than fp32: its casts
+# cost what the narrower matmuls save. Measured with benchmarks/bench_cpu_dtype.py on 2 cores of an AMD EPYC with
+# AVX-512 BF16, 1 thread, the dtypes alternated in one process (benchmarks/README.md, "--dtype auto on a CPU"):
+# 41 MFLOP (the tiny preset) 0.67-0.80x, 157 MFLOP 0.98-1.01x, 226-1,057 MFLOP 1.10-1.23x, cpu-char's 3.7 GFLOP
+# 1.34-1.65x, 131-261 GFLOP (10.7M, 85M parameters) 1.8x. On a tie fp32 stays: no casts, and exact.
+BF16_MIN_FLOPS = 200e6
 
 
 def update_flops(model: GPTConfig, rows: int) -> float:
