@@ -3,7 +3,7 @@ script starts and stops itself: `nanogpt train --preset cpu-char` as whole proce
 
     python benchmarks/bench_busy.py                          # 300 updates, 0 / 1 / 2 competitors, ~10 min
     python benchmarks/bench_busy.py --iters 60 --loads 0 1   # a quick look
-    python benchmarks/bench_busy.py --readme --loads 0       # also the README's first command, at full length
+    python benchmarks/bench_busy.py --readme                 # also the README's first command, idle, at full length
 
 A run still going after --cap seconds is stopped (Ctrl-C: it saves and exits) and its time is extrapolated
 from the updates it did at its mean update time; the table marks those with ~. Every competitor is a
@@ -14,6 +14,7 @@ its load level is done.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -33,6 +34,7 @@ from nanogpt_cli.device import cpu_cores, running_elsewhere  # noqa: E402
 NANOGPT = [sys.executable, "-m", "nanogpt_cli"]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
 ENV.pop("OMP_NUM_THREADS", None)  # the default under test is what a user gets with nothing set
+README_ITERS = 2000  # cpu-char's --max-iters
 SPIN = "import time\nend = time.time() + {seconds}\nwhile time.time() < end:\n    pass\n"
 
 
@@ -49,20 +51,26 @@ def competitors(n: int, seconds: float) -> list[subprocess.Popen]:
 
 
 def timed(cmd: list[str], cap: float, cwd: Path) -> tuple[float, bool, str]:
-    """(wall seconds, cut by the cap, stderr) of one command; past the cap it gets Ctrl-C, then a kill."""
+    """(wall seconds, cut by the cap, stderr) of one command; past the cap its process group gets Ctrl-C (a run
+    saves where it is and exits), then a kill."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=cwd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         _, err = proc.communicate(timeout=cap)
         return time.perf_counter() - t0, False, err
     except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)  # the run saves where it is and exits
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             _, err = proc.communicate(timeout=120)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             _, err = proc.communicate()
         return time.perf_counter() - t0, True, err
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # nothing of it outlives its row
 
 
 def threads_said(err: str) -> str:
@@ -105,8 +113,10 @@ def readme_row(tmp: Path, cap: float, tag: str) -> dict:
     env_path = f"{shim}{os.pathsep}{os.environ.get('PATH', '')}"
     wall, cut, err = timed(["sh", "-c", f"PATH={env_path} {line}"], cap, work)
     state_path = work / "checkpoints" / "shakespeare-char" / "trainer.json"
-    step = json.loads(state_path.read_text())["step"] if state_path.is_file() else 0
-    return dict(step=step, wall=wall, estimate=wall, cut=cut, chosen=threads_said(err), ms=0.0)
+    state = json.loads(state_path.read_text()) if state_path.is_file() else {}
+    step, mean_s = state.get("step", 0), (state.get("speed") or {}).get("mean_ms_per_iter", 0.0) / 1000
+    estimate = wall + (README_ITERS - step) * mean_s if cut and step else wall  # the sample is left out then
+    return dict(step=step, wall=wall, estimate=estimate, cut=cut, chosen=threads_said(err), ms=mean_s * 1000)
 
 
 def seconds(row: dict) -> str:
@@ -119,11 +129,18 @@ def main() -> None:
     p.add_argument("--loads", type=int, nargs="+", default=[0, 1, 2], help="competing CPU-bound processes")
     p.add_argument("--threads", type=int, nargs="+", default=None, help="hand-picked counts (default: 1 to cores)")
     p.add_argument("--cap", type=float, default=60.0, help="seconds before a run is cut and extrapolated")
-    p.add_argument("--readme", action="store_true", help="also the README's first command, defaults, at full length")
+    p.add_argument(
+        "--readme",
+        type=int,
+        nargs="*",
+        default=None,
+        help="also the README's first command at full length, with these numbers of competitors (none given: 0)",
+    )
     p.add_argument("--readme-cap", type=float, default=900.0, help="seconds before the README command is cut")
     args = p.parse_args()
     picked = args.threads or list(range(1, cpu_cores() + 1))
-    longest = (len(picked) + 1) * (args.cap + 130) + (args.readme_cap + 130 if args.readme else 0)
+    readme_at = [] if args.readme is None else args.readme or [0]
+    longest = (len(picked) + 1) * (args.cap + 130) + (args.readme_cap + 130 if readme_at else 0)
     print(machine())
     print(f"load at the start: {os.getloadavg()[0]:.1f} (1 min), {running_elsewhere():g} threads running elsewhere")
     rows, t_all = [], time.perf_counter()
@@ -140,7 +157,7 @@ def main() -> None:
                 results = {None: train_row(tmp, data, args.iters, None, args.cap, f"{n}-default")}
                 for t in picked:
                     results[t] = train_row(tmp, data, args.iters, t, args.cap, f"{n}-{t}")
-                readme = readme_row(tmp, args.readme_cap, str(n)) if args.readme else None
+                readme = readme_row(tmp, args.readme_cap, str(n)) if n in readme_at else None
             finally:
                 for proc in spin:
                     proc.kill()
@@ -152,7 +169,8 @@ def main() -> None:
                 rows.append([n, before, setting, r["chosen"], r["step"], f"{r['ms']:,.0f}", seconds(r), ratio])
             if readme is not None:
                 rows.append(
-                    [n, before, "README's first command", readme["chosen"], readme["step"], "", seconds(readme), ""]
+                    [n, before, "README's first command", readme["chosen"], readme["step"], f"{readme['ms']:,.0f}"]
+                    + [seconds(readme), ""]
                 )
     table(
         f"cpu-char, {args.iters} updates, whole `nanogpt train` processes; ~: cut at {args.cap:g} s, extrapolated",
