@@ -50,13 +50,12 @@ def competitors(n: int, seconds: float) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", SPIN.format(seconds=seconds)]) for _ in range(n)]
 
 
-def timed(cmd: list[str], cap: float, cwd: Path) -> tuple[float, bool, str]:
+def timed(cmd: list[str], cap: float, cwd: Path, env: dict | None = None) -> tuple[float, bool, str]:
     """(wall seconds, cut by the cap, stderr) of one command; past the cap its process group gets Ctrl-C (a run
     saves where it is and exits), then a kill."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, cwd=cwd, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
+    pipes = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or ENV, start_new_session=True, **pipes)
     try:
         _, err = proc.communicate(timeout=cap)
         return time.perf_counter() - t0, False, err
@@ -80,12 +79,15 @@ def threads_said(err: str) -> str:
     return " -> ".join(([start.group(1)] if start else []) + later) or "?"
 
 
-def train_row(tmp: Path, data: Path, iters: int, threads: int | None, cap: float, tag: str) -> dict:
+def train_row(
+    tmp: Path, data: Path, iters: int, threads: int | None, cap: float, tag: str, passive: bool = False
+) -> dict:
+    """One run of cpu-char; passive: with OMP_WAIT_POLICY=PASSIVE (threads sleep instead of spinning)."""
     out = tmp / f"run-{tag}"
     cmd = NANOGPT + ["train", "--data", "shk", "--data-dir", str(data), "--preset", "cpu-char"]
     cmd += ["--max-iters", str(iters), "--eval-interval", str(max(iters // 3, 1)), "--no-plot", "--out", str(out)]
     cmd += [] if threads is None else ["--threads", str(threads)]
-    wall, cut, err = timed(cmd, cap, tmp)
+    wall, cut, err = timed(cmd, cap, tmp, dict(ENV, OMP_WAIT_POLICY="PASSIVE") if passive else None)
     state = json.loads((out / "trainer.json").read_text()) if (out / "trainer.json").is_file() else {}
     step = state.get("step", 0)
     mean_s = (state.get("speed") or {}).get("mean_ms_per_iter", 0.0) / 1000
@@ -136,6 +138,7 @@ def main() -> None:
         default=None,
         help="also the README's first command at full length, with these numbers of competitors (none given: 0)",
     )
+    p.add_argument("--passive", action="store_true", help="also all cores' threads with OMP_WAIT_POLICY=PASSIVE")
     p.add_argument("--readme-cap", type=float, default=900.0, help="seconds before the README command is cut")
     args = p.parse_args()
     picked = args.threads or list(range(1, cpu_cores() + 1))
@@ -157,14 +160,18 @@ def main() -> None:
                 results = {None: train_row(tmp, data, args.iters, None, args.cap, f"{n}-default")}
                 for t in picked:
                     results[t] = train_row(tmp, data, args.iters, t, args.cap, f"{n}-{t}")
+                if args.passive:
+                    results["passive"] = train_row(tmp, data, args.iters, max(picked), args.cap, f"{n}-p", True)
                 readme = readme_row(tmp, args.readme_cap, str(n)) if n in readme_at else None
             finally:
                 for proc in spin:
                     proc.kill()
                     proc.wait()
-            best = min(results[t]["estimate"] for t in picked)
+            best = min(r["estimate"] for t, r in results.items() if t is not None)
             for t, r in results.items():
                 setting = "default" if t is None else f"--threads {t}"
+                if t == "passive":
+                    setting = f"--threads {max(picked)}, OMP_WAIT_POLICY=PASSIVE"
                 ratio = f"{r['estimate'] / best:.2f}x"
                 rows.append([n, before, setting, r["chosen"], r["step"], f"{r['ms']:,.0f}", seconds(r), ratio])
             if readme is not None:
