@@ -95,6 +95,9 @@ def train_row(
     if not step:
         print(f"--- {tag}: no steps done:\n{err[-2000:]}", file=sys.stderr)
     chosen = threads_said(err) if threads is None else str(threads)
+    for line in err.splitlines() if threads is None else []:  # what the default chose, and why
+        if "note: threads:" in line:
+            print(f"{tag}: {line.strip()}", flush=True)
     return dict(step=step, wall=wall, estimate=estimate, cut=cut, chosen=chosen, ms=mean_s * 1000)
 
 
