@@ -8,12 +8,17 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import math
+import os
+import statistics
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from nanogpt_cli.config import Dtype
+from nanogpt_cli.config import Dtype, GPTConfig
 from nanogpt_cli.errors import NanoGPTError
 
 # Dense peaks (FLOP/s) by device-name fragment, for MFU: (bf16/fp16 tensor cores, fp32 matmuls as this tool runs
@@ -74,18 +79,38 @@ def cpu_has_bf16() -> bool:
 TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.bfloat16: torch.bfloat16, Dtype.float16: torch.float16}
 
 
-def resolve_dtype(name: Dtype, device: torch.device) -> torch.dtype:
-    """auto: bf16 where the hardware supports it (CUDA, or a CPU with native bf16), else fp16 on older
-    CUDA GPUs, else fp32."""
+def resolve_dtype(
+    name: Dtype, device: torch.device, model: GPTConfig | None = None, rows: int | None = None
+) -> torch.dtype:
+    """auto: bf16 where the hardware supports it (CUDA, or a CPU with native bf16: there only for a model and
+    micro-batch of `rows` big enough, see BF16_MIN_FLOPS; without them, bf16), else fp16 on older CUDA GPUs,
+    else fp32."""
     if name == Dtype.auto:
         if device.type == "cuda":
             return cuda_auto_dtype(torch.cuda.get_device_capability(device))
         if device.type == "cpu" and cpu_has_bf16():
-            return torch.bfloat16
+            small = model is not None and update_flops(model, rows or 1) < BF16_MIN_FLOPS
+            return torch.float32 if small else torch.bfloat16
         return torch.float32
     # float16 runs anywhere: torch's autocast and GradScaler work on the CPU too (slowly), so the path that
     # T4/V100-class GPUs take is exercised by the CPU tests
     return TORCH_DTYPES[Dtype(name)]
+
+
+# A CPU update's matmul work (FLOPs of one micro-batch) under which bf16 autocast is no faster than fp32: its casts
+# cost what the narrower matmuls save. Measured with benchmarks/bench_cpu_dtype.py on 2 cores of an AMD EPYC with
+# AVX-512 BF16, 1 thread, the dtypes alternated in one process (benchmarks/README.md, "--dtype auto on a CPU"):
+# 41 MFLOP (the tiny preset) 0.67-0.80x, 157 MFLOP 0.98-1.01x, 226-1,057 MFLOP 1.10-1.23x, cpu-char's 3.7 GFLOP
+# 1.34-1.65x, 131-261 GFLOP (10.7M, 85M parameters) 1.8x. On a tie fp32 stays: no casts, and exact.
+BF16_MIN_FLOPS = 200e6
+
+
+def update_flops(model: GPTConfig, rows: int) -> float:
+    """Training FLOPs of the matmuls (6 per weight per token) of one micro-batch of `rows` full windows."""
+    C = model.n_embd
+    mlp = (3 if model.mlp == "swiglu" else 2) * C * model.hidden_size
+    weights = model.n_layer * (4 * C * C + mlp) + model.vocab_size * C  # attention, MLP, the LM head
+    return 6.0 * weights * rows * model.block_size
 
 
 def cuda_auto_dtype(capability: tuple[int, int]) -> torch.dtype:
@@ -169,10 +194,139 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
-def set_threads(n: int | None) -> None:
-    """--threads: torch's CPU threads for this process (None: torch's default, one per core)."""
-    if n is None:
-        return
-    if n < 1:
-        raise NanoGPTError(f"--threads must be at least 1, got {n}")
-    torch.set_num_threads(n)
+# --- CPU threads ---
+
+# torch's own count, read before anything changes it: one per physical core, or OMP_NUM_THREADS
+TORCH_THREADS = torch.get_num_threads()
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """The CPU threads a command computes with, and why."""
+
+    threads: int  # torch's intra-op threads
+    cores: int  # the most it would use: torch's own count (one per physical core)
+    running: float | None  # other threads running at the start; None where that cannot be seen
+    load: float | None  # the 1-minute load average; None where the platform has none
+    source: str  # "auto" (chosen here), "given" (--threads) or "environment" (OMP_NUM_THREADS)
+
+    def line(self, processes: int = 1) -> str:
+        """What was chosen and why, for the note an automatic choice prints; shared out between `processes`."""
+        why = [] if self.load is None else [f"load {self.load:.1f}"]
+        if self.running:
+            why.append(f"{self.running:g} other thread{'s' if self.running > 1 else ''} running")
+        why_text = ", ".join(why) or "load unknown"
+        if processes > 1:
+            return (
+                f"threads: {self.per_process(processes)} in each of {processes} processes, {self.threads} of "
+                f"{self.cores} cores ({why_text}); --threads N sets it"
+            )
+        return f"threads: {self.threads} of {self.cores} cores ({why_text}); --threads N sets it"
+
+    def per_process(self, processes: int) -> int:
+        """The count shared out between `processes` on this machine, at least one each."""
+        return max(1, self.threads // processes)
+
+
+def cpu_cores() -> int:
+    """The CPUs this process may run on (logical ones: hyper-threads count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # not on this platform
+        return None
+
+
+def _running_now() -> int | None:
+    """Threads running or waiting for a CPU now, on the whole machine, less this process's own."""
+    try:
+        runnable = int(Path("/proc/loadavg").read_text().split()[3].split("/")[0])  # this reading thread included
+        own = 0
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):  # a thread that just ended
+                own += Path(f"/proc/self/task/{task}/stat").read_text().rpartition(")")[2].split()[0] == "R"
+    except (OSError, ValueError, IndexError):  # not Linux
+        return None
+    return max(0, runnable - own)
+
+
+def running_elsewhere(samples: int = 5, gap_s: float = 0.004) -> float | None:
+    """Other threads running now: the median of a few looks (~20 ms), so that a short-lived process does not
+    count. None where /proc is not there."""
+    counts = []
+    for i in range(samples):
+        if i:
+            time.sleep(gap_s)
+        count = _running_now()
+        if count is None:
+            return None
+        counts.append(count)
+    return statistics.median(counts)
+
+
+def choose_threads(cpus: int, top: int, others: float | None) -> int:
+    """One thread per CPU the other running threads leave free, at most `top` (torch's count), at least one.
+
+    A thread that waits for a core is not just idle: torch's OpenMP threads spin at every barrier, and a step
+    waits for the slowest one. On 2 cores with one other CPU-bound process, 2 threads took 3,322 ms a cpu-char
+    update and 1 thread 108 ms (idle: 63 and 97 ms); see benchmarks/README.md, "Busy CPU"."""
+    if others is None:
+        return top
+    return max(1, min(top, math.floor(cpus - others + 0.5)))
+
+
+def auto_threads() -> ThreadChoice:
+    """The automatic choice from what runs on the machine now: the threads running elsewhere at this moment,
+    or the 1-minute load average where that is higher (a process that comes and goes shows there). The load
+    average lags by a minute both ways; a training run corrects the count as it goes (clock.ThreadTuner)."""
+    cpus, load, running = cpu_cores(), load_average(), running_elsewhere()
+    top = max(1, min(TORCH_THREADS, cpus))
+    others = None if running is None and load is None else max(running or 0.0, load or 0.0)
+    return ThreadChoice(choose_threads(cpus, top, others), top, running, load, "auto")
+
+
+_chosen: ThreadChoice | None = None  # set_threads' last choice, until the command's work takes it
+
+
+def set_threads(n: int | None) -> ThreadChoice:
+    """--threads: torch's CPU threads for this process. A given value is kept, and so is OMP_NUM_THREADS (the
+    user's, torchrun's, or the one `train --nproc` gives its processes). Otherwise the count is chosen from the
+    load now (auto_threads), and the work that follows says so in one line once it starts (take_threads_choice):
+    a refused command prints its error alone."""
+    global _chosen
+    _chosen = None
+    if n is not None:
+        if n < 1:
+            raise NanoGPTError(f"--threads must be at least 1, got {n}")
+        torch.set_num_threads(n)
+        _chosen = ThreadChoice(n, n, None, None, "given")
+    elif os.environ.get("OMP_NUM_THREADS"):
+        _chosen = ThreadChoice(torch.get_num_threads(), torch.get_num_threads(), None, None, "environment")
+    else:
+        _chosen = auto_threads()
+        torch.set_num_threads(_chosen.threads)
+    return _chosen
+
+
+def take_threads_choice() -> ThreadChoice | None:
+    """The choice the last set_threads made, once, for the work that follows: a CPU training run says an
+    automatic one and adapts it as it goes, a model loaded for inference says it and keeps it. A run started
+    without set_threads (the library, a test) gets None and keeps its threads, so that two such runs compute
+    the same bits."""
+    global _chosen
+    choice, _chosen = _chosen, None
+    return choice
+
+
+def say_threads(device: torch.device) -> None:
+    """Before inference on the CPU: the automatic thread choice, in one note line on stderr when that is a
+    terminal (a person reads it; a script that reads what sample or eval write gets that alone)."""
+    choice = take_threads_choice()
+    if choice is not None and choice.source == "auto" and device.type == "cpu" and sys.stderr.isatty():
+        print(f"note: {choice.line()}", file=sys.stderr, flush=True)

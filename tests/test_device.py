@@ -48,6 +48,25 @@ def test_dtypes_on_cpu():
     assert resolve_inference_dtype(Dtype.bfloat16, cpu, 0) == resolve_dtype(Dtype.bfloat16, cpu) == torch.bfloat16
 
 
+def test_auto_on_a_bf16_cpu_trains_small_updates_in_fp32_and_larger_ones_in_bf16(monkeypatch):
+    from nanogpt_cli import device
+    from nanogpt_cli.config import GPTConfig
+
+    cpu = torch.device("cpu")
+    toy = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=65)  # the tiny preset, 8 rows
+    small = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=65)  # at the line: 8 rows, 157 MFLOP
+    cpu_char = GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, vocab_size=65)
+    assert device.update_flops(toy, 8) < device.update_flops(small, 8) < device.BF16_MIN_FLOPS
+    assert device.update_flops(small, 16) > device.BF16_MIN_FLOPS  # more rows: more work per update
+    monkeypatch.setattr(device, "cpu_has_bf16", lambda: True)
+    assert resolve_dtype(Dtype.auto, cpu, toy, 8) == resolve_dtype(Dtype.auto, cpu, small, 8) == torch.float32
+    assert resolve_dtype(Dtype.auto, cpu, small, 16) == resolve_dtype(Dtype.auto, cpu, cpu_char, 12) == torch.bfloat16
+    assert resolve_dtype(Dtype.auto, cpu) == torch.bfloat16  # no size given: the hardware decides
+    assert resolve_dtype(Dtype.bfloat16, cpu, toy, 8) == torch.bfloat16  # a given dtype is kept
+    monkeypatch.setattr(device, "cpu_has_bf16", lambda: False)
+    assert resolve_dtype(Dtype.auto, cpu, cpu_char, 12) == torch.float32  # no native bf16: fp32 at any size
+
+
 @pytest.mark.parametrize(
     "command", [["train"], ["sample", "--checkpoint", "x"], ["eval", "perplexity", "--checkpoint", "x"]]
 )

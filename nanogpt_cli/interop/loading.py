@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from nanogpt_cli.config import Dtype, GPTConfig
-from nanogpt_cli.device import resolve_device, resolve_inference_dtype
+from nanogpt_cli.device import resolve_device, resolve_inference_dtype, say_threads
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop import hf
 from nanogpt_cli.model import GPT
@@ -100,6 +100,7 @@ def load_for_inference(
     if "tokenizer" not in meta:
         raise NanoGPTError(f"{checkpoint} has no tokenizer in its metadata, so its text cannot be decoded")
     tokenizer = tokenizer_from_description(meta["tokenizer"])
+    say_threads(dev)  # set_threads' automatic choice, once the model is there: it stays as it is
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     cast = resolve_inference_dtype(dtype, dev, weight_bytes)
     return InferenceModel(model.to(dev).cast(cast).eval(), tokenizer, meta, dev, cast)

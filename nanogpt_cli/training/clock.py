@@ -1,17 +1,23 @@
-"""A run's clock and its speed: wall time across invocations, --max-time's budget, steady step times, and the
-hint that names a busy CPU.
+"""A run's clock and its speed: wall time across invocations, --max-time's budget, steady step times, the
+thread count that follows a busy CPU, and the hint that names one.
 
     clock = Clock(before=0.0, max_time=60.0, last_eval_s=0.0, step=0); clock.stepped(started, first=True)
+    tuner = thread_tuner(device, world_size); note = tuner.watch(clock.steps) if tuner else None
 """
 
 from __future__ import annotations
 
-import os
+import math
 import statistics
 import time
 from collections.abc import Callable
 
+import torch
+
+from nanogpt_cli.device import cpu_cores, load_average, running_elsewhere, take_threads_choice
 from nanogpt_cli.training.events import RunSpeed
+
+__all__ = ["Clock", "ThreadTuner", "busy_hint", "cpu_cores", "load_average", "thread_tuner"]
 
 STEADY_SKIP = 5  # updates left out of the steady-state step time: warm-up, compilation, allocator growth
 
@@ -133,15 +139,98 @@ def busy_hint(steps_s: list[float], load: float | None, cores: int, threads: int
     return " and ".join(said) + ": other processes share the CPU; " + advice
 
 
-def cpu_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+PROBE = 5  # updates timed at each thread count when two are compared (their median)
+SLOWER = 1.5  # updates this much slower than the kept count's: compare fewer threads again
+GIVE_UP = 2.0  # a trial update this much slower than the kept count's ends the trial at once
+LOOK_EVERY = 25  # updates between looks for freed cores while below the top count (doubled after a failed trial)
 
 
-def load_average() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (AttributeError, OSError):  # not on this platform
+class ThreadTuner:
+    """Keeps a CPU run at the thread count whose updates are fastest now, as the machine's load changes.
+
+    Threads that wait for a core slow every update: torch's OpenMP threads spin at each barrier and an update
+    waits for the slowest, so on 2 cores with one other busy process a cpu-char update took 3,322 ms with 2
+    threads and 108 ms with 1. The run starts at set_threads' choice, compares half as many threads after the
+    first updates and whenever updates slow down by SLOWER, and compares twice as many once the threads
+    running elsewhere leave the cores for them; each comparison keeps the faster, and a trial of more threads
+    ends after one update GIVE_UP times as long, so a wrong guess costs one update."""
+
+    def __init__(
+        self, threads: int, top: int, cpus: int, apply: Callable[[int], None] = torch.set_num_threads, note: str = ""
+    ):
+        self.threads, self.top, self.cpus, self.apply = threads, top, cpus, apply
+        self.note = note  # the start's choice and why, said with the run's first lines
+        self.times: list[float] = []  # the current count's updates (the trial's during one)
+        self.kept: float | None = None  # the kept count's update time (a median of PROBE)
+        self.trial: tuple[int, float] | None = None  # during a trial: the kept count and its time
+        self.skip = STEADY_SKIP  # the first updates warm up: not timed
+        self.look_every = self.until_look = LOOK_EVERY
+        self.probed = False  # the comparison after the first updates is done
+
+    def watch(self, steps_s: list[float]) -> str | None:
+        """The trainer's call, before the first update (the start's note) and after each (stepped)."""
+        if not steps_s:
+            note, self.note = self.note, ""
+            return note or None
+        return self.stepped(steps_s[-1])
+
+    def stepped(self, step_s: float, running: Callable[[], float | None] | None = None) -> str | None:
+        """After each update, its length: the note to print when the thread count changed, else None. running:
+        the threads running elsewhere now (default: three looks at /proc, ~4 ms, made every LOOK_EVERY updates)."""
+        if self.skip:
+            self.skip -= 1
+            return None
+        self.times.append(step_s)
+        if self.trial is not None:
+            return self._judge()
+        if len(self.times) < PROBE:
+            return None
+        now, self.times = statistics.median(self.times), []
+        self.kept = now if self.kept is None else min(self.kept, now)
+        if self.threads > 1 and (not self.probed or now > SLOWER * self.kept):
+            self.probed = True
+            return self._try(max(1, self.threads // 2), now)
+        self.probed = True
+        self.until_look -= PROBE
+        if self.threads < self.top and self.until_look <= 0:
+            self.until_look = self.look_every
+            others = running() if running is not None else running_elsewhere(samples=3, gap_s=0.002)
+            if others is not None and math.floor(self.cpus - others + 0.5) > self.threads:
+                return self._try(min(self.top, self.threads * 2), now)
         return None
+
+    def _try(self, threads: int, now: float) -> None:
+        self.trial, self.times = (self.threads, now), []
+        self.threads = threads
+        self.apply(threads)
+
+    def _judge(self) -> str | None:
+        """A trial's update: the trial ends once it is clearly slower, or after PROBE updates; the faster stays."""
+        (kept, kept_s), tried = self.trial, self.threads
+        gave_up = tried > kept and self.times[-1] > GIVE_UP * kept_s
+        if not gave_up and len(self.times) < PROBE:
+            return None
+        tried_s, self.times, self.trial = statistics.median(self.times), [], None
+        if not gave_up and tried_s < kept_s:
+            self.kept, self.look_every = tried_s, LOOK_EVERY
+            self.until_look = self.look_every
+            return (
+                f"threads: {tried} of {self.top} cores from now on: an update took {tried_s * 1000:,.0f} ms with "
+                f"{tried}, {kept_s * 1000:,.0f} ms with {kept}"
+            )
+        self.threads, self.kept = kept, kept_s  # the kept count's time now, so that the same slowness is not retried
+        self.apply(kept)
+        if tried > kept:
+            self.look_every *= 2
+            self.until_look = self.look_every
+        return None
+
+
+def thread_tuner(device: torch.device, world_size: int) -> ThreadTuner | None:
+    """For a CPU run of one process whose threads set_threads chose itself, the tuner that says the choice and
+    adapts it; None for every other run (a given --threads or OMP_NUM_THREADS, several processes, a GPU, a run
+    started without set_threads), whose threads stay as they are."""
+    choice = take_threads_choice()
+    if choice is None or choice.source != "auto" or device.type != "cpu" or world_size > 1:
+        return None
+    return ThreadTuner(choice.threads, choice.cores, cpu_cores(), note=choice.line())

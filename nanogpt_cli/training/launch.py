@@ -98,9 +98,8 @@ def launch(args: list[str], how: Launch, run_id: str = "nanogpt") -> int:
         logger = logging.getLogger(name)
         logger.addHandler(logging.NullHandler())
         logger.propagate = False
-    os.environ[LAUNCH_ENV] = shlex.join(how.flags())
-    if "OMP_NUM_THREADS" not in os.environ:  # as torchrun does: N processes of all cores each would fight
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // how.nproc))
+    saved_env = {name: os.environ.get(name) for name in (LAUNCH_ENV, "OMP_NUM_THREADS")}
+    os.environ.update(worker_env(how))  # the processes inherit it; this process gets its own back at the end
     config = LaunchConfig(
         min_nodes=how.nnodes,
         max_nodes=how.nnodes,
@@ -128,6 +127,31 @@ def launch(args: list[str], how: Launch, run_id: str = "nanogpt") -> int:
         ) from None
     except Exception as e:  # the rendezvous (another machine, the endpoint), or starting the processes
         raise NanoGPTError(f"could not launch {how.world_size} training processes: {e}") from None
+    finally:
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def worker_env(how: Launch) -> dict[str, str]:
+    """What each process gets in its environment: the launch flags (for its resume command) and, unless
+    OMP_NUM_THREADS is set already, its CPU threads: the automatic choice (device.set_threads, made from the
+    load when this command started) shared out between the processes here, said in one note line; each process
+    keeps that count rather than choosing its own. A --threads given reaches each process as its argument."""
+    from nanogpt_cli.device import auto_threads, take_threads_choice
+
+    env = {LAUNCH_ENV: shlex.join(how.flags())}
+    if os.environ.get("OMP_NUM_THREADS"):
+        return env
+    choice = take_threads_choice() or auto_threads()
+    if choice.source == "given":
+        env["OMP_NUM_THREADS"] = str(choice.threads)
+    else:  # as torchrun does, shared out: N processes of all cores each would fight
+        env["OMP_NUM_THREADS"] = str(choice.per_process(how.nproc))
+        print(f"note: {choice.line(how.nproc)}", file=sys.stderr, flush=True)
+    return env
 
 
 def record_error(message: str) -> None:

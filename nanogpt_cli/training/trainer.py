@@ -40,7 +40,7 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
 from nanogpt_cli.runs.rundir import RunDir, SavePoint, Saver
-from nanogpt_cli.training.clock import Clock, busy_hint, cpu_cores, load_average
+from nanogpt_cli.training.clock import Clock, busy_hint, cpu_cores, load_average, thread_tuner
 from nanogpt_cli.training.distributed import World, launched_size
 from nanogpt_cli.training.events import Display, Evaluated, NoDisplay, RunStarted, StepLogged, TrainResult
 from nanogpt_cli.training.optim import lr_at, make_optimizer, set_lr
@@ -201,6 +201,7 @@ class Trainer:
         self.skipped = 0  # fp16 updates the scaler skipped since the last progress line
         self.hinted = False  # the busy-machine hint is given once
         self.trained_total = 0.0  # the targets trained on in this invocation (a chat dataset)
+        self.tuner = thread_tuner(world.device, world.size)  # says the CPU threads, adapts them (None: stay)
 
     def fit(self) -> TrainResult:
         self.parts = self._setup()
@@ -227,6 +228,7 @@ class Trainer:
             p.model.train()
             while state.step < p.end:
                 loss = self.train_step()
+                self.watch_load()
                 due = state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters
                 out_of_time = state.step < cfg.max_iters and p.clock.out_of_time(due)
                 if state.step % cfg.log_interval == 0 or state.step == p.end or out_of_time:
@@ -313,11 +315,16 @@ class Trainer:
             self.run_dir.append_metrics(logged.record())
         self.show.on_step(logged)
         self.skipped = 0
-        self.watch_load()
 
     def watch_load(self) -> None:
-        """On the CPU, one hint (once) when the machine is busy: see busy_hint."""
-        if self.hinted or self.world.device.type != "cpu":
+        """On the CPU, after each update: the thread count follows the load (clock.ThreadTuner, which says when
+        it changes it), and one hint (once) when the machine is busy and fewer threads cannot help: busy_hint."""
+        if self.world.device.type != "cpu":
+            return
+        said = self.tuner.watch(self.parts.clock.steps) if self.tuner is not None else None
+        if said:
+            self.show.on_hint(said)
+        if self.hinted or (self.tuner is not None and self.tuner.threads > 1):
             return
         hint = busy_hint(self.parts.clock.steps, load_average(), cpu_cores(), torch.get_num_threads())
         if hint is not None:
@@ -474,7 +481,7 @@ class Trainer:
         elif device.type == "cpu":
             keep_freed_memory()  # activations come from freed memory, not fresh pages, every update
         torch.manual_seed(self.cfg.seed)
-        return resolve_dtype(self.cfg.dtype, device)
+        return resolve_dtype(self.cfg.dtype, device, self.plan.model, self.cfg.batch_size)  # a CPU's auto: by size
 
     def _eval_sets(self, batches: Batches) -> tuple[dict[str, list[tuple[torch.Tensor, torch.Tensor]]], int]:
         """Each split's fixed evaluation batches, this rank's share (the losses are summed over ranks), and how
