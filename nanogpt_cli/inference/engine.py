@@ -102,14 +102,16 @@ class CacheView:
         else:  # each row's keys into its own positions, through the (B, S, nh, hs) view
             end = max(pos) + T
             assert end <= cache.capacity, f"a row at position {end - T} overflows a cache of {cache.capacity}"
-            if self.index is None:
-                at = torch.tensor(pos, device=k.device)[:, None]  # (B, 1)
-                at = at if T == 1 else at + torch.arange(T, device=k.device)  # (B, T)
-                self.index = (torch.arange(len(pos), device=k.device)[:, None], at)
+            if self.index is None:  # (B,) rows and positions for one token each, (B, 1) and (B, T) for more
+                rows, at = torch.arange(len(pos), device=k.device), torch.tensor(pos, device=k.device)
+                if T > 1:
+                    rows, at = rows.unsqueeze(1), at.unsqueeze(1) + torch.arange(T, device=k.device)
+                self.index = (rows, at)
             if k.dtype != ks.dtype:  # index_put_ does not cast
                 k, v = k.to(ks.dtype), v.to(vs.dtype)
-            ks.transpose(1, 2).index_put_(self.index, k.transpose(1, 2))
-            vs.transpose(1, 2).index_put_(self.index, v.transpose(1, 2))
+            k, v = (k.select(2, 0), v.select(2, 0)) if T == 1 else (k.transpose(1, 2), v.transpose(1, 2))
+            ks.transpose(1, 2).index_put_(self.index, k)  # into the (B, S, nh, hs) view
+            vs.transpose(1, 2).index_put_(self.index, v)
         if layer == self.last:
             shared = isinstance(pos, int)
             self.pos = pos + T if shared else [p + T for p in pos]

@@ -133,7 +133,7 @@ class Cache(Protocol):
 def causal_mask(query_pos: torch.Tensor, S: int) -> torch.Tensor:
     """Which of S held keys each new token sees, the tokens at query_pos ((T,), or (B, T) a row each): key j is
     visible to a token at position p when j <= p. (T, S), or (B, 1, T, S) to broadcast over the heads; bool"""
-    visible = torch.arange(S, device=query_pos.device) <= query_pos[..., None]
+    visible = torch.arange(S, device=query_pos.device) <= query_pos.unsqueeze(-1)
     return visible if query_pos.dim() == 1 else visible.unsqueeze(1)
 
 

@@ -156,7 +156,7 @@ class GPT(nn.Module):
             end, at = start + T, None
             rows = (lambda t: t.select(0, start)) if T == 1 else (lambda t: t.narrow(0, start, T))
         else:  # a position per row: at (B, T)
-            end, at = max(start) + T, torch.tensor(start, device=x.device)[:, None]
+            end, at = max(start) + T, torch.tensor(start, device=x.device).unsqueeze(1)  # unsqueeze: no [:, None]
             at = at if T == 1 else at + torch.arange(T, device=x.device)
             rows = lambda t: t[at]  # noqa: E731
         assert end <= self.config.block_size, f"{end} tokens exceed the context of {self.config.block_size}"
