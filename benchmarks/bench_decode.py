@@ -1,6 +1,6 @@
-"""The one-token decode step: the engine's plan-based step (engine.decode_step) against torch.compile of the same step
-written for a static cache shape (attention over the whole preallocated cache with a mask, the position a
-tensor, so one compiled graph serves every position).
+"""The one-token decode step: the engine's step (engine.decode_step) against torch.compile of the same blocks driven
+with a static cache shape (attention over the whole preallocated cache with a mask, the position a tensor, so one
+compiled graph serves every position).
 
     python benchmarks/bench_decode.py                      # cpu-char and shakespeare-char shapes, batch 1 and 5
     python benchmarks/bench_decode.py --device cuda --tokens 500
@@ -16,46 +16,45 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import sync, table  # noqa: E402
 
 from nanogpt_cli.config import GPTConfig  # noqa: E402
 from nanogpt_cli.device import resolve_device  # noqa: E402
-from nanogpt_cli.inference.engine import DecodePlan, KVCache, decode_plan, decode_step, head_logits, linear  # noqa: E402
-from nanogpt_cli.model import GPT, apply_rope, softcap  # noqa: E402
+from nanogpt_cli.inference.engine import DecodePlan, KVCache, decode_plan, decode_step, head_logits  # noqa: E402
+from nanogpt_cli.model import GPT, Context, softcap  # noqa: E402
+
+
+class StaticView:
+    """The whole preallocated cache as a compiled graph reads it: each layer's new keys and values written at the
+    position tensor `at`, and every slot returned (the mask hides the ones not written yet)."""
+
+    def __init__(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor], at: torch.Tensor):
+        self.k, self.v, self.at = k_cache, v_cache, at
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k[layer].index_copy_(2, self.at, k)  # (B, nh, S, hs)
+        self.v[layer].index_copy_(2, self.at, v)
+        return self.k[layer], self.v[layer]
 
 
 def static_step(
     p: DecodePlan, idx: torch.Tensor, pos: torch.Tensor, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]
 ) -> torch.Tensor:
     """decode_step with shapes that never change: pos is a 1-element tensor, attention covers the whole cache
-    (block_size keys) and masks the ones not written yet. (B, V)"""
-    B = idx.size(0)
-    nh, hs, C = p.n_head, p.head_size, p.n_embd
-    S = k_cache[0].size(2)
-    x = F.embedding(idx.view(B), p.wte)  # (B, C)
-    rope = p.pos_table is None
-    if rope:
-        cos, sin = p.cos.index_select(0, pos)[0], p.sin.index_select(0, pos)[0]  # (1, 1, hs)
+    (block_size keys) and masks the ones not written yet; the blocks are the model's own (p.ops). (B, V)"""
+    B, S, ops = idx.size(0), k_cache[0].size(2), p.ops
+    x = torch.embedding(ops.wte, idx.view(B))  # (B, C): T = 1 folded away
+    ctx = Context(B, 1, cache=StaticView(k_cache, v_cache, pos))
+    ctx.mask = (torch.arange(S, device=idx.device) <= pos).view(1, 1, 1, S)
+    if ops.cos is not None:
+        ctx.cos, ctx.sin = ops.cos.index_select(0, pos), ops.sin.index_select(0, pos)  # (1, 1, 1, hs)
     else:
-        x = x + p.pos_table.index_select(0, pos)
-    mask = (torch.arange(S, device=idx.device) <= pos).view(1, 1, 1, S)
-    for i, w in enumerate(p.layers):
-        qkv = linear(w.ln_1(x), w.w_qkv, w.b_qkv).view(B, 3, nh, hs)
-        qk = qkv[:, :2]
-        if w.q_norm is not None:
-            qk = torch.stack([w.q_norm(qkv[:, 0]), w.k_norm(qkv[:, 1])], dim=1)
-        if rope:
-            qk = apply_rope(qk, cos, sin)
-        k_cache[i].index_copy_(2, pos, qk[:, 1].unsqueeze(2))  # (B, nh, S, hs)
-        v_cache[i].index_copy_(2, pos, qkv[:, 2].unsqueeze(2))
-        q = qk[:, 0].unsqueeze(2)  # (B, nh, 1, hs)
-        y = F.scaled_dot_product_attention(q, k_cache[i], v_cache[i], attn_mask=mask)
-        x = linear(y.reshape(B, C), w.w_o, w.b_o, residual=x)
-        x = linear(p.act(linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj, residual=x)
-    return softcap(head_logits(p, p.ln_f(x)), p.logit_softcap)
+        x = x + ops.pos_table.index_select(0, pos)
+    for i, block in enumerate(ops.blocks):
+        x = block(x, ctx, i)
+    return softcap(head_logits(p, ops.ln_f(x)), p.logit_softcap)
 
 
 def bench(cfg: GPTConfig, batch: int, tokens: int, device: torch.device) -> list:
@@ -133,7 +132,7 @@ def main():
             print(" | ".join(map(str, rows[-1])), flush=True)
     table(
         f"one-token decode step on {device} ({torch.get_num_threads()} threads), ms per token",
-        ["model", "batch", "plan-based step", "torch.compile, static cache", "speed-up", "compile", "max |diff|"],
+        ["model", "batch", "engine step", "torch.compile, static cache", "speed-up", "compile", "max |diff|"],
         rows,
     )
 

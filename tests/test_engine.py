@@ -2,6 +2,8 @@
 a batch against its rows one at a time (different prompt lengths, rows that join and leave mid-generation),
 per-row seeds, the restart past the context, logits processing, and non-finite probabilities."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -27,12 +29,40 @@ OPTIONS = [
     dict(qk_norm=True, mlp="relu2", logit_softcap=3.0),
 ]
 OPTION_IDS = ["plain", "qk_norm", "relu2", "softcap", "all"]
-BLOCKS = [("gelu", "layernorm", False), ("gelu_tanh", "layernorm", True), ("swiglu", "rmsnorm", False)]
+
+
+def sweep() -> list:
+    """Every position scheme x norm x MLP x QK-norm x bias; the soft-cap on in every other one, tanh GELU in place
+    of exact GELU in every other GELU one: each block option and each pair of them occurs."""
+    norms, mlps, on_off = ("layernorm", "rmsnorm"), ("gelu", "swiglu", "relu2"), (False, True)
+    out = []
+    for i, (pos, norm, mlp, qk_norm, bias) in enumerate(itertools.product(POS, norms, mlps, on_off, on_off)):
+        mlp = "gelu_tanh" if mlp == "gelu" and (i // 4) % 2 else mlp
+        kw = dict(pos_encoding=pos, norm=norm, mlp=mlp, qk_norm=qk_norm, bias=bias)
+        kw["logit_softcap"] = 3.0 if (i + i // 4) % 2 else None
+        name = f"{pos}-{norm}-{mlp}{'-qk_norm' if qk_norm else ''}{'-bias' if bias else ''}"
+        out.append(pytest.param(kw, id=name + ("-softcap" if kw["logit_softcap"] else "")))
+    return out
+
+
+SWEEP = sweep()
 
 
 def model_of(pos="rope", mlp="gelu", norm="layernorm", bias=False, opts=None) -> GPT:
     torch.manual_seed(0)  # opts win over the block's mlp (relu2)
     return GPT(tiny(**{**dict(pos_encoding=pos, mlp=mlp, norm=norm, bias=bias), **(opts or {})})).eval()
+
+
+def swept(kw: dict) -> GPT:
+    torch.manual_seed(0)
+    model = GPT(tiny(**kw)).eval()
+    with torch.no_grad():  # norm gains and biases away from their init of ones and zeros, so a missing one shows
+        for name, p in model.named_parameters():
+            if name.endswith(("norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
+                p.normal_(1.0, 0.3)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return model
 
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -45,11 +75,9 @@ def run_alone(model, prompt, n, params=GREEDY, seed=None, **kw):
     return [t.token for t in engine.run()]
 
 
-@pytest.mark.parametrize("opts", OPTIONS, ids=OPTION_IDS)
-@pytest.mark.parametrize("pos", POS)
-@pytest.mark.parametrize("mlp,norm,bias", BLOCKS)
-def test_cached_forward_and_decode_step_equal_the_full_forward(pos, mlp, norm, bias, opts):
-    model = model_of(pos, mlp, norm, bias, opts)
+@pytest.mark.parametrize("kw", SWEEP)
+def test_cached_forward_and_decode_step_equal_the_full_forward(kw):
+    model = swept(kw)
     idx = torch.randint(0, 61, (3, 16))
     with torch.inference_mode():
         full, _ = model(idx)
@@ -63,11 +91,9 @@ def test_cached_forward_and_decode_step_equal_the_full_forward(pos, mlp, norm, b
     assert cache.pos == [16, 16, 16]
 
 
-@pytest.mark.parametrize("opts", OPTIONS, ids=OPTION_IDS)
-@pytest.mark.parametrize("pos", POS)
-@pytest.mark.parametrize("mlp,norm,bias", BLOCKS)
-def test_rows_at_different_positions_each_decode_what_they_would_alone(pos, mlp, norm, bias, opts):
-    model = model_of(pos, mlp, norm, bias, opts)
+@pytest.mark.parametrize("kw", SWEEP)
+def test_rows_at_different_positions_each_decode_what_they_would_alone(kw):
+    model = swept(kw)
     lengths = [3, 7, 1]
     idx = torch.randint(0, 61, (3, 16))
     with torch.inference_mode():
@@ -81,14 +107,29 @@ def test_rows_at_different_positions_each_decode_what_they_would_alone(pos, mlp,
             for r, c in enumerate(cols):
                 expected, _ = model(idx[r : r + 1, : c + 1])
                 torch.testing.assert_close(got[r], expected[0, -1], atol=1e-5, rtol=0)
-    assert cache.pos[:3] == [n + 6 for n in lengths]
-    half = model_of(pos, mlp, norm, bias, opts).to(torch.bfloat16)
+        # rows at different positions take a chunk of several tokens each, together: each row's own logits
+        chunk, _ = model(idx[:, 9:12], cache=cache.view(0, 3))
+        for r, c in enumerate(cols):
+            expected, _ = model(torch.cat([idx[r : r + 1, : c + 1], idx[r : r + 1, 9:12]], dim=1))
+            torch.testing.assert_close(chunk[r], expected[0, -3:], atol=1e-5, rtol=0)
+    assert cache.pos[:3] == [n + 6 + 3 for n in lengths]
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=OPTION_IDS)
+@pytest.mark.parametrize("pos", POS)
+def test_a_bf16_model_decodes_rows_at_different_positions_in_bf16(pos, opts):
+    half = model_of(pos, opts=opts).to(torch.bfloat16)
+    idx = torch.randint(0, 61, (2, 8))
     with torch.inference_mode():
         cache = KVCache(half, 2)
         half(idx[:1, :4], cache=cache.view(0, 1))
         half(idx[1:2, :2], cache=cache.view(1, 2))
+        got = decode_step(decode_plan(half), idx[:2, 4], cache)
         expected_dtype = torch.float32 if opts.get("logit_softcap") else torch.bfloat16  # the cap runs in fp32
-        assert decode_step(decode_plan(half), idx[:2, 4], cache).dtype == expected_dtype
+        assert got.dtype == expected_dtype
+        for r, n in enumerate((4, 2)):
+            alone = half(torch.cat([idx[r : r + 1, :n], idx[r : r + 1, 4:5]], dim=1))[0][0, -1]
+            torch.testing.assert_close(got[r].float(), alone.float(), atol=0.05, rtol=0.05)
 
 
 @pytest.mark.parametrize("opts", [{}, dict(qk_norm=True, mlp="relu2", logit_softcap=3.0)], ids=["plain", "all"])
@@ -309,3 +350,26 @@ def test_pick_then_advance_is_a_step_and_rows_may_join_or_leave_in_between():
         engine.advance()
         engine.advance()  # a second advance without a pick does nothing
     assert got == {0: solo[0], 1: solo[1][:5], 2: solo[2]} and engine.active == 0
+
+
+def test_a_model_with_adapters_not_merged_decodes_as_its_forward():
+    """The decoding form calls a LoRA layer as the module it is: its adapter counts in every step."""
+    from nanogpt_cli.lora import LoRAConfig, add_lora
+
+    model = model_of(opts=dict(qk_norm=True))
+    idx = torch.randint(0, 61, (2, 12))
+    with torch.inference_mode():
+        base, _ = model(idx)
+    add_lora(model, LoRAConfig(r=2, targets=("all",)))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0.0, 0.2)
+    with torch.inference_mode():
+        full, _ = model(idx)
+        cache = KVCache(model, 2)
+        prefill, _ = model(idx[:, :4], cache=cache.view(0, 2))
+        plan = decode_plan(model)
+        steps = [decode_step(plan, idx[:, t], cache)[:, None] for t in range(4, 12)]
+    assert (full - base).abs().max() > 1e-2  # the adapters change the logits ...
+    torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, atol=1e-5, rtol=0)  # ... in decoding too

@@ -58,11 +58,14 @@ def loaded_model(model: GPT, vocab: str = "abcdefghijklmnop") -> InferenceModel:
 
 
 def test_explicit_attention_path_computes_the_models_own_logits_for_every_kind_of_block():
-    """Every position scheme with every QK-norm x soft-cap choice, and with each norm and each MLP among them."""
+    """Every position scheme x norm x MLP x QK-norm x bias, the soft-cap on in every other one: the explicit kernel's
+    logits are the usual kernel's, and its probabilities are causal distributions."""
     worst = {}
-    combos = itertools.product(POS_ENCODINGS, itertools.product((False, True), (None, 8.0)))
-    for i, (pos, (qk_norm, cap)) in enumerate(combos):
-        norm, mlp, bias = NORMS[i % 2], MLPS[i % 4], i % 3 == 0
+    on_off = (False, True)
+    combos = itertools.product(POS_ENCODINGS, NORMS, ("gelu", "swiglu", "relu2"), on_off, on_off)
+    for i, (pos, norm, mlp, qk_norm, bias) in enumerate(combos):
+        mlp = "gelu_tanh" if mlp == "gelu" and (i // 4) % 2 else mlp
+        cap = 8.0 if i % 2 else None
         torch.manual_seed(i)
         config = GPTConfig(
             vocab_size=37,
@@ -86,11 +89,13 @@ def test_explicit_attention_path_computes_the_models_own_logits_for_every_kind_o
             expected, _ = model(idx)  # the fused kernel, no cache
         logits, probs = attention_forward(model, idx)
         assert probs.shape == (2, 2, 2, 12, 12)
+        assert torch.allclose(probs.sum(-1), torch.ones(2, 2, 2, 12), atol=1e-5)
+        assert (probs.triu(diagonal=1) == 0).all()
         assert expected.abs().max() > 0.5  # logits that are not all near zero, so the comparison means something
         worst[(pos, norm, mlp, qk_norm, cap, bias)] = (logits - expected).abs().max().item()
     bad = {k: v for k, v in worst.items() if v > 1e-5}
     assert not bad, f"explicit path differs from forward: {bad}"
-    assert {k[1] for k in worst} == set(NORMS) and {k[2] for k in worst} == set(MLPS) and len(worst) == 12
+    assert {k[1] for k in worst} == set(NORMS) and {k[2] for k in worst} == set(MLPS) and len(worst) == 72
 
 
 def test_every_attention_map_is_a_causal_distribution(trained_run):

@@ -75,22 +75,35 @@ def test_squared_relu_backward_is_autograds():
 
 
 def composite_attention(attn, x, cos, sin):
-    """CausalSelfAttention's output computed from its modules one by one: the norms, apply_rope, attention."""
+    """CausalSelfAttention's output computed from its modules one by one and the definition of attention: the
+    norms, apply_rope, softmax(q k^T / sqrt(hs) + causal mask) v, the output projection."""
     B, T, C = x.shape
     qkv = attn.c_attn(x).view(B, T, 3, attn.n_head, attn.head_size)
     qk = torch.stack([attn.q_norm(qkv[:, :, 0]), attn.k_norm(qkv[:, :, 1])], dim=2)
     q, k = apply_rope(qk, cos, sin).unbind(2)
-    y = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, 2].transpose(1, 2), is_causal=True
-    )
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), qkv[:, :, 2].transpose(1, 2)  # (B, nh, T, hs)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(attn.head_size)
+    future = torch.ones(T, T, dtype=torch.bool).triu(diagonal=1)
+    y = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v
     return attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def graph_nodes(y: torch.Tensor) -> str:
+    """The names of every autograd node behind y, joined."""
+    seen, todo = set(), [y.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo += [n for n, _ in node.next_functions]
+    return " ".join(type(n).__name__ for n in seen)
 
 
 def test_the_fused_qk_norm_and_rope_computes_the_modules_values_and_gradients():
     """Attention with QK-norm and RoPE runs one Function (NormRopeQKV) for the norms, the rotation and the
-    layout: its backward passes gradcheck in fp64, and a block gives the output and every weight's gradient
+    layout: its backward passes gradcheck in fp64, and a layer gives the output and every weight's gradient
     that its modules give one by one; under CPU bf16 autocast it stays within bf16's precision of them."""
-    from nanogpt_cli.model import NormRopeQKV
+    from nanogpt_cli.model import Context, NormRopeQKV, attention
 
     torch.manual_seed(0)
     B, T, nh, hs = 2, 6, 3, 8
@@ -107,9 +120,14 @@ def test_the_fused_qk_norm_and_rope_computes_the_modules_values_and_gradients():
         attn.k_norm.weight.normal_(1.0, 0.3)
     x = torch.randn(2, 16, 32)
     cos, sin = model.rope_cos[:16], model.rope_sin[:16]
+
+    def layer():  # the model's own attention, which picks the fused kernel here
+        return attn.c_proj(attention(attn.ops(), x.view(32, 32), Context(2, 16, cos, sin), 0)).view(2, 16, 32)
+
+    assert "NormRopeQKV" in graph_nodes(layer())  # the kernel this test is about is the one that ran
     names = [n for n, p in attn.named_parameters()]
     grads = {}
-    for name, fn in (("fused", lambda: attn(x, cos, sin)), ("modules", lambda: composite_attention(attn, x, cos, sin))):
+    for name, fn in (("fused", layer), ("modules", lambda: composite_attention(attn, x, cos, sin))):
         y = fn()
         grads[name] = (y, torch.autograd.grad(y.square().sum(), list(attn.parameters())))
     torch.testing.assert_close(grads["fused"][0], grads["modules"][0], atol=1e-6, rtol=1e-5)
@@ -117,7 +135,7 @@ def test_the_fused_qk_norm_and_rope_computes_the_modules_values_and_gradients():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
         assert a.abs().sum() > 0, name
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        low = attn(x, cos, sin)
+        low = layer()
     torch.testing.assert_close(low.float(), grads["modules"][0], atol=3e-2, rtol=3e-2)
 
 

@@ -9,23 +9,22 @@ the token loop, for a batch whose rows start, finish and are replaced at differe
 A row joins after its own prefill (`add`), takes one token per `step`, and leaves as soon as it finishes
 (its length, one of its stop tokens) or is removed (`remove`). Each row keeps its own sampling settings and
 its own random generator, so a seeded row draws the same tokens alone or among others. The model is only
-read: `model.py` holds the architecture, this module how to run it token by token.
+read: `model/` holds the architecture and its one forward, this module how to run it token by token.
 
-Shape legend as in model.py: B rows, S tokens held in the cache, C n_embd, nh n_head, hs head size, V vocab.
+Shape legend as in model/gpt.py: B rows, S tokens held in the cache, C n_embd, nh n_head, hs head size, V vocab.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.model import GPT, activation, apply_rope, softcap
+from nanogpt_cli.model import GPT, ModelOps, decode_ops, softcap
 
 __all__ = [
     "CacheView",
@@ -63,8 +62,8 @@ class KVCache:
         self.pos = [0] * rows
 
     def view(self, start: int, stop: int) -> CacheView:
-        """Rows start..stop-1, all at the position of row `start`, as GPT.forward takes a cache."""
-        return CacheView(self, start, stop, self.pos[start])
+        """Rows start..stop-1, each at its own position, as GPT.forward takes a cache."""
+        return CacheView(self, start, stop)
 
     def move(self, src: int, dst: int) -> None:
         """Copy row src (its held tokens) into slot dst."""
@@ -75,210 +74,86 @@ class KVCache:
 
 
 class CacheView:
-    """Some rows of a KVCache at one shared position: what GPT.forward reads and writes for a prefill
-    (`pos` and `update`). Writing goes straight into the cache; KVCache.pos follows on `update` of the last
-    layer (forward then also advances `view.pos`, which is this object's own)."""
+    """Rows start..stop-1 of a KVCache, each at its own position (its `pos`): what GPT.forward reads and writes
+    through a cache. `pos` is one int when every row is at one position (a prefill; a decode step of rows that
+    started together), which needs no mask and one slice write per layer. Writing goes straight into the cache;
+    the rows' positions (the view's and the cache's) advance on `update` of the last layer."""
 
-    def __init__(self, cache: KVCache, start: int, stop: int, pos: int):
-        self.cache, self.start, self.stop, self.pos, self.dtype = cache, start, stop, pos, cache.dtype
+    def __init__(self, cache: KVCache, start: int, stop: int):
+        self.cache, self.start, self.stop = cache, start, stop
+        pos = cache.pos[start:stop]
+        self.pos: int | list[int] = pos[0] if min(pos) == max(pos) else pos
+        self.whole = start == 0 and stop == cache.rows
+        self.last = len(cache.k) - 1  # the layer whose update advances the positions
+        self.index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, positions) of a per-row write
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this call's keys and values (B, nh, T, hs) and return all the rows' held ones (B, nh, S, hs)."""
-        T, end = k.size(2), self.pos + k.size(2)
-        assert end <= self.cache.capacity, f"{self.pos} + {T} tokens overflow a cache of {self.cache.capacity}"
-        ks, vs = self.cache.k[layer][self.start : self.stop], self.cache.v[layer][self.start : self.stop]
-        ks[:, :, self.pos : end] = k
-        vs[:, :, self.pos : end] = v
-        if layer == len(self.cache.k) - 1:
-            self.cache.pos[self.start : self.stop] = [end] * (self.stop - self.start)
-        return ks[:, :, :end], vs[:, :, :end]
+        """Store this call's keys and values (B, nh, T, hs) in the cache's dtype and return all the rows' held
+        ones (B, nh, S, hs)."""
+        T, pos, cache = k.size(2), self.pos, self.cache
+        ks, vs = cache.k[layer], cache.v[layer]  # (rows, nh, block_size, hs)
+        if not self.whole:  # narrow rather than ks[a:b]: Python's tuple indexing costs a few microseconds a call
+            ks, vs = ks.narrow(0, self.start, self.stop - self.start), vs.narrow(0, self.start, self.stop - self.start)
+        if isinstance(pos, int):
+            end = pos + T
+            assert end <= cache.capacity, f"{pos} + {T} tokens overflow a cache of {cache.capacity}"
+            ks.narrow(2, pos, T).copy_(k)  # copy_ casts to the cache's dtype
+            vs.narrow(2, pos, T).copy_(v)
+        else:  # each row's keys into its own positions, through the (B, S, nh, hs) view
+            end = max(pos) + T
+            assert end <= cache.capacity, f"a row at position {end - T} overflows a cache of {cache.capacity}"
+            if self.index is None:  # (B,) rows and positions for one token each, (B, 1) and (B, T) for more
+                rows, at = torch.arange(len(pos), device=k.device), torch.tensor(pos, device=k.device)
+                if T > 1:
+                    rows, at = rows.unsqueeze(1), at.unsqueeze(1) + torch.arange(T, device=k.device)
+                self.index = (rows, at)
+            if k.dtype != ks.dtype:  # index_put_ does not cast
+                k, v = k.to(ks.dtype), v.to(vs.dtype)
+            k, v = (k.select(2, 0), v.select(2, 0)) if T == 1 else (k.transpose(1, 2), v.transpose(1, 2))
+            ks.transpose(1, 2).index_put_(self.index, k)  # into the (B, S, nh, hs) view
+            vs.transpose(1, 2).index_put_(self.index, v)
+        if layer == self.last:
+            shared = isinstance(pos, int)
+            self.pos = pos + T if shared else [p + T for p in pos]
+            cache.pos[self.start : self.stop] = [self.pos] * (self.stop - self.start) if shared else self.pos
+            self.index = None
+        return ks.narrow(2, 0, end), vs.narrow(2, 0, end)
 
 
 # --- the decode step ------------------------------------------------------------------------------------
 
 
-class LayerWeights(NamedTuple):
-    """One block's weights as decode_step reads them: matrices as (in, out) for x @ w (_matmul_form), norms as
-    functions with their weights bound."""
-
-    ln_1: Callable[[torch.Tensor], torch.Tensor]
-    q_norm: Callable[[torch.Tensor], torch.Tensor] | None  # --qk-norm; None when off
-    k_norm: Callable[[torch.Tensor], torch.Tensor] | None
-    w_qkv: torch.Tensor  # (C, 3C)
-    b_qkv: torch.Tensor | None
-    w_o: torch.Tensor  # (C, C)
-    b_o: torch.Tensor | None
-    ln_2: Callable[[torch.Tensor], torch.Tensor]
-    w_fc: torch.Tensor  # (C, H) or (C, 2H)
-    b_fc: torch.Tensor | None
-    w_proj: torch.Tensor  # (H, C)
-    b_proj: torch.Tensor | None
-
-
 class DecodePlan(NamedTuple):
     """Everything decode_step reads, looked up once per engine (decode_plan)."""
 
-    layers: list[LayerWeights]
-    wte: torch.Tensor
-    ln_f: Callable[[torch.Tensor], torch.Tensor]
+    model: GPT
+    ops: ModelOps  # the model's operations in their decoding form
     head: torch.Tensor  # (V, C), V cut to the vocabulary decode_plan was given
     head_t: torch.Tensor | None  # (C, V) contiguous on a CPU (head_logits)
-    pos_table: torch.Tensor | None  # learned or sinusoidal positions; None for RoPE
-    cos: torch.Tensor | None  # RoPE tables (block_size, 1, 1, hs)
-    sin: torch.Tensor | None
-    act: Callable[[torch.Tensor], torch.Tensor]
     logit_softcap: float | None
-    n_head: int
-    head_size: int
-    n_embd: int
-
-
-def _as_function(module: nn.Module | None):
-    """A norm module -> a one-argument function with its weights bound (None stays None)."""
-    if module is None:
-        return None
-    shape, weight, eps = module.normalized_shape, module.weight, module.eps
-    if isinstance(module, nn.RMSNorm):
-        if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
-            # x / sqrt(mean(x^2) + eps) from the row's norm in three calls, cheaper than F.rms_norm on one row of
-            # a few hundred values on a CPU, and within 1e-6 of it. float32 only: the fused kernel accumulates bf16
-            # in fp32
-            scale = 1.0 / weight.numel()
-            eps = torch.tensor(torch.finfo(torch.float32).eps if eps is None else eps)
-
-            def rms_norm(x: torch.Tensor) -> torch.Tensor:
-                n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-                return x * torch.addcmul(eps, n, n, value=scale).rsqrt_() * weight
-
-            return rms_norm
-        return lambda x: F.rms_norm(x, shape, weight, eps)
-    bias = module.bias
-    return lambda x: torch.layer_norm(x, shape, weight, bias, eps)
-
-
-def _matmul_form(w: torch.Tensor) -> torch.Tensor:
-    """A weight (out, in) as decode_step multiplies it, x @ w: (in, out). On a CPU a contiguous copy of the
-    transpose for small matrices, where MKL's kernel for one to a few rows is ~2x faster than for x @ W.T (what
-    F.linear computes): 4 against 8 us for 128 -> 384 at batch 1, the same at 768 -> 2304; the copies add the
-    body's matrices once more, for small models only. Elsewhere the transposed view, F.linear's own product."""
-    if w.device.type == "cpu" and w.numel() <= 1 << 20:
-        return w.t().contiguous()
-    return w.t()
 
 
 def decode_plan(model: GPT, vocab_size: int | None = None) -> DecodePlan:
-    """What decode_step reads, looked up once: each nn.Module attribute lookup costs about a microsecond, and a
-    small model's token makes ~100 of them. vocab_size: logits for the first vocab_size tokens only (a padded
+    """What decode_step reads, looked up once. vocab_size: logits for the first vocab_size tokens only (a padded
     head has rows no tokenizer token reaches). Tensors are shared, not copied, except the transposed forms."""
     cfg = model.config
-    layers = [
-        LayerWeights(
-            ln_1=_as_function(b.ln_1),
-            q_norm=_as_function(b.attn.q_norm),
-            k_norm=_as_function(b.attn.k_norm),
-            w_qkv=_matmul_form(b.attn.c_attn.weight),
-            b_qkv=b.attn.c_attn.bias,
-            w_o=_matmul_form(b.attn.c_proj.weight),
-            b_o=b.attn.c_proj.bias,
-            ln_2=_as_function(b.ln_2),
-            w_fc=_matmul_form(b.mlp.c_fc.weight),
-            b_fc=b.mlp.c_fc.bias,
-            w_proj=_matmul_form(b.mlp.c_proj.weight),
-            b_proj=b.mlp.c_proj.bias,
-        )
-        for b in model.transformer.h
-    ]
-    pos_table = None  # added to the embedding: learned or sinusoidal positions
-    if cfg.pos_encoding == "learned":
-        pos_table = model.transformer.wpe.weight
-    elif cfg.pos_encoding == "sinusoidal":
-        pos_table = model.pos_table
     head = model.lm_head.weight[: vocab_size or cfg.vocab_size]
     # MKL's kernel for h @ W.T with a tall, thin W (V x C, V in the tens of thousands) is much slower than for
     # h @ W_t with the transpose stored contiguous (C x V): one copy of the head, once per engine, for the biggest
     # matmul of a small model's token; a GPU has no such gap
     head_t = head.t().contiguous() if head.device.type == "cpu" and head.size(0) >= 8 * head.size(1) else None
-    return DecodePlan(
-        layers=layers,
-        wte=model.transformer.wte.weight,
-        ln_f=_as_function(model.transformer.ln_f),
-        head=head,
-        head_t=head_t,
-        pos_table=pos_table,
-        cos=getattr(model, "rope_cos", None),
-        sin=getattr(model, "rope_sin", None),
-        act=lambda h: activation(h, cfg.mlp),
-        logit_softcap=cfg.logit_softcap,
-        n_head=cfg.n_head,
-        head_size=cfg.head_size,
-        n_embd=cfg.n_embd,
-    )
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None = None):
-    """x (B, in) @ w (in, out) + b, plus residual (B, out) when given, in one call where it can be one."""
-    if b is None:
-        return torch.mm(x, w) if residual is None else torch.addmm(residual, x, w)
-    y = torch.addmm(b, x, w)
-    return y if residual is None else residual + y
+    return DecodePlan(model, decode_ops(model), head, head_t, cfg.logit_softcap)
 
 
 def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None = None) -> torch.Tensor:
     """Logits (B, V) after one new token for each of the cache's first n rows (idx (B,) or (B, 1)), each at its
-    own position: the same computation as GPT.forward through a cache, written against the weights directly.
-    Decoding a small model on a CPU is bound by per-call overhead, and skipping the module calls and lookups
-    makes a token ~1.5x cheaper (tests check the two agree for every kind of block). When every row is at the
-    same position (one prompt, or prompts of one length) attention needs no mask; otherwise each row's keys
-    past its own position are masked. Call it under torch.inference_mode()."""
+    own position: GPT.hidden_states through the cache with the model's decoding form (model/decode.py), which
+    makes a small model's token ~1.5x cheaper than its modules do. When every row is at the same position (one
+    prompt, or prompts of one length) attention needs no mask; otherwise each row's keys past its own position
+    are masked. Call it under torch.inference_mode()."""
     B = idx.size(0) if n is None else n
-    nh, hs, C = p.n_head, p.head_size, p.n_embd
-    pos = cache.pos[:B]
-    first, last = min(pos), max(pos)
-    assert last < cache.capacity, f"a row at position {last} overflows a cache of {cache.capacity}"
-    x = torch.embedding(p.wte, idx.view(B))  # (B, C): T = 1 folded away
-    rope = p.pos_table is None
-    if first == last:
-        mask = rows = None
-        if rope:
-            cos, sin = p.cos[first], p.sin[first]  # (1, 1, hs)
-        else:
-            x = x + p.pos_table[first]
-    else:
-        at = torch.tensor(pos, device=idx.device)  # (B,)
-        rows = torch.arange(B, device=idx.device)
-        if rope:
-            cos, sin = p.cos[at], p.sin[at]  # (B, 1, 1, hs)
-        else:
-            x = x + p.pos_table[at]
-        mask = (torch.arange(last + 1, device=idx.device) <= at[:, None]).view(B, 1, 1, last + 1)
-    whole = B == cache.rows
-    act = p.act
-    # narrow/select rather than x[:, :, a:b]: Python's tuple indexing costs a few microseconds a call
-    for i, w in enumerate(p.layers):
-        qkv = linear(w.ln_1(x), w.w_qkv, w.b_qkv).view(B, 3, nh, hs)
-        qk = qkv.narrow(1, 0, 2)  # (B, 2, nh, hs)
-        if w.q_norm is not None:
-            qk = torch.stack([w.q_norm(qkv.select(1, 0)), w.k_norm(qkv.select(1, 1))], dim=1)
-        if rope:
-            qk = apply_rope(qk, cos, sin)
-        k_all, v_all = cache.k[i], cache.v[i]  # (rows, nh, block_size, hs)
-        if not whole:
-            k_all, v_all = k_all.narrow(0, 0, B), v_all.narrow(0, 0, B)
-        if mask is None:
-            k_all.select(2, first).copy_(qk.select(1, 1))
-            v_all.select(2, first).copy_(qkv.select(1, 2))
-        else:  # (B, nh, hs) into each row's own position, through the (B, S, nh, hs) view
-            k_all.transpose(1, 2).index_put_((rows, at), qk.select(1, 1).to(k_all.dtype))
-            v_all.transpose(1, 2).index_put_((rows, at), qkv.select(1, 2).to(v_all.dtype))
-        q = qk.narrow(1, 0, 1)  # (B, 1, nh, hs) viewed as (B, nh, 1, hs) below
-        q = q.view(B, nh, 1, hs) if q.dtype == k_all.dtype else q.view(B, nh, 1, hs).to(k_all.dtype)
-        y = F.scaled_dot_product_attention(
-            q, k_all.narrow(2, 0, last + 1), v_all.narrow(2, 0, last + 1), attn_mask=mask
-        )
-        x = linear(y.view(B, C), w.w_o, w.b_o, residual=x)
-        x = linear(act(linear(w.ln_2(x), w.w_fc, w.b_fc)), w.w_proj, w.b_proj, residual=x)
-    cache.pos[:B] = [q + 1 for q in pos]
-    return softcap(head_logits(p, p.ln_f(x)), p.logit_softcap)  # (B, V)
+    h = p.model.hidden_states(idx.view(B, 1), cache.view(0, B), ops=p.ops)  # (B, 1, C)
+    return softcap(head_logits(p, h.view(B, -1)), p.logit_softcap)  # (B, V)
 
 
 def head_logits(p: DecodePlan, h: torch.Tensor) -> torch.Tensor:

@@ -1,17 +1,16 @@
-"""Attention probabilities of every layer and head, from an explicit path beside the fused kernel.
+"""Attention probabilities of every layer and head, from the model's own forward with the explicit kernel.
 
     maps = attention_maps(load_for_inference("checkpoints/shk", dtype="float32"), "ROMEO:")  # one prompt's maps
     logits, probs = attention_forward(model, idx)   # (B, T, V) and (B, L, nh, T, T)
 
-The model's own forward calls scaled_dot_product_attention, which never materializes the weights. This path runs
-the same submodules (norms, c_attn, QK-norm, RoPE, c_proj, MLP, soft-cap) but computes the attention as
-softmax(q k^T / sqrt(hs) + causal mask) itself, so the weights can be kept. Its logits equal the forward's (the
-tests check every position scheme, norm, MLP and option), which is what makes the pictures the model's own.
+The model's forward usually calls scaled_dot_product_attention, which never materializes the weights. Asked for
+them, its attention (model/attention.py) computes the softmax over q k^T / sqrt(hs) itself and keeps them;
+everything else is the forward as it always runs, so the pictures are the model's own (the tests check its logits
+against the usual kernel's for every position scheme, norm, MLP and option).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,58 +19,20 @@ import torch
 
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop.loading import InferenceModel
-from nanogpt_cli.model import GPT, CausalSelfAttention, apply_rope, softcap
-
-
-def attention_probs(
-    attn: CausalSelfAttention, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One attention layer on its normed input x (B, T, C), the way CausalSelfAttention.forward computes it
-    without a cache: its output (B, T, C) and its attention probabilities (B, nh, T, T), in float32."""
-    B, T, C = x.size()
-    nh, hs = attn.n_head, attn.head_size
-    qkv = attn.c_attn(x).view(B, T, 3, nh, hs)  # (B, T, 3, nh, hs)
-    q, k, v = qkv.unbind(dim=2)  # (B, T, nh, hs) each
-    if attn.q_norm is not None:  # per head, before RoPE, as in the model
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    if attn.rope:
-        c, s = cos[:, 0], sin[:, 0]  # (T, 1, hs): broadcast over (B, T, nh, hs)
-        q, k = apply_rope(q, c, s), apply_rope(k, c, s)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
-    # scores in float32 whatever the weights' dtype, so that the probabilities sum to 1 to float precision
-    scores = q.float() @ k.float().transpose(-2, -1) / math.sqrt(hs)  # (B, nh, T, T)
-    future = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(diagonal=1)
-    probs = scores.masked_fill(future, float("-inf")).softmax(dim=-1)  # (B, nh, T, T); exact zeros above
-    y = (probs.to(v.dtype) @ v).transpose(1, 2).reshape(B, T, C)  # (B, T, C)
-    return attn.c_proj(y), probs
+from nanogpt_cli.model import GPT
 
 
 @torch.no_grad()
 def attention_forward(model: GPT, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPT.forward(idx) (no cache, no dropout) through attention_probs: the logits (B, T, V) and every layer's
-    attention probabilities (B, L, nh, T, T) in float32."""
+    """GPT.forward(idx) (no cache, no dropout) with the attention probabilities kept: the logits (B, T, V) and
+    every layer's attention probabilities (B, L, nh, T, T) in float32."""
     # dropout in the MLP would make the result a random draw, not the model's
     assert not model.training, "call model.eval() first"
-    cfg = model.config
     T = idx.size(1)
-    if T > cfg.block_size:
-        raise ValueError(f"{T} tokens exceed the context of {cfg.block_size}")
-    tr = model.transformer
-    x = tr.wte(idx)  # (B, T, C)
-    cos = sin = None
-    if cfg.pos_encoding == "learned":
-        x = x + tr.wpe(torch.arange(T, device=idx.device))
-    elif cfg.pos_encoding == "sinusoidal":
-        x = x + model.pos_table[:T]
-    else:
-        cos, sin = model.rope_cos[:T], model.rope_sin[:T]  # (T, 1, 1, hs)
-    layers = []
-    for block in tr.h:
-        y, probs = attention_probs(block.attn, block.ln_1(x), cos, sin)
-        x = x + y
-        x = x + block.mlp(block.ln_2(x))  # dropout inside is off: the caller's model is in eval mode
-        layers.append(probs)
-    logits = softcap(model.lm_head(tr.ln_f(x)), cfg.logit_softcap)  # (B, T, V)
+    if T > model.config.block_size:
+        raise ValueError(f"{T} tokens exceed the context of {model.config.block_size}")
+    layers: list[torch.Tensor] = []
+    logits, _ = model(idx, probs=layers)  # (B, T, V)
     return logits, torch.stack(layers, dim=1)  # (B, L, nh, T, T)
 
 

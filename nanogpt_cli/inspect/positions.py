@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from nanogpt_cli.model import GPT
+from nanogpt_cli.model import GPT, rope_inv_freq
 
 
 @dataclass
@@ -43,7 +43,7 @@ def position_views(model: GPT) -> PositionViews:
     P = cfg.block_size
     if cfg.pos_encoding == "rope":
         hs = cfg.head_size
-        inv_freq = cfg.rope_theta ** (-torch.arange(0, hs, 2, dtype=torch.float64) / hs)  # (hs/2,), as rope_tables
+        inv_freq = rope_inv_freq(hs, cfg.rope_theta)  # (hs/2,), float64
         angles = torch.arange(P, dtype=torch.float64)[:, None] * inv_freq  # (P, hs/2)
         wavelengths = 2 * math.pi / inv_freq
         # q = k = ones: each pair contributes 2 cos(d * freq) to q.k, so the mean over pairs is the score's shape

@@ -1,0 +1,254 @@
+"""Causal self-attention, written once: the q, k, v projection, QK-norm, RoPE, the causal mask over a cache, and
+the kernels that compute it. Training, the engine's prefill and decode step and `inspect`'s attention maps all
+run `attention`; only the kernel differs, chosen inside it:
+
+- no cache (training, evaluation): scaled_dot_product_attention with is_causal, after NormRopeQKV when the model
+  has QK-norm and RoPE (one autograd Function for the norms, the rotation and the layout);
+- a cache (prefill, decode): the same kernel over the held keys with the causal mask, none when every held key
+  is visible (one new token per row, every row at one position);
+- probabilities asked for (Context.probs): an explicit softmax over the scores, which keeps them.
+
+    y = attention(block.attn.ops(), x, ctx, layer)   # x (N, C) normed, N = B * T; y (N, nh * hs), before c_proj
+
+Shape legend as in gpt.py: B rows, T new tokens, S keys held (T without a cache), nh heads, hs head size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.nn as nn
+from torch.autograd.function import once_differentiable
+from torch.nn import functional as F
+
+from nanogpt_cli.config import GPTConfig
+
+Op = Callable[[torch.Tensor], torch.Tensor]
+
+
+# --- RoPE -----------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(head_size: int, theta: float) -> torch.Tensor:
+    """RoPE's frequencies (Su et al. 2021), theta^(-2i/hs) for pair i, in float64. (hs/2,)"""
+    return theta ** (-torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+
+
+def rope_tables(positions: torch.Tensor, head_size: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin for RoPE at the given positions, in Llama's half-split layout, where x[i] and
+    x[i + hs/2] form a rotating pair. The sin table's first half is negated, so that apply_rope needs one roll
+    instead of a split, a negation and a concatenation. (T, hs) each"""
+    inv_freq = rope_inv_freq(head_size, theta).to(positions.device)
+    angles = positions.to(torch.float64)[:, None] * inv_freq  # (T, hs/2)
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)  # (T, hs): the two halves of a head share frequencies
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
+    return cos.float(), sin.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (x[i], x[i + hs/2]) by their position's angle:
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). x: (..., hs); cos, sin from rope_tables, broadcast to x."""
+    half = x.size(-1) // 2
+    # the fp32 tables meet x in x's dtype: under bf16 autocast q and k stay bf16 (fp32 tables would upcast
+    # them, and attention would cast them back, two extra passes over q and k)
+    if cos.dtype != x.dtype:  # a .to that does nothing still costs a call
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.addcmul(x * cos, x.roll(half, dims=-1), sin)  # roll: (x1, x2) -> (x2, x1)
+
+
+def rotate_half_into(out: torch.Tensor, x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """out = x * c + roll(x) * s over the last dimension, roll being the swap of its two halves, written half by
+    half into out: torch.roll copies through a concatenation, a pass that costs as much as the product."""
+    half = x.size(-1) // 2
+    for lo, hi in ((slice(None, half), slice(half, None)), (slice(half, None), slice(None, half))):
+        torch.mul(x[..., lo], c[..., lo], out=out[..., lo]).addcmul_(x[..., hi], s[..., lo])
+    return out
+
+
+class NormRopeQKV(torch.autograd.Function):
+    """QK-norm then RoPE on the fused qkv (B, T, 3, nh, hs), returning q, k, v each (B, nh, T, hs) contiguous in
+    out_dtype, as scaled_dot_product_attention reads them: the same values as norming q and k with their
+    RMSNorms, apply_rope and the transposes, with a hand-written backward that writes qkv's gradient in one
+    buffer. On a CPU these passes over small tensors are bound by memory, and autograd's graph for them (the
+    norms' composite ops, a stack, torch.roll's concatenations, the slices' zero-filled gradients) made a
+    4 x 128 model's update ~1.3x slower. q and k are normed and rotated in fp32, laid out (2, B, nh, T, hs) from
+    the first copy on; the gains fold into RoPE's tables, n * (g cos) + roll(n) * (roll(g) sin) with
+    n = x / rms(x), as the gain, the rotation and the roll all act per dimension."""
+
+    @staticmethod
+    def forward(ctx, qkv, q_gain, k_gain, cos, sin, eps: float, out_dtype: torch.dtype):
+        T, hs = qkv.size(1), qkv.size(-1)
+        dtype = torch.promote_types(qkv.dtype, torch.float32)
+        x = qkv[:, :, :2].permute(2, 0, 3, 1, 4).to(dtype, memory_format=torch.contiguous_format, copy=True)
+        inv_rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(hs).add_(eps).rsqrt_()
+        n = x.mul_(inv_rms)  # (2, B, nh, T, hs): x is a copy, normalised in place
+        g = torch.stack([q_gain, k_gain]).to(dtype).view(2, 1, 1, 1, hs)
+        cos, sin = cos.to(dtype).view(T, hs), sin.to(dtype).view(T, hs)
+        out = rotate_half_into(torch.empty_like(n), n, g * cos, g.roll(hs // 2, dims=-1) * sin)
+        if out_dtype != dtype:
+            out = out.to(out_dtype)
+        v = qkv.select(2, 2).transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format)
+        ctx.save_for_backward(n, inv_rms, g, cos, sin)
+        ctx.qkv_dtype, ctx.gain_dtype = qkv.dtype, q_gain.dtype
+        return out[0], out[1], v
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dq, dk, dv):
+        n, inv_rms, g, cos, sin = ctx.saved_tensors
+        B, nh, T, hs = dq.shape
+        d_qkv = torch.empty(B, T, 3, nh, hs, dtype=ctx.qkv_dtype, device=dq.device)
+        d_gains = []
+        for i, d_out in enumerate((dq, dk)):  # q, then k: no stack of the two
+            d_out = d_out.to(n.dtype)
+            # RoPE's transpose: the swap of halves is its own inverse, so d(n g) = d_out cos + roll(d_out sin)
+            d_y = rotate_half_into(torch.empty_like(d_out), d_out, cos, sin.roll(hs // 2, dims=-1))
+            d_gains.append((d_y * n[i]).sum(dim=(0, 1, 2)).to(ctx.gain_dtype))
+            d_n = d_y.mul_(g[i])
+            # RMSNorm's backward without the gain: (d_n - n * mean(d_n * n)) / rms
+            d_x = torch.addcmul(d_n, n[i], (d_n * n[i]).mean(dim=-1, keepdim=True), value=-1.0).mul_(inv_rms[i])
+            d_qkv[:, :, i] = d_x.transpose(1, 2)
+        d_qkv[:, :, 2] = dv.transpose(1, 2)
+        return d_qkv, d_gains[0], d_gains[1], None, None, None, None
+
+
+# --- what one forward shares ------------------------------------------------------------------------------
+
+
+class Cache(Protocol):
+    """What attention reads and writes through a cache (engine.CacheView): where each row's new tokens start
+    (one position for every row, or a list with one per row), and update, which stores a layer's new keys and
+    values (in the cache's dtype) and returns every key and value held, the new ones included. It advances its
+    rows' positions by T on the last layer's update."""
+
+    pos: int | list[int]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def causal_mask(query_pos: torch.Tensor, S: int) -> torch.Tensor:
+    """Which of S held keys each new token sees, the tokens at query_pos ((T,), or (B, T) a row each): key j is
+    visible to a token at position p when j <= p. (T, S), or (B, 1, T, S) to broadcast over the heads; bool"""
+    visible = torch.arange(S, device=query_pos.device) <= query_pos.unsqueeze(-1)
+    return visible if query_pos.dim() == 1 else visible.unsqueeze(1)
+
+
+@dataclass(slots=True)
+class Context:
+    """What every block of one forward shares (GPT.hidden_states builds it): the call's shape, the RoPE angles at
+    its positions, the cache and the mask over it, and where to keep the attention probabilities."""
+
+    B: int
+    T: int
+    cos: torch.Tensor | None = None  # RoPE at the new tokens' positions, (T, 1, 1, hs) or (B, T, 1, 1, hs)
+    sin: torch.Tensor | None = None
+    cache: Cache | None = None
+    mask: torch.Tensor | None = None  # causal_mask over the cache; None when every held key is visible
+    probs: list[torch.Tensor] | None = None  # when a list, each layer's probabilities (B, nh, T, S) go in it
+
+
+# --- attention --------------------------------------------------------------------------------------------
+
+
+class AttentionOps(NamedTuple):
+    """One layer's attention as `attention` calls it: the modules themselves (CausalSelfAttention.ops) or faster
+    forms of the same operations (decode.py)."""
+
+    c_attn: Op  # (N, C) -> (N, 3 nh hs): the queries, keys and values of every head
+    q_norm: Op | None  # QK-norm over each head's hs dimensions; None without it
+    k_norm: Op | None
+    n_head: int
+    head_size: int
+    dropout: float  # on the attention weights; 0 outside training
+
+
+def attention(w: AttentionOps, x: torch.Tensor, ctx: Context, layer: int) -> torch.Tensor:
+    """Causal self-attention of the normed residual stream x (N, C), N = B * T rows, through ctx's cache when it
+    has one: the heads' outputs side by side, (N, nh * hs), for the output projection."""
+    B, T, nh, hs = ctx.B, ctx.T, w.n_head, w.head_size
+    qkv = w.c_attn(x).view(B, T, 3, nh, hs)  # (B, T, 3, nh, hs)
+    q, k, v = queries_keys_values(w, qkv, ctx)  # (B, nh, T, hs) each
+    cache = ctx.cache
+    if cache is not None:
+        k, v = cache.update(layer, k, v)  # (B, nh, S, hs): everything held, in the cache's dtype
+        if q.dtype != k.dtype:
+            q = q.to(k.dtype)
+    if ctx.probs is not None:
+        y = explicit_attention(q, k, v, ctx)
+    elif cache is None:
+        y = causal_attention(q, k, v, w.dropout)
+    else:  # new tokens at the end of what each row holds: the mask shows each its past and itself
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask)
+    if T == 1:  # (B, nh, 1, hs) is (B, 1, nh, hs) already: a decode step's one-row form skips the transpose
+        return y.view(B, nh * hs)
+    return y.transpose(1, 2).reshape(B * T, nh * hs)  # (N, nh * hs)
+
+
+def queries_keys_values(w: AttentionOps, qkv: torch.Tensor, ctx: Context):
+    """q, k, v (B, nh, T, hs) from the fused projection (B, T, 3, nh, hs): QK-norm per head, then RoPE on q and
+    k. narrow and select rather than qkv[:, :, :2]: Python's tuple indexing costs a few microseconds a call,
+    which a decode step makes a few hundred of."""
+    if ctx.cache is None and ctx.cos is not None and isinstance(w.q_norm, nn.RMSNorm):
+        # training's kernel: the norms, the rotation and the layout in one Function (it reads the norms' gains)
+        cpu_autocast = qkv.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+        out_dtype = torch.float32 if cpu_autocast else qkv.dtype  # fp32 for the CPU's attention (causal_attention)
+        return NormRopeQKV.apply(qkv, w.q_norm.weight, w.k_norm.weight, ctx.cos, ctx.sin, w.q_norm.eps, out_dtype)
+    qk = qkv.narrow(2, 0, 2)  # (B, T, 2, nh, hs)
+    if w.q_norm is not None:  # per head, before RoPE
+        qk = torch.stack([w.q_norm(qkv.select(2, 0)), w.k_norm(qkv.select(2, 1))], dim=2)
+    if ctx.cos is not None:
+        # rotate q and k together: one set of elementwise ops instead of two
+        qk = apply_rope(qk, ctx.cos, ctx.sin)  # cos, sin (T, 1, 1, hs) or (B, T, 1, 1, hs) broadcast
+    q, k = qk.permute(2, 0, 3, 1, 4).unbind(0)  # (B, nh, T, hs) each: two calls for both
+    return q, k, qkv.select(2, 2).transpose(1, 2)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """Attention of T tokens over themselves, each seeing itself and those before it. (B, nh, T, hs)"""
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        # the CPU flash-attention kernel's bf16 backward is much slower than its fp32 one, and autocast would cast
+        # fp32 inputs back down: run it in fp32 outside autocast
+        with torch.autocast("cpu", enabled=False):
+            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, dropout_p=dropout_p)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+
+
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hs) + causal mask) v, computed step by step so that the probabilities can be kept
+    (scaled_dot_product_attention never materialises them): they go into ctx.probs, (B, nh, T, S) float32.
+    No dropout: the probabilities are the model's own. (B, nh, T, hs)"""
+    T, S = q.size(2), k.size(2)
+    mask = ctx.mask if ctx.cache is not None else causal_mask(torch.arange(T, device=q.device), S)
+    # scores in float32 whatever the weights' dtype, so that the probabilities sum to 1 to float precision
+    scores = q.float() @ k.float().transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, T, S)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # exact zeros in the probabilities where masked
+    probs = scores.softmax(dim=-1)
+    ctx.probs.append(probs)
+    return probs.to(v.dtype) @ v
+
+
+class CausalSelfAttention(nn.Module):
+    """The attention's weights: the fused q, k, v projection, the output projection and the QK-norm gains. The
+    computation is `attention` (the output projection is the block's, with its residual)."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head, self.head_size = config.n_head, config.head_size
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # fused q, k, v
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        if config.qk_norm:  # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen3): bounded attention logits
+            self.q_norm = nn.RMSNorm(config.head_size, eps=config.norm_eps)
+            self.k_norm = nn.RMSNorm(config.head_size, eps=config.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def ops(self) -> AttentionOps:
+        """The modules as `attention` calls them (looked up on each call: LoRA replaces c_attn in place)."""
+        dropout = self.dropout if self.training else 0.0
+        return AttentionOps(self.c_attn, self.q_norm, self.k_norm, self.n_head, self.head_size, dropout)

@@ -1,0 +1,98 @@
+"""The model's operations in the form that decodes a few rows fastest: the same blocks (block_forward, attention),
+each primitive a cheaper call than its module's. Decoding a small model on a CPU is bound by per-call overhead: a
+token makes ~100 module calls and attribute lookups of about a microsecond or more each, and for one to a few
+rows MKL multiplies x @ W (W stored (in, out)) ~2x faster than F.linear's x @ W.T.
+
+    ops = decode_ops(model)                                 # once per engine: copies the small matrices
+    h = model.hidden_states(idx, cache, ops=ops)            # (B, T, C), in inference mode
+
+Only for inference (no dropout, no gradients). A projection that is not a plain nn.Linear (a LoRA layer not
+merged) is called as the module it is.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from nanogpt_cli.model.attention import AttentionOps, Op
+from nanogpt_cli.model.blocks import Block, BlockOps, Residual, activation, block_forward
+from nanogpt_cli.model.gpt import GPT, ModelOps
+
+
+def decode_ops(model: GPT) -> ModelOps:
+    """The model's operations in their decoding form, for GPT.hidden_states. Tensors are shared, not copied,
+    except the transposed matrices (matmul_form)."""
+    ops = model.ops()  # the tables, looked up here once rather than on every token
+    blocks = [partial(block_forward, block_ops(b)) for b in ops.blocks]
+    return ops._replace(blocks=blocks, ln_f=norm_function(ops.ln_f))
+
+
+def block_ops(b: Block) -> BlockOps:
+    a = b.attn
+    attn = AttentionOps(linear_op(a.c_attn), norm_function(a.q_norm), norm_function(a.k_norm), a.n_head, a.head_size, 0)
+    return BlockOps(
+        ln_1=norm_function(b.ln_1),
+        attn=attn,
+        attn_out=residual_op(a.c_proj),
+        ln_2=norm_function(b.ln_2),
+        c_fc=linear_op(b.mlp.c_fc),
+        act=partial(activation, mlp=b.mlp.kind),
+        mlp_out=residual_op(b.mlp.c_proj),
+    )
+
+
+def norm_function(module: nn.Module | None) -> Op | None:
+    """A norm module -> a one-argument function with its weights bound (None stays None)."""
+    if module is None:
+        return None
+    shape, weight, eps = module.normalized_shape, module.weight, module.eps
+    if isinstance(module, nn.RMSNorm):
+        if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
+            # x / sqrt(mean(x^2) + eps) from the row's norm in three calls, cheaper than F.rms_norm on one row of
+            # a few hundred values on a CPU, and within 1e-6 of it. float32 only: the fused kernel accumulates bf16
+            # in fp32
+            scale = 1.0 / weight.numel()
+            eps = torch.tensor(torch.finfo(torch.float32).eps if eps is None else eps)
+
+            def rms_norm(x: torch.Tensor) -> torch.Tensor:
+                n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+                return x * torch.addcmul(eps, n, n, value=scale).rsqrt_() * weight
+
+            return rms_norm
+        return lambda x: F.rms_norm(x, shape, weight, eps)
+    bias = module.bias
+    return lambda x: torch.layer_norm(x, shape, weight, bias, eps)
+
+
+def matmul_form(w: torch.Tensor) -> torch.Tensor:
+    """A weight (out, in) as the decoding form multiplies it, x @ w: (in, out). On a CPU a contiguous copy of the
+    transpose for small matrices, where MKL's kernel for one to a few rows is ~2x faster than for x @ W.T (what
+    F.linear computes): 4 against 8 us for 128 -> 384 at batch 1, the same at 768 -> 2304; the copies add the
+    body's matrices once more, for small models only. Elsewhere the transposed view, F.linear's own product."""
+    if w.device.type == "cpu" and w.numel() <= 1 << 20:
+        return w.t().contiguous()
+    return w.t()
+
+
+def linear_op(module: nn.Module) -> Op:
+    """x (N, in) -> x @ W.T + b, as one mm or addmm against the matmul form."""
+    if type(module) is not nn.Linear:
+        return module
+    w, b = matmul_form(module.weight), module.bias
+    if b is None:
+        return lambda x: torch.mm(x, w)
+    return lambda x: torch.addmm(b, x, w)
+
+
+def residual_op(module: nn.Module) -> Residual:
+    """(y, x) -> x + y @ W.T + b, the residual add riding in addmm where there is no bias."""
+    if type(module) is not nn.Linear:
+        return lambda y, x: x + module(y)
+    w, b = matmul_form(module.weight), module.bias
+    if b is None:
+        return lambda y, x: torch.addmm(x, y, w)
+    return lambda y, x: x + torch.addmm(b, y, w)

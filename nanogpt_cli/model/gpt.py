@@ -1,0 +1,195 @@
+"""The GPT: a decoder-only Transformer with Pre-LN blocks and RoPE / sinusoidal / learned positions.
+
+    model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
+    logits, loss = model(idx, targets)
+
+The architecture only: running it token by token (the KV cache, the decode step, sampling) is the engine's.
+Inside, the residual stream is (N, C) with N = B * T: a decode step's few rows and a training batch run the
+same code (blocks.py, attention.py).
+
+Shape legend: B batch, T tokens in this call, N = B * T, S tokens held in the KV cache, C n_embd, nh n_head,
+hs head size (C // nh), H MLP hidden width, V vocab_size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.model.attention import Cache, Context, causal_mask, rope_tables
+from nanogpt_cli.model.blocks import Block, dropout, make_norm, softcap
+
+
+def sinusoidal_table(n_pos: int, dim: int, base: float = 10000.0) -> torch.Tensor:
+    """Vaswani et al. (2017): pe[p, 2i] = sin(p / base^(2i/dim)), pe[p, 2i+1] = cos(same). (n_pos, dim)"""
+    pos = torch.arange(n_pos, dtype=torch.float64)[:, None]
+    inv_freq = base ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = pos * inv_freq  # (n_pos, dim/2)
+    pe = torch.stack([angles.sin(), angles.cos()], dim=-1).flatten(1)  # interleave -> (n_pos, dim)
+    return pe.float()
+
+
+class ModelOps(NamedTuple):
+    """What GPT.hidden_states runs: the modules and tables as they are (GPT.ops), or their decoding form
+    (decode.py, built once per engine: the tables looked up once, the blocks' primitives faster for a few rows)."""
+
+    wte: torch.Tensor  # (V, C) token embeddings
+    pos_table: torch.Tensor | None  # (block_size, C) learned or sinusoidal positions, added to the embeddings
+    cos: torch.Tensor | None  # RoPE (block_size, 1, 1, hs), shaped to broadcast over (B, T, 2, nh, hs)
+    sin: torch.Tensor | None
+    blocks: Sequence[Callable]  # each block as (x, ctx, layer) -> x
+    ln_f: Callable[[torch.Tensor], torch.Tensor]
+
+
+# --- the model ------------------------------------------------------------------------------------------
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=make_norm(config),
+            )
+        )
+        if config.pos_encoding == "learned":
+            self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)
+        elif config.pos_encoding == "sinusoidal":
+            self.register_buffer("pos_table", sinusoidal_table(config.block_size, config.n_embd), persistent=False)
+        else:
+            cos, sin = rope_tables(torch.arange(config.block_size), config.head_size, config.rope_theta)
+            # shaped to broadcast over (B, T, 2, nh, hs) as they are: no reshapes per call
+            self.register_buffer("rope_cos", cos[:, None, None, :], persistent=False)  # (block_size, 1, 1, hs)
+            self.register_buffer("rope_sin", sin[:, None, None, :], persistent=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the init of each residual branch's output by 1/sqrt(2 * n_layer), as the
+        # residual stream sums 2 * n_layer of them; --zero-init-proj starts them at zero instead, so every
+        # block begins as the identity (modded-nanogpt, nanochat)
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                if config.zero_init_proj:
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    # --- forward ---
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        cache: Cache | None = None,
+        last_only: bool = False,
+        probs: list[torch.Tensor] | None = None,
+    ):
+        """Logits (B, T, V) for every position (or (B, 1, V) with last_only) and the mean cross-entropy
+        over targets (B, T) when given (ignore_index -1). With a cache, idx holds the new tokens only. probs: a
+        list that gets each layer's attention probabilities (B, nh, T, S), through the explicit kernel."""
+        x = self.hidden_states(idx, cache, probs)
+        if last_only:
+            x = x[:, -1:]  # (B, 1, C): generation needs only the next token's logits
+        logits = softcap(self.lm_head(x), self.config.logit_softcap)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            # the mean over the targets that count; a batch with none (a chat window of prompt only) gives 0, not
+            # 0/0 = NaN, and no gradient
+            flat = targets.reshape(-1)
+            total = F.cross_entropy(logits.float().view(-1, logits.size(-1)), flat, ignore_index=-1, reduction="sum")
+            loss = total / (flat != -1).sum().clamp(min=1)
+        return logits, loss
+
+    def hidden_states(
+        self,
+        idx: torch.Tensor,
+        cache: Cache | None = None,
+        probs: list[torch.Tensor] | None = None,
+        ops: ModelOps | None = None,
+    ) -> torch.Tensor:
+        """The last block's output after the final norm (B, T, C): what lm_head turns into logits. A caller that
+        needs some positions' logits only (a prefill needs the last one) applies the head to those. With a cache,
+        idx holds each row's new tokens, which start at the cache's position (one for all rows, or one per row);
+        the cache advances by T. ops: the model's operations in another form (decode.decode_ops)."""
+        ops = ops or self.ops()
+        B, T = idx.size()
+        x = torch.embedding(ops.wte, idx)  # (B, T, C)
+        ctx = Context(B, T, cache=cache, probs=probs)
+        x = self.positions(x, ctx, ops)
+        if self.training:
+            x = dropout(x, self.config.dropout, True)
+        x = x.view(B * T, -1)  # (N, C)
+        for i, block in enumerate(ops.blocks):
+            x = block(x, ctx, i)
+        return ops.ln_f(x).view(B, T, -1)
+
+    def ops(self) -> ModelOps:
+        """The modules and tables as hidden_states runs them; the position scheme decides which tables."""
+        kind, tr = self.config.pos_encoding, self.transformer
+        pos_table = tr.wpe.weight if kind == "learned" else self.pos_table if kind == "sinusoidal" else None
+        cos, sin = (self.rope_cos, self.rope_sin) if kind == "rope" else (None, None)
+        return ModelOps(tr.wte.weight, pos_table, cos, sin, tr.h, tr.ln_f)
+
+    def positions(self, x: torch.Tensor, ctx: Context, ops: ModelOps) -> torch.Tensor:
+        """The new tokens' positions: added to their embeddings x (B, T, C) (learned, sinusoidal), or RoPE's angles
+        put in ctx; with a cache, also the causal mask over what it holds."""
+        T, cache = ctx.T, ctx.cache
+        start = 0 if cache is None else cache.pos
+        if isinstance(start, int):  # every row at one position; select for one token is the cheaper call
+            end, at = start + T, None
+            rows = (lambda t: t.select(0, start)) if T == 1 else (lambda t: t.narrow(0, start, T))
+        else:  # a position per row: at (B, T)
+            end, at = max(start) + T, torch.tensor(start, device=x.device).unsqueeze(1)  # unsqueeze: no [:, None]
+            at = at if T == 1 else at + torch.arange(T, device=x.device)
+            rows = lambda t: t[at]  # noqa: E731
+        assert end <= self.config.block_size, f"{end} tokens exceed the context of {self.config.block_size}"
+        if cache is not None and not (at is None and T == 1):  # one token per row at one position sees all held
+            ctx.mask = causal_mask(torch.arange(start, end, device=x.device) if at is None else at, end)
+        if ops.cos is not None:  # (T, 1, 1, hs), (1, 1, hs) for one token, or (B, T, 1, 1, hs) a row each
+            ctx.cos, ctx.sin = rows(ops.cos), rows(ops.sin)
+            return x
+        return x + rows(ops.pos_table)
+
+    # --- accounting ---
+
+    def cast(self, dtype: torch.dtype) -> GPT:
+        """The weights in `dtype` for inference; the RoPE tables stay fp32 as in training (apply_rope meets
+        q and k in their dtype)."""
+        self.to(dtype)
+        if self.config.pos_encoding == "rope":
+            self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
+        return self
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters, each shared tensor once; non_embedding leaves out the token and position tables."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.transformer.wte.weight.numel()
+            if "wpe" in self.transformer:
+                n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward + backward = 3 x forward), PaLM-style: 6 per matmul weight
+        (the LM head included, embeddings lookups excluded) plus 12 * n_layer * C * T for attention scores."""
+        cfg = self.config
+        T = seq_len or cfg.block_size
+        matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return 6 * matmul + 12 * cfg.n_layer * cfg.n_embd * T
