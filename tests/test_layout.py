@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nanogpt_cli"
 # bottom to top; the top-level modules (errors, files, config, device, model, lora, tokenizer) are layer 0.
 # Two folders on one layer never import each other.
 LAYERS = {"data": 1, "runs": 2, "interop": 3, "training": 4, "inference": 4, "inspect": 5, "serve": 5}
-LAYERS |= {"api": 6, "cli": 7, "__main__": 8}
+LAYERS |= {"model": 0, "api": 6, "cli": 7, "__main__": 8}
 
 
 def module_name(path: Path) -> str:
