@@ -194,6 +194,29 @@ def eval_table(result):
     )
 
 
+def tasks_table(results, source: str):
+    """The scores of a `TaskResults`: one row per task and metric, as lm-eval's own table has them."""
+    from rich.table import Table
+
+    title = f"{source} on lm-eval tasks ({results.elapsed_s:.1f} s)"
+    table = Table(title=title, title_justify="left")
+    for name, justify in (("task", "left"), ("shots", "right"), ("metric", "left"), ("value", "right")):
+        table.add_column(name, justify=justify)
+    table.add_column("stderr", justify="right")
+    table.add_column("docs", justify="right")
+    for s in results.scores:
+        metric = s.metric if s.filter == "none" else f"{s.metric} ({s.filter})"
+        table.add_row(
+            escape(s.task),
+            "-" if s.num_fewshot is None else str(s.num_fewshot),
+            escape(metric),
+            f"{s.value:.4f}",
+            "-" if s.stderr is None else f"± {s.stderr:.4f}",
+            "-" if s.samples is None else f"{s.samples:,}",
+        )
+    return table
+
+
 # --- runs and info ---
 
 
