@@ -7,11 +7,12 @@
     model.generate("ROMEO:", max_new_tokens=50, temperature=0)                       # -> SampleResult
     model.chat([{"role": "user", "content": "Hello"}])                               # -> ChatReply
     model.score(["To be, or not to be"])                                             # -> EvalResult
+    model.evaluate_tasks(["hellaswag"], limit=100)                                   # -> TaskResults (lm-eval)
 
 Each call is a thin layer over the library: loading is interop.loading's, sampling inference.sample's, chat
-rendering data.chat_template's, scoring inference.evaluate's, planning and training training/'s, preparing
-data/'s. Errors are NanoGPTError with one sentence. Only this module's own names load at import; torch and the
-rest load on the first call that needs them.
+rendering data.chat_template's, scoring inference.evaluate's (on lm-eval tasks inference.tasks'), planning and
+training training/'s, preparing data/'s. Errors are NanoGPTError with one sentence. Only this module's own names
+load at import; torch and the rest load on the first call that needs them.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from nanogpt_cli.inference.chat import ChatSession
     from nanogpt_cli.inference.evaluate import EvalResult
     from nanogpt_cli.inference.sample import Piece, SampleResult, SampleSettings
+    from nanogpt_cli.inference.tasks import TaskResults
     from nanogpt_cli.interop.export import ExportResult
     from nanogpt_cli.interop.loading import InferenceModel
     from nanogpt_cli.lora import LoRAConfig
@@ -244,6 +246,40 @@ class Model:
             paths = [Path(f) for f in ([files] if isinstance(files, (str, Path)) else files)]
             return evaluate.perplexity_of_files(model, tokenizer, paths, stride, batch_size, progress)
         return evaluate.perplexity_of_texts(model, tokenizer, _prompt_list(texts), stride, batch_size, progress)
+
+    def evaluate_tasks(
+        self,
+        tasks: str | list[str],
+        *,
+        limit: int | None = None,
+        num_fewshot: int | None = None,
+        batch_size: int = 32,
+        include_path: str | Path | None = None,
+        apply_chat_template: bool = False,
+        output_path: str | Path | None = None,
+    ) -> TaskResults:
+        """Scores on lm-evaluation-harness tasks (needs the `eval` extra), what `nanogpt eval tasks` prints: tasks
+        are lm-eval task, group or tag names, glob patterns or YAML files (a list, or one comma-separated string);
+        limit: the first N documents of each; num_fewshot: examples before each question (default: the task's);
+        include_path: a folder of task YAMLs of your own; output_path: where lm-eval writes its results JSON and
+        per-sample logs. The result holds the scores as rows, lm-eval's results object and each document's
+        sample."""
+        from nanogpt_cli.inference.tasks import check_options, evaluate_tasks
+
+        names = [tasks] if isinstance(tasks, str) else list(tasks)
+        check_options(names, limit, num_fewshot, include_path)
+        from nanogpt_cli.inference.lm_eval_model import NanoGPTLM
+
+        lm = NanoGPTLM(self.loaded, batch_size=batch_size, source=self.source)
+        return evaluate_tasks(
+            lm,
+            names,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            include_path=include_path,
+            apply_chat_template=apply_chat_template,
+            output_path=output_path,
+        )
 
 
 @dataclass

@@ -58,7 +58,9 @@ def test_prepare_train_resume_sample_eval_end_to_end(tmp_path):
     assert 1.0 < result["perplexity"] < 40 and result["tokens"] > 1000
 
 
-@pytest.mark.parametrize("command", [[], ["prepare"], ["train"], ["sample"], ["eval"], ["eval", "perplexity"]])
+@pytest.mark.parametrize(
+    "command", [[], ["prepare"], ["train"], ["sample"], ["eval"], ["eval", "perplexity"], ["eval", "tasks"]]
+)
 def test_every_help_has_a_purpose_and_an_example(command):
     out = ok(*command, "--help")
     assert "Example: nanogpt" in out
@@ -117,7 +119,7 @@ def test_usage_errors_are_one_line_and_exit_1(args, message):
 def test_help_fits_80_columns_with_whole_flag_names_and_no_bool_placeholder():
     import os
 
-    for command in ([], ["prepare"], ["train"], ["sample"], ["eval", "perplexity"]):
+    for command in ([], ["prepare"], ["train"], ["sample"], ["eval", "perplexity"], ["eval", "tasks"]):
         out = run_main(*command, "--help", env={**os.environ, "COLUMNS": "80"})
         assert out.returncode == 0
         lines = out.stdout.splitlines()

@@ -1,6 +1,7 @@
-"""eval: scores of a model (library: inference/evaluate.py).
+"""eval: scores of a model (library: inference/evaluate.py, and inference/tasks.py on lm-evaluation-harness).
 
 nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char
+nanogpt eval tasks hf:gpt2 --tasks hellaswag,arc_easy --limit 100
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError
 
 eval_app = typer.Typer(
-    help="Evaluate a trained model.\n\n"
+    help="Evaluate a trained model: perplexity, or scores on standard tasks.\n\n"
     "Example: nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char",
     rich_markup_mode=None,
 )
@@ -71,3 +72,69 @@ def perplexity(
         print(json.dumps(result.to_dict()))
     else:
         console.print(eval_table(result))
+
+
+@eval_app.command("tasks")
+@one_line_errors
+def tasks_command(
+    source: Annotated[str, typer.Argument(help="Run folder, .safetensors file, Hugging Face folder or hf:NAME.")],
+    tasks: Annotated[
+        list[str],
+        typer.Option(
+            "--tasks",
+            help="lm-eval task, group or tag names, glob patterns or YAML files; comma-separated or repeated.",
+            metavar="<names>",
+        ),
+    ],
+    limit: Annotated[int | None, typer.Option(help="Score the first N documents of each task only.")] = None,
+    num_fewshot: Annotated[
+        int | None, typer.Option(help="Examples shown before each question (default: the task's own).")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(help="Rows per forward pass.")] = 32,
+    apply_chat_template: Annotated[
+        bool, typer.Option("--apply-chat-template", help="Render each prompt with the model's chat template.")
+    ] = False,
+    include_path: Annotated[Path | None, typer.Option(help="A folder of task YAML files of your own.")] = None,
+    output_path: Annotated[
+        Path | None, typer.Option(help="Write lm-eval's results JSON and per-sample logs under this folder.")
+    ] = None,
+    last: Last = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print lm-eval's results JSON instead of a table.")] = False,
+    device: Device = "auto",
+    dtype: DtypeOption = Dtype.float32,
+    threads: Threads = None,
+):
+    """Score a model on lm-evaluation-harness tasks (HellaSwag, ARC, MMLU, GSM8K, ... or your own YAMLs).
+
+    Example: nanogpt eval tasks checkpoints/shk --tasks hellaswag,arc_easy --limit 100
+    """
+    from nanogpt_cli.cli.common import note
+    from nanogpt_cli.device import set_threads
+    from nanogpt_cli.inference.tasks import check_options, evaluate_tasks
+
+    check_options(tasks, limit, num_fewshot, include_path)  # before loading anything
+    if batch_size < 1:
+        raise NanoGPTError(f"--batch-size must be at least 1, got {batch_size}")
+    set_threads(threads)
+    from nanogpt_cli.inference.lm_eval_model import NanoGPTLM
+
+    lm = NanoGPTLM(source, last=last, device=device, dtype=dtype, batch_size=batch_size)
+    if apply_chat_template and lm.template.plain:
+        note(f"{source} has no chat template (a base model): its prompts get a plain User:/Assistant: transcript")
+    results = evaluate_tasks(
+        lm,
+        tasks,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        include_path=include_path,
+        apply_chat_template=apply_chat_template,
+        output_path=output_path,
+    )
+    if json_out:
+        print(results.to_json())
+        return
+    from nanogpt_cli.cli.ui import console, tasks_table
+
+    console.print(tasks_table(results, source))
+    if output_path is not None:
+        note(f"lm-eval's results JSON and per-sample logs are under {output_path}")

@@ -194,6 +194,31 @@ def eval_table(result):
     )
 
 
+def tasks_table(results, source: str):
+    """The scores of a `TaskResults`: one row per task and metric, as lm-eval's own table has them (the metric
+    followed by lm-eval's filter, when the task post-processes its answers)."""
+    from rich.table import Table
+
+    docs = sorted({s.samples for s in results.scores if s.samples is not None})
+    counted = f", {docs[0]:,} documents each" if len(docs) == 1 else ""
+    table = Table(title=f"{source} on lm-eval tasks{counted} ({results.elapsed_s:.1f} s)", title_justify="left")
+    table.add_column("task", no_wrap=True)
+    table.add_column("shots", justify="right")
+    table.add_column("metric")  # the one column that wraps, at a filter's name
+    table.add_column("value", justify="right", no_wrap=True)
+    table.add_column("stderr", justify="right", no_wrap=True)
+    for s in results.scores:
+        metric = s.metric if s.filter == "none" else f"{s.metric} ({s.filter})"
+        table.add_row(
+            escape(s.task),
+            "-" if s.num_fewshot is None else str(s.num_fewshot),
+            escape(metric),
+            f"{s.value:.4f}",
+            "-" if s.stderr is None else f"± {s.stderr:.4f}",
+        )
+    return table
+
+
 # --- runs and info ---
 
 

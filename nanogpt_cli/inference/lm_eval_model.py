@@ -1,0 +1,218 @@
+"""Our model as an lm-evaluation-harness model, registered as `nanogpt`: lm_eval.simple_evaluate scores it on any task.
+
+    lm = NanoGPTLM("checkpoints/shk", batch_size=32)    # any source the commands load, or an InferenceModel
+    results = lm_eval.simple_evaluate(model=lm, tasks=["hellaswag"], limit=100)
+
+The three requests a task makes, on our own code:
+- loglikelihood (multiple choice): loglikelihood.score_continuations, each context run once for all its choices;
+- loglikelihood_rolling (perplexity tasks): evaluate.score_tokens, the sliding window of `eval perplexity`, over
+  the end-of-text token and the document (a tokenizer without that token: the document alone, its first token
+  unscored, exactly what `eval perplexity --input` scores);
+- generate_until: the engine's batched decoding through inference/sample.py, with each request's stop texts and
+  token limit (greedy unless the task samples).
+
+Text becomes tokens as lm-eval's `hf` backend makes them: a context's trailing spaces move to the continuation, a
+pair is encoded whole and split at the context's length, and the end-of-text marker in a text is the end-of-text
+token. Importing this module needs lm-eval (the `eval` extra).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from nanogpt_cli.config import Dtype
+from nanogpt_cli.data.chat_template import EOT, ChatTemplate, encode
+from nanogpt_cli.errors import NanoGPTError, require
+from nanogpt_cli.inference.evaluate import score_tokens
+from nanogpt_cli.inference.loglikelihood import score_continuations
+from nanogpt_cli.inference.sample import Sampler, SampleSettings
+from nanogpt_cli.interop.loading import InferenceModel, load_for_inference
+
+_model = require("lm_eval.api.model", "eval", "scoring lm-eval tasks", package="lm-eval")
+_registry = require("lm_eval.api.registry", "eval", "scoring lm-eval tasks", package="lm-eval")
+
+# the task's generation settings this backend follows; lm-eval normalises max_new_tokens & co. to max_gen_toks
+GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty"}
+DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default, as its `hf` backend has it
+
+
+@_registry.register_model("nanogpt")
+class NanoGPTLM(_model.TemplateLM):
+    """lm-eval's model interface on a loaded nanogpt model. pretrained: a run folder, .safetensors, Hugging Face
+    folder, hf:NAME or .gguf (what `--model_args pretrained=...` names), or an InferenceModel already loaded, then
+    `source` says where from (the results record it; a Hugging Face folder's chat template is read there).
+    batch_size: rows per forward; stride: tokens between the rolling windows (default: eval perplexity's, half the
+    context); seed: sampling's, for tasks that sample."""
+
+    def __init__(
+        self,
+        pretrained: str | Path | InferenceModel,
+        last: bool = False,
+        device: str | None = "auto",
+        dtype: str = "float32",
+        batch_size: int | str | None = 32,
+        stride: int | None = None,
+        seed: int = 1234,
+        source: str | None = None,
+        max_batch_size: int | None = None,  # lm-eval hands it to every model; it sizes `auto` batches only
+        **unknown: Any,
+    ):
+        super().__init__()
+        if unknown:
+            raise NanoGPTError(f"the nanogpt model takes no argument {', '.join(sorted(unknown))}")
+        if batch_size is None:
+            batch_size = 32
+        if not str(batch_size).isdigit() or int(batch_size) < 1:
+            raise NanoGPTError(f"--batch-size must be a whole number of rows, at least 1, got {batch_size!r}")
+        if isinstance(pretrained, InferenceModel):
+            self.loaded, self.source = pretrained, source
+        else:
+            self.source = str(pretrained)
+            self.loaded = load_for_inference(pretrained, last=bool(last), device=device or "auto", dtype=Dtype(dtype))
+        self.batch_size, self.stride, self.seed = int(batch_size), stride, int(seed)
+        self.tokenizer = self.loaded.tokenizer
+        self._device = self.loaded.device
+        self._template: ChatTemplate | None = None
+
+    @property
+    def model(self):
+        return self.loaded.model
+
+    @property
+    def eot_token_id(self) -> int | None:
+        return self.tokenizer.eot_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def max_length(self) -> int:
+        return self.loaded.block_size
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.describe().get("name", "")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return encode(string, self.tokenizer)  # "<|endoftext|>" in a text is the token, as transformers reads it
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    # --- the three requests ---
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        if self.eot_token_id is None and any(r.args[0] == "" for r in requests):
+            raise NanoGPTError(
+                f"the task scores texts without a context, and the {self.tokenizer_name} tokenizer has no "
+                "end-of-text token to start them from"
+            )
+        return super().loglikelihood(requests, disable_tqdm=True)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        pairs = [(context, continuation) for _, context, continuation in requests]
+        out = score_continuations(self.model, pairs, self.batch_size, self.vocab_size)
+        for (key, _, _), answer in zip(requests, out):
+            self.cache_hook.add_partial("loglikelihood", key, answer)
+        return out
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        out = []
+        for request in requests:
+            (text,) = request.args
+            ids = self.tok_encode(text)
+            tokens = ids if self.eot_token_id is None else [self.eot_token_id, *ids]
+            nll, _ = score_tokens(self.model, tokens, self.stride, self.batch_size, vocab_size=self.vocab_size)
+            out.append(-nll)
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), -nll)
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """Requests with the same generation settings are decoded together, longest prompts first (prompts of
+        one length share their prefill), batch_size rows at a time."""
+        out: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(i)
+        sampler = Sampler(self.loaded)
+        for members in groups.values():
+            settings = self._settings(requests[members[0]].args[1])
+            prompts = {i: self._prompt(requests[i].args[0], settings.max_new_tokens) for i in members}
+            order = sorted(members, key=lambda i: len(prompts[i]), reverse=True)
+            for start in range(0, len(order), self.batch_size):
+                part = order[start : start + self.batch_size]
+                for i, result in zip(part, sampler.generate_many([prompts[i] for i in part], settings)):
+                    out[i] = result.text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, result.text)
+        return out
+
+    def _settings(self, gen_kwargs: dict) -> SampleSettings:
+        """A task's generation settings (lm-eval's keys) as ours: greedy unless it samples with a temperature."""
+        from lm_eval.models.utils import normalize_gen_kwargs
+
+        kwargs = dict(normalize_gen_kwargs(gen_kwargs, DEFAULT_MAX_GEN_TOKS))
+        if kwargs.get("num_beams", 1) == 1:
+            kwargs.pop("num_beams", None)
+        unknown = sorted(set(kwargs) - GEN_KEYS)
+        if unknown:
+            raise NanoGPTError(
+                "the task asks for generation settings nanogpt's engine does not have: "
+                + ", ".join(f"{k}={kwargs[k]!r}" for k in unknown)
+            )
+        until = kwargs["until"]
+        stop = [until] if isinstance(until, str) else [s for s in until if s]
+        sample = bool(kwargs.get("do_sample")) and float(kwargs.get("temperature") or 0.0) > 0
+        return SampleSettings(
+            max_new_tokens=int(kwargs["max_gen_toks"]),
+            temperature=float(kwargs["temperature"]) if sample else 0.0,
+            top_k=int(kwargs.get("top_k") or 0) if sample else None,
+            top_p=float(kwargs.get("top_p") or 1.0) if sample else 1.0,
+            min_p=float(kwargs.get("min_p") or 0.0) if sample else 0.0,
+            repetition_penalty=float(kwargs.get("repetition_penalty") or 1.0),
+            seed=self.seed,
+            stop=stop,
+        )
+
+    def _prompt(self, context: str, max_new_tokens: int) -> list[int]:
+        """The context's token ids, cut from the left to leave room for the answer in the window, as the `hf`
+        backend cuts them; where that would leave under half the window, the last half (the engine's window then
+        slides on as the answer grows). An empty context starts from the end-of-text token."""
+        ids = self.tok_encode(context) if context else []
+        if not ids:
+            if self.eot_token_id is None:
+                raise NanoGPTError(
+                    f"the task generates from an empty prompt, and the {self.tokenizer_name} tokenizer has no "
+                    "end-of-text token to start from"
+                )
+            ids = [self.eot_token_id]
+        keep = max(self.max_length - max_new_tokens, self.max_length // 2, 1)
+        return ids[-keep:]
+
+    # --- chat templates and what the results record ---
+
+    @property
+    def template(self) -> ChatTemplate:
+        """The model's own chat template, or the plain User:/Assistant: transcript of a base model."""
+        if self._template is None:
+            meta, tokenizer = self.loaded.meta, self.tokenizer
+            if self.source is None:
+                self._template = ChatTemplate.for_meta(meta, EOT if tokenizer.eot_id is not None else None)
+            else:
+                self._template = ChatTemplate.for_model(meta, tokenizer, self.source)
+        return self._template
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        return self.template.render(chat_history, add_generation_prompt)
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        return self.template.source if chat_template else None
+
+    def get_model_info(self) -> dict[str, Any]:
+        return {
+            "model_source": self.source,
+            "model_num_parameters": self.model.num_params(non_embedding=False),
+            "model_dtype": str(self.loaded.dtype),
+        }
