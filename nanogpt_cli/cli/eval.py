@@ -74,7 +74,7 @@ def perplexity(
         console.print(eval_table(result))
 
 
-@eval_app.command("tasks")
+@eval_app.command("tasks", short_help="Score a model on lm-evaluation-harness tasks: HellaSwag, MMLU.")
 @one_line_errors
 def tasks_command(
     source: Annotated[str, typer.Argument(help="Run folder, .safetensors file, Hugging Face folder or hf:NAME.")],
@@ -101,7 +101,7 @@ def tasks_command(
     last: Last = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print lm-eval's results JSON instead of a table.")] = False,
     device: Device = "auto",
-    dtype: DtypeOption = Dtype.float32,
+    dtype: ScoreDtype = Dtype.float32,
     threads: Threads = None,
 ):
     """Score a model on lm-evaluation-harness tasks (HellaSwag, ARC, MMLU, GSM8K, ... or your own YAMLs).
