@@ -12,6 +12,18 @@ from pathlib import Path
 
 import pytest
 
+
+def pytest_configure(config):
+    """The tests' own process takes the thread count a command would (one per core other work leaves free): on a
+    busy machine torch's default of one per core waits for cores at every step. Subprocesses choose for
+    themselves, as every command does."""
+    import torch
+
+    from nanogpt_cli.device import auto_threads
+
+    torch.set_num_threads(auto_threads().threads)
+
+
 WORDS = (
     "the king queen lord thou thee art hath love death night day sword crown blood heart fair sweet "
     "good noble gentle speak come go hence whence wherefore naïve café façade"

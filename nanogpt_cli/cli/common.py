@@ -147,7 +147,9 @@ DATA_DIR_HELP = field_help(TrainConfig, "data_dir")
 Threads = Annotated[
     int | None,
     typer.Option(
-        help="CPU threads (default: torch's choice, one per core); fewer help on a busy machine.", show_default=False
+        help="CPU threads (default: one per core that other running work leaves free, adapted while a CPU run "
+        "trains; OMP_NUM_THREADS, if set, is kept).",
+        show_default=False,
     ),
 ]
 PromptFile = Annotated[Path | None, typer.Option(help="Read the prompt from this file.")]
