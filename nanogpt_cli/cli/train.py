@@ -258,7 +258,7 @@ def report_training(plan, result, plot: bool = True) -> None:
     from nanogpt_cli.cli.ui import console
 
     console.print(train_table(result))
-    if plot:  # the plot extra: a picture of the curves (importing matplotlib and drawing take ~1 s: --no-plot)
+    if plot:  # the plot extra: a picture of the curves (importing matplotlib and drawing take a moment: --no-plot)
         from nanogpt_cli.inspect.plot import write_png
 
         try:

@@ -283,8 +283,7 @@ class RunDir:
 # while a background save is half written. Never set it outside tests.
 SLOW_SAVE_S = float(os.environ.get("NANOGPT_TEST_SLOW_SAVE", "0") or 0)
 # The writer thread's nice value (Linux): below training, so that on a machine with no idle core the updates
-# go first; measured at 85M parameters on 2 busy cores, 0 made updates 1.5x slower during a write and 19 starved
-# the writer for minutes, while 10 cost the updates 12 % and wrote 0.95 GiB in 17-40 s.
+# go first without starving the writer (benchmarks/README.md, Measurements behind the code).
 WRITER_NICE = 10
 
 
@@ -334,7 +333,7 @@ def _host_copy(tensors: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor
     """Each tensor copied into a host buffer kept from the previous save (memory already touched: fresh memory
     costs a page fault per 4 KiB, more than the copy itself); pinned for a GPU's tensors, whose copies run
     asynchronously until one wait at the end. A CPU tensor is copied by numpy, on this thread: torch's copy runs
-    on its intra-op threads, which on a busy machine made it 4-10x slower."""
+    on its intra-op threads, which on a busy machine made it several times slower."""
     out, on_gpu = {}, False
     for name, t in tensors.items():
         buf = buffers.get(prefix + name)
