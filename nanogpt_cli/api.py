@@ -433,24 +433,18 @@ class Training:
         that receives every event (see Event), or a Display. Ctrl-C and SIGTERM stop it after the step under way,
         with a checkpoint: TrainResult.stopped says so, and the same call with resume=True continues it."""
         from nanogpt_cli.training.distributed import open_world
+        from nanogpt_cli.training.job import complete_reason
         from nanogpt_cli.training.trainer import Trainer
 
         display = callback
         if callback is not None and not hasattr(callback, "on_start"):
             display = _Callback(callback)
-            for text in self.plan.notes + ([_complete(self.plan)] if self.plan.complete else []):
+            for text in self.plan.notes + ([complete_reason(self.plan, flags=False)] if self.plan.complete else []):
                 callback(Note(text))
             for change in self.plan.changes:
                 callback(change)
         with open_world(self.plan.train) as world:
             return Trainer(self.plan, display, world, trainable=self.trainable).fit()
-
-
-def _complete(plan: RunPlan) -> str:
-    """Why a resumed run trains no further, and what to raise."""
-    if plan.time_over:
-        return f"{plan.run_dir} is already complete: its max_time {plan.time_spent:g} s was spent at step {plan.step:,}"
-    return f"{plan.run_dir} is already complete: step {plan.step:,} of max_iters {plan.train.max_iters:,}"
 
 
 def plan_training(
@@ -557,11 +551,10 @@ def prepare(
     format="chat": a .jsonl of conversations with loss masks -> ChatPrepareResult (options: val_fraction,
     chat_template, strict, shard_tokens)."""
     from nanogpt_cli.files import check_creatable
-    from nanogpt_cli.tokenizer import available_tokenizers, tokenizer_folder
+    from nanogpt_cli.tokenizer import trained_or_named
 
     check_creatable(data_dir, "--data-dir")
-    if tokenizer not in available_tokenizers():  # a trained tokenizer's NAME is its folder
-        tokenizer = str(tokenizer_folder(tokenizer, Path(tokenizers_dir)) or tokenizer)
+    tokenizer = trained_or_named(tokenizer, Path(tokenizers_dir))  # a trained tokenizer's NAME is its folder
     if format == "chat":
         from nanogpt_cli.data.chat import prepare_chat
 

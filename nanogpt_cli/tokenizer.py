@@ -435,6 +435,12 @@ def check_tokenizer_name(name: str, tokenizers_dir: Path = TOKENIZERS_DIR) -> No
         )
 
 
+def trained_or_named(name: str, tokenizers_dir: Path = TOKENIZERS_DIR) -> str:
+    """A tokenizer as prepare takes it: a trained tokenizer's NAME becomes its folder; other names stay."""
+    folder = tokenizer_folder(name, tokenizers_dir) if name not in available_tokenizers() else None
+    return str(folder) if folder is not None else name
+
+
 def build_tokenizer(name: str, texts: Iterable[str] | None = None, tokenizers_dir: Path = TOKENIZERS_DIR) -> Tokenizer:
     """The tokenizer called `name`. Only `char` reads `texts`: its vocabulary is their characters."""
     check_tokenizer_name(name, tokenizers_dir)

@@ -235,7 +235,9 @@ def test_the_callback_gets_every_typed_event_in_order_and_the_result_matches(cha
     assert started.resume and started.step == 20
     done = []
     api.train(resume=True, callback=done.append, **common)
-    assert done[0] == api.Note(f"{tmp_path / 'run'} is already complete: step 30 of max_iters 30")
+    assert done[0] == api.Note(
+        f"{tmp_path / 'run'} is already complete: step 30 of max_iters 30; raise max_iters to train it further"
+    )
 
 
 def test_a_config_may_be_a_preset_a_dict_a_toml_file_or_the_config_classes(char_data, tmp_path):

@@ -92,6 +92,8 @@ def prepare(
     from nanogpt_cli.files import check_creatable
 
     check_creatable(data_dir, "--data-dir")
+    from nanogpt_cli.tokenizer import trained_or_named
+
     tokenizer = trained_or_named(tokenizer, tokenizers_dir)
     replacing = (data_dir / name / "meta.json").is_file() and not resume  # --resume continues, not replaces
     if format != "text":
@@ -127,14 +129,6 @@ def prepare(
         console.print(
             f"replaced the dataset that was in {result.path}; runs trained on it continue on the new data when resumed"
         )
-
-
-def trained_or_named(tokenizer: str, tokenizers_dir: Path) -> str:
-    """--tokenizer as prepare takes it: a trained tokenizer's NAME becomes its folder, other names stay."""
-    from nanogpt_cli.tokenizer import available_tokenizers, tokenizer_folder
-
-    trained = tokenizer_folder(tokenizer, tokenizers_dir) if tokenizer not in available_tokenizers() else None
-    return str(trained) if trained is not None else tokenizer
 
 
 def prepare_chat(source, name, tokenizer, data_dir, chat_template, val_fraction, strict, shard_tokens, fmt) -> None:

@@ -239,17 +239,9 @@ def launch_training(plan, how, given: dict, options: dict) -> None:
 def say_complete(plan) -> None:
     """A run that has nothing left to train: why, and what to raise."""
     from nanogpt_cli.cli.ui import console
+    from nanogpt_cli.training.job import complete_reason
 
-    if plan.time_over:
-        console.print(
-            f"{plan.run_dir} is already complete: its --max-time {plan.time_spent:g} s was spent at "
-            f"step {plan.step:,}; raise --max-time to train it further"
-        )
-    else:
-        console.print(
-            f"{plan.run_dir} is already complete: step {plan.step:,} of --max-iters "
-            f"{plan.train.max_iters:,}; raise --max-iters to train it further"
-        )
+    console.print(complete_reason(plan))
 
 
 def report_training(plan, result, plot: bool = True) -> None:

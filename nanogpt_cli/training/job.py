@@ -40,6 +40,20 @@ class TrainJob:
     launch: Launch | None = None  # --nproc: the processes to start; None: train here
 
 
+def complete_reason(plan: RunPlan, flags: bool = True) -> str:
+    """Why a resumed run trains no further, and what to raise (named as a flag, or as the config field)."""
+    max_time, max_iters = ("--max-time", "--max-iters") if flags else ("max_time", "max_iters")
+    if plan.time_over:
+        return (
+            f"{plan.run_dir} is already complete: its {max_time} {plan.time_spent:g} s was spent at step "
+            f"{plan.step:,}; raise {max_time} to train it further"
+        )
+    return (
+        f"{plan.run_dir} is already complete: step {plan.step:,} of {max_iters} {plan.train.max_iters:,}; "
+        f"raise {max_iters} to train it further"
+    )
+
+
 def plan_train(request: TrainRequest) -> TrainJob:
     """Check the invocation, then plan the run it names: a fresh run, a resumed one (a LoRA run resumes on its
     base, with its adapters), or one from other weights (on a chat dataset, recorded as a full fine-tune)."""
