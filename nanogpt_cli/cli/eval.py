@@ -45,9 +45,8 @@ def perplexity(
 
     Example: nanogpt eval perplexity --checkpoint checkpoints/shk --data shakespeare-char --split val
     """
+    from nanogpt_cli import api
     from nanogpt_cli.cli.ui import console, eval_table
-    from nanogpt_cli.inference.evaluate import perplexity_of_files, perplexity_of_split
-    from nanogpt_cli.interop.loading import load_for_inference
 
     if (data is None) == (not input):
         raise NanoGPTError("give either --data NAME (with --split) or --input FILE")
@@ -58,16 +57,12 @@ def perplexity(
     from nanogpt_cli.device import set_threads
 
     set_threads(threads)
-    loaded = load_for_inference(checkpoint, last=last, device=device, dtype=dtype)
+    model = api.load(checkpoint, last=last, device=device, dtype=dtype)
     from nanogpt_cli.cli.ui import eval_progress
 
     with eval_progress() as progress:  # a bar on a terminal: tokens scored, rate, time left
-        if data is not None:
-            result = perplexity_of_split(
-                loaded.model, loaded.tokenizer, data_dir, data, split, stride, batch_size, progress
-            )
-        else:
-            result = perplexity_of_files(loaded.model, loaded.tokenizer, input, stride, batch_size, progress)
+        what = dict(data=data, split=split, data_dir=data_dir) if data is not None else dict(files=input)
+        result = model.score(**what, stride=stride, batch_size=batch_size, progress=progress)
     if json_out:
         print(json.dumps(result.to_dict()))
     else:

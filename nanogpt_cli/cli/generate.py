@@ -101,7 +101,7 @@ def sample(
 
     Example: nanogpt sample --checkpoint checkpoints/shk --prompt "ROMEO:" --max-new-tokens 200
     """
-    from nanogpt_cli.inference.sample import Sampler, SampleSettings
+    from nanogpt_cli.inference.sample import SampleSettings
 
     if prompt is not None and prompt_file is not None:
         raise NanoGPTError("give --prompt or --prompt-file, not both")
@@ -124,7 +124,9 @@ def sample(
         ignore_eot=ignore_eot,
         use_cache=not no_cache,
     )
-    sampler = Sampler.load(checkpoint, last=last, device=device, dtype=dtype)
+    from nanogpt_cli import api
+
+    sampler = api.load(checkpoint, last=last, device=device, dtype=dtype).sampler
     run = functools.partial(
         print_samples, sampler, settings=settings, num_samples=num_samples, stream=stream, json_out=json_out
     )
@@ -182,13 +184,12 @@ def chat(
 
     Example: nanogpt chat checkpoints/count --temperature 0
     """
+    from nanogpt_cli import api
     from nanogpt_cli.device import set_threads
-    from nanogpt_cli.inference.chat import ChatSession
-    from nanogpt_cli.inference.sample import SampleSettings
 
     if max_new_tokens is not None and max_new_tokens < 1:
         raise NanoGPTError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    settings = SampleSettings(
+    settings = dict(
         temperature=temperature,
         top_k=top_k or None,
         top_p=top_p,
@@ -198,7 +199,8 @@ def chat(
         stop=stop or [],
     )
     set_threads(threads)
-    session = ChatSession.load(source, settings, system, max_new_tokens, last=last, device=device, dtype=dtype)
+    model = api.load(source, last=last, device=device, dtype=dtype)
+    session = model.conversation(system, max_new_tokens, **settings)
     if session.template.plain:
         note(f"{source} has no chat template (a base model): it gets a plain User:/Assistant: transcript")
     converse(session)
