@@ -1,0 +1,241 @@
+"""Hugging Face tokenizer.json files as our tokenizers: a byte-level BPE and a SentencePiece-style BPE with byte
+fallback, both trained here with the tokenizers library, checked against transformers' PreTrainedTokenizerFast on
+the same files; the file travelling through prepare, train, sample and export; chat templates and stop ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+tk = pytest.importorskip("tokenizers")
+transformers = pytest.importorskip("transformers")
+
+from nanogpt_cli.config import GPTConfig  # noqa: E402
+from nanogpt_cli.errors import NanoGPTError  # noqa: E402
+from nanogpt_cli.hf_tokenizer import HFTokenizer, read_hf_tokenizer  # noqa: E402
+from nanogpt_cli.inference.sample import TextStream  # noqa: E402
+from nanogpt_cli.model import GPT  # noqa: E402
+from nanogpt_cli.tokenizer import build_tokenizer, same_tokenizer, tokenizer_from_description  # noqa: E402
+
+TRAIN = (
+    "Hello world, the king and queen. café naïve façade — “quoth” 🙂 日本語のテキストです。 "
+    "    indented\n\nnew   lines\tand tabs 12345 67890 "
+) * 20
+HELD_OUT = [
+    "Hello  world!\n\n  café 🙂🙂 日本語",
+    "   runs of spaces\n\n\n\tand tabs  ",
+    "emoji 🧑‍🚀 and Ω≈ç√ 中文字 (unseen characters)",
+    "special strings <|im_start|>user\nhi<|im_end|> <s>x</s> <end_of_turn>",
+    " leading space",
+    "",
+]
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+GEMMA = (
+    "{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + message['role'] + '\\n' + "
+    "message['content'] + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
+
+def byte_level(folder: Path) -> Path:
+    """A byte-level BPE (GPT-2, Llama 3, Qwen style) with ChatML's special tokens, and a config as Qwen's."""
+    t = tk.Tokenizer(tk.models.BPE())
+    t.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = tk.decoders.ByteLevel()
+    t.post_processor = tk.processors.ByteLevel(trim_offsets=False)
+    trainer = tk.trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    t.train_from_iterator([TRAIN], trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    t.save(str(folder / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    eos = [t.token_to_id("<|im_end|>"), t.token_to_id("<|endoftext|>")]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}), encoding="utf-8")
+    return folder
+
+
+def sentencepiece(folder: Path, add_bos: bool | None = None) -> Path:
+    """A SentencePiece-style BPE (Llama 2, Mistral, Gemma style): <unk> <s> </s>, the 256 <0xNN> byte-fallback
+    tokens, merges learnt on ▁-marked words, Metaspace, the Replace/ByteFallback/Fuse/Strip decoder, BOS added by
+    the post-processor, and Gemma's turn tokens."""
+    t = tk.Tokenizer(tk.models.BPE())
+    t.pre_tokenizer = tk.pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    t.train_from_iterator([TRAIN], tk.trainers.BpeTrainer(vocab_size=300, limit_alphabet=60, show_progress=False))
+    spec = json.loads(t.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for token, _ in sorted(spec["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["merges"]]
+    s = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    s.pre_tokenizer = tk.pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    s.decoder = tk.decoders.Sequence(
+        [tk.decoders.Replace("▁", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse(), tk.decoders.Strip(" ", 1, 0)]
+    )
+    specials = ["<unk>", "<s>", "</s>", "<start_of_turn>", "<end_of_turn>"]
+    s.add_special_tokens([tk.AddedToken(x, special=True, normalized=False) for x in specials])
+    s.post_processor = tk.processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    s.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    if add_bos is not None:
+        config["add_bos_token"] = add_bos
+    (folder / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    (folder / "chat_template.jinja").write_text(GEMMA, encoding="utf-8")
+    end = s.token_to_id("<end_of_turn>")
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, end]}), encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="module", params=["byte_level", "sentencepiece"])
+def hf_dir(request, tmp_path_factory) -> Path:
+    return globals()[request.param](tmp_path_factory.mktemp(request.param))
+
+
+def theirs(folder: Path):
+    """transformers' own reading of the same files."""
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    config.pop("chat_template", None)
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), **config)
+
+
+def test_ids_and_text_equal_transformers(hf_dir):
+    ours, ref = build_tokenizer(str(hf_dir)), theirs(hf_dir)
+    assert isinstance(ours, HFTokenizer) and ours.vocab_size == len(ref)
+    for text in HELD_OUT:
+        special = ours.encode_special(text)
+        assert special == ref(text, add_special_tokens=False)["input_ids"], text
+        assert ours.encode_document(text) == ref(text)["input_ids"], text  # BOS as the model expects it
+        assert ours.decode(special) == ref.decode(special, skip_special_tokens=False), text
+        plain = ours.encode(text)  # special-token strings are text here
+        assert plain == ref(text, add_special_tokens=False, split_special_tokens=True)["input_ids"], text
+        assert ours.decode(plain) == ref.decode(plain), text
+    # every single id, and random sequences of them, decode as theirs do
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        ids = torch.randint(0, ours.vocab_size, (12,), generator=gen).tolist()
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=False)
+
+
+def test_special_tokens_bos_and_end_ids(tmp_path):
+    bl = build_tokenizer(str(byte_level(tmp_path / "bl")))
+    assert bl.bos_id is None and bl.eot_id == bl.token_id("<|im_end|>")
+    assert set(bl.stop_ids) == {bl.token_id("<|im_end|>"), bl.token_id("<|endoftext|>")}
+    assert bl.encode_special("<|im_start|>") == [bl.token_id("<|im_start|>")]
+    assert bl.token_id("<|im_start|>") not in bl.encode("<|im_start|>")
+    sp = build_tokenizer(str(sentencepiece(tmp_path / "sp")))
+    assert sp.bos_id == 1 and sp.eot_id == 2 and set(sp.stop_ids) == {2, sp.token_id("<end_of_turn>")}
+    assert sp.special_strings == {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+    # add_bos_token false in tokenizer_config.json overrides the file's post-processor, as in transformers
+    no_bos = sentencepiece(tmp_path / "sp-nobos", add_bos=False)
+    ours = build_tokenizer(str(no_bos))
+    assert ours.bos_id is None and ours.encode_document("hi") == theirs(no_bos)("hi")["input_ids"]
+    eos_too = sentencepiece(tmp_path / "sp-eos", add_bos=True)
+    config = json.loads((eos_too / "tokenizer_config.json").read_text()) | {"add_eos_token": True}
+    (eos_too / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = build_tokenizer(str(eos_too))
+    assert ours.encode_document("hi") == theirs(eos_too)("hi")["input_ids"] and ours.encode_document("hi")[-1] == 2
+
+
+def test_the_description_holds_the_sha256_and_the_file_is_needed(tmp_path):
+    folder = byte_level(tmp_path / "bl")
+    tok = build_tokenizer(str(folder / "tokenizer.json"))  # the file itself names it too
+    desc = tok.describe()
+    assert desc["kind"] == "hf" and len(json.dumps(desc)) < 1000  # the vocabulary is not in the JSON
+    again = tokenizer_from_description(desc, folder)
+    assert again.encode(HELD_OUT[0]) == tok.encode(HELD_OUT[0])
+    assert same_tokenizer(desc, dict(desc, name="another name"))
+    with pytest.raises(NanoGPTError, match="has no tokenizer.json"):
+        tokenizer_from_description(desc, tmp_path / "empty")
+    other = byte_level(tmp_path / "other")
+    (other / "tokenizer.json").write_text((other / "tokenizer.json").read_text().replace("<|im_end|>", "<|x|>"))
+    with pytest.raises(NanoGPTError, match="is not the one"):
+        tokenizer_from_description(desc, other)
+
+
+def test_streaming_decode_never_splits_a_character(hf_dir):
+    tok = build_tokenizer(str(hf_dir))
+    text = "naïve 🙂🧑‍🚀 日本語のテキスト 中文字 Ω≈ç√"
+    ids = tok.encode(text)
+    if (hf_dir / "chat_template.jinja").exists():  # SentencePiece: unseen characters are byte-fallback pieces
+        assert any(len(tok.decode_bytes([i])) == 1 and tok.decode_bytes([i])[0] >= 0x80 for i in ids)
+    stream = TextStream(tok, stop=[], eot=tok.stop_ids, limit=10_000)
+    pieces = [stream.feed(i) for i in ids] + [stream.finish()]
+    assert all("\ufffd" not in p for p in pieces)
+    joined = "".join(pieces)
+    assert joined == tok.decode(ids) or joined == " " + tok.decode(ids)  # SentencePiece strips a text's 1st space
+
+
+def test_hf_name_offline_is_one_sentence(no_network, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(NanoGPTError, match=r"could not fetch the tokenizer of hf:someone/model .*offline"):
+        read_hf_tokenizer("hf:someone/model")
+
+
+def test_stop_ids_end_a_stream(tmp_path):
+    tok = build_tokenizer(str(sentencepiece(tmp_path / "sp")))
+    end = tok.token_id("<end_of_turn>")
+    stream = TextStream(tok, stop=[], eot=tok.stop_ids, limit=100)
+    text = "".join(stream.feed(i) for i in [*tok.encode("hello"), end, *tok.encode("more")][: len(tok.encode("hello")) + 1])
+    assert stream.done and stream.reason == "eot" and text.strip() == "hello"
+
+
+def forced_model(tok, token: int, block_size: int = 64) -> GPT:
+    """A tiny GPT whose every next token is `token`: ln_f gives a constant vector the head row of `token` matches."""
+    torch.manual_seed(0)
+    config = GPTConfig(
+        vocab_size=tok.vocab_size,
+        block_size=block_size,
+        n_layer=1,
+        n_head=2,
+        n_embd=16,
+        tie_embeddings=False,
+        bias=True,
+    )
+    model = GPT(config)
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[token].fill_(1.0)
+    return model
+
+
+def test_chat_stops_at_the_models_end_of_turn(tmp_path):
+    """A run on the SentencePiece tokenizer whose model writes <end_of_turn> at once: chat renders Gemma's
+    template (from chat_template.jinja) and stops there, an id only generation_config.json names."""
+    from nanogpt_cli.data.chat_template import ChatTemplate
+    from nanogpt_cli.inference.chat import ChatSession
+    from nanogpt_cli.inference.sample import SampleSettings
+    from nanogpt_cli.interop.export import export_hf
+    from nanogpt_cli.interop.loading import load_model
+
+    folder = sentencepiece(tmp_path / "sp")
+    tok = read_hf_tokenizer(str(folder))
+    end = tok.token_id("<end_of_turn>")
+    model = forced_model(tok, end)
+    hf_dir = tmp_path / "model"
+    export_hf(model, tok.describe(), hf_dir, chat_template=tok.chat_template, tokenizer=tok)
+    _, meta = load_model(hf_dir)
+    assert meta["tokenizer"]["kind"] == "hf" and end in meta["tokenizer"]["stop_ids"]
+    session = ChatSession.load(hf_dir, SampleSettings(temperature=0, max_new_tokens=20), device="cpu")
+    assert isinstance(session.template, ChatTemplate) and "<start_of_turn>" in session.template.source
+    reply = session.ask("hello")
+    assert reply.ids[0] == 1 and reply.ids[1] == tok.token_id("<start_of_turn>")  # BOS, then the turn token
+    assert "".join(reply) == "" and reply.stop_reason == "eot"
