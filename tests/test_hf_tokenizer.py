@@ -192,7 +192,7 @@ def test_stop_ids_end_a_stream(tmp_path):
     tok = build_tokenizer(str(sentencepiece(tmp_path / "sp")))
     end = tok.token_id("<end_of_turn>")
     stream = TextStream(tok, stop=[], eot=tok.stop_ids, limit=100)
-    text = "".join(stream.feed(i) for i in [*tok.encode("hello"), end, *tok.encode("more")][: len(tok.encode("hello")) + 1])
+    text = "".join(stream.feed(i) for i in [*tok.encode("hello"), end])
     assert stream.done and stream.reason == "eot" and text.strip() == "hello"
 
 
@@ -239,3 +239,109 @@ def test_chat_stops_at_the_models_end_of_turn(tmp_path):
     reply = session.ask("hello")
     assert reply.ids[0] == 1 and reply.ids[1] == tok.token_id("<start_of_turn>")  # BOS, then the turn token
     assert "".join(reply) == "" and reply.stop_reason == "eot"
+
+
+def test_prepare_train_sample_export_with_the_file_travelling(tmp_path, text_file):
+    """prepare --tokenizer FOLDER copies tokenizer.json beside meta.json (each document starts with BOS), train
+    copies it into the run, sample reads it there, and the hf export is read back by AutoTokenizer."""
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+    from nanogpt_cli.data.reader import load_meta
+
+    folder = sentencepiece(tmp_path / "sp")
+    runner = CliRunner()
+    data = tmp_path / "data"
+    r = runner.invoke(
+        app, ["prepare", str(text_file), "--name", "play", "--tokenizer", str(folder), "--data-dir", str(data)]
+    )
+    assert r.exit_code == 0, r.output
+    meta = load_meta(data, "play")
+    assert (
+        meta["tokenizer"]["kind"] == "hf"
+        and (data / "play" / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    )
+    import numpy as np
+
+    first = np.fromfile(data / "play" / meta["shards"]["train"][0]["file"], dtype=meta["dtype"])
+    assert first[0] == 1  # BOS
+    run = tmp_path / "run"
+    args = ["train", "--data", "play", "--data-dir", str(data), "--out", str(run), "--max-iters", "2"]
+    args += ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "32", "--batch-size", "2"]
+    args += ["--eval-interval", "2", "--eval-iters", "1", "--device", "cpu", "--dtype", "float32"]
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0, r.output
+    assert (run / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    r = runner.invoke(
+        app, ["sample", "--checkpoint", str(run), "--prompt", "café 🙂", "--max-new-tokens", "8", "--device", "cpu"]
+    )
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "export"
+    r = runner.invoke(app, ["export", str(run), "--format", "hf", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    back = transformers.AutoTokenizer.from_pretrained(str(out))
+    ours = build_tokenizer(str(folder))
+    for text in HELD_OUT:
+        assert back(text)["input_ids"] == ours.encode_document(text), text
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert sorted(generation["eos_token_id"]) == sorted(ours.stop_ids) and generation["bos_token_id"] == 1
+
+
+def test_chat_data_with_the_tokenizers_template_and_export_back(tmp_path):
+    """prepare --format chat on a Hugging Face tokenizer renders its own template (ChatML) with its special
+    tokens; the ids equal apply_chat_template's, and an export writes the template back."""
+    from nanogpt_cli.data.chat import prepare_chat
+    from nanogpt_cli.data.chat_template import ChatTemplate, specials
+    from nanogpt_cli.data.reader import load_meta
+    from nanogpt_cli.interop.export import export_hf
+
+    folder = byte_level(tmp_path / "bl")
+    chats = tmp_path / "chats.jsonl"
+    convs = [
+        [{"role": "user", "content": f"hi {i} café"}, {"role": "assistant", "content": f"hello 🙂 {i}"}]
+        for i in range(4)
+    ]
+    convs[0] = [{"role": "system", "content": "be brief"}, *convs[0]]
+    chats.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs), encoding="utf-8")
+    prepare_chat(str(chats), "chats", tokenizer=str(folder), data_dir=str(tmp_path / "data"))
+    meta = load_meta(tmp_path / "data", "chats")
+    assert meta["chat_template"] == CHATML and (tmp_path / "data" / "chats" / "tokenizer.json").is_file()
+    tok = read_hf_tokenizer(str(folder))
+    template = ChatTemplate(CHATML, special=specials(tok))
+    ref = theirs(folder)
+    for conv in convs:
+        expect = ref.apply_chat_template(conv, chat_template=CHATML, tokenize=True, add_generation_prompt=True)
+        expect = expect["input_ids"] if isinstance(expect, dict) or hasattr(expect, "keys") else expect
+        assert template.tokens(conv, tok) == list(expect)
+    model = forced_model(tok, tok.token_id("<|im_end|>"))
+    export_hf(model, tok.describe(), tmp_path / "out", chat_template=CHATML, tokenizer=tok)
+    back = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert back.chat_template == CHATML
+    assert back.apply_chat_template(convs[1], tokenize=False, add_generation_prompt=True) == template.render(convs[1])
+
+
+def test_serve_stops_at_the_end_of_turn(tmp_path):
+    """serve on an export whose model writes <|im_end|> (named by generation_config.json) ends the reply there."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from nanogpt_cli.interop.export import export_hf
+    from nanogpt_cli.serve import ServeOptions, build_server
+
+    folder = byte_level(tmp_path / "bl")
+    tok = read_hf_tokenizer(str(folder))
+    export_hf(forced_model(tok, tok.token_id("<|im_end|>")), tok.describe(), tmp_path / "m", tokenizer=tok)
+    server = build_server(ServeOptions(source=str(tmp_path / "m"), port=0, device="cpu", dtype="float32"))
+    state = server.state
+    state.scheduler.start()
+    try:
+        with TestClient(server.config.app) as client:
+            r = client.post(
+                "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}
+            )
+    finally:
+        state.scheduler.stop()
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == ""
+    assert r.json()["usage"]["completion_tokens"] == 1
