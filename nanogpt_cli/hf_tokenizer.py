@@ -21,6 +21,7 @@ continuation of a prompt keeps its space.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -30,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from nanogpt_cli.errors import NanoGPTError, first_line, require
-from nanogpt_cli.tokenizer import Tokenizer, byte_to_unicode
 
 HF_FILE = "tokenizer.json"  # the vocabulary, as the tokenizers library writes it: this file travels
 CONFIG_FILE = "tokenizer_config.json"  # BOS/EOS tokens, add_bos_token, the chat template
@@ -43,8 +43,9 @@ TOKENIZER_TEXT = "tokenizer_json"  # or the file's text (a GGUF file carries it 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-class HFTokenizer(Tokenizer):
-    """A `tokenizers.Tokenizer` read from tokenizer.json, with the settings its config files give."""
+class HFTokenizer:
+    """A `tokenizers.Tokenizer` read from tokenizer.json, with the settings its config files give. It has
+    tokenizer.Tokenizer's interface (that module builds it, so this one does not import it)."""
 
     kind = "hf"
 
@@ -107,6 +108,9 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._special.decode(list(ids), skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size})"
 
     def token_text(self, tid: int) -> str | None:
         """The token's string in the vocabulary (Ġ for a space in byte-level BPE, ▁ in SentencePiece's)."""
@@ -263,16 +267,14 @@ def _one_token(token: str, steps: list[dict[str, Any]], byte_of: dict[str, int])
 
 
 def hf_tokenizer_path(spec: str) -> Path | None:
-    """The tokenizer.json that `spec` names (the file, or a folder holding one that is not a tokenizer trained
-    here, which keeps ranks.tiktoken beside its tokenizer.json); None when it names none."""
-    from nanogpt_cli.tokenizer import RANKS_FILE
-
+    """The tokenizer.json that `spec` names (the file, or a folder holding one); None when it names none.
+    tokenizer.py asks this after it has found no tokenizer trained here (whose folder has a tokenizer.json too)."""
     if not spec or spec.startswith("hf:"):
         return None
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".json":
         return path
-    if (path / HF_FILE).is_file() and not (path / RANKS_FILE).is_file():
+    if (path / HF_FILE).is_file():
         return path / HF_FILE
     return None
 
@@ -372,3 +374,19 @@ def copy_tokenizer_file(src_folder: Path, dst_folder: Path) -> None:
     src, dst = Path(src_folder) / HF_FILE, Path(dst_folder) / HF_FILE
     if src.resolve() != dst.resolve():
         shutil.copyfile(src, dst)
+
+
+@functools.cache
+def byte_to_unicode() -> tuple[str, ...]:
+    """GPT-2's printable stand-in for each byte 0..255, the alphabet byte-level BPE files (Hugging Face
+    tokenizer.json, GGUF) spell tokens in: printable Latin-1 bytes stand for themselves, the rest are shifted
+    to code points from 256 up, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return tuple(out)

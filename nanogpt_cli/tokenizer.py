@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.hf_tokenizer import byte_to_unicode  # GPT-2's byte alphabet, which Hugging Face files spell in
 
 BUILTIN = ("gpt2", "char", "byte")
 ASSETS_DIR = Path(__file__).parent / "assets" / "gpt2"
@@ -371,22 +372,6 @@ def merges_from_ranks(ranks: list[bytes]) -> list[tuple[bytes, bytes]]:
                 merges.append((r, rank[left], rank[right], left, right))
     merges.sort()
     return [(left, right) for *_, left, right in merges]
-
-
-@functools.cache
-def byte_to_unicode() -> tuple[str, ...]:
-    """GPT-2's printable stand-in for each byte 0..255, the alphabet byte-level BPE files (Hugging Face
-    tokenizer.json, GGUF) spell tokens in: printable Latin-1 bytes stand for themselves, the rest are shifted
-    to code points from 256 up, in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, extra = [], 0
-    for b in range(256):
-        if b in keep:
-            out.append(chr(b))
-        else:
-            out.append(chr(256 + extra))
-            extra += 1
-    return tuple(out)
 
 
 def spell_bytes(token: bytes) -> str:

@@ -345,3 +345,24 @@ def test_serve_stops_at_the_end_of_turn(tmp_path):
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop" and choice["message"]["content"] == ""
     assert r.json()["usage"]["completion_tokens"] == 1
+
+
+def test_gguf_export_writes_llama_cpps_vocabulary_and_reads_back(hf_dir, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    from nanogpt_cli.interop.export import export_gguf
+    from nanogpt_cli.interop.loading import load_model, tokenizer_of
+
+    tok = read_hf_tokenizer(str(hf_dir))
+    model = forced_model(tok, 3)
+    model.config.mlp = "gelu_tanh"  # llama.cpp's GELU
+    out = tmp_path / "m.gguf"
+    export_gguf(model, tok.describe(), out, tokenizer=tok)
+    fields = gguf.GGUFReader(str(out)).fields
+    sentencepiece_kind = (hf_dir / "chat_template.jinja").exists()
+    assert fields["tokenizer.ggml.model"].contents() == ("llama" if sentencepiece_kind else "gpt2")
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    assert tokens[: tok.vocab_size] == [tok.token_text(i) for i in range(tok.vocab_size)]
+    assert bool(fields["tokenizer.ggml.add_bos_token"].contents()) == (tok.bos_id is not None)
+    _, meta = load_model(out)
+    again = tokenizer_of(meta, out)
+    assert again.encode_special(HELD_OUT[3]) == tok.encode_special(HELD_OUT[3])

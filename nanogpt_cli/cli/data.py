@@ -44,7 +44,8 @@ TokenizersDir = Annotated[Path, typer.Option(help="Folder of trained tokenizers 
 TokenizerName = Annotated[
     str,
     typer.Option(
-        help="gpt2, char, byte, a tiktoken encoding such as cl100k_base, or a tokenizer trained by "
+        help="gpt2, char, byte, a tiktoken encoding such as cl100k_base, hf:NAME or a tokenizer.json (or its "
+        "folder), or a tokenizer trained by "
         "`nanogpt tokenizer train` (NAME or folder)."
     ),
 ]
