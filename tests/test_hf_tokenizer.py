@@ -366,3 +366,40 @@ def test_gguf_export_writes_llama_cpps_vocabulary_and_reads_back(hf_dir, tmp_pat
     _, meta = load_model(out)
     again = tokenizer_of(meta, out)
     assert again.encode_special(HELD_OUT[3]) == tok.encode_special(HELD_OUT[3])
+
+
+def test_lora_finetune_of_an_hf_folder_on_its_own_template(tmp_path):
+    """finetune --init-from a Hugging Face folder with a tokenizer of its own, on chat data prepared with that
+    folder's tokenizer and template: the run keeps both, and its chat stops at the model's end of turn."""
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+    from nanogpt_cli.inference.chat import ChatSession
+    from nanogpt_cli.inference.sample import SampleSettings
+    from nanogpt_cli.interop.export import export_hf
+
+    folder = byte_level(tmp_path / "bl")
+    tok = read_hf_tokenizer(str(folder))
+    model_dir = tmp_path / "model"
+    model = forced_model(tok, tok.token_id("<|im_end|>"))
+    export_hf(model, tok.describe(), model_dir, chat_template=tok.chat_template, tokenizer=tok)
+    chats = tmp_path / "chats.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "ok"}]} for i in range(6)
+    ]
+    chats.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    runner = CliRunner()
+    data = tmp_path / "data"
+    args = ["prepare", str(chats), "--name", "chats", "--format", "chat", "--tokenizer", str(model_dir)]
+    r = runner.invoke(app, [*args, "--data-dir", str(data)])
+    assert r.exit_code == 0, r.output
+    run = tmp_path / "run"
+    args = ["finetune", "--data", "chats", "--data-dir", str(data), "--init-from", str(model_dir), "--lora"]
+    args += ["--out", str(run), "--max-iters", "1", "--batch-size", "2", "--eval-interval", "1"]
+    r = runner.invoke(app, [*args, "--eval-iters", "1", "--device", "cpu", "--dtype", "float32"])
+    assert r.exit_code == 0, r.output
+    assert (run / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+    session = ChatSession.load(run, SampleSettings(temperature=0, max_new_tokens=5), device="cpu")
+    assert session.template.source == CHATML
+    reply = session.ask("hello")
+    assert "".join(reply) == "" and reply.stop_reason == "eot"
