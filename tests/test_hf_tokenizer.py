@@ -403,3 +403,36 @@ def test_lora_finetune_of_an_hf_folder_on_its_own_template(tmp_path):
     assert session.template.source == CHATML
     reply = session.ask("hello")
     assert "".join(reply) == "" and reply.stop_reason == "eot"
+
+
+def test_hf_name_reads_the_hubs_cache_offline(tmp_path, monkeypatch, no_network):
+    """hf:NAME goes through huggingface_hub's snapshot_download, which offline answers from its cache: a cache
+    laid out as the hub writes it (refs/main -> snapshots/COMMIT/) gives the tokenizer, named hf:NAME."""
+    import huggingface_hub.constants
+
+    home = tmp_path / "hf"
+    repo = home / "hub" / "models--someone--tiny"
+    commit = "0" * 40
+    byte_level(repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(home / "hub"))
+    tok = build_tokenizer("hf:someone/tiny")
+    assert tok.name == "hf:someone/tiny" and tok.chat_template == CHATML
+    assert tok.encode_special("<|im_end|>") == [tok.token_id("<|im_end|>")]
+
+
+def test_tokenizer_info_and_encode_commands(tmp_path):
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    folder = sentencepiece(tmp_path / "sp")
+    runner = CliRunner()
+    info = json.loads(runner.invoke(app, ["tokenizer", "info", str(folder), "--json"]).output)
+    assert info["bos_id"] == 1 and info["eot_id"] == 2 and info["chat_template"] is True
+    assert sorted(info["stop_ids"]) == [2, build_tokenizer(str(folder)).token_id("<end_of_turn>")]
+    encoded = json.loads(runner.invoke(app, ["tokenizer", "encode", str(folder), "a <end_of_turn>", "--json"]).output)
+    assert encoded["ids"][-1] == build_tokenizer(str(folder)).token_id("<end_of_turn>")
