@@ -176,6 +176,10 @@ def test_streaming_decode_never_splits_a_character(hf_dir):
     assert all("\ufffd" not in p for p in pieces)
     joined = "".join(pieces)
     assert joined == tok.decode(ids) or joined == " " + tok.decode(ids)  # SentencePiece strips a text's 1st space
+    for held in HELD_OUT:  # each token's bytes, joined, are the library's decoded text
+        ids = tok.encode_special(held)
+        text = tok.decode_bytes(ids).decode("utf-8")
+        assert text == tok.decode(ids) or text == " " + tok.decode(ids), held
 
 
 def test_hf_name_offline_is_one_sentence(no_network, tmp_path, monkeypatch):
@@ -436,3 +440,16 @@ def test_tokenizer_info_and_encode_commands(tmp_path):
     assert sorted(info["stop_ids"]) == [2, build_tokenizer(str(folder)).token_id("<end_of_turn>")]
     encoded = json.loads(runner.invoke(app, ["tokenizer", "encode", str(folder), "a <end_of_turn>", "--json"]).output)
     assert encoded["ids"][-1] == build_tokenizer(str(folder)).token_id("<end_of_turn>")
+
+
+def test_prepare_in_worker_processes_gives_the_same_shards(tmp_path, text_file):
+    """--num-proc 2: each worker builds the tokenizer from the file's text it is handed."""
+    from nanogpt_cli.data import prepare
+
+    folder = byte_level(tmp_path / "bl")
+    one = prepare(str(text_file), "one", tokenizer=str(folder), data_dir=tmp_path / "data")
+    two = prepare(str(text_file), "two", tokenizer=str(folder), data_dir=tmp_path / "data", num_proc=2)
+    assert one.train_tokens == two.train_tokens and one.val_tokens == two.val_tokens
+    for split in ("train", "val"):
+        a = (tmp_path / "data" / "one" / f"{split}-00000.bin").read_bytes()
+        assert a == (tmp_path / "data" / "two" / f"{split}-00000.bin").read_bytes()
