@@ -25,7 +25,6 @@ import functools
 import hashlib
 import json
 import re
-import shutil
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -367,13 +366,6 @@ def _token_string(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
-
-
-def copy_tokenizer_file(src_folder: Path, dst_folder: Path) -> None:
-    """Copy the tokenizer.json that travels with data and runs (no-op when src and dst are the same folder)."""
-    src, dst = Path(src_folder) / HF_FILE, Path(dst_folder) / HF_FILE
-    if src.resolve() != dst.resolve():
-        shutil.copyfile(src, dst)
 
 
 @functools.cache
