@@ -12,6 +12,8 @@ Kinds:
 - byte: the 256 byte values of the UTF-8 encoding; lossless for any input; no end-of-text token.
 - any other tiktoken encoding (cl100k_base, o200k_base, ...): through `tiktoken.get_encoding`, which downloads
   its file once and caches it (TIKTOKEN_CACHE_DIR).
+- hf: any Hugging Face tokenizer.json (hf_tokenizer.py), named `hf:NAME` (fetched from the hub), by the file or by
+  its folder; the file travels beside meta.json and in run folders, and the description holds its sha256.
 - a trained byte-level BPE (`train_bpe`, `nanogpt tokenizer train`): stored in TOKENIZERS_DIR/NAME as
   `ranks.tiktoken` (tiktoken's own text format: base64 token, rank) and `tokenizer.json` (pattern, special
   tokens); named by NAME or by the path of that folder, encoded by a tiktoken `Encoding` built from those files.
@@ -29,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.hf_tokenizer import byte_to_unicode  # GPT-2's byte alphabet, which Hugging Face files spell in
 
 BUILTIN = ("gpt2", "char", "byte")
 ASSETS_DIR = Path(__file__).parent / "assets" / "gpt2"
@@ -64,6 +67,12 @@ class Tokenizer:
 
     name: str = ""
     eot_id: int | None = None  # the end-of-text token that separates documents, if the tokenizer has one
+    bos_id: int | None = None  # the token every text starts with, when the model expects one (Llama's <s>)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokens that end a sample: end-of-text, and for a Hugging Face tokenizer its model's end-of-turn."""
+        return () if self.eot_id is None else (self.eot_id,)
 
     @property
     def vocab_size(self) -> int:
@@ -86,6 +95,9 @@ class Tokenizer:
     def describe(self) -> dict[str, Any]:
         """A small JSON-able dict; `tokenizer_from_description` rebuilds the same tokenizer from it."""
         return {"name": self.name, "vocab_size": self.vocab_size}
+
+    def save_files(self, folder: Path) -> None:
+        """Write the files the description needs beside it (a Hugging Face tokenizer.json; none for other kinds)."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size})"
@@ -342,7 +354,7 @@ def tokenizer_folder(spec: str, tokenizers_dir: Path = TOKENIZERS_DIR) -> Path |
     if spec in BUILTIN or not spec:
         return None
     for folder in (Path(tokenizers_dir) / spec, Path(spec).expanduser()):
-        if (folder / CONFIG_FILE).is_file():
+        if (folder / CONFIG_FILE).is_file() and (folder / RANKS_FILE).is_file():
             return folder
     return None
 
@@ -360,22 +372,6 @@ def merges_from_ranks(ranks: list[bytes]) -> list[tuple[bytes, bytes]]:
                 merges.append((r, rank[left], rank[right], left, right))
     merges.sort()
     return [(left, right) for *_, left, right in merges]
-
-
-@functools.cache
-def byte_to_unicode() -> tuple[str, ...]:
-    """GPT-2's printable stand-in for each byte 0..255, the alphabet byte-level BPE files (Hugging Face
-    tokenizer.json, GGUF) spell tokens in: printable Latin-1 bytes stand for themselves, the rest are shifted
-    to code points from 256 up, in byte order."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    out, extra = [], 0
-    for b in range(256):
-        if b in keep:
-            out.append(chr(b))
-        else:
-            out.append(chr(256 + extra))
-            extra += 1
-    return tuple(out)
 
 
 def spell_bytes(token: bytes) -> str:
@@ -427,11 +423,14 @@ def available_tokenizers() -> list[str]:
 def check_tokenizer_name(name: str, tokenizers_dir: Path = TOKENIZERS_DIR) -> None:
     """Raise NanoGPTError listing the valid names when `name` is not one; costs no download. A trained
     tokenizer is named by its NAME in `tokenizers_dir` or by the path of its folder."""
+    from nanogpt_cli.hf_tokenizer import is_hf_spec
+
     valid = available_tokenizers()
-    if name not in valid and tokenizer_folder(name, tokenizers_dir) is None:
+    if name not in valid and tokenizer_folder(name, tokenizers_dir) is None and not is_hf_spec(name):
         raise NanoGPTError(
-            f"unknown tokenizer {name!r}; choose one of {', '.join(valid)}, or a tokenizer trained "
-            f"with `nanogpt tokenizer train` (its NAME in {tokenizers_dir}/, or its folder)"
+            f"unknown tokenizer {name!r}; choose one of {', '.join(valid)}, a tokenizer trained "
+            f"with `nanogpt tokenizer train` (its NAME in {tokenizers_dir}/, or its folder), hf:NAME, or a "
+            "Hugging Face tokenizer.json (or its folder)"
         )
 
 
@@ -443,10 +442,14 @@ def trained_or_named(name: str, tokenizers_dir: Path = TOKENIZERS_DIR) -> str:
 
 def build_tokenizer(name: str, texts: Iterable[str] | None = None, tokenizers_dir: Path = TOKENIZERS_DIR) -> Tokenizer:
     """The tokenizer called `name`. Only `char` reads `texts`: its vocabulary is their characters."""
+    from nanogpt_cli.hf_tokenizer import is_hf_spec, read_hf_tokenizer
+
     check_tokenizer_name(name, tokenizers_dir)
     folder = tokenizer_folder(name, tokenizers_dir) if name not in available_tokenizers() else None
     if folder is not None:
         return BPETokenizer.load(folder)
+    if name not in BUILTIN and is_hf_spec(name):
+        return read_hf_tokenizer(name)
     if name == "gpt2":
         return TiktokenTokenizer(_gpt2_encoding())
     if name == "byte":
@@ -470,13 +473,18 @@ def build_tokenizer(name: str, texts: Iterable[str] | None = None, tokenizers_di
         ) from None
 
 
-def tokenizer_from_description(desc: dict[str, Any]) -> Tokenizer:
-    """Rebuild the tokenizer that `Tokenizer.describe()` described, and check its vocabulary size."""
+def tokenizer_from_description(desc: dict[str, Any], folder: Path | None = None, text: str | None = None) -> Tokenizer:
+    """Rebuild the tokenizer that `Tokenizer.describe()` described, and check its vocabulary size. A Hugging Face
+    tokenizer is read from the tokenizer.json in `folder` (where the data, run or export keeps it) or its `text`."""
     if not isinstance(desc, dict) or not isinstance(desc.get("name"), str):
         raise NanoGPTError(f"not a tokenizer description: {desc!r}")
     name = desc["name"]
-    if desc.get("kind") == BPETokenizer.kind:  # a trained BPE carries its whole vocabulary
-        tok: Tokenizer = BPETokenizer.from_description(desc)
+    if desc.get("kind") == "hf":
+        from nanogpt_cli.hf_tokenizer import HFTokenizer
+
+        tok: Tokenizer = HFTokenizer.load(desc, folder, text)
+    elif desc.get("kind") == BPETokenizer.kind:  # a trained BPE carries its whole vocabulary
+        tok = BPETokenizer.from_description(desc)
     elif name == "char":
         if not isinstance(desc.get("chars"), str):
             raise NanoGPTError("the char tokenizer description has no 'chars'")
@@ -492,11 +500,23 @@ def tokenizer_from_description(desc: dict[str, Any]) -> Tokenizer:
     return tok
 
 
+def same_tokenizer(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two descriptions are one tokenizer. Two Hugging Face tokenizers are when their file and settings
+    are, whatever they were named by (hf:NAME, a folder, an export of it)."""
+    if a.get("kind") == "hf" and b.get("kind") == "hf":
+        return {k: v for k, v in a.items() if k != "name"} == {k: v for k, v in b.items() if k != "name"}
+    return a == b
+
+
 def describe_difference(a: dict[str, Any], b: dict[str, Any], a_name: str, b_name: str) -> str:
     """How two tokenizer descriptions differ, in words ("" when they are the same): the names, or for two char
     tokenizers their vocabularies ("the vocabulary: 69 characters in the dataset vs 65 in the checkpoint, ...")."""
-    if a == b:
+    if same_tokenizer(a, b):
         return ""
+    if a.get("kind") == "hf" and b.get("kind") == "hf" and a.get("sha256") != b.get("sha256"):
+        return f"another tokenizer.json in {a_name} ({a.get('name')}) than in {b_name} ({b.get('name')})"
+    if a.get("kind") == "hf" and b.get("kind") == "hf":
+        return f"the same tokenizer.json with other BOS/EOS settings in {a_name} and {b_name}"
     if a.get("name") != b.get("name"):
         return f"{a.get('name')} in {a_name} vs {b.get('name')} in {b_name}"
     if a.get("name") == "char":

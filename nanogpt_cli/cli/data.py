@@ -44,7 +44,8 @@ TokenizersDir = Annotated[Path, typer.Option(help="Folder of trained tokenizers 
 TokenizerName = Annotated[
     str,
     typer.Option(
-        help="gpt2, char, byte, a tiktoken encoding such as cl100k_base, or a tokenizer trained by "
+        help="gpt2, char, byte, a tiktoken encoding such as cl100k_base, hf:NAME or a tokenizer.json (or its "
+        "folder), or a tokenizer trained by "
         "`nanogpt tokenizer train` (NAME or folder)."
     ),
 ]
@@ -287,6 +288,10 @@ def tokenizer_info(
     tok = _load_tokenizer(name, tokenizers_dir)
     folder = tokenizer_folder(name, tokenizers_dir) if isinstance(tok, BPETokenizer) else None
     info = {"name": tok.name, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id}
+    if getattr(tok, "kind", None) == "hf":  # a Hugging Face tokenizer.json: what it starts and ends a text with
+        info.update(
+            path=str(tok.folder), bos_id=tok.bos_id, stop_ids=list(tok.stop_ids), chat_template=bool(tok.chat_template)
+        )
     if isinstance(tok, BPETokenizer):
         trained = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("trained", {})
         longest = sorted(tok.ranks, key=len, reverse=True)[:3]
@@ -305,6 +310,13 @@ def tokenizer_info(
         ("vocabulary size", f"{tok.vocab_size:,}"),
         ("end of text", "none" if tok.eot_id is None else f"id {tok.eot_id}"),
     ]
+    if "stop_ids" in info:
+        rows += [
+            ("folder", info["path"]),
+            ("start of text", "none" if tok.bos_id is None else f"id {tok.bos_id}"),
+            ("end of a reply", ", ".join(f"{tok.token_text(i)} = {i}" for i in tok.stop_ids) or "none"),
+            ("chat template", "yes" if tok.chat_template else "none"),
+        ]
     if isinstance(tok, BPETokenizer):
         rows += [
             ("folder", info["path"]),
@@ -330,10 +342,9 @@ def tokenizer_encode(
 
     Example: nanogpt tokenizer encode shk2k "ROMEO: What light"
     """
-    from nanogpt_cli.tokenizer import BPETokenizer
 
     tok = _load_tokenizer(name, tokenizers_dir)
-    ids = tok.encode_special(text) if isinstance(tok, BPETokenizer) else tok.encode(text)
+    ids = tok.encode_special(text) if hasattr(tok, "encode_special") else tok.encode(text)
     pieces = [tok.decode_bytes([i]).decode("utf-8", errors="backslashreplace") for i in ids]
     if json_out:
         print(

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import NanoGPTError
-from .chat_template import DEFAULT_TEMPLATE, EOT, ChatTemplate, turn_end
+from .chat_template import DEFAULT_TEMPLATE, EOT, ChatTemplate, specials, turn_end
 
 ROLES = ("system", "user", "assistant")
 __all__ = ["turn_end"]  # exports read it from here
@@ -61,7 +61,7 @@ def checkpoint_template(dataset: dict[str, Any]) -> str | None:
     template = dataset.get("chat_template")
     if not isinstance(template, str):
         return None
-    if dataset.get("eot_id") is None:
+    if dataset.get("eot_id") is None and (dataset.get("tokenizer") or {}).get("kind") != "hf":
         return f"{{% set eos_token = {EOT!r} %}}" + template
     return template
 
@@ -134,11 +134,14 @@ def prepare_chat(
     from ..tokenizer import build_tokenizer
     from .shards import token_dtype
 
-    template = ChatTemplate(Path(chat_template).read_text(encoding="utf-8") if chat_template else DEFAULT_TEMPLATE)
     rows = _read_conversations(source, strict)
     char = tokenizer == "char"
-    texts = [template.render(m, add_generation_prompt=False) for m in rows.conversations] if char else None
+    given = Path(chat_template).read_text(encoding="utf-8") if chat_template else None
+    texts = [ChatTemplate(given or DEFAULT_TEMPLATE).render(m, False) for m in rows.conversations] if char else None
     tok = build_tokenizer(tokenizer, texts=texts)
+    # a Hugging Face tokenizer brings its model's template, and the token strings that template writes
+    template = ChatTemplate(given or getattr(tok, "chat_template", None) or DEFAULT_TEMPLATE)
+    template.special = specials(tok) or template.special
     dtype = token_dtype(tok.vocab_size)
     n_val = max(1, int(round(len(rows.conversations) * val_fraction)))
     final = Path(data_dir) / name
@@ -148,6 +151,7 @@ def prepare_chat(
     stage = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=data_dir))
     shards, trained, lengths = {}, 0, {}
     try:
+        tok.save_files(stage)  # a Hugging Face tokenizer.json goes beside meta.json
         for split, convs in (("train", rows.conversations[:-n_val]), ("val", rows.conversations[-n_val:])):
             shards[split], n, lengths[split] = _write_split(stage, split, convs, template, tok, dtype, shard_tokens)
             trained += n

@@ -2,7 +2,7 @@
 `apply_chat_template` renders them, so the same messages give the same ids in both. `prepare --format chat`,
 `serve` and `chat` all render through this module.
 
-    template = ChatTemplate.for_meta(loaded.meta, "<|endoftext|>")
+    template = ChatTemplate.for_model(loaded.meta, loaded.tokenizer, source)
     text = template.render([{"role": "user", "content": "Hello"}])   # 'User: Hello\\n\\nAssistant:'
     ids = template.tokens(messages, tokenizer)                       # end-of-text markers -> the end-of-text id
     ids, mask = template.tokens_and_mask(messages, tokenizer)         # mask 1 inside {% generation %} blocks
@@ -109,20 +109,23 @@ class ChatTemplate:
         compile_template(self.source)  # a template that does not compile is refused when it is given
 
     @classmethod
-    def for_meta(cls, meta: dict[str, Any], eos_token: str | None = None, folder: Path | None = None) -> ChatTemplate:
+    def for_meta(
+        cls,
+        meta: dict[str, Any],
+        eos_token: str | None = None,
+        folder: Path | None = None,
+        special: dict[str, str] | None = None,
+    ) -> ChatTemplate:
         """The checkpoint's own template when its metadata has one (or, for a Hugging Face folder, its
-        tokenizer_config.json), else the plain one. eos_token is the tokenizer's end-of-text marker, None when
-        it has none: then the marker is written out as text, as `prepare --format chat` wrote it, and ends a
-        reply when the model writes it."""
-        special = {"bos_token": eos_token or EOT, "eos_token": eos_token or EOT}
-        spelled = [] if eos_token else [EOT]  # written as text: only a stop text ends a reply there
+        chat_template.jinja or tokenizer_config.json), else the plain one. eos_token is the tokenizer's end-of-text
+        marker, None when it has none: then the marker is written out as text, as `prepare --format chat` wrote
+        it, and ends a reply when the model writes it. special: the token strings the template sees instead (a
+        Hugging Face tokenizer's own bos_token, eos_token, ...)."""
+        spelled = [] if eos_token or special else [EOT]  # written as text: only a stop text ends a reply there
+        special = special or {"bos_token": eos_token or EOT, "eos_token": eos_token or EOT}
         source = meta.get("chat_template")
-        config = folder / "tokenizer_config.json" if folder is not None else None
-        if not isinstance(source, str) and config is not None and config.is_file():
-            try:
-                source = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-            except (OSError, ValueError):
-                source = None
+        if not isinstance(source, str) and folder is not None:
+            source = _folder_template(folder)
         if isinstance(source, str) and source.strip():
             template = cls(source, "checkpoint", [], special)
             try:  # the text the template ends an assistant turn with, when it marks one: it ends a reply too
@@ -137,7 +140,7 @@ class ChatTemplate:
     def for_model(cls, meta: dict[str, Any], tokenizer: Tokenizer, source: str | Path) -> ChatTemplate:
         """for_meta for a model loaded from `source` (a run, a file, a Hugging Face folder or hf:NAME)."""
         folder = Path(source) if not str(source).startswith("hf:") and Path(source).is_dir() else None
-        return cls.for_meta(meta, EOT if tokenizer.eot_id is not None else None, folder)
+        return cls.for_meta(meta, EOT if tokenizer.eot_id is not None else None, folder, specials(tokenizer) or None)
 
     @property
     def plain(self) -> bool:
@@ -179,6 +182,22 @@ class ChatTemplate:
         return [(t, trained) for t, trained in parts if t]
 
 
+def specials(tokenizer: Tokenizer) -> dict[str, str]:
+    """The token strings a Hugging Face tokenizer gives a template (bos_token, eos_token, ...), as transformers'
+    apply_chat_template does; empty for our own kinds, whose templates see the end-of-text marker."""
+    return dict(getattr(tokenizer, "special_strings", {}))
+
+
+def _folder_template(folder: Path) -> str | None:
+    """The chat template a Hugging Face folder keeps (chat_template.jinja or tokenizer_config.json), if any."""
+    from nanogpt_cli.hf_tokenizer import chat_template_of
+
+    try:
+        return chat_template_of(folder)
+    except (OSError, NanoGPTError):
+        return None
+
+
 def turn_end(source: str, special: dict[str, str] | None = None) -> str:
     """The text a template puts after the assistant's words inside its generation block: what ends a reply
     (the built-in template's end-of-text marker). Empty when the template marks no such text."""
@@ -193,7 +212,10 @@ def turn_end(source: str, special: dict[str, str] | None = None) -> str:
 
 def encode(text: str, tokenizer: Tokenizer) -> list[int]:
     """Encode rendered text in which the end-of-text marker means the end-of-text token, as transformers encodes a
-    template's special tokens; a tokenizer without that token (byte, char) spells the marker out as text."""
+    template's special tokens; a tokenizer without that token (byte, char) spells the marker out as text. A
+    Hugging Face tokenizer makes every added token written in the text its id, as apply_chat_template does."""
+    if getattr(tokenizer, "kind", None) == "hf":
+        return tokenizer.encode_special(text) if text else []
     if tokenizer.eot_id is None:
         return tokenizer.encode(text) if text else []
     out: list[int] = []

@@ -260,9 +260,10 @@ def _start_or_resume(
         )
     if state is not None:
         _check_same(state, opts, src.meta, stage.path)
-        return state, tokenizer_from_description(state.tokenizer)
+        return state, tokenizer_from_description(state.tokenizer, stage.path)
     stage.clear()  # shards of a prepare killed before its first checkpoint
     tok = _char_tokenizer(src, opts.max_docs, progress) if opts.tokenizer == "char" else build_tokenizer(opts.tokenizer)
+    tok.save_files(stage.path)  # a Hugging Face tokenizer.json goes beside meta.json
     return Checkpoint(settings=opts.settings, source_meta=src.meta, tokenizer=tok.describe()), tok
 
 

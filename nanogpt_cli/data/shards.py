@@ -249,6 +249,8 @@ class SplitStream:
                     st.val_documents += in_val
                     if i > 0:  # between documents, not after the last: one text is its tokens
                         emit(self._separator())
+                    if self.tok.bos_id is not None:  # a model that expects BOS sees it at each document's start
+                        emit(np.array([self.tok.bos_id], self.dtype))
                 st.characters += len(text)
                 emit(flat[starts[k] : starts[k + 1]])
             if ends:

@@ -89,7 +89,7 @@ def encode_batch(tok: Tokenizer, texts: list[str], dtype: str) -> tuple[np.ndarr
         ]
         lengths = np.array([len(i) for i in ids], dtype=np.int64)
         return (np.concatenate(ids).astype(dtype) if ids else np.zeros(0, dtype)), lengths
-    ids = [tok.encode(t) for t in texts]
+    ids = tok.encode_batch(texts)
     lengths = np.array([len(i) for i in ids], dtype=np.int64)
     return np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum())), lengths
 
@@ -97,13 +97,13 @@ def encode_batch(tok: Tokenizer, texts: list[str], dtype: str) -> tuple[np.ndarr
 _worker: tuple[Tokenizer, str] | None = None  # the tokenizer of a worker process, built once
 
 
-def _start_worker(description: dict[str, Any], dtype: str, parent_pid: int) -> None:
+def _start_worker(description: dict[str, Any], dtype: str, parent_pid: int, text: str | None = None) -> None:
     import signal
 
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops the pool
     _exit_with_parent(parent_pid)
-    _worker = (tokenizer_from_description(description), dtype)
+    _worker = (tokenizer_from_description(description, text=text), dtype)
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -157,7 +157,7 @@ def encoded(
         num_proc,
         mp_context=multiprocessing.get_context("spawn"),
         initializer=_start_worker,
-        initargs=(tok.describe(), dtype, os.getpid()),
+        initargs=(tok.describe(), dtype, os.getpid(), getattr(tok, "text", None)),  # a tokenizer.json's text
     )
     finished = False
     try:

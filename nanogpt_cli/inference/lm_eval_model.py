@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nanogpt_cli.config import Dtype
-from nanogpt_cli.data.chat_template import EOT, ChatTemplate, encode
+from nanogpt_cli.data.chat_template import EOT, ChatTemplate, encode, specials
 from nanogpt_cli.errors import NanoGPTError, require
 from nanogpt_cli.inference.evaluate import score_tokens
 from nanogpt_cli.inference.loglikelihood import score_continuations
@@ -199,7 +199,8 @@ class NanoGPTLM(_model.TemplateLM):
         if self._template is None:
             meta, tokenizer = self.loaded.meta, self.tokenizer
             if self.source is None:
-                self._template = ChatTemplate.for_meta(meta, EOT if tokenizer.eot_id is not None else None)
+                eos = EOT if tokenizer.eot_id is not None else None
+                self._template = ChatTemplate.for_meta(meta, eos, special=specials(tokenizer) or None)
             else:
                 self._template = ChatTemplate.for_model(meta, tokenizer, self.source)
         return self._template

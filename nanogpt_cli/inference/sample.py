@@ -18,7 +18,7 @@ import dataclasses
 import math
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,6 +112,8 @@ class Sampler:
                 return [self.tokenizer.eot_id], 0
             return self.tokenizer.encode("\n") if _encodable(self.tokenizer, "\n") else [0], 0
         ids = self.tokenizer.encode(prompt)  # a char tokenizer names characters outside its vocabulary
+        if self.tokenizer.bos_id is not None:  # a model that expects BOS (Llama's <s>) was trained with it
+            ids = [self.tokenizer.bos_id, *ids]
         cut = max(0, len(ids) - self.block_size)
         return ids[cut:], cut
 
@@ -128,7 +130,7 @@ class Sampler:
         if not prompts:
             return
         encoded = [p if isinstance(p, list) else self.encode_prompt(p)[0] for p in prompts]
-        eot = None if settings.ignore_eot else self.tokenizer.eot_id
+        eot = () if settings.ignore_eot else self.tokenizer.stop_ids  # end-of-text, and a model's end of turn
         rows = [TextStream(self.tokenizer, settings.stop, eot, settings.max_new_tokens) for _ in prompts]
         t0 = time.perf_counter()
         if settings.max_new_tokens == 0:
@@ -141,9 +143,7 @@ class Sampler:
         generators = [
             generator or torch.Generator(device=self.device).manual_seed(settings.seed + r) for r in range(len(prompts))
         ]
-        ids = engine.add_many(
-            encoded, settings.params, settings.max_new_tokens, generators, stop_ids=() if eot is None else (eot,)
-        )
+        ids = engine.add_many(encoded, settings.params, settings.max_new_tokens, generators, stop_ids=eot)
         which = {row_id: r for r, row_id in enumerate(ids)}
         while engine.active:
             for t in engine.step():
@@ -223,19 +223,22 @@ class TextStream:
     held until complete), end of text, stop texts, and how much of the text is safe to show (a stop text
     cannot start before `emitted`: text that could begin one is held). The server streams through it too.
 
-        stream = TextStream(tokenizer, stop=["\n\n"], eot=tokenizer.eot_id, limit=100)
+        stream = TextStream(tokenizer, stop=["\n\n"], eot=tokenizer.stop_ids, limit=100)
         piece = stream.feed(token_id)   # new safe text; stream.done, stream.reason ("length", "stop", "eot")
+
+    eot: the token, or the tokens, that end the text (end-of-text, a model's end of turn); None or () for none.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], eot: int | None, limit: int):
-        self.tokenizer, self.stop, self.eot, self.limit = tokenizer, stop, eot, limit
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], eot: int | Sequence[int] | None, limit: int):
+        self.tokenizer, self.stop, self.limit = tokenizer, stop, limit
+        self.eot = frozenset([eot] if isinstance(eot, int) else eot or ())
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.text, self.emitted, self.reason, self.ids, self.done = "", 0, "length", [], False
 
     def feed(self, tid: int) -> str:
         """Take the row's next token; return the text that became safe to show (all of it when the row ends)."""
         self.ids.append(tid)
-        if tid == self.eot:
+        if tid in self.eot:
             self.reason = "eot"
             return self.finish()
         self.text += self.decoder.decode(self.tokenizer.decode_bytes([tid]))

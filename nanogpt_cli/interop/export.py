@@ -24,6 +24,7 @@ from typing import Any
 
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop import hf
+from nanogpt_cli.interop.loading import load_model, tokenizer_of
 from nanogpt_cli.model import GPT
 
 FORMATS = ("hf", "gguf", "peft")
@@ -84,16 +85,16 @@ def export(
         raise NanoGPTError(f"--merge folds a LoRA run's adapters into its base; {source} holds whole weights")
     model, meta = load_source(source, last)
     template = meta.get("chat_template") if isinstance(meta.get("chat_template"), str) else None
+    # a Hugging Face tokenizer is its tokenizer.json, which came with the source: the export gets a copy
+    tokenizer = tokenizer_of(meta, source) if meta["tokenizer"].get("kind") == "hf" else None
     if fmt == "hf":
-        return export_hf(model, meta["tokenizer"], Path(out), force, origin_of(source, meta), template)
-    return export_gguf(model, meta["tokenizer"], Path(out), force, quant or "f32", chat_template=template)
+        return export_hf(model, meta["tokenizer"], Path(out), force, origin_of(source, meta), template, tokenizer)
+    return export_gguf(model, meta["tokenizer"], Path(out), force, quant or "f32", template, tokenizer)
 
 
 def load_source(source: str | Path, last: bool = False) -> tuple[GPT, dict[str, Any]]:
     """Our model and its metadata (the tokenizer's description in it) from one of our checkpoints or a Hugging
     Face model; a LoRA run comes merged."""
-    from nanogpt_cli.interop.loading import load_model
-
     model, meta = load_model(source, last=last)
     if "tokenizer" not in meta:
         raise NanoGPTError(f"{source} has no tokenizer in its metadata, so it cannot be exported with one")
@@ -159,14 +160,19 @@ def export_hf(
     force: bool = False,
     origin: dict[str, Any] | None = None,
     chat_template: str | None = None,
+    tokenizer=None,
 ) -> ExportResult:
     """Write a folder that AutoModelForCausalLM, AutoTokenizer and pipeline("text-generation") load offline.
     origin: where the weights came from (run, step, ...), kept under ORIGIN_KEY in config.json for `info`. With
     a chat template, `apply_chat_template` renders conversations as the run was trained on them, and generation
-    stops where the template ends a reply."""
+    stops where the template ends a reply. tokenizer: the HFTokenizer a Hugging Face description needs; its
+    tokenizer.json is copied as it is, and its BOS/EOS settings and end-of-turn ids are written back."""
     transformers = hf.require("transformers")
     kind = hf.hf_kind(model.config)  # refusals first: nothing is written before every check has passed
-    tok, eot = hf.tokenizers_object(desc)
+    if desc.get("kind") == "hf":
+        tok, eot = hf.require("tokenizers").Tokenizer.from_str(tokenizer.text), tokenizer.settings["eos_token"]
+    else:
+        tok, eot = hf.tokenizers_object(desc)
     if desc["vocab_size"] > model.config.vocab_size:
         raise NanoGPTError(
             f"the tokenizer has {desc['vocab_size']:,} tokens but the model only {model.config.vocab_size:,}"
@@ -174,6 +180,8 @@ def export_hf(
     _check_target(out, force)
     eot_id = tok.token_to_id(eot) if eot is not None else None
     special = {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": None}
+    if tokenizer is not None:
+        special = _hf_special(tokenizer)
     hf_model = hf.to_hf(model, special)  # float32 on the CPU, whatever the model's dtype and device
     _, extra = hf.hf_config_for(model.config, kind, special)
 
@@ -194,14 +202,19 @@ def export_hf(
             **{**special, **stops}, **({"suppress_tokens": padding} if padding else {})
         )
         generation.save_pretrained(tmp)
-        tok.save(str(tmp / "tokenizer.json"))
+        if tokenizer is not None:
+            tokenizer.save_files(tmp)  # the file itself, byte for byte
+        else:
+            tok.save(str(tmp / "tokenizer.json"))
         # written here, not by save_pretrained: transformers 5 names its own backend class, which 4.x cannot load
         tokenizer_config = {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "model_max_length": model.config.block_size,
             "clean_up_tokenization_spaces": False,
         }
-        if eot is not None:
+        if tokenizer is not None:
+            tokenizer_config.update(_hf_tokenizer_config(tokenizer))
+        elif eot is not None:
             tokenizer_config.update(bos_token=eot, eos_token=eot, unk_token=eot)
         if chat_template:
             tokenizer_config["chat_template"] = chat_template
@@ -211,6 +224,27 @@ def export_hf(
         if tmp.exists():
             shutil.rmtree(tmp)
     return ExportResult(out, "hf", hf.ARCHS[kind][3], desc["name"])
+
+
+def _hf_special(tokenizer) -> dict[str, Any]:
+    """config.json's and generation_config.json's BOS, EOS and pad ids for a Hugging Face tokenizer: EOS is the list
+    of ids that end a reply (its end-of-turn ids with EOS) when there are several, as the model's own files say."""
+    stops = list(tokenizer.stop_ids)
+    eos = stops if len(stops) > 1 else (stops[0] if stops else None)
+    s = tokenizer.settings
+    return {
+        "bos_token_id": tokenizer.token_id(s["bos_token"]),
+        "eos_token_id": eos,
+        "pad_token_id": tokenizer.token_id(s["pad_token"]),
+    }
+
+
+def _hf_tokenizer_config(tokenizer) -> dict[str, Any]:
+    """tokenizer_config.json's special tokens and add_bos_token / add_eos_token, as they were read."""
+    s = tokenizer.settings
+    config = {k: s[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if s[k]}
+    config.update({k: s[k] for k in ("add_bos_token", "add_eos_token") if s[k] is not None})
+    return config
 
 
 def _reply_stops(template: str, tok, eot_id: int | None) -> dict[str, Any]:
@@ -298,22 +332,23 @@ def export_gguf(
     force: bool = False,
     quant: str = "f32",
     chat_template: str | None = None,
+    tokenizer=None,
 ) -> ExportResult:
     """Write one GGUF file (see gguf_file.py) with float32, float16 or quantized matrices, and the run's chat
-    template as tokenizer.chat_template."""
+    template as tokenizer.chat_template; tokenizer: the HFTokenizer a Hugging Face description needs."""
     from nanogpt_cli.interop import gguf_file
 
     hf.require("gguf")
     if quant not in gguf_file.QUANTS:
         raise NanoGPTError(f"--quant must be one of {', '.join(gguf_file.QUANTS)}, got {quant!r}")
     arch = gguf_file.gguf_arch(model.config)  # refusals first: nothing is written before every check has passed
-    gguf_file.gguf_vocabulary(desc, model.config.vocab_size, hf.require("gguf"))
+    gguf_file.gguf_vocabulary(desc, model.config.vocab_size, hf.require("gguf"), tokenizer)
     if out.suffix != ".gguf":
         raise NanoGPTError(f"--out for --format gguf is a file ending in .gguf, got {out}")
     _check_target(out, force)
     tmp = _staging(out)
     try:
-        gguf_file.write_gguf(model, desc, tmp, quant, chat_template)
+        gguf_file.write_gguf(model, desc, tmp, quant, chat_template, tokenizer)
         size = tmp.stat().st_size
         _replace(tmp, out)
     finally:

@@ -31,6 +31,7 @@ from nanogpt_cli.model import GPT
 
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # --quant: what gguf's writer can produce
 CONFIG_KEY, TOKENIZER_KEY = "nanogpt.config", "nanogpt.tokenizer"
+TOKENIZER_JSON_KEY = "nanogpt.tokenizer_json"  # a Hugging Face tokenizer's file, as text: the GGUF is one file
 # our trained BPE's split patterns -> the llama.cpp pre-tokenizer that splits with the same regex
 PRE_TOKENIZERS = {"gpt2": "gpt-2", "gpt4": "llama-bpe", "gpt4o": "gpt-4o"}
 
@@ -52,9 +53,12 @@ def gguf_arch(c: GPTConfig) -> str:
     return "starcoder2" if kind == "gpt_neox" else kind
 
 
-def gguf_vocabulary(desc: dict[str, Any], vocab_size: int, gguf) -> dict[str, Any]:
+def gguf_vocabulary(desc: dict[str, Any], vocab_size: int, gguf, tokenizer=None) -> dict[str, Any]:
     """The tokenizer as llama.cpp reads it: tokens in id order, their types, merges, pre-tokenizer, end-of-text id.
-    A padded vocabulary gets unused filler tokens, since llama.cpp wants one token per embedding row."""
+    A padded vocabulary gets unused filler tokens, since llama.cpp wants one token per embedding row. A Hugging
+    Face tokenizer (`tokenizer`, an HFTokenizer) is read from its file (`_hf_vocabulary`)."""
+    if desc.get("kind") == "hf":
+        return _pad(_hf_vocabulary(tokenizer, gguf), vocab_size, gguf)
     from nanogpt_cli.tokenizer import (
         BPETokenizer,
         byte_to_unicode,
@@ -100,9 +104,85 @@ def gguf_vocabulary(desc: dict[str, Any], vocab_size: int, gguf) -> dict[str, An
     else:
         raise NanoGPTError(f"GGUF export supports the gpt2, char, byte and trained tokenizers, not {name}")
     types = [gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL for i in range(len(tokens))]
-    tokens += [f"[PAD{i}]" for i in range(len(tokens), vocab_size)]
-    types += [gguf.TokenType.UNUSED] * (vocab_size - len(types))
-    return {"tokens": tokens, "types": types, "merges": merges, "pre": pre, "eot": eot}
+    vocab = {"tokens": tokens, "types": types, "merges": merges, "pre": pre, "eot": eot}
+    return _pad({**vocab, "model": "gpt2", "bos": eot, "add_bos": False}, vocab_size, gguf)
+
+
+def _pad(vocab: dict[str, Any], vocab_size: int, gguf) -> dict[str, Any]:
+    n = len(vocab["tokens"])
+    vocab["tokens"] = vocab["tokens"] + [f"[PAD{i}]" for i in range(n, vocab_size)]
+    vocab["types"] = vocab["types"] + [gguf.TokenType.UNUSED] * (vocab_size - n)
+    if vocab.get("scores") is not None:
+        vocab["scores"] = vocab["scores"] + [-1e9] * (vocab_size - n)
+    return vocab
+
+
+# a byte-level BPE's split regex (its Split pre-tokenizer) -> the llama.cpp pre-tokenizer that splits the same way
+HF_PRE_TOKENIZERS = {
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
+    r"""|\s+(?!\S)|\s+""": "qwen2",
+}
+
+
+def _hf_vocabulary(tok, gguf) -> dict[str, Any]:
+    """A Hugging Face BPE as llama.cpp reads it: byte-level ("gpt2": tokens in GPT-2's byte alphabet, merges, the
+    pre-tokenizer of its split regex) or SentencePiece-style with byte fallback ("llama": scores by id, <0xNN>
+    byte tokens); added tokens are control (special) or user-defined tokens. Anything else is one sentence."""
+    spec = json.loads(tok.text)
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise NanoGPTError(
+            f"GGUF export of a Hugging Face tokenizer needs a BPE model, and the {tok.name} tokenizer is "
+            f"{model.get('type')}"
+        )
+    added = tok.added_tokens()
+    tokens = [tok.token_text(i) or f"[PAD{i}]" for i in range(tok.vocab_size)]
+    sentencepiece = bool(model.get("byte_fallback"))
+    types = []
+    for i, t in enumerate(tokens):
+        if i in added:
+            types.append(gguf.TokenType.CONTROL if added[i] else gguf.TokenType.USER_DEFINED)
+        elif sentencepiece and len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            types.append(gguf.TokenType.BYTE)
+        elif t == model.get("unk_token"):
+            types.append(gguf.TokenType.UNKNOWN)
+        else:
+            types.append(gguf.TokenType.NORMAL)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    vocab = {"tokens": tokens, "types": types, "merges": merges, "eot": tok.eot_id, "bos": tok.bos_id}
+    vocab["add_bos"] = tok.bos_id is not None
+    if sentencepiece:  # llama.cpp's SentencePiece merges the pair whose token scores highest: the earliest id
+        vocab.update(model="llama", pre="default", scores=[-float(i) for i in range(len(tokens))])
+        vocab["space_prefix"] = _prepends_space(spec)
+        vocab["unk"] = tok.token_id(model.get("unk_token"))
+        return vocab
+    return {**vocab, "model": "gpt2", "pre": _hf_pre_tokenizer(spec, tok.name)}
+
+
+def _prepends_space(spec: dict[str, Any]) -> bool:
+    """Whether the tokenizer puts ▁ before a text (Metaspace's prepend_scheme, or a Prepend normalizer)."""
+    pre, norm = spec.get("pre_tokenizer") or {}, json.dumps(spec.get("normalizer") or {})
+    if pre.get("type") == "Metaspace":
+        return pre.get("prepend_scheme", "always") != "never"
+    return '"Prepend"' in norm
+
+
+def _hf_pre_tokenizer(spec: dict[str, Any], name: str) -> str:
+    """The llama.cpp pre-tokenizer of a byte-level BPE: GPT-2's regex, or one of the split regexes it knows."""
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    kinds = [p.get("type") for p in parts]
+    if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
+        return "gpt-2"
+    if kinds == ["Split", "ByteLevel"]:
+        regex = (parts[0].get("pattern") or {}).get("Regex")
+        known = {v: PRE_TOKENIZERS[k] for k, v in _patterns().items() if k in PRE_TOKENIZERS} | HF_PRE_TOKENIZERS
+        if regex in known:
+            return known[regex]
+    raise NanoGPTError(
+        f"llama.cpp has no pre-tokenizer nanogpt knows to match the {name} tokenizer's ({' + '.join(map(str, kinds))}),"
+        " so a GGUF export would split text differently"
+    )
 
 
 def _patterns() -> dict[str, str]:
@@ -112,37 +192,55 @@ def _patterns() -> dict[str, str]:
 
 
 def write_gguf(
-    model: GPT, desc: dict[str, Any], path: Path, quant: str = "f32", chat_template: str | None = None
+    model: GPT,
+    desc: dict[str, Any],
+    path: Path,
+    quant: str = "f32",
+    chat_template: str | None = None,
+    tokenizer=None,
 ) -> None:
     """Write the model to `path` (checks first: a refusal writes nothing); a chat template goes in as
-    tokenizer.chat_template, without the generation tags llama.cpp does not know."""
+    tokenizer.chat_template, without the generation tags llama.cpp does not know. A Hugging Face tokenizer
+    (`tokenizer`) goes in as llama.cpp's vocabulary and as its tokenizer.json's text (TOKENIZER_JSON_KEY), and its
+    end-of-turn ids as llama.cpp's end-of-text token."""
     gguf = hf.require("gguf")
     if quant not in QUANTS:
         raise NanoGPTError(f"--quant must be one of {', '.join(QUANTS)}, got {quant!r}")
     c = model.config
     arch = gguf_arch(c)
-    vocab = gguf_vocabulary(desc, c.vocab_size, gguf)
+    vocab = gguf_vocabulary(desc, c.vocab_size, gguf, tokenizer)
     tensors = gguf_tensors(model, arch, gguf)
     writer = _writer_class(gguf)(str(path), arch)
     _metadata(writer, c, arch, quant, gguf)
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(vocab["model"])
     writer.add_tokenizer_pre(vocab["pre"])
     writer.add_token_list(vocab["tokens"])
     writer.add_token_types(vocab["types"])
+    if vocab.get("scores") is not None:
+        writer.add_token_scores(vocab["scores"])
+        writer.add_add_space_prefix(vocab["space_prefix"])
+        if vocab.get("unk") is not None:
+            writer.add_unk_token_id(vocab["unk"])
     # llama.cpp refuses a byte-level vocabulary without a merges key, even an empty one (char and byte)
     writer.add_key_value(
         gguf.Keys.Tokenizer.MERGES, vocab["merges"], gguf.GGUFValueType.ARRAY, sub_type=gguf.GGUFValueType.STRING
     )
+    if vocab["bos"] is not None:
+        writer.add_bos_token_id(vocab["bos"])
     if vocab["eot"] is not None:
-        writer.add_bos_token_id(vocab["eot"])
         writer.add_eos_token_id(vocab["eot"])
-    writer.add_add_bos_token(False)
+    turn = [i for i in (tokenizer.stop_ids if tokenizer is not None else ()) if i != vocab["eot"]]
+    if turn:  # an instruct model's end of turn (<|im_end|>, <|eot_id|>): llama.cpp stops there too
+        writer.add_eot_token_id(turn[0])
+    writer.add_add_bos_token(vocab["add_bos"])
     if chat_template:
         from nanogpt_cli.data.chat import strip_generation_tags
 
         writer.add_chat_template(strip_generation_tags(chat_template))
     writer.add_string(CONFIG_KEY, c.to_json())
     writer.add_string(TOKENIZER_KEY, json.dumps(desc, ensure_ascii=False))
+    if tokenizer is not None and desc.get("kind") == "hf":
+        writer.add_string(TOKENIZER_JSON_KEY, tokenizer.text)
     for name, tensor in tensors.items():
         data, qtype = _quantize(tensor, quant, gguf)
         writer.add_tensor(name, data, raw_dtype=qtype)
@@ -296,7 +394,11 @@ def _meta(reader, path) -> dict[str, Any]:
             "reads back its own GGUF exports only"
         )
     file_type = fields["general.file_type"].contents() if "general.file_type" in fields else 0
+    from nanogpt_cli.hf_tokenizer import TOKENIZER_TEXT
+
+    extra = {TOKENIZER_TEXT: fields[TOKENIZER_JSON_KEY].contents()} if TOKENIZER_JSON_KEY in fields else {}
     return {
+        **extra,
         "config": json.loads(fields[CONFIG_KEY].contents()),
         "tokenizer": json.loads(fields[TOKENIZER_KEY].contents()),
         "architecture": fields["general.architecture"].contents(),

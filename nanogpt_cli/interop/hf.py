@@ -2,7 +2,7 @@
 loading a Hugging Face model (`hf:NAME` from the hub, or a local folder) as our GPT plus our tokenizer.
 
     model = GPT.from_hf(GPT2LMHeadModel.from_pretrained("gpt2"));  hf_model = model.to_hf()
-    model, tokenizer_desc = load_pretrained("path/to/hf_dir")
+    model, tokenizer_desc = load_pretrained("path/to/hf_dir")  # any tokenizer.json: hf_tokenizer.py
 
 Which stock architecture computes which of our configs exactly (`hf_kind`):
 - gpt2: learned or sinusoidal positions (a sinusoidal table becomes the learned table), LayerNorm, GELU (exact or
@@ -628,6 +628,13 @@ def _is_ours(path: Path) -> bool:
 def load_pretrained(source: str | Path) -> tuple[GPT, dict[str, Any]]:
     """Our GPT and our tokenizer description from `hf:NAME` (the hub, through from_pretrained) or a local folder
     (offline). Anything that cannot be loaded or converted is one sentence."""
+    model, meta = load_pretrained_meta(source)
+    return model, meta["tokenizer"]
+
+
+def load_pretrained_meta(source: str | Path) -> tuple[GPT, dict[str, Any]]:
+    """load_pretrained, with the metadata loading.load_model gives: the tokenizer's description; for a Hugging
+    Face tokenizer the folder its tokenizer.json is in ("tokenizer_dir") and its chat template, when it has one."""
     transformers = require("transformers")
     source = str(source)
     online = source.startswith("hf:")
@@ -650,6 +657,26 @@ def load_pretrained(source: str | Path) -> tuple[GPT, dict[str, Any]]:
     except ValueError as e:
         raise NanoGPTError(f"{where}: {first_line(e)}") from None
     _check_kind(hf_config)
+    meta = _pretrained_tokenizer(transformers, name, where, kwargs)
+    try:
+        with quiet_transformers():
+            hf_model = transformers.AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        raise NanoGPTError(f"could not load the weights of {where} ({first_line(e)})") from None
+    model = from_hf(hf_model)
+    desc = meta["tokenizer"]
+    if desc["vocab_size"] > model.config.vocab_size:
+        raise NanoGPTError(
+            f"{where} has {desc['vocab_size']:,} tokens but only {model.config.vocab_size:,} rows of embeddings"
+        )
+    return model, meta
+
+
+def _pretrained_tokenizer(transformers, name: str, where: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The tokenizer of a Hugging Face model: ours when it is GPT-2's or one nanogpt exported, else its own
+    tokenizer.json (hf_tokenizer.py), with the folder that holds it and its chat template."""
+    from nanogpt_cli.hf_tokenizer import HF_FILE, TOKENIZER_DIR, read_hf_tokenizer
+
     try:
         with quiet_transformers():
             tokenizer = transformers.AutoTokenizer.from_pretrained(name, **kwargs)
@@ -658,15 +685,13 @@ def load_pretrained(source: str | Path) -> tuple[GPT, dict[str, Any]]:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise NanoGPTError(f"{where} has only a slow tokenizer; nanogpt reads tokenizer.json")
-    desc = describe_hf_tokenizer(backend)
     try:
-        with quiet_transformers():
-            hf_model = transformers.AutoModelForCausalLM.from_pretrained(name, **kwargs)
-    except (OSError, ValueError) as e:
-        raise NanoGPTError(f"could not load the weights of {where} ({first_line(e)})") from None
-    model = from_hf(hf_model)
-    if desc["vocab_size"] > model.config.vocab_size:
-        raise NanoGPTError(
-            f"{where} has {desc['vocab_size']:,} tokens but only {model.config.vocab_size:,} rows of embeddings"
-        )
-    return model, desc
+        return {"tokenizer": describe_hf_tokenizer(backend)}
+    except NanoGPTError:
+        if not where.startswith("hf:") and not (Path(name) / HF_FILE).is_file():
+            raise
+    tok = read_hf_tokenizer(where if where.startswith("hf:") else name)
+    meta = {"tokenizer": tok.describe(), TOKENIZER_DIR: str(tok.folder)}
+    if tok.chat_template:
+        meta["chat_template"] = tok.chat_template
+    return meta

@@ -16,6 +16,7 @@ import torch
 from nanogpt_cli.config import Dtype, GPTConfig
 from nanogpt_cli.device import resolve_device, resolve_inference_dtype, say_threads
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.hf_tokenizer import TOKENIZER_DIR, TOKENIZER_TEXT
 from nanogpt_cli.interop import hf
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import load_weights, read_metadata
@@ -29,8 +30,8 @@ def load_model(path: str | Path, last: bool = False, device: str | torch.device 
     the config and our description of its tokenizer (see hf.py). A bare run name is a run under checkpoints/."""
     path = find_run(path)
     if hf.is_hf_source(path):
-        model, tokenizer = hf.load_pretrained(path)
-        return model.to(device), {"config": model.config.to_dict(), "tokenizer": tokenizer, "source": str(path)}
+        model, meta = hf.load_pretrained_meta(path)
+        return model.to(device), {"config": model.config.to_dict(), **meta, "source": str(path)}
     from nanogpt_cli.interop import gguf_file
 
     if gguf_file.is_gguf(path):  # a GGUF file that nanogpt exported
@@ -38,6 +39,7 @@ def load_model(path: str | Path, last: bool = False, device: str | torch.device 
         return model.to(device), meta
     path = resolve_weights(path, last)
     meta = read_metadata(path)
+    meta[TOKENIZER_DIR] = str(path.parent)  # a Hugging Face tokenizer's tokenizer.json is beside the weights
     if "lora" in meta:
         return load_lora(path, meta, merge=True)[0].to(device), meta
     try:
@@ -47,6 +49,15 @@ def load_model(path: str | Path, last: bool = False, device: str | torch.device 
     model = GPT(config)
     load_weights(model, path)
     return model.to(device), meta
+
+
+def tokenizer_of(meta: dict[str, Any], source: str | Path = "") -> Tokenizer:
+    """The tokenizer `load_model`'s metadata describes; a Hugging Face tokenizer from the tokenizer.json that came
+    with it (beside the weights, in the model's folder, or inside a GGUF file)."""
+    if "tokenizer" not in meta:
+        raise NanoGPTError(f"{source} has no tokenizer in its metadata, so its text cannot be decoded")
+    folder = meta.get(TOKENIZER_DIR)
+    return tokenizer_from_description(meta["tokenizer"], Path(folder) if folder else None, meta.get(TOKENIZER_TEXT))
 
 
 def load_lora(path: Path, meta: dict, merge: bool) -> tuple[GPT, GPT | None]:
@@ -97,9 +108,7 @@ def load_for_inference(
     every call; `auto` picks the dtype from the device and the size of the weights (device.py)."""
     dev = resolve_device(device)
     model, meta = load_model(checkpoint, last=last)
-    if "tokenizer" not in meta:
-        raise NanoGPTError(f"{checkpoint} has no tokenizer in its metadata, so its text cannot be decoded")
-    tokenizer = tokenizer_from_description(meta["tokenizer"])
+    tokenizer = tokenizer_of(meta, checkpoint)
     say_threads(dev)  # set_threads' automatic choice, once the model is there: it stays as it is
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     cast = resolve_inference_dtype(dtype, dev, weight_bytes)

@@ -16,6 +16,7 @@ Layout of a run folder:
     trainer.json           step, tokens, best val loss, RNG states, grad-scaler state
     metrics.jsonl          one JSON object per evaluation (kind "eval") and per --log-interval (kind "train")
     loss.png               the loss curves, when matplotlib is installed
+    tokenizer.json         a Hugging Face tokenizer's file, copied from the dataset (the metadata holds its sha256)
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from nanogpt_cli.runs.checkpoint import (
 
 LAST, BEST = "model.safetensors", "best.safetensors"
 OPTIMIZER, TRAINER, CONFIG, METRICS = "optimizer.safetensors", "trainer.json", "config.json", "metrics.jsonl"
+TOKENIZER = "tokenizer.json"  # hf_tokenizer.HF_FILE: the vocabulary of a Hugging Face tokenizer travels with the run
 LOSS_PLOT = "loss.png"  # drawn from metrics.jsonl at the end of `nanogpt train` when matplotlib is installed
 RUNS_DIR = Path("checkpoints")  # the folder of runs: `nanogpt runs` lists it; a bare run name is looked up in it
 
@@ -61,7 +63,7 @@ class RunDir:
     """The one owner of a run folder's layout (see the module docstring): its checks, the staged multi-file
     save and the resume with its recovery from a save cut short, config.json and metrics.jsonl."""
 
-    FILES = (LAST, BEST, OPTIMIZER, TRAINER, CONFIG, METRICS, LOSS_PLOT)
+    FILES = (LAST, BEST, OPTIMIZER, TRAINER, CONFIG, METRICS, LOSS_PLOT, TOKENIZER)
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -130,6 +132,13 @@ class RunDir:
             for name in self.FILES:
                 (self.path / name).unlink(missing_ok=True)
         self.path.mkdir(parents=True, exist_ok=True)
+
+    def keep_tokenizer(self, data_dir: Path) -> None:
+        """Copy the dataset's tokenizer.json into the run (a Hugging Face tokenizer; other kinds have none), so the
+        run samples, serves and exports without the dataset."""
+        src = Path(data_dir) / TOKENIZER
+        if src.is_file() and src.resolve() != (self.path / TOKENIZER).resolve():
+            shutil.copyfile(src, self.path / TOKENIZER)
 
     # --- config.json and metrics.jsonl ---
 

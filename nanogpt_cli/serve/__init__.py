@@ -77,14 +77,13 @@ def build_server(options: ServeOptions, on_ready: Callable[[str], None] | None =
     from nanogpt_cli.serve.scheduler import Scheduler
 
     loaded = load_for_inference(options.source, last=options.last, device=options.device, dtype=options.dtype)
-    eos = "<|endoftext|>" if loaded.tokenizer.eot_id is not None else None
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.device, options.max_batch, options.max_queue)
     state = ServerState(
         scheduler=scheduler,
         model=loaded.model,
         tokenizer=loaded.tokenizer,
         model_name=options.model_name or default_model_name(options.source),
-        template=ChatTemplate.for_meta(loaded.meta, eos, _folder(options.source)),
+        template=ChatTemplate.for_model(loaded.meta, loaded.tokenizer, options.source),
         api_key=options.api_key,
         limits=Limits(options.max_body, options.max_tokens, options.max_n),
         ui=options.ui,
@@ -98,11 +97,6 @@ def build_server(options: ServeOptions, on_ready: Callable[[str], None] | None =
         lifespan="off",
     )
     return _server_class(uvicorn)(config, state, on_ready)
-
-
-def _folder(source: str) -> Path | None:
-    path = Path(source)
-    return path if not source.startswith("hf:") and path.is_dir() else None
 
 
 def _server_class(uvicorn):

@@ -177,6 +177,8 @@ def _check_model(state: ServerState, name: str | None) -> None:
 def _encode(state: ServerState, text: str, param: str) -> list[int]:
     try:
         ids = state.tokenizer.encode(text) if text else _empty_prompt(state.tokenizer)
+        if text and state.tokenizer.bos_id is not None:  # a model that expects BOS (Llama's <s>) was trained with it
+            ids = [state.tokenizer.bos_id, *ids]
     except NanoGPTError as e:
         raise APIError(400, str(e), param=param) from None
     return _check_length(state, ids, param)
@@ -515,6 +517,8 @@ def _chat_tokens(state: ServerState, text: str) -> list[int]:
     encodes a template's special tokens."""
     eot, tokenizer = state.tokenizer.eot_id, state.tokenizer
     marker = state.template.special.get("eos_token") if eot is not None else None
+    if getattr(tokenizer, "kind", None) == "hf":  # every added token the template writes is its id
+        return _check_length(state, tokenizer.encode_special(text) or _empty_prompt(tokenizer), "messages")
     if not marker:
         return _encode(state, text, "messages")
     ids: list[int] = []

@@ -68,7 +68,7 @@ class Job:
     ignore_eos: bool = False
     row: int | None = None  # the engine's row id while it runs
     generator: torch.Generator | None = None
-    eot: int | None = None  # the end-of-text token that ends it (None with ignore_eos)
+    eot: tuple[int, ...] = ()  # the tokens that end it: end-of-text, end of turn (none with ignore_eos)
     text: TextStream | None = None
     pending: list[int] = field(default_factory=list)  # tokens whose text is held back
     pending_logprobs: list[StepToken] = field(default_factory=list)
@@ -82,7 +82,7 @@ class Scheduler:
     def __init__(self, model, tokenizer, device, max_batch: int = 8, max_queue: int = 64):
         self.tokenizer, self.device, self.max_queue = tokenizer, device, max_queue
         self.engine = Engine(model, max_batch=max_batch, vocab_size=tokenizer.vocab_size)
-        self.eot = tokenizer.eot_id
+        self.eot = tokenizer.stop_ids
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._cancelled: list[Job] = []
@@ -184,7 +184,7 @@ class Scheduler:
             else:
                 generator.seed()
             job.generator = generator
-            job.eot = None if job.ignore_eos else self.eot
+            job.eot = () if job.ignore_eos else self.eot
             job.text = TextStream(self.tokenizer, job.stop, job.eot, job.max_tokens)
         groups = [[job for job in jobs if job.eot == eot] for eot in {job.eot for job in jobs}]
         for group in groups:
@@ -200,7 +200,7 @@ class Scheduler:
             [j.params for j in jobs],
             [j.max_tokens for j in jobs],
             [j.generator for j in jobs],
-            stop_ids=() if jobs[0].eot is None else (jobs[0].eot,),
+            stop_ids=jobs[0].eot,
         )
         for job, row in zip(jobs, rows):
             job.row = row

@@ -32,7 +32,7 @@ from nanogpt_cli.interop.loading import load_model
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import read_metadata
 from nanogpt_cli.runs.rundir import RunDir, resolve_weights
-from nanogpt_cli.tokenizer import describe_difference
+from nanogpt_cli.tokenizer import describe_difference, same_tokenizer
 from nanogpt_cli.training.distributed import check_world, launched_size
 
 
@@ -219,7 +219,7 @@ def _plan_init(
         if "lora" in weights_meta:  # a LoRA run's file holds adapters: start from its base with them merged in
             init = {"init_model": load_model(source)[0]}
     theirs, ours = (weights_meta.get("tokenizer") or {}).get("name"), meta["tokenizer"]["name"]
-    if theirs != ours:
+    if theirs != ours and not same_tokenizer(weights_meta.get("tokenizer") or {}, meta["tokenizer"]):
         raise NanoGPTError(
             f"--init-from {init_from} uses the {theirs} tokenizer but dataset "
             f"'{data}' was prepared with {ours}; prepare it with --tokenizer {theirs}"

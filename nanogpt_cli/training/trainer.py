@@ -551,6 +551,7 @@ class Trainer:
         if plan.finetune:
             config["finetune"] = plan.finetune
         self.run_dir.write_config(config, changed)
+        self.run_dir.keep_tokenizer(Path(self.cfg.data_dir) / self.cfg.data)
 
     def _weights_meta(self) -> dict[str, Any]:
         """What every weights file of the run records beside the tensors."""
