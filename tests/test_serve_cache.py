@@ -213,11 +213,18 @@ def test_rows_of_different_adapters_in_one_batch_equal_their_merged_models(runs)
     assert sum(p.numel() for p in base.parameters()) == params  # one copy of the base; the adapters are buffers
     prompts = [[10, 20, 30], [10, 20, 30], [40, 50], [10, 20, 30, 40]]
     which = [0, 1, 2, 1]  # the base, a, b, a: one batch, prefilled and decoded together
-    engine = Engine(base, max_batch=4, adapters=rows)
+    prefix = PrefixCache(1 << 20)
+    engine = Engine(base, max_batch=4, adapters=rows, prefix_cache=prefix)
     ids = engine.add_many(prompts, GREEDY, 12, adapters=which)
     got = {i: [] for i in ids}
     for t in engine.run():
         got[t.row].append(t.token)
+    again = engine.add_many(prompts, GREEDY, 12, adapters=which)  # now from the prefix cache, each its adapter's
+    got_again = {i: [] for i in again}
+    for t in engine.run():
+        got_again[t.row].append(t.token)
+    assert [got_again[i] for i in again] == [got[i] for i in ids] and prefix.stats.hits == 4
+    assert prefix.lookup([40, 50, 7], 2)[0] == 2 and prefix.lookup([40, 50, 7], 1)[0] == 0  # by adapter only
     merged = {0: load_model(runs["base"])[0], 1: load_model(runs["a"])[0], 2: load_model(runs["b"])[0]}
     for row, prompt, a in zip(ids, prompts, which):
         alone = Engine(merged[a].eval(), max_batch=1)
@@ -236,6 +243,10 @@ def test_serve_with_adapters_lists_them_and_each_answers_as_its_merged_model(run
     try:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="x", max_retries=0, timeout=60)
         assert [m.id for m in client.models.list().data] == ["base", "a", "b"]
+        served = live.server.state.model  # one copy of the base's weights: the adapters add buffers only
+        assert sum(p.numel() for p in served.parameters()) == sum(
+            p.numel() for p in load_model(runs["base"])[0].parameters()
+        )
         prompts = {"base": "Say a.", "a": "Say b.", "b": "Say c."}
         results: dict[str, str] = {}
 
