@@ -412,7 +412,7 @@ def pct(values: list[float], q: float) -> str:
     return f"{values[min(len(values) - 1, int(q * len(values)))] * 1000:.1f}"
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument(
@@ -422,7 +422,9 @@ def main():
         help="requests per client count and round (at least one per client); 16 clients then make 8 each, so the "
         "figure is the full batch's, not its filling and draining",
     )
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="tokens per request (default 64; 32 a reply for --conversation)"
+    )
     p.add_argument("--threads", type=int, default=1, help="CPU threads for each server")
     p.add_argument("--only", choices=["nanogpt", "llama.cpp"], default=None)
     p.add_argument("--baseline", type=Path, default=None, help="another checkout whose nanogpt serve runs alongside")
@@ -436,12 +438,17 @@ def main():
     p.add_argument("--conversations", type=int, default=5, help="conversations per server for --conversation")
     p.add_argument("--user-words", type=int, default=40, help="words in each user turn for --conversation")
     p.add_argument("--ctx", type=int, default=1024, help="the model's context for --conversation")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
     if args.step:
         return step_table(args)
     if args.conversation:
-        args.max_tokens = 32 if args.max_tokens == 64 else args.max_tokens
+        args.max_tokens = args.max_tokens or 32
         return conversation_table(args)
+    args.max_tokens = args.max_tokens or 64
     slots, ctx = max(args.clients), 256
     kinds = [k for k in ("nanogpt", "llama.cpp") if args.only in (None, k)]
     roots = {"nanogpt": ROOT}
