@@ -15,7 +15,9 @@ pytest.importorskip("fastapi", reason="nanogpt serve needs the serve extra")
 parser = pytest.importorskip("prometheus_client.parser", reason="/metrics needs the serve extra")
 
 from test_serve import Live, get_json  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
 
+from nanogpt_cli.cli import app  # noqa: E402
 from nanogpt_cli.config import GPTConfig  # noqa: E402
 from nanogpt_cli.errors import NanoGPTError  # noqa: E402
 from nanogpt_cli.inference.engine import Engine, SamplingParams  # noqa: E402
@@ -280,7 +282,12 @@ def test_an_adapter_of_another_base_or_a_bad_flag_is_one_sentence(runs):
         build_server(ServeOptions(source=str(runs["base"]), port=0, device="cpu", adapters=[f"s={runs['stranger']}"]))
     with pytest.raises(NanoGPTError, match="is not a LoRA run"):
         build_server(ServeOptions(source=str(runs["base"]), port=0, device="cpu", adapters=[f"s={runs['other']}"]))
-    with pytest.raises(NanoGPTError, match="--adapter takes NAME=LORA_RUN"):
-        build_server(ServeOptions(source=str(runs["base"]), port=0, device="cpu", adapters=["nameless"]))
-    with pytest.raises(NanoGPTError, match="--prompt-cache-mb must be at least 0"):
-        ServeOptions(source="x", prompt_cache_mb=-1)
+    with pytest.raises(NanoGPTError, match="--adapter 'base' names the model twice"):
+        build_server(ServeOptions(source=str(runs["base"]), port=0, device="cpu", adapters=[f"base={runs['a']}"]))
+    runner = CliRunner()
+    for flags, message in (
+        (["--adapter", "nameless"], "--adapter takes NAME=LORA_RUN (a name and a LoRA run), got 'nameless'"),
+        (["--prompt-cache-mb", "-1"], "--prompt-cache-mb must be at least 0 (0: no prompt cache), got -1"),
+    ):
+        result = runner.invoke(app, ["serve", str(runs["base"]), "--port", "0", *flags])
+        assert result.exit_code == 1 and message in result.output and len(result.output.strip().splitlines()) == 1

@@ -47,6 +47,10 @@ class ServeOptions:
         for name in ("max_batch", "max_body", "max_tokens", "max_n", "max_queue"):
             if getattr(self, name) < 1:
                 raise NanoGPTError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        from nanogpt_cli.serve.adapters import parse_adapter
+
+        for spec in self.adapters:
+            parse_adapter(spec)  # the form at once, before the model loads
         if self.prompt_cache_mb < 0:
             raise NanoGPTError(f"--prompt-cache-mb must be at least 0 (0: no prompt cache), got {self.prompt_cache_mb}")
         if not 0 <= self.port <= 65535:
