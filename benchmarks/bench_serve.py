@@ -5,6 +5,7 @@ exported to GGUF, llama.cpp's own OpenAI server (PyPI's xllamacpp, used only her
     python benchmarks/bench_serve.py --clients 1 16 --requests 128 --max-tokens 64 --threads 1 --only nanogpt
     python benchmarks/bench_serve.py --step        # the decode step alone, ours against llama.cpp's, batch 1 and 5
     python benchmarks/bench_serve.py --baseline ../other-checkout   # that checkout's server too, side by side
+    python benchmarks/bench_serve.py --conversation --turns 10      # time to first token per turn, prompt cache on/off
 
 The model is a 4 x 128 Llama-shaped GPT with the gpt2 vocabulary and random weights (speed does not depend on
 them). Each client sends streamed completions one after another (loopback only, a bounded number of requests,
@@ -75,10 +76,17 @@ def make_model(folder: Path, block_size: int) -> tuple[Path, Path]:
 
 
 def start(
-    kind: str, weights: Path, gguf: Path, slots: int, ctx: int, threads: int, root: Path = ROOT
+    kind: str,
+    weights: Path,
+    gguf: Path,
+    slots: int,
+    ctx: int,
+    threads: int,
+    root: Path = ROOT,
+    extra: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen, str]:
     """A server in its own process; returns it and its base URL once it listens (at most 120 s). root: the
-    checkout whose `nanogpt serve` runs."""
+    checkout whose `nanogpt serve` runs; extra: more flags for it."""
     env = {**os.environ, "PYTHONPATH": str(root)}
     if kind.startswith("nanogpt"):
         cmd = [
@@ -99,6 +107,7 @@ def start(
             "float32",
             "--max-queue",
             "1000",
+            *extra,
         ]
     else:
         cmd = [sys.executable, "-c", LLAMA_SERVER, str(gguf), str(slots), str(ctx), str(threads)]
@@ -307,6 +316,84 @@ def step_table(args) -> None:
     )
 
 
+def chat_turn(url: str, messages: list[dict], max_tokens: int, timeout: float = 120) -> tuple[float, str]:
+    """One streamed greedy chat completion: its time to first token (s) and its text."""
+    host, port = url.removeprefix("http://").split(":")
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    t0, first, text = time.perf_counter(), None, []
+    try:
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        if response.status != 200:
+            raise RuntimeError(f"{response.status}: {response.read()[:200]!r}")
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            piece = "".join(c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"])
+            if piece and first is None:
+                first = time.perf_counter() - t0
+            text.append(piece)
+    finally:
+        conn.close()
+    return first, "".join(text)
+
+
+def conversation(url: str, turns: int, user_tokens: int, max_tokens: int, seed: int) -> list[tuple[float, str]]:
+    """A conversation of `turns` turns, each prompt the whole conversation so far: (TTFT, reply) per turn."""
+    import random
+
+    rng = random.Random(seed)
+    words = "the king queen lord thou thee art hath love death night day sword crown blood heart fair".split()
+    messages, out = [{"role": "system", "content": f"You are assistant number {seed}."}], []
+    for _ in range(turns):
+        messages.append({"role": "user", "content": " ".join(rng.choice(words) for _ in range(user_tokens))})
+        out.append(chat_turn(url, messages, max_tokens))
+        messages.append({"role": "assistant", "content": out[-1][1]})
+    return out
+
+
+def conversation_table(args) -> None:
+    """Time to first token at each turn of a conversation, with the prompt cache and without (--prompt-cache-mb
+    0), the two servers taking turns conversation by conversation; the greedy replies must be the same."""
+    kinds = {"prompt cache": (), "no prompt cache": ("--prompt-cache-mb", "0")}
+    ttft: dict[str, list[list[float]]] = {k: [] for k in kinds}
+    servers = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        weights, gguf = make_model(Path(tmp), block_size=args.ctx)
+        try:
+            for kind, extra in kinds.items():
+                servers[kind] = start("nanogpt", weights, gguf, 4, args.ctx, args.threads, extra=extra)
+                conversation(servers[kind][1], 2, 8, 4, seed=-1)  # warm up
+            for r in range(args.conversations):
+                replies = {}
+                for kind in kinds:
+                    turns = conversation(servers[kind][1], args.turns, args.user_words, args.max_tokens, seed=r)
+                    ttft[kind].append([t for t, _ in turns])
+                    replies[kind] = [text for _, text in turns]
+                assert replies["prompt cache"] == replies["no prompt cache"], "the prompt cache changed a reply"
+                print(f"conversation {r}: turn {args.turns}", {k: f"{v[-1][-1] * 1e3:.1f} ms" for k, v in ttft.items()})
+        finally:
+            for proc, _ in servers.values():
+                proc.stdin.close()
+                proc.terminate()
+                proc.wait(30)
+    rows = []
+    for turn in sorted({0, args.turns // 2 - 1, args.turns - 1}):
+        on = statistics.median(c[turn] for c in ttft["prompt cache"]) * 1e3
+        off = statistics.median(c[turn] for c in ttft["no prompt cache"]) * 1e3
+        rows.append([turn + 1, f"{off:.1f}", f"{on:.1f}", f"{off / on:.2f}x"])
+    load_avg = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    table(
+        f"TTFT of greedy streamed chat turns ({args.user_words} words a user turn, {args.max_tokens}-token replies), "
+        f"4x128 Llama-shaped gpt2-vocab model, context {args.ctx}, {args.threads} thread(s), median of "
+        f"{args.conversations} conversations, load average {load_avg}",
+        ["turn", "TTFT ms, no cache", "TTFT ms, cache", "no cache / cache"],
+        rows,
+    )
+
+
 def merge(runs: list[dict]) -> dict:
     """Rounds of one server at one client count: the median round's tokens/s, latencies pooled."""
     return {
@@ -325,7 +412,7 @@ def pct(values: list[float], q: float) -> str:
     return f"{values[min(len(values) - 1, int(q * len(values)))] * 1000:.1f}"
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument(
@@ -335,7 +422,9 @@ def main():
         help="requests per client count and round (at least one per client); 16 clients then make 8 each, so the "
         "figure is the full batch's, not its filling and draining",
     )
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument(
+        "--max-tokens", type=int, default=None, help="tokens per request (default 64; 32 a reply for --conversation)"
+    )
     p.add_argument("--threads", type=int, default=1, help="CPU threads for each server")
     p.add_argument("--only", choices=["nanogpt", "llama.cpp"], default=None)
     p.add_argument("--baseline", type=Path, default=None, help="another checkout whose nanogpt serve runs alongside")
@@ -344,9 +433,22 @@ def main():
     p.add_argument("--step-tokens", type=int, default=200)
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds per batch size for --step")
     p.add_argument("--serve-rounds", type=int, default=3, help="rounds per client count (median tokens/s)")
-    args = p.parse_args()
+    p.add_argument("--conversation", action="store_true", help="TTFT per turn with and without the prompt cache")
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--conversations", type=int, default=5, help="conversations per server for --conversation")
+    p.add_argument("--user-words", type=int, default=40, help="words in each user turn for --conversation")
+    p.add_argument("--ctx", type=int, default=1024, help="the model's context for --conversation")
+    return p.parse_args()
+
+
+def main():
+    args = parse_args()
     if args.step:
         return step_table(args)
+    if args.conversation:
+        args.max_tokens = args.max_tokens or 32
+        return conversation_table(args)
+    args.max_tokens = args.max_tokens or 64
     slots, ctx = max(args.clients), 256
     kinds = [k for k in ("nanogpt", "llama.cpp") if args.only in (None, k)]
     roots = {"nanogpt": ROOT}

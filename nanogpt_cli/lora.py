@@ -151,3 +151,66 @@ def weights_hash(model: nn.Module) -> str:
         h.update(f"{key}:{tuple(t.shape)};".encode())
         h.update(memoryview(t.numpy()).cast("B"))  # the bytes in place: no copy of a 150 MB embedding
     return h.hexdigest()
+
+
+# --- several adapters on one base, chosen per row (nanogpt serve --adapter) ------------------------------
+
+
+class RowAdapters:
+    """Which adapter each row of the next forward uses, shared by every RowLoRALinear of a model (0: the base
+    alone). The engine calls select before each forward with the rows it runs, in order."""
+
+    def __init__(self, names: list[str], device: torch.device):
+        self.names, self.device = names, device  # adapter i + 1 is names[i]
+        self.ids: torch.Tensor | None = None  # (B,) adapter per row; None: every row is the base alone
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    def select(self, ids: list[int] | None) -> None:
+        self.ids = torch.tensor(ids, device=self.device) if ids and any(ids) else None
+
+
+class RowLoRALinear(nn.Linear):
+    """A base linear layer (its Parameters, not a copy) plus, for each row, the low-rank update of that row's
+    adapter: x W^T + b + x A_i^T B_i^T (alpha_i/r_i), as two batched matmuls against the stacked A and B gathered
+    by row. Adapters of smaller rank, and those without this layer, are padded with zeros, which add nothing."""
+
+    def __init__(self, base: nn.Linear, a_t: torch.Tensor, b_t: torch.Tensor, rows: RowAdapters):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight, self.bias = base.weight, base.bias
+        self.register_buffer("a_t", a_t, persistent=False)  # (n + 1, in, r): A transposed, index 0 zeros
+        self.register_buffer("b_t", b_t, persistent=False)  # (n + 1, r, out): B^T scaled by alpha / r
+        self.rows = rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)  # (..., out)
+        ids = self.rows.ids
+        if ids is None:
+            return out
+        xb = x.reshape(ids.numel(), -1, self.in_features)  # (B, T, in): the rows' tokens are contiguous
+        delta = torch.bmm(torch.bmm(xb, self.a_t[ids]), self.b_t[ids])  # (B, T, r) -> (B, T, out)
+        return out + delta.view(out.shape)
+
+
+def add_row_adapters(model: nn.Module, named: dict[str, tuple[LoRAConfig, dict[str, torch.Tensor]]]) -> RowAdapters:
+    """Put several adapters on a model's one copy of its weights, chosen per row: named maps an adapter's name
+    to its config and its `.lora_A`/`.lora_B` tensors by state-dict key. Returns the selector the engine sets."""
+    w = model.transformer.wte.weight
+    rows = RowAdapters(list(named), w.device)
+    layers = sorted({k.rsplit(".", 1)[0] for _, tensors in named.values() for k in tensors if is_adapter_key(k)})
+    for name in layers:
+        parent_name, _, child = name.rpartition(".")
+        base = model.get_submodule(name)
+        r = max(tensors[f"{name}.lora_A"].size(0) for _, tensors in named.values() if f"{name}.lora_A" in tensors)
+        a_t = torch.zeros(len(named) + 1, base.in_features, r, device=w.device, dtype=base.weight.dtype)
+        b_t = torch.zeros(len(named) + 1, r, base.out_features, device=w.device, dtype=base.weight.dtype)
+        for i, (cfg, tensors) in enumerate(named.values(), start=1):
+            if f"{name}.lora_A" in tensors:
+                a, b = tensors[f"{name}.lora_A"], tensors[f"{name}.lora_B"]  # (r_i, in), (out, r_i)
+                a_t[i, :, : a.size(0)] = a.t().to(a_t.dtype)
+                b_t[i, : b.size(1)] = (b.float() * cfg.scaling).t().to(b_t.dtype)
+        setattr(model.get_submodule(parent_name), child, RowLoRALinear(base, a_t, b_t, rows))
+    return rows

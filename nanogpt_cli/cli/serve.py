@@ -32,6 +32,15 @@ def serve(
     max_n: Annotated[int, typer.Option(help="Most choices (n) per request.")] = 8,
     max_queue: Annotated[int, typer.Option(help="Most rows waiting for a free row; beyond it, 503.")] = 64,
     max_body: Annotated[int, typer.Option(help="Most bytes in a request body; beyond it, 413.")] = 1_000_000,
+    prompt_cache_mb: Annotated[
+        int, typer.Option(help="MiB of keys and values kept for reuse by prompts that share a prefix (0: off).")
+    ] = 512,
+    adapter: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="NAME=LORA_RUN: also serve a LoRA run of this base as model NAME (repeatable).", show_default=False
+        ),
+    ] = None,
     no_ui: Annotated[bool, typer.Option("--no-ui", help="Do not serve the chat page at /.")] = False,
     last: Last = False,
     device: Device = "auto",
@@ -61,6 +70,8 @@ def serve(
         max_tokens=max_tokens,
         max_n=max_n,
         max_queue=max_queue,
+        prompt_cache_mb=prompt_cache_mb,
+        adapters=adapter or [],
     )
     set_threads(threads)
     if not is_loopback(host) and options.api_key is None:

@@ -18,13 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch.nn import functional as F
 
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.inference.prefix import PrefixCache
 from nanogpt_cli.model import GPT, ModelOps, decode_ops, softcap
+
+if TYPE_CHECKING:
+    from nanogpt_cli.lora import RowAdapters
 
 __all__ = [
     "CacheView",
@@ -71,6 +75,17 @@ class KVCache:
         for k in (*self.k, *self.v):
             k[dst, :, :n].copy_(k[src, :, :n])
         self.pos[dst] = n
+
+    def save(self, slot: int, n: int) -> list[torch.Tensor]:
+        """Copies of the first n held tokens' keys and values of one row, every layer's k then every layer's v
+        (the prefix cache's entries; load puts them back)."""
+        return [t[slot, :, :n].clone() for t in (*self.k, *self.v)]
+
+    def load(self, slot: int, saved: list[torch.Tensor], n: int) -> None:
+        """Put the first n tokens of a row's saved keys and values (save) into slot, which then holds n tokens."""
+        for t, s in zip((*self.k, *self.v), saved):
+            t[slot, :, :n].copy_(s[:, :n])
+        self.pos[slot] = n
 
 
 class CacheView:
@@ -328,6 +343,9 @@ class _Row:
     max_new_tokens: int
     stop_ids: frozenset[int]
     generated: int = 0
+    adapter: int = 0  # which adapter of the engine's RowAdapters (0: the base alone)
+    cache_prompt: bool = True  # look its prompt up in the prefix cache, and store its tokens there when it leaves
+    restarted: bool = False  # its cache restarted past the context: it no longer holds its tokens from the first
 
 
 class Engine:
@@ -338,9 +356,19 @@ class Engine:
     Past the context a row's cache restarts from the last half of its window (one prefill of that row), so a
     token costs the same however many came before; use_cache=False recomputes each row's last block_size
     tokens every step instead (nanoGPT's way). vocab_size: never pick a token at or above it (a padded head
-    has rows the tokenizer lacks)."""
+    has rows the tokenizer lacks). prefix_cache: where rows leave their keys and values and new prompts start
+    from the longest stored prefix they share (inference/prefix.py). adapters: the model's per-row LoRA
+    adapters (lora.RowAdapters), which the engine tells each forward which rows it runs."""
 
-    def __init__(self, model: GPT, max_batch: int = 1, vocab_size: int | None = None, use_cache: bool = True):
+    def __init__(
+        self,
+        model: GPT,
+        max_batch: int = 1,
+        vocab_size: int | None = None,
+        use_cache: bool = True,
+        prefix_cache: PrefixCache | None = None,
+        adapters: RowAdapters | None = None,
+    ):
         if max_batch < 1:
             raise NanoGPTError(f"an engine needs at least one row, got max_batch={max_batch}")
         self.model, self.max_batch = model, max_batch
@@ -354,6 +382,8 @@ class Engine:
         self.logits: torch.Tensor | None = None  # (active, vocab_size): each row's next-token logits
         self.behind = False  # pick() handed out tokens that advance() has not fed yet
         self.seen: torch.Tensor | None = None  # (max_batch, V) bool, once a row uses a repetition penalty
+        self.prefix_cache = prefix_cache if use_cache else None
+        self.adapters = adapters
         self._next_id = 0
 
     @property
@@ -385,12 +415,21 @@ class Engine:
         max_new_tokens: int | Sequence[int] = 256,
         generators: Sequence[torch.Generator | None] | None = None,
         stop_ids: Sequence[int] = (),
+        adapters: int | Sequence[int] = 0,
+        cache_prompt: bool | Sequence[bool] = True,
     ) -> list[int]:
-        """add for several prompts at once (params and max_new_tokens: one for all, or one per prompt); runs of
-        prompts of one length are prefilled together, as one forward."""
+        """add for several prompts at once (params, max_new_tokens, adapters and cache_prompt: one for all, or
+        one per prompt); runs of prompts of one length are prefilled together, as one forward, and a prompt that
+        starts with a stored prefix prefills only the rest of its tokens."""
         n = len(prompts)
         params = [params] * n if isinstance(params, SamplingParams) else list(params)
         limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        adapters = [adapters] * n if isinstance(adapters, int) else list(adapters)
+        cache_prompt = [cache_prompt] * n if isinstance(cache_prompt, bool) else list(cache_prompt)
+        count = 0 if self.adapters is None else self.adapters.count
+        for a in adapters:
+            if not 0 <= a <= count:
+                raise NanoGPTError(f"adapter {a} is not one of this engine's {count} adapters")
         for prompt, limit in zip(prompts, limits):
             if not 1 <= len(prompt) <= self.block_size:
                 raise NanoGPTError(
@@ -403,8 +442,10 @@ class Engine:
         self.advance()  # the rows already here take their picked tokens first: the logits stay one per row
         generators = generators or [None] * n
         start = len(self.rows)
-        for prompt, p, limit, generator in zip(prompts, params, limits, generators):
-            self.rows.append(_Row(self._next_id, list(prompt), p, generator, limit, frozenset(stop_ids)))
+        for prompt, p, limit, generator, a, c in zip(prompts, params, limits, generators, adapters, cache_prompt):
+            self.rows.append(
+                _Row(self._next_id, list(prompt), p, generator, limit, frozenset(stop_ids), adapter=a, cache_prompt=c)
+            )
             self._next_id += 1
         for slot in range(start, len(self.rows)):
             if self.rows[slot].params.repetition_penalty != 1.0:
@@ -426,18 +467,35 @@ class Engine:
         """Next-token logits (stop - start, V) for the rows in slots start..stop-1, filling their cache."""
         if self.cache is None:
             return self._full_forward(self.rows[start:stop])
+        held = [self._load_prefix(slot) for slot in range(start, stop)]  # tokens each row took from the cache
         out, slot = [], start
-        while slot < stop:  # runs of equal length share one forward
-            n = len(self.rows[slot].tokens)
+        while slot < stop:  # runs of equal length share one forward; a row with a stored prefix runs alone
+            n, h = len(self.rows[slot].tokens), held[slot - start]
             end = slot + 1
-            while end < stop and len(self.rows[end].tokens) == n:
+            while not h and end < stop and not held[end - start] and len(self.rows[end].tokens) == n:
                 end += 1
-            self.cache.pos[slot:end] = [0] * (end - slot)
-            idx = torch.tensor([r.tokens for r in self.rows[slot:end]], dtype=torch.long, device=self.device)
-            h = self.model.hidden_states(idx, cache=self.cache.view(slot, end))  # (b, T, C)
-            out.append(self._head(h[:, -1]))
+            self.cache.pos[slot:end] = [h] * (end - slot)
+            idx = torch.tensor([r.tokens[h:] for r in self.rows[slot:end]], dtype=torch.long, device=self.device)
+            self._select(slot, end)
+            hs = self.model.hidden_states(idx, cache=self.cache.view(slot, end))  # (b, T, C)
+            out.append(self._head(hs[:, -1]))
             slot = end
         return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _load_prefix(self, slot: int) -> int:
+        """Load the longest stored prefix of the row's prompt into its slot: how many tokens it holds then."""
+        row = self.rows[slot]
+        if self.prefix_cache is None or not row.cache_prompt:
+            return 0
+        n, saved = self.prefix_cache.lookup(row.tokens, row.adapter)
+        if n:
+            self.cache.load(slot, saved, n)
+        return n
+
+    def _select(self, start: int, stop: int) -> None:
+        """Tell the adapters which rows the next forward runs (slots start..stop-1)."""
+        if self.adapters is not None:
+            self.adapters.select([r.adapter for r in self.rows[start:stop]])
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """Next-token logits (b, vocab_size) from the last position's hidden states (b, C): a prefill runs the
@@ -449,6 +507,8 @@ class Engine:
         windows = [r.tokens[-self.block_size :] for r in rows]
         if all(len(w) == len(windows[0]) for w in windows):
             idx = torch.tensor(windows, dtype=torch.long, device=self.device)
+            if self.adapters is not None:
+                self.adapters.select([r.adapter for r in rows])
             return self._head(self.model.hidden_states(idx)[:, -1])
         return torch.cat([self._full_forward([r]) for r in rows])
 
@@ -459,6 +519,7 @@ class Engine:
         if slot is None:
             return
         last = len(self.rows) - 1
+        self._store_prefix(slot)
         if slot != last:  # the last row moves into the hole: the active rows stay slots 0..n-1
             self.rows[slot] = self.rows[last]
             if self.cache is not None:
@@ -468,6 +529,16 @@ class Engine:
             self.logits[slot] = self.logits[last]
         self.rows.pop()
         self.logits = self.logits[:last] if last else None
+
+    def _store_prefix(self, slot: int) -> None:
+        """Keep a leaving row's keys and values in the prefix cache: the tokens its slot holds (all but a picked
+        token not yet fed), from its first."""
+        row = self.rows[slot]
+        if self.prefix_cache is None or not row.cache_prompt or row.restarted:
+            return
+        n = self.cache.pos[slot]
+        if n > 0:
+            self.prefix_cache.store(row.tokens[:n], self.cache.save(slot, n), row.adapter)
 
     def step(self) -> list[StepToken]:
         """One token for every active row: pick() then advance(). A RowError (rows whose probabilities are not
@@ -519,11 +590,13 @@ class Engine:
         keep = max(1, self.block_size // 2)
         for slot, row in enumerate(self.rows):
             if self.cache.pos[slot] >= self.block_size:  # full: restart from the last `keep` tokens
-                self.cache.pos[slot] = 0
+                self.cache.pos[slot], row.restarted = 0, True
                 if keep > 1:
                     idx = torch.tensor([row.tokens[-keep:-1]], dtype=torch.long, device=self.device)
+                    self._select(slot, slot + 1)
                     self.model.hidden_states(idx, cache=self.cache.view(slot, slot + 1))  # fills the cache
         idx = torch.tensor([r.tokens[-1] for r in self.rows], dtype=torch.long, device=self.device)
+        self._select(0, len(self.rows))
         return decode_step(self.plan, idx, self.cache, len(self.rows)).float()
 
     def _sample(self, logits: torch.Tensor) -> list[int]:

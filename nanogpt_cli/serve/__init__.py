@@ -15,7 +15,7 @@ import os
 import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanogpt_cli.config import Dtype
@@ -40,11 +40,19 @@ class ServeOptions:
     max_tokens: int = 4096
     max_n: int = 8
     max_queue: int = 64
+    prompt_cache_mb: int = 512  # MiB of keys and values the prefix cache keeps; 0: off
+    adapters: list[str] = field(default_factory=list)  # NAME=LORA_RUN, each served as model NAME
 
     def __post_init__(self):
         for name in ("max_batch", "max_body", "max_tokens", "max_n", "max_queue"):
             if getattr(self, name) < 1:
                 raise NanoGPTError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        from nanogpt_cli.serve.adapters import parse_adapter
+
+        for spec in self.adapters:
+            parse_adapter(spec)  # the form at once, before the model loads
+        if self.prompt_cache_mb < 0:
+            raise NanoGPTError(f"--prompt-cache-mb must be at least 0 (0: no prompt cache), got {self.prompt_cache_mb}")
         if not 0 <= self.port <= 65535:
             raise NanoGPTError(f"--port must be between 0 and 65535, got {self.port}")
         self.api_key = self.api_key or os.environ.get("NANOGPT_API_KEY") or None  # an empty key is no key
@@ -71,18 +79,37 @@ def build_server(options: ServeOptions, on_ready: Callable[[str], None] | None =
     """Load the model, start the engine thread and return an uvicorn Server for the app (not yet running)."""
     require("fastapi", "serve", "nanogpt serve")
     uvicorn = require("uvicorn", "serve", "nanogpt serve")
+    require("prometheus_client", "serve", "nanogpt serve")
+    from nanogpt_cli.inference.prefix import PrefixCache
     from nanogpt_cli.interop.loading import load_for_inference
     from nanogpt_cli.serve.api import Limits, ServerState, create_app
     from nanogpt_cli.serve.chat import ChatTemplate
+    from nanogpt_cli.serve.metrics import Metrics
     from nanogpt_cli.serve.scheduler import Scheduler
 
     loaded = load_for_inference(options.source, last=options.last, device=options.device, dtype=options.dtype)
-    scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.device, options.max_batch, options.max_queue)
+    model_name = options.model_name or default_model_name(options.source)
+    adapters = _adapters(options, loaded, model_name)
+    prefix = PrefixCache(options.prompt_cache_mb << 20) if options.prompt_cache_mb else None
+    metrics = Metrics()
+    scheduler = Scheduler(
+        loaded.model,
+        loaded.tokenizer,
+        loaded.device,
+        options.max_batch,
+        options.max_queue,
+        prefix_cache=prefix,
+        adapters=adapters,
+        metrics=metrics,
+    )
+    metrics.watch(scheduler)
     state = ServerState(
         scheduler=scheduler,
         model=loaded.model,
         tokenizer=loaded.tokenizer,
-        model_name=options.model_name or default_model_name(options.source),
+        model_name=model_name,
+        adapter_names=[] if adapters is None else adapters.names,
+        metrics=metrics,
         template=ChatTemplate.for_model(loaded.meta, loaded.tokenizer, options.source),
         api_key=options.api_key,
         limits=Limits(options.max_body, options.max_tokens, options.max_n),
@@ -97,6 +124,21 @@ def build_server(options: ServeOptions, on_ready: Callable[[str], None] | None =
         lifespan="off",
     )
     return _server_class(uvicorn)(config, state, on_ready)
+
+
+def _adapters(options: ServeOptions, loaded, model_name: str):
+    """The --adapter runs on the served weights (lora.RowAdapters), or None. The base's hash is taken of the
+    weights as stored: a model cast for inference (bfloat16) hashes differently."""
+    if not options.adapters:
+        return None
+    import torch
+
+    from nanogpt_cli.interop.loading import load_model
+    from nanogpt_cli.lora import weights_hash
+    from nanogpt_cli.serve.adapters import load_adapters
+
+    stored = loaded.model if loaded.dtype == torch.float32 else load_model(options.source, last=options.last)[0]
+    return load_adapters(loaded.model, options.adapters, weights_hash(stored), model_name)
 
 
 def _server_class(uvicorn):

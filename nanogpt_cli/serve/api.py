@@ -22,13 +22,14 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.sse import EventSourceResponse, format_sse_event
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inference.engine import SamplingParams, prompt_logprobs
 from nanogpt_cli.serve.chat import ChatTemplate, message_text
+from nanogpt_cli.serve.metrics import Metrics
 from nanogpt_cli.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
 from nanogpt_cli.serve.scheduler import Done, Failed, Job, QueueFull, Scheduler
 
@@ -49,6 +50,8 @@ class ServerState:
     tokenizer: Any
     model_name: str
     template: ChatTemplate
+    adapter_names: list[str] = field(default_factory=list)  # --adapter names: model names besides model_name
+    metrics: Metrics | None = None
     api_key: str | None = None
     limits: Limits = field(default_factory=Limits)
     ui: bool = True
@@ -59,11 +62,18 @@ class ServerState:
     def block_size(self) -> int:
         return self.model.config.block_size
 
+    @property
+    def model_names(self) -> list[str]:
+        """The base first, then each adapter: a request's `model` picks one, its index is the engine's adapter."""
+        return [self.model_name, *self.adapter_names]
+
 
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="nanogpt", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.nanogpt = state
     _install_error_handlers(app)
+    if state.metrics is not None:
+        app.add_middleware(_CountRequests, metrics=state.metrics)
 
     @app.get("/health")
     async def health():
@@ -71,27 +81,36 @@ def create_app(state: ServerState) -> FastAPI:
         return {
             "status": "ok",
             "model": state.model_name,
+            "models": state.model_names,
             "active_rows": s.active,
             "waiting": s.waiting,
             "max_batch": s.engine.max_batch,
         }
 
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        _authorize(state, request)
+        if state.metrics is None:
+            raise APIError(404, "this server keeps no metrics", code="not_found")
+        text, content_type = state.metrics.render()
+        return Response(text, media_type=content_type)
+
     @app.get("/v1/models")
     async def models(request: Request):
         _authorize(state, request)
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": state.model_name,
-                    "object": "model",
-                    "created": state.created,
-                    "owned_by": "nanogpt",
-                    "context_length": state.block_size,
-                    "chat_template": state.template.name,
-                }
-            ],
-        }
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "nanogpt",
+                "context_length": state.block_size,
+                "chat_template": state.template.name,
+                **({"parent": state.model_name} if i else {}),
+            }
+            for i, name in enumerate(state.model_names)
+        ]
+        return {"object": "list", "data": data}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -113,6 +132,30 @@ def create_app(state: ServerState) -> FastAPI:
         return HTMLResponse(text.replace("{{MODEL_NAME}}", html.escape(state.model_name)))
 
     return app
+
+
+class _CountRequests:
+    """ASGI middleware: count each HTTP response by its route (the matched path, or "other") and status, without
+    wrapping the body, so a stream's chunks pass as they are."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]  # no response started: the server's own error page
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            route = scope.get("route")
+            self.metrics.requests.labels(getattr(route, "path", "other"), str(status[0])).inc()
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -167,11 +210,14 @@ async def _read_json(request: Request, limit: int) -> Any:
 # --- shared by both routes ---------------------------------------------------------------------------
 
 
-def _check_model(state: ServerState, name: str | None) -> None:
-    if name not in (None, "", state.model_name):
-        raise APIError(
-            404, f"no model '{name}' here; this server has '{state.model_name}'", param="model", code="model_not_found"
-        )
+def _check_model(state: ServerState, name: str | None) -> int:
+    """The engine's adapter for a request's `model` (0: the base; no name is the base)."""
+    if name in (None, ""):
+        return 0
+    if name not in state.model_names:
+        have = ", ".join(f"'{n}'" for n in state.model_names)
+        raise APIError(404, f"no model '{name}' here; this server has {have}", param="model", code="model_not_found")
+    return state.model_names.index(name)
 
 
 def _encode(state: ServerState, text: str, param: str) -> list[int]:
@@ -265,6 +311,7 @@ class _Run:
         params: SamplingParams,
         max_tokens: int,
         stop: list[str],
+        adapter: int = 0,
     ):
         self.state, self.queue = state, asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -277,7 +324,8 @@ class _Run:
                 seed = None if body.seed is None else body.seed + j  # choice j: its own seed, as a row alone
                 index = p * body.n + j
                 sink = functools.partial(self._deliver, index)
-                self.jobs.append(Job(ids, params, max_tokens, stop, sink, seed, body.ignore_eos))
+                job = Job(ids, params, max_tokens, stop, sink, seed, body.ignore_eos, adapter, body.cache_prompt)
+                self.jobs.append(job)
         self.open = set(range(len(self.jobs)))
 
     def _deliver(self, index: int, event) -> None:
@@ -341,7 +389,7 @@ def _sse(data: Any) -> bytes:
 
 async def _completions(state: ServerState, request: Request, body: CompletionRequest):
     body.check(state.limits.max_n)
-    _check_model(state, body.model)
+    adapter = _check_model(state, body.model)
     prompts, texts = _completion_prompts(state, body.prompt)
     max_tokens = _max_tokens(state, body.max_tokens, 16, "max_tokens")
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -352,11 +400,7 @@ async def _completions(state: ServerState, request: Request, body: CompletionReq
     if body.echo and body.logprobs is not None:
         for i, log_ in enumerate(logs):
             ids = prompts[i // body.n]
-            scored = await asyncio.wrap_future(
-                state.scheduler.call(
-                    lambda ids=ids: prompt_logprobs(state.model, ids, body.logprobs, state.tokenizer.vocab_size)
-                )
-            )
+            scored = await asyncio.wrap_future(state.scheduler.call(lambda ids=ids: _score(state, ids, body, adapter)))
             log_.add_prompt(ids, scored)
     echo = [texts[i // body.n] if body.echo else "" for i in range(len(logs))]
     if max_tokens == 0:  # nothing to generate: the prompt's own logprobs, with echo
@@ -368,17 +412,25 @@ async def _completions(state: ServerState, request: Request, body: CompletionReq
             "id": rid,
             "object": "text_completion",
             "created": created,
-            "model": state.model_name,
+            "model": state.model_names[adapter],
             "choices": choices,
             "usage": _usage(prompts, 0),
         }
-    run = _Run(state, prompts, body, _params(body, body.logprobs), max_tokens, body.stops)
+    run = _Run(state, prompts, body, _params(body, body.logprobs), max_tokens, body.stops, adapter)
     run.submit()
-    head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+    head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_names[adapter]}
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventSourceResponse(_completion_stream(run, head, prompts, echo, logs, include_usage))
     return await _completion_whole(run, request, head, prompts, echo, logs)
+
+
+def _score(state: ServerState, ids: list[int], body, adapter: int) -> list:
+    """The prompt's own logprobs (echo), under the request's adapter; run in the engine's thread."""
+    adapters = state.scheduler.engine.adapters
+    if adapters is not None:
+        adapters.select([adapter])
+    return prompt_logprobs(state.model, ids, body.logprobs, state.tokenizer.vocab_size)
 
 
 def _completion_prompts(state: ServerState, prompt) -> tuple[list[list[int]], list[str]]:
@@ -481,7 +533,7 @@ async def _completion_whole(run: _Run, request: Request, head: dict, prompts, ec
 
 async def _chat(state: ServerState, request: Request, body: ChatRequest):
     body.check(state.limits.max_n)
-    _check_model(state, body.model)
+    adapter = _check_model(state, body.model)
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
     try:
@@ -497,14 +549,14 @@ async def _chat(state: ServerState, request: Request, body: ChatRequest):
     )
     max_tokens = _max_tokens(state, given, max(1, state.block_size - len(ids)), param)  # default: fill the context
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_names[adapter]}
     if max_tokens == 0:
         choices = [
             {"index": i, "message": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": "length"}
             for i in range(body.n)
         ]
         return {**head, "object": "chat.completion", "choices": choices, "usage": _usage([ids], 0)}
-    run = _Run(state, [ids], body, _params(body, logprobs), max_tokens, state.template.stop + body.stops)
+    run = _Run(state, [ids], body, _params(body, logprobs), max_tokens, state.template.stop + body.stops, adapter)
     run.submit()
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -63,6 +63,7 @@ class _Common(BaseModel):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False  # go on past the end-of-text token
+    cache_prompt: bool = True  # start from the longest stored prefix (llama.cpp's name); false: prefill it all
     # OpenAI fields accepted at their neutral value only
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -66,7 +67,11 @@ class Job:
     sink: Callable[[Any], None]
     seed: int | None = None
     ignore_eos: bool = False
+    adapter: int = 0  # the engine's adapter (0: the base model)
+    cache_prompt: bool = True  # start from the prefix cache and leave its tokens there
     row: int | None = None  # the engine's row id while it runs
+    submitted: float = 0.0  # time.monotonic() when queued
+    last_token: float | None = None  # time.monotonic() of its last token (metrics)
     generator: torch.Generator | None = None
     eot: tuple[int, ...] = ()  # the tokens that end it: end-of-text, end of turn (none with ignore_eos)
     text: TextStream | None = None
@@ -79,9 +84,23 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    def __init__(self, model, tokenizer, device, max_batch: int = 8, max_queue: int = 64):
-        self.tokenizer, self.device, self.max_queue = tokenizer, device, max_queue
-        self.engine = Engine(model, max_batch=max_batch, vocab_size=tokenizer.vocab_size)
+    """prefix_cache, adapters: the engine's (Engine); metrics: serve/metrics.py's, moved from this thread."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        device,
+        max_batch: int = 8,
+        max_queue: int = 64,
+        prefix_cache=None,
+        adapters=None,
+        metrics=None,
+    ):
+        self.tokenizer, self.device, self.max_queue, self.metrics = tokenizer, device, max_queue, metrics
+        self.engine = Engine(
+            model, max_batch=max_batch, vocab_size=tokenizer.vocab_size, prefix_cache=prefix_cache, adapters=adapters
+        )
         self.eot = tokenizer.stop_ids
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
@@ -118,6 +137,9 @@ class Scheduler:
                 raise QueueFull("the server is stopping")
             if len(self._waiting) + len(jobs) > self.max_queue:
                 raise QueueFull(f"the server's queue is full ({self.max_queue} waiting requests); retry shortly")
+            now = time.monotonic()
+            for job in jobs:
+                job.submitted = now
             self._waiting.extend(jobs)
             self._cond.notify_all()
 
@@ -201,10 +223,14 @@ class Scheduler:
             [j.max_tokens for j in jobs],
             [j.generator for j in jobs],
             stop_ids=jobs[0].eot,
+            adapters=[j.adapter for j in jobs],
+            cache_prompt=[j.cache_prompt for j in jobs],
         )
         for job, row in zip(jobs, rows):
             job.row = row
             self._running[row] = job
+        if self.metrics is not None:
+            self.metrics.admitted(sum(len(j.prompt) for j in jobs))
 
     def _add_alone(self, job: Job) -> None:
         try:
@@ -246,6 +272,8 @@ class Scheduler:
         self._running.clear()
 
     def _deliver(self, job: Job, t: StepToken) -> None:
+        if self.metrics is not None:
+            self.metrics.token(job)
         piece = job.text.feed(t.token)
         job.pending.append(t.token)
         if job.params.logprobs is not None:
