@@ -313,7 +313,7 @@ def test_bad_inputs_get_their_status_openais_shape_and_exception_class(live, cli
             )
         assert e.value.status_code == 400 and e.value.body["param"] == param, kw
     assert "context of 64 tokens" in e.value.message
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError, match="no model 'other' here"):
         client.completions.create(model="other", prompt="x", max_tokens=1)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=live.url + "/v1", api_key="wrong", max_retries=0).models.list()

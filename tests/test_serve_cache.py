@@ -132,12 +132,12 @@ def test_metrics_move_with_requests_and_health_reports_rows_and_queue(model_path
         before = metrics(live.url)
         done = client.completions.create(model="tiny", prompt="Hello", max_tokens=7, temperature=0)
         streamed = list(client.completions.create(model="tiny", prompt="Hi", max_tokens=5, temperature=0, stream=True))
-        with pytest.raises(openai.NotFoundError):
+        with pytest.raises(openai.BadRequestError):
             client.completions.create(model="nope", prompt="Hi", max_tokens=5)
         after = metrics(live.url)
         ok = 'nanogpt_requests_total{"route": "/v1/completions", "status": "200"}'
         assert after[ok] - before.get(ok, 0) == 2
-        assert after['nanogpt_requests_total{"route": "/v1/completions", "status": "404"}'] == 1
+        assert after['nanogpt_requests_total{"route": "/v1/completions", "status": "400"}'] == 1
         gained = after["nanogpt_generated_tokens_total"] - before["nanogpt_generated_tokens_total"]
         assert gained == done.usage.completion_tokens + 5 and len(streamed) > 1
         assert (
@@ -268,7 +268,7 @@ def test_serve_with_adapters_lists_them_and_each_answers_as_its_merged_model(run
             model="b", messages=[{"role": "user", "content": "Say d."}], max_tokens=4
         )
         assert reply.model == "b"
-        with pytest.raises(openai.NotFoundError, match="no model 'c' here"):
+        with pytest.raises(openai.BadRequestError, match="no model 'c' here"):
             client.completions.create(model="c", prompt="x", max_tokens=2)
         assert live.health()["models"] == ["base", "a", "b"]
     finally:

@@ -216,7 +216,7 @@ def _check_model(state: ServerState, name: str | None) -> int:
         return 0
     if name not in state.model_names:
         have = ", ".join(f"'{n}'" for n in state.model_names)
-        raise APIError(404, f"no model '{name}' here; this server has {have}", param="model", code="model_not_found")
+        raise APIError(400, f"no model '{name}' here; this server has {have}", param="model", code="model_not_found")
     return state.model_names.index(name)
 
 
