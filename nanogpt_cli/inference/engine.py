@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 from torch.nn import functional as F
@@ -31,6 +31,7 @@ __all__ = [
     "DecodePlan",
     "Engine",
     "KVCache",
+    "LogitsMask",
     "RowError",
     "SamplingParams",
     "StepToken",
@@ -319,6 +320,17 @@ class StepToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+class LogitsMask(Protocol):
+    """A row's constraint on its tokens (inference/grammar.py's Constraint): which it may take next, the one it
+    took, and whether it has ended."""
+
+    done: bool
+
+    def allowed(self) -> torch.Tensor: ...  # (V,) bool
+
+    def accept(self, token: int) -> None: ...
+
+
 @dataclass
 class _Row:
     id: int
@@ -328,6 +340,7 @@ class _Row:
     max_new_tokens: int
     stop_ids: frozenset[int]
     generated: int = 0
+    mask: LogitsMask | None = None  # its tokens are only those the mask allows; it ends when the mask is done
 
 
 class Engine:
@@ -372,10 +385,11 @@ class Engine:
         max_new_tokens: int = 256,
         generator: torch.Generator | None = None,
         stop_ids: Sequence[int] = (),
+        mask: LogitsMask | None = None,
     ) -> int:
         """Prefill one prompt into a free row and return the row's id; it takes its first token at the next
         step."""
-        return self.add_many([prompt], params, max_new_tokens, [generator], stop_ids)[0]
+        return self.add_many([prompt], params, max_new_tokens, [generator], stop_ids, [mask])[0]
 
     @torch.inference_mode()
     def add_many(
@@ -385,9 +399,10 @@ class Engine:
         max_new_tokens: int | Sequence[int] = 256,
         generators: Sequence[torch.Generator | None] | None = None,
         stop_ids: Sequence[int] = (),
+        masks: Sequence[LogitsMask | None] | None = None,
     ) -> list[int]:
-        """add for several prompts at once (params and max_new_tokens: one for all, or one per prompt); runs of
-        prompts of one length are prefilled together, as one forward."""
+        """add for several prompts at once (params and max_new_tokens: one for all, or one per prompt; masks: one
+        per prompt or None); runs of prompts of one length are prefilled together, as one forward."""
         n = len(prompts)
         params = [params] * n if isinstance(params, SamplingParams) else list(params)
         limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -402,9 +417,10 @@ class Engine:
             raise NanoGPTError(f"{n} new rows do not fit: {self.free} of {self.max_batch} are free")
         self.advance()  # the rows already here take their picked tokens first: the logits stay one per row
         generators = generators or [None] * n
+        masks = masks or [None] * n
         start = len(self.rows)
-        for prompt, p, limit, generator in zip(prompts, params, limits, generators):
-            self.rows.append(_Row(self._next_id, list(prompt), p, generator, limit, frozenset(stop_ids)))
+        for prompt, p, limit, generator, mask in zip(prompts, params, limits, generators, masks):
+            self.rows.append(_Row(self._next_id, list(prompt), p, generator, limit, frozenset(stop_ids), 0, mask))
             self._next_id += 1
         for slot in range(start, len(self.rows)):
             if self.rows[slot].params.repetition_penalty != 1.0:
@@ -486,12 +502,15 @@ class Engine:
         if not self.rows:
             return []
         logits = self.logits
-        tokens = self._sample(logits)
+        tokens = self._sample(self._masked(logits))
         out = []
         for slot, (row, token) in enumerate(zip(self.rows, tokens)):
             row.tokens.append(token)
             row.generated += 1
-            finish = "stop" if token in row.stop_ids else "length" if row.generated >= row.max_new_tokens else None
+            if row.mask is not None:
+                row.mask.accept(token)
+            done = token in row.stop_ids or (row.mask is not None and row.mask.done)
+            finish = "stop" if done else "length" if row.generated >= row.max_new_tokens else None
             out.append(StepToken(row.id, token, finish))
             if row.params.logprobs is not None:
                 ((out[-1].logprob, out[-1].top_logprobs),) = token_logprobs(
@@ -525,6 +544,21 @@ class Engine:
                     self.model.hidden_states(idx, cache=self.cache.view(slot, slot + 1))  # fills the cache
         idx = torch.tensor([r.tokens[-1] for r in self.rows], dtype=torch.long, device=self.device)
         return decode_step(self.plan, idx, self.cache, len(self.rows)).float()
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with -inf for every token a row's mask forbids; rows without a mask are left as they are
+        (and the logits themselves too: logprobs report the model's own)."""
+        slots = [s for s, r in enumerate(self.rows) if r.mask is not None]
+        if not slots:
+            return logits
+        allowed = torch.stack([self.rows[s].mask.allowed()[: logits.size(1)] for s in slots])  # (m, V)
+        allowed = allowed.to(logits.device)
+        masked = logits.clone()
+        if len(slots) == len(self.rows):
+            return masked.masked_fill_(~allowed, float("-inf"))
+        index = torch.tensor(slots, device=logits.device)
+        masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        return masked
 
     def _sample(self, logits: torch.Tensor) -> list[int]:
         """Each row's next token: rows with the same settings are processed together."""

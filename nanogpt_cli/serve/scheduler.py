@@ -66,6 +66,7 @@ class Job:
     sink: Callable[[Any], None]
     seed: int | None = None
     ignore_eos: bool = False
+    constraint: Any = None  # a LogitsMask (inference/grammar.py's Constraint): the grammar its tokens follow
     row: int | None = None  # the engine's row id while it runs
     generator: torch.Generator | None = None
     eot: int | None = None  # the end-of-text token that ends it (None with ignore_eos)
@@ -201,6 +202,7 @@ class Scheduler:
             [j.max_tokens for j in jobs],
             [j.generator for j in jobs],
             stop_ids=() if jobs[0].eot is None else (jobs[0].eot,),
+            masks=[j.constraint for j in jobs],
         )
         for job, row in zip(jobs, rows):
             job.row = row
@@ -247,6 +249,9 @@ class Scheduler:
 
     def _deliver(self, job: Job, t: StepToken) -> None:
         piece = job.text.feed(t.token)
+        if t.finish == "stop" and not job.text.done:  # its grammar is complete: the row has ended
+            job.text.reason = "stop"
+            piece += job.text.finish()
         job.pending.append(t.token)
         if job.params.logprobs is not None:
             job.pending_logprobs.append(t)
