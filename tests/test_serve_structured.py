@@ -19,6 +19,7 @@ jsonschema = pytest.importorskip("jsonschema", reason="the schema checks need js
 from pydantic import BaseModel, Field  # noqa: E402
 
 from nanogpt_cli.config import GPTConfig  # noqa: E402
+from nanogpt_cli.errors import NanoGPTError  # noqa: E402
 from nanogpt_cli.inference.engine import Engine, SamplingParams  # noqa: E402
 from nanogpt_cli.inference.grammar import Constraint, compile_grammar  # noqa: E402
 from nanogpt_cli.model import GPT  # noqa: E402
@@ -285,3 +286,16 @@ def test_a_byte_vocabulary_row_is_masked_and_ends_with_its_grammar():
         out[t.row].append(t.token)
     assert bytes(out[masked]).decode() in ("yes!", "no!")
     assert len(out[free]) == 5
+
+
+def test_a_char_vocabulary_ends_an_open_grammar_at_its_end_and_refuses_what_it_cannot_spell():
+    tok = build_tokenizer("char", ["ab01"])
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    engine = Engine(model, max_batch=1, vocab_size=tok.vocab_size)
+    constraint = Constraint(tok, compile_grammar("regex", "a[01]{1,3}", tok))
+    row = engine.add(tok.encode("b"), SamplingParams(), 50, torch.Generator().manual_seed(1), mask=constraint)
+    tokens = [t.token for t in engine.run() if t.row == row]
+    assert re.fullmatch("a[01]{1,3}", tok.decode(tokens))
+    with pytest.raises(NanoGPTError, match="cannot begin"):
+        Constraint(tok, compile_grammar("regex", "x+", tok))

@@ -553,6 +553,9 @@ class Engine:
             return logits
         allowed = torch.stack([self.rows[s].mask.allowed()[: logits.size(1)] for s in slots])  # (m, V)
         allowed = allowed.to(logits.device)
+        stuck = [self.rows[s].id for s, ok in zip(slots, allowed.any(dim=1).tolist()) if not ok]
+        if stuck:  # the pick changes nothing: these rows leave, the others step on
+            raise RowError("the row's grammar allows no token of the model's vocabulary here", stuck)
         masked = logits.clone()
         if len(slots) == len(self.rows):
             return masked.masked_fill_(~allowed, float("-inf"))

@@ -57,7 +57,7 @@ def vocabulary(tokenizer: Tokenizer):
         if cached is not None:
             return cached
         llg = require("llguidance", "serve", "structured output")
-        if isinstance(tokenizer, TiktokenTokenizer) and tokenizer.eot_id is not None:
+        if not _adds_eos(tokenizer):
             from llguidance.tiktoken import lltokenizer_from_encoding
 
             compiled = lltokenizer_from_encoding(tokenizer.enc, n_vocab=tokenizer.vocab_size)
@@ -66,6 +66,11 @@ def vocabulary(tokenizer: Tokenizer):
             compiled = llg.LLTokenizer(llg.TokenizerWrapper(wrapper), n_vocab=len(wrapper.tokens))
         _vocabularies[tokenizer] = compiled
         return compiled
+
+
+def _adds_eos(tokenizer: Tokenizer) -> bool:
+    """Whether llguidance gets an end-of-text token past the vocabulary (_Vocabulary) rather than tiktoken's."""
+    return not (isinstance(tokenizer, TiktokenTokenizer) and tokenizer.eot_id is not None)
 
 
 def compile_grammar(kind: str, value: Any, tokenizer: Tokenizer | None = None) -> str:
@@ -103,25 +108,39 @@ class Constraint:
         # the mask's words: 32 tokens each, the tokenizer's and the end-of-text one added for char and byte
         self.words = torch.empty(len(self.matcher.compute_bitmask()) // 4, dtype=torch.int32)
         self._bits = torch.arange(32, dtype=torch.int32)
+        self.added_eos = _adds_eos(tokenizer)
+        self._next: torch.Tensor | None = None  # a mask done computed, for the next allowed()
+        if not self.allowed(keep=True).any():
+            raise NanoGPTError("it cannot begin with any token of the model's vocabulary")
 
     def copy(self) -> Constraint:
         """An independent constraint at the same point (a request's other choices)."""
         new = object.__new__(Constraint)
         new.vocab_size, new.matcher = self.vocab_size, self.matcher.deep_copy()
         new.words, new._bits = torch.empty_like(self.words), self._bits
+        new.added_eos, new._next = self.added_eos, self._next
         return new
 
     @property
     def done(self) -> bool:
-        """The grammar is complete and nothing can follow: the row ends."""
-        return self.matcher.is_stopped()
+        """The grammar is complete and nothing can follow: the row ends. Without an end-of-text token of its own
+        (char, byte), also when the text is complete and the only way on is the added one."""
+        if self.matcher.is_stopped():
+            return True
+        return self.added_eos and self.matcher.is_accepting() and not self.allowed(keep=True).any()
 
-    def allowed(self) -> torch.Tensor:
-        """(vocab_size,) bool: the tokens that keep the text inside the grammar."""
+    def allowed(self, keep: bool = False) -> torch.Tensor:
+        """(vocab_size,) bool: the tokens that keep the text inside the grammar (keep: the next call returns
+        this one again, computed once)."""
+        if self._next is not None:
+            out, self._next = self._next, (self._next if keep else None)
+            return out
         # llguidance writes 32 tokens per int32 word, token 32 * j + i at bit i of word j
         self.matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * 4)
         bits = (self.words.unsqueeze(1) >> self._bits) & 1  # (words, 32)
-        return bits.view(-1)[: self.vocab_size].bool()
+        out = bits.view(-1)[: self.vocab_size].bool()
+        self._next = out if keep else None
+        return out
 
     def accept(self, token: int) -> None:
         """Take the token the row picked (one that allowed() allowed)."""
