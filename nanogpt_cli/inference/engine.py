@@ -212,6 +212,9 @@ NOT_FINITE = (
 )
 
 
+GRAMMAR_STUCK = "the row's grammar allows no token of the model's vocabulary here (or its probabilities are not finite)"
+
+
 class RowError(NanoGPTError):
     """Some rows of a step cannot go on (non-finite probabilities); `rows` names them (Engine row ids, or
     indices into the logits where sample_tokens raises it). The step changed nothing: remove them and step again."""
@@ -502,7 +505,11 @@ class Engine:
         if not self.rows:
             return []
         logits = self.logits
-        tokens = self._sample(self._masked(logits))
+        try:
+            tokens = self._sample(self._masked(logits))
+        except RowError as e:  # a row whose grammar allows no token of the vocabulary: say so
+            stuck = {r.id for r in self.rows if r.mask is not None} & set(e.rows)
+            raise RowError(GRAMMAR_STUCK if stuck else str(e), e.rows) from None
         out = []
         for slot, (row, token) in enumerate(zip(self.rows, tokens)):
             row.tokens.append(token)
@@ -553,14 +560,11 @@ class Engine:
             return logits
         allowed = torch.stack([self.rows[s].mask.allowed()[: logits.size(1)] for s in slots])  # (m, V)
         allowed = allowed.to(logits.device)
-        stuck = [self.rows[s].id for s, ok in zip(slots, allowed.any(dim=1).tolist()) if not ok]
-        if stuck:  # the pick changes nothing: these rows leave, the others step on
-            raise RowError("the row's grammar allows no token of the model's vocabulary here", stuck)
+        if len(slots) == len(self.rows):  # one pass that writes a new tensor: cheaper than a clone and a fill
+            return torch.where(allowed, logits, float("-inf"))
         masked = logits.clone()
-        if len(slots) == len(self.rows):
-            return masked.masked_fill_(~allowed, float("-inf"))
         index = torch.tensor(slots, device=logits.device)
-        masked[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        masked[index] = torch.where(allowed, logits[index], float("-inf"))
         return masked
 
     def _sample(self, logits: torch.Tensor) -> list[int]:
