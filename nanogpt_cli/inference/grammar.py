@@ -5,7 +5,7 @@ llguidance (the `serve` extra).
     constraint = Constraint(tokenizer, grammar)
     engine.add(prompt, params, 100, constraint=constraint)            # the row only takes tokens it allows
 
-A tokenizer's vocabulary is compiled for llguidance once (vocabulary(), cached per tokenizer object: ~0.3 s
+A tokenizer's vocabulary is compiled for llguidance once (vocabulary(), cached per tokenizer object: under a second
 for GPT-2's 50,257 tokens); each constraint is then a matcher over it that gives the tokens allowed next
 (allowed) and takes the token that was picked (accept). JSON is compact (no whitespace between tokens): a
 model cannot pad it with spaces until it runs out of tokens.
