@@ -299,3 +299,61 @@ def test_a_char_vocabulary_ends_an_open_grammar_at_its_end_and_refuses_what_it_c
     assert re.fullmatch("a[01]{1,3}", tok.decode(tokens))
     with pytest.raises(NanoGPTError, match="cannot begin"):
         Constraint(tok, compile_grammar("regex", "x+", tok))
+
+
+def test_auto_parses_a_call_the_model_writes_and_leaves_other_text(client):
+    """tool_choice auto: a `<tool_call>` block in the text (written here under a grammar) becomes tool_calls."""
+    call = r'Sure\.\n<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}\n</tool_call>'
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        seed=1,
+        max_tokens=100,
+        extra_body={"grammar": {"type": "regex", "value": call}},
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure.\n"
+    (made,) = choice.message.tool_calls
+    assert made.function.name == "get_time" and json.loads(made.function.arguments)["zone"] in ("UTC", "CET")
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=ASK,
+        tools=[WEATHER, TIME],
+        tool_choice="none",
+        seed=1,
+        max_tokens=100,
+        extra_body={"grammar": {"type": "regex", "value": call}},
+    )
+    assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
+
+
+def test_a_template_that_takes_tools_gets_them_and_earlier_calls_as_objects():
+    from nanogpt_cli.serve.chat import ChatTemplate
+    from nanogpt_cli.serve.protocol import ChatMessage
+    from nanogpt_cli.serve.tools import template_messages
+
+    source = (
+        "{% for t in tools %}TOOL {{ t.function.name }};{% endfor %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments.zone }};{% endfor %}"
+        "{% endfor %}"
+    )
+    template = ChatTemplate(source)
+    assert template.takes_tools and not ChatTemplate().takes_tools
+    messages = [
+        ChatMessage(role="user", content="time?"),
+        ChatMessage.model_validate(
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c1", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}],
+            }
+        ),
+        ChatMessage(role="tool", content="12:00", tool_call_id="c1"),
+    ]
+    text = template.render(template_messages(messages, template, [TIME]), tools=[TIME])
+    assert text == "TOOL get_time;user:time?assistant:CALL get_time UTC;tool:12:00"
+    plain = ChatTemplate()  # no tools in it: the default rendering
+    text = plain.render(template_messages(messages, plain, [TIME]))
+    assert '"name": "get_time"' in text and "<tools>" in text and "<tool_response>\n12:00\n</tool_response>" in text
+    assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in text
