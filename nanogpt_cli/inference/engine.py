@@ -7,8 +7,9 @@ the token loop, for a batch whose rows start, finish and are replaced at differe
         for t in engine.step(): print(t.row, t.token, t.finish)   # one token for every row in the batch
 
 A row joins after its own prefill (`add`), takes one token per `step`, and leaves as soon as it finishes
-(its length, one of its stop tokens) or is removed (`remove`). Each row keeps its own sampling settings and
-its own random generator, so a seeded row draws the same tokens alone or among others. The model is only
+(its length, one of its stop tokens, the end of its grammar) or is removed (`remove`). Each row keeps its own
+sampling settings, its own random generator and optionally a LogitsMask (a grammar: inference/grammar.py) that
+forbids tokens before the draw, so a seeded row draws the same tokens alone or among others. The model is only
 read: `model/` holds the architecture and its one forward, this module how to run it token by token.
 
 Shape legend as in model/gpt.py: B rows, S tokens held in the cache, C n_embd, nh n_head, hs head size, V vocab.
