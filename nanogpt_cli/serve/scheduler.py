@@ -7,8 +7,7 @@
 Each loop: take cancellations (their rows leave at once), admit waiting jobs into free rows (each after its own
 prefill), pick one token for every row and turn it into text (TextStream: whole characters, stop texts, end of
 text; a job's constraint masks its row's tokens and its end ends the row), then run the batch one token on
-(Engine.pick, Engine.advance). A failure inside the engine fails only
-the rows it concerns.
+(Engine.pick, Engine.advance). A failure inside the engine fails only the rows it concerns.
 """
 
 from __future__ import annotations
