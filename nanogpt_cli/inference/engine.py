@@ -7,8 +7,9 @@ the token loop, for a batch whose rows start, finish and are replaced at differe
         for t in engine.step(): print(t.row, t.token, t.finish)   # one token for every row in the batch
 
 A row joins after its own prefill (`add`), takes one token per `step`, and leaves as soon as it finishes
-(its length, one of its stop tokens) or is removed (`remove`). Each row keeps its own sampling settings and
-its own random generator, so a seeded row draws the same tokens alone or among others. The model is only
+(its length, one of its stop tokens, the end of its grammar) or is removed (`remove`). Each row keeps its own
+sampling settings, its own random generator and optionally a LogitsMask (a grammar: inference/grammar.py) that
+forbids tokens before the draw, so a seeded row draws the same tokens alone or among others. The model is only
 read: `model/` holds the architecture and its one forward, this module how to run it token by token.
 
 Shape legend as in model/gpt.py: B rows, S tokens held in the cache, C n_embd, nh n_head, hs head size, V vocab.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch.nn import functional as F
@@ -35,6 +36,7 @@ __all__ = [
     "DecodePlan",
     "Engine",
     "KVCache",
+    "LogitsMask",
     "RowError",
     "SamplingParams",
     "StepToken",
@@ -226,6 +228,9 @@ NOT_FINITE = (
 )
 
 
+GRAMMAR_STUCK = "the row's grammar allows no token of the model's vocabulary here (or its probabilities are not finite)"
+
+
 class RowError(NanoGPTError):
     """Some rows of a step cannot go on (non-finite probabilities); `rows` names them (Engine row ids, or
     indices into the logits where sample_tokens raises it). The step changed nothing: remove them and step again."""
@@ -334,6 +339,17 @@ class StepToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+class LogitsMask(Protocol):
+    """A row's constraint on its tokens (inference/grammar.py's Constraint): which it may take next, the one it
+    took, and whether it has ended."""
+
+    done: bool
+
+    def allowed(self) -> torch.Tensor: ...  # (V,) bool
+
+    def accept(self, token: int) -> None: ...
+
+
 @dataclass
 class _Row:
     id: int
@@ -346,6 +362,7 @@ class _Row:
     adapter: int = 0  # which adapter of the engine's RowAdapters (0: the base alone)
     cache_prompt: bool = True  # look its prompt up in the prefix cache, and store its tokens there when it leaves
     restarted: bool = False  # its cache restarted past the context: it no longer holds its tokens from the first
+    mask: LogitsMask | None = None  # its tokens are only those the mask allows; it ends when the mask is done
 
 
 class Engine:
@@ -402,10 +419,11 @@ class Engine:
         max_new_tokens: int = 256,
         generator: torch.Generator | None = None,
         stop_ids: Sequence[int] = (),
+        mask: LogitsMask | None = None,
     ) -> int:
         """Prefill one prompt into a free row and return the row's id; it takes its first token at the next
         step."""
-        return self.add_many([prompt], params, max_new_tokens, [generator], stop_ids)[0]
+        return self.add_many([prompt], params, max_new_tokens, [generator], stop_ids, [mask])[0]
 
     @torch.inference_mode()
     def add_many(
@@ -417,10 +435,11 @@ class Engine:
         stop_ids: Sequence[int] = (),
         adapters: int | Sequence[int] = 0,
         cache_prompt: bool | Sequence[bool] = True,
+        masks: Sequence[LogitsMask | None] | None = None,
     ) -> list[int]:
         """add for several prompts at once (params, max_new_tokens, adapters and cache_prompt: one for all, or
-        one per prompt); runs of prompts of one length are prefilled together, as one forward, and a prompt that
-        starts with a stored prefix prefills only the rest of its tokens."""
+        one per prompt; masks: one per prompt or None); runs of prompts of one length are prefilled together, as
+        one forward, and a prompt that starts with a stored prefix prefills only the rest of its tokens."""
         n = len(prompts)
         params = [params] * n if isinstance(params, SamplingParams) else list(params)
         limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -441,10 +460,13 @@ class Engine:
             raise NanoGPTError(f"{n} new rows do not fit: {self.free} of {self.max_batch} are free")
         self.advance()  # the rows already here take their picked tokens first: the logits stay one per row
         generators = generators or [None] * n
+        masks = masks or [None] * n
         start = len(self.rows)
-        for prompt, p, limit, generator, a, c in zip(prompts, params, limits, generators, adapters, cache_prompt):
+        rows = zip(prompts, params, limits, generators, adapters, cache_prompt, masks)
+        for prompt, p, limit, generator, a, c, mask in rows:
+            stops = frozenset(stop_ids)
             self.rows.append(
-                _Row(self._next_id, list(prompt), p, generator, limit, frozenset(stop_ids), adapter=a, cache_prompt=c)
+                _Row(self._next_id, list(prompt), p, generator, limit, stops, adapter=a, cache_prompt=c, mask=mask)
             )
             self._next_id += 1
         for slot in range(start, len(self.rows)):
@@ -557,12 +579,19 @@ class Engine:
         if not self.rows:
             return []
         logits = self.logits
-        tokens = self._sample(logits)
+        try:
+            tokens = self._sample(self._masked(logits))
+        except RowError as e:  # a row whose grammar allows no token of the vocabulary: say so
+            stuck = {r.id for r in self.rows if r.mask is not None} & set(e.rows)
+            raise RowError(GRAMMAR_STUCK if stuck else str(e), e.rows) from None
         out = []
         for slot, (row, token) in enumerate(zip(self.rows, tokens)):
             row.tokens.append(token)
             row.generated += 1
-            finish = "stop" if token in row.stop_ids else "length" if row.generated >= row.max_new_tokens else None
+            if row.mask is not None:
+                row.mask.accept(token)
+            done = token in row.stop_ids or (row.mask is not None and row.mask.done)
+            finish = "stop" if done else "length" if row.generated >= row.max_new_tokens else None
             out.append(StepToken(row.id, token, finish))
             if row.params.logprobs is not None:
                 ((out[-1].logprob, out[-1].top_logprobs),) = token_logprobs(
@@ -598,6 +627,21 @@ class Engine:
         idx = torch.tensor([r.tokens[-1] for r in self.rows], dtype=torch.long, device=self.device)
         self._select(0, len(self.rows))
         return decode_step(self.plan, idx, self.cache, len(self.rows)).float()
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with -inf for every token a row's mask forbids; rows without a mask are left as they are
+        (and the logits themselves too: logprobs report the model's own)."""
+        slots = [s for s, r in enumerate(self.rows) if r.mask is not None]
+        if not slots:
+            return logits
+        allowed = torch.stack([self.rows[s].mask.allowed()[: logits.size(1)] for s in slots])  # (m, V)
+        allowed = allowed.to(logits.device)
+        if len(slots) == len(self.rows):  # one pass that writes a new tensor: cheaper than a clone and a fill
+            return torch.where(allowed, logits, float("-inf"))
+        masked = logits.clone()
+        index = torch.tensor(slots, device=logits.device)
+        masked[index] = torch.where(allowed, logits[index], float("-inf"))
+        return masked
 
     def _sample(self, logits: torch.Tensor) -> list[int]:
         """Each row's next token: rows with the same settings are processed together."""

@@ -4,7 +4,8 @@
     serve(options, on_ready=print)   # blocks; Ctrl-C or SIGTERM ends in-flight streams and returns
 
 Modules: scheduler (the engine thread, continuous batching), api (routes and OpenAI shapes), protocol (request
-bodies and the error shape), chat (chat templates), page.html (the chat page). FastAPI and uvicorn come from
+bodies and the error shape), chat (chat templates), tools (tool calls in and out of the text), page.html (the chat
+page). Structured output's masks are inference/grammar.py's. FastAPI and uvicorn come from
 the `serve` extra and are imported only here.
 """
 
