@@ -17,6 +17,7 @@ pytest.importorskip("llguidance", reason="structured output needs llguidance (th
 jsonschema = pytest.importorskip("jsonschema", reason="the schema checks need jsonschema (the dev extra)")
 
 from pydantic import BaseModel, Field  # noqa: E402
+from test_serve import Live, get_json  # noqa: E402
 
 from nanogpt_cli.config import GPTConfig  # noqa: E402
 from nanogpt_cli.errors import NanoGPTError  # noqa: E402
@@ -27,7 +28,6 @@ from nanogpt_cli.runs import checkpoint as ckpt  # noqa: E402
 from nanogpt_cli.serve import ServeOptions  # noqa: E402
 from nanogpt_cli.serve.tools import ToolCallText  # noqa: E402
 from nanogpt_cli.tokenizer import ByteTokenizer, build_tokenizer  # noqa: E402
-from tests.test_serve import Live, get_json  # noqa: E402
 
 # nested objects, an array, enums, required fields; strings and arrays bounded, so a random model ends them
 SCHEMA = {

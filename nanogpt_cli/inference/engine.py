@@ -423,7 +423,7 @@ class Engine:
     ) -> int:
         """Prefill one prompt into a free row and return the row's id; it takes its first token at the next
         step."""
-        return self.add_many([prompt], params, max_new_tokens, [generator], stop_ids, [mask])[0]
+        return self.add_many([prompt], params, max_new_tokens, [generator], stop_ids, masks=[mask])[0]
 
     @torch.inference_mode()
     def add_many(
