@@ -371,10 +371,11 @@ def test_each_setting_trains_from_scratch(name):
     assert losses[-1] < losses[0] - 0.5
 
 
-def test_the_fused_training_kernel_and_the_composite_path_agree_on_local_layers_and_offset_gains():
-    """NormRopeQKV runs for full-head RoPE with QK-norm without a cache (local tables and 1 + w gains included);
-    through a cache the composite ops run (as partial rotary does). Both give the gradients of one function."""
-    kw = dict(SETTINGS["gemma3"], n_layer=2, window_pattern="LG")
+@pytest.mark.parametrize("rotary_dim", [None, 6])
+def test_the_fused_training_kernel_and_the_composite_path_agree(rotary_dim):
+    """NormRopeQKV runs for RoPE with QK-norm without a cache (local tables, 1 + w gains and partial rotary
+    included); through a cache the composite ops run. Both give the gradients of one function."""
+    kw = dict(SETTINGS["gemma3"], n_layer=2, window_pattern="LG", rotary_dim=rotary_dim)
     model = model_with(kw).train()
     x = torch.randint(0, 61, (2, 16))
     grads = []
@@ -575,3 +576,20 @@ def serve_completion(run, prompt: str, n: int) -> str:
     finally:
         server.should_exit = True
         thread.join(20)
+
+
+@pytest.mark.parametrize("name", ["window", "gemma3"])
+def test_scored_continuations_of_a_windowed_model_equal_its_full_forward(name):
+    """eval tasks' two-pass scoring keeps every layer's keys in full: the window is the mask's."""
+    from nanogpt_cli.inference.loglikelihood import score_continuations
+
+    model = model_with(SETTINGS[name])
+    torch.manual_seed(2)
+    context, choices = torch.randint(0, 61, (9,)).tolist(), [torch.randint(0, 61, (n,)).tolist() for n in (1, 4)]
+    got = score_continuations(model, [(context, c) for c in choices])
+    for (logprob, _), choice in zip(got, choices):
+        ids = torch.tensor([context + choice])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids)[0][0].float(), dim=-1)
+        expected = sum(logp[len(context) - 1 + i, t].item() for i, t in enumerate(choice))
+        assert logprob == pytest.approx(expected, abs=1e-4)

@@ -82,7 +82,8 @@ class NormRopeQKV(torch.autograd.Function):
     norms' composite ops, a stack, torch.roll's concatenations, the slices' zero-filled gradients) made a
     4 x 128 model's update ~1.3x slower. q and k are normed and rotated in fp32, laid out (2, B, nh, T, hs) from
     the first copy on; the gains fold into RoPE's tables, n * (g cos) + roll(n) * (roll(g) sin) with
-    n = x / rms(x), as the gain, the rotation and the roll all act per dimension."""
+    n = x / rms(x), as the gain, the rotation and the roll all act per dimension. Tables narrower than the head
+    (partial rotary, rd < hs) rotate its first rd dimensions; the rest are only normed."""
 
     @staticmethod
     def forward(ctx, qkv, q_gain, k_gain, cos, sin, eps: float, out_dtype: torch.dtype):
@@ -92,8 +93,12 @@ class NormRopeQKV(torch.autograd.Function):
         inv_rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(hs).add_(eps).rsqrt_()
         n = x.mul_(inv_rms)  # (2, B, nh, T, hs): x is a copy, normalised in place
         g = torch.stack([q_gain, k_gain]).to(dtype).view(2, 1, 1, 1, hs)
-        cos, sin = cos.to(dtype).view(T, hs), sin.to(dtype).view(T, hs)
-        out = rotate_half_into(torch.empty_like(n), n, g * cos, g.roll(hs // 2, dims=-1) * sin)
+        rd = cos.size(-1)
+        cos, sin = cos.to(dtype).view(T, rd), sin.to(dtype).view(T, rd)
+        out, g_rot = torch.empty_like(n), g[..., :rd]
+        rotate_half_into(out[..., :rd], n[..., :rd], g_rot * cos, g_rot.roll(rd // 2, dims=-1) * sin)
+        if rd < hs:  # the dimensions RoPE leaves: normed and scaled only
+            torch.mul(n[..., rd:], g[..., rd:], out=out[..., rd:])
         if out_dtype != dtype:
             out = out.to(out_dtype)
         v = qkv.select(2, 2).transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format)
@@ -106,12 +111,17 @@ class NormRopeQKV(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         n, inv_rms, g, cos, sin = ctx.saved_tensors
         B, nh, T, hs = dq.shape
+        rd = cos.size(-1)
+        sin_t = sin.roll(rd // 2, dims=-1)
         d_qkv = torch.empty(B, T, 3, nh, hs, dtype=ctx.qkv_dtype, device=dq.device)
         d_gains = []
         for i, d_out in enumerate((dq, dk)):  # q, then k: no stack of the two
             d_out = d_out.to(n.dtype)
             # RoPE's transpose: the swap of halves is its own inverse, so d(n g) = d_out cos + roll(d_out sin)
-            d_y = rotate_half_into(torch.empty_like(d_out), d_out, cos, sin.roll(hs // 2, dims=-1))
+            d_y = torch.empty_like(d_out)
+            rotate_half_into(d_y[..., :rd], d_out[..., :rd], cos, sin_t)
+            if rd < hs:
+                d_y[..., rd:] = d_out[..., rd:]
             d_gains.append((d_y * n[i]).sum(dim=(0, 1, 2)).to(ctx.gain_dtype))
             d_n = d_y.mul_(g[i])
             # RMSNorm's backward without the gain: (d_n - n * mean(d_n * n)) / rms
@@ -220,10 +230,8 @@ def queries_keys_values(w: AttentionOps, qkv: torch.Tensor, ctx: Context, cos, s
     """q, k, v (B, nh, T, hs) from the fused projection (B, T, 3, nh, hs): QK-norm per head, then RoPE on q and
     k with the layer's tables cos, sin (None: no RoPE). narrow and select rather than qkv[:, :, :2]: Python's
     tuple indexing costs a few microseconds a call, which a decode step makes a few hundred of."""
-    hs = qkv.size(-1)
-    if ctx.cache is None and cos is not None and isinstance(w.q_norm, nn.RMSNorm) and cos.size(-1) == hs:
-        # training's kernel: the norms, the rotation and the layout in one Function (it reads the norms' gains).
-        # Partial rotary takes the composite path below: the kernel's roll pairs dimensions across the whole head
+    if ctx.cache is None and cos is not None and isinstance(w.q_norm, nn.RMSNorm):
+        # training's kernel: the norms, the rotation and the layout in one Function (it reads the norms' gains)
         cpu_autocast = qkv.device.type == "cpu" and torch.is_autocast_enabled("cpu")
         out_dtype = torch.float32 if cpu_autocast else qkv.dtype  # fp32 for the CPU's attention (causal_attention)
         q_gain, k_gain = norm_gain(w.q_norm), norm_gain(w.k_norm)
