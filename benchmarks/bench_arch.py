@@ -5,9 +5,9 @@ decode step and KV cache of a sliding-window model against the full-context one,
     python benchmarks/bench_arch.py --threads 2
 
 Training: --preset cpu-fast's model (QK-norm, so the fused NormRopeQKV kernel where it applies) and Muon at batch
-16 x 128, --dtype auto. Partial rotary takes the composite path (the kernel's roll pairs dimensions across the
-whole head); a sliding window keeps the kernel and masks attention. Decoding: the 6 x 384 shape at context 256,
-batch 1, 200 tokens after a 4-token prompt, every layer local with a window of 64 against none.
+16 x 128, --dtype auto. Partial rotary and the sliding window keep the kernel (the window masks attention).
+Decoding: the 6 x 384 shape at context 256, batch 1, 200 tokens after a 4-token prompt, every layer local with a
+window of 64 against none.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def main() -> None:
     base, model = train_steps({}, args.steps)
     hs = model.config.head_size
     settings = {
-        f"--rotary-dim {hs // 4} (composite path)": dict(rotary_dim=hs // 4),
+        f"--rotary-dim {hs // 4} (the fused kernel)": dict(rotary_dim=hs // 4),
         "--parallel-residual": dict(parallel_residual=True),
         "--sliding-window 32": dict(sliding_window=32),
         "Gemma set (--norm rmsnorm --norm-offset --post-norms --embed-scale --mlp geglu)": dict(

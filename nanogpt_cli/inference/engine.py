@@ -161,6 +161,11 @@ class CacheView:
     def ring_write(self, ks, vs, k: torch.Tensor, v: torch.Tensor, skip: int = 0) -> None:
         """Keys and values (B, nh, n, hs) of the positions pos + skip ... into their slots, position % W."""
         n, W = k.size(2), ks.size(2)
+        if isinstance(self.pos, int) and n == 1:  # a decode step of rows at one position: one slot
+            slot = (self.pos + skip) % W
+            ks.narrow(2, slot, 1).copy_(k)
+            vs.narrow(2, slot, 1).copy_(v)
+            return
         pos = torch.tensor(self.pos, device=k.device)  # () or (B,)
         slots = (pos.unsqueeze(-1) + skip + torch.arange(n, device=k.device)) % W  # (n,) or (B, n)
         k, v = k.to(ks.dtype), v.to(vs.dtype)
@@ -172,15 +177,18 @@ class CacheView:
             ks.transpose(1, 2).index_put_((rows, slots), k.transpose(1, 2))
             vs.transpose(1, 2).index_put_((rows, slots), v.transpose(1, 2))
 
-    def window_keys(self, T: int, device: torch.device) -> torch.Tensor:
+    def window_keys(self, T: int, device: torch.device) -> torch.Tensor | None:
         """The positions of the keys a sliding-window layer's update returns for T new tokens, -1 for an empty
         slot: a ring's slots (the latest position q < held with q % W == slot), then the new tokens; without a
-        ring, the cache's positions from 0. (S,) or (B, S)"""
-        cache = self.cache
-        held = torch.tensor(self.pos, device=device)  # () or (B,)
+        ring, the cache's positions from 0. (S,) or (B, S). None: every key returned is visible (one token per
+        row into full rings, whose slots then hold exactly each row's window)."""
+        cache, pos = self.cache, self.pos
         if cache.ring is None:
-            return torch.arange(int(held.max()) + T, device=device)
+            return torch.arange((pos if isinstance(pos, int) else max(pos)) + T, device=device)
         W = cache.ring
+        if T == 1 and (pos if isinstance(pos, int) else min(pos)) + 1 >= W:
+            return None
+        held = torch.tensor(pos, device=device)  # () or (B,)
         after = (held + 1 if T == 1 else held).unsqueeze(-1)  # (1,) or (B, 1): tokens held once one is written
         slots = torch.arange(W, device=device)
         ring = after - 1 - (after - 1 - slots) % W  # (W,) or (B, W); negative: not written yet

@@ -144,9 +144,10 @@ class Cache(Protocol):
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def window_keys(self, T: int, device: torch.device) -> torch.Tensor:
+    def window_keys(self, T: int, device: torch.device) -> torch.Tensor | None:
         """The positions of the keys that a sliding-window layer's update returns for T new tokens, in order: (S,),
-        or (B, S) a row each; -1 marks a slot that holds no key yet. A cache may keep only a local layer's window."""
+        or (B, S) a row each; -1 marks a slot that holds no key yet; None when every key returned is visible. A
+        cache may keep only a local layer's window."""
         ...
 
 

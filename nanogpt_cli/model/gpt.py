@@ -182,7 +182,7 @@ class GPT(nn.Module):
         if self.window is not None:  # sliding-window layers: the keys of the window, from what the cache holds
             query = torch.arange(start, end, device=x.device) if at is None else at
             keys = query if cache is None else cache.window_keys(T, x.device)
-            ctx.local_mask = window_mask(query, keys, self.window)
+            ctx.local_mask = None if keys is None else window_mask(query, keys, self.window)
         if ops.cos is not None:  # (T, 1, 1, rd), (1, 1, rd) for one token, or (B, T, 1, 1, rd) a row each
             ctx.cos, ctx.sin = rows(ops.cos), rows(ops.sin)
             if self.window is not None:
