@@ -181,28 +181,27 @@ def test_partial_rotary_rotates_the_first_dims_as_gpt_neox_does_and_leaves_the_r
     reference = torch.cat([(x_rot * emb.cos() + rotate_half * emb.sin()).float(), x[..., rd:]], dim=-1)
     torch.testing.assert_close(ours, reference, atol=1e-6, rtol=0)
     assert torch.equal(ours[..., rd:], x[..., rd:])  # the unrotated dims carry no position
-    # in a model: the scores over the unrotated dims are the same at every position
-    model = model_with(dict(rotary_dim=4, n_layer=1))
-    assert model.rope_cos.size(-1) == 4
+    # the model's own tables: the same query at positions 3 and 9 differs in its first 4 dims only
+    model = GPT(tiny(rotary_dim=4, n_layer=1))
+    q = torch.randn(16)
+    at3, at9 = (apply_rope(q, model.rope_cos[p, 0, 0], model.rope_sin[p, 0, 0]) for p in (3, 9))
+    assert torch.equal(at3[4:], at9[4:]) and (at3[:4] - at9[:4]).abs().max() > 1e-3
 
 
 def block_branches(block: Block, x: torch.Tensor, cfg: GPTConfig):
-    """A(x) and M(x) of a block, the attention and MLP branches each alone: a plain sequential block of the same
-    weights with the other branch's output projection at zero gives x + that branch."""
-    plain = Block(tiny(**{**cfg.to_dict(), "parallel_residual": False, "post_norms": False}))
-    plain.load_state_dict(block.state_dict(), strict=False)
-    ctx = Context(1, x.size(0), cos=None)
-    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    """A(x) and M of a block, its attention and MLP branches each alone: a plain sequential block of the same
+    weights with the other branch's output projection at zero computes y + that branch of y."""
+
+    def branch(zeroed: str):
+        plain = Block(tiny(**{**cfg.to_dict(), "parallel_residual": False, "post_norms": False})).eval()
+        plain.load_state_dict(block.state_dict(), strict=False)  # the post-norms are not the plain block's
+        with torch.no_grad():
+            plain.get_submodule(zeroed).weight.zero_()
+        return lambda y: plain(y, Context(1, y.size(0))) - y
+
+    attn, mlp = branch("mlp.c_proj"), branch("attn.c_proj")
     with torch.no_grad():
-        plain.mlp.c_proj.weight.zero_()
-        attn = lambda y: plain(y, Context(1, y.size(0))) - y  # noqa: E731
-        a = attn(x)
-        plain.load_state_dict(state)
-        plain.attn.c_proj.weight.zero_()
-        mlp = lambda y: plain(y, Context(1, y.size(0))) - y  # noqa: E731
-        m = mlp(x)
-    del ctx
-    return a, m, attn, mlp
+        return attn(x), mlp(x), attn, mlp
 
 
 def test_the_parallel_residual_is_x_plus_attention_plus_mlp_of_the_same_input():
