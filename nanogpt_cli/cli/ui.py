@@ -313,6 +313,17 @@ def runs_table(runs, root, width: int | None = None):
     return table
 
 
+def model_extras(m: dict) -> list[str]:
+    """The model's settings beyond the basic block, in words (GPTConfig.extras); none for a config this version
+    cannot read."""
+    from nanogpt_cli.config import GPTConfig
+
+    try:
+        return GPTConfig.from_dict(m).extras()
+    except (TypeError, ValueError):
+        return []
+
+
 def info_table(info):
     """`nanogpt info` of a runs.Info: the summary, then the files with sizes and whether each loads."""
     from rich.console import Group
@@ -330,6 +341,9 @@ def info_table(info):
                 f"{m['block_size']:,}, {m['pos_encoding']}, {m['norm']}, {m['mlp']}",
             )
         )
+        extras = model_extras(m)
+        if extras:
+            rows.append(("attention, blocks", ", ".join(extras)))
     if info.params is not None and info.params_non_embedding is not None:
         rows += [
             ("parameters", f"{info.params:,} ({info.params_non_embedding:,} non-embedding)"),

@@ -55,17 +55,33 @@ __all__ = [
 class KVCache:
     """Keys and values for `rows` rows of block_size tokens per layer, and how many tokens each row holds
     (`pos[r]`, which is also the position of its next token). Rows are slots: the engine keeps its active
-    rows in slots 0..n-1, so a step runs on the first n."""
+    rows in slots 0..n-1, so a step runs on the first n.
+
+    A sliding-window layer whose window is shorter than the context keeps only its window, as a ring: the key
+    at position j lives in slot j % window, overwritten once j leaves every later token's window."""
 
     def __init__(self, model: GPT, rows: int):
         cfg, w = model.config, model.transformer.wte.weight
         # under autocast the cache holds the autocast dtype, as the attention's k and v come out in it
         dtype = torch.get_autocast_dtype(w.device.type) if torch.is_autocast_enabled(w.device.type) else w.dtype
-        shape = (rows, cfg.n_head, cfg.block_size, cfg.head_size)  # (B, nh, S, hs)
-        self.k = [torch.zeros(shape, device=w.device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, device=w.device, dtype=dtype) for _ in range(cfg.n_layer)]
+        window = cfg.sliding_window
+        self.ring = window if window is not None and window < cfg.block_size else None  # ring layers' slots
+        self.k, self.v, self.in_ring = [], [], []
+        for layer, block in enumerate(model.transformer.h):
+            ring = self.ring is not None and cfg.is_local(layer)
+            held = self.ring if ring else cfg.block_size
+            heads, hs = block.attn.n_head, block.attn.head_size
+            self.k.append(torch.zeros(rows, heads, held, hs, device=w.device, dtype=dtype))  # (B, nh, S, hs)
+            self.v.append(torch.zeros(rows, heads, held, hs, device=w.device, dtype=dtype))
+            self.in_ring.append(ring)
         self.capacity, self.dtype, self.rows = cfg.block_size, dtype, rows
         self.pos = [0] * rows
+
+    def bytes_per_token(self) -> float:
+        """The keys' and values' bytes per token of a row at the full context: a ring layer's window spread
+        over the context."""
+        per_row = sum(t[0].numel() * t.element_size() for t in (*self.k, *self.v))
+        return per_row / self.capacity
 
     def view(self, start: int, stop: int) -> CacheView:
         """Rows start..stop-1, each at its own position, as GPT.forward takes a cache."""
@@ -75,7 +91,8 @@ class KVCache:
         """Copy row src (its held tokens) into slot dst."""
         n = self.pos[src]
         for k in (*self.k, *self.v):
-            k[dst, :, :n].copy_(k[src, :, :n])
+            m = min(n, k.size(2))  # a ring past its window holds keys in every slot
+            k[dst, :, :m].copy_(k[src, :, :m])
         self.pos[dst] = n
 
     def save(self, slot: int, n: int) -> list[torch.Tensor]:
@@ -106,11 +123,15 @@ class CacheView:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this call's keys and values (B, nh, T, hs) in the cache's dtype and return all the rows' held
-        ones (B, nh, S, hs)."""
+        ones (B, nh, S, hs); a ring layer's in the order window_keys gives."""
         T, pos, cache = k.size(2), self.pos, self.cache
         ks, vs = cache.k[layer], cache.v[layer]  # (rows, nh, block_size, hs)
         if not self.whole:  # narrow rather than ks[a:b]: Python's tuple indexing costs a few microseconds a call
             ks, vs = ks.narrow(0, self.start, self.stop - self.start), vs.narrow(0, self.start, self.stop - self.start)
+        if cache.in_ring[layer]:
+            held = self.ring_update(ks, vs, k, v)
+            self.advance(layer, T)
+            return held
         if isinstance(pos, int):
             end = pos + T
             assert end <= cache.capacity, f"{pos} + {T} tokens overflow a cache of {cache.capacity}"
@@ -129,12 +150,69 @@ class CacheView:
             k, v = (k.select(2, 0), v.select(2, 0)) if T == 1 else (k.transpose(1, 2), v.transpose(1, 2))
             ks.transpose(1, 2).index_put_(self.index, k)  # into the (B, S, nh, hs) view
             vs.transpose(1, 2).index_put_(self.index, v)
+        self.advance(layer, T)
+        return ks.narrow(2, 0, end), vs.narrow(2, 0, end)
+
+    def advance(self, layer: int, T: int) -> None:
+        """After the last layer's update: the rows hold T more tokens."""
         if layer == self.last:
+            pos, cache = self.pos, self.cache
             shared = isinstance(pos, int)
             self.pos = pos + T if shared else [p + T for p in pos]
             cache.pos[self.start : self.stop] = [self.pos] * (self.stop - self.start) if shared else self.pos
             self.index = None
-        return ks.narrow(2, 0, end), vs.narrow(2, 0, end)
+
+    def ring_update(self, ks: torch.Tensor, vs: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """A ring layer's update. One token per row goes into its slot first, and the ring is what it sees (the
+        key it overwrites left the window). More tokens see the ring as it was, then themselves; only their last
+        `window` are kept. (B, nh, W, hs), or (B, nh, W + T, hs)"""
+        T, W = k.size(2), ks.size(2)
+        if T == 1:
+            self.ring_write(ks, vs, k, v)
+            return ks, vs
+        held = torch.cat([ks, k.to(ks.dtype)], dim=2), torch.cat([vs, v.to(vs.dtype)], dim=2)
+        keep = min(T, W)
+        self.ring_write(ks, vs, k.narrow(2, T - keep, keep), v.narrow(2, T - keep, keep), T - keep)
+        return held
+
+    def ring_write(self, ks, vs, k: torch.Tensor, v: torch.Tensor, skip: int = 0) -> None:
+        """Keys and values (B, nh, n, hs) of the positions pos + skip ... into their slots, position % W."""
+        n, W = k.size(2), ks.size(2)
+        if isinstance(self.pos, int) and n == 1:  # a decode step of rows at one position: one slot
+            slot = (self.pos + skip) % W
+            ks.narrow(2, slot, 1).copy_(k)
+            vs.narrow(2, slot, 1).copy_(v)
+            return
+        pos = torch.tensor(self.pos, device=k.device)  # () or (B,)
+        slots = (pos.unsqueeze(-1) + skip + torch.arange(n, device=k.device)) % W  # (n,) or (B, n)
+        k, v = k.to(ks.dtype), v.to(vs.dtype)
+        if slots.dim() == 1:
+            ks.index_copy_(2, slots, k)
+            vs.index_copy_(2, slots, v)
+        else:  # a slot per row, through the (B, S, nh, hs) view
+            rows = torch.arange(slots.size(0), device=k.device).unsqueeze(1)  # (B, 1)
+            ks.transpose(1, 2).index_put_((rows, slots), k.transpose(1, 2))
+            vs.transpose(1, 2).index_put_((rows, slots), v.transpose(1, 2))
+
+    def window_keys(self, T: int, device: torch.device) -> torch.Tensor | None:
+        """The positions of the keys a sliding-window layer's update returns for T new tokens, -1 for an empty
+        slot: a ring's slots (the latest position q < held with q % W == slot), then the new tokens; without a
+        ring, the cache's positions from 0. (S,) or (B, S). None: every key returned is visible (one token per
+        row into full rings, whose slots then hold exactly each row's window)."""
+        cache, pos = self.cache, self.pos
+        if cache.ring is None:
+            return torch.arange((pos if isinstance(pos, int) else max(pos)) + T, device=device)
+        W = cache.ring
+        if T == 1 and (pos if isinstance(pos, int) else min(pos)) + 1 >= W:
+            return None
+        held = torch.tensor(pos, device=device)  # () or (B,)
+        after = (held + 1 if T == 1 else held).unsqueeze(-1)  # (1,) or (B, 1): tokens held once one is written
+        slots = torch.arange(W, device=device)
+        ring = after - 1 - (after - 1 - slots) % W  # (W,) or (B, W); negative: not written yet
+        ring = ring.clamp(min=-1)
+        if T == 1:
+            return ring
+        return torch.cat([ring, held.unsqueeze(-1) + torch.arange(T, device=device)], dim=-1)
 
 
 # --- the decode step ------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ Which stock architecture computes which of our configs exactly (`hf_kind`):
 - gpt2: learned or sinusoidal positions (a sinusoidal table becomes the learned table), LayerNorm, GELU (exact or
   tanh); a model without biases gets zero biases.
 - llama: RoPE, RMSNorm, SwiGLU; biases through Llama's attention_bias and mlp_bias.
-- gpt_neox: RoPE on the whole head, LayerNorm, GELU, sequential residual (our default config); zero biases.
+- gpt_neox: RoPE (on the whole head, or --rotary-dim of it: rotary_pct), LayerNorm, GELU, the sequential
+  residual (our default config) or the parallel one (Pythia's); zero biases.
 Importing is the inverse: a model whose bias tensors are all zero becomes a model without biases.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -131,7 +133,24 @@ def hf_kind(c: GPTConfig) -> str:
             "no stock Hugging Face architecture has QK-norm or logit soft-capping; a model trained "
             "with --qk-norm or --logit-softcap does not convert (train without them to export)"
         )
+    if c.sliding_window is not None:
+        raise NanoGPTError(
+            "no Hugging Face export here has sliding-window attention: a model trained with --sliding-window does "
+            "not convert"
+        )
+    gemma = [f"--{f.replace('_', '-')}" for f in ("embed_scale", "norm_offset", "post_norms") if getattr(c, f)]
+    if gemma or c.mlp == "geglu":
+        raise NanoGPTError(
+            f"no Hugging Face export here has Gemma's {' '.join(gemma + (['--mlp geglu'] if c.mlp == 'geglu' else []))}"
+            ": a model trained with them does not convert"
+        )
     gelu = c.mlp in ("gelu", "gelu_tanh")
+    neox_only = [f for f, on in (("--parallel-residual", c.parallel_residual), ("--rotary-dim", c.rotary_dim)) if on]
+    if neox_only and not (c.pos_encoding == "rope" and c.norm == "layernorm" and gelu):
+        raise NanoGPTError(
+            f"{' and '.join(neox_only)} export as GPTNeoXForCausalLM only, which needs --pos-encoding rope, "
+            "--norm layernorm and --mlp gelu or gelu_tanh"
+        )
     if c.pos_encoding in ("learned", "sinusoidal"):
         if c.norm == "layernorm" and gelu:
             return "gpt2"
@@ -231,11 +250,10 @@ def config_from_hf(c, bias: bool) -> GPTConfig:
     else:
         rope = getattr(c, "rope_parameters", None) or {}
         partial = rope.get("partial_rotary_factor", getattr(c, "rotary_pct", 1.0))
-        if c.use_parallel_residual or partial != 1.0:
-            raise NanoGPTError(
-                "GPT-NeoX models with a parallel residual or partial rotary embeddings (such as Pythia) "
-                "have no counterpart here"
-            )
+        hs = c.hidden_size // c.num_attention_heads
+        rotary_dim = int(hs * partial)  # as GPT-NeoX computes rotary_ndims
+        if rotary_dim % 2 or rotary_dim == 0:
+            raise NanoGPTError(f"GPT-NeoX's rotary dimensions ({rotary_dim} of {hs}) must be even and at least 2")
         if c.hidden_act not in GELUS:
             raise NanoGPTError(f"GPT-NeoX with activation {c.hidden_act!r} has no counterpart here")
         config = GPTConfig(
@@ -252,6 +270,8 @@ def config_from_hf(c, bias: bool) -> GPTConfig:
             mlp=GELUS[c.hidden_act],
             mlp_hidden=c.intermediate_size,
             tie_embeddings=c.tie_word_embeddings,
+            rotary_dim=None if rotary_dim == hs else rotary_dim,
+            parallel_residual=bool(c.use_parallel_residual),
         )
     if (
         config.mlp_hidden is not None
@@ -302,6 +322,9 @@ def hf_config_for(c: GPTConfig, kind: str, special: dict[str, int | None]) -> tu
             **special,
         )
         return config, {"rope_theta": c.rope_theta}
+    pct = c.rotary_size / c.head_size
+    while int(c.head_size * pct) < c.rotary_size:  # GPT-NeoX's rotary_ndims = int(head_size * pct), which rounds down
+        pct = math.nextafter(pct, 2.0)
     config = transformers.GPTNeoXConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.n_embd,
@@ -311,17 +334,17 @@ def hf_config_for(c: GPTConfig, kind: str, special: dict[str, int | None]) -> tu
         hidden_act="gelu_new" if c.mlp == "gelu_tanh" else "gelu",
         max_position_embeddings=c.block_size,
         layer_norm_eps=c.norm_eps,
-        rotary_pct=1.0,
+        rotary_pct=pct,
         rotary_emb_base=c.rope_theta,
-        rope_parameters={**rope, "partial_rotary_factor": 1.0},
-        use_parallel_residual=False,
+        rope_parameters={**rope, "partial_rotary_factor": pct},
+        use_parallel_residual=c.parallel_residual,
         attention_bias=True,
         tie_word_embeddings=c.tie_embeddings,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         **special,
     )
-    return config, {"rope_theta": c.rope_theta, "rotary_emb_base": c.rope_theta, "rotary_pct": 1.0}
+    return config, {"rope_theta": c.rope_theta, "rotary_emb_base": c.rope_theta, "rotary_pct": pct}
 
 
 # --- weights --------------------------------------------------------------------------------------------
