@@ -587,7 +587,7 @@ class Engine:
         row = self.rows[slot]
         if self.prefix_cache is None or not row.cache_prompt:
             return 0
-        n, saved = self.prefix_cache.lookup(row.tokens, row.adapter)
+        n, saved = self.prefix_cache.lookup(row.tokens, row.adapter, self.cache.ring)
         if n:
             self.cache.load(slot, saved, n)
         return n
