@@ -1,66 +1,26 @@
 """Grouped-query attention: the KV cache's bytes per token and `nanogpt serve`'s tokens/s at 16 clients for
-n_kv_head = n_head against n_head / 4 on the same width; and, with --baseline, the cpu-fast training step and the
-engine's decode step (batch 1 and 5) of this checkout against another, alternating, in fresh processes.
+n_kv_head = n_head against n_head / 4 on the same width, and the training step of each.
 
-    python benchmarks/bench_gqa.py                                   # cache bytes and serve tokens/s
-    python benchmarks/bench_gqa.py --baseline /work/main --rounds 5  # plus the step times, side by side
-    python benchmarks/bench_gqa.py --skip-serve --baseline ../main   # the step times only
+    python benchmarks/bench_gqa.py                       # cache bytes, serve tokens/s, training step
+    python benchmarks/bench_gqa.py --skip-serve          # cache bytes and the training step only
 
 The served model is bench_serve.py's 4 x 128 Llama-shaped GPT (gpt2 vocabulary, random weights), with 4 key/value
-heads or 1. Step times are the best of each round's median, per checkout.
+heads or 1; its `nanogpt serve` runs with bench_serve.py's helpers (16 slots, streamed completions). The training
+step is cpu-fast's model (3 x 128, 4 heads, QK-norm) with 4 or 1 key/value heads, forward and backward at batch
+16 x 128, alternated in one process: 4 heads take the fused NormRopeQKV kernel, grouped heads the general path.
+(bench_forward.py compares the training and decode steps against another copy of the code.)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import ROOT, load, start  # noqa: E402
+from bench_serve import load, start  # noqa: E402
 from common import table  # noqa: E402
-
-# one checkout's step times, run with PYTHONPATH at that checkout: JSON {name: ms}
-STEP_WORKER = r"""
-import json, statistics, sys, time, torch
-from nanogpt_cli.config import GPTConfig, preset_values, split_values
-from nanogpt_cli.inference.engine import KVCache, decode_plan, decode_step
-from nanogpt_cli.model import GPT
-torch.set_num_threads(int(sys.argv[1]))
-torch.manual_seed(0)
-def median_ms(fn, n, warm=3):
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter(); fn(); times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
-out = {}
-model_kw, train_kw = split_values(preset_values("cpu-fast"))
-model = GPT(GPTConfig(vocab_size=65, **model_kw))
-x = torch.randint(0, 65, (train_kw["batch_size"], model.config.block_size))
-def train_step():
-    _, loss = model(x, x)
-    loss.backward()
-out["cpu-fast train step (fwd+bwd)"] = median_ms(train_step, 10)
-for name, cfg in (("default 6x384", GPTConfig(vocab_size=65)), ("cpu-fast 3x128", model.config)):
-    m = GPT(cfg).eval()
-    plan = decode_plan(m)
-    for batch in (1, 5):
-        with torch.inference_mode():
-            cache = KVCache(m, batch)
-            tok = torch.zeros(batch, dtype=torch.long)
-            def step():
-                if cache.pos[0] >= cfg.block_size - 1:
-                    cache.pos[:] = [0] * batch
-                decode_step(plan, tok, cache)
-            out[f"{name} decode step, batch {batch}"] = median_ms(step, 200, warm=20)
-print(json.dumps(out))
-"""
 
 
 def cache_and_serve(args) -> None:
@@ -126,28 +86,42 @@ def cache_and_serve(args) -> None:
     )
 
 
-def steps(args) -> None:
-    roots = {"baseline": Path(args.baseline).resolve(), "this checkout": ROOT}
-    best: dict[str, dict[str, float]] = {name: {} for name in roots}
-    for r in range(args.rounds):
-        for name, root in roots.items() if r % 2 == 0 else reversed(list(roots.items())):
-            env = {**os.environ, "PYTHONPATH": str(root)}
-            out = subprocess.run(
-                [sys.executable, "-c", STEP_WORKER, str(args.threads)], env=env, capture_output=True, text=True
-            )
-            if out.returncode != 0:
-                raise SystemExit(f"{name}: {out.stderr[-2000:]}")
-            for key, ms in json.loads(out.stdout).items():
-                best[name][key] = min(ms, best[name].get(key, float("inf")))
-            print(name, json.dumps(best[name]), flush=True)
-    rows = [
-        [key, f"{best['baseline'][key]:.3f}", f"{best['this checkout'][key]:.3f}",
-         f"{best['this checkout'][key] / best['baseline'][key]:.3f}"]
-        for key in best["baseline"]
-    ]  # fmt: skip
+def train_steps(args) -> None:
+    import statistics
+    import time
+
+    import torch
+
+    from nanogpt_cli.config import GPTConfig, preset_values, split_values
+    from nanogpt_cli.model import GPT
+
+    torch.set_num_threads(args.threads)
+    model_kw, _ = split_values(preset_values("cpu-fast"))
+    models = {}
+    for kv in (4, 1):
+        torch.manual_seed(0)
+        models[kv] = GPT(GPTConfig(vocab_size=65, **model_kw, n_kv_head=kv))
+    x = torch.randint(0, 65, (16, 128))
+    times: dict[int, list[float]] = {kv: [] for kv in models}
+
+    def step(model):
+        _, loss = model(x, x)
+        loss.backward()
+
+    for model in models.values():
+        step(model)
+    for _ in range(args.rounds):
+        for kv, model in models.items():
+            t0 = time.perf_counter()
+            for _ in range(3):
+                step(model)
+            times[kv].append((time.perf_counter() - t0) / 3 * 1000)
+    ms = {kv: statistics.median(t) for kv, t in times.items()}
+    rows = [[f"4 heads, {kv} key/value", f"{models[kv].num_params():,}", f"{ms[kv]:.1f}"] for kv in models]
+    rows.append(["ratio", "", f"{ms[1] / ms[4]:.2f}x"])
     table(
-        f"ms per step, best of {args.rounds} alternating rounds' medians ({args.threads} threads)",
-        ["step", f"baseline ({args.baseline})", "this checkout", "after / before"],
+        f"cpu-fast model, forward + backward at 16 x 128, median of {args.rounds} rounds ({args.threads} threads)",
+        ["attention", "non-embedding params", "ms per step"],
         rows,
     )
 
@@ -160,12 +134,10 @@ def main():
     p.add_argument("--serve-rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--skip-serve", action="store_true")
-    p.add_argument("--baseline", default=None, help="another checkout: step times of both, side by side")
-    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=10, help="training-step rounds")
     args = p.parse_args()
     cache_and_serve(args)
-    if args.baseline:
-        steps(args)
+    train_steps(args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ run `attention`; only the kernel differs, chosen inside it:
 
     y = attention(block.attn.ops(), x, ctx, layer)   # x (N, C) normed, N = B * T; y (N, nh * hs), before c_proj
 
-Shape legend as in gpt.py: B rows, T new tokens, S keys held (T without a cache), nh heads, hs head size.
+Shape legend as in gpt.py: B rows, T new tokens, S keys held (T without a cache), nh heads, nkv key/value heads
+(nh with one per query head), hs head size.
 """
 
 from __future__ import annotations
