@@ -12,7 +12,8 @@ sampling settings, its own random generator and optionally a LogitsMask (a gramm
 forbids tokens before the draw, so a seeded row draws the same tokens alone or among others. The model is only
 read: `model/` holds the architecture and its one forward, this module how to run it token by token.
 
-Shape legend as in model/gpt.py: B rows, S tokens held in the cache, C n_embd, nh n_head, hs head size, V vocab.
+Shape legend as in model/gpt.py: B rows, S tokens held in the cache, C n_embd, nh n_head, nkv key/value heads,
+hs head size, V vocab.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ __all__ = [
 class KVCache:
     """Keys and values for `rows` rows of block_size tokens per layer, and how many tokens each row holds
     (`pos[r]`, which is also the position of its next token). Rows are slots: the engine keeps its active
-    rows in slots 0..n-1, so a step runs on the first n.
+    rows in slots 0..n-1, so a step runs on the first n. It holds the model's key/value heads only: grouped-query
+    attention shrinks it by n_head / n_kv_head.
 
     A sliding-window layer whose window is shorter than the context keeps only its window, as a ring: the key
     at position j lives in slot j % window, overwritten once j leaves every later token's window."""
@@ -67,12 +69,12 @@ class KVCache:
         window = cfg.sliding_window
         self.ring = window if window is not None and window < cfg.block_size else None  # ring layers' slots
         self.k, self.v, self.in_ring = [], [], []
-        for layer, block in enumerate(model.transformer.h):
+        for layer in range(cfg.n_layer):
             ring = self.ring is not None and cfg.is_local(layer)
             held = self.ring if ring else cfg.block_size
-            heads, hs = block.attn.n_head, block.attn.head_size
-            self.k.append(torch.zeros(rows, heads, held, hs, device=w.device, dtype=dtype))  # (B, nh, S, hs)
-            self.v.append(torch.zeros(rows, heads, held, hs, device=w.device, dtype=dtype))
+            shape = (rows, cfg.kv_heads, held, cfg.head_size)  # (B, nkv, S, hs)
+            self.k.append(torch.zeros(shape, device=w.device, dtype=dtype))
+            self.v.append(torch.zeros(shape, device=w.device, dtype=dtype))
             self.in_ring.append(ring)
         self.capacity, self.dtype, self.rows = cfg.block_size, dtype, rows
         self.pos = [0] * rows
@@ -122,10 +124,10 @@ class CacheView:
         self.index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, positions) of a per-row write
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this call's keys and values (B, nh, T, hs) in the cache's dtype and return all the rows' held
-        ones (B, nh, S, hs); a ring layer's in the order window_keys gives."""
+        """Store this call's keys and values (B, nkv, T, hs) in the cache's dtype and return all the rows' held
+        ones (B, nkv, S, hs); a ring layer's in the order window_keys gives."""
         T, pos, cache = k.size(2), self.pos, self.cache
-        ks, vs = cache.k[layer], cache.v[layer]  # (rows, nh, block_size, hs)
+        ks, vs = cache.k[layer], cache.v[layer]  # (rows, nkv, block_size, hs)
         if not self.whole:  # narrow rather than ks[a:b]: Python's tuple indexing costs a few microseconds a call
             ks, vs = ks.narrow(0, self.start, self.stop - self.start), vs.narrow(0, self.start, self.stop - self.start)
         if cache.in_ring[layer]:
@@ -137,7 +139,7 @@ class CacheView:
             assert end <= cache.capacity, f"{pos} + {T} tokens overflow a cache of {cache.capacity}"
             ks.narrow(2, pos, T).copy_(k)  # copy_ casts to the cache's dtype
             vs.narrow(2, pos, T).copy_(v)
-        else:  # each row's keys into its own positions, through the (B, S, nh, hs) view
+        else:  # each row's keys into its own positions, through the (B, S, nkv, hs) view
             end = max(pos) + T
             assert end <= cache.capacity, f"a row at position {end - T} overflows a cache of {cache.capacity}"
             if self.index is None:  # (B,) rows and positions for one token each, (B, 1) and (B, T) for more
@@ -148,7 +150,7 @@ class CacheView:
             if k.dtype != ks.dtype:  # index_put_ does not cast
                 k, v = k.to(ks.dtype), v.to(vs.dtype)
             k, v = (k.select(2, 0), v.select(2, 0)) if T == 1 else (k.transpose(1, 2), v.transpose(1, 2))
-            ks.transpose(1, 2).index_put_(self.index, k)  # into the (B, S, nh, hs) view
+            ks.transpose(1, 2).index_put_(self.index, k)  # into the (B, S, nkv, hs) view
             vs.transpose(1, 2).index_put_(self.index, v)
         self.advance(layer, T)
         return ks.narrow(2, 0, end), vs.narrow(2, 0, end)
@@ -489,6 +491,12 @@ class Engine:
     @property
     def free(self) -> int:
         return self.max_batch - len(self.rows)
+
+    @property
+    def cache_bytes_per_token(self) -> float:
+        """Bytes the KV cache holds per token of a row (every layer's keys and values, KVCache.bytes_per_token);
+        0 without a cache."""
+        return self.cache.bytes_per_token() if self.cache is not None else 0
 
     def add(
         self,

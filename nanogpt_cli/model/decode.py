@@ -34,7 +34,7 @@ def decode_ops(model: GPT) -> ModelOps:
 def block_ops(b: Block) -> BlockOps:
     a = b.attn
     q_norm, k_norm = norm_function(a.q_norm), norm_function(a.k_norm)
-    attn = AttentionOps(linear_op(a.c_attn), q_norm, k_norm, a.n_head, a.head_size, 0, a.local)
+    attn = AttentionOps(linear_op(a.c_attn), q_norm, k_norm, a.n_head, a.head_size, 0, a.n_kv_head, a.local)
     if b.post_ln_1 is None:
         attn_out, mlp_out = residual_op(a.c_proj), residual_op(b.mlp.c_proj)
     else:  # the post-norm sits between the projection and the add, which then cannot ride in addmm

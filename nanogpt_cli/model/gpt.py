@@ -8,7 +8,8 @@ Inside, the residual stream is (N, C) with N = B * T: a decode step's few rows a
 same code (blocks.py, attention.py).
 
 Shape legend: B batch, T tokens in this call, N = B * T, S tokens held in the KV cache, C n_embd, nh n_head,
-hs head size (C // nh), rd the dimensions RoPE rotates (hs unless --rotary-dim), H MLP hidden width, V vocab_size.
+hs head size (C // nh unless --head-dim), nkv key/value heads, rd the dimensions RoPE rotates (hs unless
+--rotary-dim), H MLP hidden width, V vocab_size.
 """
 
 from __future__ import annotations
@@ -68,8 +69,8 @@ class GPT(nn.Module):
         elif config.pos_encoding == "sinusoidal":
             self.register_buffer("pos_table", sinusoidal_table(config.block_size, config.n_embd), persistent=False)
         else:
-            self.register_rope("rope", config.rope_theta)
-            if config.rope_local_theta is not None:  # Gemma 3: local layers turn at a base of their own
+            self.register_rope("rope", config.rope_theta, config)
+            if config.rope_local_theta is not None:  # Gemma 3: local layers turn at a base of their own, unscaled
                 self.register_rope("rope_local", config.rope_local_theta)
         # the sliding window when some layer has one (window_mask), else None
         local = any(config.is_local(i) for i in range(config.n_layer))
@@ -88,11 +89,12 @@ class GPT(nn.Module):
                 else:
                     nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
-    def register_rope(self, name: str, theta: float) -> None:
+    def register_rope(self, name: str, theta: float, scaling: GPTConfig | None = None) -> None:
         """RoPE's tables at every position as buffers name_cos, name_sin (block_size, 1, 1, rd), shaped to
-        broadcast over (B, T, 2, nh, hs) as they are: no reshapes per call."""
+        broadcast over (B, T, 2, nh, hs) as they are: no reshapes per call. scaling: the config whose RoPE
+        scaling stretches them (rope_tables)."""
         cfg = self.config
-        cos, sin = rope_tables(torch.arange(cfg.block_size), cfg.rotary_size, theta)
+        cos, sin = rope_tables(torch.arange(cfg.block_size), cfg.rotary_size, theta, scaling)
         self.register_buffer(f"{name}_cos", cos[:, None, None, :], persistent=False)
         self.register_buffer(f"{name}_sin", sin[:, None, None, :], persistent=False)
 
@@ -215,8 +217,9 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward = 3 x forward), PaLM-style: 6 per matmul weight
-        (the LM head included, embeddings lookups excluded) plus 12 * nh * hs * T per layer for attention scores,
-        T being the keys a layer attends to: a sliding-window layer's window where it is shorter."""
+        (the LM head included, embeddings lookups excluded) plus 12 * nh * hs * T per layer for attention scores
+        and their weighted sum, T being the keys a layer attends to: a sliding-window layer's window where it is
+        shorter (key/value heads shared by several query heads still meet each query head)."""
         cfg = self.config
         T = seq_len or cfg.block_size
         matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
