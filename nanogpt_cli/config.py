@@ -375,6 +375,16 @@ class GPTConfig:
         """The most keys one token of a T-token sequence attends to in a layer: its window, else T."""
         return min(T, self.sliding_window) if self.is_local(layer) else T
 
+    def attention_words(self) -> str:
+        """The attention in words, for `info`: '4 query heads, 1 key/value head, of 32; qkv bias; RoPE llama3 x8'."""
+        kv = self.kv_heads
+        words = f"{self.n_head} query heads, {kv} key/value head{'s' if kv != 1 else ''}, of {self.head_size}"
+        if self.attn_bias:
+            words += "; qkv bias"
+        if self.rope_scaling != "none":
+            words += f"; RoPE {self.rope_scaling} x{self.rope_factor:g} from {self.rope_context:,}"
+        return words
+
     def extras(self) -> list[str]:
         """The settings beyond the basic block, in words, for `info` ("parallel residual", ...)."""
         words = []

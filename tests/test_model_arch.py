@@ -336,9 +336,7 @@ def test_defaults_leave_an_older_checkpoints_config_as_it_was():
 
 
 def test_info_names_the_settings():
-    from nanogpt_cli.cli.ui import model_extras
-
-    words = model_extras(tiny(**SETTINGS["gemma3"]).to_dict())
+    words = tiny(**SETTINGS["gemma3"]).extras()
     assert words == [
         "window 5 on 5 of 6 layers, RoPE base 10",
         "embeddings x sqrt(width)",
@@ -346,7 +344,7 @@ def test_info_names_the_settings():
         "post-norms",
         "QK-norm",
     ]
-    assert model_extras(tiny(**SETTINGS["pythia"]).to_dict()) == ["RoPE on 4 of 16 head dims", "parallel residual"]
+    assert tiny(**SETTINGS["pythia"]).extras() == ["RoPE on 4 of 16 head dims", "parallel residual"]
 
 
 # --- training and LoRA -------------------------------------------------------------------------------

@@ -315,40 +315,45 @@ def config_from_hf(c, bias: bool, qkv_bias: bool | None = None) -> GPTConfig:
             tie_embeddings=c.tie_word_embeddings,
         )
     else:
-        rope = _rope(c)
-        partial = rope.get("partial_rotary_factor", getattr(c, "rotary_pct", 1.0))
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            kind = rope.get("rope_type", rope.get("type"))
-            raise NanoGPTError(f"RoPE scaling {kind!r} on GPT-NeoX has no counterpart here")
-        hs = c.hidden_size // c.num_attention_heads
-        rotary_dim = int(hs * partial)  # as GPT-NeoX computes rotary_ndims
-        if rotary_dim % 2 or rotary_dim == 0:
-            raise NanoGPTError(f"GPT-NeoX's rotary dimensions ({rotary_dim} of {hs}) must be even and at least 2")
-        if c.hidden_act not in GELUS:
-            raise NanoGPTError(f"GPT-NeoX with activation {c.hidden_act!r} has no counterpart here")
-        config = GPTConfig(
-            vocab_size=c.vocab_size,
-            block_size=c.max_position_embeddings,
-            n_layer=c.num_hidden_layers,
-            n_head=c.num_attention_heads,
-            n_embd=c.hidden_size,
-            bias=bias,
-            pos_encoding="rope",
-            rope_theta=_rope_theta(c),
-            norm="layernorm",
-            norm_eps=c.layer_norm_eps,
-            mlp=GELUS[c.hidden_act],
-            mlp_hidden=c.intermediate_size,
-            tie_embeddings=c.tie_word_embeddings,
-            rotary_dim=None if rotary_dim == hs else rotary_dim,
-            parallel_residual=bool(c.use_parallel_residual),
-        )
+        config = _neox_config(c, bias)
     if (
         config.mlp_hidden is not None
         and config.mlp_hidden == GPTConfig(**{**config.to_dict(), "mlp_hidden": None}).hidden_size
     ):
         config.mlp_hidden = None  # the default width: keep the config as a user would have written it
     return config
+
+
+def _neox_config(c, bias: bool) -> GPTConfig:
+    """Our config for a GPTNeoXConfig (config_from_hf)."""
+    rope = _rope(c)
+    partial = rope.get("partial_rotary_factor", getattr(c, "rotary_pct", 1.0))
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        kind = rope.get("rope_type", rope.get("type"))
+        raise NanoGPTError(f"RoPE scaling {kind!r} on GPT-NeoX has no counterpart here")
+    hs = c.hidden_size // c.num_attention_heads
+    rotary_dim = int(hs * partial)  # as GPT-NeoX computes rotary_ndims
+    if rotary_dim % 2 or rotary_dim == 0:
+        raise NanoGPTError(f"GPT-NeoX's rotary dimensions ({rotary_dim} of {hs}) must be even and at least 2")
+    if c.hidden_act not in GELUS:
+        raise NanoGPTError(f"GPT-NeoX with activation {c.hidden_act!r} has no counterpart here")
+    return GPTConfig(
+        vocab_size=c.vocab_size,
+        block_size=c.max_position_embeddings,
+        n_layer=c.num_hidden_layers,
+        n_head=c.num_attention_heads,
+        n_embd=c.hidden_size,
+        bias=bias,
+        pos_encoding="rope",
+        rope_theta=_rope_theta(c),
+        norm="layernorm",
+        norm_eps=c.layer_norm_eps,
+        mlp=GELUS[c.hidden_act],
+        mlp_hidden=c.intermediate_size,
+        tie_embeddings=c.tie_word_embeddings,
+        rotary_dim=None if rotary_dim == hs else rotary_dim,
+        parallel_residual=bool(c.use_parallel_residual),
+    )
 
 
 def hf_config_for(c: GPTConfig, kind: str, special: dict[str, int | None]) -> tuple[Any, dict[str, Any]]:
