@@ -170,9 +170,13 @@ def test_cli_prepare_preference_and_finetune_dpo(dpo_data, tmp_path, monkeypatch
     assert r.exit_code == 0, r.output
     assert "skipped line 9: not valid JSON" in r.output and "8 pairs" in r.output
     args = ["finetune", "--method", "dpo", "--init-from", str(dpo_data / "base"), "--data", "p", "--lora"]
-    args += ["--max-iters", "2", "--batch-size", "2", "--dtype", "float32", "--beta", "0.2", "--out", "run"]
+    args += ["--max-iters", "2", "--batch-size", "2", "--dtype", "float32", "--beta", "0.2", "--rpo-alpha", "0.5"]
+    args += ["--out", "run"]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     assert "preference accuracy" in r.output
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["finetune"]["settings"]["rpo_alpha"] == 0.5
+    r = runner.invoke(app, [*args[:-2], "--out", "run2", "--group-size", "4"])
+    assert r.exit_code == 1 and "--group-size has no effect with --method dpo" in r.output
     r = runner.invoke(app, ["finetune", "--method", "ppo", "--init-from", str(dpo_data / "base"), "--data", "p"])
     assert r.exit_code == 1 and "--method" in r.output

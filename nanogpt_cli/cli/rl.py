@@ -18,6 +18,9 @@ Method = Annotated[
     ),
 ]
 Beta = Annotated[float | None, typer.Option(help="DPO: strength of the pull to the reference.  [default: 0.1]")]
+RPOAlpha = Annotated[
+    float | None, typer.Option(help="DPO: weight of the chosen replies' cross-entropy added (RPO).  [default: 0]")
+]
 LossType = Annotated[str | None, typer.Option(help="DPO loss: sigmoid (DPO's) or ipo.  [default: sigmoid]")]
 GroupSize = Annotated[int | None, typer.Option(help="GRPO: completions per prompt.  [default: 8]")]
 KL = Annotated[
@@ -44,7 +47,7 @@ def run_policy(job, method: str, given: dict, quiet: bool) -> None:
 
     if method not in ("dpo", "grpo"):
         raise NanoGPTError(f"unknown --method {method!r}; use sft, dpo or grpo")
-    own = ("beta", "loss_type") if method == "dpo" else ("group_size", "kl", "reward", "max_new_tokens")
+    own = ("beta", "loss_type", "rpo_alpha") if method == "dpo" else ("group_size", "kl", "reward", "max_new_tokens")
     own += () if method == "dpo" else ("rollout_temperature", "grpo_updates")
     stray = [k for k, v in given.items() if v is not None and k not in own]
     if stray:

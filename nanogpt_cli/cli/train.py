@@ -11,7 +11,19 @@ from typing import Annotated
 import typer
 
 from nanogpt_cli.cli.common import Threads, config_options, note, one_line_errors, prints
-from nanogpt_cli.cli.rl import KL, Beta, GroupSize, LossType, MaxNew, Method, Reward, Temperature, Updates, run_policy
+from nanogpt_cli.cli.rl import (
+    KL,
+    Beta,
+    GroupSize,
+    LossType,
+    MaxNew,
+    Method,
+    Reward,
+    RPOAlpha,
+    Temperature,
+    Updates,
+    run_policy,
+)
 from nanogpt_cli.config import PRESETS
 from nanogpt_cli.errors import NanoGPTError
 
@@ -181,6 +193,7 @@ def finetune(
     method: Method = "sft",
     beta: Beta = None,
     loss_type: LossType = None,
+    rpo_alpha: RPOAlpha = None,
     group_size: GroupSize = None,
     kl: KL = None,
     reward: Reward = None,
@@ -222,7 +235,7 @@ def finetune(
     )
     if method == "sft":
         return run_planned(job.plan, quiet, sink, job.trainable, plot=plot)
-    settings = dict(beta=beta, loss_type=loss_type, group_size=group_size, kl=kl, reward=reward)
+    settings = dict(beta=beta, loss_type=loss_type, rpo_alpha=rpo_alpha, group_size=group_size, kl=kl, reward=reward)
     settings |= dict(max_new_tokens=max_new_tokens, rollout_temperature=temperature, grpo_updates=grpo_updates)
     run_policy(job, method, settings, quiet)
 

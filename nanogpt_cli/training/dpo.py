@@ -9,7 +9,10 @@ policy's and the reference's log-ratios of the two completions (summed log-proba
     sigmoid: -log sigmoid(beta h)
     ipo:     (h' - 1 / (2 beta))^2, Azar et al. (2023), with h' from log-probabilities averaged per token (as TRL)
 
-The implicit rewards are beta times each log-ratio; their margin is beta h. The reference is the start model:
+The implicit rewards are beta times each log-ratio; their margin is beta h. DPO widens the margin by pushing
+the rejected completion down, and may push the chosen one down with it (a small model then stops writing
+either); --rpo-alpha A adds A times the chosen completion's cross-entropy (Pang et al. 2024, "Iterative
+Reasoning Preference Optimization"; TRL's rpo_alpha), which holds it up. The reference is the start model:
 with LoRA the same weights with the adapters switched off (no second copy); in a full fine-tune its
 log-probabilities are computed once, before the first update, and kept beside the dataset
 (DATA_DIR/NAME/reference-SHA.json, SHA the start weights' hash), so a resume or another run reads them back.
@@ -32,7 +35,7 @@ from nanogpt_cli.lora import weights_hash
 from nanogpt_cli.training.policy import Log, PolicyRun, adapters_off, check_format, pad_batch, sequence_logprobs
 
 LOSS_TYPES = ("sigmoid", "ipo")
-DEFAULTS = {"beta": 0.1, "loss_type": "sigmoid"}
+DEFAULTS = {"beta": 0.1, "loss_type": "sigmoid", "rpo_alpha": 0.0}
 
 
 def dpo_loss(
@@ -59,11 +62,16 @@ def dpo_loss(
 def completion_logprobs(model, pairs: list[dict[str, Any]], block_size: int, device, mean: bool) -> torch.Tensor:
     """Each pair's chosen and rejected completion log-probability under the model (summed, or with mean the
     per-token mean): (2B,), the chosen ones first."""
+    total, count = completion_sums(model, pairs, block_size, device)
+    return total / count if mean else total
+
+
+def completion_sums(model, pairs: list[dict[str, Any]], block_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each completion's summed log-probability and its token count, (2B,) each, the chosen ones first."""
     seqs = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
     masks = [p["chosen_mask"] for p in pairs] + [p["rejected_mask"] for p in pairs]
     x, y, m = pad_batch(seqs, masks, block_size, device)
-    total = (sequence_logprobs(model, x, y) * m).sum(-1)  # (2B,)
-    return total / m.sum(-1).clamp(min=1) if mean else total
+    return (sequence_logprobs(model, x, y) * m).sum(-1), m.sum(-1).clamp(min=1)  # (2B,) each
 
 
 @dataclass
@@ -138,16 +146,15 @@ class DPO:
     def scores(self, model, split: str, idx: list[int]):
         """Loss, chosen and rejected rewards of these pairs."""
         s = self.run.settings
-        policy = completion_logprobs(
-            model,
-            [self.pairs[split][i] for i in idx],
-            model.config.block_size,
-            self.run.device,
-            s["loss_type"] == "ipo",
-        )
+        pairs = [self.pairs[split][i] for i in idx]
+        total, count = completion_sums(model, pairs, model.config.block_size, self.run.device)
+        policy = total / count if s["loss_type"] == "ipo" else total
         ref = self.reference(model, split, idx)
         n = len(idx)
-        return dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], s["beta"], s["loss_type"])
+        loss, chosen, rejected = dpo_loss(policy[:n], policy[n:], ref[:n], ref[n:], s["beta"], s["loss_type"])
+        if s["rpo_alpha"]:  # RPO: plus the chosen completions' cross-entropy (nats/token), which DPO alone lets fall
+            loss = loss - s["rpo_alpha"] * (total[:n] / count[:n]).mean()
+        return loss, chosen, rejected
 
     @torch.no_grad()
     def evaluate(self, model) -> tuple[float, float]:
