@@ -180,3 +180,19 @@ def test_cli_prepare_preference_and_finetune_dpo(dpo_data, tmp_path, monkeypatch
     assert r.exit_code == 1 and "--group-size has no effect with --method dpo" in r.output
     r = runner.invoke(app, ["finetune", "--method", "ppo", "--init-from", str(dpo_data / "base"), "--data", "p"])
     assert r.exit_code == 1 and "--method" in r.output
+
+
+def test_dpo_starts_from_a_hugging_face_folder(dpo_data, tmp_path):
+    from test_export import save_random_gpt2
+
+    from nanogpt_cli.data import load_meta
+
+    save_random_gpt2(tmp_path / "gpt2", load_meta(dpo_data / "data", "pairs")["tokenizer"])
+    values = dict(data="pairs", data_dir=str(dpo_data / "data"), dtype="float32", device="cpu", max_iters=4)
+    values.update(eval_interval=4, batch_size=4, warmup_iters=0, learning_rate=3e-3)
+    job = plan_finetune(values, out=tmp_path / "run", init_from=str(tmp_path / "gpt2"), lora=LoRAConfig(r=4))
+    records = []
+    result = DPO(job, None, records.append).fit()
+    assert result.step == 4 and records[0]["val_loss"] == pytest.approx(math.log(2), abs=1e-5)
+    record = json.loads((tmp_path / "run" / "config.json").read_text())["finetune"]
+    assert record["weights"]["base"]["sha256"]  # a LoRA run records its base as any LoRA run does
