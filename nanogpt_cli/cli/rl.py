@@ -39,6 +39,21 @@ Updates = Annotated[
 ]
 
 
+def sft_planned(plan) -> bool:
+    """True when the planned run can train with --method sft; a refusal naming the method it needs otherwise."""
+    from nanogpt_cli.errors import NanoGPTError
+
+    objective = (plan.finetune or {}).get("objective")
+    if objective is not None:
+        raise NanoGPTError(f"{plan.run_dir} is a --method {objective} run; resume it with --method {objective}")
+    wanted = {"preference": "dpo", "prompts": "grpo"}.get(plan.dataset.get("format"))
+    if wanted:
+        raise NanoGPTError(
+            f"{plan.train.data} is a {plan.dataset['format']} dataset; train on it with --method {wanted}"
+        )
+    return True
+
+
 def run_policy(job, method: str, given: dict, quiet: bool) -> None:
     """Train a planned DPO or GRPO run, printing its metrics lines (unless quiet) and a summary."""
     from nanogpt_cli.cli.common import note

@@ -23,6 +23,7 @@ from nanogpt_cli.cli.rl import (
     Temperature,
     Updates,
     run_policy,
+    sft_planned,
 )
 from nanogpt_cli.config import PRESETS
 from nanogpt_cli.errors import NanoGPTError
@@ -233,7 +234,7 @@ def finetune(
         lora=lora_cfg,
         lora_flags=set(given) | ({"targets"} if lora_targets is not None else set()),
     )
-    if method == "sft":
+    if method == "sft" and sft_planned(job.plan):
         return run_planned(job.plan, quiet, sink, job.trainable, plot=plot)
     settings = dict(beta=beta, loss_type=loss_type, rpo_alpha=rpo_alpha, group_size=group_size, kl=kl, reward=reward)
     settings |= dict(max_new_tokens=max_new_tokens, rollout_temperature=temperature, grpo_updates=grpo_updates)
