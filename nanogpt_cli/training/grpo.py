@@ -23,8 +23,10 @@ and every other field of the line), returning a float.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
+import math
 import random
 import re
 from collections.abc import Callable, Sequence
@@ -205,7 +207,7 @@ class GRPO:
             old = sequence_logprobs(model, x, y)
             ref = None
             if s["kl"] > 0:
-                with adapters_off(model) if reference is None else _same(model):
+                with adapters_off(model) if reference is None else contextlib.nullcontext():
                     ref = sequence_logprobs(reference or model, x, y)
         lr = run.step_lr()
         for _ in range(int(s["grpo_updates"])):
@@ -247,7 +249,7 @@ class GRPO:
         while run.state.step < end:
             values = self.train_step(model, reference)
             step = run.state.step
-            if not all(map(_finite, values.values())):
+            if not all(map(math.isfinite, values.values())):
                 raise NanoGPTError(f"the loss became non-finite at step {step}; try a lower --learning-rate")
             if step % cfg.log_interval == 0 or step == end:
                 run.record("train", values)
@@ -271,20 +273,3 @@ class GRPO:
         for p in reference.parameters():
             p.requires_grad_(False)
         return reference
-
-
-class _same:
-    """A context that changes nothing (the reference is a separate model)."""
-
-    def __init__(self, model):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-
-def _finite(v: float) -> bool:
-    return v == v and abs(v) != float("inf")
