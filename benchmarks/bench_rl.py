@@ -38,6 +38,7 @@ def last_eval(run: Path, key: str) -> float | None:
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", type=Path, help="keep the data and runs here (default: a temporary folder)")
+    p.add_argument("--reuse", action="store_true", help="keep the runs already in --work (their time is not shown)")
     p.add_argument("--sft-rows", type=int, default=200, help="conversations the SFT trains on (default 200)")
     p.add_argument("--sft-flags", default=SFT_FLAGS)
     p.add_argument("--grpo-flags", default=GRPO_FLAGS)
@@ -63,23 +64,18 @@ def main():
         command = [sys.executable, "-m", "nanogpt_cli", "prepare", source, "--name", name, "--format", fmt]
         subprocess.run([*command, "--tokenizer", "byte"], cwd=work, check=True, stdout=subprocess.DEVNULL)
     seconds = {}
+    GRPO = ["finetune", "--method", "grpo", "--init-from", "sft"]
+    DPO = ["finetune", "--method", "dpo", "--init-from", "sft"]
     steps = [
         ("base", ["train", "--data", "shk-byte", *BASE_FLAGS.split()]),
         ("sft", ["finetune", "--init-from", "base", "--data", "count-sft", *args.sft_flags.split(), *F32]),
-        (
-            "grpo",
-            ["finetune", "--method", "grpo", "--init-from", "sft", "--data", "count-prompts"]
-            + args.grpo_flags.split()
-            + F32,
-        ),  # fmt: skip
-        (
-            "dpo",
-            ["finetune", "--method", "dpo", "--init-from", "sft", "--data", "count-pairs"]
-            + args.dpo_flags.split()
-            + F32,
-        ),  # fmt: skip
+        ("grpo", [*GRPO, "--data", "count-prompts", *args.grpo_flags.split(), *F32]),
+        ("dpo", [*DPO, "--data", "count-pairs", *args.dpo_flags.split(), *F32]),
+        ("dpo-rpo", [*DPO, "--data", "count-pairs", *args.dpo_flags.split(), "--rpo-alpha", "1", *F32]),
     ]
     for name, command in steps:
+        if args.reuse and (work / name / "model.safetensors").is_file():
+            continue
         seconds[name] = nanogpt([*command, "--out", name, "--force"], work)
         print(f"{name} in {seconds[name]:.0f} s (load {load_avg()})", flush=True)
     heldout = [json.loads(line) for line in (work / "count-heldout.jsonl").read_text().splitlines()]
@@ -99,7 +95,16 @@ def main():
         if name.startswith("dpo"):
             extra = f"val preference accuracy {last_eval(work / name, 'val_accuracy'):.1%}"
         gain = f"{(accs[name] - accs['sft']) * 100:+.1f}" if name not in ("base", "sft") else ""
-        rows.append([label, f"{accs[name]:.1%}", gain, f"{seconds[name]:.0f} s", extra, " | ".join(map(repr, replies))])
+        rows.append(
+            [
+                label,
+                f"{accs[name]:.1%}",
+                gain,
+                f"{seconds[name]:.0f} s" if name in seconds else "",
+                extra,
+                " | ".join(map(repr, replies)),
+            ]
+        )
     table(
         f"held-out accuracy on {len(heldout)} words (greedy, exact match); load {load_avg()}",
         ["model", "accuracy", "points over SFT", "time", "training metric", "first replies"],
