@@ -54,14 +54,18 @@ def sft_planned(plan) -> bool:
     return True
 
 
-def run_policy(job, method: str, given: dict, quiet: bool) -> None:
-    """Train a planned DPO or GRPO run, printing its metrics lines (unless quiet) and a summary."""
+def run_policy(job, method: str, given: dict, quiet: bool, sink=None) -> None:
+    """Train a planned DPO or GRPO run, printing its metrics lines (unless quiet) and a summary. sink: the
+    --tracker's, which these methods do not feed yet (refused)."""
     from nanogpt_cli.cli.common import note
     from nanogpt_cli.cli.ui import console
     from nanogpt_cli.errors import NanoGPTError
 
     if method not in ("dpo", "grpo"):
         raise NanoGPTError(f"unknown --method {method!r}; use sft, dpo or grpo")
+    if sink is not None:
+        sink.close()
+        raise NanoGPTError(f"--tracker does not log --method {method} runs; drop it (metrics.jsonl has every value)")
     own = ("beta", "loss_type", "rpo_alpha") if method == "dpo" else ("group_size", "kl", "reward", "max_new_tokens")
     own += () if method == "dpo" else ("rollout_temperature", "grpo_updates")
     stray = [k for k, v in given.items() if v is not None and k not in own]

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from nanogpt_cli.data.chat import checkpoint_template
-from nanogpt_cli.device import autocast_for, resolve_device
+from nanogpt_cli.device import resolve_device
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.lora import adapters
 from nanogpt_cli.model import GPT
@@ -101,10 +101,12 @@ class PolicyRun:
                 f"resume it with that --method"
             )
         self.settings = Settings.resolve(defaults, given, saved).values
+        dtype = getattr(self.cfg.dtype, "value", self.cfg.dtype)
+        if dtype not in ("auto", "float32"):
+            raise NanoGPTError(f"--method {objective} trains in float32; drop --dtype {dtype}")
         self.plan.finetune = {**self.plan.finetune, "objective": objective, "settings": self.settings}
         self.log = log or (lambda record: None)
         self.device = resolve_device(self.cfg.device)
-        self.ctx = autocast_for(self.device, torch.float32)  # float32: the log-probability ratios need it
         self.state = TrainerState()
 
     @property
