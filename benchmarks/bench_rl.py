@@ -49,12 +49,10 @@ def main():
     print(f"load average before: {load_avg()}", flush=True)
     subprocess.run(
         [sys.executable, str(ROOT / "examples" / "count_letters.py"), "--out", str(work)]
-        + ["--train", "2000", "--heldout", "200", "--pairs", "2000"],
+        + ["--train", "2000", "--heldout", "200", "--sft", str(args.sft_rows), "--pairs", "2000"],
         check=True,
         stdout=subprocess.DEVNULL,
     )
-    lines = (work / "count-train.jsonl").read_text().splitlines(keepends=True)
-    (work / "count-sft.jsonl").write_text("".join(lines[: args.sft_rows]))
     for source, name, fmt in [
         (str(shakespeare_path()), "shk-byte", "text"),
         ("count-sft.jsonl", "count-sft", "chat"),

@@ -2,7 +2,8 @@
 
     python examples/count_letters.py            # writes count-train.jsonl and count-heldout.jsonl
 
-    python examples/count_letters.py --pairs 2000  # also count-pairs.jsonl, for finetune --method dpo
+    python examples/count_letters.py --train 2000 --sft 200 --pairs 2000   # also count-sft.jsonl (the first 200
+                                                    # training conversations) and count-pairs.jsonl (for DPO)
 
 Each line is one conversation, {"messages": [{"role": "user", "content": "count castle"},
 {"role": "assistant", "content": "6"}]}, ready for `nanogpt prepare --format chat`. The words are random
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--heldout", type=int, default=200, help="held-out conversations (default 200)")
     parser.add_argument("--min-letters", type=int, default=3)
     parser.add_argument("--max-letters", type=int, default=9)
+    parser.add_argument("--sft", type=int, default=0, help="also write the first N training conversations apart")
     parser.add_argument("--pairs", type=int, default=0, help="also write this many preference pairs (default 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for the two files (default: here)")
@@ -60,6 +62,10 @@ def main() -> None:
         with open(args.out / name, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(conversation(w)) + "\n" for w in words)
         print(f"wrote {args.out / name} ({len(words):,} conversations)")
+    if args.sft:  # a small subset for an SFT that learns the format but not yet the skill
+        with open(args.out / "count-sft.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(conversation(w)) + "\n" for w in train[: args.sft])
+        print(f"wrote {args.out / 'count-sft.jsonl'} ({min(args.sft, len(train)):,} conversations)")
     if args.pairs:  # words of the training side: the held-out words stay unseen
         with open(args.out / "count-pairs.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(pair(train[i % len(train)], rng)) + "\n" for i in range(args.pairs))
