@@ -2,6 +2,9 @@
 
     python examples/count_letters.py            # writes count-train.jsonl and count-heldout.jsonl
 
+    python examples/count_letters.py --train 2000 --sft 200 --pairs 2000   # also count-sft.jsonl (the first 200
+                                                    # training conversations) and count-pairs.jsonl (for DPO)
+
 Each line is one conversation, {"messages": [{"role": "user", "content": "count castle"},
 {"role": "assistant", "content": "6"}]}, ready for `nanogpt prepare --format chat`. The words are random
 lowercase letters (3 to 9 of them), so the model cannot have seen the answers in its pre-training text, and no
@@ -21,12 +24,23 @@ def conversation(word: str) -> dict:
     }
 
 
+def pair(word: str, rng: random.Random) -> dict:
+    """A preference pair in TRL's conversational shape: the right count chosen, a wrong one (off by 1 to 3)
+    rejected."""
+    wrong = len(word) + rng.choice([-3, -2, -1, 1, 2, 3])
+    prompt = [{"role": "user", "content": f"count {word}"}]
+    reply = [{"role": "assistant", "content": str(len(word))}]
+    return {"prompt": prompt, "chosen": reply, "rejected": [{"role": "assistant", "content": str(max(wrong, 0))}]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train", type=int, default=20_000, help="training conversations (default 20,000)")
     parser.add_argument("--heldout", type=int, default=200, help="held-out conversations (default 200)")
     parser.add_argument("--min-letters", type=int, default=3)
     parser.add_argument("--max-letters", type=int, default=9)
+    parser.add_argument("--sft", type=int, default=0, help="also write the first N training conversations apart")
+    parser.add_argument("--pairs", type=int, default=0, help="also write this many preference pairs (default 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("."), help="folder for the two files (default: here)")
     args = parser.parse_args()
@@ -48,6 +62,14 @@ def main() -> None:
         with open(args.out / name, "w", encoding="utf-8") as f:
             f.writelines(json.dumps(conversation(w)) + "\n" for w in words)
         print(f"wrote {args.out / name} ({len(words):,} conversations)")
+    if args.sft:  # a small subset for an SFT that learns the format but not yet the skill
+        with open(args.out / "count-sft.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(conversation(w)) + "\n" for w in train[: args.sft])
+        print(f"wrote {args.out / 'count-sft.jsonl'} ({min(args.sft, len(train)):,} conversations)")
+    if args.pairs:  # words of the training side: the held-out words stay unseen
+        with open(args.out / "count-pairs.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(pair(train[i % len(train)], rng)) + "\n" for i in range(args.pairs))
+        print(f"wrote {args.out / 'count-pairs.jsonl'} ({args.pairs:,} pairs)")
 
 
 if __name__ == "__main__":

@@ -596,3 +596,25 @@ def export(
     from nanogpt_cli.interop.export import export as export_run
 
     return export_run(source, format, out, last=last, force=force, quant=quant, merge=merge, base=base)
+
+
+# --- rollouts for reinforcement learning ---
+
+
+def engine_rollout(
+    model, prompts, max_new_tokens: int, temperature: float, generator, stop_ids=(), vocab_size: int | None = None
+) -> list[list[int]]:
+    """GRPO's rollout (training.grpo.Rollout): every prompt continued by up to max_new_tokens tokens, decoded
+    together by the engine (one batch, one KV cache), all rows drawing from `generator`; temperature 0 is
+    greedy. A row ends at a stop id (which it keeps) or at the limit; vocab_size: the tokenizer's (never a
+    padding token)."""
+    from nanogpt_cli.inference.engine import Engine, SamplingParams
+
+    engine = Engine(model, max_batch=len(prompts), vocab_size=vocab_size)
+    rows = engine.add_many(
+        prompts, SamplingParams(temperature=temperature), max_new_tokens, [generator] * len(prompts), stop_ids
+    )
+    new: dict[int, list[int]] = {row: [] for row in rows}
+    for t in engine.run():
+        new[t.row].append(t.token)
+    return [new[row] for row in rows]

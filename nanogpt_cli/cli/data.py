@@ -30,15 +30,22 @@ DataFormat = Annotated[
     str,
     typer.Option(
         "--format",
-        help="text, or chat: a .jsonl of conversations (messages, prompt/completion or Alpaca rows) rendered with "
-        "a chat template, with a loss mask on the assistant's tokens.",
+        help="text; chat: a .jsonl of conversations (messages, prompt/completion or Alpaca rows) rendered with "
+        "a chat template, with a loss mask on the assistant's tokens; preference: prompt/chosen/rejected rows "
+        "(strings or messages) for finetune --method dpo; prompts: prompt rows with an answer for --method grpo.",
     ),
 ]
 ChatTemplateFile = Annotated[
-    Path | None, typer.Option(help="A Jinja chat template file for --format chat (the default needs no new tokens).")
+    Path | None,
+    typer.Option(
+        help="A Jinja chat template file for --format chat, preference or prompts (the default needs no new tokens)."
+    ),
 ]
 Strict = Annotated[
-    bool, typer.Option("--strict", help="With --format chat, stop at the first bad row instead of skipping it.")
+    bool,
+    typer.Option(
+        "--strict", help="With --format chat, preference or prompts, stop at the first bad row instead of skipping it."
+    ),
 ]
 TokenizersDir = Annotated[Path, typer.Option(help="Folder of trained tokenizers (the NAMEs --tokenizer takes).")]
 TokenizerName = Annotated[
@@ -134,9 +141,12 @@ def prepare(
 
 def prepare_chat(source, name, tokenizer, data_dir, chat_template, val_fraction, strict, shard_tokens, fmt) -> None:
     """prepare --format chat: conversations rendered with a template, a loss mask beside each token shard."""
-    if fmt != "chat":
-        raise NanoGPTError(f"unknown --format {fmt!r}; use text or chat")
     from nanogpt_cli.cli.ui import console
+
+    if fmt in ("preference", "prompts"):
+        return prepare_rows(source, name, tokenizer, data_dir, chat_template, val_fraction, strict, fmt)
+    if fmt != "chat":
+        raise NanoGPTError(f"unknown --format {fmt!r}; use text, chat, preference or prompts")
     from nanogpt_cli.data.chat import prepare_chat as prepare_chat_data
 
     result = prepare_chat_data(
@@ -156,6 +166,33 @@ def prepare_chat(source, name, tokenizer, data_dir, chat_template, val_fraction,
     console.print(
         f"{result.path}: {result.conversations:,} conversations, {result.train_tokens:,} train and "
         f"{result.val_tokens:,} val tokens, {result.trained_tokens:,} of them in the loss mask",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def prepare_rows(source, name, tokenizer, data_dir, chat_template, val_fraction, strict, fmt) -> None:
+    """prepare --format preference or prompts: rows tokenised for DPO or GRPO."""
+    from nanogpt_cli.cli.ui import console
+    from nanogpt_cli.data.preference import prepare_rows as prepare_rows_data
+
+    result = prepare_rows_data(
+        source,
+        name,
+        kind=fmt,
+        tokenizer=tokenizer,
+        data_dir=str(data_dir),
+        chat_template=str(chat_template) if chat_template else None,
+        val_fraction=val_fraction,
+        strict=strict,
+    )
+    for line, why in result.bad[:20]:
+        console.print(f"skipped line {line}: {why}", highlight=False, soft_wrap=True)
+    if result.bad:
+        console.print(f"skipped {len(result.bad):,} bad rows (--strict stops at the first)", highlight=False)
+    what = "pairs" if fmt == "preference" else "prompts"
+    console.print(
+        f"{result.path}: {result.rows:,} {what}, {result.train_rows:,} train and {result.val_rows:,} val",
         highlight=False,
         soft_wrap=True,
     )

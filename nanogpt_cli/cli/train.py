@@ -11,6 +11,20 @@ from typing import Annotated
 import typer
 
 from nanogpt_cli.cli.common import Threads, config_options, note, one_line_errors, prints
+from nanogpt_cli.cli.rl import (
+    KL,
+    Beta,
+    GroupSize,
+    LossType,
+    MaxNew,
+    Method,
+    Reward,
+    RPOAlpha,
+    Temperature,
+    Updates,
+    run_policy,
+    sft_planned,
+)
 from nanogpt_cli.config import PRESETS
 from nanogpt_cli.errors import NanoGPTError
 
@@ -177,10 +191,20 @@ def finetune(
     threads: Threads = None,
     tracker: Tracker = None,
     plot: Plot = True,
+    method: Method = "sft",
+    beta: Beta = None,
+    loss_type: LossType = None,
+    rpo_alpha: RPOAlpha = None,
+    group_size: GroupSize = None,
+    kl: KL = None,
+    reward: Reward = None,
+    max_new_tokens: MaxNew = None,
+    temperature: Temperature = None,
+    grpo_updates: Updates = None,
     flags: dict | None = None,  # the config options given (config_options)
 ):
-    """Fine-tune trained weights on a dataset: all of them, or LoRA adapters (--lora). On a chat dataset only the
-    assistant's tokens are trained on, and the run keeps the dataset's chat template.
+    """Fine-tune trained weights: all of them, or LoRA adapters (--lora). sft trains on a chat dataset's replies
+    (keeping its template), dpo on preference pairs, grpo on rewarded completions of its own.
 
     Example: nanogpt finetune --init-from checkpoints/base --data chats --lora --max-iters 300 --out checkpoints/chat
     """
@@ -210,7 +234,11 @@ def finetune(
         lora=lora_cfg,
         lora_flags=set(given) | ({"targets"} if lora_targets is not None else set()),
     )
-    run_planned(job.plan, quiet, sink, job.trainable, plot=plot)
+    if method == "sft" and sft_planned(job.plan):
+        return run_planned(job.plan, quiet, sink, job.trainable, plot=plot)
+    settings = dict(beta=beta, loss_type=loss_type, rpo_alpha=rpo_alpha, group_size=group_size, kl=kl, reward=reward)
+    settings |= dict(max_new_tokens=max_new_tokens, rollout_temperature=temperature, grpo_updates=grpo_updates)
+    run_policy(job, method, settings, quiet, sink)
 
 
 def stopped_line(plan, result) -> str:

@@ -98,7 +98,7 @@ def plan_finetune(
         return _resume(plan, lora, lora_flags)
     if lora is not None:
         _lora_values(plan)
-    record: dict[str, Any] = {"init_from": init_from, "method": "lora" if lora else "full"}
+    record: dict[str, Any] = {"init_from": init_from, "init_last": init_last, "method": "lora" if lora else "full"}
     if lora is None:
         plan.finetune = record
         return FinetunePlan(plan, None)

@@ -1,0 +1,201 @@
+"""What DPO and GRPO share: a fine-tuning run whose loss scores whole completions, not windows of a token stream.
+
+    run = PolicyRun(job, settings={"beta": 0.1}, objective="dpo"); model = run.setup(); ...; run.save(metric)
+
+It builds the model as the trainer does (the start weights, LoRA's adapters through the plan's `trainable`
+hook, a resumed run's weights and optimizer), writes the run folder in the same layout (so sample, eval, export
+and --resume read it as any run), and scores token sequences: sequence_logprobs gives each completion token's
+log-probability under a model, the quantity both objectives are written in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from nanogpt_cli.data.chat import checkpoint_template
+from nanogpt_cli.device import resolve_device
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.lora import adapters
+from nanogpt_cli.model import GPT
+from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
+from nanogpt_cli.training.optim import lr_at, make_optimizer, set_lr
+
+Log = Callable[[dict[str, Any]], None]  # a metrics record: what the display shows and metrics.jsonl keeps
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module):
+    """The model computes its base's outputs while inside: every LoRA adapter's scale is 0, so a layer adds
+    exactly 0 to the frozen projection (x + 0 == x in floating point). This is LoRA's reference model: no copy."""
+    layers = list(adapters(model).values())
+    scales = [layer.scaling for layer in layers]
+    for layer in layers:
+        layer.scaling = 0.0
+    try:
+        yield model
+    finally:
+        for layer, s in zip(layers, scales):
+            layer.scaling = s
+
+
+def pad_batch(seqs: Sequence[Sequence[int]], masks: Sequence[Sequence[int]], block_size: int, device):
+    """Right-padded inputs, targets and target mask for sequences of token ids: x (B, T), y (B, T), m (B, T) with
+    m 1 where y is a completion token. A sequence longer than the context keeps its last block_size + 1 tokens."""
+    seqs = [list(s)[-(block_size + 1) :] for s in seqs]
+    masks = [list(m)[-(block_size + 1) :] for m in masks]
+    T = max(len(s) for s in seqs) - 1
+    x = torch.zeros(len(seqs), T, dtype=torch.long)
+    y = torch.zeros(len(seqs), T, dtype=torch.long)
+    m = torch.zeros(len(seqs), T)
+    for i, (s, k) in enumerate(zip(seqs, masks)):
+        n = len(s) - 1
+        x[i, :n], y[i, :n] = torch.tensor(s[:-1]), torch.tensor(s[1:])
+        m[i, :n] = torch.tensor(k[1:], dtype=torch.float32)
+    return x.to(device), y.to(device), m.to(device)
+
+
+def sequence_logprobs(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """log p(y_t | x_<=t) for every position, in float32 (nats). (B, T)"""
+    logits, _ = model(x)  # (B, T, V)
+    return torch.gather(F.log_softmax(logits.float(), dim=-1), 2, y.unsqueeze(-1)).squeeze(-1)  # (B, T)
+
+
+@dataclass
+class Settings:
+    """A DPO or GRPO run's own values, as config.json records them under finetune.settings."""
+
+    values: dict[str, Any]
+
+    @classmethod
+    def resolve(cls, defaults: dict[str, Any], given: dict[str, Any], saved: dict[str, Any] | None) -> Settings:
+        """Fresh: defaults < given. Resume: the saved values; one given again must agree (it is never replaced)."""
+        unknown = set(given) - set(defaults)
+        if unknown:
+            raise NanoGPTError(f"unknown setting {sorted(unknown)[0]!r}; these exist: {', '.join(defaults)}")
+        if saved is None:
+            return cls({**defaults, **given})
+        differ = [f"--{k.replace('_', '-')} (saved {saved.get(k)!r}, given {v!r})" for k, v in given.items()]
+        differ = [d for d, (k, v) in zip(differ, given.items()) if saved.get(k, defaults[k]) != v]
+        if differ:
+            raise NanoGPTError(f"--resume continues the run as it was set; these differ from it: {', '.join(differ)}")
+        return cls({**defaults, **saved})
+
+
+class PolicyRun:
+    """A DPO or GRPO run's model, optimizer, state and saves (see the module's docstring)."""
+
+    def __init__(self, job, objective: str, defaults: dict[str, Any], given: dict[str, Any], log: Log | None = None):
+        self.job, self.plan, self.cfg = job, job.plan, job.plan.train
+        self.run_dir = self.plan.run_dir
+        saved = self.plan.finetune.get("settings") if self.plan.resume else None
+        if self.plan.resume and self.plan.finetune.get("objective") != objective:
+            raise NanoGPTError(
+                f"{self.run_dir} was fine-tuned with --method {self.plan.finetune.get('objective', 'sft')}; "
+                f"resume it with that --method"
+            )
+        self.settings = Settings.resolve(defaults, given, saved).values
+        dtype = getattr(self.cfg.dtype, "value", self.cfg.dtype)
+        if dtype not in ("auto", "float32"):
+            raise NanoGPTError(f"--method {objective} trains in float32; drop --dtype {dtype}")
+        self.plan.finetune = {**self.plan.finetune, "objective": objective, "settings": self.settings}
+        self.log = log or (lambda record: None)
+        self.device = resolve_device(self.cfg.device)
+        self.state = TrainerState()
+
+    @property
+    def lora(self) -> bool:
+        return self.job.lora is not None
+
+    def setup(self) -> GPT:
+        """The model with its start (or resumed) weights, the optimizer, and the run folder's config written."""
+        plan, cfg = self.plan, self.cfg
+        torch.manual_seed(cfg.seed)
+        model = GPT(plan.model)
+        if plan.init_weights is not None:
+            load_weights(model, plan.init_weights)
+        elif plan.init_model is not None:
+            model.load_state_dict(plan.init_model.state_dict())
+        if self.job.trainable is not None:
+            keep = {id(p) for p in self.job.trainable(model)}
+            for p in model.parameters():
+                p.requires_grad_(id(p) in keep)
+        saved = self.run_dir.restore() if plan.resume else None
+        if saved is not None:
+            saved.load_weights(model)
+        self.model = model.to(self.device)
+        self.optimizer = make_optimizer(self.model, cfg, self.device)
+        if saved is not None:
+            saved.load_optimizer(self.optimizer)
+            self.state = saved.state
+            if self.state.rng_torch is not None:
+                torch.set_rng_state(self.state.rng_torch)
+            self.run_dir.truncate_metrics(self.state.step)
+        else:
+            self.run_dir.start(plan.force)
+        self.write_config_again()
+        self.started = time.perf_counter()
+        return self.model
+
+    def write_config_again(self) -> None:
+        """config.json with what the run has recorded so far (the base's hash, the reference's)."""
+        plan = self.plan
+        config = {"model": plan.model.to_dict(), "train": self.cfg.to_dict(), "dataset": plan.dataset}
+        self.run_dir.write_config({**config, "finetune": plan.finetune})
+
+    def step_lr(self) -> float:
+        lr = lr_at(self.state.step, self.cfg)
+        set_lr(self.optimizer, lr, self.state.step, self.cfg)
+        return lr
+
+    def update(self, loss: torch.Tensor) -> None:
+        """One optimizer update from a loss that has its graph."""
+        if not torch.isfinite(loss):
+            raise NanoGPTError(
+                f"the loss became non-finite at step {self.state.step}; try a lower --learning-rate or --beta"
+            )
+        loss.backward()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.step += 1
+
+    def record(self, kind: str, values: dict[str, Any]) -> None:
+        record = {"kind": kind, "step": self.state.step, **values}
+        self.run_dir.append_metrics(record)
+        self.log(record)
+
+    def save(self, val_loss: float) -> None:
+        """Save the run (the weights, optimizer and state, the best weights by val_loss: lower is better)."""
+        state = self.state
+        is_best = state.best_val_loss is None or val_loss < state.best_val_loss
+        if is_best:
+            state.best_val_loss = val_loss
+        state.elapsed_s += time.perf_counter() - self.started
+        self.started = time.perf_counter()
+        state.rng_torch = torch.get_rng_state()
+        self.run_dir.save(self.model, self.optimizer, state, self.weights_meta(val_loss), is_best)
+
+    def weights_meta(self, val_loss: float) -> dict[str, Any]:
+        dataset = self.plan.dataset
+        meta = dict(tokenizer=dataset["tokenizer"], dataset=self.cfg.data, val_loss=val_loss)
+        template = checkpoint_template(dataset)
+        if template is not None:
+            meta["chat_template"] = template
+        meta.update(self.plan.finetune.get("weights", {}))
+        return meta
+
+
+def check_format(dataset: dict[str, Any], method: str, wanted: str) -> None:
+    if dataset.get("format") != wanted:
+        raise NanoGPTError(
+            f"--method {method} trains on a dataset prepared with --format {wanted}; this one is "
+            f"{dataset.get('format', 'text')!r}"
+        )
