@@ -178,6 +178,10 @@ def test_cli_prepare_preference_and_finetune_dpo(dpo_data, tmp_path, monkeypatch
     assert json.loads((tmp_path / "run" / "config.json").read_text())["finetune"]["settings"]["rpo_alpha"] == 0.5
     r = runner.invoke(app, [*args[:-2], "--out", "run2", "--group-size", "4"])
     assert r.exit_code == 1 and "--group-size has no effect with --method dpo" in r.output
+    r = runner.invoke(app, [*args[:-2], "--out", "run3", "--gradient-accumulation-steps", "4"])
+    assert r.exit_code == 1 and "drop --gradient-accumulation-steps 4" in r.output
+    r = runner.invoke(app, [*args[:-2], "--out", "run4", "--compile"])
+    assert r.exit_code == 1 and "drop --compile" in r.output
     r = runner.invoke(app, ["finetune", "--method", "ppo", "--init-from", str(dpo_data / "base"), "--data", "p"])
     assert r.exit_code == 1 and "--method" in r.output
 

@@ -104,6 +104,13 @@ class PolicyRun:
         dtype = getattr(self.cfg.dtype, "value", self.cfg.dtype)
         if dtype not in ("auto", "float32"):
             raise NanoGPTError(f"--method {objective} trains in float32; drop --dtype {dtype}")
+        if self.cfg.gradient_accumulation_steps != 1:  # one micro-batch of --batch-size pairs or prompts an update
+            raise NanoGPTError(
+                f"--method {objective} takes one micro-batch per update; drop --gradient-accumulation-steps "
+                f"{self.cfg.gradient_accumulation_steps} and set --batch-size instead"
+            )
+        if self.cfg.compile:
+            raise NanoGPTError(f"--method {objective} runs the model uncompiled; drop --compile")
         self.plan.finetune = {**self.plan.finetune, "objective": objective, "settings": self.settings}
         self.log = log or (lambda record: None)
         self.device = resolve_device(self.cfg.device)
