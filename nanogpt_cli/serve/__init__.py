@@ -34,6 +34,8 @@ class ServeOptions:
     api_key: str | None = None  # default: $NANOGPT_API_KEY
     device: str = "auto"
     dtype: Dtype = Dtype.auto
+    quantize: str | None = None  # int8 or int4 weights (model/quantize.py)
+    group_size: int = 32  # int4's group width
     last: bool = False
     ui: bool = True
     max_body: int = 1_000_000
@@ -76,7 +78,14 @@ def build_server(options: ServeOptions, on_ready: Callable[[str], None] | None =
     from nanogpt_cli.serve.chat import ChatTemplate
     from nanogpt_cli.serve.scheduler import Scheduler
 
-    loaded = load_for_inference(options.source, last=options.last, device=options.device, dtype=options.dtype)
+    loaded = load_for_inference(
+        options.source,
+        last=options.last,
+        device=options.device,
+        dtype=options.dtype,
+        quantize=options.quantize,
+        group_size=options.group_size,
+    )
     eos = "<|endoftext|>" if loaded.tokenizer.eot_id is not None else None
     scheduler = Scheduler(loaded.model, loaded.tokenizer, loaded.device, options.max_batch, options.max_queue)
     state = ServerState(
