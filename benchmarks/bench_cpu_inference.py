@@ -226,10 +226,14 @@ def profile(args) -> None:
             )
             engine = Engine(m.model, max_batch=1, vocab_size=256)
             with torch.inference_mode():
-                engine.add(list(range(8)), SamplingParams(temperature=0.0), args.tokens + 8)
+                engine.add(list(range(8)), SamplingParams(temperature=0.0), 2 * args.tokens + 8)
                 for _ in range(4):
                     engine.step()
-                with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                t0 = time.perf_counter()
+                for _ in range(args.tokens):
+                    engine.step()
+                plain_ms = (time.perf_counter() - t0) / args.tokens * 1000
+                with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                     t0 = time.perf_counter()
                     for _ in range(args.tokens):
                         engine.step()
@@ -237,6 +241,7 @@ def profile(args) -> None:
             groups = group_profile(prof, args.tokens)
             rows = [[k, f"{v:.2f}", f"{100 * v / step_ms:.0f}%"] for k, v in groups.items()]
             rows.append(["step (wall, profiled)", f"{step_ms:.2f}", "100%"])
+            rows.append(["step (wall, not profiled)", f"{plain_ms:.2f}", ""])
             table(
                 f"smollm2-135m decode step at batch 1, {precision}, {args.threads} thread(s)",
                 ["part", "ms", "share"],
