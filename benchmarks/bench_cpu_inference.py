@@ -224,7 +224,7 @@ def profile(args) -> None:
             m = load_for_inference(
                 weights, device="cpu", dtype="float32" if precision == "float32" else "bfloat16", quantize=quant
             )
-            engine = Engine(m.model, max_batch=1, vocab_size=256)
+            engine = Engine(m.model, max_batch=1)
             with torch.inference_mode():
                 engine.add(list(range(8)), SamplingParams(temperature=0.0), 2 * args.tokens + 8)
                 for _ in range(4):
