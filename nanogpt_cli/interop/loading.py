@@ -122,5 +122,8 @@ def load_for_inference(
     cast = resolve_inference_dtype(dtype, dev, weight_bytes)
     model = model.to(dev).cast(cast).eval()
     if quantize is not None:
-        quantize_model(model, quantize, group_size)
+        try:
+            quantize_model(model, quantize, group_size)
+        except ValueError as e:
+            raise NanoGPTError(str(e)) from None
     return InferenceModel(model, tokenizer, meta, dev, cast)

@@ -115,8 +115,8 @@ def check_quantize(kind: str | None, group_size: int) -> None:
 
 
 def quantize_linear(module: nn.Linear, kind: str, group_size: int = 32) -> QuantizedLinear | nn.Linear:
-    """One layer in its quantized form; a layer whose input width is not a whole number of int4 groups (or that
-    is not on a CPU) stays as it is."""
+    """One layer in its quantized form; a layer that is not on a CPU, or whose input width is not a whole number
+    of int4 groups (quantize_model refuses those), stays as it is."""
     w = module.weight.detach()
     if w.device.type != "cpu" or (kind == "int4" and w.size(1) % group_size != 0):
         return module
@@ -129,6 +129,10 @@ def quantize_model(model: nn.Module, kind: str, group_size: int = 32) -> nn.Modu
     """Every nn.Linear inside the Transformer blocks swapped in place for its quantized form (see the module's
     docstring for the embedding and the head). Returns the model."""
     check_quantize(kind, group_size)
+    widths = {m.in_features for m in model.transformer.h.modules() if type(m) is nn.Linear}
+    if kind == "int4" and any(w % group_size for w in widths):
+        listed = ", ".join(map(str, sorted(widths)))
+        raise ValueError(f"--group-size ({group_size}) must divide every projection's input width ({listed})")
     for block in model.transformer.h:
         for name, module in list(block.named_modules()):
             if type(module) is nn.Linear:
