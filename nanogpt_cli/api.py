@@ -70,14 +70,26 @@ __all__ = [
 # --- loading and using a model ---
 
 
-def load(source: str | Path, *, last: bool = False, device: str = "auto", dtype: Any = "auto") -> Model:
+def load(
+    source: str | Path,
+    *,
+    last: bool = False,
+    device: str = "auto",
+    dtype: Any = "auto",
+    quantize: str | None = None,
+    group_size: int = 32,
+) -> Model:
     """A model ready to generate, chat and score, from any source the commands load: a run folder (its best
     weights; its last with last=True), a .safetensors file, a Hugging Face folder or hf:NAME, or a .gguf file
     that `export` wrote. device: auto, cpu, cuda, cuda:N or mps; dtype: auto, float32, bfloat16, float16 (or a
-    torch.dtype); auto picks from the device and the size of the weights."""
+    torch.dtype); auto picks from the device and the size of the weights. quantize: None, "int8" (one scale per
+    output channel) or "int4" (a scale and zero per group_size inputs) for the blocks' weights, on a CPU."""
     from nanogpt_cli.interop.loading import load_for_inference
 
-    return Model(load_for_inference(source, last=last, device=device, dtype=_dtype(dtype)), str(source))
+    loaded = load_for_inference(
+        source, last=last, device=device, dtype=_dtype(dtype), quantize=quantize, group_size=group_size
+    )
+    return Model(loaded, str(source))
 
 
 class Model:

@@ -12,7 +12,17 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import DATA_DIR_HELP, Checkpoint, Device, Last, ScoreDtype, Threads, one_line_errors
+from nanogpt_cli.cli.common import (
+    DATA_DIR_HELP,
+    Checkpoint,
+    Device,
+    GroupSize,
+    Last,
+    Quantize,
+    ScoreDtype,
+    Threads,
+    one_line_errors,
+)
 from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError
 
@@ -39,6 +49,8 @@ def perplexity(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
     device: Device = "auto",
     dtype: ScoreDtype = Dtype.float32,
+    quantize: Quantize = None,
+    group_size: GroupSize = 32,
     threads: Threads = None,
 ):
     """Score every token of a dataset split or text files once: loss, perplexity, bits per byte.
@@ -57,7 +69,7 @@ def perplexity(
     from nanogpt_cli.device import set_threads
 
     set_threads(threads)
-    model = api.load(checkpoint, last=last, device=device, dtype=dtype)
+    model = api.load(checkpoint, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size)
     from nanogpt_cli.cli.ui import eval_progress
 
     with eval_progress() as progress:  # a bar on a terminal: tokens scored, rate, time left

@@ -17,8 +17,10 @@ from nanogpt_cli.cli.common import (
     Checkpoint,
     Device,
     DtypeOption,
+    GroupSize,
     Last,
     PromptFile,
+    Quantize,
     Threads,
     fail,
     note,
@@ -95,6 +97,8 @@ def sample(
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the whole context every token.")] = False,
     device: Device = "auto",
     dtype: DtypeOption = Dtype.auto,
+    quantize: Quantize = None,
+    group_size: GroupSize = 32,
     threads: Threads = None,
 ):
     """Generate text from a trained model, streamed as it is written.
@@ -126,7 +130,9 @@ def sample(
     )
     from nanogpt_cli import api
 
-    sampler = api.load(checkpoint, last=last, device=device, dtype=dtype).sampler
+    sampler = api.load(
+        checkpoint, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size
+    ).sampler
     run = functools.partial(
         print_samples, sampler, settings=settings, num_samples=num_samples, stream=stream, json_out=json_out
     )
@@ -178,6 +184,8 @@ def chat(
     last: Last = False,
     device: Device = "auto",
     dtype: DtypeOption = Dtype.auto,
+    quantize: Quantize = None,
+    group_size: GroupSize = 32,
     threads: Threads = None,
 ):
     """Talk to a model in the terminal, formatted with its chat template; /reset, /exit, Ctrl-C stops a reply.
@@ -199,7 +207,7 @@ def chat(
         stop=stop or [],
     )
     set_threads(threads)
-    model = api.load(source, last=last, device=device, dtype=dtype)
+    model = api.load(source, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size)
     session = model.conversation(system, max_new_tokens, **settings)
     if session.template.plain:
         note(f"{source} has no chat template (a base model): it gets a plain User:/Assistant: transcript")

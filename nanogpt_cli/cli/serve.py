@@ -9,7 +9,17 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import SOURCE_HELP, Device, DtypeOption, Last, Threads, note, one_line_errors
+from nanogpt_cli.cli.common import (
+    SOURCE_HELP,
+    Device,
+    DtypeOption,
+    GroupSize,
+    Last,
+    Quantize,
+    Threads,
+    note,
+    one_line_errors,
+)
 from nanogpt_cli.config import Dtype
 
 
@@ -45,6 +55,8 @@ def serve(
     last: Last = False,
     device: Device = "auto",
     dtype: DtypeOption = Dtype.auto,
+    quantize: Quantize = None,
+    group_size: GroupSize = 32,
     threads: Threads = None,
 ):
     """Serve a model over the OpenAI API (completions, chat, streaming) with a chat page at /.
@@ -64,6 +76,8 @@ def serve(
         api_key=api_key,
         device=device,
         dtype=dtype,
+        quantize=quantize,
+        group_size=group_size,
         last=last,
         ui=not no_ui,
         max_body=max_body,

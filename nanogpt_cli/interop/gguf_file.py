@@ -448,9 +448,12 @@ def _meta(reader, path) -> dict[str, Any]:
     }
 
 
-def read_gguf(path: str | Path) -> tuple[GPT, dict[str, Any]]:
-    """Our model (float32) and metadata from a GGUF file `write_gguf` wrote; quantized tensors are dequantized."""
+def read_gguf(path: str | Path, quantize: str | None = None, group_size: int = 32) -> tuple[GPT, dict[str, Any]]:
+    """Our model (float32) and metadata from a GGUF file `write_gguf` wrote; quantized tensors are dequantized,
+    except the blocks' matrices in the form `quantize` asks for (gguf_blocks.GGUF_FORMS), which load as they are."""
     import torch
+
+    from nanogpt_cli.interop.gguf_blocks import GGUF_FORMS
 
     gguf = hf.require("gguf")
     meta, reader = _open(path)
@@ -459,11 +462,14 @@ def read_gguf(path: str | Path) -> tuple[GPT, dict[str, Any]]:
     except (TypeError, ValueError) as e:
         raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None
     arch = gguf_arch(config)
+    direct = GGUF_FORMS.get(quantize) if quantize == "int8" or group_size == 32 else None
+    raw = {t.name: t.data for t in reader.tensors if t.tensor_type.name == direct and t.name.startswith("blk.")}
     tensors = {
         t.name: gguf.quants.dequantize(t.data, t.tensor_type)
         .reshape([int(n) for n in reversed(t.shape)])
         .astype(np.float32)
         for t in reader.tensors
+        if t.name not in raw
     }
     model = GPT(config)
     sd = model.state_dict()
@@ -477,17 +483,21 @@ def read_gguf(path: str | Path) -> tuple[GPT, dict[str, Any]]:
         ours["transformer.wpe.weight"] = tensors["position_embd.weight"]
     if "transformer.ln_f.bias" in sd:
         ours["transformer.ln_f.bias"] = tensors["output_norm.bias"]
+    packed: dict[str, np.ndarray] = {}  # our matrix -> its raw blocks, for gguf_blocks
     for i in range(config.n_layer):
         for name, theirs in _block_names(arch, config).items():
             if f"transformer.h.{i}.{name}" not in sd:
                 continue  # zero biases llama.cpp wanted
             suffix = name.rsplit(".", 1)[1]
-            parts = [tensors[f"blk.{i}.{t}.{suffix}"] for t in theirs]
-            if arch == "llama" and len(parts) == 3:
+            keys = [f"blk.{i}.{t}.{suffix}" for t in theirs]
+            whole = all(k in raw for k in keys)  # else the parts that are blocks are dequantized after all
+            parts = [raw[k] if whole else tensors.get(k, _dequantized(raw.get(k), direct, gguf)) for k in keys]
+            if arch == "llama" and len(parts) == 3:  # a permutation of rows: the same on raw blocks
                 parts[:2] = [
                     _llama_rope_order(p, _rope_heads(config, t), inverse=True) for p, t in zip(parts[:2], theirs)
                 ]
-            ours[f"transformer.h.{i}.{name}"] = np.concatenate(parts, axis=0)
+            target = packed if whole else ours
+            target[f"transformer.h.{i}.{name}"] = np.concatenate(parts, axis=0)
     with torch.no_grad():
         for name, value in ours.items():
             if tuple(sd[name].shape) != value.shape:
@@ -495,4 +505,21 @@ def read_gguf(path: str | Path) -> tuple[GPT, dict[str, Any]]:
                     f"{path} does not match its config: {name} is {value.shape}, not {tuple(sd[name].shape)}"
                 )
             sd[name].copy_(torch.from_numpy(value))
+    _swap_packed(model, packed, direct)
     return model.eval(), meta
+
+
+def _dequantized(raw: np.ndarray | None, block_type: str | None, gguf) -> np.ndarray | None:
+    if raw is None:
+        return None
+    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[block_type]).astype(np.float32)
+
+
+def _swap_packed(model: GPT, packed: dict[str, np.ndarray], block_type: str | None) -> None:
+    """Each matrix read as raw blocks becomes its QuantizedLinear, keeping the bias already loaded."""
+    from nanogpt_cli.interop.gguf_blocks import linear_from_blocks
+
+    for name, raw in packed.items():
+        parent_name, attr = name.removesuffix(".weight").rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        setattr(parent, attr, linear_from_blocks(raw, block_type, getattr(parent, attr).bias))

@@ -24,7 +24,9 @@ from nanogpt_cli.runs.rundir import find_run, resolve_weights
 from nanogpt_cli.tokenizer import Tokenizer, tokenizer_from_description
 
 
-def load_model(path: str | Path, last: bool = False, device: str | torch.device = "cpu") -> tuple[GPT, dict]:
+def load_model(
+    path: str | Path, last: bool = False, device: str | torch.device = "cpu", quantize: str | None = None, group_size=32
+) -> tuple[GPT, dict]:
     """The model rebuilt from a checkpoint alone (its config is in the metadata), and that metadata. A Hugging
     Face model (hf:NAME, or a folder holding a transformers config.json) is converted, and its metadata holds
     the config and our description of its tokenizer (see hf.py). A bare run name is a run under checkpoints/."""
@@ -35,7 +37,7 @@ def load_model(path: str | Path, last: bool = False, device: str | torch.device 
     from nanogpt_cli.interop import gguf_file
 
     if gguf_file.is_gguf(path):  # a GGUF file that nanogpt exported
-        model, meta = gguf_file.read_gguf(path)
+        model, meta = gguf_file.read_gguf(path, quantize, group_size)  # Q8_0 / Q4_0 blocks load as they are
         return model.to(device), meta
     path = resolve_weights(path, last)
     meta = read_metadata(path)
@@ -102,14 +104,35 @@ class InferenceModel:
 
 
 def load_for_inference(
-    checkpoint: str | Path, last: bool = False, device: str = "auto", dtype: Dtype = Dtype.auto
+    checkpoint: str | Path,
+    last: bool = False,
+    device: str = "auto",
+    dtype: Dtype = Dtype.auto,
+    quantize: str | None = None,
+    group_size: int = 32,
 ) -> InferenceModel:
     """The one loader that sample and eval share. Inference casts the weights once instead of autocasting
-    every call; `auto` picks the dtype from the device and the size of the weights (device.py)."""
+    every call; `auto` picks the dtype from the device and the size of the weights (device.py). quantize: int8
+    or int4 weights for the blocks' projections (model/quantize.py), group_size the int4 groups' width; a GGUF
+    export's Q8_0 or Q4_0 blocks load straight into that form."""
+    from nanogpt_cli.model.quantize import check_quantize, quantize_model
+
+    try:
+        check_quantize(quantize, group_size)
+    except ValueError as e:
+        raise NanoGPTError(str(e)) from None
     dev = resolve_device(device)
-    model, meta = load_model(checkpoint, last=last)
+    if quantize is not None and dev.type != "cpu":
+        raise NanoGPTError(f"--quantize runs on a CPU only (torch's packed kernels), not on {dev}; use --device cpu")
+    model, meta = load_model(checkpoint, last=last, quantize=quantize, group_size=group_size)
     tokenizer = tokenizer_of(meta, checkpoint)
     say_threads(dev)  # set_threads' automatic choice, once the model is there: it stays as it is
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     cast = resolve_inference_dtype(dtype, dev, weight_bytes)
-    return InferenceModel(model.to(dev).cast(cast).eval(), tokenizer, meta, dev, cast)
+    model = model.to(dev).cast(cast).eval()
+    if quantize is not None:
+        try:
+            quantize_model(model, quantize, group_size)
+        except ValueError as e:
+            raise NanoGPTError(str(e)) from None
+    return InferenceModel(model, tokenizer, meta, dev, cast)

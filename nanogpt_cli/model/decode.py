@@ -7,7 +7,7 @@ rows MKL multiplies x @ W (W stored (in, out)) ~2x faster than F.linear's x @ W.
     h = model.hidden_states(idx, cache, ops=ops)            # (B, T, C), in inference mode
 
 Only for inference (no dropout, no gradients). A projection that is not a plain nn.Linear (a LoRA layer not
-merged) is called as the module it is.
+merged, a QuantizedLinear with its packed kernel) is called as the module it is.
 """
 
 from __future__ import annotations

@@ -44,6 +44,8 @@ class ServeOptions:
     api_key: str | None = None  # default: $NANOGPT_API_KEY
     device: str = "auto"
     dtype: Dtype = Dtype.auto
+    quantize: str | None = None  # int8 or int4 weights (model/quantize.py)
+    group_size: int = 32  # int4's group width
     last: bool = False
     ui: bool = True
     max_body: int = 1_000_000
@@ -97,7 +99,16 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
     from nanogpt_cli.serve.metrics import Metrics
     from nanogpt_cli.serve.scheduler import Scheduler
 
-    loaded = load_for_inference(options.source, last=options.last, device=options.device, dtype=options.dtype)
+    if options.adapters and options.quantize is not None:
+        raise NanoGPTError("--adapter adds LoRA to full-precision weights; drop --quantize to serve adapters")
+    loaded = load_for_inference(
+        options.source,
+        last=options.last,
+        device=options.device,
+        dtype=options.dtype,
+        quantize=options.quantize,
+        group_size=options.group_size,
+    )
     model_name = options.model_name or default_model_name(options.source)
     adapters = _adapters(options, loaded, model_name)
     prefix = PrefixCache(options.prompt_cache_mb << 20) if options.prompt_cache_mb else None

@@ -27,7 +27,7 @@ from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
 from nanogpt_cli.training.optim import lr_at, make_optimizer, set_lr
 
-Log = Callable[[dict[str, Any]], None]  # a metrics record: what the display shows and metrics.jsonl keeps
+Log = Callable[[dict[str, Any]], None]  # a metrics record: what the display shows and the run's metrics file keeps
 
 
 @contextlib.contextmanager

@@ -1,0 +1,371 @@
+"""CPU inference of real-sized models: ours at float32, bf16, int8 and int4 (--quantize) against llama.cpp (PyPI's
+xllamacpp, used only here) on our own GGUF exports at f16, q8_0 and q4_0, with the same threads, in alternating
+rounds: prefill of 512 tokens, decode at batch 1 and 8, peak memory. Random weights (speed does not depend on
+them) in SmolLM2-135M's and Qwen2.5-0.5B's shapes.
+
+    python benchmarks/bench_cpu_inference.py --models smollm2-135m --rounds 3 --threads 2
+    python benchmarks/bench_cpu_inference.py --profile        # torch.profiler of the 135M model's decode step
+    python benchmarks/bench_cpu_inference.py --quality        # perplexity and greedy agreement of a trained model
+
+Each of our runs is a fresh process (its peak RSS is the model's alone); llama.cpp runs as its own server, one per
+file, whose peak RSS is read from /proc. The ratio column is ours / llama.cpp in tokens per second, per round, then
+the median: rounds alternate the two so that the load other jobs put on a shared machine hits both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_serve import start  # noqa: E402
+from common import table  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+# n_kv_head is not a setting of ours yet: both use full multi-head attention (n_kv_head = n_head), which makes the
+# KV cache and attention over it 3x (SmolLM2) and 7x (Qwen2.5) what the real models hold; the matmuls are theirs
+MODELS = {
+    "smollm2-135m": dict(
+        n_layer=30, n_embd=576, n_head=9, mlp_hidden=1536, vocab_size=49152, rope_theta=100000.0, block_size=2048
+    ),
+    "qwen2.5-0.5b": dict(
+        n_layer=24, n_embd=896, n_head=14, mlp_hidden=4864, vocab_size=151936, rope_theta=1e6, block_size=2048
+    ),
+}
+PAIRS = [("bfloat16", "f16"), ("int8", "q8_0"), ("int4", "q4_0"), ("float32", None)]
+
+
+def make_model(folder: Path, name: str, quants: list[str]) -> tuple[Path, dict[str, Path]]:
+    import torch
+
+    from nanogpt_cli.config import GPTConfig
+    from nanogpt_cli.interop.export import export
+    from nanogpt_cli.model import GPT
+    from nanogpt_cli.runs import checkpoint as ckpt
+    from nanogpt_cli.tokenizer import build_tokenizer
+
+    torch.manual_seed(0)
+    tok = build_tokenizer("byte")  # the vocabulary is padded to the model's: speed does not depend on the tokenizer
+    cfg = GPTConfig(**MODELS[name], norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=True)
+    weights = folder / f"{name}.safetensors"
+    ckpt.save_model(weights, GPT(cfg), {"tokenizer": tok.describe(), "step": 0})
+    ggufs = {}
+    for q in quants:
+        ggufs[q] = folder / f"{name}-{q}.gguf"
+        export(weights, "gguf", ggufs[q], force=True, quant=q)
+    return weights, ggufs
+
+
+OURS = """
+import json, resource, sys, time, torch
+from nanogpt_cli.interop.loading import load_for_inference
+from nanogpt_cli.inference.engine import Engine, SamplingParams
+path, precision = sys.argv[1], sys.argv[2]
+threads, prompt, tokens = (int(a) for a in sys.argv[3:6])
+torch.set_num_threads(threads)
+quant = precision if precision.startswith("int") else None
+dtype = "float32" if precision == "float32" else "bfloat16"
+m = load_for_inference(path, device="cpu", dtype=dtype, quantize=quant)
+out = {}
+with torch.inference_mode():
+    ids = torch.randint(0, 256, (prompt,)).tolist()
+    engine = Engine(m.model, max_batch=1)
+    engine.add(ids[:16], SamplingParams(temperature=0.0), 1)  # warm up
+    list(engine.run())
+    t0 = time.perf_counter()
+    engine.add(ids, SamplingParams(temperature=0.0), 1)
+    out["prefill_ms"] = (time.perf_counter() - t0) * 1000
+    list(engine.run())
+    for batch in (1, 8):
+        engine = Engine(m.model, max_batch=batch, vocab_size=256)
+        engine.add_many([ids[:8]] * batch, SamplingParams(temperature=0.0), tokens + 4)
+        for _ in range(4):
+            engine.step()
+        t0 = time.perf_counter()
+        for _ in range(tokens):
+            engine.step()
+        out[f"decode{batch}_ms"] = (time.perf_counter() - t0) / tokens * 1000
+out["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+print(json.dumps(out))
+"""
+
+
+def ours(weights: Path, precision: str, args) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-c", OURS, str(weights), precision, str(args.threads), str(args.prompt), str(args.tokens)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode != 0:
+        raise SystemExit(f"ours at {precision} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def ask(url: str, body: dict) -> dict:
+    import http.client
+
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=600)
+    conn.request("POST", "/completion", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    reply = json.loads(conn.getresponse().read())
+    conn.close()
+    return reply["timings"]
+
+
+def one_row(url: str, body: dict, per_token: list[float]) -> None:
+    per_token.append(ask(url, body)["predicted_per_token_ms"])
+
+
+def theirs(url: str, pid: int, args) -> dict:
+    """llama.cpp's own timings: the prompt's ms for a 512-token prefill (no prompt cache), and each row's ms per
+    generated token of 1 and 8 concurrent greedy requests (the median row)."""
+    import random
+    import threading
+
+    ids = [random.randrange(256) for _ in range(args.prompt)]
+    out = {"prefill_ms": ask(url, {"prompt": ids, "n_predict": 1, "cache_prompt": False})["prompt_ms"]}
+    for batch in (1, 8):
+        per_token: list[float] = []
+        body = {
+            "prompt": ids[:8],
+            "n_predict": args.tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "cache_prompt": False,
+        }
+        threads = [threading.Thread(target=one_row, args=(url, body, per_token)) for _ in range(batch)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        out[f"decode{batch}_ms"] = statistics.median(per_token)
+    status = Path(f"/proc/{pid}/status").read_text()
+    out["peak_mb"] = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM")) / 1024
+    return out
+
+
+def speed(args) -> None:
+    load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    for name in args.models:
+        rows = []
+        with tempfile.TemporaryDirectory() as tmp:
+            pairs = [(o, t) for o, t in PAIRS if o in args.ours]
+            weights, ggufs = make_model(Path(tmp), name, [t for _, t in pairs if t])
+            for precision, quant in pairs:
+                server = None
+                if quant is not None:
+                    # XLLAMACPP_PATH: a `pip install --target` folder of xllamacpp, when it is not installed
+                    path = ":".join(filter(None, [str(ROOT), os.environ.get("XLLAMACPP_PATH")]))
+                    server = start("llama.cpp", weights, ggufs[quant], 8, 1024, args.threads, root=path)
+                try:
+                    if server:
+                        theirs(server[1], server[0].pid, args)  # warm up
+                    rounds = []
+                    for _ in range(args.rounds):
+                        t = theirs(server[1], server[0].pid, args) if server else None
+                        rounds.append((ours(weights, precision, args), t))
+                        print(name, precision, quant, rounds[-1], flush=True)
+                finally:
+                    if server:
+                        server[0].stdin.close()
+                        server[0].terminate()
+                        server[0].wait(30)
+                rows.append(row(precision, quant, rounds))
+        load_after = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        table(
+            f"{name} shape (random weights), {args.threads} thread(s), prefill {args.prompt} tokens, decode "
+            f"{args.tokens} tokens per row, medians of {args.rounds} alternating rounds, load average {load_before} "
+            f"before, {load_after} after",
+            [
+                "ours",
+                "llama.cpp",
+                "prefill ms",
+                "ratio",
+                "decode b1 ms",
+                "ratio",
+                "decode b8 ms/step",
+                "ratio",
+                "peak MB",
+            ],
+            rows,
+        )
+
+
+def row(precision: str, quant: str | None, rounds: list) -> list:
+    med = lambda key, side: statistics.median(r[side][key] for r in rounds)  # noqa: E731
+    out = [precision, quant or "-"]
+    for key in ("prefill_ms", "decode1_ms", "decode8_ms"):
+        ratio = statistics.median(r[1][key] / r[0][key] for r in rounds) if quant else None  # their ms / ours
+        theirs_ms = f" / {med(key, 1):.1f}" if quant else ""
+        out += [f"{med(key, 0):.1f}{theirs_ms}", f"{ratio:.2f}x" if ratio else "-"]
+    out.append(f"{med('peak_mb', 0):,.0f}" + (f" / {med('peak_mb', 1):,.0f}" if quant else ""))
+    return out
+
+
+def profile(args) -> None:
+    """torch.profiler over decode steps of the 135M shape at batch 1: the time by operator, grouped."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from nanogpt_cli.inference.engine import Engine, SamplingParams
+    from nanogpt_cli.interop.loading import load_for_inference
+
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        weights, _ = make_model(Path(tmp), "smollm2-135m", [])
+        for precision in args.ours:
+            quant = precision if precision.startswith("int") else None
+            m = load_for_inference(
+                weights, device="cpu", dtype="float32" if precision == "float32" else "bfloat16", quantize=quant
+            )
+            engine = Engine(m.model, max_batch=1)
+            with torch.inference_mode():
+                engine.add(list(range(8)), SamplingParams(temperature=0.0), 2 * args.tokens + 8)
+                for _ in range(4):
+                    engine.step()
+                t0 = time.perf_counter()
+                for _ in range(args.tokens):
+                    engine.step()
+                plain_ms = (time.perf_counter() - t0) / args.tokens * 1000
+                with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                    t0 = time.perf_counter()
+                    for _ in range(args.tokens):
+                        engine.step()
+                    step_ms = (time.perf_counter() - t0) / args.tokens * 1000
+            groups = group_profile(prof, args.tokens)
+            rows = [[k, f"{v:.2f}", f"{100 * v / step_ms:.0f}%"] for k, v in groups.items()]
+            rows.append(["step (wall, profiled)", f"{step_ms:.2f}", "100%"])
+            rows.append(["step (wall, not profiled)", f"{plain_ms:.2f}", ""])
+            table(
+                f"smollm2-135m decode step at batch 1, {precision}, {args.threads} thread(s)",
+                ["part", "ms", "share"],
+                rows,
+            )
+
+
+GROUPS = {  # operator -> the part of the step it belongs to
+    "matmuls": (
+        "aten::mm",
+        "aten::addmm",
+        "aten::_weight_int8pack_mm",
+        "aten::_weight_int4pack_mm_for_cpu",
+        "aten::linear",
+    ),
+    "attention over the cache": (
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::copy_",
+        "aten::index_put_",
+    ),
+    "norms, activations, RoPE": (
+        "aten::mul",
+        "aten::add",
+        "aten::addcmul",
+        "aten::linalg_vector_norm",
+        "aten::rsqrt_",
+        "aten::silu",
+        "aten::rms_norm",
+        "aten::cat",
+    ),
+    "sampling": (
+        "aten::argmax",
+        "aten::max",
+        "aten::softmax",
+        "aten::multinomial",
+        "aten::topk",
+        "aten::item",
+        "aten::_local_scalar_dense",
+    ),
+}
+
+
+def group_profile(prof, steps: int) -> dict[str, float]:
+    """Self CPU time per step (ms) of each part; the head's matmul is the (1, C) x (C, V) mm, told apart by its
+    shape; what no operator accounts for is Python and dispatch."""
+    totals = {
+        k: 0.0
+        for k in ("matmuls", "head", "attention over the cache", "norms, activations, RoPE", "sampling", "other ops")
+    }
+    for e in prof.key_averages(group_by_input_shape=True):
+        ms = e.self_cpu_time_total / 1000 / steps
+        part = next((k for k, ops in GROUPS.items() if e.key in ops), "other ops")
+        if part == "matmuls" and "49152" in str(e.input_shapes):
+            part = "head"
+        totals[part] += ms
+    return totals
+
+
+def quality(args) -> None:
+    """A small model trained briefly on Tiny Shakespeare (char level): validation perplexity at float32, int8 and
+    int4, and how many of the prompts' first 32 greedy tokens int8 and int4 give exactly as float32 does."""
+    from common import shakespeare_path
+
+    from nanogpt_cli import api
+    from nanogpt_cli.data import prepare
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        prepare(str(shakespeare_path()), "shk", tokenizer="char", data_dir=tmp / "data")
+        run = tmp / "run"
+        flags = dict(
+            n_layer=4,
+            n_head=4,
+            n_embd=128,
+            block_size=128,
+            norm="rmsnorm",
+            mlp="swiglu",
+            batch_size=16,
+            max_iters=args.train_iters,
+            eval_interval=args.train_iters,
+            eval_iters=4,
+            dtype="float32",
+        )
+        api.train(data="shk", data_dir=str(tmp / "data"), out=run, device="cpu", **flags)
+        text = shakespeare_path().read_text()
+        held = text[-20000:]  # the end of the file: in the validation split
+        (tmp / "held.txt").write_text(held)
+        prompts = [held[i : i + 24] for i in range(0, 20000, 1000)]
+        results, greedy = [], {}
+        for q in (None, "int8", "int4"):
+            model = api.load(run, device="cpu", dtype="float32", quantize=q)
+            score = model.score(files=[tmp / "held.txt"])
+            greedy[q] = [model.generate(p, max_new_tokens=32, temperature=0.0).token_ids for p in prompts]
+            results.append([q or "float32", f"{score.perplexity:.4f}"])
+        base = float(results[0][1])
+        for r, q in zip(results, (None, "int8", "int4")):
+            same = sum(a == b for a, b in zip(greedy[q], greedy[None]))
+            r += [f"{100 * (float(r[1]) / base - 1):+.2f}%", f"{same} of {len(prompts)}"]
+        table(
+            f"4 x 128 char model, {args.train_iters} iterations on Tiny Shakespeare; perplexity on its last 20,000 "
+            "characters",
+            ["weights", "perplexity", "vs float32", "first 32 greedy tokens equal"],
+            results,
+        )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--ours", nargs="+", default=[o for o, _ in PAIRS], choices=[o for o, _ in PAIRS])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=16, help="decode steps timed per batch")
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--quality", action="store_true")
+    p.add_argument("--train-iters", type=int, default=600)
+    args = p.parse_args()
+    if args.quality:
+        return quality(args)
+    if args.profile:
+        return profile(args)
+    speed(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""Weight-only quantization for inference: the blocks' nn.Linear layers swapped for QuantizedLinear, whose forward
+calls torch's own packed CPU kernels, per-channel int8 (aten._weight_int8pack_mm) or grouped int4
+(aten._weight_int4pack_mm_for_cpu). Activations stay in the model's dtype (float32 or bfloat16); only the weights
+are stored in 8 or 4 bits, which is what a CPU decode step is bound by: the bytes of weights read per token.
+
+    quantize_model(model, "int4", group_size=32)   # in place, after GPT.cast; the model is for inference only
+
+The token embedding and the head stay in the model's dtype: the embedding is a lookup, not a matmul, and a tied
+head shares its tensor with it (SmolLM2, Qwen2.5); there is no packed kernel for a gather.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+QUANT_KINDS = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel takes
+# from this many rows on (a prefill) the weight is dequantized to the activations' dtype and multiplied by
+# F.linear: the packed kernels are written for the few rows of a decode step, and the dequantization's one pass over
+# the weight costs little beside a matmul of many rows
+PREFILL_ROWS = 32
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ W.T + b with W held as int8 per output channel (w = q * scale) or as int4 in groups of group_size
+    along the input (w = (q - 8) * scale + zero, q in 0..15, packed two to a byte by the kernel's own layout).
+    The float buffers (scales, zeros, bias) follow the model's dtype on .to(dtype)."""
+
+    def __init__(self, in_features: int, out_features: int, kind: str, group_size: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.in_features, self.out_features, self.kind, self.group_size = in_features, out_features, kind, group_size
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+
+    @classmethod
+    def int8(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
+        """From int8 values q (out, in) and one scale per output row (out,)."""
+        m = cls(q.size(1), q.size(0), "int8", q.size(1), bias)
+        m.register_buffer("weight_q", q.to(torch.int8).contiguous())
+        m.register_buffer("scales", scale.contiguous())
+        return m
+
+    @classmethod
+    def int4(
+        cls, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int, bias: torch.Tensor | None = None
+    ) -> QuantizedLinear:
+        """From 4-bit values q (out, in) in 0..15 and per-group scale and zero (out, in / group_size), meaning
+        w = (q - 8) * scale + zero."""
+        m = cls(q.size(1), q.size(0), "int4", group_size, bias)
+        m.register_buffer("weight_q", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+        # (in / group_size, out, 2): the kernel's layout of scales and zeros
+        m.register_buffer("scales", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
+        # the values once more, two to a byte in a plain layout, for the prefill's dequantization (the kernel's own
+        # layout is its private business): int4 holds 1 byte per weight in all, as int8 does, read 0.5 per token
+        q = q.to(torch.uint8)
+        m.register_buffer("nibbles", q[:, 0::2] | (q[:, 1::2] << 4), persistent=False)
+        return m
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight (out, in) in dtype."""
+        if self.kind == "int8":
+            return (self.weight_q.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
+        G = self.in_features // self.group_size
+        q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1)  # (out, in / 2, 2)
+        q = q.view(self.out_features, G, self.group_size).to(dtype)  # (out, G, g)
+        scale, zero = self.scales[..., 0].t().to(dtype), self.scales[..., 1].t().to(dtype)  # (out, G)
+        return torch.addcmul(zero[..., None], q - 8, scale[..., None]).reshape(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)  # (N, in)
+        if x.size(0) >= PREFILL_ROWS:
+            y = F.linear(x, self.dequantize(x.dtype), self.bias)
+            return y.view(*shape[:-1], self.out_features)
+        if self.kind == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x, self.weight_q, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight_q, self.group_size, self.scales)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.kind == "int4" else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}{group}"
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (out, in) -> int8 values and one symmetric scale per row, max |w| / 127, in w's dtype."""
+    w32 = w.float()
+    scale = w32.abs().amax(dim=1).clamp(min=1e-12) / 127
+    q = torch.round(w32 / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale.to(w.dtype)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w (out, in) -> 4-bit values in 0..15, scale and zero per group (out, in / g): asymmetric, min to max in 15
+    steps, which halves the error of a symmetric grid for groups that are not centred on zero."""
+    out, n = w.shape
+    g = w.float().view(out, n // group_size, group_size)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(out, n)
+    zero = lo + 8 * scale  # the kernel's w = (q - 8) * scale + zero
+    return q, scale.to(w.dtype), zero.to(w.dtype)
+
+
+def check_quantize(kind: str | None, group_size: int) -> None:
+    """Refuse a --quantize or --group-size the kernels do not take."""
+    if kind is not None and kind not in QUANT_KINDS:
+        raise ValueError(f"--quantize must be one of {', '.join(QUANT_KINDS)}, got {kind!r}")
+    if kind == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"--group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}")
+
+
+def quantize_linear(module: nn.Linear, kind: str, group_size: int = 32) -> QuantizedLinear | nn.Linear:
+    """One layer in its quantized form; a layer that is not on a CPU, or whose input width is not a whole number
+    of int4 groups (quantize_model refuses those), stays as it is."""
+    w = module.weight.detach()
+    if w.device.type != "cpu" or (kind == "int4" and w.size(1) % group_size != 0):
+        return module
+    if kind == "int8":
+        return QuantizedLinear.int8(*quantize_int8(w), bias=module.bias)
+    return QuantizedLinear.int4(*quantize_int4(w, group_size), group_size, bias=module.bias)
+
+
+def quantize_model(model: nn.Module, kind: str, group_size: int = 32) -> nn.Module:
+    """Every nn.Linear inside the Transformer blocks swapped in place for its quantized form (see the module's
+    docstring for the embedding and the head). Returns the model."""
+    check_quantize(kind, group_size)
+    widths = {m.in_features for m in model.transformer.h.modules() if type(m) is nn.Linear}
+    if kind == "int4" and any(w % group_size for w in widths):
+        listed = ", ".join(map(str, sorted(widths)))
+        raise ValueError(f"--group-size ({group_size}) must divide every projection's input width ({listed})")
+    for block in model.transformer.h:
+        for name, module in list(block.named_modules()):
+            if type(module) is nn.Linear:
+                parent_name, _, attr = name.rpartition(".")
+                parent = block.get_submodule(parent_name) if parent_name else block
+                setattr(parent, attr, quantize_linear(module, kind, group_size))
+    model.quantized = kind
+    return model
