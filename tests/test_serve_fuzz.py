@@ -2,7 +2,8 @@
 (JSON of the wrong types, huge and negative numbers, unknown fields, bad schemas, grammars, tools and messages, and
 bodies that are not JSON at all), sent with http.client to a live random-weight server on 127.0.0.1 (port 0).
 Every answer is a 2xx or a 4xx in OpenAI's error shape, never a 5xx, and the server still answers /health after.
-Bounded: a fixed number of derandomized examples per route, a server limit of 4 tokens a choice, 30 s a request."""
+Bounded: a fixed number of derandomized examples per route, a server limit of 4 tokens a choice (40 for forced
+tool calls), 30 s a request."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from nanogpt_cli.tokenizer import build_tokenizer  # noqa: E402
 
 MODEL = "fuzz"
 FUZZ = settings(
-    max_examples=250,
+    max_examples=200,
     deadline=None,  # each request is bounded by the client's 30 s timeout instead: a busy machine is not a failure
     derandomize=True,  # the same examples on every run, so CI never meets a new one by chance
     database=None,
@@ -37,14 +38,27 @@ FUZZ = settings(
 
 
 @pytest.fixture(scope="module")
-def live(tmp_path_factory):
+def model_path(tmp_path_factory):
+    """A random-weights model on the gpt2 tokenizer, context 512 (the default tool prompt alone is ~270 tokens)."""
     torch.manual_seed(0)
     tok = build_tokenizer("gpt2")
-    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=16))
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=512, n_layer=1, n_head=2, n_embd=16))
     path = tmp_path_factory.mktemp("fuzz") / f"{MODEL}.safetensors"
     ckpt.save_model(path, model, {"tokenizer": tok.describe(), "step": 0})
+    return path
+
+
+@pytest.fixture(scope="module")
+def live(model_path):
     options = ServeOptions(
-        source=str(path), port=0, max_batch=4, max_tokens=4, max_n=2, max_body=20_000, device="cpu", dtype="float32"
+        source=str(model_path),
+        port=0,
+        max_batch=4,
+        max_tokens=4,
+        max_n=2,
+        max_body=20_000,
+        device="cpu",
+        dtype="float32",
     )
     server = Live(options)
     yield server
@@ -91,9 +105,14 @@ HUGE = st.sampled_from([2**31, 2**63, 2**64, 2**70, -(2**63) - 1, -(2**70), 10**
 INT = st.integers(-3, 6) | HUGE | JSON
 FLOAT = st.floats(-2, 3) | HUGE | JSON
 TEXT = st.text(max_size=20) | JSON
+SCHEMAS_THAT_COMPILE = [
+    {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"], "additionalProperties": False},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"]},
+    {"type": "object"},
+]
 SCHEMAS = st.sampled_from(
     [
-        {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"], "additionalProperties": False},
+        *SCHEMAS_THAT_COMPILE,
         {"type": "array", "items": {"type": "integer"}, "maxItems": 2},
         {"type": "string", "maxLength": 3},
         {"type": "objectt"},
@@ -164,7 +183,7 @@ PROMPT = (
     | st.lists(st.text(max_size=10), max_size=3)
     | st.lists(st.integers(-5, 60_000) | HUGE, max_size=8)
     | st.lists(st.lists(st.integers(0, 50_300), max_size=5), max_size=3)
-    | st.just("word " * 80)  # past the context of 64
+    | st.just("word " * 600)  # past the context of 512
     | st.lists(st.just("a"), min_size=30, max_size=40)  # with n 2: more choices than the queue of 64 holds
     | JSON
 )
@@ -252,19 +271,32 @@ SANE = {
         min_size=1,
         max_size=2,
     ),
-    "top_logprobs": st.integers(0, 3),
-    "tool_choice": st.sampled_from(["none", "auto"]),
+    "tools": st.lists(
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function"),
+                "function": st.fixed_dictionaries(
+                    {"name": st.sampled_from(["get_weather", "f"]), "parameters": SCHEMAS}
+                ),
+            }
+        ),
+        min_size=1,
+        max_size=2,
+        unique_by=lambda t: t["function"]["name"],
+    ),
+    "tool_choice": st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "f"}}]),
 }
 
 
-def bodies(fields: dict, required: str):
+def bodies(fields: dict, required: str, **sane_here):
     """Objects that usually hold the required field and a few others; sometimes only junk; often sane values."""
     some = st.fixed_dictionaries(
         {required: fields[required]}, optional={k: v for k, v in fields.items() if k != required}
     )
     anything = st.fixed_dictionaries({}, optional=fields)
     sane = st.fixed_dictionaries(
-        {required: SANE[required]}, optional={k: v for k, v in SANE.items() if k in fields and k != required}
+        {required: SANE[required]},
+        optional={k: v for k, v in {**SANE, **sane_here}.items() if k in fields and k != required},
     )
     return (some | anything | sane | sane).map(lambda d: json.dumps(d).encode())
 
@@ -285,7 +317,7 @@ def test_completions_answer_every_body_with_2xx_or_a_4xx_error(live, body):
 
 @pytest.mark.slow
 @FUZZ
-@given(body=bodies(CHAT, "messages"))
+@given(body=bodies(CHAT, "messages", logprobs=st.booleans()))
 def test_chat_completions_answer_every_body_with_2xx_or_a_4xx_error(live, body):
     check(*send(live, "POST", "/v1/chat/completions", body))
 
@@ -316,6 +348,50 @@ def test_every_other_route_and_method_answers_2xx_or_a_4xx_error(live, route, me
         assert status < 500
         return
     check(status, content_type, raw)
+
+
+VALID_TOOL = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": st.sampled_from(["get_weather", "f"]), "parameters": st.sampled_from(SCHEMAS_THAT_COMPILE)}
+        ),
+    }
+)
+FORCED = st.fixed_dictionaries(
+    {
+        "messages": SANE["messages"],
+        "tools": st.lists(VALID_TOOL, min_size=1, max_size=2, unique_by=lambda t: t["function"]["name"]),
+        "tool_choice": st.just("required"),
+        "max_tokens": st.just(40),
+        "stream": st.booleans(),
+        "seed": st.integers(0, 2**16),
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def roomy(model_path):
+    """The same model with room for a whole tool call (40 tokens a choice)."""
+    options = ServeOptions(source=str(model_path), port=0, max_batch=4, max_tokens=40, device="cpu", dtype="float32")
+    server = Live(options)
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+@settings(FUZZ, max_examples=30)
+@given(body=FORCED)
+def test_forced_tool_calls_of_generated_tools_are_2xx_with_json_arguments(roomy, body):
+    status, content_type, raw = send(roomy, "POST", "/v1/chat/completions", json.dumps(body).encode())
+    check(status, content_type, raw)
+    if status == 200 and not body["stream"]:
+        choice = json.loads(raw)["choices"][0]
+        event(f"finish_reason {choice['finish_reason']}")
+        if choice["finish_reason"] == "tool_calls":
+            call = choice["message"]["tool_calls"][0]["function"]
+            assert call["name"] in {t["function"]["name"] for t in body["tools"]}
+            json.loads(call["arguments"])
 
 
 @pytest.mark.slow
