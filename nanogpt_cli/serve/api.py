@@ -206,6 +206,8 @@ async def _read_json(request: Request, limit: int) -> Any:
         return json.loads(body)
     except ValueError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:  # json's C decoder recurses once per level of nesting
+        raise APIError(400, "the request body is JSON nested too deeply") from None
 
 
 # --- shared by both routes ---------------------------------------------------------------------------
@@ -336,6 +338,14 @@ class _Run:
         self.handoff.put(self.queue, (index, event))
 
     def submit(self) -> None:
+        queue = self.state.scheduler.max_queue
+        if len(self.jobs) > queue:  # it would never fit: not a 503 to retry
+            raise APIError(
+                400,
+                f"this request makes {len(self.jobs)} choices (prompts times n), more than this server's "
+                f"queue of {queue}",
+                param="n",
+            )
         try:
             self.state.scheduler.submit(self.jobs)
         except QueueFull as e:

@@ -41,6 +41,11 @@ class APIError(Exception):
         }
 
 
+# the smallest temperature, top_p and repetition_penalty taken (and 1/TINY the largest penalty): the engine divides
+# float32 logits by them, and a value near float32's smallest (1.2e-38) makes them infinite, which fails the row
+TINY = 1e-6
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
@@ -105,16 +110,18 @@ class _Common(BaseModel):
     def check(self, max_n: int) -> None:
         """The value checks pydantic's types do not make; APIError(400) naming the field."""
         checks = [
-            ("temperature", self.temperature >= 0, "must be >= 0"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("temperature", self.temperature == 0 or self.temperature >= TINY, f"must be 0 (greedy) or >= {TINY}"),
+            ("top_p", TINY <= self.top_p <= 1, f"must be in [{TINY}, 1]"),
             ("n", 1 <= self.n <= max_n, f"must be between 1 and {max_n} (this server's limit)"),
             ("top_k", self.top_k is None or self.top_k >= 0, "must be >= 0 (0: off)"),
             ("min_p", 0 <= self.min_p < 1, "must be in [0, 1)"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("repetition_penalty", TINY <= self.repetition_penalty <= 1 / TINY, f"must be in [{TINY}, {1 / TINY:g}]"),
             ("frequency_penalty", self.frequency_penalty == 0, "is not supported (only 0)"),
             ("presence_penalty", self.presence_penalty == 0, "is not supported (only 0)"),
             ("stop", all(s != "" for s in self.stops), "must be non-empty texts"),
             ("stop", len(self.stops) <= 16, "takes at most 16 texts"),
+            # a 64-bit seed, as OpenAI's: torch's generator refuses more, and that in the engine's thread
+            ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must be a 64-bit integer"),
         ]
         for name, ok, what in checks:
             if not ok:
@@ -127,7 +134,7 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None  # None: 16, as OpenAI's, or the server's --max-tokens when that is less
     logprobs: int | None = None
     echo: bool = False
     suffix: None = None
