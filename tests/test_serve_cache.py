@@ -313,3 +313,32 @@ def test_an_adapter_of_another_base_or_a_bad_flag_is_one_sentence(runs):
     ):
         result = runner.invoke(app, ["serve", str(runs["base"]), "--port", "0", *flags])
         assert result.exit_code == 1 and message in result.output and len(result.output.strip().splitlines()) == 1
+
+
+def test_a_job_that_cannot_start_fails_alone_and_the_engine_thread_serves_the_next():
+    # a seed torch's generator refuses, past the protocol's checks: only its own job fails
+    import queue
+
+    from nanogpt_cli.serve.scheduler import Done, Failed, Job, Scheduler
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, block_size=32, n_layer=1, n_head=2, n_embd=16)).eval()
+    scheduler = Scheduler(model, build_tokenizer("byte"), torch.device("cpu"), max_batch=2)
+    scheduler.start()
+    try:
+        events = {"bad": queue.Queue(), "good": queue.Queue()}
+        bad = Job([1, 2, 3], GREEDY, 4, [], events["bad"].put, seed=2**70)
+        good = Job([1, 2, 3], GREEDY, 4, [], events["good"].put)
+        scheduler.submit([bad, good])
+        failed = events["bad"].get(timeout=30)
+        assert isinstance(failed, Failed) and "could not start" in failed.message
+        while not isinstance(event := events["good"].get(timeout=30), (Done, Failed)):
+            pass
+        assert isinstance(event, Done)
+        later = queue.Queue()
+        scheduler.submit([Job([4, 5], GREEDY, 3, [], later.put)])
+        while not isinstance(event := later.get(timeout=30), (Done, Failed)):
+            pass
+        assert isinstance(event, Done)
+    finally:
+        scheduler.stop()

@@ -199,16 +199,16 @@ class Scheduler:
     def _admit(self, jobs: list[Job]) -> None:
         """Prefill the jobs into free rows, those of one prompt length together; a job the engine refuses fails
         alone (then each is added on its own)."""
-        jobs = sorted(jobs, key=lambda job: len(job.prompt))
-        for job in jobs:
-            generator = torch.Generator(device=self.device)
-            if job.seed is not None:
-                generator.manual_seed(job.seed)
+        ready = []
+        for job in sorted(jobs, key=lambda job: len(job.prompt)):
+            try:
+                self._prepare(job)
+            except Exception as e:  # this thread serves every request: a job that cannot start fails alone
+                log.exception("a request could not start")
+                job.sink(Failed(f"the request could not start: {e}", 500))
             else:
-                generator.seed()
-            job.generator = generator
-            job.eot = () if job.ignore_eos else self.eot
-            job.text = TextStream(self.tokenizer, job.stop, job.eot, job.max_tokens)
+                ready.append(job)
+        jobs = ready
         groups = [[job for job in jobs if job.eot == eot] for eot in {job.eot for job in jobs}]
         for group in groups:
             try:
@@ -216,6 +216,17 @@ class Scheduler:
             except Exception:  # find the job at fault: each on its own
                 for job in group:
                     self._add_alone(job)
+
+    def _prepare(self, job: Job) -> None:
+        """A job's generator (seeded as asked) and its text stream, before its prefill."""
+        generator = torch.Generator(device=self.device)
+        if job.seed is not None:
+            generator.manual_seed(job.seed)
+        else:
+            generator.seed()
+        job.generator = generator
+        job.eot = () if job.ignore_eos else self.eot
+        job.text = TextStream(self.tokenizer, job.stop, job.eot, job.max_tokens)
 
     def _add(self, jobs: list[Job]) -> None:
         rows = self.engine.add_many(
