@@ -226,24 +226,33 @@ def test_lora_on_the_grouped_projections_trains_and_merges_to_the_same_function(
 # --- training, resume, sample and serve ---
 
 
-def test_a_grouped_query_run_resumes_exactly_samples_and_serves(char_data, tmp_path):
+RUNS = {  # a setting trains, resumes exactly, samples and serves: each of this file's settings in one of them
+    "mqa-qkv-bias-llama3": dict(
+        n_kv_head=1, qkv_bias=True, rope_scaling="llama3", rope_factor=4.0, rope_original_context=8
+    ),
+    "gqa-head-dim-yarn": dict(n_kv_head=2, head_dim=6, rope_scaling="yarn", rope_factor=2.0, rope_original_context=8),
+    "linear": dict(n_kv_head=1, rope_scaling="linear", rope_factor=2.0),
+}
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_a_grouped_query_run_resumes_exactly_samples_and_serves(run, char_data, tmp_path):
     from nanogpt_cli.inference.sample import Sampler, SampleSettings
     from nanogpt_cli.interop.loading import load_model
     from nanogpt_cli.training.plan import plan_run
     from nanogpt_cli.training.trainer import train
 
     data_dir, name = char_data
-    over = dict(max_iters=12, eval_interval=6, n_head=4, n_kv_head=1, qkv_bias=True, rope_scaling="llama3")
-    over.update(rope_factor=4.0, rope_original_context=8)
+    over = dict(max_iters=12, eval_interval=6, n_head=4, **RUNS[run])
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     train(tiny_plan(data_dir, name, whole, **over))
     assert train(tiny_plan(data_dir, name, parts, stop_at=7, **over)).step == 7
     with pytest.raises(NanoGPTError, match="n-kv-head"):  # the architecture is the run's
-        plan_run({"n_kv_head": 2}, out=parts, resume=True)
+        plan_run({"n_kv_head": 4}, out=parts, resume=True)
     assert train(plan_run({}, out=parts, resume=True)).step == 12
     a, _ = load_model(whole, last=True)
     b, _ = load_model(parts, last=True)
-    assert b.config.kv_heads == 1 and b.config.rope_scaling == "llama3"
+    assert b.config.kv_heads == RUNS[run]["n_kv_head"] and b.config.rope_scaling == RUNS[run]["rope_scaling"]
     for (n, p), q in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(p, q), n
 
@@ -265,7 +274,8 @@ def test_a_grouped_query_run_resumes_exactly_samples_and_serves(char_data, tmp_p
     thread.start()
     try:
         assert ready.wait(60)
-        assert started[0].cache_bytes_per_token == 2 * 2 * 1 * 8 * 4  # layers x (k, v) x 1 head of 8 x fp32
+        cfg = b.config  # layers x (k, v) x key/value heads x head size x fp32
+        assert started[0].cache_bytes_per_token == cfg.n_layer * 2 * cfg.kv_heads * cfg.head_size * 4
         host, port = started[0].url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
         conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "the", "max_tokens": 12, "temperature": 0}))
