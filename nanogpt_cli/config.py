@@ -56,6 +56,24 @@ class MLP(Choice):
     relu2 = "relu2"
 
 
+class RopeScaling(Choice):
+    """--rope-scaling: how RoPE's frequencies stretch to a longer context than they were trained at."""
+
+    none = "none"
+    linear = "linear"  # position interpolation (Chen et al. 2023): every frequency divided by --rope-factor
+    llama3 = "llama3"  # Llama 3.1: low frequencies divided, high ones kept, a smooth ramp between
+    yarn = "yarn"  # YaRN (Peng et al. 2023): a ramp over the dimensions, and an attention temperature
+
+
+# the fields of each RoPE scaling, for the check that a value given is one the scaling reads
+ROPE_SCALING_FIELDS = {
+    "none": (),
+    "linear": ("rope_factor",),
+    "llama3": ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_context"),
+    "yarn": ("rope_factor", "rope_original_context", "rope_beta_fast", "rope_beta_slow"),
+}
+
+
 class OptimizerName(Choice):
     adamw = "adamw"
     muon = "muon"
@@ -172,6 +190,25 @@ class GPTConfig:
     n_layer: int = setting(6, "Transformer blocks.", Resume.FIXED)
     n_head: int = setting(6, "Attention heads.", Resume.FIXED)
     n_embd: int = setting(384, "Residual width.", Resume.FIXED)
+    # grouped-query attention (Ainslie et al. 2023): each key/value head serves n_head / n_kv_head query heads,
+    # which shrinks the KV cache by that ratio; 1 is multi-query attention
+    n_kv_head: int | None = setting(None, "Key/value heads (default: --n-head).", Resume.FIXED, default_shown=False)
+    head_dim: int | None = setting(
+        None, "Size of each head (default: --n-embd / --n-head).", Resume.FIXED, default_shown=False
+    )
+    # Qwen2 has biases on q, k and v only
+    qkv_bias: bool | None = setting(
+        None, "Biases on the query, key and value projections (default: --bias).", Resume.FIXED, default_shown=False
+    )
+    rope_scaling: RopeScaling = setting(RopeScaling.none, "RoPE frequency scaling for longer contexts.", Resume.FIXED)
+    rope_factor: float = setting(1.0, "RoPE scaling: context extension factor.", Resume.FIXED)
+    rope_low_freq_factor: float = setting(1.0, "llama3 RoPE scaling: low-frequency factor.", Resume.FIXED)
+    rope_high_freq_factor: float = setting(4.0, "llama3 RoPE scaling: high-frequency factor.", Resume.FIXED)
+    rope_original_context: int | None = setting(
+        None, "RoPE scaling: the context it was trained at (default: --block-size).", Resume.FIXED, default_shown=False
+    )
+    rope_beta_fast: float = setting(32.0, "YaRN: rotations above which a dimension is kept.", Resume.FIXED)
+    rope_beta_slow: float = setting(1.0, "YaRN: rotations below which a dimension is interpolated.", Resume.FIXED)
     # on attention weights, residual branches and embeddings
     dropout: float = setting(0.0, "Dropout rate.", Resume.FIXED)
     bias: bool = setting(False, "Biases in linear and norm layers.", Resume.FIXED)  # GPT-2 has them
@@ -199,12 +236,24 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"--{flag(name)} must be a positive integer, got {value!r}")
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"--n-embd ({self.n_embd}) must be divisible by --n-head ({self.n_head})")
+        for name in ("n_kv_head", "head_dim", "rope_original_context"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ValueError(f"--{flag(name)} must be a positive integer, got {value!r}")
+        if self.head_dim is None and self.n_embd % self.n_head != 0:
+            raise ValueError(
+                f"--n-embd ({self.n_embd}) must be divisible by --n-head ({self.n_head}), or --head-dim given"
+            )
+        if self.n_head % self.kv_heads != 0:
+            raise ValueError(f"--n-head ({self.n_head}) must be a multiple of --n-kv-head ({self.kv_heads})")
         if self.pos_encoding == "rope" and self.head_size % 2 != 0:
             raise ValueError(
-                f"RoPE needs an even head size, but --n-embd {self.n_embd} / --n-head {self.n_head} = {self.head_size}"
+                f"RoPE needs an even head size, got {self.head_size} (--head-dim, or --n-embd / --n-head)"
+                if self.head_dim is not None
+                else f"RoPE needs an even head size, but --n-embd {self.n_embd} / --n-head {self.n_head} = "
+                f"{self.head_size}"
             )
+        self.check_rope_scaling()
         if self.pos_encoding == "sinusoidal" and self.n_embd % 2 != 0:
             raise ValueError(f"sinusoidal positions need an even --n-embd, got {self.n_embd}")
         if self.mlp_hidden is not None and self.mlp_hidden <= 0:
@@ -216,9 +265,56 @@ class GPTConfig:
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError("--rope-theta and --norm-eps must be positive")
 
+    def check_rope_scaling(self) -> None:
+        """A scaling's values: each given one is read by the chosen scaling, and each is in its range."""
+        used = ROPE_SCALING_FIELDS[str(self.rope_scaling)]
+        for f in dataclasses.fields(self):
+            if f.name.startswith("rope_") and f.name not in ("rope_theta", "rope_scaling") and f.name not in used:
+                if getattr(self, f.name) != f.default:
+                    kinds = [k for k, names in ROPE_SCALING_FIELDS.items() if f.name in names]
+                    raise ValueError(
+                        f"--{flag(f.name)} applies to --rope-scaling {' or '.join(kinds)}, not "
+                        f"{self.rope_scaling}; add --rope-scaling {kinds[-1]} or drop --{flag(f.name)}"
+                    )
+        if self.rope_scaling != "none" and self.pos_encoding != "rope":
+            raise ValueError(f"--rope-scaling {self.rope_scaling} needs --pos-encoding rope")
+        if self.rope_factor <= 0:
+            raise ValueError(f"--rope-factor must be positive, got {self.rope_factor:g}")
+        if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            raise ValueError(
+                f"--rope-low-freq-factor ({self.rope_low_freq_factor:g}) must be positive and below "
+                f"--rope-high-freq-factor ({self.rope_high_freq_factor:g})"
+            )
+        if self.rope_beta_slow <= 0 or self.rope_beta_fast <= self.rope_beta_slow:
+            raise ValueError(
+                f"--rope-beta-fast ({self.rope_beta_fast:g}) must be above --rope-beta-slow "
+                f"({self.rope_beta_slow:g}), which must be positive"
+            )
+
     @property
     def head_size(self) -> int:
-        return self.n_embd // self.n_head
+        """Each head's size: --head-dim, else n_embd / n_head."""
+        return self.head_dim if self.head_dim is not None else self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: --n-kv-head, else one per query head."""
+        return self.n_kv_head if self.n_kv_head is not None else self.n_head
+
+    @property
+    def attn_bias(self) -> bool:
+        """Whether q, k and v have biases: --qkv-bias, else --bias."""
+        return self.qkv_bias if self.qkv_bias is not None else self.bias
+
+    @property
+    def rope_context(self) -> int:
+        """The context RoPE's scaling counts from: --rope-original-context, else --block-size."""
+        return self.rope_original_context or self.block_size
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Numbers the KV cache holds per token: a key and a value of each key/value head, in every layer."""
+        return 2 * self.n_layer * self.kv_heads * self.head_size
 
     @property
     def hidden_size(self) -> int:

@@ -485,6 +485,7 @@ def test_the_command_prints_its_url_and_a_signal_ends_open_streams_and_exits_0(m
     try:
         line = _read_line(proc.stdout, 90)
         assert line.startswith("serving tiny at http://127.0.0.1:") and line.rstrip().endswith("(Ctrl-C to stop)")
+        assert " with a KV cache of 512 bytes per token " in line  # 2 layers x k and v x 32 wide x 4 bytes
         url = line.split(" at ")[1].split()[0]
         host, port = url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=30)

@@ -80,4 +80,11 @@ def serve(
             "can use the model"
         )
     name = options.model_name or default_model_name(source)
-    run_server(options, on_ready=lambda url: print(f"serving {name} at {url} (Ctrl-C to stop)", flush=True))
+    run_server(
+        options,
+        on_ready=lambda started: print(
+            f"serving {name} at {started.url} with a KV cache of {started.cache_bytes_per_token:,} bytes per token "
+            "(Ctrl-C to stop)",
+            flush=True,
+        ),
+    )

@@ -313,6 +313,20 @@ def runs_table(runs, root, width: int | None = None):
     return table
 
 
+def attention_words(m: dict) -> str:
+    """A model config's attention in words: '4 query heads, 1 key/value head, of 32; qkv bias; RoPE llama3 x8'."""
+    from nanogpt_cli.config import GPTConfig
+
+    c = GPTConfig.from_dict(m)
+    kv = c.kv_heads
+    words = f"{c.n_head} query heads, {kv} key/value head{'s' if kv != 1 else ''}, of {c.head_size}"
+    if c.attn_bias:
+        words += "; qkv bias"
+    if c.rope_scaling != "none":
+        words += f"; RoPE {c.rope_scaling} x{c.rope_factor:g} from {c.rope_context:,}"
+    return words
+
+
 def info_table(info):
     """`nanogpt info` of a runs.Info: the summary, then the files with sizes and whether each loads."""
     from rich.console import Group
@@ -330,6 +344,7 @@ def info_table(info):
                 f"{m['block_size']:,}, {m['pos_encoding']}, {m['norm']}, {m['mlp']}",
             )
         )
+        rows.append(("attention", attention_words(m)))  # info.model is a config that built
     if info.params is not None and info.params_non_embedding is not None:
         rows += [
             ("parameters", f"{info.params:,} ({info.params_non_embedding:,} non-embedding)"),
@@ -337,6 +352,8 @@ def info_table(info):
         ]
     elif info.params is not None:  # a Hugging Face folder: counted from its weights' header
         rows.append(("parameters", f"{info.params:,}"))
+    if info.kv_cache_bytes_per_token is not None:
+        rows.append(("KV cache", f"{info.kv_cache_bytes_per_token:,} bytes per token (float32)"))
     if info.finetune:
         rows.append(("fine-tune", info.finetune))
     rows += [("tokenizer", info.tokenizer or "-"), ("dataset", info.dataset or "-")]

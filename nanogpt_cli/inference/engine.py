@@ -11,7 +11,8 @@ A row joins after its own prefill (`add`), takes one token per `step`, and leave
 its own random generator, so a seeded row draws the same tokens alone or among others. The model is only
 read: `model/` holds the architecture and its one forward, this module how to run it token by token.
 
-Shape legend as in model/gpt.py: B rows, S tokens held in the cache, C n_embd, nh n_head, hs head size, V vocab.
+Shape legend as in model/gpt.py: B rows, S tokens held in the cache, C n_embd, nh n_head, nkv key/value heads,
+hs head size, V vocab.
 """
 
 from __future__ import annotations
@@ -53,17 +54,19 @@ __all__ = [
 class KVCache:
     """Keys and values for `rows` rows of block_size tokens per layer, and how many tokens each row holds
     (`pos[r]`, which is also the position of its next token). Rows are slots: the engine keeps its active
-    rows in slots 0..n-1, so a step runs on the first n."""
+    rows in slots 0..n-1, so a step runs on the first n. It holds the model's key/value heads only: grouped-query
+    attention shrinks it by n_head / n_kv_head."""
 
     def __init__(self, model: GPT, rows: int):
         cfg, w = model.config, model.transformer.wte.weight
         # under autocast the cache holds the autocast dtype, as the attention's k and v come out in it
         dtype = torch.get_autocast_dtype(w.device.type) if torch.is_autocast_enabled(w.device.type) else w.dtype
-        shape = (rows, cfg.n_head, cfg.block_size, cfg.head_size)  # (B, nh, S, hs)
+        shape = (rows, cfg.kv_heads, cfg.block_size, cfg.head_size)  # (B, nkv, S, hs)
         self.k = [torch.zeros(shape, device=w.device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.v = [torch.zeros(shape, device=w.device, dtype=dtype) for _ in range(cfg.n_layer)]
         self.capacity, self.dtype, self.rows = cfg.block_size, dtype, rows
         self.pos = [0] * rows
+        self.bytes_per_token = cfg.kv_values_per_token * self.k[0].element_size()  # one token of one row
 
     def view(self, start: int, stop: int) -> CacheView:
         """Rows start..stop-1, each at its own position, as GPT.forward takes a cache."""
@@ -103,10 +106,10 @@ class CacheView:
         self.index: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, positions) of a per-row write
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store this call's keys and values (B, nh, T, hs) in the cache's dtype and return all the rows' held
-        ones (B, nh, S, hs)."""
+        """Store this call's keys and values (B, nkv, T, hs) in the cache's dtype and return all the rows' held
+        ones (B, nkv, S, hs)."""
         T, pos, cache = k.size(2), self.pos, self.cache
-        ks, vs = cache.k[layer], cache.v[layer]  # (rows, nh, block_size, hs)
+        ks, vs = cache.k[layer], cache.v[layer]  # (rows, nkv, block_size, hs)
         if not self.whole:  # narrow rather than ks[a:b]: Python's tuple indexing costs a few microseconds a call
             ks, vs = ks.narrow(0, self.start, self.stop - self.start), vs.narrow(0, self.start, self.stop - self.start)
         if isinstance(pos, int):
@@ -114,7 +117,7 @@ class CacheView:
             assert end <= cache.capacity, f"{pos} + {T} tokens overflow a cache of {cache.capacity}"
             ks.narrow(2, pos, T).copy_(k)  # copy_ casts to the cache's dtype
             vs.narrow(2, pos, T).copy_(v)
-        else:  # each row's keys into its own positions, through the (B, S, nh, hs) view
+        else:  # each row's keys into its own positions, through the (B, S, nkv, hs) view
             end = max(pos) + T
             assert end <= cache.capacity, f"a row at position {end - T} overflows a cache of {cache.capacity}"
             if self.index is None:  # (B,) rows and positions for one token each, (B, 1) and (B, T) for more
@@ -125,7 +128,7 @@ class CacheView:
             if k.dtype != ks.dtype:  # index_put_ does not cast
                 k, v = k.to(ks.dtype), v.to(vs.dtype)
             k, v = (k.select(2, 0), v.select(2, 0)) if T == 1 else (k.transpose(1, 2), v.transpose(1, 2))
-            ks.transpose(1, 2).index_put_(self.index, k)  # into the (B, S, nh, hs) view
+            ks.transpose(1, 2).index_put_(self.index, k)  # into the (B, S, nkv, hs) view
             vs.transpose(1, 2).index_put_(self.index, v)
         if layer == self.last:
             shared = isinstance(pos, int)
@@ -394,6 +397,11 @@ class Engine:
     @property
     def free(self) -> int:
         return self.max_batch - len(self.rows)
+
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """Bytes the KV cache holds per token of a row (every layer's keys and values); 0 without a cache."""
+        return self.cache.bytes_per_token if self.cache is not None else 0
 
     def add(
         self,

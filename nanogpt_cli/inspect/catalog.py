@@ -223,6 +223,7 @@ class Info:
     params: int | None = None
     params_non_embedding: int | None = None
     flops_per_token: int | None = None  # training FLOPs per token at the full context (6N + attention)
+    kv_cache_bytes_per_token: int | None = None  # the engine's KV cache per token of a row, in float32
     tokenizer: str | None = None  # name and vocabulary size, in words
     dataset: str | None = None
     step: int | None = None
@@ -350,6 +351,7 @@ def _fill_model(info: Info, config: dict[str, Any] | None, tokenizer: dict[str, 
             cfg = GPTConfig.from_dict(config)
             info.model = cfg.to_dict()
             info.params, info.params_non_embedding, info.flops_per_token = model_counts(cfg)
+            info.kv_cache_bytes_per_token = cfg.kv_values_per_token * 4
         except (TypeError, ValueError):
             pass
     if isinstance(tokenizer, dict):

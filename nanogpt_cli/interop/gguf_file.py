@@ -27,7 +27,7 @@ import numpy as np
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop import hf
-from nanogpt_cli.model import GPT
+from nanogpt_cli.model import GPT, rope_inv_freq
 
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # --quant: what gguf's writer can produce
 CONFIG_KEY, TOKENIZER_KEY = "nanogpt.config", "nanogpt.tokenizer"
@@ -48,8 +48,8 @@ def gguf_arch(c: GPTConfig) -> str:
             "llama.cpp computes GELU with the tanh approximation: GGUF export of a model with "
             "LayerNorm and GELU needs --mlp gelu_tanh (or --norm rmsnorm --mlp swiglu --no-bias)"
         )
-    if kind == "llama" and c.bias:
-        raise NanoGPTError("GGUF export of a Llama-shaped model needs --no-bias")
+    if kind == "llama" and c.bias:  # llama.cpp's Llama has optional q, k, v biases (--qkv-bias), not the others
+        raise NanoGPTError("GGUF export of a Llama-shaped model needs --no-bias (--qkv-bias may stay)")
     return "starcoder2" if kind == "gpt_neox" else kind
 
 
@@ -274,14 +274,30 @@ def _metadata(writer, c: GPTConfig, arch: str, quant: str, gguf) -> None:
     file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16"}.get(quant, f"MOSTLY_{quant.upper()}")
     writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
     if arch in ("llama", "starcoder2"):
-        writer.add_head_count_kv(c.n_head)
+        writer.add_head_count_kv(c.kv_heads)
         writer.add_rope_freq_base(c.rope_theta)
         writer.add_rope_dimension_count(c.head_size)
         writer.add_vocab_size(c.vocab_size)
+        if c.head_size * c.n_head != c.n_embd:  # llama.cpp takes n_embd / n_head unless told
+            writer.add_key_length(c.head_size)
+            writer.add_value_length(c.head_size)
+    if c.rope_scaling in ("linear", "yarn"):  # llama3's scaling goes in the rope_freqs tensor (gguf_tensors)
+        writer.add_rope_scaling_type(getattr(gguf.RopeScalingType, str(c.rope_scaling).upper()))
+        writer.add_rope_scaling_factor(c.rope_factor)
+    if c.rope_scaling == "yarn":  # llama.cpp applies YaRN's attention temperature itself
+        writer.add_rope_scaling_orig_ctx_len(c.rope_context)
+        writer.add_rope_scaling_yarn_beta_fast(c.rope_beta_fast)
+        writer.add_rope_scaling_yarn_beta_slow(c.rope_beta_slow)
     if arch == "llama":
         writer.add_layer_norm_rms_eps(c.norm_eps)
     else:
         writer.add_layer_norm_eps(c.norm_eps)
+
+
+def rope_freq_factors(c: GPTConfig) -> np.ndarray:
+    """What llama.cpp divides each of RoPE's frequencies by: the plain frequency over the scaled one. (hs/2,)"""
+    plain, scaled = rope_inv_freq(c.head_size, c.rope_theta), rope_inv_freq(c.head_size, c.rope_theta, c)
+    return (plain / scaled).numpy().astype(np.float32)
 
 
 def _quantize(tensor: np.ndarray, quant: str, gguf):
@@ -306,7 +322,7 @@ def _llama_rope_order(w, n_head: int, inverse: bool = False):
     return w.reshape(*split, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _block_names(arch: str) -> dict[str, tuple[str, ...]]:
+def _block_names(arch: str, c: GPTConfig) -> dict[str, tuple[str, ...]]:
     """Our block tensor -> the GGUF tensors it is cut into, in order along dim 0 (one name: the same tensor)."""
     names = {
         "ln_1.weight": ("attn_norm",),
@@ -325,7 +341,23 @@ def _block_names(arch: str) -> dict[str, tuple[str, ...]]:
         )
     if arch != "llama":  # every linear and norm of llama.cpp's gpt2 and starcoder2 has a bias
         names.update({k.replace(".weight", ".bias"): v for k, v in list(names.items())})
+    elif c.attn_bias:
+        names["attn.c_attn.bias"] = ("attn_q", "attn_k", "attn_v")
     return names
+
+
+def _parts(c: GPTConfig, ours: str, theirs: tuple[str, ...]) -> list[int] | int:
+    """Where one of our fused tensors splits into its GGUF tensors along dim 0: q, k, v by their heads (grouped-query
+    attention has fewer key/value heads), others in equal parts."""
+    if len(theirs) == 3 and ours.startswith("attn.c_attn"):
+        q, kv = c.n_head * c.head_size, c.kv_heads * c.head_size
+        return [q, q + kv]
+    return len(theirs)
+
+
+def _rope_heads(c: GPTConfig, name: str) -> int:
+    """Heads of a GGUF q or k tensor, which llama.cpp's pair order permutes head by head."""
+    return c.n_head if name == "attn_q" else c.kv_heads
 
 
 def gguf_tensors(model: GPT, arch: str, gguf=None) -> dict[str, np.ndarray]:
@@ -343,15 +375,18 @@ def gguf_tensors(model: GPT, arch: str, gguf=None) -> dict[str, np.ndarray]:
     out = {"token_embd.weight": sd["transformer.wte.weight"]}
     if arch == "gpt2":
         out["position_embd.weight"] = sd["transformer.wpe.weight"]
+    if c.rope_scaling == "llama3":
+        # llama.cpp divides each RoPE frequency by its factor here (as its converter writes Llama 3.1's)
+        out["rope_freqs.weight"] = rope_freq_factors(c)
     for i in range(c.n_layer):
         p = f"transformer.h.{i}."
-        for ours, theirs in _block_names(arch).items():
+        for ours, theirs in _block_names(arch, c).items():
             weight = sd.get(p + ours)
             if weight is None:  # a bias the model does not have
                 weight = np.zeros(sd[p + ours.replace(".bias", ".weight")].shape[0], dtype=np.float32)
-            for name, part in zip(theirs, np.split(weight, len(theirs), axis=0)):
+            for name, part in zip(theirs, np.split(weight, _parts(c, ours, theirs), axis=0)):
                 if arch == "llama" and name in ("attn_q", "attn_k"):
-                    part = _llama_rope_order(part, c.n_head)
+                    part = _llama_rope_order(part, _rope_heads(c, name))
                 out[f"blk.{i}.{name}.{ours.rsplit('.', 1)[1]}"] = part
     out["output_norm.weight"] = sd["transformer.ln_f.weight"]
     if arch != "llama":
@@ -438,13 +473,15 @@ def read_gguf(path: str | Path) -> tuple[GPT, dict[str, Any]]:
     if "transformer.ln_f.bias" in sd:
         ours["transformer.ln_f.bias"] = tensors["output_norm.bias"]
     for i in range(config.n_layer):
-        for name, theirs in _block_names(arch).items():
+        for name, theirs in _block_names(arch, config).items():
             if f"transformer.h.{i}.{name}" not in sd:
                 continue  # zero biases llama.cpp wanted
             suffix = name.rsplit(".", 1)[1]
             parts = [tensors[f"blk.{i}.{t}.{suffix}"] for t in theirs]
             if arch == "llama" and len(parts) == 3:
-                parts[:2] = [_llama_rope_order(p, config.n_head, inverse=True) for p in parts[:2]]
+                parts[:2] = [
+                    _llama_rope_order(p, _rope_heads(config, t), inverse=True) for p, t in zip(parts[:2], theirs)
+                ]
             ours[f"transformer.h.{i}.{name}"] = np.concatenate(parts, axis=0)
     with torch.no_grad():
         for name, value in ours.items():

@@ -7,15 +7,18 @@ loading a Hugging Face model (`hf:NAME` from the hub, or a local folder) as our 
 Which stock architecture computes which of our configs exactly (`hf_kind`):
 - gpt2: learned or sinusoidal positions (a sinusoidal table becomes the learned table), LayerNorm, GELU (exact or
   tanh); a model without biases gets zero biases.
-- llama: RoPE, RMSNorm, SwiGLU; biases through Llama's attention_bias and mlp_bias.
+- llama: RoPE, RMSNorm, SwiGLU; grouped-query attention (num_key_value_heads), any head_dim, RoPE scaling
+  (linear, llama3, yarn); biases through Llama's attention_bias (q, k, v and o) and mlp_bias.
 - gpt_neox: RoPE on the whole head, LayerNorm, GELU, sequential residual (our default config); zero biases.
-Importing is the inverse: a model whose bias tensors are all zero becomes a model without biases.
+Importing is the inverse: a model whose bias tensors are all zero becomes a model without biases, one whose only
+non-zero biases are on q, k and v (Qwen2's) a model with --qkv-bias.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +27,7 @@ import torch
 from nanogpt_cli import errors
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError, first_line
-from nanogpt_cli.model import GPT
+from nanogpt_cli.model import GPT, yarn_attention_factor
 
 # ours <- theirs, per block; {i} is the layer. A tuple on the right is concatenated along dim 0 (fused).
 GPT2_BLOCK = {
@@ -132,6 +135,27 @@ def hf_kind(c: GPTConfig) -> str:
             "with --qk-norm or --logit-softcap does not convert (train without them to export)"
         )
     gelu = c.mlp in ("gelu", "gelu_tanh")
+    kind = _stock_kind(c, gelu)
+    extra = [
+        flag
+        for flag, used in (
+            ("--n-kv-head", c.kv_heads != c.n_head),
+            ("--head-dim", c.head_size * c.n_head != c.n_embd),
+            ("--qkv-bias", c.attn_bias != c.bias),
+            ("--rope-scaling", c.rope_scaling != "none"),
+        )
+        if used
+    ]
+    if extra and kind != "llama":
+        raise NanoGPTError(
+            f"{', '.join(extra)} export to LlamaForCausalLM only, which needs --pos-encoding rope --norm rmsnorm "
+            "--mlp swiglu"
+        )
+    return kind
+
+
+def _stock_kind(c: GPTConfig, gelu: bool) -> str:
+    """hf_kind for the block's position scheme, norm and MLP."""
     if c.pos_encoding in ("learned", "sinusoidal"):
         if c.norm == "layernorm" and gelu:
             return "gpt2"
@@ -172,16 +196,63 @@ def _check_kind(hf_config) -> str:
     return kind
 
 
+def _rope(c) -> dict[str, Any]:
+    """transformers' RoPE parameters (rope_parameters in 5.x, rope_scaling in 4.x), {} when it has none."""
+    return getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+
+
 def _rope_theta(c) -> float:
-    rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise NanoGPTError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} has no counterpart here")
+    rope = _rope(c)
     theta = rope.get("rope_theta", getattr(c, "rope_theta", None) or getattr(c, "rotary_emb_base", None) or 1e4)
     return float(theta)
 
 
-def config_from_hf(c, bias: bool) -> GPTConfig:
-    """Our config for a transformers config; `bias`: whether any of the model's bias tensors is non-zero."""
+def rope_scaling_from_hf(c) -> dict[str, Any]:
+    """Our rope_* fields for a transformers config's RoPE scaling (default, linear, llama3, yarn), or one sentence
+    saying it has no counterpart."""
+    rope = _rope(c)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return {}
+    if kind not in ("linear", "llama3", "yarn"):
+        raise NanoGPTError(f"RoPE scaling {kind!r} has no counterpart here (linear, llama3 and yarn do)")
+    out: dict[str, Any] = {"rope_scaling": kind, "rope_factor": float(rope["factor"])}
+    if kind == "linear":
+        return out
+    out["rope_original_context"] = int(rope.get("original_max_position_embeddings") or c.max_position_embeddings)
+    if kind == "llama3":
+        out["rope_low_freq_factor"] = float(rope["low_freq_factor"])
+        out["rope_high_freq_factor"] = float(rope["high_freq_factor"])
+        return out
+    if not rope.get("truncate", True) or rope.get("mscale") or rope.get("mscale_all_dim"):
+        raise NanoGPTError("YaRN with truncate false or mscale settings has no counterpart here")
+    own = rope.get("attention_factor")
+    if own is not None and not math.isclose(own, yarn_attention_factor(out["rope_factor"])):
+        raise NanoGPTError("YaRN with an attention_factor of its own has no counterpart here")
+    out["rope_beta_fast"] = float(rope.get("beta_fast") or 32.0)
+    out["rope_beta_slow"] = float(rope.get("beta_slow") or 1.0)
+    return out
+
+
+def rope_scaling_to_hf(c: GPTConfig) -> dict[str, Any]:
+    """transformers' RoPE parameters for our config, as its Llama names them."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling == "none":
+        return rope
+    rope.update(rope_type=str(c.rope_scaling), factor=c.rope_factor)
+    if c.rope_scaling == "linear":
+        return rope
+    rope["original_max_position_embeddings"] = c.rope_context
+    if c.rope_scaling == "llama3":
+        rope.update(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor)
+    else:
+        rope.update(beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow)
+    return rope
+
+
+def config_from_hf(c, bias: bool, qkv_bias: bool | None = None) -> GPTConfig:
+    """Our config for a transformers config; `bias`: whether any of the model's bias tensors is non-zero (besides
+    q, k and v's when qkv_bias is given: whether theirs are)."""
     kind = _check_kind(c)
     if kind == "gpt2":
         if c.activation_function not in GELUS:
@@ -203,14 +274,7 @@ def config_from_hf(c, bias: bool) -> GPTConfig:
             tie_embeddings=c.tie_word_embeddings,
         )
     elif kind == "llama":
-        if c.num_key_value_heads != c.num_attention_heads:
-            raise NanoGPTError(
-                "grouped-query attention (num_key_value_heads != num_attention_heads) has no counterpart here"
-            )
-        if getattr(c, "head_dim", None) not in (None, c.hidden_size // c.num_attention_heads):
-            raise NanoGPTError(
-                "Llama models whose head_dim is not hidden_size / num_attention_heads have no counterpart here"
-            )
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         if c.hidden_act != "silu":
             raise NanoGPTError(f"Llama with activation {c.hidden_act!r} has no counterpart here")
         config = GPTConfig(
@@ -219,9 +283,13 @@ def config_from_hf(c, bias: bool) -> GPTConfig:
             n_layer=c.num_hidden_layers,
             n_head=c.num_attention_heads,
             n_embd=c.hidden_size,
+            n_kv_head=c.num_key_value_heads if c.num_key_value_heads != c.num_attention_heads else None,
+            head_dim=head_dim if head_dim * c.num_attention_heads != c.hidden_size else None,
             bias=bias,
+            qkv_bias=qkv_bias if qkv_bias is not None and qkv_bias != bias else None,
             pos_encoding="rope",
             rope_theta=_rope_theta(c),
+            **rope_scaling_from_hf(c),
             norm="rmsnorm",
             norm_eps=c.rms_norm_eps,
             mlp="swiglu",
@@ -229,8 +297,11 @@ def config_from_hf(c, bias: bool) -> GPTConfig:
             tie_embeddings=c.tie_word_embeddings,
         )
     else:
-        rope = getattr(c, "rope_parameters", None) or {}
+        rope = _rope(c)
         partial = rope.get("partial_rotary_factor", getattr(c, "rotary_pct", 1.0))
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            kind = rope.get("rope_type", rope.get("type"))
+            raise NanoGPTError(f"RoPE scaling {kind!r} on GPT-NeoX has no counterpart here")
         if c.use_parallel_residual or partial != 1.0:
             raise NanoGPTError(
                 "GPT-NeoX models with a parallel residual or partial rotary embeddings (such as Pythia) "
@@ -291,17 +362,21 @@ def hf_config_for(c: GPTConfig, kind: str, special: dict[str, int | None]) -> tu
             intermediate_size=c.hidden_size,
             num_hidden_layers=c.n_layer,
             num_attention_heads=c.n_head,
-            num_key_value_heads=c.n_head,
+            num_key_value_heads=c.kv_heads,
+            head_dim=c.head_size,
             max_position_embeddings=c.block_size,
             rms_norm_eps=c.norm_eps,
-            attention_bias=c.bias,
+            attention_bias=c.bias or c.attn_bias,  # q, k, v and o together: an o_proj bias we lack is zero
             mlp_bias=c.bias,
             rope_theta=c.rope_theta,
-            rope_parameters=rope,
+            rope_parameters=rope_scaling_to_hf(c),
             tie_word_embeddings=c.tie_embeddings,
             **special,
         )
-        return config, {"rope_theta": c.rope_theta}
+        extra: dict[str, Any] = {"rope_theta": c.rope_theta}
+        if c.rope_scaling != "none":  # 4.x reads the scaling from rope_scaling
+            extra["rope_scaling"] = {k: v for k, v in rope_scaling_to_hf(c).items() if k != "rope_theta"}
+        return config, extra
     config = transformers.GPTNeoXConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.n_embd,
@@ -383,7 +458,8 @@ def peft_tensors(
         theirs = theirs if isinstance(theirs, tuple) else (theirs,)
         if kind == "gpt_neox" and module.endswith("attn.c_attn"):
             b = _neox_qkv(b, config.n_head, to_neox=True)
-        for name, part in zip(theirs, b.chunk(len(theirs), dim=0)):
+        sizes = _fused_sizes(config, module, b.size(0), len(theirs))
+        for name, part in zip(theirs, b.split(sizes, dim=0)):
             path = name.removesuffix(".weight")
             tensors[f"base_model.model.{path}.lora_A.weight"] = a.float().contiguous().clone()
             tensors[f"base_model.model.{path}.lora_B.weight"] = part.float().contiguous().clone()
@@ -391,15 +467,32 @@ def peft_tensors(
     return tensors, targets
 
 
-def _has_bias(state: dict[str, torch.Tensor]) -> bool:
-    return any(name.endswith(".bias") and t.is_floating_point() and bool(t.any()) for name, t in state.items())
+def _fused_sizes(config: GPTConfig, module: str, rows: int, parts: int) -> list[int]:
+    """The rows of each part of one of our fused projections: q, k and v (nh, nkv, nkv heads), or equal parts."""
+    if parts == 3 and module.endswith("attn.c_attn"):
+        return [n * config.head_size for n in (config.n_head, config.kv_heads, config.kv_heads)]
+    return [rows // parts] * parts
+
+
+def _has_bias(state: dict[str, torch.Tensor], qkv: bool | None = None) -> bool:
+    """Whether any bias is non-zero; qkv True: among q, k and v's only, False: among the others only."""
+
+    def counted(name: str) -> bool:
+        on_qkv = name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))
+        return qkv is None or on_qkv == qkv
+
+    biases = [t for name, t in state.items() if name.endswith(".bias") and counted(name)]
+    return any(t.is_floating_point() and bool(t.any()) for t in biases)
 
 
 def from_hf(hf_model) -> GPT:
     """Our GPT with the weights of a transformers GPT2LMHeadModel, LlamaForCausalLM or GPTNeoXForCausalLM."""
     kind = _check_kind(hf_model.config)
     theirs = {k: v.float() for k, v in hf_model.state_dict().items()}
-    config = config_from_hf(hf_model.config, bias=_has_bias(theirs))
+    if kind == "llama":  # Qwen2-style biases on q, k and v only are --qkv-bias
+        config = config_from_hf(hf_model.config, bias=_has_bias(theirs, qkv=False), qkv_bias=_has_bias(theirs, True))
+    else:
+        config = config_from_hf(hf_model.config, bias=_has_bias(theirs))
     model = GPT(config)
     ours = model.state_dict()
     with torch.no_grad():

@@ -19,6 +19,7 @@ from nanogpt_cli.model.attention import (
     causal_mask,
     rope_inv_freq,
     rope_tables,
+    yarn_attention_factor,
 )
 from nanogpt_cli.model.blocks import MLP, Block, BlockOps, activation, block_forward, softcap
 from nanogpt_cli.model.decode import decode_ops
@@ -46,4 +47,5 @@ __all__ = [
     "rope_tables",
     "sinusoidal_table",
     "softcap",
+    "yarn_attention_factor",
 ]

@@ -10,7 +10,8 @@ run `attention`; only the kernel differs, chosen inside it:
 
     y = attention(block.attn.ops(), x, ctx, layer)   # x (N, C) normed, N = B * T; y (N, nh * hs), before c_proj
 
-Shape legend as in gpt.py: B rows, T new tokens, S keys held (T without a cache), nh heads, hs head size.
+Shape legend as in gpt.py: B rows, T new tokens, S keys held (T without a cache), nh heads, nkv key/value heads
+(nh with one per query head), hs head size.
 """
 
 from __future__ import annotations
@@ -33,19 +34,55 @@ Op = Callable[[torch.Tensor], torch.Tensor]
 # --- RoPE -----------------------------------------------------------------------------------------------
 
 
-def rope_inv_freq(head_size: int, theta: float) -> torch.Tensor:
-    """RoPE's frequencies (Su et al. 2021), theta^(-2i/hs) for pair i, in float64. (hs/2,)"""
-    return theta ** (-torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+def rope_inv_freq(head_size: int, theta: float, scaling: GPTConfig | None = None) -> torch.Tensor:
+    """RoPE's frequencies (Su et al. 2021), theta^(-2i/hs) for pair i, in float64, stretched by the scaling that
+    `scaling`'s rope_* fields choose (none when not given). (hs/2,)"""
+    inv_freq = theta ** (-torch.arange(0, head_size, 2, dtype=torch.float64) / head_size)
+    kind = "none" if scaling is None else scaling.rope_scaling
+    if kind == "none":
+        return inv_freq
+    factor, context = scaling.rope_factor, scaling.rope_context
+    if kind == "linear":  # position interpolation: position p is computed as p / factor
+        return inv_freq / factor
+    if kind == "llama3":
+        # Llama 3.1: wavelengths longer than context / low_freq_factor are interpolated (divided by factor), those
+        # shorter than context / high_freq_factor kept, and a linear ramp in context / wavelength between
+        low, high = scaling.rope_low_freq_factor, scaling.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = ((context / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+    # YaRN ("NTK-by-parts"): a dimension that turns fewer than beta_slow times over the original context is
+    # interpolated, one that turns more than beta_fast times kept, a linear ramp over the dimensions between
+    def dim_at(rotations: float) -> float:  # the dimension index d (of hs) whose pair turns `rotations` times
+        return head_size * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo = max(math.floor(dim_at(scaling.rope_beta_fast)), 0)
+    hi = min(math.ceil(dim_at(scaling.rope_beta_slow)), head_size - 1)
+    ramp = ((torch.arange(head_size // 2, dtype=torch.float64) - lo) / max(hi - lo, 1e-3)).clamp(0.0, 1.0)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
-def rope_tables(positions: torch.Tensor, head_size: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's temperature for a context stretched `factor` times: q and k (through cos and sin) scaled by
+    0.1 ln(s) + 1, so that attention's logits keep their sharpness over the longer context."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def rope_tables(
+    positions: torch.Tensor, head_size: int, theta: float, scaling: GPTConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin for RoPE at the given positions, in Llama's half-split layout, where x[i] and
     x[i + hs/2] form a rotating pair. The sin table's first half is negated, so that apply_rope needs one roll
-    instead of a split, a negation and a concatenation. (T, hs) each"""
-    inv_freq = rope_inv_freq(head_size, theta).to(positions.device)
+    instead of a split, a negation and a concatenation. scaling: the config whose RoPE scaling applies (YaRN's
+    temperature rides in the tables). (T, hs) each"""
+    inv_freq = rope_inv_freq(head_size, theta, scaling).to(positions.device)
     angles = positions.to(torch.float64)[:, None] * inv_freq  # (T, hs/2)
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1)  # (T, hs): the two halves of a head share frequencies
     sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
+    mscale = yarn_attention_factor(scaling.rope_factor) if scaling is not None and scaling.rope_scaling == "yarn" else 1
+    if mscale != 1:
+        cos, sin = cos * mscale, sin * mscale
     return cos.float(), sin.float()
 
 
@@ -158,31 +195,36 @@ class AttentionOps(NamedTuple):
     """One layer's attention as `attention` calls it: the modules themselves (CausalSelfAttention.ops) or faster
     forms of the same operations (decode.py)."""
 
-    c_attn: Op  # (N, C) -> (N, 3 nh hs): the queries, keys and values of every head
+    c_attn: Op  # (N, C) -> (N, (nh + 2 nkv) hs): the queries of every head, then the keys and values
     q_norm: Op | None  # QK-norm over each head's hs dimensions; None without it
     k_norm: Op | None
     n_head: int
     head_size: int
     dropout: float  # on the attention weights; 0 outside training
+    n_kv_head: int  # key/value heads, each shared by n_head / n_kv_head query heads in a row
 
 
 def attention(w: AttentionOps, x: torch.Tensor, ctx: Context, layer: int) -> torch.Tensor:
     """Causal self-attention of the normed residual stream x (N, C), N = B * T rows, through ctx's cache when it
     has one: the heads' outputs side by side, (N, nh * hs), for the output projection."""
     B, T, nh, hs = ctx.B, ctx.T, w.n_head, w.head_size
-    qkv = w.c_attn(x).view(B, T, 3, nh, hs)  # (B, T, 3, nh, hs)
-    q, k, v = queries_keys_values(w, qkv, ctx)  # (B, nh, T, hs) each
+    if w.n_kv_head == nh:
+        qkv = w.c_attn(x).view(B, T, 3, nh, hs)  # (B, T, 3, nh, hs)
+        q, k, v = queries_keys_values(w, qkv, ctx)  # (B, nh, T, hs) each
+    else:
+        q, k, v = grouped_queries_keys_values(w, w.c_attn(x).view(B, T, -1, hs), ctx)
     cache = ctx.cache
     if cache is not None:
-        k, v = cache.update(layer, k, v)  # (B, nh, S, hs): everything held, in the cache's dtype
+        k, v = cache.update(layer, k, v)  # (B, nkv, S, hs): everything held, in the cache's dtype
         if q.dtype != k.dtype:
             q = q.to(k.dtype)
+    gqa = w.n_kv_head != nh  # each key/value head serves a group of query heads: the kernels take enable_gqa
     if ctx.probs is not None:
         y = explicit_attention(q, k, v, ctx)
     elif cache is None:
-        y = causal_attention(q, k, v, w.dropout)
+        y = causal_attention(q, k, v, w.dropout, gqa)
     else:  # new tokens at the end of what each row holds: the mask shows each its past and itself
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, enable_gqa=gqa)
     if T == 1:  # (B, nh, 1, hs) is (B, 1, nh, hs) already: a decode step's one-row form skips the transpose
         return y.view(B, nh * hs)
     return y.transpose(1, 2).reshape(B * T, nh * hs)  # (N, nh * hs)
@@ -207,14 +249,31 @@ def queries_keys_values(w: AttentionOps, qkv: torch.Tensor, ctx: Context):
     return q, k, qkv.select(2, 2).transpose(1, 2)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """Attention of T tokens over themselves, each seeing itself and those before it. (B, nh, T, hs)"""
+def grouped_queries_keys_values(w: AttentionOps, qkv: torch.Tensor, ctx: Context):
+    """q (B, nh, T, hs), k and v (B, nkv, T, hs) from the fused projection (B, T, nh + 2 nkv, hs): QK-norm per head,
+    then RoPE on q and k, as queries_keys_values does for nh = nkv. The fused training kernel (NormRopeQKV) assumes
+    three equal parts; here q and k take the general path (benchmarks/README.md, grouped-query attention)."""
+    q, k, v = qkv.split([w.n_head, w.n_kv_head, w.n_kv_head], dim=2)  # (B, T, heads, hs) each
+    if w.q_norm is not None:
+        q, k = w.q_norm(q), w.k_norm(k)
+    if ctx.cos is not None:  # cos, sin (T, 1, 1, hs) or (B, T, 1, 1, hs): a head axis of 1 for (B, T, heads, hs)
+        cos, sin = ctx.cos.squeeze(-2), ctx.sin.squeeze(-2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, gqa: bool = False
+) -> torch.Tensor:
+    """Attention of T tokens over themselves, each seeing itself and those before it; gqa: k and v have fewer
+    heads, each serving a group of q's. (B, nh, T, hs)"""
     if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         # the CPU flash-attention kernel's bf16 backward is much slower than its fp32 one, and autocast would cast
         # fp32 inputs back down: run it in fp32 outside autocast
         with torch.autocast("cpu", enabled=False):
-            return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, dropout_p=dropout_p)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+            q, k, v = q.float(), k.float(), v.float()
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
 
 
 def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> torch.Tensor:
@@ -222,6 +281,9 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: C
     (scaled_dot_product_attention never materialises them): they go into ctx.probs, (B, nh, T, S) float32.
     No dropout: the probabilities are the model's own. (B, nh, T, hs)"""
     T, S = q.size(2), k.size(2)
+    if k.size(1) != q.size(1):  # grouped-query attention: each key/value head serves its group of query heads
+        groups = q.size(1) // k.size(1)
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, nh, S, hs)
     mask = ctx.mask if ctx.cache is not None else causal_mask(torch.arange(T, device=q.device), S)
     # scores in float32 whatever the weights' dtype, so that the probabilities sum to 1 to float precision
     scores = q.float() @ k.float().transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, T, S)
@@ -238,10 +300,11 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head, self.head_size = config.n_head, config.head_size
+        self.n_head, self.n_kv_head, self.head_size = config.n_head, config.kv_heads, config.head_size
         self.dropout = config.dropout
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)  # fused q, k, v
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        width = (self.n_head + 2 * self.n_kv_head) * self.head_size  # fused q, k, v: nh query heads, nkv k and v
+        self.c_attn = nn.Linear(config.n_embd, width, bias=config.attn_bias)
+        self.c_proj = nn.Linear(self.n_head * self.head_size, config.n_embd, bias=config.bias)
         if config.qk_norm:  # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen3): bounded attention logits
             self.q_norm = nn.RMSNorm(config.head_size, eps=config.norm_eps)
             self.k_norm = nn.RMSNorm(config.head_size, eps=config.norm_eps)
@@ -251,4 +314,4 @@ class CausalSelfAttention(nn.Module):
     def ops(self) -> AttentionOps:
         """The modules as `attention` calls them (looked up on each call: LoRA replaces c_attn in place)."""
         dropout = self.dropout if self.training else 0.0
-        return AttentionOps(self.c_attn, self.q_norm, self.k_norm, self.n_head, self.head_size, dropout)
+        return AttentionOps(self.c_attn, self.q_norm, self.k_norm, self.n_head, self.head_size, dropout, self.n_kv_head)

@@ -33,7 +33,8 @@ def decode_ops(model: GPT) -> ModelOps:
 
 def block_ops(b: Block) -> BlockOps:
     a = b.attn
-    attn = AttentionOps(linear_op(a.c_attn), norm_function(a.q_norm), norm_function(a.k_norm), a.n_head, a.head_size, 0)
+    q_norm, k_norm = norm_function(a.q_norm), norm_function(a.k_norm)
+    attn = AttentionOps(linear_op(a.c_attn), q_norm, k_norm, a.n_head, a.head_size, 0, a.n_kv_head)
     return BlockOps(
         ln_1=norm_function(b.ln_1),
         attn=attn,

@@ -8,7 +8,7 @@ Inside, the residual stream is (N, C) with N = B * T: a decode step's few rows a
 same code (blocks.py, attention.py).
 
 Shape legend: B batch, T tokens in this call, N = B * T, S tokens held in the KV cache, C n_embd, nh n_head,
-hs head size (C // nh), H MLP hidden width, V vocab_size.
+hs head size (C // nh unless --head-dim), nkv key/value heads, H MLP hidden width, V vocab_size.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class GPT(nn.Module):
         elif config.pos_encoding == "sinusoidal":
             self.register_buffer("pos_table", sinusoidal_table(config.block_size, config.n_embd), persistent=False)
         else:
-            cos, sin = rope_tables(torch.arange(config.block_size), config.head_size, config.rope_theta)
+            cos, sin = rope_tables(torch.arange(config.block_size), config.head_size, config.rope_theta, config)
             # shaped to broadcast over (B, T, 2, nh, hs) as they are: no reshapes per call
             self.register_buffer("rope_cos", cos[:, None, None, :], persistent=False)  # (block_size, 1, 1, hs)
             self.register_buffer("rope_sin", sin[:, None, None, :], persistent=False)
@@ -188,8 +188,9 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward = 3 x forward), PaLM-style: 6 per matmul weight
-        (the LM head included, embeddings lookups excluded) plus 12 * n_layer * C * T for attention scores."""
+        (the LM head included, embeddings lookups excluded) plus 12 * n_layer * nh * hs * T for attention scores
+        and their weighted sum (key/value heads shared by several query heads still meet each query head)."""
         cfg = self.config
         T = seq_len or cfg.block_size
         matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        return 6 * matmul + 12 * cfg.n_layer * cfg.n_embd * T
+        return 6 * matmul + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * T

@@ -2,6 +2,7 @@
 
     options = ServeOptions(source="checkpoints/shk", port=0)
     serve(options, on_ready=print)   # blocks; Ctrl-C or SIGTERM ends in-flight streams and returns
+                                     # on_ready gets a Started: the URL and the KV cache's bytes per token
 
 Modules: scheduler (the engine thread, continuous batching), api (routes and OpenAI shapes), protocol (request
 bodies and the error shape), chat (chat templates), page.html (the chat page). FastAPI and uvicorn come from
@@ -21,7 +22,15 @@ from pathlib import Path
 from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError, require
 
-__all__ = ["ServeOptions", "build_server", "serve"]
+__all__ = ["ServeOptions", "Started", "build_server", "serve"]
+
+
+@dataclass(frozen=True)
+class Started:
+    """What a server says once it listens."""
+
+    url: str
+    cache_bytes_per_token: int  # the engine's KV cache per token of a row (every layer's keys and values)
 
 
 @dataclass
@@ -75,7 +84,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def build_server(options: ServeOptions, on_ready: Callable[[str], None] | None = None):
+def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | None = None):
     """Load the model, start the engine thread and return an uvicorn Server for the app (not yet running)."""
     require("fastapi", "serve", "nanogpt serve")
     uvicorn = require("uvicorn", "serve", "nanogpt serve")
@@ -158,7 +167,7 @@ def _server_class(uvicorn):
                 shown = f"[{host}]" if ":" in host else host
                 self.url = f"http://{shown}:{port}"
                 if self.on_ready is not None:
-                    self.on_ready(self.url)
+                    self.on_ready(Started(self.url, self.state.scheduler.engine.cache_bytes_per_token))
 
         async def shutdown(self, sockets=None):
             self.state.scheduler.stop()  # every open stream gets its end, so its connection can close
@@ -186,7 +195,7 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(options: ServeOptions, on_ready: Callable[[str], None] | None = None) -> None:
+def serve(options: ServeOptions, on_ready: Callable[[Started], None] | None = None) -> None:
     """Run the server until Ctrl-C or SIGTERM."""
     sock = listen(options.host, options.port)
     try:
