@@ -54,6 +54,7 @@ class MLP(Choice):
     gelu_tanh = "gelu_tanh"
     swiglu = "swiglu"
     relu2 = "relu2"
+    geglu = "geglu"
 
 
 class RopeScaling(Choice):
@@ -218,13 +219,33 @@ class GPTConfig:
     norm_eps: float = setting(1e-5, "Norm epsilon.", Resume.FIXED)
     # gelu_tanh is GPT-2's approximation of GELU and the one llama.cpp computes, so the default exports to GGUF;
     # gelu is exact (erf). Checkpoints store the value, so older ones keep theirs
-    mlp: MLP = setting(MLP.gelu_tanh, "MLP activation; relu2 is squared ReLU.", Resume.FIXED)
-    # None: 4*n_embd (gelu) or ~8/3*n_embd rounded to 64 (swiglu)
+    mlp: MLP = setting(MLP.gelu_tanh, "MLP activation; relu2 is squared ReLU, geglu tanh-GELU gated.", Resume.FIXED)
+    # None: 4*n_embd (gelu) or ~8/3*n_embd rounded to 64 (swiglu, geglu)
     mlp_hidden: int | None = setting(None, "MLP hidden width.", Resume.FIXED)
     tie_embeddings: bool = setting(True, "Share the embedding with the LM head.", Resume.FIXED)
     # modded-nanogpt / nanochat block options; off by default, so older checkpoints load unchanged
     # with a gain per head dimension, before RoPE
     qk_norm: bool = setting(False, "RMSNorm on queries and keys.", Resume.FIXED)
+    # GPT-NeoX/Pythia rotate a share of each head (rotary_pct); the rest carries no position
+    rotary_dim: int | None = setting(
+        None, "Dimensions of each head that RoPE rotates (default: all).", Resume.FIXED, default_shown=False
+    )
+    # GPT-NeoX/GPT-J: x + attn(ln_1(x)) + mlp(ln_2(x)), one residual add per block
+    parallel_residual: bool = setting(False, "Attention and MLP read the same block input.", Resume.FIXED)
+    # Mistral, Gemma: a local layer's token sees the keys j with p - window < j <= p
+    sliding_window: int | None = setting(None, "Attention window of local layers (tokens).", Resume.FIXED)
+    # a cycle over the layers: Gemma 3's LLLLLG makes every sixth layer global
+    window_pattern: str | None = setting(
+        None, "Local (L) and global (G) layers, as a cycle (default: all local).", Resume.FIXED, default_shown=False
+    )
+    rope_local_theta: float | None = setting(
+        None, "RoPE base of local layers (default: --rope-theta).", Resume.FIXED, default_shown=False
+    )
+    # the Gemma set; the embedding is scaled on its way in only, not as the tied LM head
+    embed_scale: bool = setting(False, "Multiply token embeddings by sqrt(--n-embd).", Resume.FIXED)
+    # every RMSNorm, QK-norm's included; w starts at 0
+    norm_offset: bool = setting(False, "RMSNorm gains are 1 + w (Gemma).", Resume.FIXED)
+    post_norms: bool = setting(False, "A norm on each sub-block's output too, before its add.", Resume.FIXED)
     # in fp32 (Gemma 2)
     logit_softcap: float | None = setting(None, "Soft-cap the logits at C with tanh.", Resume.FIXED)
     # each residual branch's; init only
@@ -264,12 +285,17 @@ class GPTConfig:
             raise ValueError(f"--logit-softcap must be positive, got {self.logit_softcap}")
         if self.rope_theta <= 0 or self.norm_eps <= 0:
             raise ValueError("--rope-theta and --norm-eps must be positive")
+        check_arch(self)
 
     def check_rope_scaling(self) -> None:
         """A scaling's values: each given one is read by the chosen scaling, and each is in its range."""
         used = ROPE_SCALING_FIELDS[str(self.rope_scaling)]
         for f in dataclasses.fields(self):
-            if f.name.startswith("rope_") and f.name not in ("rope_theta", "rope_scaling") and f.name not in used:
+            if (
+                f.name.startswith("rope_")
+                and f.name not in ("rope_theta", "rope_scaling", "rope_local_theta")
+                and f.name not in used
+            ):
                 if getattr(self, f.name) != f.default:
                     kinds = [k for k, names in ROPE_SCALING_FIELDS.items() if f.name in names]
                     raise ValueError(
@@ -312,19 +338,73 @@ class GPTConfig:
         return self.rope_original_context or self.block_size
 
     @property
-    def kv_values_per_token(self) -> int:
-        """Numbers the KV cache holds per token: a key and a value of each key/value head, in every layer."""
-        return 2 * self.n_layer * self.kv_heads * self.head_size
+    def kv_values_per_token(self) -> float:
+        """Numbers the KV cache holds per token of a row at the full context: a key and a value of each key/value
+        head in every layer, a sliding-window layer's window spread over the context."""
+        held = sum(self.keys_seen(layer, self.block_size) for layer in range(self.n_layer))
+        values = 2 * self.kv_heads * self.head_size * held
+        return values // self.block_size if values % self.block_size == 0 else values / self.block_size
 
     @property
     def hidden_size(self) -> int:
         """The MLP's hidden width."""
         if self.mlp_hidden is not None:
             return self.mlp_hidden
-        if self.mlp != "swiglu":
+        if not self.gated:
             return 4 * self.n_embd
         # SwiGLU has three matrices instead of two: 2/3 of 4*n_embd keeps the parameter count (Llama)
         return -(-(8 * self.n_embd // 3) // 64) * 64
+
+    @property
+    def gated(self) -> bool:
+        """Whether the MLP is gated (SwiGLU, GeGLU): three matrices, its first fused into gate and up halves."""
+        return self.mlp in ("swiglu", "geglu")
+
+    @property
+    def rotary_size(self) -> int:
+        """The dimensions of each head that RoPE rotates."""
+        return self.head_size if self.rotary_dim is None else self.rotary_dim
+
+    def is_local(self, layer: int) -> bool:
+        """Whether a layer attends within --sliding-window (True) or over the whole context."""
+        if self.sliding_window is None:
+            return False
+        return self.window_pattern is None or self.window_pattern[layer % len(self.window_pattern)] == "L"
+
+    def keys_seen(self, layer: int, T: int) -> int:
+        """The most keys one token of a T-token sequence attends to in a layer: its window, else T."""
+        return min(T, self.sliding_window) if self.is_local(layer) else T
+
+    def attention_words(self) -> str:
+        """The attention in words, for `info`: '4 query heads, 1 key/value head, of 32; qkv bias; RoPE llama3 x8'."""
+        kv = self.kv_heads
+        words = f"{self.n_head} query heads, {kv} key/value head{'s' if kv != 1 else ''}, of {self.head_size}"
+        if self.attn_bias:
+            words += "; qkv bias"
+        if self.rope_scaling != "none":
+            words += f"; RoPE {self.rope_scaling} x{self.rope_factor:g} from {self.rope_context:,}"
+        return words
+
+    def extras(self) -> list[str]:
+        """The settings beyond the basic block, in words, for `info` ("parallel residual", ...)."""
+        words = []
+        if self.rotary_dim is not None and self.pos_encoding == "rope":
+            words.append(f"RoPE on {self.rotary_dim} of {self.head_size} head dims")
+        if self.parallel_residual:
+            words.append("parallel residual")
+        if self.sliding_window is not None:
+            local = sum(self.is_local(i) for i in range(self.n_layer))
+            theta = "" if self.rope_local_theta is None else f", RoPE base {self.rope_local_theta:,g}"
+            words.append(f"window {self.sliding_window:,} on {local} of {self.n_layer} layers{theta}")
+        for name, words_for in (
+            ("embed_scale", "embeddings x sqrt(width)"),
+            ("norm_offset", "1 + w norms"),
+            ("post_norms", "post-norms"),
+            ("qk_norm", "QK-norm"),
+        ):
+            if getattr(self, name):
+                words.append(words_for)
+        return words
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -648,6 +728,31 @@ def check_values(config) -> None:
         kind, _ = field_types(type(config))[f.name]
         if issubclass(kind, Choice) and value not in [c.value for c in kind]:
             raise ValueError(f"--{flag(f.name)} must be one of {', '.join(c.value for c in kind)}, got {value!r}")
+
+
+def check_arch(c: GPTConfig) -> None:
+    """The partial rotary, sliding-window and Gemma settings, each refused by its flag."""
+    if c.rotary_dim is not None:
+        if c.pos_encoding != "rope":
+            raise ValueError(f"--rotary-dim is for --pos-encoding rope, got --pos-encoding {c.pos_encoding}")
+        if not isinstance(c.rotary_dim, int) or not 0 < c.rotary_dim <= c.head_size or c.rotary_dim % 2:
+            raise ValueError(
+                f"--rotary-dim must be an even number from 2 to the head size ({c.head_size}), got {c.rotary_dim!r}"
+            )
+    if c.sliding_window is not None and (not isinstance(c.sliding_window, int) or c.sliding_window <= 0):
+        raise ValueError(f"--sliding-window must be a positive integer, got {c.sliding_window!r}")
+    if c.window_pattern is not None:
+        if c.sliding_window is None:
+            raise ValueError("--window-pattern needs --sliding-window, the window of its local layers")
+        if not c.window_pattern or set(c.window_pattern) - {"L", "G"}:
+            raise ValueError(f"--window-pattern must be letters L (local) and G (global), got {c.window_pattern!r}")
+    if c.rope_local_theta is not None:
+        if c.sliding_window is None or c.pos_encoding != "rope":
+            raise ValueError("--rope-local-theta needs --sliding-window and RoPE: it is the RoPE base of local layers")
+        if c.rope_local_theta <= 0:
+            raise ValueError(f"--rope-local-theta must be positive, got {c.rope_local_theta:g}")
+    if c.norm_offset and c.norm != "rmsnorm":
+        raise ValueError("--norm-offset is a gain of RMSNorm: add --norm rmsnorm")
 
 
 def show_value(value: Any) -> str:

@@ -108,7 +108,7 @@ BF16_MIN_FLOPS = 200e6
 def update_flops(model: GPTConfig, rows: int) -> float:
     """Training FLOPs of the matmuls (6 per weight per token) of one micro-batch of `rows` full windows."""
     C = model.n_embd
-    mlp = (3 if model.mlp == "swiglu" else 2) * C * model.hidden_size
+    mlp = (3 if model.gated else 2) * C * model.hidden_size
     weights = model.n_layer * (4 * C * C + mlp) + model.vocab_size * C  # attention, MLP, the LM head
     return 6.0 * weights * rows * model.block_size
 

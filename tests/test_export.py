@@ -35,6 +35,8 @@ ARCHS = {  # our config flags -> the stock architecture that computes them
     "neox": (dict(mlp="gelu"), "GPTNeoXForCausalLM"),  # RoPE, LayerNorm, exact GELU, no biases (older runs)
     "neox-default": (dict(), "GPTNeoXForCausalLM"),  # our default: the same with the tanh GELU
     "neox-bias": (dict(bias=True, mlp="gelu_tanh"), "GPTNeoXForCausalLM"),
+    # Pythia's: the parallel residual, RoPE on a quarter of each head
+    "neox-pythia": (dict(bias=True, mlp="gelu", parallel_residual=True, rotary_dim=2), "GPTNeoXForCausalLM"),
 }
 
 

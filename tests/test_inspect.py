@@ -65,6 +65,7 @@ def test_explicit_attention_path_computes_the_models_own_logits_for_every_kind_o
     combos = itertools.product(POS_ENCODINGS, NORMS, ("gelu", "swiglu", "relu2"), on_off, on_off)
     for i, (pos, norm, mlp, qk_norm, bias) in enumerate(combos):
         mlp = "gelu_tanh" if mlp == "gelu" and (i // 4) % 2 else mlp
+        mlp = "geglu" if mlp == "swiglu" and (i // 4) % 2 else mlp  # the two gated MLPs in turn
         cap = 8.0 if i % 2 else None
         torch.manual_seed(i)
         config = GPTConfig(

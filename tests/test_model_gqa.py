@@ -379,3 +379,14 @@ def test_gguf_writes_llama_cpps_grouped_heads_and_rope_scaling_and_reads_back(tm
     fields = gguf.GGUFReader(str(tmp_path / "y.gguf")).fields
     assert fields["llama.rope.scaling.type"].contents() == "yarn"
     assert fields["llama.rope.scaling.original_context_length"].contents() == 16
+
+
+def test_a_peft_adapter_on_grouped_heads_gives_q_k_and_v_their_own_rows():
+    from nanogpt_cli.interop.hf import peft_tensors
+
+    config = tiny_config(**LLAMA, n_head=4, n_kv_head=1)  # q: 4 heads of 8, k and v: 1 head of 8 each
+    a, b = torch.randn(2, 32), torch.randn(48, 2)
+    tensors, targets = peft_tensors(config, "llama", {"transformer.h.0.attn.c_attn": (a, b)})
+    rows = {t.rsplit(".", 1)[1]: tensors[f"base_model.model.{t}.lora_B.weight"] for t in targets}
+    assert {k: tuple(v.shape) for k, v in rows.items()} == {"q_proj": (32, 2), "k_proj": (8, 2), "v_proj": (8, 2)}
+    torch.testing.assert_close(torch.cat([rows["q_proj"], rows["k_proj"], rows["v_proj"]]), b)

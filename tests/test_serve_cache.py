@@ -122,6 +122,28 @@ def test_the_prefix_cache_keeps_its_budget_dropping_the_least_recently_used():
         PrefixCache(-1)
 
 
+def test_a_sliding_window_model_reuses_only_prefixes_its_rings_still_hold():
+    # window 6 on every layer: a stored row of 19 held tokens has overwritten its first keys, so it serves a
+    # prompt that holds all of it (the next turn of a conversation) and not one that shares only its start
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=50, block_size=64, n_layer=2, n_head=2, n_embd=16, sliding_window=6)
+    model = GPT(config).eval()
+
+    def greedy(engine, prompt):
+        engine.add(prompt, GREEDY, max_new_tokens=8)
+        return [t.token for t in engine.run()]
+
+    first = list(range(1, 13))
+    reply = greedy(Engine(model, max_batch=1), first)
+    prompts = [first, first + reply + [40, 41], first[:8] + [30, 31, 32, 33]]
+    alone = [greedy(Engine(model, max_batch=1), p) for p in prompts]
+    prefix = PrefixCache(1 << 20)
+    engine = Engine(model, max_batch=1, prefix_cache=prefix)
+    assert [greedy(engine, p) for p in prompts] == alone
+    # one hit, on all 19 tokens the first row held (its prompt and 7 of its 8 tokens); the third prompt missed
+    assert prefix.stats.hits == 1 and prefix.stats.tokens == len(first) + len(reply) - 1
+
+
 # --- /metrics and /health ---------------------------------------------------------------------------------
 
 

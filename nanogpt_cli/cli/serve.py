@@ -83,7 +83,7 @@ def serve(
     run_server(
         options,
         on_ready=lambda started: print(
-            f"serving {name} at {started.url} with a KV cache of {started.cache_bytes_per_token:,} bytes per token "
+            f"serving {name} at {started.url} with a KV cache of {started.cache_bytes_per_token:,.0f} bytes per token "
             "(Ctrl-C to stop)",
             flush=True,
         ),

@@ -313,18 +313,14 @@ def runs_table(runs, root, width: int | None = None):
     return table
 
 
-def attention_words(m: dict) -> str:
-    """A model config's attention in words: '4 query heads, 1 key/value head, of 32; qkv bias; RoPE llama3 x8'."""
+def model_config(m: dict):
+    """info.model as a GPTConfig, or None for a config this version cannot read."""
     from nanogpt_cli.config import GPTConfig
 
-    c = GPTConfig.from_dict(m)
-    kv = c.kv_heads
-    words = f"{c.n_head} query heads, {kv} key/value head{'s' if kv != 1 else ''}, of {c.head_size}"
-    if c.attn_bias:
-        words += "; qkv bias"
-    if c.rope_scaling != "none":
-        words += f"; RoPE {c.rope_scaling} x{c.rope_factor:g} from {c.rope_context:,}"
-    return words
+    try:
+        return GPTConfig.from_dict(m)
+    except (TypeError, ValueError):
+        return None
 
 
 def info_table(info):
@@ -344,7 +340,11 @@ def info_table(info):
                 f"{m['block_size']:,}, {m['pos_encoding']}, {m['norm']}, {m['mlp']}",
             )
         )
-        rows.append(("attention", attention_words(m)))  # info.model is a config that built
+        config = model_config(m)
+        if config is not None:
+            rows.append(("attention", config.attention_words()))
+            if config.extras():
+                rows.append(("attention, blocks", ", ".join(config.extras())))
     if info.params is not None and info.params_non_embedding is not None:
         rows += [
             ("parameters", f"{info.params:,} ({info.params_non_embedding:,} non-embedding)"),
@@ -353,7 +353,7 @@ def info_table(info):
     elif info.params is not None:  # a Hugging Face folder: counted from its weights' header
         rows.append(("parameters", f"{info.params:,}"))
     if info.kv_cache_bytes_per_token is not None:
-        rows.append(("KV cache", f"{info.kv_cache_bytes_per_token:,} bytes per token (float32)"))
+        rows.append(("KV cache", f"{info.kv_cache_bytes_per_token:,.0f} bytes per token (float32)"))
     if info.finetune:
         rows.append(("fine-tune", info.finetune))
     rows += [("tokenizer", info.tokenizer or "-"), ("dataset", info.dataset or "-")]

@@ -147,8 +147,18 @@ class ChatTemplate:
         """Whether this is the plain transcript of a model without a template of its own."""
         return self.name == PLAIN_NAME
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        return "".join(text for text, _ in self._spans(messages, add_generation_prompt))
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> str:
+        """The messages as text; tools (OpenAI's tool objects) go to a template that reads `tools`."""
+        return "".join(text for text, _ in self._spans(messages, add_generation_prompt, tools))
+
+    @property
+    def takes_tools(self) -> bool:
+        """Whether the template renders the `tools` it is given (as Hermes, Qwen and Llama 3 templates do)."""
+        import re
+
+        return re.search(r"\btools\b", self.source) is not None
 
     def tokens(self, messages: list[dict[str, Any]], tokenizer: Tokenizer, add_generation_prompt: bool = True):
         """The rendered messages as token ids: what a model is given to continue."""
@@ -165,13 +175,16 @@ class ChatTemplate:
             mask += [int(trained)] * len(new)
         return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
 
-    def _spans(self, messages, add_generation_prompt: bool) -> list[tuple[str, bool]]:
+    def _spans(self, messages, add_generation_prompt: bool, tools: list | None = None) -> list[tuple[str, bool]]:
         """The rendered text in parts, each with whether it is inside a generation block."""
         import jinja2
 
         try:
             text = compile_template(self.source).render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **self.special
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **({"tools": tools} if tools else {}),
+                **self.special,
             )
         except jinja2.exceptions.TemplateError as e:
             raise NanoGPTError(f"the chat template failed on these messages: {e}") from None

@@ -7,8 +7,9 @@ the token loop, for a batch whose rows start, finish and are replaced at differe
         for t in engine.step(): print(t.row, t.token, t.finish)   # one token for every row in the batch
 
 A row joins after its own prefill (`add`), takes one token per `step`, and leaves as soon as it finishes
-(its length, one of its stop tokens) or is removed (`remove`). Each row keeps its own sampling settings and
-its own random generator, so a seeded row draws the same tokens alone or among others. The model is only
+(its length, one of its stop tokens, the end of its grammar) or is removed (`remove`). Each row keeps its own
+sampling settings, its own random generator and optionally a LogitsMask (a grammar: inference/grammar.py) that
+forbids tokens before the draw, so a seeded row draws the same tokens alone or among others. The model is only
 read: `model/` holds the architecture and its one forward, this module how to run it token by token.
 
 Shape legend as in model/gpt.py: B rows, S tokens held in the cache, C n_embd, nh n_head, nkv key/value heads,
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch.nn import functional as F
@@ -36,6 +37,7 @@ __all__ = [
     "DecodePlan",
     "Engine",
     "KVCache",
+    "LogitsMask",
     "RowError",
     "SamplingParams",
     "StepToken",
@@ -55,18 +57,33 @@ class KVCache:
     """Keys and values for `rows` rows of block_size tokens per layer, and how many tokens each row holds
     (`pos[r]`, which is also the position of its next token). Rows are slots: the engine keeps its active
     rows in slots 0..n-1, so a step runs on the first n. It holds the model's key/value heads only: grouped-query
-    attention shrinks it by n_head / n_kv_head."""
+    attention shrinks it by n_head / n_kv_head.
+
+    A sliding-window layer whose window is shorter than the context keeps only its window, as a ring: the key
+    at position j lives in slot j % window, overwritten once j leaves every later token's window."""
 
     def __init__(self, model: GPT, rows: int):
         cfg, w = model.config, model.transformer.wte.weight
         # under autocast the cache holds the autocast dtype, as the attention's k and v come out in it
         dtype = torch.get_autocast_dtype(w.device.type) if torch.is_autocast_enabled(w.device.type) else w.dtype
-        shape = (rows, cfg.kv_heads, cfg.block_size, cfg.head_size)  # (B, nkv, S, hs)
-        self.k = [torch.zeros(shape, device=w.device, dtype=dtype) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, device=w.device, dtype=dtype) for _ in range(cfg.n_layer)]
+        window = cfg.sliding_window
+        self.ring = window if window is not None and window < cfg.block_size else None  # ring layers' slots
+        self.k, self.v, self.in_ring = [], [], []
+        for layer in range(cfg.n_layer):
+            ring = self.ring is not None and cfg.is_local(layer)
+            held = self.ring if ring else cfg.block_size
+            shape = (rows, cfg.kv_heads, held, cfg.head_size)  # (B, nkv, S, hs)
+            self.k.append(torch.zeros(shape, device=w.device, dtype=dtype))
+            self.v.append(torch.zeros(shape, device=w.device, dtype=dtype))
+            self.in_ring.append(ring)
         self.capacity, self.dtype, self.rows = cfg.block_size, dtype, rows
         self.pos = [0] * rows
-        self.bytes_per_token = cfg.kv_values_per_token * self.k[0].element_size()  # one token of one row
+
+    def bytes_per_token(self) -> float:
+        """The keys' and values' bytes per token of a row at the full context: a ring layer's window spread
+        over the context."""
+        per_row = sum(t[0].numel() * t.element_size() for t in (*self.k, *self.v))
+        return per_row / self.capacity
 
     def view(self, start: int, stop: int) -> CacheView:
         """Rows start..stop-1, each at its own position, as GPT.forward takes a cache."""
@@ -76,7 +93,8 @@ class KVCache:
         """Copy row src (its held tokens) into slot dst."""
         n = self.pos[src]
         for k in (*self.k, *self.v):
-            k[dst, :, :n].copy_(k[src, :, :n])
+            m = min(n, k.size(2))  # a ring past its window holds keys in every slot
+            k[dst, :, :m].copy_(k[src, :, :m])
         self.pos[dst] = n
 
     def save(self, slot: int, n: int) -> list[torch.Tensor]:
@@ -107,11 +125,15 @@ class CacheView:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store this call's keys and values (B, nkv, T, hs) in the cache's dtype and return all the rows' held
-        ones (B, nkv, S, hs)."""
+        ones (B, nkv, S, hs); a ring layer's in the order window_keys gives."""
         T, pos, cache = k.size(2), self.pos, self.cache
         ks, vs = cache.k[layer], cache.v[layer]  # (rows, nkv, block_size, hs)
         if not self.whole:  # narrow rather than ks[a:b]: Python's tuple indexing costs a few microseconds a call
             ks, vs = ks.narrow(0, self.start, self.stop - self.start), vs.narrow(0, self.start, self.stop - self.start)
+        if cache.in_ring[layer]:
+            held = self.ring_update(ks, vs, k, v)
+            self.advance(layer, T)
+            return held
         if isinstance(pos, int):
             end = pos + T
             assert end <= cache.capacity, f"{pos} + {T} tokens overflow a cache of {cache.capacity}"
@@ -130,12 +152,69 @@ class CacheView:
             k, v = (k.select(2, 0), v.select(2, 0)) if T == 1 else (k.transpose(1, 2), v.transpose(1, 2))
             ks.transpose(1, 2).index_put_(self.index, k)  # into the (B, S, nkv, hs) view
             vs.transpose(1, 2).index_put_(self.index, v)
+        self.advance(layer, T)
+        return ks.narrow(2, 0, end), vs.narrow(2, 0, end)
+
+    def advance(self, layer: int, T: int) -> None:
+        """After the last layer's update: the rows hold T more tokens."""
         if layer == self.last:
+            pos, cache = self.pos, self.cache
             shared = isinstance(pos, int)
             self.pos = pos + T if shared else [p + T for p in pos]
             cache.pos[self.start : self.stop] = [self.pos] * (self.stop - self.start) if shared else self.pos
             self.index = None
-        return ks.narrow(2, 0, end), vs.narrow(2, 0, end)
+
+    def ring_update(self, ks: torch.Tensor, vs: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """A ring layer's update. One token per row goes into its slot first, and the ring is what it sees (the
+        key it overwrites left the window). More tokens see the ring as it was, then themselves; only their last
+        `window` are kept. (B, nh, W, hs), or (B, nh, W + T, hs)"""
+        T, W = k.size(2), ks.size(2)
+        if T == 1:
+            self.ring_write(ks, vs, k, v)
+            return ks, vs
+        held = torch.cat([ks, k.to(ks.dtype)], dim=2), torch.cat([vs, v.to(vs.dtype)], dim=2)
+        keep = min(T, W)
+        self.ring_write(ks, vs, k.narrow(2, T - keep, keep), v.narrow(2, T - keep, keep), T - keep)
+        return held
+
+    def ring_write(self, ks, vs, k: torch.Tensor, v: torch.Tensor, skip: int = 0) -> None:
+        """Keys and values (B, nh, n, hs) of the positions pos + skip ... into their slots, position % W."""
+        n, W = k.size(2), ks.size(2)
+        if isinstance(self.pos, int) and n == 1:  # a decode step of rows at one position: one slot
+            slot = (self.pos + skip) % W
+            ks.narrow(2, slot, 1).copy_(k)
+            vs.narrow(2, slot, 1).copy_(v)
+            return
+        pos = torch.tensor(self.pos, device=k.device)  # () or (B,)
+        slots = (pos.unsqueeze(-1) + skip + torch.arange(n, device=k.device)) % W  # (n,) or (B, n)
+        k, v = k.to(ks.dtype), v.to(vs.dtype)
+        if slots.dim() == 1:
+            ks.index_copy_(2, slots, k)
+            vs.index_copy_(2, slots, v)
+        else:  # a slot per row, through the (B, S, nh, hs) view
+            rows = torch.arange(slots.size(0), device=k.device).unsqueeze(1)  # (B, 1)
+            ks.transpose(1, 2).index_put_((rows, slots), k.transpose(1, 2))
+            vs.transpose(1, 2).index_put_((rows, slots), v.transpose(1, 2))
+
+    def window_keys(self, T: int, device: torch.device) -> torch.Tensor | None:
+        """The positions of the keys a sliding-window layer's update returns for T new tokens, -1 for an empty
+        slot: a ring's slots (the latest position q < held with q % W == slot), then the new tokens; without a
+        ring, the cache's positions from 0. (S,) or (B, S). None: every key returned is visible (one token per
+        row into full rings, whose slots then hold exactly each row's window)."""
+        cache, pos = self.cache, self.pos
+        if cache.ring is None:
+            return torch.arange((pos if isinstance(pos, int) else max(pos)) + T, device=device)
+        W = cache.ring
+        if T == 1 and (pos if isinstance(pos, int) else min(pos)) + 1 >= W:
+            return None
+        held = torch.tensor(pos, device=device)  # () or (B,)
+        after = (held + 1 if T == 1 else held).unsqueeze(-1)  # (1,) or (B, 1): tokens held once one is written
+        slots = torch.arange(W, device=device)
+        ring = after - 1 - (after - 1 - slots) % W  # (W,) or (B, W); negative: not written yet
+        ring = ring.clamp(min=-1)
+        if T == 1:
+            return ring
+        return torch.cat([ring, held.unsqueeze(-1) + torch.arange(T, device=device)], dim=-1)
 
 
 # --- the decode step ------------------------------------------------------------------------------------
@@ -227,6 +306,9 @@ NOT_FINITE = (
     "the model's next-token probabilities are not finite numbers (NaN or infinity): its weights may "
     "have diverged, or the temperature is too small or too large for them"
 )
+
+
+GRAMMAR_STUCK = "the row's grammar allows no token of the model's vocabulary here (or its probabilities are not finite)"
 
 
 class RowError(NanoGPTError):
@@ -337,6 +419,17 @@ class StepToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+class LogitsMask(Protocol):
+    """A row's constraint on its tokens (inference/grammar.py's Constraint): which it may take next, the one it
+    took, and whether it has ended."""
+
+    done: bool
+
+    def allowed(self) -> torch.Tensor: ...  # (V,) bool
+
+    def accept(self, token: int) -> None: ...
+
+
 @dataclass
 class _Row:
     id: int
@@ -349,6 +442,7 @@ class _Row:
     adapter: int = 0  # which adapter of the engine's RowAdapters (0: the base alone)
     cache_prompt: bool = True  # look its prompt up in the prefix cache, and store its tokens there when it leaves
     restarted: bool = False  # its cache restarted past the context: it no longer holds its tokens from the first
+    mask: LogitsMask | None = None  # its tokens are only those the mask allows; it ends when the mask is done
 
 
 class Engine:
@@ -399,9 +493,10 @@ class Engine:
         return self.max_batch - len(self.rows)
 
     @property
-    def cache_bytes_per_token(self) -> int:
-        """Bytes the KV cache holds per token of a row (every layer's keys and values); 0 without a cache."""
-        return self.cache.bytes_per_token if self.cache is not None else 0
+    def cache_bytes_per_token(self) -> float:
+        """Bytes the KV cache holds per token of a row (every layer's keys and values, KVCache.bytes_per_token);
+        0 without a cache."""
+        return self.cache.bytes_per_token() if self.cache is not None else 0
 
     def add(
         self,
@@ -410,10 +505,11 @@ class Engine:
         max_new_tokens: int = 256,
         generator: torch.Generator | None = None,
         stop_ids: Sequence[int] = (),
+        mask: LogitsMask | None = None,
     ) -> int:
         """Prefill one prompt into a free row and return the row's id; it takes its first token at the next
         step."""
-        return self.add_many([prompt], params, max_new_tokens, [generator], stop_ids)[0]
+        return self.add_many([prompt], params, max_new_tokens, [generator], stop_ids, masks=[mask])[0]
 
     @torch.inference_mode()
     def add_many(
@@ -425,10 +521,11 @@ class Engine:
         stop_ids: Sequence[int] = (),
         adapters: int | Sequence[int] = 0,
         cache_prompt: bool | Sequence[bool] = True,
+        masks: Sequence[LogitsMask | None] | None = None,
     ) -> list[int]:
         """add for several prompts at once (params, max_new_tokens, adapters and cache_prompt: one for all, or
-        one per prompt); runs of prompts of one length are prefilled together, as one forward, and a prompt that
-        starts with a stored prefix prefills only the rest of its tokens."""
+        one per prompt; masks: one per prompt or None); runs of prompts of one length are prefilled together, as
+        one forward, and a prompt that starts with a stored prefix prefills only the rest of its tokens."""
         n = len(prompts)
         params = [params] * n if isinstance(params, SamplingParams) else list(params)
         limits = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -449,10 +546,13 @@ class Engine:
             raise NanoGPTError(f"{n} new rows do not fit: {self.free} of {self.max_batch} are free")
         self.advance()  # the rows already here take their picked tokens first: the logits stay one per row
         generators = generators or [None] * n
+        masks = masks or [None] * n
         start = len(self.rows)
-        for prompt, p, limit, generator, a, c in zip(prompts, params, limits, generators, adapters, cache_prompt):
+        rows = zip(prompts, params, limits, generators, adapters, cache_prompt, masks)
+        for prompt, p, limit, generator, a, c, mask in rows:
+            stops = frozenset(stop_ids)
             self.rows.append(
-                _Row(self._next_id, list(prompt), p, generator, limit, frozenset(stop_ids), adapter=a, cache_prompt=c)
+                _Row(self._next_id, list(prompt), p, generator, limit, stops, adapter=a, cache_prompt=c, mask=mask)
             )
             self._next_id += 1
         for slot in range(start, len(self.rows)):
@@ -495,7 +595,7 @@ class Engine:
         row = self.rows[slot]
         if self.prefix_cache is None or not row.cache_prompt:
             return 0
-        n, saved = self.prefix_cache.lookup(row.tokens, row.adapter)
+        n, saved = self.prefix_cache.lookup(row.tokens, row.adapter, self.cache.ring)
         if n:
             self.cache.load(slot, saved, n)
         return n
@@ -565,12 +665,19 @@ class Engine:
         if not self.rows:
             return []
         logits = self.logits
-        tokens = self._sample(logits)
+        try:
+            tokens = self._sample(self._masked(logits))
+        except RowError as e:  # a row whose grammar allows no token of the vocabulary: say so
+            stuck = {r.id for r in self.rows if r.mask is not None} & set(e.rows)
+            raise RowError(GRAMMAR_STUCK if stuck else str(e), e.rows) from None
         out = []
         for slot, (row, token) in enumerate(zip(self.rows, tokens)):
             row.tokens.append(token)
             row.generated += 1
-            finish = "stop" if token in row.stop_ids else "length" if row.generated >= row.max_new_tokens else None
+            if row.mask is not None:
+                row.mask.accept(token)
+            done = token in row.stop_ids or (row.mask is not None and row.mask.done)
+            finish = "stop" if done else "length" if row.generated >= row.max_new_tokens else None
             out.append(StepToken(row.id, token, finish))
             if row.params.logprobs is not None:
                 ((out[-1].logprob, out[-1].top_logprobs),) = token_logprobs(
@@ -606,6 +713,21 @@ class Engine:
         idx = torch.tensor([r.tokens[-1] for r in self.rows], dtype=torch.long, device=self.device)
         self._select(0, len(self.rows))
         return decode_step(self.plan, idx, self.cache, len(self.rows)).float()
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with -inf for every token a row's mask forbids; rows without a mask are left as they are
+        (and the logits themselves too: logprobs report the model's own)."""
+        slots = [s for s, r in enumerate(self.rows) if r.mask is not None]
+        if not slots:
+            return logits
+        allowed = torch.stack([self.rows[s].mask.allowed()[: logits.size(1)] for s in slots])  # (m, V)
+        allowed = allowed.to(logits.device)
+        if len(slots) == len(self.rows):  # one pass that writes a new tensor: cheaper than a clone and a fill
+            return torch.where(allowed, logits, float("-inf"))
+        masked = logits.clone()
+        index = torch.tensor(slots, device=logits.device)
+        masked[index] = torch.where(allowed, logits[index], float("-inf"))
+        return masked
 
     def _sample(self, logits: torch.Tensor) -> list[int]:
         """Each row's next token: rows with the same settings are processed together."""

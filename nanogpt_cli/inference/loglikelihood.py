@@ -54,6 +54,10 @@ class _ContextCache:
         vs = self.v[layer].index_select(0, self.owner)[:, :, : self.pos]
         return torch.cat([ks, k], dim=2), torch.cat([vs, v], dim=2)  # (B, nh, held + T, hs)
 
+    def window_keys(self, T: int, device: torch.device) -> torch.Tensor:
+        """Every layer is kept in full: the keys are positions 0 .. held + T - 1."""
+        return torch.arange(self.pos + T, device=device)
+
 
 def _log_probs(model: GPT, h: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
     """Log-softmax (N, V) of the head on hidden states h (N, C), over the first vocab_size tokens."""

@@ -40,15 +40,21 @@ class PrefixCache:
         self.bytes = 0
         self.stats = PrefixStats()
 
-    def lookup(self, tokens: list[int], adapter: int = 0) -> tuple[int, list[torch.Tensor] | None]:
+    def lookup(
+        self, tokens: list[int], adapter: int = 0, ring: int | None = None
+    ) -> tuple[int, list[torch.Tensor] | None]:
         """(n, saved): the most tokens of `tokens` a stored entry holds, at most all but the last (whose logits
-        the prefill must compute), and that entry's keys and values; (0, None) when none shares a token."""
+        the prefill must compute), and that entry's keys and values; (0, None) when none shares a token. ring:
+        the cache's sliding-window slots (KVCache.ring), where an entry longer than the window has overwritten
+        its first tokens' keys, so it serves only a prompt that holds all of it."""
         self.stats.lookups += 1
         best, best_key, limit = 0, None, len(tokens) - 1
         for key in self.entries:
             if key[0] != adapter:
                 continue
             n = shared_prefix(key[1], tokens, limit)
+            if ring is not None and ring < len(key[1]) != n:
+                continue
             if n > best:
                 best, best_key = n, key
         if best_key is None:

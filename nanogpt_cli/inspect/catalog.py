@@ -223,7 +223,7 @@ class Info:
     params: int | None = None
     params_non_embedding: int | None = None
     flops_per_token: int | None = None  # training FLOPs per token at the full context (6N + attention)
-    kv_cache_bytes_per_token: int | None = None  # the engine's KV cache per token of a row, in float32
+    kv_cache_bytes_per_token: float | None = None  # the engine's KV cache per token of a row, in float32
     tokenizer: str | None = None  # name and vocabulary size, in words
     dataset: str | None = None
     step: int | None = None

@@ -42,14 +42,16 @@ def position_views(model: GPT) -> PositionViews:
     cfg = model.config
     P = cfg.block_size
     if cfg.pos_encoding == "rope":
-        hs = cfg.head_size
-        inv_freq = rope_inv_freq(hs, cfg.rope_theta)  # (hs/2,), float64
+        hs = cfg.rotary_size  # the dimensions RoPE turns (--rotary-dim); the rest of a head has no position
+        inv_freq = rope_inv_freq(hs, cfg.rope_theta, cfg)  # (hs/2,), float64, with the model's RoPE scaling
+        dims = f"head size {hs}" if cfg.rotary_dim is None else f"on {hs} of {cfg.head_size} head dims"
         angles = torch.arange(P, dtype=torch.float64)[:, None] * inv_freq  # (P, hs/2)
         wavelengths = 2 * math.pi / inv_freq
         # q = k = ones: each pair contributes 2 cos(d * freq) to q.k, so the mean over pairs is the score's shape
         decay = angles.cos().mean(dim=-1)  # (P,) at d = 0..P-1
+        scaled = "" if cfg.rope_scaling == "none" else f" ({cfg.rope_scaling} scaling x{cfg.rope_factor:g})"
         summary = (
-            f"RoPE, theta {cfg.rope_theta:,g}, head size {hs}: {hs // 2} rotating pairs per head, wavelengths "
+            f"RoPE, theta {cfg.rope_theta:,g}{scaled}, {dims}: {hs // 2} rotating pairs per head, wavelengths "
             f"from {wavelengths[0]:.1f} to {wavelengths[-1]:,.0f} tokens (context {P:,})"
         )
         return PositionViews("rope", summary, angles.cos().float(), None, wavelengths.float(), decay.float())

@@ -48,6 +48,11 @@ def gguf_arch(c: GPTConfig) -> str:
             "llama.cpp computes GELU with the tanh approximation: GGUF export of a model with "
             "LayerNorm and GELU needs --mlp gelu_tanh (or --norm rmsnorm --mlp swiglu --no-bias)"
         )
+    if kind == "gpt_neox" and (c.parallel_residual or c.rotary_dim is not None):
+        raise NanoGPTError(
+            "GGUF export writes a GPT-NeoX-shaped model as starcoder2, which has neither --parallel-residual nor "
+            "--rotary-dim: train without them to export to GGUF"
+        )
     if kind == "llama" and c.bias:  # llama.cpp's Llama has optional q, k, v biases (--qkv-bias), not the others
         raise NanoGPTError("GGUF export of a Llama-shaped model needs --no-bias (--qkv-bias may stay)")
     return "starcoder2" if kind == "gpt_neox" else kind

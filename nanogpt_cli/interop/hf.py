@@ -9,7 +9,8 @@ Which stock architecture computes which of our configs exactly (`hf_kind`):
   tanh); a model without biases gets zero biases.
 - llama: RoPE, RMSNorm, SwiGLU; grouped-query attention (num_key_value_heads), any head_dim, RoPE scaling
   (linear, llama3, yarn); biases through Llama's attention_bias (q, k, v and o) and mlp_bias.
-- gpt_neox: RoPE on the whole head, LayerNorm, GELU, sequential residual (our default config); zero biases.
+- gpt_neox: RoPE (on the whole head, or --rotary-dim of it: rotary_pct), LayerNorm, GELU, the sequential
+  residual (our default config) or the parallel one (Pythia's); zero biases.
 Importing is the inverse: a model whose bias tensors are all zero becomes a model without biases, one whose only
 non-zero biases are on q, k and v (Qwen2's) a model with --qkv-bias.
 """
@@ -134,7 +135,24 @@ def hf_kind(c: GPTConfig) -> str:
             "no stock Hugging Face architecture has QK-norm or logit soft-capping; a model trained "
             "with --qk-norm or --logit-softcap does not convert (train without them to export)"
         )
+    if c.sliding_window is not None:
+        raise NanoGPTError(
+            "no Hugging Face export here has sliding-window attention: a model trained with --sliding-window does "
+            "not convert"
+        )
+    gemma = [f"--{f.replace('_', '-')}" for f in ("embed_scale", "norm_offset", "post_norms") if getattr(c, f)]
+    if gemma or c.mlp == "geglu":
+        raise NanoGPTError(
+            f"no Hugging Face export here has Gemma's {' '.join(gemma + (['--mlp geglu'] if c.mlp == 'geglu' else []))}"
+            ": a model trained with them does not convert"
+        )
     gelu = c.mlp in ("gelu", "gelu_tanh")
+    neox_only = [f for f, on in (("--parallel-residual", c.parallel_residual), ("--rotary-dim", c.rotary_dim)) if on]
+    if neox_only and not (c.pos_encoding == "rope" and c.norm == "layernorm" and gelu):
+        raise NanoGPTError(
+            f"{' and '.join(neox_only)} export as GPTNeoXForCausalLM only, which needs --pos-encoding rope, "
+            "--norm layernorm and --mlp gelu or gelu_tanh"
+        )
     kind = _stock_kind(c, gelu)
     extra = [
         flag
@@ -297,39 +315,45 @@ def config_from_hf(c, bias: bool, qkv_bias: bool | None = None) -> GPTConfig:
             tie_embeddings=c.tie_word_embeddings,
         )
     else:
-        rope = _rope(c)
-        partial = rope.get("partial_rotary_factor", getattr(c, "rotary_pct", 1.0))
-        if rope.get("rope_type", rope.get("type", "default")) != "default":
-            kind = rope.get("rope_type", rope.get("type"))
-            raise NanoGPTError(f"RoPE scaling {kind!r} on GPT-NeoX has no counterpart here")
-        if c.use_parallel_residual or partial != 1.0:
-            raise NanoGPTError(
-                "GPT-NeoX models with a parallel residual or partial rotary embeddings (such as Pythia) "
-                "have no counterpart here"
-            )
-        if c.hidden_act not in GELUS:
-            raise NanoGPTError(f"GPT-NeoX with activation {c.hidden_act!r} has no counterpart here")
-        config = GPTConfig(
-            vocab_size=c.vocab_size,
-            block_size=c.max_position_embeddings,
-            n_layer=c.num_hidden_layers,
-            n_head=c.num_attention_heads,
-            n_embd=c.hidden_size,
-            bias=bias,
-            pos_encoding="rope",
-            rope_theta=_rope_theta(c),
-            norm="layernorm",
-            norm_eps=c.layer_norm_eps,
-            mlp=GELUS[c.hidden_act],
-            mlp_hidden=c.intermediate_size,
-            tie_embeddings=c.tie_word_embeddings,
-        )
+        config = _neox_config(c, bias)
     if (
         config.mlp_hidden is not None
         and config.mlp_hidden == GPTConfig(**{**config.to_dict(), "mlp_hidden": None}).hidden_size
     ):
         config.mlp_hidden = None  # the default width: keep the config as a user would have written it
     return config
+
+
+def _neox_config(c, bias: bool) -> GPTConfig:
+    """Our config for a GPTNeoXConfig (config_from_hf)."""
+    rope = _rope(c)
+    partial = rope.get("partial_rotary_factor", getattr(c, "rotary_pct", 1.0))
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        kind = rope.get("rope_type", rope.get("type"))
+        raise NanoGPTError(f"RoPE scaling {kind!r} on GPT-NeoX has no counterpart here")
+    hs = c.hidden_size // c.num_attention_heads
+    rotary_dim = int(hs * partial)  # as GPT-NeoX computes rotary_ndims
+    if rotary_dim % 2 or rotary_dim == 0:
+        raise NanoGPTError(f"GPT-NeoX's rotary dimensions ({rotary_dim} of {hs}) must be even and at least 2")
+    if c.hidden_act not in GELUS:
+        raise NanoGPTError(f"GPT-NeoX with activation {c.hidden_act!r} has no counterpart here")
+    return GPTConfig(
+        vocab_size=c.vocab_size,
+        block_size=c.max_position_embeddings,
+        n_layer=c.num_hidden_layers,
+        n_head=c.num_attention_heads,
+        n_embd=c.hidden_size,
+        bias=bias,
+        pos_encoding="rope",
+        rope_theta=_rope_theta(c),
+        norm="layernorm",
+        norm_eps=c.layer_norm_eps,
+        mlp=GELUS[c.hidden_act],
+        mlp_hidden=c.intermediate_size,
+        tie_embeddings=c.tie_word_embeddings,
+        rotary_dim=None if rotary_dim == hs else rotary_dim,
+        parallel_residual=bool(c.use_parallel_residual),
+    )
 
 
 def hf_config_for(c: GPTConfig, kind: str, special: dict[str, int | None]) -> tuple[Any, dict[str, Any]]:
@@ -377,6 +401,9 @@ def hf_config_for(c: GPTConfig, kind: str, special: dict[str, int | None]) -> tu
         if c.rope_scaling != "none":  # 4.x reads the scaling from rope_scaling
             extra["rope_scaling"] = {k: v for k, v in rope_scaling_to_hf(c).items() if k != "rope_theta"}
         return config, extra
+    pct = c.rotary_size / c.head_size
+    while int(c.head_size * pct) < c.rotary_size:  # GPT-NeoX's rotary_ndims = int(head_size * pct), which rounds down
+        pct = math.nextafter(pct, 2.0)
     config = transformers.GPTNeoXConfig(
         vocab_size=c.vocab_size,
         hidden_size=c.n_embd,
@@ -386,17 +413,17 @@ def hf_config_for(c: GPTConfig, kind: str, special: dict[str, int | None]) -> tu
         hidden_act="gelu_new" if c.mlp == "gelu_tanh" else "gelu",
         max_position_embeddings=c.block_size,
         layer_norm_eps=c.norm_eps,
-        rotary_pct=1.0,
+        rotary_pct=pct,
         rotary_emb_base=c.rope_theta,
-        rope_parameters={**rope, "partial_rotary_factor": 1.0},
-        use_parallel_residual=False,
+        rope_parameters={**rope, "partial_rotary_factor": pct},
+        use_parallel_residual=c.parallel_residual,
         attention_bias=True,
         tie_word_embeddings=c.tie_embeddings,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         **special,
     )
-    return config, {"rope_theta": c.rope_theta, "rotary_emb_base": c.rope_theta, "rotary_pct": 1.0}
+    return config, {"rope_theta": c.rope_theta, "rotary_emb_base": c.rope_theta, "rotary_pct": pct}
 
 
 # --- weights --------------------------------------------------------------------------------------------

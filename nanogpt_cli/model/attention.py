@@ -88,8 +88,13 @@ def rope_tables(
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the pairs (x[i], x[i + hs/2]) by their position's angle:
-    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). x: (..., hs); cos, sin from rope_tables, broadcast to x."""
-    half = x.size(-1) // 2
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). x: (..., hs); cos, sin from rope_tables, broadcast to x.
+    Tables narrower than x (partial rotary, rd < hs) rotate the first rd dimensions, in pairs (x[i], x[i + rd/2]),
+    and leave the rest as they are (GPT-NeoX's rotary_pct)."""
+    rd = cos.size(-1)
+    if rd != x.size(-1):
+        return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+    half = rd // 2
     # the fp32 tables meet x in x's dtype: under bf16 autocast q and k stay bf16 (fp32 tables would upcast
     # them, and attention would cast them back, two extra passes over q and k)
     if cos.dtype != x.dtype:  # a .to that does nothing still costs a call
@@ -114,7 +119,8 @@ class NormRopeQKV(torch.autograd.Function):
     norms' composite ops, a stack, torch.roll's concatenations, the slices' zero-filled gradients) made a
     4 x 128 model's update ~1.3x slower. q and k are normed and rotated in fp32, laid out (2, B, nh, T, hs) from
     the first copy on; the gains fold into RoPE's tables, n * (g cos) + roll(n) * (roll(g) sin) with
-    n = x / rms(x), as the gain, the rotation and the roll all act per dimension."""
+    n = x / rms(x), as the gain, the rotation and the roll all act per dimension. Tables narrower than the head
+    (partial rotary, rd < hs) rotate its first rd dimensions; the rest are only normed."""
 
     @staticmethod
     def forward(ctx, qkv, q_gain, k_gain, cos, sin, eps: float, out_dtype: torch.dtype):
@@ -124,8 +130,12 @@ class NormRopeQKV(torch.autograd.Function):
         inv_rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(hs).add_(eps).rsqrt_()
         n = x.mul_(inv_rms)  # (2, B, nh, T, hs): x is a copy, normalised in place
         g = torch.stack([q_gain, k_gain]).to(dtype).view(2, 1, 1, 1, hs)
-        cos, sin = cos.to(dtype).view(T, hs), sin.to(dtype).view(T, hs)
-        out = rotate_half_into(torch.empty_like(n), n, g * cos, g.roll(hs // 2, dims=-1) * sin)
+        rd = cos.size(-1)
+        cos, sin = cos.to(dtype).view(T, rd), sin.to(dtype).view(T, rd)
+        out, g_rot = torch.empty_like(n), g[..., :rd]
+        rotate_half_into(out[..., :rd], n[..., :rd], g_rot * cos, g_rot.roll(rd // 2, dims=-1) * sin)
+        if rd < hs:  # the dimensions RoPE leaves: normed and scaled only
+            torch.mul(n[..., rd:], g[..., rd:], out=out[..., rd:])
         if out_dtype != dtype:
             out = out.to(out_dtype)
         v = qkv.select(2, 2).transpose(1, 2).to(out_dtype, memory_format=torch.contiguous_format)
@@ -138,12 +148,17 @@ class NormRopeQKV(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         n, inv_rms, g, cos, sin = ctx.saved_tensors
         B, nh, T, hs = dq.shape
+        rd = cos.size(-1)
+        sin_t = sin.roll(rd // 2, dims=-1)
         d_qkv = torch.empty(B, T, 3, nh, hs, dtype=ctx.qkv_dtype, device=dq.device)
         d_gains = []
         for i, d_out in enumerate((dq, dk)):  # q, then k: no stack of the two
             d_out = d_out.to(n.dtype)
             # RoPE's transpose: the swap of halves is its own inverse, so d(n g) = d_out cos + roll(d_out sin)
-            d_y = rotate_half_into(torch.empty_like(d_out), d_out, cos, sin.roll(hs // 2, dims=-1))
+            d_y = torch.empty_like(d_out)
+            rotate_half_into(d_y[..., :rd], d_out[..., :rd], cos, sin_t)
+            if rd < hs:
+                d_y[..., rd:] = d_out[..., rd:]
             d_gains.append((d_y * n[i]).sum(dim=(0, 1, 2)).to(ctx.gain_dtype))
             d_n = d_y.mul_(g[i])
             # RMSNorm's backward without the gain: (d_n - n * mean(d_n * n)) / rms
@@ -166,12 +181,27 @@ class Cache(Protocol):
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def window_keys(self, T: int, device: torch.device) -> torch.Tensor | None:
+        """The positions of the keys that a sliding-window layer's update returns for T new tokens, in order: (S,),
+        or (B, S) a row each; -1 marks a slot that holds no key yet; None when every key returned is visible. A
+        cache may keep only a local layer's window."""
+        ...
+
 
 def causal_mask(query_pos: torch.Tensor, S: int) -> torch.Tensor:
     """Which of S held keys each new token sees, the tokens at query_pos ((T,), or (B, T) a row each): key j is
     visible to a token at position p when j <= p. (T, S), or (B, 1, T, S) to broadcast over the heads; bool"""
     visible = torch.arange(S, device=query_pos.device) <= query_pos.unsqueeze(-1)
     return visible if query_pos.dim() == 1 else visible.unsqueeze(1)
+
+
+def window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """Which keys a sliding-window layer's token sees (Mistral, Gemma): the key at position j is visible to the
+    token at p when p - window < j <= p; key_pos -1 is an empty slot. query_pos (T,) or (B, T), key_pos (S,) or
+    (B, S); (T, S), or (B, 1, T, S) when either has rows; bool"""
+    q, k = query_pos.unsqueeze(-1), key_pos.unsqueeze(-2)  # (.., T, 1), (.., 1, S)
+    visible = (k >= 0) & (k <= q) & (k > q - window)
+    return visible if visible.dim() == 2 else visible.unsqueeze(1)
 
 
 @dataclass(slots=True)
@@ -181,10 +211,14 @@ class Context:
 
     B: int
     T: int
-    cos: torch.Tensor | None = None  # RoPE at the new tokens' positions, (T, 1, 1, hs) or (B, T, 1, 1, hs)
+    cos: torch.Tensor | None = None  # RoPE at the new tokens' positions, (T, 1, 1, rd) or (B, T, 1, 1, rd)
     sin: torch.Tensor | None = None
     cache: Cache | None = None
     mask: torch.Tensor | None = None  # causal_mask over the cache; None when every held key is visible
+    # sliding-window layers': their RoPE tables (a base of their own) and window_mask over what they see
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
+    local_mask: torch.Tensor | None = None
     probs: list[torch.Tensor] | None = None  # when a list, each layer's probabilities (B, nh, T, S) go in it
 
 
@@ -202,17 +236,22 @@ class AttentionOps(NamedTuple):
     head_size: int
     dropout: float  # on the attention weights; 0 outside training
     n_kv_head: int  # key/value heads, each shared by n_head / n_kv_head query heads in a row
+    local: bool = False  # a sliding-window layer: Context's local tables and mask
 
 
 def attention(w: AttentionOps, x: torch.Tensor, ctx: Context, layer: int) -> torch.Tensor:
     """Causal self-attention of the normed residual stream x (N, C), N = B * T rows, through ctx's cache when it
     has one: the heads' outputs side by side, (N, nh * hs), for the output projection."""
     B, T, nh, hs = ctx.B, ctx.T, w.n_head, w.head_size
+    if w.local:
+        cos, sin, mask = ctx.local_cos, ctx.local_sin, ctx.local_mask
+    else:
+        cos, sin, mask = ctx.cos, ctx.sin, ctx.mask
     if w.n_kv_head == nh:
         qkv = w.c_attn(x).view(B, T, 3, nh, hs)  # (B, T, 3, nh, hs)
-        q, k, v = queries_keys_values(w, qkv, ctx)  # (B, nh, T, hs) each
+        q, k, v = queries_keys_values(w, qkv, ctx, cos, sin)  # (B, nh, T, hs) each
     else:
-        q, k, v = grouped_queries_keys_values(w, w.c_attn(x).view(B, T, -1, hs), ctx)
+        q, k, v = grouped_queries_keys_values(w, w.c_attn(x).view(B, T, -1, hs), cos, sin)
     cache = ctx.cache
     if cache is not None:
         k, v = cache.update(layer, k, v)  # (B, nkv, S, hs): everything held, in the cache's dtype
@@ -220,71 +259,88 @@ def attention(w: AttentionOps, x: torch.Tensor, ctx: Context, layer: int) -> tor
             q = q.to(k.dtype)
     gqa = w.n_kv_head != nh  # each key/value head serves a group of query heads: the kernels take enable_gqa
     if ctx.probs is not None:
-        y = explicit_attention(q, k, v, ctx)
+        y = explicit_attention(q, k, v, ctx, mask)
     elif cache is None:
-        y = causal_attention(q, k, v, w.dropout, gqa)
+        y = causal_attention(q, k, v, w.dropout, mask, gqa)
     else:  # new tokens at the end of what each row holds: the mask shows each its past and itself
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=ctx.mask, enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if T == 1:  # (B, nh, 1, hs) is (B, 1, nh, hs) already: a decode step's one-row form skips the transpose
         return y.view(B, nh * hs)
     return y.transpose(1, 2).reshape(B * T, nh * hs)  # (N, nh * hs)
 
 
-def queries_keys_values(w: AttentionOps, qkv: torch.Tensor, ctx: Context):
+def queries_keys_values(w: AttentionOps, qkv: torch.Tensor, ctx: Context, cos, sin):
     """q, k, v (B, nh, T, hs) from the fused projection (B, T, 3, nh, hs): QK-norm per head, then RoPE on q and
-    k. narrow and select rather than qkv[:, :, :2]: Python's tuple indexing costs a few microseconds a call,
-    which a decode step makes a few hundred of."""
-    if ctx.cache is None and ctx.cos is not None and isinstance(w.q_norm, nn.RMSNorm):
+    k with the layer's tables cos, sin (None: no RoPE). narrow and select rather than qkv[:, :, :2]: Python's
+    tuple indexing costs a few microseconds a call, which a decode step makes a few hundred of."""
+    if ctx.cache is None and cos is not None and isinstance(w.q_norm, nn.RMSNorm):
         # training's kernel: the norms, the rotation and the layout in one Function (it reads the norms' gains)
         cpu_autocast = qkv.device.type == "cpu" and torch.is_autocast_enabled("cpu")
         out_dtype = torch.float32 if cpu_autocast else qkv.dtype  # fp32 for the CPU's attention (causal_attention)
-        return NormRopeQKV.apply(qkv, w.q_norm.weight, w.k_norm.weight, ctx.cos, ctx.sin, w.q_norm.eps, out_dtype)
+        q_gain, k_gain = norm_gain(w.q_norm), norm_gain(w.k_norm)
+        return NormRopeQKV.apply(qkv, q_gain, k_gain, cos, sin, w.q_norm.eps, out_dtype)
     qk = qkv.narrow(2, 0, 2)  # (B, T, 2, nh, hs)
     if w.q_norm is not None:  # per head, before RoPE
         qk = torch.stack([w.q_norm(qkv.select(2, 0)), w.k_norm(qkv.select(2, 1))], dim=2)
-    if ctx.cos is not None:
+    if cos is not None:
         # rotate q and k together: one set of elementwise ops instead of two
-        qk = apply_rope(qk, ctx.cos, ctx.sin)  # cos, sin (T, 1, 1, hs) or (B, T, 1, 1, hs) broadcast
+        qk = apply_rope(qk, cos, sin)  # cos, sin (T, 1, 1, rd) or (B, T, 1, 1, rd) broadcast
     q, k = qk.permute(2, 0, 3, 1, 4).unbind(0)  # (B, nh, T, hs) each: two calls for both
     return q, k, qkv.select(2, 2).transpose(1, 2)
 
 
-def grouped_queries_keys_values(w: AttentionOps, qkv: torch.Tensor, ctx: Context):
+def grouped_queries_keys_values(w: AttentionOps, qkv: torch.Tensor, cos, sin):
     """q (B, nh, T, hs), k and v (B, nkv, T, hs) from the fused projection (B, T, nh + 2 nkv, hs): QK-norm per head,
-    then RoPE on q and k, as queries_keys_values does for nh = nkv. The fused training kernel (NormRopeQKV) assumes
-    three equal parts; here q and k take the general path (benchmarks/README.md, grouped-query attention)."""
+    then RoPE on q and k with the layer's tables, as queries_keys_values does for nh = nkv. The fused training
+    kernel (NormRopeQKV) assumes three equal parts; here q and k take the general path (benchmarks/README.md,
+    grouped-query attention)."""
     q, k, v = qkv.split([w.n_head, w.n_kv_head, w.n_kv_head], dim=2)  # (B, T, heads, hs) each
     if w.q_norm is not None:
         q, k = w.q_norm(q), w.k_norm(k)
-    if ctx.cos is not None:  # cos, sin (T, 1, 1, hs) or (B, T, 1, 1, hs): a head axis of 1 for (B, T, heads, hs)
-        cos, sin = ctx.cos.squeeze(-2), ctx.sin.squeeze(-2)
+    if cos is not None:  # cos, sin (T, 1, 1, rd) or (B, T, 1, 1, rd): a head axis of 1 for (B, T, heads, hs)
+        cos, sin = cos.squeeze(-2), sin.squeeze(-2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, gqa: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    mask: torch.Tensor | None = None,
+    gqa: bool = False,
 ) -> torch.Tensor:
-    """Attention of T tokens over themselves, each seeing itself and those before it; gqa: k and v have fewer
-    heads, each serving a group of q's. (B, nh, T, hs)"""
+    """Attention of T tokens over themselves, each seeing itself and those before it (mask None), or the keys
+    mask shows it (a sliding window's); gqa: k and v have fewer heads, each serving a group of q's.
+    (B, nh, T, hs)"""
+    causal = mask is None
     if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         # the CPU flash-attention kernel's bf16 backward is much slower than its fp32 one, and autocast would cast
         # fp32 inputs back down: run it in fp32 outside autocast
         with torch.autocast("cpu", enabled=False):
             q, k, v = q.float(), k.float(), v.float()
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p, enable_gqa=gqa
+            )
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, dropout_p=dropout_p, enable_gqa=gqa
+    )
 
 
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context) -> torch.Tensor:
-    """softmax(q k^T / sqrt(hs) + causal mask) v, computed step by step so that the probabilities can be kept
+def explicit_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Context, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hs) + mask) v, computed step by step so that the probabilities can be kept
     (scaled_dot_product_attention never materialises them): they go into ctx.probs, (B, nh, T, S) float32.
-    No dropout: the probabilities are the model's own. (B, nh, T, hs)"""
+    mask: the layer's (None: causal without a cache, every key visible with one). No dropout: the probabilities
+    are the model's own. (B, nh, T, hs)"""
     T, S = q.size(2), k.size(2)
     if k.size(1) != q.size(1):  # grouped-query attention: each key/value head serves its group of query heads
         groups = q.size(1) // k.size(1)
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # (B, nh, S, hs)
-    mask = ctx.mask if ctx.cache is not None else causal_mask(torch.arange(T, device=q.device), S)
+    if mask is None and ctx.cache is None:
+        mask = causal_mask(torch.arange(T, device=q.device), S)
     # scores in float32 whatever the weights' dtype, so that the probabilities sum to 1 to float precision
     scores = q.float() @ k.float().transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, nh, T, S)
     if mask is not None:
@@ -294,24 +350,48 @@ def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: C
     return probs.to(v.dtype) @ v
 
 
+class OffsetRMSNorm(nn.RMSNorm):
+    """RMSNorm with the gain 1 + w, w starting at 0 (Gemma): x / rms(x) * (1 + w)."""
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, 1.0 + self.weight, self.eps)
+
+
+def rms_norm(size: int, config: GPTConfig) -> nn.RMSNorm:
+    """An RMSNorm over the last `size` dimensions, with the gain 1 + w under --norm-offset."""
+    return (OffsetRMSNorm if config.norm_offset else nn.RMSNorm)(size, eps=config.norm_eps)
+
+
+def norm_gain(norm: nn.RMSNorm) -> torch.Tensor:
+    """The gain an RMSNorm multiplies by: its weight, or 1 + weight (OffsetRMSNorm)."""
+    return 1.0 + norm.weight if isinstance(norm, OffsetRMSNorm) else norm.weight
+
+
 class CausalSelfAttention(nn.Module):
     """The attention's weights: the fused q, k, v projection, the output projection and the QK-norm gains. The
     computation is `attention` (the output projection is the block's, with its residual)."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_size = config.n_head, config.kv_heads, config.head_size
+        self.local = config.is_local(layer)  # a sliding-window layer
         self.dropout = config.dropout
         width = (self.n_head + 2 * self.n_kv_head) * self.head_size  # fused q, k, v: nh query heads, nkv k and v
         self.c_attn = nn.Linear(config.n_embd, width, bias=config.attn_bias)
         self.c_proj = nn.Linear(self.n_head * self.head_size, config.n_embd, bias=config.bias)
         if config.qk_norm:  # QK-norm (Dehghani et al. 2023; OLMo 2, Qwen3): bounded attention logits
-            self.q_norm = nn.RMSNorm(config.head_size, eps=config.norm_eps)
-            self.k_norm = nn.RMSNorm(config.head_size, eps=config.norm_eps)
+            # one gain per head dimension, shared by the heads, as Qwen3 and Gemma 3 have it
+            self.q_norm = rms_norm(config.head_size, config)
+            self.k_norm = rms_norm(config.head_size, config)
         else:
             self.q_norm = self.k_norm = None
 
     def ops(self) -> AttentionOps:
         """The modules as `attention` calls them (looked up on each call: LoRA replaces c_attn in place)."""
         dropout = self.dropout if self.training else 0.0
-        return AttentionOps(self.c_attn, self.q_norm, self.k_norm, self.n_head, self.head_size, dropout, self.n_kv_head)
+        heads = (self.n_head, self.head_size, dropout, self.n_kv_head, self.local)
+        return AttentionOps(self.c_attn, self.q_norm, self.k_norm, *heads)

@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
 from nanogpt_cli.config import GPTConfig
-from nanogpt_cli.model.attention import AttentionOps, CausalSelfAttention, Context, Op, attention
+from nanogpt_cli.model.attention import AttentionOps, CausalSelfAttention, Context, Op, attention, rms_norm
 
 Residual = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (branch input, x) -> x + projection
 
@@ -53,6 +53,9 @@ def activation(h: torch.Tensor, mlp: str) -> torch.Tensor:
     if mlp == "swiglu":
         gate, up = h.chunk(2, dim=-1)
         return F.silu(gate) * up
+    if mlp == "geglu":  # Gemma: the gate through tanh-approximated GELU (Shazeer 2020's GEGLU)
+        gate, up = h.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
     if mlp == "relu2":  # squared ReLU (So et al. 2021, Primer): as cheap as ReLU, trains like GELU or better
         if torch.is_grad_enabled() and h.requires_grad:
             return ReLUSquared.apply(h)
@@ -71,7 +74,7 @@ def softcap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def make_norm(config: GPTConfig) -> nn.Module:
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.n_embd, eps=config.norm_eps)
+        return rms_norm(config.n_embd, config)
     return nn.LayerNorm(config.n_embd, eps=config.norm_eps, bias=config.bias)
 
 
@@ -86,12 +89,24 @@ class BlockOps(NamedTuple):
     c_fc: Op  # (N, C) -> (N, H), or (N, 2H) for SwiGLU's gate and up halves
     act: Op
     mlp_out: Residual  # (hidden, x) -> x + c_proj(hidden)
+    parallel: bool = False  # GPT-NeoX's parallel residual: the MLP reads the block's input, not attention's sum
 
 
 def block_forward(w: BlockOps, x: torch.Tensor, ctx: Context, layer: int) -> torch.Tensor:
-    """Pre-LN residual block on the residual stream x (N, C): x + attn(norm(x)), then x + mlp(norm(x))."""
-    x = w.attn_out(attention(w.attn, w.ln_1(x), ctx, layer), x)
-    return w.mlp_out(w.act(w.c_fc(w.ln_2(x))), x)
+    """Pre-LN residual block on the residual stream x (N, C): x + attn(norm(x)), then x + mlp(norm(x)); with the
+    parallel residual x + attn(ln_1(x)) + mlp(ln_2(x)). A post-norm (Gemma 3) rides in attn_out and mlp_out."""
+    if w.parallel:
+        h = w.ln_2(x)
+        x = w.attn_out(attention(w.attn, w.ln_1(x), ctx, layer), x)
+    else:
+        x = w.attn_out(attention(w.attn, w.ln_1(x), ctx, layer), x)
+        h = w.ln_2(x)
+    return w.mlp_out(w.act(w.c_fc(h)), x)
+
+
+def post_normed(proj: Op, norm: Op) -> Op:
+    """A sub-block's output projection followed by its post-norm (Gemma 3's post_attention_layernorm)."""
+    return lambda y: norm(proj(y))
 
 
 class MLP(nn.Module):
@@ -102,18 +117,23 @@ class MLP(nn.Module):
         self.kind = config.mlp
         H = config.hidden_size
         # SwiGLU (Shazeer 2020) fuses its gate and up projections into one matrix: (C, 2H)
-        self.c_fc = nn.Linear(config.n_embd, 2 * H if self.kind == "swiglu" else H, bias=config.bias)
+        self.c_fc = nn.Linear(config.n_embd, 2 * H if config.gated else H, bias=config.bias)
         self.c_proj = nn.Linear(H, config.n_embd, bias=config.bias)
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, layer: int = 0):
         super().__init__()
         self.ln_1 = make_norm(config)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = make_norm(config)
         self.mlp = MLP(config)
         self.dropout = config.dropout
+        self.parallel = config.parallel_residual
+        if config.post_norms:  # Gemma 3: each sub-block's output normed before its residual add
+            self.post_ln_1, self.post_ln_2 = make_norm(config), make_norm(config)
+        else:
+            self.post_ln_1 = self.post_ln_2 = None
 
     def forward(self, x: torch.Tensor, ctx: Context, layer: int = 0) -> torch.Tensor:
         return block_forward(self.ops(), x, ctx, layer)
@@ -123,12 +143,17 @@ class Block(nn.Module):
         with dropout on each residual branch while training."""
         attn, mlp = self.attn, self.mlp
         p = self.dropout if self.training else 0.0
+        attn_proj, mlp_proj = attn.c_proj, mlp.c_proj
+        if self.post_ln_1 is not None:
+            attn_proj = post_normed(attn_proj, self.post_ln_1)
+            mlp_proj = post_normed(mlp_proj, self.post_ln_2)
         return BlockOps(
             ln_1=self.ln_1,
             attn=attn.ops(),
-            attn_out=lambda y, x: x + dropout(attn.c_proj(y), p, self.training),
+            attn_out=lambda y, x: x + dropout(attn_proj(y), p, self.training),
             ln_2=self.ln_2,
             c_fc=mlp.c_fc,
             act=partial(activation, mlp=mlp.kind),
-            mlp_out=lambda h, x: x + dropout(mlp.c_proj(h), p, self.training),
+            mlp_out=lambda h, x: x + dropout(mlp_proj(h), p, self.training),
+            parallel=self.parallel,
         )

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from nanogpt_cli.model.attention import AttentionOps, Op
-from nanogpt_cli.model.blocks import Block, BlockOps, Residual, activation, block_forward
+from nanogpt_cli.model.attention import AttentionOps, Op, norm_gain
+from nanogpt_cli.model.blocks import Block, BlockOps, Residual, activation, block_forward, post_normed
 from nanogpt_cli.model.gpt import GPT, ModelOps
 
 
@@ -34,16 +34,28 @@ def decode_ops(model: GPT) -> ModelOps:
 def block_ops(b: Block) -> BlockOps:
     a = b.attn
     q_norm, k_norm = norm_function(a.q_norm), norm_function(a.k_norm)
-    attn = AttentionOps(linear_op(a.c_attn), q_norm, k_norm, a.n_head, a.head_size, 0, a.n_kv_head)
+    attn = AttentionOps(linear_op(a.c_attn), q_norm, k_norm, a.n_head, a.head_size, 0, a.n_kv_head, a.local)
+    if b.post_ln_1 is None:
+        attn_out, mlp_out = residual_op(a.c_proj), residual_op(b.mlp.c_proj)
+    else:  # the post-norm sits between the projection and the add, which then cannot ride in addmm
+        attn_out = post_normed_residual(linear_op(a.c_proj), norm_function(b.post_ln_1))
+        mlp_out = post_normed_residual(linear_op(b.mlp.c_proj), norm_function(b.post_ln_2))
     return BlockOps(
         ln_1=norm_function(b.ln_1),
         attn=attn,
-        attn_out=residual_op(a.c_proj),
+        attn_out=attn_out,
         ln_2=norm_function(b.ln_2),
         c_fc=linear_op(b.mlp.c_fc),
         act=partial(activation, mlp=b.mlp.kind),
-        mlp_out=residual_op(b.mlp.c_proj),
+        mlp_out=mlp_out,
+        parallel=b.parallel,
     )
+
+
+def post_normed_residual(proj: Op, norm: Op) -> Residual:
+    """(y, x) -> x + norm(proj(y))."""
+    branch = post_normed(proj, norm)
+    return lambda y, x: x + branch(y)
 
 
 def norm_function(module: nn.Module | None) -> Op | None:
@@ -52,6 +64,7 @@ def norm_function(module: nn.Module | None) -> Op | None:
         return None
     shape, weight, eps = module.normalized_shape, module.weight, module.eps
     if isinstance(module, nn.RMSNorm):
+        weight = norm_gain(module).detach()  # 1 + w under --norm-offset, added once here rather than per token
         if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
             # x / sqrt(mean(x^2) + eps) from the row's norm in three calls, cheaper than F.rms_norm on one row of
             # a few hundred values on a CPU, and within 1e-6 of it. float32 only: the fused kernel accumulates bf16

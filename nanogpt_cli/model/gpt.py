@@ -8,7 +8,8 @@ Inside, the residual stream is (N, C) with N = B * T: a decode step's few rows a
 same code (blocks.py, attention.py).
 
 Shape legend: B batch, T tokens in this call, N = B * T, S tokens held in the KV cache, C n_embd, nh n_head,
-hs head size (C // nh unless --head-dim), nkv key/value heads, H MLP hidden width, V vocab_size.
+hs head size (C // nh unless --head-dim), nkv key/value heads, rd the dimensions RoPE rotates (hs unless
+--rotary-dim), H MLP hidden width, V vocab_size.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from nanogpt_cli.config import GPTConfig
-from nanogpt_cli.model.attention import Cache, Context, causal_mask, rope_tables
+from nanogpt_cli.model.attention import Cache, Context, causal_mask, rope_tables, window_mask
 from nanogpt_cli.model.blocks import Block, dropout, make_norm, softcap
 
 
@@ -41,10 +42,12 @@ class ModelOps(NamedTuple):
 
     wte: torch.Tensor  # (V, C) token embeddings
     pos_table: torch.Tensor | None  # (block_size, C) learned or sinusoidal positions, added to the embeddings
-    cos: torch.Tensor | None  # RoPE (block_size, 1, 1, hs), shaped to broadcast over (B, T, 2, nh, hs)
+    cos: torch.Tensor | None  # RoPE (block_size, 1, 1, rd), shaped to broadcast over (B, T, 2, nh, hs)
     sin: torch.Tensor | None
     blocks: Sequence[Callable]  # each block as (x, ctx, layer) -> x
     ln_f: Callable[[torch.Tensor], torch.Tensor]
+    local_cos: torch.Tensor | None = None  # sliding-window layers' RoPE (--rope-local-theta), else cos itself
+    local_sin: torch.Tensor | None = None
 
 
 # --- the model ------------------------------------------------------------------------------------------
@@ -57,7 +60,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
-                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
                 ln_f=make_norm(config),
             )
         )
@@ -66,10 +69,12 @@ class GPT(nn.Module):
         elif config.pos_encoding == "sinusoidal":
             self.register_buffer("pos_table", sinusoidal_table(config.block_size, config.n_embd), persistent=False)
         else:
-            cos, sin = rope_tables(torch.arange(config.block_size), config.head_size, config.rope_theta, config)
-            # shaped to broadcast over (B, T, 2, nh, hs) as they are: no reshapes per call
-            self.register_buffer("rope_cos", cos[:, None, None, :], persistent=False)  # (block_size, 1, 1, hs)
-            self.register_buffer("rope_sin", sin[:, None, None, :], persistent=False)
+            self.register_rope("rope", config.rope_theta, config)
+            if config.rope_local_theta is not None:  # Gemma 3: local layers turn at a base of their own, unscaled
+                self.register_rope("rope_local", config.rope_local_theta)
+        # the sliding window when some layer has one (window_mask), else None
+        local = any(config.is_local(i) for i in range(config.n_layer))
+        self.window = config.sliding_window if local else None
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
@@ -83,6 +88,15 @@ class GPT(nn.Module):
                     nn.init.zeros_(p)
                 else:
                     nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def register_rope(self, name: str, theta: float, scaling: GPTConfig | None = None) -> None:
+        """RoPE's tables at every position as buffers name_cos, name_sin (block_size, 1, 1, rd), shaped to
+        broadcast over (B, T, 2, nh, hs) as they are: no reshapes per call. scaling: the config whose RoPE
+        scaling stretches them (rope_tables)."""
+        cfg = self.config
+        cos, sin = rope_tables(torch.arange(cfg.block_size), cfg.rotary_size, theta, scaling)
+        self.register_buffer(f"{name}_cos", cos[:, None, None, :], persistent=False)
+        self.register_buffer(f"{name}_sin", sin[:, None, None, :], persistent=False)
 
     @staticmethod
     def _init_weights(module):
@@ -131,6 +145,8 @@ class GPT(nn.Module):
         ops = ops or self.ops()
         B, T = idx.size()
         x = torch.embedding(ops.wte, idx)  # (B, T, C)
+        if self.config.embed_scale:  # Gemma: the embedding's rows at the residual stream's scale
+            x = x * math.sqrt(self.config.n_embd)
         ctx = Context(B, T, cache=cache, probs=probs)
         x = self.positions(x, ctx, ops)
         if self.training:
@@ -145,7 +161,10 @@ class GPT(nn.Module):
         kind, tr = self.config.pos_encoding, self.transformer
         pos_table = tr.wpe.weight if kind == "learned" else self.pos_table if kind == "sinusoidal" else None
         cos, sin = (self.rope_cos, self.rope_sin) if kind == "rope" else (None, None)
-        return ModelOps(tr.wte.weight, pos_table, cos, sin, tr.h, tr.ln_f)
+        local_cos, local_sin = cos, sin
+        if kind == "rope" and self.config.rope_local_theta is not None:
+            local_cos, local_sin = self.rope_local_cos, self.rope_local_sin
+        return ModelOps(tr.wte.weight, pos_table, cos, sin, tr.h, tr.ln_f, local_cos, local_sin)
 
     def positions(self, x: torch.Tensor, ctx: Context, ops: ModelOps) -> torch.Tensor:
         """The new tokens' positions: added to their embeddings x (B, T, C) (learned, sinusoidal), or RoPE's angles
@@ -162,8 +181,16 @@ class GPT(nn.Module):
         assert end <= self.config.block_size, f"{end} tokens exceed the context of {self.config.block_size}"
         if cache is not None and not (at is None and T == 1):  # one token per row at one position sees all held
             ctx.mask = causal_mask(torch.arange(start, end, device=x.device) if at is None else at, end)
-        if ops.cos is not None:  # (T, 1, 1, hs), (1, 1, hs) for one token, or (B, T, 1, 1, hs) a row each
+        if self.window is not None:  # sliding-window layers: the keys of the window, from what the cache holds
+            query = torch.arange(start, end, device=x.device) if at is None else at
+            keys = query if cache is None else cache.window_keys(T, x.device)
+            ctx.local_mask = None if keys is None else window_mask(query, keys, self.window)
+        if ops.cos is not None:  # (T, 1, 1, rd), (1, 1, rd) for one token, or (B, T, 1, 1, rd) a row each
             ctx.cos, ctx.sin = rows(ops.cos), rows(ops.sin)
+            if self.window is not None:
+                same = ops.local_cos is ops.cos  # one base for both kinds: the same tables
+                ctx.local_cos = ctx.cos if same else rows(ops.local_cos)
+                ctx.local_sin = ctx.sin if same else rows(ops.local_sin)
             return x
         return x + rows(ops.pos_table)
 
@@ -175,6 +202,8 @@ class GPT(nn.Module):
         self.to(dtype)
         if self.config.pos_encoding == "rope":
             self.rope_cos, self.rope_sin = self.rope_cos.float(), self.rope_sin.float()
+            if self.config.rope_local_theta is not None:
+                self.rope_local_cos, self.rope_local_sin = self.rope_local_cos.float(), self.rope_local_sin.float()
         return self
 
     def num_params(self, non_embedding: bool = True) -> int:
@@ -188,9 +217,11 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward = 3 x forward), PaLM-style: 6 per matmul weight
-        (the LM head included, embeddings lookups excluded) plus 12 * n_layer * nh * hs * T for attention scores
-        and their weighted sum (key/value heads shared by several query heads still meet each query head)."""
+        (the LM head included, embeddings lookups excluded) plus 12 * nh * hs * T per layer for attention scores
+        and their weighted sum, T being the keys a layer attends to: a sliding-window layer's window where it is
+        shorter (key/value heads shared by several query heads still meet each query head)."""
         cfg = self.config
         T = seq_len or cfg.block_size
         matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        return 6 * matmul + 12 * cfg.n_layer * cfg.n_head * cfg.head_size * T
+        keys = sum(cfg.keys_seen(i, T) for i in range(cfg.n_layer))
+        return 6 * matmul + 12 * cfg.n_head * cfg.head_size * keys

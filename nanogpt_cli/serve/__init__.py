@@ -5,7 +5,8 @@
                                      # on_ready gets a Started: the URL and the KV cache's bytes per token
 
 Modules: scheduler (the engine thread, continuous batching), api (routes and OpenAI shapes), protocol (request
-bodies and the error shape), chat (chat templates), page.html (the chat page). FastAPI and uvicorn come from
+bodies and the error shape), chat (chat templates), tools (tool calls in and out of the text), page.html (the chat
+page). Structured output's masks are inference/grammar.py's. FastAPI and uvicorn come from
 the `serve` extra and are imported only here.
 """
 
@@ -30,7 +31,7 @@ class Started:
     """What a server says once it listens."""
 
     url: str
-    cache_bytes_per_token: int  # the engine's KV cache per token of a row (every layer's keys and values)
+    cache_bytes_per_token: float  # the engine's KV cache per token of a row (every layer's keys and values)
 
 
 @dataclass

@@ -28,9 +28,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inference.engine import SamplingParams, prompt_logprobs
-from nanogpt_cli.serve.chat import ChatTemplate, message_text
+from nanogpt_cli.serve import tools as tool_calls
+from nanogpt_cli.serve.chat import ChatTemplate
 from nanogpt_cli.serve.metrics import Metrics
-from nanogpt_cli.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
+from nanogpt_cli.serve.protocol import APIError, ChatRequest, CompletionRequest, GrammarSpec, parse
 from nanogpt_cli.serve.scheduler import Done, Failed, Job, QueueFull, Scheduler
 
 log = logging.getLogger("nanogpt.serve")
@@ -312,6 +313,7 @@ class _Run:
         max_tokens: int,
         stop: list[str],
         adapter: int = 0,
+        constraint=None,
     ):
         self.state, self.queue = state, asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -324,7 +326,8 @@ class _Run:
                 seed = None if body.seed is None else body.seed + j  # choice j: its own seed, as a row alone
                 index = p * body.n + j
                 sink = functools.partial(self._deliver, index)
-                job = Job(ids, params, max_tokens, stop, sink, seed, body.ignore_eos, adapter, body.cache_prompt)
+                mask = None if constraint is None else constraint.copy()  # each choice follows its own
+                job = Job(ids, params, max_tokens, stop, sink, seed, body.ignore_eos, adapter, body.cache_prompt, mask)
                 self.jobs.append(job)
         self.open = set(range(len(self.jobs)))
 
@@ -365,6 +368,43 @@ class _Run:
             if isinstance(event, (Done, Failed)):
                 self.open.discard(index)
             yield index, event
+
+
+async def _constraint(state: ServerState, body, forced: str | None = None):
+    """The grammar a request's rows follow (a Constraint), from response_format, grammar, or `forced` (a Lark
+    grammar of a tool call); None when there is none. Compiled off the event loop: the first one compiles the
+    tokenizer's vocabulary (cached), and a large schema takes milliseconds."""
+    from nanogpt_cli.inference.grammar import Constraint, compile_grammar
+
+    fmt, grammar = body.response_format, body.grammar
+    if fmt is not None and fmt.type != "text" and grammar is not None:
+        raise APIError(400, "give response_format or grammar, not both", param="grammar")
+    if forced is not None and (grammar is not None or (fmt is not None and fmt.type != "text")):
+        raise APIError(400, "a forced tool call cannot also follow response_format or grammar", param="tool_choice")
+    if forced is not None:
+        kind, value, param = "lark", forced, "tools"
+    elif grammar is not None:
+        spec = grammar if isinstance(grammar, GrammarSpec) else GrammarSpec(type="gbnf", value=grammar)
+        kind, value, param = spec.type, spec.value, "grammar"
+    elif fmt is not None and fmt.type == "json_object":
+        kind, value, param = "json_schema", {"type": "object"}, "response_format"
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise APIError(400, "response_format json_schema needs its json_schema object", param="response_format")
+        schema = fmt.json_schema.schema_ if fmt.json_schema.schema_ is not None else {"type": "object"}
+        kind, value, param = "json_schema", schema, "response_format.json_schema.schema"
+    else:
+        return None
+    if body.ignore_eos:
+        raise APIError(400, "ignore_eos cannot be combined with a grammar: the grammar decides the end", param=param)
+
+    def build():
+        return Constraint(state.tokenizer, compile_grammar(kind, value, state.tokenizer))
+
+    try:
+        return await asyncio.to_thread(build)
+    except NanoGPTError as e:
+        raise APIError(400, f"invalid {param}: {e}", param=param, code="invalid_grammar") from None
 
 
 def _usage(prompts: list[list[int]], completion: int) -> dict[str, int]:
@@ -416,7 +456,8 @@ async def _completions(state: ServerState, request: Request, body: CompletionReq
             "choices": choices,
             "usage": _usage(prompts, 0),
         }
-    run = _Run(state, prompts, body, _params(body, body.logprobs), max_tokens, body.stops, adapter)
+    constraint = await _constraint(state, body)
+    run = _Run(state, prompts, body, _params(body, body.logprobs), max_tokens, body.stops, adapter, constraint)
     run.submit()
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_names[adapter]}
     if body.stream:
@@ -536,12 +577,18 @@ async def _chat(state: ServerState, request: Request, body: ChatRequest):
     adapter = _check_model(state, body.model)
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens")
+    tools = tool_calls.tool_dicts(body.tools)
     try:
-        messages = [{"role": m.role, "content": message_text(m.content)} for m in body.messages]
-        text = state.template.render(messages)
+        messages = tool_calls.template_messages(body.messages, state.template, tools)
+        text = state.template.render(messages, tools=tools if state.template.takes_tools else None)
     except NanoGPTError as e:
         raise APIError(400, str(e), param="messages") from None
     ids = _chat_tokens(state, text)
+    choice = body.tool_choice or ("auto" if tools else "none")
+    named = None if isinstance(choice, str) else choice.function.name
+    forced = tool_calls.call_grammar(tools, named) if choice == "required" or named else None
+    constraint = await _constraint(state, body, forced)
+    names = {t["function"]["name"] for t in tools} if choice != "none" else set()
     given, param = (
         (body.max_completion_tokens, "max_completion_tokens")
         if body.max_completion_tokens is not None
@@ -556,12 +603,14 @@ async def _chat(state: ServerState, request: Request, body: ChatRequest):
             for i in range(body.n)
         ]
         return {**head, "object": "chat.completion", "choices": choices, "usage": _usage([ids], 0)}
-    run = _Run(state, [ids], body, _params(body, logprobs), max_tokens, state.template.stop + body.stops, adapter)
+    stop = state.template.stop + body.stops
+    run = _Run(state, [ids], body, _params(body, logprobs), max_tokens, stop, adapter, constraint)
     run.submit()
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventSourceResponse(_chat_stream(run, {**head, "object": "chat.completion.chunk"}, ids, include_usage))
-    return await _chat_whole(run, request, {**head, "object": "chat.completion"}, ids)
+        chunks = _chat_stream(run, {**head, "object": "chat.completion.chunk"}, ids, include_usage, names)
+        return EventSourceResponse(chunks)
+    return await _chat_whole(run, request, {**head, "object": "chat.completion"}, ids, names)
 
 
 def _chat_tokens(state: ServerState, text: str) -> list[int]:
@@ -594,9 +643,11 @@ def _chat_logprobs(state: ServerState, steps) -> list[dict] | None:
     ]
 
 
-async def _chat_stream(run: _Run, head: dict, ids: list[int], include_usage: bool):
+async def _chat_stream(run: _Run, head: dict, ids: list[int], include_usage: bool, names: set[str]):
+    """Chunks of every choice; with tools, text that is a tool call arrives as tool_calls deltas instead."""
     completion, state = 0, run.state
     extra = {"usage": None} if include_usage else {}
+    parsers = [tool_calls.ToolCallText(names) if names else None for _ in run.jobs]
     try:
         for i in range(len(run.jobs)):  # the first chunk of each choice names the role
             delta = {"role": "assistant", "content": ""}
@@ -612,8 +663,18 @@ async def _chat_stream(run: _Run, head: dict, ids: list[int], include_usage: boo
             completion += event.completion_tokens if done else 0
             wants = run.jobs[i].params.logprobs is not None
             lp = {"content": _chat_logprobs(state, event.logprobs)} if wants else None
-            delta = {"content": event.text} if event.text or not done else {}
-            reason = event.finish_reason if done else None
+            text, reason = event.text, event.finish_reason if done else None
+            parser = parsers[i]
+            if parser is not None:
+                before = len(parser.calls)
+                text, calls = parser.feed(text)
+                text += parser.finish() if done else ""
+                for k, call in enumerate(calls, start=before):
+                    for delta in _call_deltas(k, call):
+                        yield _sse({**head, "choices": [_chunk(i, {"tool_calls": [delta]})], **extra})
+                if done and parser.calls and reason == "stop":
+                    reason = "tool_calls"
+            delta = {"content": text} if text or not done else {}
             choice = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason}
             yield _sse({**head, "choices": [choice], **extra})
         if include_usage:
@@ -623,7 +684,18 @@ async def _chat_stream(run: _Run, head: dict, ids: list[int], include_usage: boo
         run.cancel()
 
 
-async def _chat_whole(run: _Run, request: Request, head: dict, ids: list[int]):
+def _chunk(index: int, delta: dict) -> dict:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+
+
+def _call_deltas(index: int, call: dict) -> list[dict]:
+    """One tool call as OpenAI streams it: its id and name with empty arguments, then the arguments."""
+    name, arguments = call["function"]["name"], call["function"]["arguments"]
+    head = {"index": index, "id": call["id"], "type": "function", "function": {"name": name, "arguments": ""}}
+    return [head, {"index": index, "function": {"arguments": arguments}}]
+
+
+async def _chat_whole(run: _Run, request: Request, head: dict, ids: list[int], names: set[str]):
     n = len(run.jobs)
     texts, reasons, logs, completion = [""] * n, [None] * n, [[] for _ in range(n)], 0
     try:
@@ -637,13 +709,22 @@ async def _chat_whole(run: _Run, request: Request, head: dict, ids: list[int]):
     finally:
         run.cancel()
     with_logprobs = run.jobs[0].params.logprobs is not None
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": texts[i]},
-            "logprobs": {"content": _chat_logprobs(run.state, logs[i])} if with_logprobs else None,
-            "finish_reason": reasons[i],
-        }
-        for i in range(n)
-    ]
+    choices = []
+    for i in range(n):
+        message: dict[str, Any] = {"role": "assistant", "content": texts[i]}
+        if names:
+            parser = tool_calls.ToolCallText(names)
+            content, calls = parser.feed(texts[i])
+            content += parser.finish()
+            if calls:
+                message = {"role": "assistant", "content": content if content.strip() else None, "tool_calls": calls}
+                reasons[i] = "tool_calls" if reasons[i] == "stop" else reasons[i]
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": {"content": _chat_logprobs(run.state, logs[i])} if with_logprobs else None,
+                "finish_reason": reasons[i],
+            }
+        )
     return {**head, "choices": choices, "usage": _usage([ids], completion)}

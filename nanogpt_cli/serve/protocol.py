@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 
 class APIError(Exception):
@@ -46,6 +46,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(BaseModel):
+    """response_format's json_schema: OpenAI's {"name", "schema", "description", "strict"}."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = "response"
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")  # None: any JSON object
+    description: str | None = None
+    strict: bool | None = None  # the output always follows the schema, strict or not
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class GrammarSpec(BaseModel):
+    """Our `grammar` field in its object form: {"type": "gbnf" | "lark" | "regex", "value": "..."}."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["gbnf", "lark", "regex"]
+    value: str
+
+
 class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -64,6 +88,9 @@ class _Common(BaseModel):
     repetition_penalty: float = 1.0
     ignore_eos: bool = False  # go on past the end-of-text token
     cache_prompt: bool = True  # start from the longest stored prefix (llama.cpp's name); false: prefill it all
+    # structured output: OpenAI's response_format, or our grammar (a GBNF/Lark text, as llama.cpp's, or GrammarSpec)
+    response_format: ResponseFormat | None = None
+    grammar: str | GrammarSpec | None = None
     # OpenAI fields accepted at their neutral value only
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -122,6 +149,46 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls, given back
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatRequest(_Common):
@@ -130,6 +197,9 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted; a forced call is one call, auto may make several
 
     def check(self, max_n: int) -> None:
         super().check(max_n)
@@ -137,6 +207,18 @@ class ChatRequest(_Common):
             raise APIError(400, "messages must hold at least one message", param="messages")
         if self.top_logprobs is not None and not (self.logprobs and 0 <= self.top_logprobs <= 20):
             raise APIError(400, "top_logprobs takes 0 to 20 and needs logprobs: true", param="top_logprobs")
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise APIError(400, "tools must have distinct function names", param="tools")
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise APIError(
+                400,
+                f"tool_choice names the function '{self.tool_choice.function.name}', which is not in tools "
+                f"({', '.join(names) or 'none given'})",
+                param="tool_choice",
+            )
+        if self.tool_choice == "required" and not names:
+            raise APIError(400, "tool_choice 'required' needs at least one tool in tools", param="tool_choice")
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:

@@ -6,8 +6,8 @@
 
 Each loop: take cancellations (their rows leave at once), admit waiting jobs into free rows (each after its own
 prefill), pick one token for every row and turn it into text (TextStream: whole characters, stop texts, end of
-text), then run the batch one token on (Engine.pick, Engine.advance). A failure inside the engine fails only
-the rows it concerns.
+text; a job's constraint masks its row's tokens and its end ends the row), then run the batch one token on
+(Engine.pick, Engine.advance). A failure inside the engine fails only the rows it concerns.
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class Job:
     ignore_eos: bool = False
     adapter: int = 0  # the engine's adapter (0: the base model)
     cache_prompt: bool = True  # start from the prefix cache and leave its tokens there
+    constraint: Any = None  # a LogitsMask (inference/grammar.py's Constraint): the grammar its tokens follow
     row: int | None = None  # the engine's row id while it runs
     submitted: float = 0.0  # time.monotonic() when queued
     last_token: float | None = None  # time.monotonic() of its last token (metrics)
@@ -225,6 +226,7 @@ class Scheduler:
             stop_ids=jobs[0].eot,
             adapters=[j.adapter for j in jobs],
             cache_prompt=[j.cache_prompt for j in jobs],
+            masks=[j.constraint for j in jobs],
         )
         for job, row in zip(jobs, rows):
             job.row = row
@@ -275,6 +277,9 @@ class Scheduler:
         if self.metrics is not None:
             self.metrics.token(job)
         piece = job.text.feed(t.token)
+        if t.finish == "stop" and not job.text.done:  # its grammar is complete: the row has ended
+            job.text.reason = "stop"
+            piece += job.text.finish()
         job.pending.append(t.token)
         if job.params.logprobs is not None:
             job.pending_logprobs.append(t)
