@@ -27,6 +27,7 @@ import numpy as np
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop import hf
+from nanogpt_cli.interop.families import FAMILIES
 from nanogpt_cli.model import GPT, rope_inv_freq
 
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # --quant: what gguf's writer can produce
@@ -43,6 +44,11 @@ def gguf_arch(c: GPTConfig) -> str:
         kind = hf.hf_kind(c)
     except NanoGPTError as e:
         raise NanoGPTError(f"GGUF export needs a model llama.cpp computes exactly: {e}") from None
+    if kind not in ("gpt2", "llama", "gpt_neox"):
+        raise NanoGPTError(
+            f"GGUF export writes llama, gpt2 and starcoder2 models; a {hf.ARCHS[kind][3]}-shaped model (llama.cpp's "
+            f"{FAMILIES[kind].gguf_arch}) does not convert"
+        )
     if kind in ("gpt2", "gpt_neox") and c.mlp != "gelu_tanh":
         raise NanoGPTError(
             "llama.cpp computes GELU with the tanh approximation: GGUF export of a model with "
