@@ -77,13 +77,13 @@ FAMILIES = {  # name -> (transformers config class, its arguments, tokenizer bui
         "Gemma3TextConfig",
         dict(
             SMALL,
-            num_hidden_layers=3,
+            num_hidden_layers=6,
             num_attention_heads=4,
             num_key_value_heads=1,
             head_dim=16,
             query_pre_attn_scalar=16,
             sliding_window=6,
-            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],  # llama.cpp's gemma3 pattern
             rope_parameters={
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
@@ -166,3 +166,159 @@ def test_an_unsupported_config_value_is_one_sentence_naming_it(name, change, mes
     with pytest.raises(NanoGPTError, match=message) as e:
         load_model(tmp_path)
     assert "\n" not in str(e.value)
+
+
+# --- GGUF files as llama.cpp's converter writes them ----------------------------------------------------------
+
+GGUF_ARCHS = {"llama2": "llama", "llama3.2": "llama", "smollm2": "llama", "qwen2.5": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHS["gemma3"] = "gemma3"
+
+
+def permute(w, n_head: int, n_kv: int):
+    """convert_hf_to_gguf.py's LlamaModel.permute: q and k rows in llama.cpp's interleaved-pair order."""
+    n = n_kv if n_kv != n_head else n_head
+    return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def converter_tensors(ref, arch: str) -> dict:
+    """The model's tensors under llama.cpp's names, transformed as its converter does."""
+    c = ref.config
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm"}
+    names |= {f"self_attn.{p}_proj": f"attn_{p}" for p in "qkv"} | {"self_attn.o_proj": "attn_output"}
+    names |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    names |= {f"mlp.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")}
+    if arch == "gemma3":
+        names |= {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm"}
+        names |= {"post_feedforward_layernorm": "post_ffw_norm"}
+    else:
+        names["post_attention_layernorm"] = "ffn_norm"
+    out = {}
+    for key, tensor in ref.state_dict().items():
+        t = tensor.float().numpy()
+        if key == "lm_head.weight":
+            if not c.tie_word_embeddings:
+                out["output.weight"] = t
+            continue
+        parts = key.removeprefix("model.").split(".")
+        layer = f"blk.{parts[1]}." if parts[0] == "layers" else ""
+        module = ".".join(parts[2:-1] if layer else parts[:-1])
+        name = f"{layer}{names[module]}.{parts[-1]}"
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            kv = c.num_attention_heads if module.endswith("q_proj") else c.num_key_value_heads
+            t = permute(t, c.num_attention_heads, kv)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1.0  # Gemma3Model.norm_shift
+        out[name] = t
+    return out
+
+
+def write_converter_gguf(ref, folder: Path, arch: str, path: Path) -> None:
+    """A GGUF file as llama.cpp's converter writes this model and the tokenizer in `folder`."""
+    import numpy as np
+
+    gguf = pytest.importorskip("gguf")
+    c = ref.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch == "gemma3":
+        w.add_sliding_window(c.sliding_window)
+    tensors = converter_tensors(ref, arch)
+    if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors: rope_freqs
+        tensors["rope_freqs.weight"] = llama3_factors(rope, head_dim)
+    add_vocabulary(w, folder, gguf)
+    for name, t in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def llama3_factors(rope: dict, head_dim: int):
+    """convert_hf_to_gguf.py's Llama 3 rope_freqs: 1 for short wavelengths, factor for long, smooth between."""
+    import math
+
+    import numpy as np
+
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def add_vocabulary(w, folder: Path, gguf) -> None:
+    """tokenizer.ggml.*: a byte-level BPE as model gpt2 (merges, pre-tokenizer), a SentencePiece-style one as
+    model llama (scores, byte tokens), special tokens as control tokens, BOS/EOS and the chat template."""
+    spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in spec["added_tokens"] if t["special"]}
+    T = gguf.TokenType
+    if spec["model"].get("byte_fallback"):
+        w.add_tokenizer_model("llama")
+        w.add_token_scores([0.0 if t in special else -float(vocab[t]) for t in tokens])
+        w.add_add_space_prefix(True)
+        types = [T.CONTROL if t in special else T.BYTE if t.startswith("<0x") else T.NORMAL for t in tokens]
+        types[vocab["<unk>"]] = T.UNKNOWN
+        w.add_unk_token_id(vocab["<unk>"])
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        merges = spec["model"]["merges"]
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+        types = [T.CONTROL if t in special else T.NORMAL for t in tokens]
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if settings.get("bos_token"):
+        w.add_bos_token_id(vocab[settings["bos_token"]])
+    w.add_eos_token_id(vocab[settings["eos_token"]])
+    w.add_add_bos_token(bool(settings.get("bos_token")))
+    template = settings.get("chat_template") or (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    w.add_chat_template(template)
+
+
+@pytest.mark.parametrize("name", list(GGUF_ARCHS))
+def test_a_llama_cpp_gguf_loads_with_the_models_logits_and_its_tokenizer(name, tmp_path):
+    from nanogpt_cli.interop.loading import tokenizer_of
+
+    ref = random_model(name, tmp_path / "hf")
+    path = tmp_path / "model.gguf"
+    write_converter_gguf(ref, tmp_path / "hf", GGUF_ARCHS[name], path)
+    ours, meta = load_model(path)
+    assert meta["hf_family"] == ref.config.model_type
+    idx = torch.randint(0, V, (2, 20))
+    with torch.no_grad():
+        diff = (ours.eval()(idx)[0] - ref(idx).logits).abs().max().item()
+    assert diff <= 1e-5, f"{name}: {diff}"
+    # the file itself: AutoTokenizer would pick the family's own tokenizer class, which may rewrite its settings
+    theirs = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "hf" / "tokenizer.json"),
+        **json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text(encoding="utf-8")),
+    )
+    tok = tokenizer_of(meta, path)
+    for text in ("Hello world, the king and queen.", "café naïve 🙂 12345", "  runs   of spaces\n\nnew"):
+        assert tok.encode(text) == theirs.encode(text, add_special_tokens=False), f"{name}: {text!r}"
+    assert meta["chat_template"] and tok.eot_id == theirs.convert_tokens_to_ids(theirs.eos_token)

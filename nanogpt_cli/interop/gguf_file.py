@@ -455,11 +455,20 @@ def _meta(reader, path) -> dict[str, Any]:
 
 
 def read_gguf(path: str | Path) -> tuple[GPT, dict[str, Any]]:
-    """Our model (float32) and metadata from a GGUF file `write_gguf` wrote; quantized tensors are dequantized."""
+    """Our model (float32) and metadata from a GGUF file `write_gguf` wrote, or one llama.cpp's converter wrote
+    (gguf_in.py); quantized tensors are dequantized."""
     import torch
 
     gguf = hf.require("gguf")
-    meta, reader = _open(path)
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise NanoGPTError(f"{path} is not a readable GGUF file ({e})") from None
+    if CONFIG_KEY not in reader.fields:  # llama.cpp's converter wrote it
+        from nanogpt_cli.interop.gguf_in import read_llama_cpp_gguf
+
+        return read_llama_cpp_gguf(reader, path)
+    meta = _meta(reader, path)
     try:
         config = GPTConfig.from_dict(meta["config"])
     except (TypeError, ValueError) as e:
