@@ -212,8 +212,9 @@ def converter_tensors(ref, arch: str) -> dict:
     return out
 
 
-def write_converter_gguf(ref, folder: Path, arch: str, path: Path) -> None:
-    """A GGUF file as llama.cpp's converter writes this model and the tokenizer in `folder`."""
+def write_converter_gguf(ref, folder: Path, arch: str, path: Path, quant: str = "f32") -> None:
+    """A GGUF file as llama.cpp's converter writes this model and the tokenizer in `folder`; quant: the type of the
+    matrices whose rows are whole blocks (gguf's own quantizer), as the converter's --outtype does."""
     import numpy as np
 
     gguf = pytest.importorskip("gguf")
@@ -238,8 +239,13 @@ def write_converter_gguf(ref, folder: Path, arch: str, path: Path) -> None:
     if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors: rope_freqs
         tensors["rope_freqs.weight"] = llama3_factors(rope, head_dim)
     add_vocabulary(w, folder, gguf)
+    qtype = getattr(gguf.GGMLQuantizationType, quant.upper())
     for name, t in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(t, dtype=np.float32))
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        if quant != "f32" and t.ndim == 2 and t.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -322,3 +328,36 @@ def test_a_llama_cpp_gguf_loads_with_the_models_logits_and_its_tokenizer(name, t
     for text in ("Hello world, the king and queen.", "café naïve 🙂 12345", "  runs   of spaces\n\nnew"):
         assert tok.encode(text) == theirs.encode(text, add_special_tokens=False), f"{name}: {text!r}"
     assert meta["chat_template"] and tok.eot_id == theirs.convert_tokens_to_ids(theirs.eos_token)
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q5_1"])  # gguf's Python quantizers have no K-quants
+def test_a_quantized_llama_cpp_gguf_loads_as_the_gguf_package_dequantizes_it(quant, tmp_path):
+    """Quantized matrices come in as gguf's own dequantization: the logits of transformers' model given those
+    same dequantized weights."""
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    gguf = pytest.importorskip("gguf")
+    ref = random_model("qwen2.5", tmp_path / "hf")
+    path = tmp_path / f"model-{quant}.gguf"
+    qtype = getattr(gguf.GGMLQuantizationType, quant.upper())
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    write_converter_gguf(ref, tmp_path / "hf", "qwen2", path, quant)
+    with torch.no_grad():  # transformers' model with the weights as gguf dequantizes them
+        for p in ref.parameters():
+            if p.dim() == 2 and p.shape[1] % block == 0:
+                q = gguf.quants.quantize(p.numpy().astype(np.float32), qtype)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, qtype).reshape(p.shape)))
+    ours, _ = load_model(path)
+    idx = torch.randint(0, V, (2, 20))
+    with torch.no_grad():
+        assert (ours.eval()(idx)[0] - ref(idx).logits).abs().max().item() <= 1e-5
+    result = CliRunner().invoke(app, ["info", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "llama.cpp's layout" in result.output and quant.upper() in result.output
+    result = CliRunner().invoke(
+        app, ["sample", "--checkpoint", str(path), "--prompt", "Hello", "--temperature", "0", "--max-new-tokens", "5"]
+    )
+    assert result.exit_code == 0, result.output

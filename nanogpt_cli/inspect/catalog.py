@@ -252,7 +252,12 @@ def inspect_path(path: str | Path) -> Info:
         from nanogpt_cli.interop.gguf_file import read_gguf_meta
 
         meta = read_gguf_meta(path)
-        info = Info(path=str(path), kind=f"gguf ({meta['architecture']})")
+        kind = f"gguf ({meta['architecture']})"
+        if meta.get("writer") == "llama.cpp":  # tensor types by count, the most common first: its quantization
+            types = sorted(meta["tensor_types"].items(), key=lambda kv: -kv[1])
+            counts = ", ".join(f"{n} {t}" for t, n in types)
+            kind = f"gguf ({meta['architecture']}, llama.cpp's layout; tensors {counts})"
+        info = Info(path=str(path), kind=kind)
         _fill_model(info, meta.get("config"), meta.get("tokenizer"))
         info.files = [FileInfo(path.name, path.stat().st_size, True, "GGUF")]
         return info

@@ -419,17 +419,18 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def read_gguf_meta(path: str | Path) -> dict[str, Any]:
-    """Our config and tokenizer description from a GGUF file nanogpt wrote, plus its architecture and type."""
-    return _open(path)[0]
-
-
-def _open(path: str | Path):
+    """Our config and tokenizer description from a GGUF file nanogpt wrote (or llama.cpp's converter: gguf_in.py),
+    plus its architecture and type."""
     gguf = hf.require("gguf")
     try:
         reader = gguf.GGUFReader(str(path))
     except (ValueError, OSError) as e:
         raise NanoGPTError(f"{path} is not a readable GGUF file ({e})") from None
-    return _meta(reader, path), reader
+    if CONFIG_KEY not in reader.fields:
+        from nanogpt_cli.interop.gguf_in import read_llama_cpp_meta
+
+        return read_llama_cpp_meta(reader, path)
+    return _meta(reader, path)
 
 
 def _meta(reader, path) -> dict[str, Any]:

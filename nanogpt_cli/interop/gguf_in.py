@@ -47,15 +47,9 @@ def read_llama_cpp_gguf(reader, path: str | Path) -> tuple[GPT, dict[str, Any]]:
     """Our model (float32) and metadata from a GGUF file in llama.cpp's converter layout."""
     import torch
 
-    from nanogpt_cli.hf_tokenizer import TOKENIZER_TEXT
-
-    arch = field(reader, "general.architecture")
-    if arch not in ARCHS:
-        raise NanoGPTError(
-            f"{path} holds a {arch!r} model; nanogpt reads llama.cpp's {', '.join(ARCHS)} GGUF files and its own"
-        )
+    arch = _arch(reader, path)
     tensors = _tensors(reader)
-    config = _config(reader, arch, tensors, path)
+    config = _config(reader, arch, {k: v.shape for k, v in tensors.items()}, path)
     model = GPT(config)
     sd = model.state_dict()
     ours = _weights(arch, config, tensors, sd.keys())
@@ -70,6 +64,33 @@ def read_llama_cpp_gguf(reader, path: str | Path) -> tuple[GPT, dict[str, Any]]:
             if tuple(target.shape) != value.shape:
                 raise NanoGPTError(f"{path}: {name} is {value.shape}, its metadata says {tuple(target.shape)}")
             target.copy_(torch.from_numpy(np.ascontiguousarray(value)))
+    return model.eval(), _meta(reader, arch, config, path)
+
+
+def read_llama_cpp_meta(reader, path: str | Path) -> dict[str, Any]:
+    """read_llama_cpp_gguf's metadata without reading the weights (for `info`): config, tokenizer, architecture,
+    file type, and the tensor types with how many of each ("tensor_types")."""
+    arch = _arch(reader, path)
+    shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
+    meta = _meta(reader, arch, _config(reader, arch, shapes, path), path)
+    counts: dict[str, int] = {}
+    for t in reader.tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
+    return {**meta, "tensor_types": counts}
+
+
+def _arch(reader, path) -> str:
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHS:
+        raise NanoGPTError(
+            f"{path} holds a {arch!r} model; nanogpt reads llama.cpp's {', '.join(ARCHS)} GGUF files and its own"
+        )
+    return arch
+
+
+def _meta(reader, arch: str, config: GPTConfig, path) -> dict[str, Any]:
+    from nanogpt_cli.hf_tokenizer import TOKENIZER_TEXT
+
     tok = gguf_tokenizer(reader, path)
     meta: dict[str, Any] = {
         "config": config.to_dict(),
@@ -79,11 +100,12 @@ def read_llama_cpp_gguf(reader, path: str | Path) -> tuple[GPT, dict[str, Any]]:
         "file_type": int(field(reader, "general.file_type", 0)),
         "source": str(path),
         "format": "gguf",
+        "writer": "llama.cpp",
         "hf_family": ARCHS[arch],
     }
     if tok.chat_template:
         meta["chat_template"] = tok.chat_template
-    return model.eval(), meta
+    return meta
 
 
 def _tensors(reader) -> dict[str, np.ndarray]:
@@ -98,8 +120,8 @@ def _tensors(reader) -> dict[str, np.ndarray]:
     }
 
 
-def _config(reader, arch: str, tensors: dict[str, np.ndarray], path) -> GPTConfig:
-    """Our config from the `ARCH.*` keys; a value we have no counterpart for is one sentence naming it."""
+def _config(reader, arch: str, tensors: dict[str, tuple[int, ...]], path) -> GPTConfig:
+    """Our config from the `ARCH.*` keys and the tensors' shapes; a value without a counterpart is one sentence."""
 
     def key(name: str, default: Any = None) -> Any:
         return field(reader, f"{arch}.{name}", default)
@@ -118,7 +140,7 @@ def _config(reader, arch: str, tensors: dict[str, np.ndarray], path) -> GPTConfi
         raise NanoGPTError(f"{path}: biases on attn_output or the MLP have no counterpart for {arch} here")
     gemma = arch == "gemma3"
     fields: dict[str, Any] = dict(
-        vocab_size=tensors["token_embd.weight"].shape[0],
+        vocab_size=tensors["token_embd.weight"][0],
         block_size=int(key("context_length")),
         n_layer=int(key("block_count")),
         n_head=n_head,
@@ -156,7 +178,7 @@ def _config(reader, arch: str, tensors: dict[str, np.ndarray], path) -> GPTConfi
         raise NanoGPTError(f"{path}: {e}") from None
 
 
-def _rope_scaling(reader, arch: str, tensors: dict[str, np.ndarray], head_dim: int, path) -> dict[str, Any]:
+def _rope_scaling(reader, arch: str, tensors: dict[str, tuple[int, ...]], head_dim: int, path) -> dict[str, Any]:
     """Our rope_* fields: linear and YaRN from `rope.scaling.*`, Llama 3's from the rope_freqs tensor (its factors
     must be what the standard Llama 3 settings give, which is what the converter writes)."""
     kind = field(reader, f"{arch}.rope.scaling.type", "none")
@@ -168,8 +190,15 @@ def _rope_scaling(reader, arch: str, tensors: dict[str, np.ndarray], head_dim: i
     elif kind != "none":
         raise NanoGPTError(f"{path}: {arch}.rope.scaling.type = {kind!r} has no counterpart here")
     if "rope_freqs.weight" in tensors:
-        out = _llama3_scaling(tensors["rope_freqs.weight"], reader, arch, head_dim, path)
+        out = _llama3_scaling(_rope_freqs(reader), reader, arch, head_dim, path)
     return out
+
+
+def _rope_freqs(reader) -> np.ndarray:
+    import gguf
+
+    t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
+    return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
 
 
 def _llama3_scaling(factors: np.ndarray, reader, arch: str, head_dim: int, path) -> dict[str, Any]:
