@@ -361,3 +361,26 @@ def test_a_quantized_llama_cpp_gguf_loads_as_the_gguf_package_dequantizes_it(qua
         app, ["sample", "--checkpoint", str(path), "--prompt", "Hello", "--temperature", "0", "--max-new-tokens", "5"]
     )
     assert result.exit_code == 0, result.output
+
+
+def test_train_init_from_a_llama_cpp_gguf(tmp_path):
+    """--init-from a converter-written GGUF on data prepared with its tokenizer (through its Hugging Face export:
+    the same tokenizer.json, byte for byte); the LoRA fine-tune's base is the file."""
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    ref = random_model("smollm2", tmp_path / "hf")
+    path = tmp_path / "model.gguf"
+    write_converter_gguf(ref, tmp_path / "hf", "llama", path)
+    runner = CliRunner()
+    r = runner.invoke(app, ["export", str(path), "--format", "hf", "--out", str(tmp_path / "back")])
+    assert r.exit_code == 0, r.output
+    text = tmp_path / "text.txt"
+    text.write_text("Hello world, the king and queen. " * 200, encoding="utf-8")
+    data = tmp_path / "data"
+    args = ["prepare", str(text), "--name", "t", "--tokenizer", str(tmp_path / "back"), "--data-dir", str(data)]
+    assert (r := runner.invoke(app, args)).exit_code == 0, r.output
+    args = ["train", "--data", "t", "--data-dir", str(data), "--init-from", str(path), "--out", str(tmp_path / "run")]
+    args += ["--max-iters", "1", "--batch-size", "2", "--eval-iters", "1", "--device", "cpu"]
+    assert (r := runner.invoke(app, args)).exit_code == 0, r.output

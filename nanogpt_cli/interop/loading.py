@@ -51,6 +51,13 @@ def load_model(path: str | Path, last: bool = False, device: str | torch.device 
     return model.to(device), meta
 
 
+def is_converted(source: str | Path) -> bool:
+    """hf:NAME, a Hugging Face folder or a GGUF file: a model that load_model converts (not one of our runs)."""
+    from nanogpt_cli.interop import gguf_file
+
+    return hf.is_hf_source(source) or gguf_file.is_gguf(source)
+
+
 def tokenizer_of(meta: dict[str, Any], source: str | Path = "") -> Tokenizer:
     """The tokenizer `load_model`'s metadata describes; a Hugging Face tokenizer from the tokenizer.json that came
     with it (beside the weights, in the model's folder, or inside a GGUF file)."""

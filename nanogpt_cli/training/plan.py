@@ -27,8 +27,7 @@ from nanogpt_cli.config import (
 from nanogpt_cli.data import load_meta
 from nanogpt_cli.device import resolve_device
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.interop import hf
-from nanogpt_cli.interop.loading import load_model
+from nanogpt_cli.interop.loading import is_converted, load_model
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import read_metadata
 from nanogpt_cli.runs.rundir import RunDir, resolve_weights
@@ -209,7 +208,7 @@ def _plan_init(
 ) -> tuple[dict[str, Any], dict[str, Any], str]:
     """--init-from, checked against the dataset's tokenizer: the model values (the checkpoint's, with only
     dropout from the flags), where the weights come from (init_weights or init_model) and a note saying so."""
-    if hf.is_hf_source(init_from):
+    if is_converted(init_from):  # a Hugging Face model or a GGUF file
         init_model, weights_meta = load_model(init_from)
         init, source = {"init_model": init_model}, init_from
     else:
