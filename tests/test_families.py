@@ -384,3 +384,23 @@ def test_train_init_from_a_llama_cpp_gguf(tmp_path):
     args = ["train", "--data", "t", "--data-dir", str(data), "--init-from", str(path), "--out", str(tmp_path / "run")]
     args += ["--max-iters", "1", "--batch-size", "2", "--eval-iters", "1", "--device", "cpu"]
     assert (r := runner.invoke(app, args)).exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen3"])
+def test_gguf_export_writes_llama_cpps_architecture_and_converter_layout(name, tmp_path):
+    """Our GGUF export of an imported model holds the tensors llama.cpp's converter writes for it, bit for bit."""
+    gguf = pytest.importorskip("gguf")
+    ref = random_model(name, tmp_path / "hf")
+    export(tmp_path / "hf", "gguf", tmp_path / "ours.gguf")
+    arch = GGUF_ARCHS[name]
+    reader = gguf.GGUFReader(str(tmp_path / "ours.gguf"))
+    assert reader.fields["general.architecture"].contents() == arch
+    ours = {t.name: t.data.reshape([int(n) for n in reversed(t.shape)]) for t in reader.tensors}
+    theirs = converter_tensors(ref, arch)
+    assert set(theirs) <= set(ours)  # ours also writes a tied head as output.weight
+    for key, tensor in theirs.items():
+        assert (ours[key] == tensor).all(), f"{name}: {key}"
+    back, _ = load_model(tmp_path / "ours.gguf")  # and it reads back (as our own export)
+    idx = torch.randint(0, V, (2, 20))
+    with torch.no_grad():
+        assert (back.eval()(idx)[0] - ref(idx).logits).abs().max().item() <= 1e-5
