@@ -404,3 +404,27 @@ def test_gguf_export_writes_llama_cpps_architecture_and_converter_layout(name, t
     idx = torch.randint(0, V, (2, 20))
     with torch.no_grad():
         assert (back.eval()(idx)[0] - ref(idx).logits).abs().max().item() <= 1e-5
+
+
+def test_a_run_started_from_a_family_exports_back_to_it(tmp_path):
+    """train --init-from a Qwen2.5 folder, resumed once: the run's export is Qwen2ForCausalLM again (a Llama with
+    attention_bias would compute the same, but is not the model the user started from)."""
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    random_model("qwen2.5", tmp_path / "hf")
+    runner = CliRunner()
+    text = tmp_path / "text.txt"
+    text.write_text("Hello world, the king and queen. " * 200, encoding="utf-8")
+    data, run = tmp_path / "data", tmp_path / "run"
+    args = ["prepare", str(text), "--name", "t", "--tokenizer", str(tmp_path / "hf"), "--data-dir", str(data)]
+    assert (r := runner.invoke(app, args)).exit_code == 0, r.output
+    args = ["train", "--data", "t", "--data-dir", str(data), "--out", str(run), "--batch-size", "2"]
+    args += ["--eval-iters", "1", "--device", "cpu"]
+    r = runner.invoke(app, [*args, "--init-from", str(tmp_path / "hf"), "--max-iters", "1"])
+    assert r.exit_code == 0, r.output
+    assert (r := runner.invoke(app, [*args, "--resume", "--max-iters", "2"])).exit_code == 0, r.output
+    args = ["export", str(run), "--last", "--format", "hf", "--out", str(tmp_path / "e")]  # the resumed step's
+    assert (r := runner.invoke(app, args)).exit_code == 0, r.output
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "e")).__name__ == "Qwen2ForCausalLM"

@@ -54,6 +54,7 @@ class RunPlan:
     # the weights files' metadata (a LoRA run: its adapter config and its base)
     finetune: dict[str, Any] | None = None
     changes: list[Change] = field(default_factory=list)  # training values a resume changes, from its step on
+    hf_family: str | None = None  # --init-from a Hugging Face model or GGUF file: its family, which exports write back
 
     @property
     def complete(self) -> bool:
@@ -242,6 +243,8 @@ def _plan_init(
         [f"val loss {val:.4f}"] if isinstance(val, (int, float)) else []
     )
     note = f"--init-from: starting from {source}" + (f" ({', '.join(known)})" if known else "")
+    if weights_meta.get("hf_family"):  # an export of the run writes that family back
+        init["hf_family"] = weights_meta["hf_family"]
     return {**weights_meta["config"], **{k: v for k, v in model_values.items() if k == "dropout"}}, init, note
 
 
@@ -290,6 +293,7 @@ def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any], wor
         notes=notes,
         time_spent=state.max_time_spent,
         changes=changes,
+        hf_family=saved.get("hf_family"),
     )
 
 
