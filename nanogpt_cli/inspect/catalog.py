@@ -248,10 +248,10 @@ def inspect_path(path: str | Path) -> Info:
         return _inspect_run(path)
     if not path.exists():
         raise NanoGPTError(f"{path} does not exist; give a run folder or a .safetensors file")
-    if path.suffix.lower() == ".gguf":  # a GGUF file nanogpt exported: its metadata holds our config and tokenizer
-        from nanogpt_cli.interop.gguf_file import read_gguf_meta
+    if path.suffix.lower() == ".gguf":  # a GGUF file: ours holds our config and tokenizer, llama.cpp's is converted
+        from nanogpt_cli.interop.gguf_in import read_any_gguf_meta
 
-        meta = read_gguf_meta(path)
+        meta = read_any_gguf_meta(path)
         kind = f"gguf ({meta['architecture']})"
         if meta.get("writer") == "llama.cpp":  # tensor types by count, the most common first: its quantization
             types = sorted(meta["tensor_types"].items(), key=lambda kv: -kv[1])

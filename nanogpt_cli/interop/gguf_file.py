@@ -8,7 +8,7 @@ Architectures (`gguf_arch`): llama (RoPE, RMSNorm, SwiGLU, no biases), qwen3 (th
 (learned or sinusoidal positions, LayerNorm, tanh GELU) and starcoder2 (RoPE on the whole head, LayerNorm, tanh
 GELU: our default config). llama.cpp computes GELU with the tanh approximation only, so a model trained with the
 exact GELU (--mlp gelu) is refused rather than run slightly differently. Files llama.cpp's converter wrote are
-read by gguf_in.py.
+read by gguf_in.py, which hands ours to this module.
 
 Tokenizers: gpt2, byte, char (characters of one UTF-8 byte) and trained BPEs (gpt2, gpt4 and gpt4o patterns), all
 as llama.cpp's byte-level BPE ("gpt2" model): tokens spelled in GPT-2's byte alphabet in id order, merges derived
@@ -427,17 +427,13 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def read_gguf_meta(path: str | Path) -> dict[str, Any]:
-    """Our config and tokenizer description from a GGUF file nanogpt wrote (or llama.cpp's converter: gguf_in.py),
-    plus its architecture and type."""
+    """Our config and tokenizer description from a GGUF file nanogpt wrote, plus its architecture and type (any
+    GGUF file: gguf_in.read_any_gguf_meta)."""
     gguf = hf.require("gguf")
     try:
         reader = gguf.GGUFReader(str(path))
     except (ValueError, OSError) as e:
         raise NanoGPTError(f"{path} is not a readable GGUF file ({e})") from None
-    if CONFIG_KEY not in reader.fields:
-        from nanogpt_cli.interop.gguf_in import read_llama_cpp_meta
-
-        return read_llama_cpp_meta(reader, path)
     return _meta(reader, path)
 
 
@@ -464,8 +460,8 @@ def _meta(reader, path) -> dict[str, Any]:
 
 
 def read_gguf(path: str | Path) -> tuple[GPT, dict[str, Any]]:
-    """Our model (float32) and metadata from a GGUF file `write_gguf` wrote, or one llama.cpp's converter wrote
-    (gguf_in.py); quantized tensors are dequantized."""
+    """Our model (float32) and metadata from a GGUF file `write_gguf` wrote; quantized tensors are dequantized
+    (any GGUF file: gguf_in.read_any_gguf)."""
     import torch
 
     gguf = hf.require("gguf")
@@ -473,10 +469,6 @@ def read_gguf(path: str | Path) -> tuple[GPT, dict[str, Any]]:
         reader = gguf.GGUFReader(str(path))
     except (ValueError, OSError) as e:
         raise NanoGPTError(f"{path} is not a readable GGUF file ({e})") from None
-    if CONFIG_KEY not in reader.fields:  # llama.cpp's converter wrote it
-        from nanogpt_cli.interop.gguf_in import read_llama_cpp_gguf
-
-        return read_llama_cpp_gguf(reader, path)
     meta = _meta(reader, path)
     try:
         config = GPTConfig.from_dict(meta["config"])

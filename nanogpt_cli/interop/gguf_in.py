@@ -2,7 +2,7 @@
 weights from `blk.N.*` tensors (dequantized through the gguf package; llama-arch q/k rows put back in the order
 transformers and we rotate), and the tokenizer rebuilt as a tokenizer.json from `tokenizer.ggml.*`.
 
-    model, meta = read_llama_cpp_gguf(reader, path)   # gguf_file.read_gguf calls it for a file nanogpt did not write
+    model, meta = read_any_gguf("model.gguf")   # ours (gguf_file.read_gguf) or llama.cpp's converter's
 
 Architectures: llama (Llama, SmolLM2, TinyLlama, Mistral), qwen2, qwen3, gemma3. Tokenizers: byte-level BPE
 (tokenizer.ggml.model gpt2, with merges and a pre-tokenizer llama.cpp names) and SentencePiece-style BPE with byte
@@ -36,6 +36,35 @@ BLOCK = {  # ours <- llama.cpp's, per block (a tuple: concatenated along dim 0)
     "post_ln_2.weight": "post_ffw_norm.weight",
 }
 GEMMA3_PATTERN, GEMMA3_LOCAL_THETA = "LLLLLG", 10000.0  # what llama.cpp assumes for gemma3 when the file is silent
+
+
+def _reader(path: str | Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise NanoGPTError(f"{path} is not a readable GGUF file ({e})") from None
+
+
+def read_any_gguf(path: str | Path) -> tuple[GPT, dict[str, Any]]:
+    """Our model and metadata from a GGUF file nanogpt wrote (gguf_file.py) or llama.cpp's converter wrote."""
+    from nanogpt_cli.interop import gguf_file
+
+    reader = _reader(path)
+    if gguf_file.CONFIG_KEY in reader.fields:
+        return gguf_file.read_gguf(path)
+    return read_llama_cpp_gguf(reader, path)
+
+
+def read_any_gguf_meta(path: str | Path) -> dict[str, Any]:
+    """read_any_gguf's metadata without the weights (for `info`)."""
+    from nanogpt_cli.interop import gguf_file
+
+    reader = _reader(path)
+    if gguf_file.CONFIG_KEY in reader.fields:
+        return gguf_file.read_gguf_meta(path)
+    return read_llama_cpp_meta(reader, path)
 
 
 def field(reader, key: str, default: Any = None) -> Any:

@@ -32,10 +32,10 @@ def load_model(path: str | Path, last: bool = False, device: str | torch.device 
     if hf.is_hf_source(path):
         model, meta = hf.load_pretrained_meta(path)
         return model.to(device), {"config": model.config.to_dict(), **meta, "source": str(path)}
-    from nanogpt_cli.interop import gguf_file
+    from nanogpt_cli.interop import gguf_file, gguf_in
 
-    if gguf_file.is_gguf(path):  # a GGUF file that nanogpt exported
-        model, meta = gguf_file.read_gguf(path)
+    if gguf_file.is_gguf(path):  # a GGUF file that nanogpt exported, or llama.cpp's converter wrote
+        model, meta = gguf_in.read_any_gguf(path)
         return model.to(device), meta
     path = resolve_weights(path, last)
     meta = read_metadata(path)
