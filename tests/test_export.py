@@ -238,7 +238,7 @@ def test_gguf_gpt2_shape_and_metadata(tmp_path):
         (dict(mlp="swiglu"), "hf", "byte", "closest, LlamaForCausalLM, needs --norm rmsnorm$"),
         (dict(mlp="relu2"), "hf", "byte", "closest, GPTNeoXForCausalLM, needs --mlp gelu$"),
         (dict(norm="rmsnorm", mlp="relu2"), "hf", "byte", "closest, LlamaForCausalLM, needs --mlp swiglu$"),
-        (dict(norm="rmsnorm", mlp="swiglu", qk_norm=True), "hf", "byte", "no stock Hugging Face architecture has QK"),
+        (dict(qk_norm=True), "hf", "byte", "--qk-norm has one Hugging Face counterpart, and Qwen3ForCausalLM needs"),
         (dict(), "hf", "cl100k_base", "the cl100k_base tokenizer does not export"),
         (
             dict(mlp="gelu"),
@@ -320,7 +320,7 @@ def test_loading_what_is_not_a_usable_hf_model_is_one_sentence(tmp_path):
     # a model type with no counterpart
     config = transformers.GPTJConfig(vocab_size=10, n_positions=8, n_embd=8, n_layer=1, n_head=2, rotary_dim=4)
     transformers.GPTJForCausalLM(config).save_pretrained(tmp_path / "gptj")
-    with pytest.raises(NanoGPTError, match="only GPT-2, Llama and GPT-NeoX models convert, not 'gptj'"):
+    with pytest.raises(NanoGPTError, match="model_type 'gptj' has no counterpart in nanogpt"):
         hf.load_pretrained(tmp_path / "gptj")
 
 

@@ -315,11 +315,10 @@ LLAMA_SHAPE = dict(pos_encoding="rope", norm="rmsnorm", mlp="swiglu", bias=False
     "cfg",
     [
         dict(norm="rmsnorm"),
-        dict(LLAMA_SHAPE, qk_norm=True),
         dict(LLAMA_SHAPE, logit_softcap=30.0),
         dict(LLAMA_SHAPE, mlp="relu2"),
     ],
-    ids=["rmsnorm-gelu", "qk_norm", "softcap", "relu2"],
+    ids=["rmsnorm-gelu", "softcap", "relu2"],
 )
 def test_to_hf_refuses_a_model_with_no_counterpart(cfg):
     from nanogpt_cli.errors import NanoGPTError

@@ -463,9 +463,9 @@ def test_a_pythia_shaped_gpt_neox_loads_with_its_logits_and_exports_back():
 @pytest.mark.parametrize(
     "kw,message",
     [
-        (dict(sliding_window=8), "sliding-window attention: a model trained with --sliding-window does not convert"),
-        (dict(norm="rmsnorm", norm_offset=True, post_norms=True), "Gemma's --norm-offset --post-norms"),
-        (dict(mlp="geglu"), "Gemma's --mlp geglu"),
+        (dict(sliding_window=8), "--sliding-window has one .* MistralForCausalLM needs --pos-encoding rope"),
+        (dict(norm="rmsnorm", norm_offset=True, post_norms=True), "--norm-offset --post-norms has one .* Gemma3"),
+        (dict(mlp="geglu"), "--mlp geglu has one Hugging Face counterpart, and Gemma3ForCausalLM needs"),
         (dict(parallel_residual=True, norm="rmsnorm", mlp="swiglu"), "--parallel-residual export as GPTNeoXForCausal"),
     ],
 )

@@ -248,11 +248,16 @@ def inspect_path(path: str | Path) -> Info:
         return _inspect_run(path)
     if not path.exists():
         raise NanoGPTError(f"{path} does not exist; give a run folder or a .safetensors file")
-    if path.suffix.lower() == ".gguf":  # a GGUF file nanogpt exported: its metadata holds our config and tokenizer
-        from nanogpt_cli.interop.gguf_file import read_gguf_meta
+    if path.suffix.lower() == ".gguf":  # a GGUF file: ours holds our config and tokenizer, llama.cpp's is converted
+        from nanogpt_cli.interop.gguf_in import read_any_gguf_meta
 
-        meta = read_gguf_meta(path)
-        info = Info(path=str(path), kind=f"gguf ({meta['architecture']})")
+        meta = read_any_gguf_meta(path)
+        kind = f"gguf ({meta['architecture']})"
+        if meta.get("writer") == "llama.cpp":  # tensor types by count, the most common first: its quantization
+            types = sorted(meta["tensor_types"].items(), key=lambda kv: -kv[1])
+            counts = ", ".join(f"{n} {t}" for t, n in types)
+            kind = f"gguf ({meta['architecture']}, llama.cpp's layout; tensors {counts})"
+        info = Info(path=str(path), kind=kind)
         _fill_model(info, meta.get("config"), meta.get("tokenizer"))
         info.files = [FileInfo(path.name, path.stat().st_size, True, "GGUF")]
         return info

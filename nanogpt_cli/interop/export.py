@@ -88,7 +88,9 @@ def export(
     # a Hugging Face tokenizer is its tokenizer.json, which came with the source: the export gets a copy
     tokenizer = tokenizer_of(meta, source) if meta["tokenizer"].get("kind") == "hf" else None
     if fmt == "hf":
-        return export_hf(model, meta["tokenizer"], Path(out), force, origin_of(source, meta), template, tokenizer)
+        origin = origin_of(source, meta)
+        family = meta.get(hf.FAMILY_KEY)
+        return export_hf(model, meta["tokenizer"], Path(out), force, origin, template, tokenizer, family)
     return export_gguf(model, meta["tokenizer"], Path(out), force, quant or "f32", template, tokenizer)
 
 
@@ -161,14 +163,16 @@ def export_hf(
     origin: dict[str, Any] | None = None,
     chat_template: str | None = None,
     tokenizer=None,
+    family: str | None = None,
 ) -> ExportResult:
     """Write a folder that AutoModelForCausalLM, AutoTokenizer and pipeline("text-generation") load offline.
     origin: where the weights came from (run, step, ...), kept under ORIGIN_KEY in config.json for `info`. With
     a chat template, `apply_chat_template` renders conversations as the run was trained on them, and generation
     stops where the template ends a reply. tokenizer: the HFTokenizer a Hugging Face description needs; its
-    tokenizer.json is copied as it is, and its BOS/EOS settings and end-of-turn ids are written back."""
+    tokenizer.json is copied as it is, and its BOS/EOS settings and end-of-turn ids are written back. family: the
+    Hugging Face family the model was imported from, written back when it holds the config (hf.hf_kind)."""
     transformers = hf.require("transformers")
-    kind = hf.hf_kind(model.config)  # refusals first: nothing is written before every check has passed
+    kind = hf.hf_kind(model.config, family)  # refusals first: nothing is written before every check has passed
     if desc.get("kind") == "hf":
         tok, eot = hf.require("tokenizers").Tokenizer.from_str(tokenizer.text), tokenizer.settings["eos_token"]
     else:
@@ -182,7 +186,7 @@ def export_hf(
     special = {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": None}
     if tokenizer is not None:
         special = _hf_special(tokenizer)
-    hf_model = hf.to_hf(model, special)  # float32 on the CPU, whatever the model's dtype and device
+    hf_model = hf.to_hf(model, special, kind)  # float32 on the CPU, whatever the model's dtype and device
     _, extra = hf.hf_config_for(model.config, kind, special)
 
     tmp = _staging(out)

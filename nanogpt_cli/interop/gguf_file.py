@@ -4,10 +4,11 @@ our model.
 
     write_gguf(model, tokenizer_desc, Path("shk.gguf"), quant="q8_0");  model, meta = read_gguf("shk.gguf")
 
-Architectures (`gguf_arch`): llama (RoPE, RMSNorm, SwiGLU, no biases), gpt2 (learned or sinusoidal positions,
-LayerNorm, tanh GELU) and starcoder2 (RoPE on the whole head, LayerNorm, tanh GELU: our default config). llama.cpp
-computes GELU with the tanh approximation only, so a model trained with the exact GELU (--mlp gelu) is refused
-rather than run slightly differently.
+Architectures (`gguf_arch`): llama (RoPE, RMSNorm, SwiGLU, no biases), qwen3 (the same with QK-norm), gpt2
+(learned or sinusoidal positions, LayerNorm, tanh GELU) and starcoder2 (RoPE on the whole head, LayerNorm, tanh
+GELU: our default config). llama.cpp computes GELU with the tanh approximation only, so a model trained with the
+exact GELU (--mlp gelu) is refused rather than run slightly differently. Files llama.cpp's converter wrote are
+read by gguf_in.py, which hands ours to this module.
 
 Tokenizers: gpt2, byte, char (characters of one UTF-8 byte) and trained BPEs (gpt2, gpt4 and gpt4o patterns), all
 as llama.cpp's byte-level BPE ("gpt2" model): tokens spelled in GPT-2's byte alphabet in id order, merges derived
@@ -27,6 +28,7 @@ import numpy as np
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop import hf
+from nanogpt_cli.interop.families import FAMILIES
 from nanogpt_cli.model import GPT, rope_inv_freq
 
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # --quant: what gguf's writer can produce
@@ -34,6 +36,7 @@ CONFIG_KEY, TOKENIZER_KEY = "nanogpt.config", "nanogpt.tokenizer"
 TOKENIZER_JSON_KEY = "nanogpt.tokenizer_json"  # a Hugging Face tokenizer's file, as text: the GGUF is one file
 # our trained BPE's split patterns -> the llama.cpp pre-tokenizer that splits with the same regex
 PRE_TOKENIZERS = {"gpt2": "gpt-2", "gpt4": "llama-bpe", "gpt4o": "gpt-4o"}
+RMS_ARCHS = ("llama", "qwen3")  # RMSNorm, SwiGLU, no biases but q/k/v's; only llama's q/k rows are reordered
 
 
 def gguf_arch(c: GPTConfig) -> str:
@@ -43,6 +46,15 @@ def gguf_arch(c: GPTConfig) -> str:
         kind = hf.hf_kind(c)
     except NanoGPTError as e:
         raise NanoGPTError(f"GGUF export needs a model llama.cpp computes exactly: {e}") from None
+    if kind == "qwen3":  # llama.cpp's qwen3: Llama's tensors plus attn_q_norm / attn_k_norm, NeoX-order RoPE
+        if c.bias or c.attn_bias:
+            raise NanoGPTError("GGUF export of a Qwen3-shaped model needs --no-bias and no --qkv-bias")
+        return "qwen3"
+    if kind not in ("gpt2", "llama", "gpt_neox"):
+        raise NanoGPTError(
+            f"GGUF export writes llama, qwen3, gpt2 and starcoder2 models; a {hf.ARCHS[kind][3]}-shaped model "
+            f"(llama.cpp's {FAMILIES[kind].gguf_arch}) does not convert"
+        )
     if kind in ("gpt2", "gpt_neox") and c.mlp != "gelu_tanh":
         raise NanoGPTError(
             "llama.cpp computes GELU with the tanh approximation: GGUF export of a model with "
@@ -278,7 +290,7 @@ def _metadata(writer, c: GPTConfig, arch: str, quant: str, gguf) -> None:
     writer.add_head_count(c.n_head)
     file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16"}.get(quant, f"MOSTLY_{quant.upper()}")
     writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
-    if arch in ("llama", "starcoder2"):
+    if arch in ("llama", "qwen3", "starcoder2"):
         writer.add_head_count_kv(c.kv_heads)
         writer.add_rope_freq_base(c.rope_theta)
         writer.add_rope_dimension_count(c.head_size)
@@ -293,7 +305,7 @@ def _metadata(writer, c: GPTConfig, arch: str, quant: str, gguf) -> None:
         writer.add_rope_scaling_orig_ctx_len(c.rope_context)
         writer.add_rope_scaling_yarn_beta_fast(c.rope_beta_fast)
         writer.add_rope_scaling_yarn_beta_slow(c.rope_beta_slow)
-    if arch == "llama":
+    if arch in RMS_ARCHS:
         writer.add_layer_norm_rms_eps(c.norm_eps)
     else:
         writer.add_layer_norm_eps(c.norm_eps)
@@ -341,10 +353,12 @@ def _block_names(arch: str, c: GPTConfig) -> dict[str, tuple[str, ...]]:
         names.update(
             {
                 "attn.c_attn.weight": ("attn_q", "attn_k", "attn_v"),
-                "mlp.c_fc.weight": ("ffn_gate", "ffn_up") if arch == "llama" else ("ffn_up",),
+                "mlp.c_fc.weight": ("ffn_gate", "ffn_up") if arch in RMS_ARCHS else ("ffn_up",),
             }
         )
-    if arch != "llama":  # every linear and norm of llama.cpp's gpt2 and starcoder2 has a bias
+    if arch == "qwen3":
+        names.update({"attn.q_norm.weight": ("attn_q_norm",), "attn.k_norm.weight": ("attn_k_norm",)})
+    if arch not in RMS_ARCHS:  # every linear and norm of llama.cpp's gpt2 and starcoder2 has a bias
         names.update({k.replace(".weight", ".bias"): v for k, v in list(names.items())})
     elif c.attn_bias:
         names["attn.c_attn.bias"] = ("attn_q", "attn_k", "attn_v")
@@ -394,7 +408,7 @@ def gguf_tensors(model: GPT, arch: str, gguf=None) -> dict[str, np.ndarray]:
                     part = _llama_rope_order(part, _rope_heads(c, name))
                 out[f"blk.{i}.{name}.{ours.rsplit('.', 1)[1]}"] = part
     out["output_norm.weight"] = sd["transformer.ln_f.weight"]
-    if arch != "llama":
+    if arch not in RMS_ARCHS:
         out["output_norm.bias"] = sd.get("transformer.ln_f.bias", np.zeros(c.n_embd, dtype=np.float32))
     # the head is written even when tied: readers that do not re-tie (transformers' GGUF loader) still find it
     out["output.weight"] = sd["lm_head.weight"]
@@ -413,17 +427,14 @@ def is_gguf(path: str | Path) -> bool:
 
 
 def read_gguf_meta(path: str | Path) -> dict[str, Any]:
-    """Our config and tokenizer description from a GGUF file nanogpt wrote, plus its architecture and type."""
-    return _open(path)[0]
-
-
-def _open(path: str | Path):
+    """Our config and tokenizer description from a GGUF file nanogpt wrote, plus its architecture and type (any
+    GGUF file: gguf_in.read_any_gguf_meta)."""
     gguf = hf.require("gguf")
     try:
         reader = gguf.GGUFReader(str(path))
     except (ValueError, OSError) as e:
         raise NanoGPTError(f"{path} is not a readable GGUF file ({e})") from None
-    return _meta(reader, path), reader
+    return _meta(reader, path)
 
 
 def _meta(reader, path) -> dict[str, Any]:
@@ -450,13 +461,18 @@ def _meta(reader, path) -> dict[str, Any]:
 
 def read_gguf(path: str | Path, quantize: str | None = None, group_size: int = 32) -> tuple[GPT, dict[str, Any]]:
     """Our model (float32) and metadata from a GGUF file `write_gguf` wrote; quantized tensors are dequantized,
-    except the blocks' matrices in the form `quantize` asks for (gguf_blocks.GGUF_FORMS), which load as they are."""
+    except the blocks' matrices in the form `quantize` asks for (gguf_blocks.GGUF_FORMS), which load as they are
+    (any GGUF file: gguf_in.read_any_gguf)."""
     import torch
 
     from nanogpt_cli.interop.gguf_blocks import GGUF_FORMS
 
     gguf = hf.require("gguf")
-    meta, reader = _open(path)
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as e:
+        raise NanoGPTError(f"{path} is not a readable GGUF file ({e})") from None
+    meta = _meta(reader, path)
     try:
         config = GPTConfig.from_dict(meta["config"])
     except (TypeError, ValueError) as e:

@@ -1,25 +1,22 @@
-"""The one name mapping between our weights and Hugging Face GPT-2 / Llama / GPT-NeoX models, their tokenizers, and
-loading a Hugging Face model (`hf:NAME` from the hub, or a local folder) as our GPT plus our tokenizer.
+"""The one name mapping between our weights and the Hugging Face families (families/: GPT-2, Llama, GPT-NeoX,
+Qwen2, Qwen3, Mistral, Gemma 3), their tokenizers, and loading a Hugging Face model (`hf:NAME` from the hub, or a
+local folder) as our GPT plus our tokenizer.
 
     model = GPT.from_hf(GPT2LMHeadModel.from_pretrained("gpt2"));  hf_model = model.to_hf()
     model, tokenizer_desc = load_pretrained("path/to/hf_dir")  # any tokenizer.json: hf_tokenizer.py
 
-Which stock architecture computes which of our configs exactly (`hf_kind`):
-- gpt2: learned or sinusoidal positions (a sinusoidal table becomes the learned table), LayerNorm, GELU (exact or
-  tanh); a model without biases gets zero biases.
-- llama: RoPE, RMSNorm, SwiGLU; grouped-query attention (num_key_value_heads), any head_dim, RoPE scaling
-  (linear, llama3, yarn); biases through Llama's attention_bias (q, k, v and o) and mlp_bias.
-- gpt_neox: RoPE (on the whole head, or --rotary-dim of it: rotary_pct), LayerNorm, GELU, the sequential
-  residual (our default config) or the parallel one (Pythia's); zero biases.
-Importing is the inverse: a model whose bias tensors are all zero becomes a model without biases, one whose only
-non-zero biases are on q, k and v (Qwen2's) a model with --qkv-bias.
+Which family computes which of our configs exactly (`hf_kind`): a setting only one family has picks it (QK-norm:
+Qwen3, or Gemma 3 with Gemma's set; a sliding window on every layer: Mistral); otherwise GPT-2 (learned or
+sinusoidal positions), Llama (RoPE, RMSNorm, SwiGLU) or GPT-NeoX (RoPE, LayerNorm, GELU). A model imported from a
+family exports back to it (`prefer`, e.g. Qwen2 rather than Llama with attention_bias). Importing: a model whose
+bias tensors are all zero becomes a model without biases, one whose only non-zero biases are on q, k and v
+(Qwen2's) a model with --qkv-bias.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -28,72 +25,14 @@ import torch
 from nanogpt_cli import errors
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError, first_line
-from nanogpt_cli.model import GPT, yarn_attention_factor
+from nanogpt_cli.interop.families import FAMILIES, Biases
+from nanogpt_cli.interop.families.base import rope_scaling_from_hf, rope_scaling_to_hf  # noqa: F401 (re-exported)
+from nanogpt_cli.model import GPT
 
-# ours <- theirs, per block; {i} is the layer. A tuple on the right is concatenated along dim 0 (fused).
-GPT2_BLOCK = {
-    "ln_1.weight": "ln_1.weight",
-    "ln_1.bias": "ln_1.bias",
-    "attn.c_attn.weight": "attn.c_attn.weight",
-    "attn.c_attn.bias": "attn.c_attn.bias",
-    "attn.c_proj.weight": "attn.c_proj.weight",
-    "attn.c_proj.bias": "attn.c_proj.bias",
-    "ln_2.weight": "ln_2.weight",
-    "ln_2.bias": "ln_2.bias",
-    "mlp.c_fc.weight": "mlp.c_fc.weight",
-    "mlp.c_fc.bias": "mlp.c_fc.bias",
-    "mlp.c_proj.weight": "mlp.c_proj.weight",
-    "mlp.c_proj.bias": "mlp.c_proj.bias",
-}
-GPT2_TOP = {
-    "transformer.wte.weight": "transformer.wte.weight",
-    "transformer.wpe.weight": "transformer.wpe.weight",
-    "transformer.ln_f.weight": "transformer.ln_f.weight",
-    "transformer.ln_f.bias": "transformer.ln_f.bias",
-}
-# GPT-2 stores its linear layers as Conv1D, (in, out): transposed relative to nn.Linear
-GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-
-LLAMA_BLOCK = {
-    "ln_1.weight": "input_layernorm.weight",
-    "attn.c_attn.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "attn.c_attn.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
-    "attn.c_proj.weight": "self_attn.o_proj.weight",
-    "attn.c_proj.bias": "self_attn.o_proj.bias",
-    "ln_2.weight": "post_attention_layernorm.weight",
-    "mlp.c_fc.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "mlp.c_fc.bias": ("mlp.gate_proj.bias", "mlp.up_proj.bias"),
-    "mlp.c_proj.weight": "mlp.down_proj.weight",
-    "mlp.c_proj.bias": "mlp.down_proj.bias",
-}
-LLAMA_TOP = {"transformer.wte.weight": "model.embed_tokens.weight", "transformer.ln_f.weight": "model.norm.weight"}
-
-NEOX_BLOCK = {
-    "ln_1.weight": "input_layernorm.weight",
-    "ln_1.bias": "input_layernorm.bias",
-    "attn.c_attn.weight": "attention.query_key_value.weight",
-    "attn.c_attn.bias": "attention.query_key_value.bias",
-    "attn.c_proj.weight": "attention.dense.weight",
-    "attn.c_proj.bias": "attention.dense.bias",
-    "ln_2.weight": "post_attention_layernorm.weight",
-    "ln_2.bias": "post_attention_layernorm.bias",
-    "mlp.c_fc.weight": "mlp.dense_h_to_4h.weight",
-    "mlp.c_fc.bias": "mlp.dense_h_to_4h.bias",
-    "mlp.c_proj.weight": "mlp.dense_4h_to_h.weight",
-    "mlp.c_proj.bias": "mlp.dense_4h_to_h.bias",
-}
-NEOX_TOP = {
-    "transformer.wte.weight": "gpt_neox.embed_in.weight",
-    "transformer.ln_f.weight": "gpt_neox.final_layer_norm.weight",
-    "transformer.ln_f.bias": "gpt_neox.final_layer_norm.bias",
-}
-
+FAMILY_KEY = "hf_family"  # in a model's metadata: the family it was imported from
 ARCHS = {  # model_type -> (top names, block names, block prefix, transformers class)
-    "gpt2": (GPT2_TOP, GPT2_BLOCK, "transformer.h", "GPT2LMHeadModel"),
-    "llama": (LLAMA_TOP, LLAMA_BLOCK, "model.layers", "LlamaForCausalLM"),
-    "gpt_neox": (NEOX_TOP, NEOX_BLOCK, "gpt_neox.layers", "GPTNeoXForCausalLM"),
+    kind: (f.top, f.block, f.prefix, f.hf_class) for kind, f in FAMILIES.items()
 }
-GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}  # theirs -> our --mlp
 
 
 @contextlib.contextmanager
@@ -127,24 +66,28 @@ def require(module: str):
 # --- which architecture ---------------------------------------------------------------------------------
 
 
-def hf_kind(c: GPTConfig) -> str:
-    """The stock architecture that computes exactly what this config computes, or one sentence saying why none
-    does, naming the closest one and the flags to change."""
-    if c.qk_norm or c.logit_softcap is not None:  # --zero-init-proj changes only the init: it converts
-        raise NanoGPTError(
-            "no stock Hugging Face architecture has QK-norm or logit soft-capping; a model trained "
-            "with --qk-norm or --logit-softcap does not convert (train without them to export)"
-        )
-    if c.sliding_window is not None:
-        raise NanoGPTError(
-            "no Hugging Face export here has sliding-window attention: a model trained with --sliding-window does "
-            "not convert"
-        )
+def hf_kind(c: GPTConfig, prefer: str | None = None) -> str:
+    """The family (its model_type) that computes exactly what this config computes, or one sentence saying why
+    none does, naming the closest one and the flags to change. prefer: the family the model came from, kept
+    when it holds the config."""
+    if prefer in FAMILIES and FAMILIES[prefer].refuses(c) is None:
+        return prefer
     gemma = [f"--{f.replace('_', '-')}" for f in ("embed_scale", "norm_offset", "post_norms") if getattr(c, f)]
-    if gemma or c.mlp == "geglu":
+    gemma += ["--mlp geglu"] if c.mlp == "geglu" else []
+    for kind, flags in (
+        ("gemma3_text", gemma),
+        ("qwen3", ["--qk-norm"] if c.qk_norm else []),
+        ("mistral", ["--sliding-window"] if c.sliding_window is not None else []),
+    ):
+        if flags:
+            why = FAMILIES[kind].refuses(c)
+            if why is None:
+                return kind
+            raise NanoGPTError(f"a model trained with {' '.join(flags)} has one Hugging Face counterpart, and {why}")
+    if c.logit_softcap is not None:
         raise NanoGPTError(
-            f"no Hugging Face export here has Gemma's {' '.join(gemma + (['--mlp geglu'] if c.mlp == 'geglu' else []))}"
-            ": a model trained with them does not convert"
+            "no stock Hugging Face architecture has logit soft-capping without Gemma's set; a model trained "
+            "with --logit-softcap does not convert (train without it to export)"
         )
     gelu = c.mlp in ("gelu", "gelu_tanh")
     neox_only = [f for f, on in (("--parallel-residual", c.parallel_residual), ("--rotary-dim", c.rotary_dim)) if on]
@@ -209,221 +152,24 @@ def _stock_kind(c: GPTConfig, gelu: bool) -> str:
 
 def _check_kind(hf_config) -> str:
     kind = getattr(hf_config, "model_type", None)
-    if kind not in ARCHS:
-        raise NanoGPTError(f"only GPT-2, Llama and GPT-NeoX models convert, not {kind!r}")
+    if kind not in FAMILIES:
+        names = ", ".join(FAMILIES)
+        raise NanoGPTError(f"model_type {kind!r} has no counterpart in nanogpt (these convert: {names})")
     return kind
 
 
-def _rope(c) -> dict[str, Any]:
-    """transformers' RoPE parameters (rope_parameters in 5.x, rope_scaling in 4.x), {} when it has none."""
-    return getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
+def config_from_hf(c, biases: Biases | bool) -> GPTConfig:
+    """Our config for a transformers config; biases: which of the model's bias tensors are non-zero."""
+    from nanogpt_cli.interop.families.base import default_width
 
-
-def _rope_theta(c) -> float:
-    rope = _rope(c)
-    theta = rope.get("rope_theta", getattr(c, "rope_theta", None) or getattr(c, "rotary_emb_base", None) or 1e4)
-    return float(theta)
-
-
-def rope_scaling_from_hf(c) -> dict[str, Any]:
-    """Our rope_* fields for a transformers config's RoPE scaling (default, linear, llama3, yarn), or one sentence
-    saying it has no counterpart."""
-    rope = _rope(c)
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind == "default":
-        return {}
-    if kind not in ("linear", "llama3", "yarn"):
-        raise NanoGPTError(f"RoPE scaling {kind!r} has no counterpart here (linear, llama3 and yarn do)")
-    out: dict[str, Any] = {"rope_scaling": kind, "rope_factor": float(rope["factor"])}
-    if kind == "linear":
-        return out
-    out["rope_original_context"] = int(rope.get("original_max_position_embeddings") or c.max_position_embeddings)
-    if kind == "llama3":
-        out["rope_low_freq_factor"] = float(rope["low_freq_factor"])
-        out["rope_high_freq_factor"] = float(rope["high_freq_factor"])
-        return out
-    if not rope.get("truncate", True) or rope.get("mscale") or rope.get("mscale_all_dim"):
-        raise NanoGPTError("YaRN with truncate false or mscale settings has no counterpart here")
-    own = rope.get("attention_factor")
-    if own is not None and not math.isclose(own, yarn_attention_factor(out["rope_factor"])):
-        raise NanoGPTError("YaRN with an attention_factor of its own has no counterpart here")
-    out["rope_beta_fast"] = float(rope.get("beta_fast") or 32.0)
-    out["rope_beta_slow"] = float(rope.get("beta_slow") or 1.0)
-    return out
-
-
-def rope_scaling_to_hf(c: GPTConfig) -> dict[str, Any]:
-    """transformers' RoPE parameters for our config, as its Llama names them."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": c.rope_theta}
-    if c.rope_scaling == "none":
-        return rope
-    rope.update(rope_type=str(c.rope_scaling), factor=c.rope_factor)
-    if c.rope_scaling == "linear":
-        return rope
-    rope["original_max_position_embeddings"] = c.rope_context
-    if c.rope_scaling == "llama3":
-        rope.update(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor)
-    else:
-        rope.update(beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow)
-    return rope
-
-
-def config_from_hf(c, bias: bool, qkv_bias: bool | None = None) -> GPTConfig:
-    """Our config for a transformers config; `bias`: whether any of the model's bias tensors is non-zero (besides
-    q, k and v's when qkv_bias is given: whether theirs are)."""
-    kind = _check_kind(c)
-    if kind == "gpt2":
-        if c.activation_function not in GELUS:
-            raise NanoGPTError(f"GPT-2 with activation {c.activation_function!r} has no counterpart here")
-        if c.scale_attn_by_inverse_layer_idx or c.reorder_and_upcast_attn or not c.scale_attn_weights:
-            raise NanoGPTError("GPT-2 models with non-default attention scaling have no counterpart here")
-        config = GPTConfig(
-            vocab_size=c.vocab_size,
-            block_size=c.n_positions,
-            n_layer=c.n_layer,
-            n_head=c.n_head,
-            n_embd=c.n_embd,
-            bias=bias,
-            pos_encoding="learned",
-            norm="layernorm",
-            norm_eps=c.layer_norm_epsilon,
-            mlp=GELUS[c.activation_function],
-            mlp_hidden=c.n_inner,
-            tie_embeddings=c.tie_word_embeddings,
-        )
-    elif kind == "llama":
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        if c.hidden_act != "silu":
-            raise NanoGPTError(f"Llama with activation {c.hidden_act!r} has no counterpart here")
-        config = GPTConfig(
-            vocab_size=c.vocab_size,
-            block_size=c.max_position_embeddings,
-            n_layer=c.num_hidden_layers,
-            n_head=c.num_attention_heads,
-            n_embd=c.hidden_size,
-            n_kv_head=c.num_key_value_heads if c.num_key_value_heads != c.num_attention_heads else None,
-            head_dim=head_dim if head_dim * c.num_attention_heads != c.hidden_size else None,
-            bias=bias,
-            qkv_bias=qkv_bias if qkv_bias is not None and qkv_bias != bias else None,
-            pos_encoding="rope",
-            rope_theta=_rope_theta(c),
-            **rope_scaling_from_hf(c),
-            norm="rmsnorm",
-            norm_eps=c.rms_norm_eps,
-            mlp="swiglu",
-            mlp_hidden=c.intermediate_size,
-            tie_embeddings=c.tie_word_embeddings,
-        )
-    else:
-        config = _neox_config(c, bias)
-    if (
-        config.mlp_hidden is not None
-        and config.mlp_hidden == GPTConfig(**{**config.to_dict(), "mlp_hidden": None}).hidden_size
-    ):
-        config.mlp_hidden = None  # the default width: keep the config as a user would have written it
-    return config
-
-
-def _neox_config(c, bias: bool) -> GPTConfig:
-    """Our config for a GPTNeoXConfig (config_from_hf)."""
-    rope = _rope(c)
-    partial = rope.get("partial_rotary_factor", getattr(c, "rotary_pct", 1.0))
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        kind = rope.get("rope_type", rope.get("type"))
-        raise NanoGPTError(f"RoPE scaling {kind!r} on GPT-NeoX has no counterpart here")
-    hs = c.hidden_size // c.num_attention_heads
-    rotary_dim = int(hs * partial)  # as GPT-NeoX computes rotary_ndims
-    if rotary_dim % 2 or rotary_dim == 0:
-        raise NanoGPTError(f"GPT-NeoX's rotary dimensions ({rotary_dim} of {hs}) must be even and at least 2")
-    if c.hidden_act not in GELUS:
-        raise NanoGPTError(f"GPT-NeoX with activation {c.hidden_act!r} has no counterpart here")
-    return GPTConfig(
-        vocab_size=c.vocab_size,
-        block_size=c.max_position_embeddings,
-        n_layer=c.num_hidden_layers,
-        n_head=c.num_attention_heads,
-        n_embd=c.hidden_size,
-        bias=bias,
-        pos_encoding="rope",
-        rope_theta=_rope_theta(c),
-        norm="layernorm",
-        norm_eps=c.layer_norm_eps,
-        mlp=GELUS[c.hidden_act],
-        mlp_hidden=c.intermediate_size,
-        tie_embeddings=c.tie_word_embeddings,
-        rotary_dim=None if rotary_dim == hs else rotary_dim,
-        parallel_residual=bool(c.use_parallel_residual),
-    )
+    biases = biases if isinstance(biases, Biases) else Biases(other=biases)
+    return default_width(FAMILIES[_check_kind(c)].config_in(c, biases))
 
 
 def hf_config_for(c: GPTConfig, kind: str, special: dict[str, int | None]) -> tuple[Any, dict[str, Any]]:
     """The transformers config for our config, and keys to add to its config.json for older transformers versions
     (4.x reads only the top-level RoPE keys; llama.cpp's GPT-2 converter wants n_ctx). special: bos/eos/pad ids."""
-    transformers = require("transformers")
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
-    if kind == "gpt2":
-        act = "gelu_new" if c.mlp == "gelu_tanh" else "gelu"
-        config = transformers.GPT2Config(
-            vocab_size=c.vocab_size,
-            n_positions=c.block_size,
-            n_embd=c.n_embd,
-            n_layer=c.n_layer,
-            n_head=c.n_head,
-            n_inner=c.hidden_size,
-            activation_function=act,
-            layer_norm_epsilon=c.norm_eps,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            tie_word_embeddings=c.tie_embeddings,
-            **special,
-        )
-        return config, {"n_ctx": c.block_size}
-    if kind == "llama":
-        config = transformers.LlamaConfig(
-            vocab_size=c.vocab_size,
-            hidden_size=c.n_embd,
-            intermediate_size=c.hidden_size,
-            num_hidden_layers=c.n_layer,
-            num_attention_heads=c.n_head,
-            num_key_value_heads=c.kv_heads,
-            head_dim=c.head_size,
-            max_position_embeddings=c.block_size,
-            rms_norm_eps=c.norm_eps,
-            attention_bias=c.bias or c.attn_bias,  # q, k, v and o together: an o_proj bias we lack is zero
-            mlp_bias=c.bias,
-            rope_theta=c.rope_theta,
-            rope_parameters=rope_scaling_to_hf(c),
-            tie_word_embeddings=c.tie_embeddings,
-            **special,
-        )
-        extra: dict[str, Any] = {"rope_theta": c.rope_theta}
-        if c.rope_scaling != "none":  # 4.x reads the scaling from rope_scaling
-            extra["rope_scaling"] = {k: v for k, v in rope_scaling_to_hf(c).items() if k != "rope_theta"}
-        return config, extra
-    pct = c.rotary_size / c.head_size
-    while int(c.head_size * pct) < c.rotary_size:  # GPT-NeoX's rotary_ndims = int(head_size * pct), which rounds down
-        pct = math.nextafter(pct, 2.0)
-    config = transformers.GPTNeoXConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.n_embd,
-        intermediate_size=c.hidden_size,
-        num_hidden_layers=c.n_layer,
-        num_attention_heads=c.n_head,
-        hidden_act="gelu_new" if c.mlp == "gelu_tanh" else "gelu",
-        max_position_embeddings=c.block_size,
-        layer_norm_eps=c.norm_eps,
-        rotary_pct=pct,
-        rotary_emb_base=c.rope_theta,
-        rope_parameters={**rope, "partial_rotary_factor": pct},
-        use_parallel_residual=c.parallel_residual,
-        attention_bias=True,
-        tie_word_embeddings=c.tie_embeddings,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        **special,
-    )
-    return config, {"rope_theta": c.rope_theta, "rotary_emb_base": c.rope_theta, "rotary_pct": pct}
+    return FAMILIES[kind].config_out(c, special)
 
 
 # --- weights --------------------------------------------------------------------------------------------
@@ -445,28 +191,17 @@ def _mapping(config: GPTConfig, kind: str) -> dict[str, str | tuple[str, ...]]:
 
 
 def _neox_qkv(tensor: torch.Tensor, n_head: int, to_neox: bool) -> torch.Tensor:
-    """Our fused c_attn rows are [q of all heads, k, v]; GPT-NeoX's are [q, k, v] of head 0, then head 1, ...
-    (rows, ...) -> (rows, ...), for the weight (3C, C) and the bias (3C,)."""
-    rest = tensor.shape[1:]
-    hs = tensor.size(0) // (3 * n_head)
-    shape = (3, n_head, hs) if to_neox else (n_head, 3, hs)
-    return tensor.reshape(*shape, *rest).transpose(0, 1).reshape(3 * n_head * hs, *rest)
+    from nanogpt_cli.interop.families.gpt_neox import neox_qkv
+
+    return neox_qkv(tensor, n_head, to_neox)
 
 
 def _to_ours(kind: str, name: str, tensor: torch.Tensor, config: GPTConfig) -> torch.Tensor:
-    if kind == "gpt2" and name.endswith(GPT2_TRANSPOSED):
-        return tensor.t()
-    if kind == "gpt_neox" and name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
-        return _neox_qkv(tensor, config.n_head, to_neox=False)
-    return tensor
+    return FAMILIES[kind].to_ours(name, tensor, config)
 
 
 def _to_theirs(kind: str, name: str, tensor: torch.Tensor, config: GPTConfig) -> torch.Tensor:
-    if kind == "gpt2" and name.endswith(GPT2_TRANSPOSED):
-        return tensor.t()
-    if kind == "gpt_neox" and name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
-        return _neox_qkv(tensor, config.n_head, to_neox=True)
-    return tensor
+    return FAMILIES[kind].to_theirs(name, tensor, config)
 
 
 def peft_tensors(
@@ -513,13 +248,14 @@ def _has_bias(state: dict[str, torch.Tensor], qkv: bool | None = None) -> bool:
 
 
 def from_hf(hf_model) -> GPT:
-    """Our GPT with the weights of a transformers GPT2LMHeadModel, LlamaForCausalLM or GPTNeoXForCausalLM."""
+    """Our GPT with the weights of a transformers model of one of the families (families/)."""
     kind = _check_kind(hf_model.config)
     theirs = {k: v.float() for k, v in hf_model.state_dict().items()}
-    if kind == "llama":  # Qwen2-style biases on q, k and v only are --qkv-bias
-        config = config_from_hf(hf_model.config, bias=_has_bias(theirs, qkv=False), qkv_bias=_has_bias(theirs, True))
+    if isinstance(FAMILIES[kind].block["attn.c_attn.weight"], tuple):  # separate q, k and v: their biases apart
+        biases = Biases(other=_has_bias(theirs, qkv=False), qkv=_has_bias(theirs, True))
     else:
-        config = config_from_hf(hf_model.config, bias=_has_bias(theirs))
+        biases = Biases(other=_has_bias(theirs))
+    config = config_from_hf(hf_model.config, biases)
     model = GPT(config)
     ours = model.state_dict()
     with torch.no_grad():
@@ -537,11 +273,11 @@ def from_hf(hf_model) -> GPT:
     return model
 
 
-def to_hf(model: GPT, special: dict[str, int | None] | None = None):
+def to_hf(model: GPT, special: dict[str, int | None] | None = None, prefer: str | None = None):
     """A transformers model computing what `model` computes (raises NanoGPTError when no stock one does).
-    special: bos_token_id / eos_token_id / pad_token_id for its config (default: none)."""
+    special: bos_token_id / eos_token_id / pad_token_id for its config (default: none); prefer: hf_kind's."""
     c = model.config
-    kind = hf_kind(c)
+    kind = hf_kind(c, prefer)
     special = special or {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
     hf_config, _ = hf_config_for(c, kind, special)
     transformers = require("transformers")
@@ -784,6 +520,7 @@ def load_pretrained_meta(source: str | Path) -> tuple[GPT, dict[str, Any]]:
     except (OSError, ValueError) as e:
         raise NanoGPTError(f"could not load the weights of {where} ({first_line(e)})") from None
     model = from_hf(hf_model)
+    meta[FAMILY_KEY] = hf_config.model_type  # an export of this model writes the same family back
     desc = meta["tokenizer"]
     if desc["vocab_size"] > model.config.vocab_size:
         raise NanoGPTError(

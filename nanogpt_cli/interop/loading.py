@@ -34,10 +34,10 @@ def load_model(
     if hf.is_hf_source(path):
         model, meta = hf.load_pretrained_meta(path)
         return model.to(device), {"config": model.config.to_dict(), **meta, "source": str(path)}
-    from nanogpt_cli.interop import gguf_file
+    from nanogpt_cli.interop import gguf_file, gguf_in
 
-    if gguf_file.is_gguf(path):  # a GGUF file that nanogpt exported
-        model, meta = gguf_file.read_gguf(path, quantize, group_size)  # Q8_0 / Q4_0 blocks load as they are
+    if gguf_file.is_gguf(path):  # a GGUF file that nanogpt exported, or llama.cpp's converter wrote
+        model, meta = gguf_in.read_any_gguf(path, quantize, group_size)  # our Q8_0 / Q4_0 blocks load as they are
         return model.to(device), meta
     path = resolve_weights(path, last)
     meta = read_metadata(path)
@@ -51,6 +51,13 @@ def load_model(
     model = GPT(config)
     load_weights(model, path)
     return model.to(device), meta
+
+
+def is_converted(source: str | Path) -> bool:
+    """hf:NAME, a Hugging Face folder or a GGUF file: a model that load_model converts (not one of our runs)."""
+    from nanogpt_cli.interop import gguf_file
+
+    return hf.is_hf_source(source) or gguf_file.is_gguf(source)
 
 
 def tokenizer_of(meta: dict[str, Any], source: str | Path = "") -> Tokenizer:

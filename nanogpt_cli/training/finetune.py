@@ -20,7 +20,7 @@ from typing import Any
 
 from nanogpt_cli.config import OptimizerName, flag, parse_value, show_value
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.interop import hf
+from nanogpt_cli.interop.loading import is_converted
 from nanogpt_cli.lora import LoRAConfig, add_lora, weights_hash
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.rundir import resolve_weights
@@ -65,7 +65,7 @@ def base_source(plan: RunPlan, init_from: str, last: bool = False) -> str:
     folder (absolute) or hf:NAME."""
     if plan.init_weights is not None:
         return str(Path(plan.init_weights).resolve())
-    if not hf.is_hf_source(init_from):  # a LoRA run of ours, loaded merged: its weights file
+    if not is_converted(init_from):  # a LoRA run of ours, loaded merged: its weights file
         return str(resolve_weights(init_from, last=last).resolve())
     return init_from if init_from.startswith("hf:") else str(Path(init_from).resolve())
 
@@ -144,9 +144,9 @@ def _resume(plan: RunPlan, lora: LoRAConfig | None, lora_flags: set[str] | None)
     if differ:
         raise NanoGPTError(f"--resume continues the run's adapters; these differ from it: {', '.join(differ)}")
     base = record["weights"]["base"]
-    if hf.is_hf_source(base["source"]) or _holds_adapters(base["source"], base.get("last", False)):
-        from nanogpt_cli.interop.loading import load_model
+    from nanogpt_cli.interop.loading import load_model
 
+    if is_converted(base["source"]) or _holds_adapters(base["source"], base.get("last", False)):
         plan.init_model, _ = load_model(base["source"], last=base.get("last", False))
     else:
         plan.init_weights = resolve_weights(base["source"], last=base.get("last", False))

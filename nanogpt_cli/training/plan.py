@@ -27,8 +27,7 @@ from nanogpt_cli.config import (
 from nanogpt_cli.data import load_meta
 from nanogpt_cli.device import resolve_device
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.interop import hf
-from nanogpt_cli.interop.loading import load_model
+from nanogpt_cli.interop.loading import is_converted, load_model
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import read_metadata
 from nanogpt_cli.runs.rundir import RunDir, resolve_weights
@@ -55,6 +54,7 @@ class RunPlan:
     # the weights files' metadata (a LoRA run: its adapter config and its base)
     finetune: dict[str, Any] | None = None
     changes: list[Change] = field(default_factory=list)  # training values a resume changes, from its step on
+    hf_family: str | None = None  # --init-from a Hugging Face model or GGUF file: its family, which exports write back
 
     @property
     def complete(self) -> bool:
@@ -209,7 +209,7 @@ def _plan_init(
 ) -> tuple[dict[str, Any], dict[str, Any], str]:
     """--init-from, checked against the dataset's tokenizer: the model values (the checkpoint's, with only
     dropout from the flags), where the weights come from (init_weights or init_model) and a note saying so."""
-    if hf.is_hf_source(init_from):
+    if is_converted(init_from):  # a Hugging Face model or a GGUF file
         init_model, weights_meta = load_model(init_from)
         init, source = {"init_model": init_model}, init_from
     else:
@@ -243,6 +243,8 @@ def _plan_init(
         [f"val loss {val:.4f}"] if isinstance(val, (int, float)) else []
     )
     note = f"--init-from: starting from {source}" + (f" ({', '.join(known)})" if known else "")
+    if weights_meta.get("hf_family"):  # an export of the run writes that family back
+        init["hf_family"] = weights_meta["hf_family"]
     return {**weights_meta["config"], **{k: v for k, v in model_values.items() if k == "dropout"}}, init, note
 
 
@@ -291,6 +293,7 @@ def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any], wor
         notes=notes,
         time_spent=state.max_time_spent,
         changes=changes,
+        hf_family=saved.get("hf_family"),
     )
 
 

@@ -550,6 +550,8 @@ class Trainer:
         config = {"model": plan.model.to_dict(), "train": self.cfg.to_dict(), "dataset": plan.dataset}
         if plan.finetune:
             config["finetune"] = plan.finetune
+        if plan.hf_family:
+            config["hf_family"] = plan.hf_family
         self.run_dir.write_config(config, changed)
         self.run_dir.keep_tokenizer(Path(self.cfg.data_dir) / self.cfg.data)
 
@@ -561,6 +563,8 @@ class Trainer:
         if template is not None:  # sample, serve and the exports format conversations with it
             meta["chat_template"] = template
         meta.update(plan.finetune.get("weights", {}) if plan.finetune else {})
+        if plan.hf_family:  # the Hugging Face family the run started from: `export --format hf` writes it back
+            meta["hf_family"] = plan.hf_family
         return meta
 
     def _clock(self, state: TrainerState, eval_sets: dict[str, list]) -> Clock:

@@ -1,0 +1,156 @@
+"""Gemma 3 text models (Gemma3ForCausalLM, model_type gemma3_text: Gemma 3 270M and 1B). RMSNorm with 1 + w gains
+(--norm-offset) before and after each sub-block (--post-norms), QK-norm, embeddings times sqrt(n_embd)
+(--embed-scale), the tanh-GELU gate (--mlp geglu), and local sliding-window layers (layer_types ->
+--window-pattern) with a RoPE base of their own (--rope-local-theta)."""
+
+from __future__ import annotations
+
+from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.interop.families.base import (
+    LLAMA_ATTN,
+    LLAMA_MLP,
+    LLAMA_TOP,
+    Biases,
+    Family,
+    head_dim_of,
+    require,
+    rope_params,
+    unsupported,
+)
+
+BLOCK = {
+    "ln_1.weight": "input_layernorm.weight",
+    **LLAMA_ATTN,
+    "attn.q_norm.weight": "self_attn.q_norm.weight",
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
+    "post_ln_1.weight": "post_attention_layernorm.weight",
+    "ln_2.weight": "pre_feedforward_layernorm.weight",
+    **LLAMA_MLP,
+    "post_ln_2.weight": "post_feedforward_layernorm.weight",
+}
+LAYER_LETTERS = {"sliding_attention": "L", "full_attention": "G"}
+
+
+def _pattern(layer_types: list[str]) -> str:
+    """The shortest cycle of L/G letters that spells the layer types, e.g. LLLLLG for 26 layers."""
+    letters = "".join(LAYER_LETTERS[t] for t in layer_types)
+    for n in range(1, len(letters) + 1):
+        if all(letters[i] == letters[i % n] for i in range(len(letters))):
+            return letters[:n]
+    return letters
+
+
+def _thetas(c) -> tuple[float, float]:
+    """(global, local) RoPE bases, from 5.x's rope_parameters per layer type or 4.x's two keys; scaling refused."""
+    rope = rope_params(c)
+    full, local = rope.get("full_attention"), rope.get("sliding_attention")
+    if full is None:  # transformers 4.x
+        full, local = {**rope, "rope_theta": c.rope_theta}, {"rope_theta": c.rope_local_base_freq}
+    for part in (full, local):
+        kind = part.get("rope_type", part.get("type", "default"))
+        if kind != "default":
+            raise unsupported("rope_scaling", kind, "Gemma 3")
+    return float(full["rope_theta"]), float(local["rope_theta"])
+
+
+def config_in(c, biases: Biases) -> GPTConfig:
+    if biases.other or biases.qkv:
+        raise unsupported("attention_bias", True, "Gemma 3")
+    if c.hidden_activation != "gelu_pytorch_tanh":
+        raise unsupported("hidden_activation", c.hidden_activation, "Gemma 3")
+    head_dim = head_dim_of(c)
+    if c.query_pre_attn_scalar != head_dim:  # our attention scales by 1/sqrt(head_dim)
+        raise unsupported("query_pre_attn_scalar", c.query_pre_attn_scalar, "Gemma 3")
+    for name in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if getattr(c, name, None):
+            raise unsupported(name, getattr(c, name), "Gemma 3")
+    unknown = set(c.layer_types) - LAYER_LETTERS.keys()
+    if unknown:
+        raise unsupported("layer_types", sorted(unknown)[0], "Gemma 3")
+    theta, local_theta = _thetas(c)
+    local = "sliding_attention" in c.layer_types
+    return GPTConfig(
+        vocab_size=c.vocab_size,
+        block_size=c.max_position_embeddings,
+        n_layer=c.num_hidden_layers,
+        n_head=c.num_attention_heads,
+        n_embd=c.hidden_size,
+        n_kv_head=c.num_key_value_heads if c.num_key_value_heads != c.num_attention_heads else None,
+        head_dim=head_dim if head_dim * c.num_attention_heads != c.hidden_size else None,
+        bias=False,
+        pos_encoding="rope",
+        rope_theta=theta,
+        norm="rmsnorm",
+        norm_eps=c.rms_norm_eps,
+        mlp="geglu",
+        mlp_hidden=c.intermediate_size,
+        tie_embeddings=c.tie_word_embeddings,
+        qk_norm=True,
+        sliding_window=c.sliding_window if local else None,
+        window_pattern=_pattern(c.layer_types) if local else None,
+        rope_local_theta=local_theta if local else None,
+        embed_scale=True,
+        norm_offset=True,
+        post_norms=True,
+        logit_softcap=getattr(c, "final_logit_softcapping", None),
+    )
+
+
+def config_out(c: GPTConfig, special: dict):
+    pattern = c.window_pattern or ("L" if c.sliding_window is not None else "G")
+    layer_types = [
+        "sliding_attention" if c.sliding_window is not None and pattern[i % len(pattern)] == "L" else "full_attention"
+        for i in range(c.n_layer)
+    ]
+    local_theta = c.rope_local_theta if c.rope_local_theta is not None else c.rope_theta
+    config = require("transformers").Gemma3TextConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.n_embd,
+        intermediate_size=c.hidden_size,
+        num_hidden_layers=c.n_layer,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=c.kv_heads,
+        head_dim=c.head_size,
+        query_pre_attn_scalar=c.head_size,
+        max_position_embeddings=c.block_size,
+        rms_norm_eps=c.norm_eps,
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=c.sliding_window or c.block_size,
+        layer_types=layer_types,
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        },
+        final_logit_softcapping=c.logit_softcap,
+        attn_logit_softcapping=None,
+        attention_bias=False,
+        tie_word_embeddings=c.tie_embeddings,
+        **special,
+    )
+    return config, {"rope_theta": c.rope_theta, "rope_local_base_freq": local_theta}
+
+
+def refuses(c: GPTConfig) -> str | None:
+    needs = ("qk_norm", "embed_scale", "norm_offset", "post_norms")
+    if c.pos_encoding != "rope" or c.norm != "rmsnorm" or c.mlp != "geglu" or not all(getattr(c, f) for f in needs):
+        return (
+            "Gemma3ForCausalLM needs --pos-encoding rope --norm rmsnorm --mlp geglu --qk-norm --embed-scale "
+            "--norm-offset --post-norms"
+        )
+    if c.bias or c.attn_bias or c.parallel_residual or c.rotary_dim is not None or c.rope_scaling != "none":
+        return "Gemma3ForCausalLM has no biases, no --parallel-residual, no --rotary-dim and no --rope-scaling here"
+    return None
+
+
+FAMILY = Family(
+    model_type="gemma3_text",
+    hf_class="Gemma3ForCausalLM",
+    gguf_arch="gemma3",
+    top=LLAMA_TOP,
+    block=BLOCK,
+    prefix="model.layers",
+    config_in=config_in,
+    config_out=config_out,
+    refuses=refuses,
+    names=("Gemma 3 270M", "Gemma 3 1B"),
+)

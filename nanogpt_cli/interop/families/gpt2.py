@@ -1,0 +1,99 @@
+"""GPT-2 (GPT2LMHeadModel): learned or sinusoidal positions (a sinusoidal table becomes the learned table),
+LayerNorm, GELU (exact or tanh); a model without biases gets zero biases. Its linear layers are Conv1D, (in, out)."""
+
+from __future__ import annotations
+
+from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.interop.families.base import GELUS, Biases, Family, require, unsupported
+
+BLOCK = {
+    name: name
+    for name in (
+        "ln_1.weight",
+        "ln_1.bias",
+        "attn.c_attn.weight",
+        "attn.c_attn.bias",
+        "attn.c_proj.weight",
+        "attn.c_proj.bias",
+        "ln_2.weight",
+        "ln_2.bias",
+        "mlp.c_fc.weight",
+        "mlp.c_fc.bias",
+        "mlp.c_proj.weight",
+        "mlp.c_proj.bias",
+    )
+}
+TOP = {
+    name: name
+    for name in ("transformer.wte.weight", "transformer.wpe.weight", "transformer.ln_f.weight", "transformer.ln_f.bias")
+}
+TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def config_in(c, biases: Biases) -> GPTConfig:
+    if c.activation_function not in GELUS:
+        raise unsupported("activation_function", c.activation_function, "GPT-2")
+    for name in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if getattr(c, name):
+            raise unsupported(name, True, "GPT-2")
+    if not c.scale_attn_weights:
+        raise unsupported("scale_attn_weights", False, "GPT-2")
+    return GPTConfig(
+        vocab_size=c.vocab_size,
+        block_size=c.n_positions,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_embd=c.n_embd,
+        bias=biases.other,
+        pos_encoding="learned",
+        norm="layernorm",
+        norm_eps=c.layer_norm_epsilon,
+        mlp=GELUS[c.activation_function],
+        mlp_hidden=c.n_inner,
+        tie_embeddings=c.tie_word_embeddings,
+    )
+
+
+def config_out(c: GPTConfig, special: dict):
+    config = require("transformers").GPT2Config(
+        vocab_size=c.vocab_size,
+        n_positions=c.block_size,
+        n_embd=c.n_embd,
+        n_layer=c.n_layer,
+        n_head=c.n_head,
+        n_inner=c.mlp_hidden,  # None: GPT-2's 4 * n_embd
+        activation_function="gelu_new" if c.mlp == "gelu_tanh" else "gelu",
+        layer_norm_epsilon=c.norm_eps,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=c.tie_embeddings,
+        **special,
+    )
+    return config, {"n_ctx": c.block_size}  # llama.cpp's GPT-2 converter wants n_ctx
+
+
+def refuses(c: GPTConfig) -> str | None:
+    if c.pos_encoding not in ("learned", "sinusoidal") or c.norm != "layernorm" or c.mlp not in ("gelu", "gelu_tanh"):
+        return "GPT2LMHeadModel needs learned or sinusoidal positions, --norm layernorm and --mlp gelu or gelu_tanh"
+    return None
+
+
+def transpose(name: str, tensor, config: GPTConfig):
+    return tensor.t() if name.endswith(TRANSPOSED) else tensor
+
+
+FAMILY = Family(
+    model_type="gpt2",
+    hf_class="GPT2LMHeadModel",
+    gguf_arch="gpt2",
+    top=TOP,
+    block=BLOCK,
+    prefix="transformer.h",
+    config_in=config_in,
+    config_out=config_out,
+    refuses=refuses,
+    to_ours=transpose,
+    to_theirs=transpose,
+    names=("GPT-2", "DistilGPT2"),
+)

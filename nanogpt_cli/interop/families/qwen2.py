@@ -1,0 +1,52 @@
+"""Qwen2 and Qwen2.5 (Qwen2ForCausalLM): Llama's block with biases on q, k and v only (--qkv-bias)."""
+
+from __future__ import annotations
+
+from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.interop.families.base import (
+    LLAMA_BLOCK,
+    LLAMA_TOP,
+    Biases,
+    Family,
+    llama_config_in,
+    llama_config_out,
+    llama_shaped,
+    no_sliding,
+    require,
+    rope_extra,
+    unsupported,
+)
+
+
+def config_in(c, biases: Biases) -> GPTConfig:
+    no_sliding(c, "Qwen2")
+    if biases.other:
+        raise unsupported("o_proj or MLP bias", "non-zero", "Qwen2")
+    return GPTConfig(**llama_config_in(c, "Qwen2"), bias=False, qkv_bias=True if biases.qkv else None)
+
+
+def config_out(c: GPTConfig, special: dict):
+    config = require("transformers").Qwen2Config(**llama_config_out(c, special), use_sliding_window=False)
+    return config, rope_extra(c)
+
+
+def refuses(c: GPTConfig) -> str | None:
+    if why := llama_shaped(c, "Qwen2ForCausalLM"):
+        return why
+    if c.bias or c.qk_norm or c.sliding_window is not None:
+        return "Qwen2ForCausalLM has biases on q, k and v only, no QK-norm and no sliding window here"
+    return None
+
+
+FAMILY = Family(
+    model_type="qwen2",
+    hf_class="Qwen2ForCausalLM",
+    gguf_arch="qwen2",
+    top=LLAMA_TOP,
+    block=LLAMA_BLOCK,
+    prefix="model.layers",
+    config_in=config_in,
+    config_out=config_out,
+    refuses=refuses,
+    names=("Qwen2", "Qwen2.5"),
+)

@@ -1,0 +1,430 @@
+"""Every Hugging Face family (interop/families/): a tiny random model built with transformers' own config class, set
+the way the real configs are (grouped-query attention, biases, RoPE scaling, tied or untied, windows), saved beside
+a tokenizer trained here; loaded from its folder, our logits equal transformers'; exported back, the folder loads
+as the same family with bit-equal weights and equal config fields; an unsupported value is one sentence.
+
+A new family: its file in interop/families/ and one entry in FAMILIES below."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+from test_hf_tokenizer import byte_level, sentencepiece  # noqa: E402
+
+from nanogpt_cli.errors import NanoGPTError  # noqa: E402
+from nanogpt_cli.interop.export import export  # noqa: E402
+from nanogpt_cli.interop.loading import load_model  # noqa: E402
+
+pytestmark = pytest.mark.slow  # transformers takes seconds to import and to build its models
+
+V = 416  # rows of embeddings: above both test tokenizers' vocabularies (400 and about 300)
+SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64)
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=16,
+)
+FAMILIES = {  # name -> (transformers config class, its arguments, tokenizer builder)
+    "gpt2": (
+        "GPT2Config",
+        dict(vocab_size=V, n_embd=32, n_layer=2, n_head=4, n_positions=64, activation_function="gelu_new"),
+        byte_level,
+    ),
+    "llama2": ("LlamaConfig", dict(SMALL, num_attention_heads=4, tie_word_embeddings=False), sentencepiece),
+    "llama3.2": (
+        "LlamaConfig",
+        dict(
+            SMALL, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_parameters=LLAMA3_ROPE
+        ),
+        byte_level,
+    ),
+    "smollm2": (
+        "LlamaConfig",
+        dict(SMALL, hidden_size=48, num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True),
+        byte_level,
+    ),
+    "qwen2.5": (
+        "Qwen2Config",
+        dict(SMALL, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+        byte_level,
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        dict(SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+        byte_level,
+    ),
+    "mistral": (
+        "MistralConfig",
+        dict(SMALL, num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=6),
+        sentencepiece,
+    ),
+    "pythia": (
+        "GPTNeoXConfig",
+        dict(SMALL, num_attention_heads=4, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False),
+        byte_level,
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            SMALL,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=6,
+            layer_types=["sliding_attention"] * 5 + ["full_attention"],  # llama.cpp's gemma3 pattern
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            },
+        ),
+        sentencepiece,
+    ),
+}
+IGNORED = {"transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype", "nanogpt_origin"}
+DROPOUTS = ("resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout", "attention_dropout")  # training only: 0
+
+
+def special_ids(folder: Path) -> dict[str, int | None]:
+    """config.json's bos/eos/pad ids as the tokenizer in `folder` names them (as a real model's config does)."""
+    tok = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    ids = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    return {f"{k}_id": ids.get(settings.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
+
+
+def random_model(name: str, folder: Path):
+    """The family's transformers model with every weight random (norm gains and biases too, so a misplaced one
+    shows), saved to `folder` with its tokenizer."""
+    cls, kwargs, tokenizer = FAMILIES[name]
+    tokenizer(folder)
+    torch.manual_seed(0)
+    dropouts = dict.fromkeys(set(DROPOUTS) & getattr(transformers, cls)().to_dict().keys(), 0.0)
+    config = getattr(transformers, cls)(**kwargs, **special_ids(folder), **dropouts)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    return request.param, folder, random_model(request.param, folder)
+
+
+def test_a_family_loads_from_its_folder_with_transformers_logits(family):
+    name, folder, ref = family
+    ours, meta = load_model(folder)
+    assert meta["hf_family"] == ref.config.model_type
+    idx = torch.randint(0, V, (2, 20))  # longer than the windows
+    with torch.no_grad():
+        diff = (ours.eval()(idx)[0] - ref(idx).logits).abs().max().item()
+    assert diff <= 1e-5, f"{name}: {diff}"
+
+
+def test_a_family_exports_back_to_itself_bit_equal(family, tmp_path):
+    name, folder, ref = family
+    export(folder, "hf", tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert type(back) is type(ref)
+    theirs, again = ref.state_dict(), back.state_dict()
+    assert theirs.keys() == again.keys()
+    for key, tensor in theirs.items():
+        assert torch.equal(tensor, again[key]), f"{name}: {key}"
+    original, exported = ref.config.to_dict(), back.config.to_dict()
+    differ = {k: (v, exported.get(k)) for k, v in original.items() if k not in IGNORED and exported.get(k) != v}
+    assert not differ, f"{name}: {differ}"
+
+
+@pytest.mark.parametrize(
+    "name,change,message",
+    [
+        ("llama2", dict(hidden_act="gelu"), "Llama's hidden_act = 'gelu' has no counterpart in nanogpt"),
+        ("qwen2.5", dict(use_sliding_window=True), "Qwen2's use_sliding_window = True has no counterpart"),
+        ("gemma3", dict(query_pre_attn_scalar=7), "Gemma 3's query_pre_attn_scalar = 7 has no counterpart"),
+        ("gemma3", dict(attn_logit_softcapping=50.0), "Gemma 3's attn_logit_softcapping = 50.0 has no counterpart"),
+    ],
+)
+def test_an_unsupported_config_value_is_one_sentence_naming_it(name, change, message, tmp_path):
+    random_model(name, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text(encoding="utf-8"))
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}), encoding="utf-8")
+    with pytest.raises(NanoGPTError, match=message) as e:
+        load_model(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+# --- GGUF files as llama.cpp's converter writes them ----------------------------------------------------------
+
+GGUF_ARCHS = {"llama2": "llama", "llama3.2": "llama", "smollm2": "llama", "qwen2.5": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHS["gemma3"] = "gemma3"
+
+
+def permute(w, n_head: int, n_kv: int):
+    """convert_hf_to_gguf.py's LlamaModel.permute: q and k rows in llama.cpp's interleaved-pair order."""
+    n = n_kv if n_kv != n_head else n_head
+    return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def converter_tensors(ref, arch: str) -> dict:
+    """The model's tensors under llama.cpp's names, transformed as its converter does."""
+    c = ref.config
+    names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm"}
+    names |= {f"self_attn.{p}_proj": f"attn_{p}" for p in "qkv"} | {"self_attn.o_proj": "attn_output"}
+    names |= {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+    names |= {f"mlp.{p}_proj": f"ffn_{p}" for p in ("gate", "up", "down")}
+    if arch == "gemma3":
+        names |= {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm"}
+        names |= {"post_feedforward_layernorm": "post_ffw_norm"}
+    else:
+        names["post_attention_layernorm"] = "ffn_norm"
+    out = {}
+    for key, tensor in ref.state_dict().items():
+        t = tensor.float().numpy()
+        if key == "lm_head.weight":
+            if not c.tie_word_embeddings:
+                out["output.weight"] = t
+            continue
+        parts = key.removeprefix("model.").split(".")
+        layer = f"blk.{parts[1]}." if parts[0] == "layers" else ""
+        module = ".".join(parts[2:-1] if layer else parts[:-1])
+        name = f"{layer}{names[module]}.{parts[-1]}"
+        if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+            kv = c.num_attention_heads if module.endswith("q_proj") else c.num_key_value_heads
+            t = permute(t, c.num_attention_heads, kv)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1.0  # Gemma3Model.norm_shift
+        out[name] = t
+    return out
+
+
+def write_converter_gguf(ref, folder: Path, arch: str, path: Path, quant: str = "f32") -> None:
+    """A GGUF file as llama.cpp's converter writes this model and the tokenizer in `folder`; quant: the type of the
+    matrices whose rows are whole blocks (gguf's own quantizer), as the converter's --outtype does."""
+    import numpy as np
+
+    gguf = pytest.importorskip("gguf")
+    c = ref.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    if arch == "gemma3":
+        w.add_sliding_window(c.sliding_window)
+    tensors = converter_tensors(ref, arch)
+    if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors: rope_freqs
+        tensors["rope_freqs.weight"] = llama3_factors(rope, head_dim)
+    add_vocabulary(w, folder, gguf)
+    qtype = getattr(gguf.GGMLQuantizationType, quant.upper())
+    for name, t in tensors.items():
+        t = np.ascontiguousarray(t, dtype=np.float32)
+        if quant != "f32" and t.ndim == 2 and t.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def llama3_factors(rope: dict, head_dim: int):
+    """convert_hf_to_gguf.py's Llama 3 rope_freqs: 1 for short wavelengths, factor for long, smooth between."""
+    import math
+
+    import numpy as np
+
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def add_vocabulary(w, folder: Path, gguf) -> None:
+    """tokenizer.ggml.*: a byte-level BPE as model gpt2 (merges, pre-tokenizer), a SentencePiece-style one as
+    model llama (scores, byte tokens), special tokens as control tokens, BOS/EOS and the chat template."""
+    spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.get)
+    special = {t["content"] for t in spec["added_tokens"] if t["special"]}
+    T = gguf.TokenType
+    if spec["model"].get("byte_fallback"):
+        w.add_tokenizer_model("llama")
+        w.add_token_scores([0.0 if t in special else -float(vocab[t]) for t in tokens])
+        w.add_add_space_prefix(True)
+        types = [T.CONTROL if t in special else T.BYTE if t.startswith("<0x") else T.NORMAL for t in tokens]
+        types[vocab["<unk>"]] = T.UNKNOWN
+        w.add_unk_token_id(vocab["<unk>"])
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("gpt-2")
+        merges = spec["model"]["merges"]
+        w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+        types = [T.CONTROL if t in special else T.NORMAL for t in tokens]
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if settings.get("bos_token"):
+        w.add_bos_token_id(vocab[settings["bos_token"]])
+    w.add_eos_token_id(vocab[settings["eos_token"]])
+    w.add_add_bos_token(bool(settings.get("bos_token")))
+    template = settings.get("chat_template") or (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    w.add_chat_template(template)
+
+
+@pytest.mark.parametrize("name", list(GGUF_ARCHS))
+def test_a_llama_cpp_gguf_loads_with_the_models_logits_and_its_tokenizer(name, tmp_path):
+    from nanogpt_cli.interop.loading import tokenizer_of
+
+    ref = random_model(name, tmp_path / "hf")
+    path = tmp_path / "model.gguf"
+    write_converter_gguf(ref, tmp_path / "hf", GGUF_ARCHS[name], path)
+    ours, meta = load_model(path)
+    assert meta["hf_family"] == ref.config.model_type
+    idx = torch.randint(0, V, (2, 20))
+    with torch.no_grad():
+        diff = (ours.eval()(idx)[0] - ref(idx).logits).abs().max().item()
+    assert diff <= 1e-5, f"{name}: {diff}"
+    # the file itself: AutoTokenizer would pick the family's own tokenizer class, which may rewrite its settings
+    theirs = transformers.PreTrainedTokenizerFast(
+        tokenizer_file=str(tmp_path / "hf" / "tokenizer.json"),
+        **json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text(encoding="utf-8")),
+    )
+    tok = tokenizer_of(meta, path)
+    for text in ("Hello world, the king and queen.", "café naïve 🙂 12345", "  runs   of spaces\n\nnew"):
+        assert tok.encode(text) == theirs.encode(text, add_special_tokens=False), f"{name}: {text!r}"
+    assert meta["chat_template"] and tok.eot_id == theirs.convert_tokens_to_ids(theirs.eos_token)
+
+
+@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q5_1"])  # gguf's Python quantizers have no K-quants
+def test_a_quantized_llama_cpp_gguf_loads_as_the_gguf_package_dequantizes_it(quant, tmp_path):
+    """Quantized matrices come in as gguf's own dequantization: the logits of transformers' model given those
+    same dequantized weights."""
+    import numpy as np
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    gguf = pytest.importorskip("gguf")
+    ref = random_model("qwen2.5", tmp_path / "hf")
+    path = tmp_path / f"model-{quant}.gguf"
+    qtype = getattr(gguf.GGMLQuantizationType, quant.upper())
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    write_converter_gguf(ref, tmp_path / "hf", "qwen2", path, quant)
+    with torch.no_grad():  # transformers' model with the weights as gguf dequantizes them
+        for p in ref.parameters():
+            if p.dim() == 2 and p.shape[1] % block == 0:
+                q = gguf.quants.quantize(p.numpy().astype(np.float32), qtype)
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, qtype).reshape(p.shape)))
+    ours, _ = load_model(path)
+    idx = torch.randint(0, V, (2, 20))
+    with torch.no_grad():
+        assert (ours.eval()(idx)[0] - ref(idx).logits).abs().max().item() <= 1e-5
+    result = CliRunner().invoke(app, ["info", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "llama.cpp's layout" in result.output and quant.upper() in result.output
+    result = CliRunner().invoke(
+        app, ["sample", "--checkpoint", str(path), "--prompt", "Hello", "--temperature", "0", "--max-new-tokens", "5"]
+    )
+    assert result.exit_code == 0, result.output
+
+
+def test_train_init_from_a_llama_cpp_gguf(tmp_path):
+    """--init-from a converter-written GGUF on data prepared with its tokenizer (through its Hugging Face export:
+    the same tokenizer.json, byte for byte); the LoRA fine-tune's base is the file."""
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    ref = random_model("smollm2", tmp_path / "hf")
+    path = tmp_path / "model.gguf"
+    write_converter_gguf(ref, tmp_path / "hf", "llama", path)
+    runner = CliRunner()
+    r = runner.invoke(app, ["export", str(path), "--format", "hf", "--out", str(tmp_path / "back")])
+    assert r.exit_code == 0, r.output
+    text = tmp_path / "text.txt"
+    text.write_text("Hello world, the king and queen. " * 200, encoding="utf-8")
+    data = tmp_path / "data"
+    args = ["prepare", str(text), "--name", "t", "--tokenizer", str(tmp_path / "back"), "--data-dir", str(data)]
+    assert (r := runner.invoke(app, args)).exit_code == 0, r.output
+    args = ["train", "--data", "t", "--data-dir", str(data), "--init-from", str(path), "--out", str(tmp_path / "run")]
+    args += ["--max-iters", "1", "--batch-size", "2", "--eval-iters", "1", "--device", "cpu"]
+    assert (r := runner.invoke(app, args)).exit_code == 0, r.output
+
+
+@pytest.mark.parametrize("name", ["smollm2", "qwen3"])
+def test_gguf_export_writes_llama_cpps_architecture_and_converter_layout(name, tmp_path):
+    """Our GGUF export of an imported model holds the tensors llama.cpp's converter writes for it, bit for bit."""
+    gguf = pytest.importorskip("gguf")
+    ref = random_model(name, tmp_path / "hf")
+    export(tmp_path / "hf", "gguf", tmp_path / "ours.gguf")
+    arch = GGUF_ARCHS[name]
+    reader = gguf.GGUFReader(str(tmp_path / "ours.gguf"))
+    assert reader.fields["general.architecture"].contents() == arch
+    ours = {t.name: t.data.reshape([int(n) for n in reversed(t.shape)]) for t in reader.tensors}
+    theirs = converter_tensors(ref, arch)
+    assert set(theirs) <= set(ours)  # ours also writes a tied head as output.weight
+    for key, tensor in theirs.items():
+        assert (ours[key] == tensor).all(), f"{name}: {key}"
+    back, _ = load_model(tmp_path / "ours.gguf")  # and it reads back (as our own export)
+    idx = torch.randint(0, V, (2, 20))
+    with torch.no_grad():
+        assert (back.eval()(idx)[0] - ref(idx).logits).abs().max().item() <= 1e-5
+
+
+def test_a_run_started_from_a_family_exports_back_to_it(tmp_path):
+    """train --init-from a Qwen2.5 folder, resumed once: the run's export is Qwen2ForCausalLM again (a Llama with
+    attention_bias would compute the same, but is not the model the user started from)."""
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    random_model("qwen2.5", tmp_path / "hf")
+    runner = CliRunner()
+    text = tmp_path / "text.txt"
+    text.write_text("Hello world, the king and queen. " * 200, encoding="utf-8")
+    data, run = tmp_path / "data", tmp_path / "run"
+    args = ["prepare", str(text), "--name", "t", "--tokenizer", str(tmp_path / "hf"), "--data-dir", str(data)]
+    assert (r := runner.invoke(app, args)).exit_code == 0, r.output
+    args = ["train", "--data", "t", "--data-dir", str(data), "--out", str(run), "--batch-size", "2"]
+    args += ["--eval-iters", "1", "--device", "cpu"]
+    r = runner.invoke(app, [*args, "--init-from", str(tmp_path / "hf"), "--max-iters", "1"])
+    assert r.exit_code == 0, r.output
+    assert (r := runner.invoke(app, [*args, "--resume", "--max-iters", "2"])).exit_code == 0, r.output
+    args = ["export", str(run), "--last", "--format", "hf", "--out", str(tmp_path / "e")]  # the resumed step's
+    assert (r := runner.invoke(app, args)).exit_code == 0, r.output
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "e")).__name__ == "Qwen2ForCausalLM"
