@@ -96,9 +96,9 @@ def test_a_batch_gives_each_row_the_tokens_it_gets_alone(kind):
 def test_a_bad_kind_or_group_size_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--quantize"):
         quantize_model(model_of(), "int3")
-    with pytest.raises(ValueError, match="--group-size"):
+    with pytest.raises(ValueError, match="--int4-group"):
         quantize_model(model_of(), "int4", 48)
-    with pytest.raises(ValueError, match=r"--group-size \(128\) must divide"):  # 64 wide: whole groups of 64 only
+    with pytest.raises(ValueError, match=r"--int4-group \(128\) must divide"):  # 64 wide: whole groups of 64 only
         quantize_model(model_of(), "int4", 128)
 
 
@@ -138,13 +138,13 @@ def test_sample_with_quantize_int8_writes_the_float_models_greedy_text(trained_r
         assert result.exit_code == 0, result.output
     assert runs[()].output == runs[("--quantize", "int8")].output
     assert runs[()].output.startswith("the ") and len(runs[()].output) == len("the ") + 12 + 1  # and its newline
-    int4 = CliRunner().invoke(app, [*args, "--quantize", "int4", "--group-size", "32"])
+    int4 = CliRunner().invoke(app, [*args, "--quantize", "int4", "--int4-group", "32"])
     assert int4.exit_code == 0 and int4.output.startswith("the "), int4.output
 
 
 def test_sample_refuses_an_unknown_quantize_in_one_line(trained_run):
     result = CliRunner().invoke(app, ["sample", "--checkpoint", str(trained_run), "--quantize", "int3"])
     assert result.exit_code == 1 and "--quantize must be one of int8, int4" in result.output
-    args = ["sample", "--checkpoint", str(trained_run), "--quantize", "int4", "--group-size", "64"]
+    args = ["sample", "--checkpoint", str(trained_run), "--quantize", "int4", "--int4-group", "64"]
     result = CliRunner().invoke(app, args)  # the tiny preset's 32-wide projections
-    assert result.exit_code == 1 and "--group-size (64) must divide" in result.output, result.output
+    assert result.exit_code == 1 and "--int4-group (64) must divide" in result.output, result.output

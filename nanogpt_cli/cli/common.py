@@ -148,11 +148,13 @@ Quantize = Annotated[
     str | None,
     typer.Option(
         help="Weights of the blocks in int8 (a scale per output channel) or int4 (a scale and zero per "
-        "--group-size inputs), on a CPU; the embedding and head keep --dtype.",
+        "--int4-group inputs), on a CPU; the embedding and head keep --dtype.",
         show_default=False,
     ),
 ]
-GroupSize = Annotated[int, typer.Option(help="Inputs per int4 scale with --quantize int4: 32, 64, 128 or 256.")]
+GroupSize = Annotated[
+    int, typer.Option("--int4-group", help="Inputs per int4 scale with --quantize int4: 32, 64, 128 or 256.")
+]
 Threads = Annotated[
     int | None,
     typer.Option(

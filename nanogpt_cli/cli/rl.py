@@ -65,7 +65,9 @@ def run_policy(job, method: str, given: dict, quiet: bool, sink=None) -> None:
         raise NanoGPTError(f"unknown --method {method!r}; use sft, dpo or grpo")
     if sink is not None:
         sink.close()
-        raise NanoGPTError(f"--tracker does not log --method {method} runs; drop it (metrics.jsonl has every value)")
+        raise NanoGPTError(
+            f"--tracker does not log --method {method} runs; drop it (the run folder's metrics file has every value)"
+        )
     own = ("beta", "loss_type", "rpo_alpha") if method == "dpo" else ("group_size", "kl", "reward", "max_new_tokens")
     own += () if method == "dpo" else ("rollout_temperature", "grpo_updates")
     stray = [k for k, v in given.items() if v is not None and k not in own]

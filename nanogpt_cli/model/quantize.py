@@ -107,11 +107,11 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 
 
 def check_quantize(kind: str | None, group_size: int) -> None:
-    """Refuse a --quantize or --group-size the kernels do not take."""
+    """Refuse a --quantize or --int4-group the kernels do not take."""
     if kind is not None and kind not in QUANT_KINDS:
         raise ValueError(f"--quantize must be one of {', '.join(QUANT_KINDS)}, got {kind!r}")
     if kind == "int4" and group_size not in INT4_GROUP_SIZES:
-        raise ValueError(f"--group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}")
+        raise ValueError(f"--int4-group must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}")
 
 
 def quantize_linear(module: nn.Linear, kind: str, group_size: int = 32) -> QuantizedLinear | nn.Linear:
@@ -132,7 +132,7 @@ def quantize_model(model: nn.Module, kind: str, group_size: int = 32) -> nn.Modu
     widths = {m.in_features for m in model.transformer.h.modules() if type(m) is nn.Linear}
     if kind == "int4" and any(w % group_size for w in widths):
         listed = ", ".join(map(str, sorted(widths)))
-        raise ValueError(f"--group-size ({group_size}) must divide every projection's input width ({listed})")
+        raise ValueError(f"--int4-group ({group_size}) must divide every projection's input width ({listed})")
     for block in model.transformer.h:
         for name, module in list(block.named_modules()):
             if type(module) is nn.Linear:
