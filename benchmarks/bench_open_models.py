@@ -2,7 +2,7 @@
 step against transformers (+ peft) on the same weights, and llama.cpp (PyPI xllamacpp) on our GGUF export.
 
     python benchmarks/bench_open_models.py                      # float32 and bfloat16, 1 thread
-    python benchmarks/bench_open_models.py --quick              # 4 layers, fewer tokens: under a minute
+    python benchmarks/bench_open_models.py --quick              # 4 layers, float32, fewer tokens: under a minute
     python benchmarks/bench_open_models.py --threads 2 --dtypes float32
 
 The model is transformers' LlamaForCausalLM in SmolLM2-135M's configuration (30 layers, 576 wide, 9 heads with 3
@@ -90,8 +90,13 @@ def load_both(folder: Path, dtype: torch.dtype):
 def ours_prefill(model, prompt):
     from nanogpt_cli.inference.engine import KVCache
 
-    cache = KVCache(model, prompt.size(0))
-    return lambda: model(prompt, cache=cache.view(0, prompt.size(0)), last_only=True)
+    cache = KVCache(model, prompt.size(0))  # allocated once, as an engine holds it
+
+    def run():
+        cache.pos = [0] * cache.rows  # every call prefills an empty cache, as transformers' does
+        return model(prompt, cache=cache.view(0, cache.rows), last_only=True)
+
+    return run
 
 
 def theirs_prefill(model, prompt):
@@ -366,7 +371,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="4 layers, fewer tokens, steps and rounds")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--threads", type=int, default=1, help="torch threads and llama.cpp threads alike")
-    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    p.add_argument("--dtypes", help="comma-separated: float32, bfloat16 (default both; --quick: float32)")
     p.add_argument("--prompt", type=int, default=512, help="prefill prompt length")
     p.add_argument("--tokens", type=int, default=16, help="decoded tokens per row")
     p.add_argument("--rounds", type=int, default=2)
@@ -386,6 +391,7 @@ def main():
     if args.quick:
         args.layers, args.tokens, args.rounds, args.lora_steps, args.lora_rounds = 4, 8, 1, 1, 1
         args.lora_tokens = 128
+    args.dtypes = args.dtypes or ("float32" if args.quick else "float32,bfloat16")
     torch.set_num_threads(args.threads)
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     with tempfile.TemporaryDirectory(prefix="bench-open-") as tmp:
