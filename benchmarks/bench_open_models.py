@@ -388,9 +388,11 @@ def main():
             return lora_child(tool, folder, dtype_name, int(steps), int(tokens), int(threads))
         gguf, threads, prompt, tokens, rounds = rest
         return llama_child(gguf, int(threads), int(prompt), int(tokens), int(rounds))
-    if args.quick:
-        args.layers, args.tokens, args.rounds, args.lora_steps, args.lora_rounds = 4, 8, 1, 1, 1
-        args.lora_tokens = 128
+    if args.quick:  # its smaller sizes, except those given on the command line
+        quick = dict(layers=4, tokens=8, rounds=1, lora_steps=1, lora_rounds=1, lora_tokens=128)
+        for name, value in quick.items():
+            if getattr(args, name) == p.get_default(name):
+                setattr(args, name, value)
     args.dtypes = args.dtypes or ("float32" if args.quick else "float32,bfloat16")
     torch.set_num_threads(args.threads)
     print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
