@@ -98,7 +98,7 @@ with torch.inference_mode():
     out["prefill_ms"] = (time.perf_counter() - t0) * 1000
     list(engine.run())
     for batch in (1, 8):
-        engine = Engine(m.model, max_batch=batch, vocab_size=256)
+        engine = Engine(m.model, max_batch=batch)  # the full head, as llama.cpp computes it
         engine.add_many([ids[:8]] * batch, SamplingParams(temperature=0.0), tokens + 4)
         for _ in range(4):
             engine.step()
