@@ -29,14 +29,28 @@ from bench_serve import start  # noqa: E402
 from common import table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# n_kv_head is not a setting of ours yet: both use full multi-head attention (n_kv_head = n_head), which makes the
-# KV cache and attention over it 3x (SmolLM2) and 7x (Qwen2.5) what the real models hold; the matmuls are theirs
+# the real models' shapes, grouped-query attention and Qwen2.5's q/k/v biases included (random weights)
 MODELS = {
     "smollm2-135m": dict(
-        n_layer=30, n_embd=576, n_head=9, mlp_hidden=1536, vocab_size=49152, rope_theta=100000.0, block_size=2048
+        n_layer=30,
+        n_embd=576,
+        n_head=9,
+        n_kv_head=3,
+        mlp_hidden=1536,
+        vocab_size=49152,
+        rope_theta=100000.0,
+        block_size=2048,
     ),
     "qwen2.5-0.5b": dict(
-        n_layer=24, n_embd=896, n_head=14, mlp_hidden=4864, vocab_size=151936, rope_theta=1e6, block_size=2048
+        n_layer=24,
+        n_embd=896,
+        n_head=14,
+        n_kv_head=2,
+        qkv_bias=True,
+        mlp_hidden=4864,
+        vocab_size=151936,
+        rope_theta=1e6,
+        block_size=2048,
     ),
 }
 PAIRS = [("bfloat16", "f16"), ("int8", "q8_0"), ("int4", "q4_0"), ("float32", None)]
@@ -84,7 +98,7 @@ with torch.inference_mode():
     out["prefill_ms"] = (time.perf_counter() - t0) * 1000
     list(engine.run())
     for batch in (1, 8):
-        engine = Engine(m.model, max_batch=batch, vocab_size=256)
+        engine = Engine(m.model, max_batch=batch)  # the full head, as llama.cpp computes it
         engine.add_many([ids[:8]] * batch, SamplingParams(temperature=0.0), tokens + 4)
         for _ in range(4):
             engine.step()

@@ -8,7 +8,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from nanogpt_cli.cli import app
-from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams, decode_plan, decode_step
+from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams, decode_plan, decode_step, head_logits
 from nanogpt_cli.model import GPT
 from nanogpt_cli.model.quantize import QuantizedLinear, quantize_linear, quantize_model
 from conftest import tiny_config
@@ -72,7 +72,28 @@ def test_cache_and_decode_step_equal_the_full_forward(kind):
         prefill, _ = model(idx[:, :12], cache=cache.view(0, 3))  # 36 rows: the dequantized path
         plan = decode_plan(model)
         steps = [decode_step(plan, idx[:, t], cache)[:, None] for t in range(12, 16)]  # 3 rows: the kernel
-    torch.testing.assert_close(torch.cat([prefill, *steps], dim=1), full, atol=1e-4, rtol=0)
+        hs = model.hidden_states(idx)  # the full forward's last positions through the decode step's quantized head
+        heads = [head_logits(plan, hs[:, t])[:, None] for t in range(12, 16)]
+    torch.testing.assert_close(prefill, full[:, :12], atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat(steps, dim=1), torch.cat(heads, dim=1), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind, tol", [("int8", 0.02), ("int4", 0.25)])
+@pytest.mark.parametrize("vocab", [None, 50])  # 50: not a multiple of 16, int4's padded rows cut off
+def test_the_decode_steps_quantized_head_stays_close_to_the_float_head(kind, tol, vocab):
+    model = quantized(kind)
+    plan = decode_plan(model, vocab)
+    assert plan.head_q is not None and plan.head_q.kind == kind
+    assert model.lm_head.weight is model.transformer.wte.weight  # the model's own head and embedding stay float
+    h = torch.randn(3, 64)
+    with torch.inference_mode():
+        got = head_logits(plan, h)  # 3 rows: the packed kernel
+        ref = torch.nn.functional.linear(h, plan.head)
+        many = head_logits(plan, h.repeat(12, 1))  # 36 rows: the float head
+    assert got.shape == ref.shape == (3, vocab or 61) and got.is_contiguous()
+    assert 0 < (got - ref).abs().max().item() <= tol * ref.abs().max().item()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.6
+    torch.testing.assert_close(many, ref.repeat(12, 1))
 
 
 @pytest.mark.parametrize("kind", KINDS)

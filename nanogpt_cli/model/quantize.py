@@ -5,8 +5,10 @@ are stored in 8 or 4 bits, which is what a CPU decode step is bound by: the byte
 
     quantize_model(model, "int4", group_size=32)   # in place, after GPT.cast; the model is for inference only
 
-The token embedding and the head stay in the model's dtype: the embedding is a lookup, not a matmul, and a tied
-head shares its tensor with it (SmolLM2, Qwen2.5); there is no packed kernel for a gather.
+The token embedding and the model's own lm_head stay in the model's dtype: the embedding is a lookup, not a matmul,
+and a tied head shares its tensor with it (SmolLM2, Qwen2.5); there is no packed kernel for a gather. The decode
+step reads a quantized copy of the head instead (quantize_head, built by the engine's decode_plan): at batch 1 the
+head is the biggest matmul left once the blocks are quantized.
 """
 
 from __future__ import annotations
@@ -139,5 +141,20 @@ def quantize_model(model: nn.Module, kind: str, group_size: int = 32) -> nn.Modu
                 parent_name, _, attr = name.rpartition(".")
                 parent = block.get_submodule(parent_name) if parent_name else block
                 setattr(parent, attr, quantize_linear(module, kind, group_size))
-    model.quantized = kind
+    model.quantized, model.quant_group_size = kind, group_size  # what decode_plan quantizes the head with
     return model
+
+
+def quantize_head(head: torch.Tensor, kind: str, group_size: int) -> QuantizedLinear:
+    """A packed copy of the head (V, C) for the few rows of a decode step only (it is never dequantized: its caller
+    multiplies PREFILL_ROWS rows or more by the float head). The int4 kernel takes a multiple of 16 rows, so the
+    vocabulary is padded with zero rows there: the caller cuts the logits back to head.size(0)."""
+    w = head.detach()
+    if kind == "int8":
+        return QuantizedLinear.int8(*quantize_int8(w))
+    pad = -w.size(0) % 16
+    if pad:
+        w = torch.cat([w, w.new_zeros(pad, w.size(1))])
+    m = QuantizedLinear.int4(*quantize_int4(w, group_size), group_size)
+    del m.nibbles  # the prefill's plain copy of the values, which this copy never reads: V x C / 2 bytes saved
+    return m
