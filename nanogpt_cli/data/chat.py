@@ -82,8 +82,9 @@ class ChatRows:
     bad: list[tuple[int, str]]
 
 
-def read_chat_lines(lines, strict: bool = False) -> ChatRows:
-    """Parse JSON lines into conversations; a bad row is counted (or, with strict, raises naming its line)."""
+def read_json_lines(lines, normalise, strict: bool = False) -> tuple[list[tuple[Any, int]], list[tuple[int, str]]]:
+    """(normalise(row), line number) for each usable JSON line, and the bad ones (line number, reason): a row
+    normalise refuses with BadRow is counted, or with strict raises naming its line. Blank lines are skipped."""
     good, bad = [], []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -93,12 +94,18 @@ def read_chat_lines(lines, strict: bool = False) -> ChatRows:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise BadRow(f"not valid JSON ({e.msg})") from None
-            good.append(conversation(row))
+            good.append((normalise(row), n))
         except BadRow as e:
             if strict:
                 raise NanoGPTError(f"line {n}: {e}") from None
             bad.append((n, str(e)))
-    return ChatRows(good, bad)
+    return good, bad
+
+
+def read_chat_lines(lines, strict: bool = False) -> ChatRows:
+    """Parse JSON lines into conversations; a bad row is counted (or, with strict, raises naming its line)."""
+    good, bad = read_json_lines(lines, conversation, strict)
+    return ChatRows([c for c, _ in good], bad)
 
 
 @dataclass

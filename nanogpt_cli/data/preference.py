@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import NanoGPTError
-from .chat import BadRow, conversation
+from .chat import BadRow, conversation, read_json_lines
 from .chat_template import DEFAULT_TEMPLATE, EOT, ChatTemplate
 
 KINDS = ("preference", "prompts")
@@ -124,23 +124,8 @@ class RowsPrepareResult:
 
 
 def read_rows(lines, kind: str, strict: bool = False) -> tuple[list[tuple[dict, Any]], list[tuple[int, str]]]:
-    """(normalised row, original) for each usable line, and the bad ones (line number, reason)."""
-    normalise = preference_pair if kind == "preference" else prompt_row
-    good, bad = [], []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise BadRow(f"not valid JSON ({e.msg})") from None
-            good.append((normalise(row), n))
-        except BadRow as e:
-            if strict:
-                raise NanoGPTError(f"line {n}: {e}") from None
-            bad.append((n, str(e)))
-    return good, bad
+    """(normalised row, line number) for each usable line, and the bad ones (line number, reason)."""
+    return read_json_lines(lines, preference_pair if kind == "preference" else prompt_row, strict)
 
 
 def prepare_rows(
