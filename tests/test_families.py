@@ -428,3 +428,125 @@ def test_a_run_started_from_a_family_exports_back_to_it(tmp_path):
     args = ["export", str(run), "--last", "--format", "hf", "--out", str(tmp_path / "e")]  # the resumed step's
     assert (r := runner.invoke(app, args)).exit_code == 0, r.output
     assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "e")).__name__ == "Qwen2ForCausalLM"
+
+
+# --- LoRA on imported models, exported for peft ----------------------------------------------------------------
+
+CHATS = [
+    [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5"}],
+    [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Reverse abc."},
+        {"role": "assistant", "content": "cba"},
+    ],
+]
+
+CHATML_MARKED = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.mark.parametrize("name", ["llama3.2", "qwen2.5"])  # a Llama with grouped-query attention; q/k/v biases
+def test_a_lora_run_on_an_imported_model_loads_onto_the_original_with_peft(name, tmp_path):
+    """finetune --init-from the folder --lora on its own chat template, then export --format peft --base the
+    folder: peft's adapter on transformers' original model gives our fine-tuned model's logits."""
+    peft = pytest.importorskip("peft")
+    from nanogpt_cli.data.chat import prepare_chat
+    from nanogpt_cli.interop.loading import load_lora
+    from nanogpt_cli.lora import LoRAConfig
+    from nanogpt_cli.runs.checkpoint import read_metadata
+    from nanogpt_cli.training.finetune import plan_finetune
+    from nanogpt_cli.training.trainer import Trainer
+
+    folder = tmp_path / "hf"
+    random_model(name, folder)
+    src = tmp_path / "chats.jsonl"
+    src.write_text("\n".join(json.dumps({"messages": CHATS[i % 2]}) for i in range(40)) + "\n", encoding="utf-8")
+    template = tmp_path / "chatml.jinja"  # the folder's ChatML with the assistant's words marked for the loss
+    template.write_text(CHATML_MARKED, encoding="utf-8")
+    prepared = prepare_chat(
+        str(src), "chats", data_dir=str(tmp_path / "data"), tokenizer=str(folder), chat_template=str(template)
+    )
+    assert prepared.trained_tokens > 0
+    values = dict(data="chats", data_dir=str(tmp_path / "data"), dtype="float32", device="cpu", max_iters=4)
+    values.update(eval_interval=4, eval_iters=1, batch_size=4, warmup_iters=0, learning_rate=3e-2)
+    lora = LoRAConfig(r=4, alpha=8, dropout=0.1, targets=("all",))
+    job = plan_finetune(values, out=tmp_path / "lora", init_from=str(folder), lora=lora)
+    Trainer(job.plan, trainable=job.trainable).fit()
+    run = tmp_path / "lora"
+    export(run, "peft", tmp_path / "adapter", base=folder)
+
+    original = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    tuned = peft.PeftModel.from_pretrained(original, tmp_path / "adapter").eval()
+    ours, _ = load_lora(run / "model.safetensors", read_metadata(run / "model.safetensors"), merge=False)
+    idx = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        theirs = tuned(idx).logits
+        diff = (ours.eval()(idx)[0] - theirs).abs().max().item()
+        assert diff <= 1e-5, f"{name}: {diff}"
+        with tuned.disable_adapter():  # and the adapter matters: the original alone differs
+            moved = (theirs - tuned(idx).logits).abs().max().item()
+        assert moved > 1e-3, f"{name}: the adapter moved the logits by {moved}"
+
+
+# --- chat, serve and eval straight on a family folder and on a llama.cpp GGUF ------------------------------------
+
+
+def run_cli(*args: str, stdin: str | None = None) -> str:
+    """The command's output; its exit code must be 0."""
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    result = CliRunner().invoke(app, list(args), input=stdin)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def served_completion(source: Path, prompt: str, n: int) -> str:
+    """One greedy completion from `nanogpt serve SOURCE` on 127.0.0.1 (port 0), through the openai client."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from test_serve import Live
+
+    from nanogpt_cli.serve import ServeOptions
+
+    live = Live(ServeOptions(source=str(source), port=0, device="cpu", dtype="float32"))
+    try:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        name = client.models.list().data[0].id
+        return client.completions.create(model=name, prompt=prompt, max_tokens=n, temperature=0).choices[0].text
+    finally:
+        live.stop()
+
+
+def test_chat_serve_and_eval_run_on_a_qwen2_folder_and_a_llama_cpp_gguf(tmp_path):
+    """sample, chat (one turn through stdin), serve (one completion) and eval perplexity take the folder and the
+    converter's .gguf of the same weights: greedy text equal to sample's, the same perplexity from both (on a text
+    file: a dataset prepared with the folder's tokenizer.json is refused for the .gguf, whose tokenizer is rebuilt
+    from tokenizer.ggml.*)."""
+    from nanogpt_cli.inference.chat import ChatSession
+    from nanogpt_cli.inference.sample import SampleSettings
+
+    ref = random_model("qwen2.5", tmp_path / "hf")
+    write_converter_gguf(ref, tmp_path / "hf", "qwen2", tmp_path / "model.gguf")
+    text = tmp_path / "text.txt"
+    text.write_text("Hello world, the king and queen. café 🙂\n" * 100, encoding="utf-8")
+    cpu = ("--device", "cpu", "--dtype", "float32")
+    perplexities, replies = [], []
+    for source in (str(tmp_path / "hf"), str(tmp_path / "model.gguf")):
+        sampled = run_cli(
+            "sample", "--checkpoint", source, "--prompt", "Hello", "--temperature", "0", *cpu, "--max-new-tokens", "8"
+        )
+        assert sampled.startswith("Hello") and served_completion(Path(source), "Hello", 8) == sampled[5:-1]
+        out = run_cli("chat", source, "--temperature", "0", "--max-new-tokens", "6", *cpu, stdin="hi there\n/exit\n")
+        session = ChatSession.load(source, SampleSettings(temperature=0.0), max_new_tokens=6, device="cpu")
+        replies.append("".join(session.ask("hi there")))
+        assert out == replies[-1] + "\n", out
+        args = ["eval", "perplexity", "--checkpoint", source, "--input", str(text), "--json", *cpu]  # one tokenizer
+        perplexities.append(json.loads(run_cli(*args))["perplexity"])
+    assert replies[0] == replies[1]
+    assert perplexities[0] == pytest.approx(perplexities[1], rel=1e-5) and perplexities[0] > 1.0

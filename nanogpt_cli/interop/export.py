@@ -279,12 +279,13 @@ def export_peft(path: Path, meta: dict[str, Any], base: Path, out: Path, force: 
 
     transformers = hf.require("transformers")
     model, plain = load_lora(path, meta, merge=False)
-    kind = hf.hf_kind(model.config)
+    family = meta.get(hf.FAMILY_KEY)  # a run started from a Qwen2 folder compares with a Qwen2, not a Llama
+    kind = hf.hf_kind(model.config, family)
     if not hf.is_hf_source(base) or str(base).startswith("hf:"):
         raise NanoGPTError(f"--base {base} is not a Hugging Face model folder; export the base with --format hf")
     with hf.quiet_transformers():
         theirs = transformers.AutoModelForCausalLM.from_pretrained(str(base), local_files_only=True).state_dict()
-    ours = hf.to_hf(plain).state_dict()
+    ours = hf.to_hf(plain, prefer=family).state_dict()
     if any(k not in theirs or not _same(theirs[k], t) for k, t in ours.items()):
         raise NanoGPTError(
             f"--base {base} is not the Hugging Face export of this run's base ({meta['base']['source']}); "
