@@ -41,6 +41,30 @@ def test_mask_covers_assistant_content_and_its_end_token():
     assert tok.decode(ids[mask == 0]) == "user: What is 2+3?<|endoftext|>assistant:"
 
 
+CHATML_NO_BLOCKS = (  # a model's own template, as most are: no {% generation %} blocks
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_a_template_without_generation_blocks_trains_on_each_reply_and_its_end():
+    tok = build_tokenizer("byte")
+    ids, mask = ChatTemplate(CHATML_NO_BLOCKS).tokens_and_mask(CONVERSATIONS[1], tok)
+    trained = [tok.decode(ids[a:b].tolist()) for a, b in _runs(mask)]
+    assert trained == ["cba<|im_end|>\n", "zyx, done.\nBye<|im_end|>\n"]
+    assert tok.decode(ids.tolist()) == ChatTemplate(CHATML_NO_BLOCKS).render(CONVERSATIONS[1], False)
+    # a template whose turns render differently once the conversation goes on cannot be split: one sentence
+    shifting = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if not add_generation_prompt %}!{% endif %}"
+    with pytest.raises(NanoGPTError, match="generation %} blocks"):
+        ChatTemplate(shifting).tokens_and_mask(CONVERSATIONS[1], tok)
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """(start, stop) of each run of ones."""
+    edges = np.diff(np.concatenate([[0], mask.astype(int), [0]]))
+    return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)))
+
+
 def test_byte_tokenizer_spells_the_end_marker():
     tok = build_tokenizer("byte")
     ids, mask = ChatTemplate().tokens_and_mask(CONVERSATIONS[0], tok)

@@ -19,6 +19,7 @@ fine-tuned gets, with stop texts where it would start writing the next turn itse
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
@@ -169,11 +170,34 @@ class ChatTemplate:
         encoded on its own, so no token straddles the mask's edge."""
         ids: list[int] = []
         mask: list[int] = []
-        for text, trained in self._spans(messages, False):
+        has_blocks = re.search(r"{%-?\s*generation\s*-?%}", self.source) is not None
+        for text, trained in self._spans(messages, False) if has_blocks else self._reply_spans(messages):
             new = encode(text, tokenizer)
             ids += new
             mask += [int(trained)] * len(new)
         return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
+
+    def _reply_spans(self, messages: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+        """The parts of a conversation rendered by a template without generation blocks (most models' own): an
+        assistant turn is what rendering up to it adds after rendering up to the turn before it with the
+        generation prompt, as each such rendering must start the whole one."""
+        whole = self.render(messages, False)
+        parts, done = [], 0
+        for i, message in enumerate(messages):
+            if message.get("role") != "assistant":
+                continue
+            before, turn = self.render(messages[:i], True), self.render(messages[: i + 1], False)
+            start, end = len(before), len(turn)
+            if not (whole.startswith(turn) and turn.startswith(before)) or start < done:
+                raise NanoGPTError(
+                    "this chat template renders a conversation's first turns differently from the whole, so the "
+                    "assistant's tokens cannot be told apart; give it {% generation %} blocks, or pass another "
+                    "--chat-template"
+                )
+            parts += [(whole[done:start], False), (whole[start:end], True)]
+            done = end
+        parts.append((whole[done:], False))
+        return [(t, trained) for t, trained in parts if t]
 
     def _spans(self, messages, add_generation_prompt: bool, tools: list | None = None) -> list[tuple[str, bool]]:
         """The rendered text in parts, each with whether it is inside a generation block."""
