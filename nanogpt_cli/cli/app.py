@@ -56,7 +56,7 @@ app.add_typer(
     invoke_without_command=True,
 )
 app.command(short_help="Train a GPT on a prepared dataset, with resumable checkpoints.")(train.train)
-app.command(short_help="Fine-tune trained weights: all of them, or LoRA adapters.")(train.finetune)
+app.command(short_help="Fine-tune trained weights (SFT, DPO or GRPO), in full or with LoRA.")(train.finetune)
 app.command(short_help="Generate text from a trained model.")(generate.sample)
 app.command(short_help="Talk to a model in the terminal.")(generate.chat)
 app.add_typer(
