@@ -150,10 +150,9 @@ def llama_shaped(c: GPTConfig, family: str) -> str | None:
     return None
 
 
-def llama_config_in(c, family: str) -> dict[str, Any]:
-    """Our fields for the parts every Llama-like transformers config shares (Llama, Mistral, Qwen2, Qwen3)."""
-    if c.hidden_act != "silu":
-        raise unsupported("hidden_act", c.hidden_act, family)
+def shape_in(c) -> dict[str, Any]:
+    """Our size fields of a Llama-like transformers config (vocabulary, context, layers, heads, widths), with
+    n_kv_head and head_dim left at their defaults where the config's equal them."""
     head_dim = head_dim_of(c)
     return dict(
         vocab_size=c.vocab_size,
@@ -163,6 +162,15 @@ def llama_config_in(c, family: str) -> dict[str, Any]:
         n_embd=c.hidden_size,
         n_kv_head=c.num_key_value_heads if c.num_key_value_heads != c.num_attention_heads else None,
         head_dim=head_dim if head_dim * c.num_attention_heads != c.hidden_size else None,
+    )
+
+
+def llama_config_in(c, family: str) -> dict[str, Any]:
+    """Our fields for the parts every Llama-like transformers config shares (Llama, Mistral, Qwen2, Qwen3)."""
+    if c.hidden_act != "silu":
+        raise unsupported("hidden_act", c.hidden_act, family)
+    return dict(
+        **shape_in(c),
         pos_encoding="rope",
         rope_theta=rope_theta(c),
         **rope_scaling_from_hf(c),

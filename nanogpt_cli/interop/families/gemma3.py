@@ -15,6 +15,7 @@ from nanogpt_cli.interop.families.base import (
     head_dim_of,
     require,
     rope_params,
+    shape_in,
     unsupported,
 )
 
@@ -70,13 +71,7 @@ def config_in(c, biases: Biases) -> GPTConfig:
     theta, local_theta = _thetas(c)
     local = "sliding_attention" in c.layer_types
     return GPTConfig(
-        vocab_size=c.vocab_size,
-        block_size=c.max_position_embeddings,
-        n_layer=c.num_hidden_layers,
-        n_head=c.num_attention_heads,
-        n_embd=c.hidden_size,
-        n_kv_head=c.num_key_value_heads if c.num_key_value_heads != c.num_attention_heads else None,
-        head_dim=head_dim if head_dim * c.num_attention_heads != c.hidden_size else None,
+        **shape_in(c),
         bias=False,
         pos_encoding="rope",
         rope_theta=theta,
