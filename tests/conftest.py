@@ -142,3 +142,33 @@ def tiny_plan(data_dir: Path, name: str, run_dir: Path, **overrides):
         **overrides,
     }
     return plan_run(flags, out=run_dir)
+
+
+def check_rows_apart(model, steps: int, chunk: tuple[int, int] | None = None):
+    """Rows of 3, 7 and 1 tokens in one KV cache (one slot spare) decode `steps` tokens together, each at its own
+    position, and each step's logits equal the full forward of that row alone; with chunk (start, stop), the rows
+    then take those columns of their tokens as one chunk each, with the same check. Returns the cache."""
+    import torch
+
+    from nanogpt_cli.inference.engine import KVCache, decode_plan, decode_step
+
+    lengths = [3, 7, 1]
+    idx = torch.randint(0, 61, (3, 16))
+    with torch.inference_mode():
+        cache = KVCache(model, 4)  # one slot more than used: the step runs on the first three
+        for r, n in enumerate(lengths):
+            model(idx[r : r + 1, :n], cache=cache.view(r, r + 1))
+        plan = decode_plan(model)
+        for step in range(steps):
+            cols = [n + step for n in lengths]
+            got = decode_step(plan, idx[torch.arange(3), cols], cache, 3)
+            for r, c in enumerate(cols):
+                expected, _ = model(idx[r : r + 1, : c + 1])
+                torch.testing.assert_close(got[r], expected[0, -1], atol=1e-5, rtol=0)
+        if chunk is not None:
+            a, b = chunk
+            got, _ = model(idx[:, a:b], cache=cache.view(0, 3))  # several tokens per row, each at its own position
+            for r, c in enumerate(cols):
+                expected, _ = model(torch.cat([idx[r : r + 1, : c + 1], idx[r : r + 1, a:b]], dim=1))
+                torch.testing.assert_close(got[r], expected[0, -(b - a) :], atol=1e-5, rtol=0)
+    return cache

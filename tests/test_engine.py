@@ -18,6 +18,7 @@ from nanogpt_cli.inference.engine import (
     process_logits,
 )
 from nanogpt_cli.model import GPT
+from conftest import check_rows_apart
 from conftest import tiny_config as tiny
 
 POS = ["rope", "sinusoidal", "learned"]
@@ -93,26 +94,8 @@ def test_cached_forward_and_decode_step_equal_the_full_forward(kw):
 
 @pytest.mark.parametrize("kw", SWEEP)
 def test_rows_at_different_positions_each_decode_what_they_would_alone(kw):
-    model = swept(kw)
-    lengths = [3, 7, 1]
-    idx = torch.randint(0, 61, (3, 16))
-    with torch.inference_mode():
-        cache = KVCache(model, 4)  # one slot more than used: the step runs on the first three
-        for r, n in enumerate(lengths):
-            model(idx[r : r + 1, :n], cache=cache.view(r, r + 1))
-        plan = decode_plan(model)
-        for step in range(6):
-            cols = [n + step for n in lengths]
-            got = decode_step(plan, idx[torch.arange(3), cols], cache, 3)
-            for r, c in enumerate(cols):
-                expected, _ = model(idx[r : r + 1, : c + 1])
-                torch.testing.assert_close(got[r], expected[0, -1], atol=1e-5, rtol=0)
-        # rows at different positions take a chunk of several tokens each, together: each row's own logits
-        chunk, _ = model(idx[:, 9:12], cache=cache.view(0, 3))
-        for r, c in enumerate(cols):
-            expected, _ = model(torch.cat([idx[r : r + 1, : c + 1], idx[r : r + 1, 9:12]], dim=1))
-            torch.testing.assert_close(chunk[r], expected[0, -3:], atol=1e-5, rtol=0)
-    assert cache.pos[:3] == [n + 6 + 3 for n in lengths]
+    cache = check_rows_apart(swept(kw), steps=6, chunk=(9, 12))
+    assert cache.pos[:3] == [n + 6 + 3 for n in (3, 7, 1)]
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=OPTION_IDS)

@@ -14,6 +14,7 @@ from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams, decode_plan, decode_step
 from nanogpt_cli.inspect.attention import attention_forward
 from nanogpt_cli.model import GPT, Block, Context, activation, apply_rope, rope_tables
+from conftest import check_rows_apart
 from conftest import tiny_config as tiny
 
 SETTINGS = {
@@ -76,23 +77,7 @@ def test_the_kv_cache_and_decode_step_equal_the_full_forward(name):
 
 @pytest.mark.parametrize("name", list(SETTINGS))
 def test_rows_at_different_positions_decode_what_they_would_alone(name):
-    model = model_with(SETTINGS[name])
-    lengths = [3, 7, 1]
-    idx = torch.randint(0, 61, (3, 16))
-    with torch.inference_mode():
-        cache = KVCache(model, 4)
-        for r, n in enumerate(lengths):
-            model(idx[r : r + 1, :n], cache=cache.view(r, r + 1))
-        plan = decode_plan(model)
-        for step in range(6):
-            cols = [n + step for n in lengths]
-            got = decode_step(plan, idx[torch.arange(3), cols], cache, 3)
-            for r, c in enumerate(cols):
-                torch.testing.assert_close(got[r], model(idx[r : r + 1, : c + 1])[0][0, -1], atol=1e-5, rtol=0)
-        chunk, _ = model(idx[:, 12:15], cache=cache.view(0, 3))  # several tokens per row, each at its own position
-        for r, c in enumerate(cols):
-            expected, _ = model(torch.cat([idx[r : r + 1, : c + 1], idx[r : r + 1, 12:15]], dim=1))
-            torch.testing.assert_close(chunk[r], expected[0, -3:], atol=1e-5, rtol=0)
+    check_rows_apart(model_with(SETTINGS[name]), steps=6, chunk=(12, 15))
 
 
 @pytest.mark.parametrize("name", COMBOS + ["window"])

@@ -19,7 +19,7 @@ from nanogpt_cli.inference.engine import Engine, KVCache, decode_plan, decode_st
 from nanogpt_cli.inspect.attention import attention_forward
 from nanogpt_cli.lora import LoRAConfig, add_lora, merge_lora
 from nanogpt_cli.model import GPT, rope_inv_freq, rope_tables
-from conftest import tiny_config, tiny_plan
+from conftest import check_rows_apart, tiny_config, tiny_plan
 
 LLAMA = dict(norm="rmsnorm", mlp="swiglu")
 SETTINGS = {  # each setting alone, then the combinations the small open models use
@@ -68,20 +68,7 @@ def test_cached_forward_and_decode_steps_equal_the_full_forward(kw):
 
 @pytest.mark.parametrize("kw", SWEEP)
 def test_rows_at_different_positions_decode_what_they_would_alone(kw):
-    model = swept(kw)
-    lengths = [3, 7, 1]
-    idx = torch.randint(0, 61, (3, 16))
-    with torch.inference_mode():
-        cache = KVCache(model, 4)
-        for r, n in enumerate(lengths):
-            model(idx[r : r + 1, :n], cache=cache.view(r, r + 1))
-        plan = decode_plan(model)
-        for step in range(5):
-            cols = [n + step for n in lengths]
-            got = decode_step(plan, idx[torch.arange(3), cols], cache, 3)
-            for r, c in enumerate(cols):
-                expected, _ = model(idx[r : r + 1, : c + 1])
-                torch.testing.assert_close(got[r], expected[0, -1], atol=1e-5, rtol=0)
+    check_rows_apart(swept(kw), steps=5)
 
 
 @pytest.mark.parametrize("kw", SWEEP)
