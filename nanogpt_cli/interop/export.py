@@ -91,7 +91,8 @@ def export(
         origin = origin_of(source, meta)
         family = meta.get(hf.FAMILY_KEY)
         return export_hf(model, meta["tokenizer"], Path(out), force, origin, template, tokenizer, family)
-    return export_gguf(model, meta["tokenizer"], Path(out), force, quant or "f32", template, tokenizer)
+    family = meta.get(hf.FAMILY_KEY)
+    return export_gguf(model, meta["tokenizer"], Path(out), force, quant or "f32", template, tokenizer, family)
 
 
 def load_source(source: str | Path, last: bool = False) -> tuple[GPT, dict[str, Any]]:
@@ -338,29 +339,32 @@ def export_gguf(
     quant: str = "f32",
     chat_template: str | None = None,
     tokenizer=None,
+    family: str | None = None,
 ) -> ExportResult:
     """Write one GGUF file (see gguf_file.py) with float32, float16 or quantized matrices, and the run's chat
-    template as tokenizer.chat_template; tokenizer: the HFTokenizer a Hugging Face description needs."""
+    template as tokenizer.chat_template; tokenizer: the HFTokenizer a Hugging Face description needs; family: the
+    Hugging Face family the model came from, whose llama.cpp architecture it keeps."""
     from nanogpt_cli.interop import gguf_file
 
     hf.require("gguf")
     if quant not in gguf_file.QUANTS:
         raise NanoGPTError(f"--quant must be one of {', '.join(gguf_file.QUANTS)}, got {quant!r}")
-    arch = gguf_file.gguf_arch(model.config)  # refusals first: nothing is written before every check has passed
+    # refusals first: nothing is written before every check has passed
+    arch, layout = gguf_file.gguf_target(model.config, family)
     gguf_file.gguf_vocabulary(desc, model.config.vocab_size, hf.require("gguf"), tokenizer)
     if out.suffix != ".gguf":
         raise NanoGPTError(f"--out for --format gguf is a file ending in .gguf, got {out}")
     _check_target(out, force)
     tmp = _staging(out)
     try:
-        gguf_file.write_gguf(model, desc, tmp, quant, chat_template, tokenizer)
+        gguf_file.write_gguf(model, desc, tmp, quant, chat_template, tokenizer, family)
         size = tmp.stat().st_size
         _replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     # the size of the same file in float32: its size less the tensors as written plus the tensors at 4 bytes a value
     gguf = hf.require("gguf")
-    tensors = gguf_file.gguf_tensors(model, arch)
+    tensors = gguf_file.gguf_tensors(model, layout)
 
     def padded(n: int) -> int:  # each tensor starts on a 32-byte boundary
         return gguf.GGUFWriter.ggml_pad(n, gguf.GGUF_DEFAULT_ALIGNMENT)

@@ -28,7 +28,14 @@ import numpy as np
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop import hf
-from nanogpt_cli.interop.families import FAMILIES
+from nanogpt_cli.interop.families import FAMILIES, GGUF_FAMILIES
+from nanogpt_cli.interop.families.gguf_base import (
+    LAYERNORM_GGUF_BLOCK,
+    LAYERNORM_GGUF_TOP,
+    GGUFLayout,
+    common_keys_out,
+    gelu_refuses,
+)
 from nanogpt_cli.model import GPT, rope_inv_freq
 
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # --quant: what gguf's writer can produce
@@ -36,38 +43,62 @@ CONFIG_KEY, TOKENIZER_KEY = "nanogpt.config", "nanogpt.tokenizer"
 TOKENIZER_JSON_KEY = "nanogpt.tokenizer_json"  # a Hugging Face tokenizer's file, as text: the GGUF is one file
 # our trained BPE's split patterns -> the llama.cpp pre-tokenizer that splits with the same regex
 PRE_TOKENIZERS = {"gpt2": "gpt-2", "gpt4": "llama-bpe", "gpt4o": "gpt-4o"}
-RMS_ARCHS = ("llama", "qwen3")  # RMSNorm, SwiGLU, no biases but q/k/v's; only llama's q/k rows are reordered
 
 
-def gguf_arch(c: GPTConfig) -> str:
-    """llama, gpt2 or starcoder2: the llama.cpp architecture that computes this config exactly; else one sentence
-    naming the flags to change."""
+def gguf_target(c: GPTConfig, family: str | None = None) -> tuple[str, GGUFLayout]:
+    """The llama.cpp architecture that computes this config exactly, and how the model sits in it: the family's
+    (`family`: the one the model came from, kept when it holds the config, as in `hf.hf_kind`); else one sentence
+    naming the flags to change. Our own default block (RoPE on the whole head, LayerNorm, tanh GELU, one residual
+    after the other) goes out as starcoder2, as it always has; a GPT-NeoX or Pythia model as gptneox."""
     try:
-        kind = hf.hf_kind(c)
+        kind = hf.hf_kind(c, prefer=family)
     except NanoGPTError as e:
         raise NanoGPTError(f"GGUF export needs a model llama.cpp computes exactly: {e}") from None
-    if kind == "qwen3":  # llama.cpp's qwen3: Llama's tensors plus attn_q_norm / attn_k_norm, NeoX-order RoPE
-        if c.bias or c.attn_bias:
-            raise NanoGPTError("GGUF export of a Qwen3-shaped model needs --no-bias and no --qkv-bias")
-        return "qwen3"
-    if kind not in ("gpt2", "llama", "gpt_neox"):
+    arch, layout = FAMILIES[kind].gguf_arch, FAMILIES[kind].gguf
+    if kind == "gpt_neox" and family != "gpt_neox" and not c.parallel_residual and c.rotary_dim is None:
+        arch, layout = "starcoder2", STARCODER2
+    why = layout.refuses(c)
+    if why is not None:
+        raise NanoGPTError(why)
+    return arch, layout
+
+
+def gguf_arch(c: GPTConfig, family: str | None = None) -> str:
+    """gguf_target's architecture name."""
+    return gguf_target(c, family)[0]
+
+
+def layout_of(arch: str, path) -> GGUFLayout:
+    """How a file of llama.cpp's `arch` holds our model, or one sentence naming the architectures nanogpt reads."""
+    if arch == "starcoder2":
+        return STARCODER2
+    if arch not in GGUF_FAMILIES:
         raise NanoGPTError(
-            f"GGUF export writes llama, qwen3, gpt2 and starcoder2 models; a {hf.ARCHS[kind][3]}-shaped model "
-            f"(llama.cpp's {FAMILIES[kind].gguf_arch}) does not convert"
+            f"{path} holds a {arch!r} model; nanogpt reads llama.cpp's {', '.join(GGUF_FAMILIES)} GGUF files"
         )
-    if kind in ("gpt2", "gpt_neox") and c.mlp != "gelu_tanh":
-        raise NanoGPTError(
-            "llama.cpp computes GELU with the tanh approximation: GGUF export of a model with "
-            "LayerNorm and GELU needs --mlp gelu_tanh (or --norm rmsnorm --mlp swiglu --no-bias)"
-        )
-    if kind == "gpt_neox" and (c.parallel_residual or c.rotary_dim is not None):
-        raise NanoGPTError(
-            "GGUF export writes a GPT-NeoX-shaped model as starcoder2, which has neither --parallel-residual nor "
-            "--rotary-dim: train without them to export to GGUF"
-        )
-    if kind == "llama" and c.bias:  # llama.cpp's Llama has optional q, k, v biases (--qkv-bias), not the others
-        raise NanoGPTError("GGUF export of a Llama-shaped model needs --no-bias (--qkv-bias may stay)")
-    return "starcoder2" if kind == "gpt_neox" else kind
+    return FAMILIES[GGUF_FAMILIES[arch]].gguf
+
+
+def _starcoder2_keys(writer, c: GPTConfig) -> None:
+    common_keys_out(writer, c)
+    writer.add_head_count_kv(c.kv_heads)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_rope_dimension_count(c.head_size)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_layer_norm_eps(c.norm_eps)
+
+
+# llama.cpp's starcoder2: RoPE on the whole head, LayerNorm, tanh GELU, q, k and v apart; every bias required
+STARCODER2 = GGUFLayout(
+    top=LAYERNORM_GGUF_TOP,
+    block={
+        **LAYERNORM_GGUF_BLOCK,
+        "attn.c_attn.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+        "attn.c_attn.bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    },
+    keys_out=_starcoder2_keys,
+    refuses=gelu_refuses,
+)
 
 
 def gguf_vocabulary(desc: dict[str, Any], vocab_size: int, gguf, tokenizer=None) -> dict[str, Any]:
@@ -215,20 +246,25 @@ def write_gguf(
     quant: str = "f32",
     chat_template: str | None = None,
     tokenizer=None,
+    family: str | None = None,
 ) -> None:
-    """Write the model to `path` (checks first: a refusal writes nothing); a chat template goes in as
-    tokenizer.chat_template, without the generation tags llama.cpp does not know. A Hugging Face tokenizer
-    (`tokenizer`) goes in as llama.cpp's vocabulary and as its tokenizer.json's text (TOKENIZER_JSON_KEY), and its
-    end-of-turn ids as llama.cpp's end-of-text token."""
+    """Write the model to `path` (checks first: a refusal writes nothing) in the architecture of its family
+    (`family`: the one it came from; gguf_target); a chat template goes in as tokenizer.chat_template, without the
+    generation tags llama.cpp does not know. A Hugging Face tokenizer (`tokenizer`) goes in as llama.cpp's vocabulary
+    and as its tokenizer.json's text (TOKENIZER_JSON_KEY), and its end-of-turn ids as llama.cpp's end-of-text
+    token."""
     gguf = hf.require("gguf")
     if quant not in QUANTS:
         raise NanoGPTError(f"--quant must be one of {', '.join(QUANTS)}, got {quant!r}")
     c = model.config
-    arch = gguf_arch(c)
+    arch, layout = gguf_target(c, family)
     vocab = gguf_vocabulary(desc, c.vocab_size, gguf, tokenizer)
-    tensors = gguf_tensors(model, arch, gguf)
+    tensors = gguf_tensors(model, layout)
     writer = _writer_class(gguf)(str(path), arch)
-    _metadata(writer, c, arch, quant, gguf)
+    writer.add_name("nanogpt")
+    layout.keys_out(writer, c)
+    file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16"}.get(quant, f"MOSTLY_{quant.upper()}")
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
     writer.add_tokenizer_model(vocab["model"])
     writer.add_tokenizer_pre(vocab["pre"])
     writer.add_token_list(vocab["tokens"])
@@ -281,36 +317,6 @@ def _writer_class(gguf):
     return Writer
 
 
-def _metadata(writer, c: GPTConfig, arch: str, quant: str, gguf) -> None:
-    writer.add_name("nanogpt")
-    writer.add_context_length(c.block_size)
-    writer.add_embedding_length(c.n_embd)
-    writer.add_block_count(c.n_layer)
-    writer.add_feed_forward_length(c.hidden_size)
-    writer.add_head_count(c.n_head)
-    file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16"}.get(quant, f"MOSTLY_{quant.upper()}")
-    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
-    if arch in ("llama", "qwen3", "starcoder2"):
-        writer.add_head_count_kv(c.kv_heads)
-        writer.add_rope_freq_base(c.rope_theta)
-        writer.add_rope_dimension_count(c.head_size)
-        writer.add_vocab_size(c.vocab_size)
-        if c.head_size * c.n_head != c.n_embd:  # llama.cpp takes n_embd / n_head unless told
-            writer.add_key_length(c.head_size)
-            writer.add_value_length(c.head_size)
-    if c.rope_scaling in ("linear", "yarn"):  # llama3's scaling goes in the rope_freqs tensor (gguf_tensors)
-        writer.add_rope_scaling_type(getattr(gguf.RopeScalingType, str(c.rope_scaling).upper()))
-        writer.add_rope_scaling_factor(c.rope_factor)
-    if c.rope_scaling == "yarn":  # llama.cpp applies YaRN's attention temperature itself
-        writer.add_rope_scaling_orig_ctx_len(c.rope_context)
-        writer.add_rope_scaling_yarn_beta_fast(c.rope_beta_fast)
-        writer.add_rope_scaling_yarn_beta_slow(c.rope_beta_slow)
-    if arch in RMS_ARCHS:
-        writer.add_layer_norm_rms_eps(c.norm_eps)
-    else:
-        writer.add_layer_norm_eps(c.norm_eps)
-
-
 def rope_freq_factors(c: GPTConfig) -> np.ndarray:
     """What llama.cpp divides each of RoPE's frequencies by: the plain frequency over the scaled one. (hs/2,)"""
     plain, scaled = rope_inv_freq(c.head_size, c.rope_theta), rope_inv_freq(c.head_size, c.rope_theta, c)
@@ -330,41 +336,6 @@ def _quantize(tensor: np.ndarray, quant: str, gguf):
     return gguf.quants.quantize(tensor, qtype), qtype
 
 
-def _llama_rope_order(w, n_head: int, inverse: bool = False):
-    """llama.cpp's Llama rotates interleaved pairs (x[2i], x[2i+1]); we and transformers rotate (x[i], x[i+hs/2]).
-    Reorder each head's rows of q and k so the two compute the same (the permutation llama.cpp's converter does);
-    `inverse` undoes it."""
-    rows = w.shape[0]
-    split = (n_head, rows // n_head // 2, 2) if inverse else (n_head, 2, rows // n_head // 2)
-    return w.reshape(*split, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _block_names(arch: str, c: GPTConfig) -> dict[str, tuple[str, ...]]:
-    """Our block tensor -> the GGUF tensors it is cut into, in order along dim 0 (one name: the same tensor)."""
-    names = {
-        "ln_1.weight": ("attn_norm",),
-        "attn.c_proj.weight": ("attn_output",),
-        "ln_2.weight": ("ffn_norm",),
-        "mlp.c_proj.weight": ("ffn_down",),
-    }
-    if arch == "gpt2":
-        names.update({"attn.c_attn.weight": ("attn_qkv",), "mlp.c_fc.weight": ("ffn_up",)})
-    else:
-        names.update(
-            {
-                "attn.c_attn.weight": ("attn_q", "attn_k", "attn_v"),
-                "mlp.c_fc.weight": ("ffn_gate", "ffn_up") if arch in RMS_ARCHS else ("ffn_up",),
-            }
-        )
-    if arch == "qwen3":
-        names.update({"attn.q_norm.weight": ("attn_q_norm",), "attn.k_norm.weight": ("attn_k_norm",)})
-    if arch not in RMS_ARCHS:  # every linear and norm of llama.cpp's gpt2 and starcoder2 has a bias
-        names.update({k.replace(".weight", ".bias"): v for k, v in list(names.items())})
-    elif c.attn_bias:
-        names["attn.c_attn.bias"] = ("attn_q", "attn_k", "attn_v")
-    return names
-
-
 def _parts(c: GPTConfig, ours: str, theirs: tuple[str, ...]) -> list[int] | int:
     """Where one of our fused tensors splits into its GGUF tensors along dim 0: q, k, v by their heads (grouped-query
     attention has fewer key/value heads), others in equal parts."""
@@ -374,45 +345,53 @@ def _parts(c: GPTConfig, ours: str, theirs: tuple[str, ...]) -> list[int] | int:
     return len(theirs)
 
 
-def _rope_heads(c: GPTConfig, name: str) -> int:
-    """Heads of a GGUF q or k tensor, which llama.cpp's pair order permutes head by head."""
-    return c.n_head if name == "attn_q" else c.kv_heads
+def _groups(layout: GGUFLayout, c: GPTConfig):
+    """(llama.cpp's prefix, ours, names) for the tensors outside the blocks, then for each block."""
+    yield "", "", layout.top
+    for i in range(c.n_layer):
+        yield f"blk.{i}.", f"transformer.h.{i}.", layout.block
 
 
-def gguf_tensors(model: GPT, arch: str, gguf=None) -> dict[str, np.ndarray]:
-    """GGUF tensor name -> float32 numpy array. A model without biases gets zero biases where llama.cpp wants them."""
+def gguf_tensors(model: GPT, layout: GGUFLayout) -> dict[str, np.ndarray]:
+    """GGUF tensor name -> float32 numpy array, in `layout`'s names and order of rows. A bias the model lacks is
+    written as zeros where llama.cpp's loader requires it."""
     c = model.config
     sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
-    if arch == "gpt2":
-        sd["transformer.wpe.weight"] = (
-            (model.pos_table if c.pos_encoding == "sinusoidal" else model.transformer.wpe.weight)
-            .detach()
-            .float()
-            .cpu()
-            .numpy()
-        )
-    out = {"token_embd.weight": sd["transformer.wte.weight"]}
-    if arch == "gpt2":
-        out["position_embd.weight"] = sd["transformer.wpe.weight"]
+    if c.pos_encoding == "sinusoidal":  # llama.cpp's gpt2 reads the table as learned positions
+        sd["transformer.wpe.weight"] = model.pos_table.detach().float().cpu().numpy()
+    out: dict[str, np.ndarray] = {}
     if c.rope_scaling == "llama3":
         # llama.cpp divides each RoPE frequency by its factor here (as its converter writes Llama 3.1's)
         out["rope_freqs.weight"] = rope_freq_factors(c)
-    for i in range(c.n_layer):
-        p = f"transformer.h.{i}."
-        for ours, theirs in _block_names(arch, c).items():
-            weight = sd.get(p + ours)
-            if weight is None:  # a bias the model does not have
-                weight = np.zeros(sd[p + ours.replace(".bias", ".weight")].shape[0], dtype=np.float32)
-            for name, part in zip(theirs, np.split(weight, _parts(c, ours, theirs), axis=0)):
-                if arch == "llama" and name in ("attn_q", "attn_k"):
-                    part = _llama_rope_order(part, _rope_heads(c, name))
-                out[f"blk.{i}.{name}.{ours.rsplit('.', 1)[1]}"] = part
-    out["output_norm.weight"] = sd["transformer.ln_f.weight"]
-    if arch not in RMS_ARCHS:
-        out["output_norm.bias"] = sd.get("transformer.ln_f.bias", np.zeros(c.n_embd, dtype=np.float32))
     # the head is written even when tied: readers that do not re-tie (transformers' GGUF loader) still find it
-    out["output.weight"] = sd["lm_head.weight"]
+    for prefix, p, table in _groups(layout, c):
+        for ours, theirs in table.items():
+            parts = theirs if isinstance(theirs, tuple) else (theirs,)
+            weight = sd.get(p + ours)
+            if weight is None:
+                if ours in layout.optional or not ours.endswith(".bias"):
+                    continue  # a tensor llama.cpp can do without (refuses() checked the others)
+                weight = np.zeros(sd[p + ours.replace(".bias", ".weight")].shape[0], dtype=np.float32)
+            for name, part in zip(parts, np.split(weight, _parts(c, ours, parts), axis=0)):
+                out[prefix + name] = layout.to_theirs(prefix + name, part, c)
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def gguf_state(layout: GGUFLayout, c: GPTConfig, get, names) -> dict[str, np.ndarray]:
+    """Our tensors, for those of `names` (our state dict's) whose every part `get(llama.cpp's name)` returns (an
+    array, or None when it has none): the reverse of gguf_tensors. Rows only move, so raw quantized rows pass."""
+    ours: dict[str, np.ndarray] = {}
+    for prefix, p, table in _groups(layout, c):
+        for name, theirs in table.items():
+            parts = theirs if isinstance(theirs, tuple) else (theirs,)
+            if p + name not in names:
+                continue
+            arrays = [get(prefix + part) for part in parts]
+            if any(a is None for a in arrays):
+                continue
+            moved = [layout.to_ours(prefix + part, a, c) for part, a in zip(parts, arrays)]
+            ours[p + name] = moved[0] if len(moved) == 1 else np.concatenate(moved, axis=0)
+    return ours
 
 
 # --- reading a file we wrote --------------------------------------------------------------------------------
@@ -448,11 +427,14 @@ def _meta(reader, path) -> dict[str, Any]:
     from nanogpt_cli.hf_tokenizer import TOKENIZER_TEXT
 
     extra = {TOKENIZER_TEXT: fields[TOKENIZER_JSON_KEY].contents()} if TOKENIZER_JSON_KEY in fields else {}
+    arch = fields["general.architecture"].contents()
+    if arch in GGUF_FAMILIES:  # its export prefers that family again (a Qwen2 stays Qwen2, not Llama with biases)
+        extra[hf.FAMILY_KEY] = GGUF_FAMILIES[arch]
     return {
         **extra,
         "config": json.loads(fields[CONFIG_KEY].contents()),
         "tokenizer": json.loads(fields[TOKENIZER_KEY].contents()),
-        "architecture": fields["general.architecture"].contents(),
+        "architecture": arch,
         "file_type": int(file_type),
         "source": str(path),
         "format": "gguf",
@@ -477,7 +459,7 @@ def read_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
         config = GPTConfig.from_dict(meta["config"])
     except (TypeError, ValueError) as e:
         raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None
-    arch = gguf_arch(config)
+    layout = layout_of(meta["architecture"], path)
     direct = GGUF_FORMS.get(quantize) if quantize == "int8" or group_size == 32 else None
     raw = {t.name: t.data for t in reader.tensors if t.tensor_type.name == direct and t.name.startswith("blk.")}
     tensors = {
@@ -489,31 +471,15 @@ def read_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
     }
     model = GPT(config)
     sd = model.state_dict()
-    ours: dict[str, np.ndarray] = {
-        "transformer.wte.weight": tensors["token_embd.weight"],
-        "transformer.ln_f.weight": tensors["output_norm.weight"],
-    }
-    if not config.tie_embeddings:
-        ours["lm_head.weight"] = tensors["output.weight"]
-    if "transformer.wpe.weight" in sd:
-        ours["transformer.wpe.weight"] = tensors["position_embd.weight"]
-    if "transformer.ln_f.bias" in sd:
-        ours["transformer.ln_f.bias"] = tensors["output_norm.bias"]
-    packed: dict[str, np.ndarray] = {}  # our matrix -> its raw blocks, for gguf_blocks
-    for i in range(config.n_layer):
-        for name, theirs in _block_names(arch, config).items():
-            if f"transformer.h.{i}.{name}" not in sd:
-                continue  # zero biases llama.cpp wanted
-            suffix = name.rsplit(".", 1)[1]
-            keys = [f"blk.{i}.{t}.{suffix}" for t in theirs]
-            whole = all(k in raw for k in keys)  # else the parts that are blocks are dequantized after all
-            parts = [raw[k] if whole else tensors.get(k, _dequantized(raw.get(k), direct, gguf)) for k in keys]
-            if arch == "llama" and len(parts) == 3:  # a permutation of rows: the same on raw blocks
-                parts[:2] = [
-                    _llama_rope_order(p, _rope_heads(config, t), inverse=True) for p, t in zip(parts[:2], theirs)
-                ]
-            target = packed if whole else ours
-            target[f"transformer.h.{i}.{name}"] = np.concatenate(parts, axis=0)
+    names = set(sd) - ({"lm_head.weight"} if config.tie_embeddings else set())
+    # a matrix whose parts are all raw blocks loads as they are (gguf_blocks); the others are dequantized
+    matrices = {k for k in names if k.startswith("transformer.h.") and k.endswith(".weight")}
+    packed = gguf_state(layout, config, raw.get, matrices)
+    floats = lambda name: tensors[name] if name in tensors else _dequantized(raw.get(name), direct, gguf)  # noqa: E731
+    ours = gguf_state(layout, config, floats, names - packed.keys())
+    missing = sorted(names - packed.keys() - ours.keys())
+    if missing:
+        raise NanoGPTError(f"{path} has no tensor for our {missing[0]}")
     with torch.no_grad():
         for name, value in ours.items():
             if tuple(sd[name].shape) != value.shape:

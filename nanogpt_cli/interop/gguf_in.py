@@ -4,7 +4,8 @@ transformers and we rotate), and the tokenizer rebuilt as a tokenizer.json from 
 
     model, meta = read_any_gguf("model.gguf")   # ours (gguf_file.read_gguf) or llama.cpp's converter's
 
-Architectures: llama (Llama, SmolLM2, TinyLlama, Mistral), qwen2, qwen3, gemma3. Tokenizers: byte-level BPE
+Architectures (each family's GGUF layout, families/): llama (Llama, SmolLM2, TinyLlama, Mistral), qwen2, qwen3,
+gemma3, gpt2 and gptneox (Pythia). Tokenizers: byte-level BPE
 (tokenizer.ggml.model gpt2, with merges and a pre-tokenizer llama.cpp names) and SentencePiece-style BPE with byte
 fallback (llama, with scores; the merges are derived from the scores as transformers' converter does).
 """
@@ -19,23 +20,8 @@ import numpy as np
 
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.interop.families import FAMILIES, GGUF_FAMILIES
 from nanogpt_cli.model import GPT
-
-ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}  # llama.cpp's -> family
-BLOCK = {  # ours <- llama.cpp's, per block (a tuple: concatenated along dim 0)
-    "ln_1.weight": "attn_norm.weight",
-    "attn.c_attn.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
-    "attn.c_attn.bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
-    "attn.c_proj.weight": "attn_output.weight",
-    "attn.q_norm.weight": "attn_q_norm.weight",
-    "attn.k_norm.weight": "attn_k_norm.weight",
-    "post_ln_1.weight": "post_attention_norm.weight",
-    "ln_2.weight": "ffn_norm.weight",
-    "mlp.c_fc.weight": ("ffn_gate.weight", "ffn_up.weight"),
-    "mlp.c_proj.weight": "ffn_down.weight",
-    "post_ln_2.weight": "post_ffw_norm.weight",
-}
-GEMMA3_PATTERN, GEMMA3_LOCAL_THETA = "LLLLLG", 10000.0  # what llama.cpp assumes for gemma3 when the file is silent
 
 
 def _reader(path: str | Path):
@@ -78,12 +64,24 @@ def read_llama_cpp_gguf(reader, path: str | Path) -> tuple[GPT, dict[str, Any]]:
     """Our model (float32) and metadata from a GGUF file in llama.cpp's converter layout."""
     import torch
 
+    from nanogpt_cli.interop.gguf_file import gguf_state
+
     arch = _arch(reader, path)
     tensors = _tensors(reader)
     config = _config(reader, arch, {k: v.shape for k, v in tensors.items()}, path)
     model = GPT(config)
     sd = model.state_dict()
-    ours = _weights(arch, config, tensors, sd.keys())
+    used: set[str] = {"rope_freqs.weight"}  # read into the config
+
+    def get(name: str) -> np.ndarray | None:
+        used.add(name)
+        return tensors.get(name)
+
+    names = set(sd) - ({"lm_head.weight"} if config.tie_embeddings else set())
+    ours = gguf_state(FAMILIES[GGUF_FAMILIES[arch]].gguf, config, get, names)
+    unread = sorted(set(tensors) - used)
+    if unread:
+        raise NanoGPTError(f"{path} holds {unread[0]}, which nanogpt's {arch} has no place for")
     with torch.no_grad():
         for name, target in sd.items():
             value = ours.get(name)
@@ -112,9 +110,10 @@ def read_llama_cpp_meta(reader, path: str | Path) -> dict[str, Any]:
 
 def _arch(reader, path) -> str:
     arch = field(reader, "general.architecture")
-    if arch not in ARCHS:
+    if arch not in GGUF_FAMILIES:
         raise NanoGPTError(
-            f"{path} holds a {arch!r} model; nanogpt reads llama.cpp's {', '.join(ARCHS)} GGUF files and its own"
+            f"{path} holds a {arch!r} model; nanogpt reads llama.cpp's {', '.join(GGUF_FAMILIES)} GGUF files and "
+            "its own"
         )
     return arch
 
@@ -132,7 +131,7 @@ def _meta(reader, arch: str, config: GPTConfig, path) -> dict[str, Any]:
         "source": str(path),
         "format": "gguf",
         "writer": "llama.cpp",
-        "hf_family": ARCHS[arch],
+        "hf_family": GGUF_FAMILIES[arch],
     }
     if tok.chat_template:
         meta["chat_template"] = tok.chat_template
@@ -152,64 +151,24 @@ def _tensors(reader) -> dict[str, np.ndarray]:
 
 
 def _config(reader, arch: str, tensors: dict[str, tuple[int, ...]], path) -> GPTConfig:
-    """Our config from the `ARCH.*` keys and the tensors' shapes; a value without a counterpart is one sentence."""
-
-    def key(name: str, default: Any = None) -> Any:
-        return field(reader, f"{arch}.{name}", default)
-
-    n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
-    kv = key("attention.head_count_kv", n_head)
-    if isinstance(kv, list):
-        raise NanoGPTError(
-            f"{path}: {arch}.attention.head_count_kv varies by layer, which nanogpt has no counterpart for"
-        )
-    head_dim = int(key("attention.key_length", n_embd // n_head))
-    rotary = key("rope.dimension_count", head_dim)
-    if rotary != head_dim:
-        raise NanoGPTError(f"{path}: {arch}.rope.dimension_count = {rotary} (of {head_dim}) has no counterpart here")
-    if "blk.0.attn_output.bias" in tensors or "blk.0.ffn_down.bias" in tensors:
-        raise NanoGPTError(f"{path}: biases on attn_output or the MLP have no counterpart for {arch} here")
-    gemma = arch == "gemma3"
-    fields: dict[str, Any] = dict(
-        vocab_size=tensors["token_embd.weight"][0],
-        block_size=int(key("context_length")),
-        n_layer=int(key("block_count")),
-        n_head=n_head,
-        n_embd=n_embd,
-        n_kv_head=int(kv) if kv != n_head else None,
-        head_dim=head_dim if head_dim * n_head != n_embd else None,
-        bias=False,
-        qkv_bias=True if "blk.0.attn_q.bias" in tensors else None,
-        pos_encoding="rope",
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        norm="rmsnorm",
-        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        mlp="geglu" if gemma else "swiglu",
-        mlp_hidden=int(key("feed_forward_length")),
-        tie_embeddings="output.weight" not in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        **_rope_scaling(reader, arch, tensors, head_dim, path),
-    )
-    if gemma:
-        window = key("attention.sliding_window")
-        fields.update(
-            embed_scale=True,
-            norm_offset=True,
-            post_norms=True,
-            sliding_window=int(window) if window else None,
-            window_pattern=GEMMA3_PATTERN if window else None,
-            rope_local_theta=GEMMA3_LOCAL_THETA if window else None,
-            logit_softcap=key("final_logit_softcapping"),
-        )
+    """Our config from the `ARCH.*` keys and the tensors' shapes (the family's GGUF layout reads them); a value
+    without a counterpart is one sentence."""
     from nanogpt_cli.interop.families.base import default_width
+    from nanogpt_cli.interop.families.gguf_base import Keys
 
+    keys = Keys(arch, {k: field(reader, k) for k in reader.fields if k.startswith(f"{arch}.")})
     try:
+        fields = FAMILIES[GGUF_FAMILIES[arch]].gguf.config_in(keys, tensors)
+        if fields.get("pos_encoding") == "rope":
+            fields.update(
+                _rope_scaling(reader, arch, tensors, fields.get("head_dim") or fields["n_embd"] // fields["n_head"])
+            )
         return default_width(GPTConfig(**fields))
-    except ValueError as e:
+    except (NanoGPTError, ValueError) as e:
         raise NanoGPTError(f"{path}: {e}") from None
 
 
-def _rope_scaling(reader, arch: str, tensors: dict[str, tuple[int, ...]], head_dim: int, path) -> dict[str, Any]:
+def _rope_scaling(reader, arch: str, tensors: dict[str, tuple[int, ...]], head_dim: int) -> dict[str, Any]:
     """Our rope_* fields: linear and YaRN from `rope.scaling.*`, Llama 3's from the rope_freqs tensor (its factors
     must be what the standard Llama 3 settings give, which is what the converter writes)."""
     kind = field(reader, f"{arch}.rope.scaling.type", "none")
@@ -219,9 +178,9 @@ def _rope_scaling(reader, arch: str, tensors: dict[str, tuple[int, ...]], head_d
         if kind == "yarn":
             out["rope_original_context"] = int(field(reader, f"{arch}.rope.scaling.original_context_length"))
     elif kind != "none":
-        raise NanoGPTError(f"{path}: {arch}.rope.scaling.type = {kind!r} has no counterpart here")
+        raise NanoGPTError(f"{arch}.rope.scaling.type = {kind!r} has no counterpart here")
     if "rope_freqs.weight" in tensors:
-        out = _llama3_scaling(_rope_freqs(reader), reader, arch, head_dim, path)
+        out = _llama3_scaling(_rope_freqs(reader), reader, arch, head_dim)
     return out
 
 
@@ -232,7 +191,7 @@ def _rope_freqs(reader) -> np.ndarray:
     return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
 
 
-def _llama3_scaling(factors: np.ndarray, reader, arch: str, head_dim: int, path) -> dict[str, Any]:
+def _llama3_scaling(factors: np.ndarray, reader, arch: str, head_dim: int) -> dict[str, Any]:
     from nanogpt_cli.model import rope_inv_freq
 
     theta = float(field(reader, f"{arch}.rope.freq_base", 10000.0))
@@ -244,38 +203,7 @@ def _llama3_scaling(factors: np.ndarray, reader, arch: str, head_dim: int, path)
         scaled = rope_inv_freq(head_dim, theta, config)
         if np.allclose((rope_inv_freq(head_dim, theta) / scaled).numpy(), factors, rtol=1e-5, atol=0):
             return c
-    raise NanoGPTError(f"{path}: rope_freqs.weight holds factors that no Llama 3 RoPE scaling nanogpt knows gives")
-
-
-def _weights(arch: str, config: GPTConfig, tensors: dict[str, np.ndarray], names) -> dict[str, np.ndarray]:
-    """Our state-dict tensors from llama.cpp's, for the names our model has."""
-    from nanogpt_cli.interop.gguf_file import _llama_rope_order
-
-    ours = {
-        "transformer.wte.weight": tensors["token_embd.weight"],
-        "transformer.ln_f.weight": tensors["output_norm.weight"],
-    }
-    if "output.weight" in tensors:
-        ours["lm_head.weight"] = tensors["output.weight"]
-    heads = {"attn_q": config.n_head, "attn_k": config.kv_heads}
-    for i in range(config.n_layer):
-        for name, theirs in BLOCK.items():
-            parts = theirs if isinstance(theirs, tuple) else (theirs,)
-            if f"transformer.h.{i}.{name}" not in names or f"blk.{i}.{parts[0]}" not in tensors:
-                continue
-            arrays = []
-            for part in parts:
-                t = tensors[f"blk.{i}.{part}"]
-                stem = part.split(".")[0]
-                if arch == "llama" and stem in heads:  # the converter's pair order for llama.cpp's rotation
-                    t = _llama_rope_order(t, heads[stem], inverse=True)
-                arrays.append(t)
-            ours[f"transformer.h.{i}.{name}"] = np.concatenate(arrays, axis=0)
-    if arch == "gemma3":  # the converter stores Gemma's norm gains as 1 + w
-        for name in ours:
-            if "ln_" in name or name.endswith("_norm.weight"):
-                ours[name] = ours[name] - 1.0
-    return ours
+    raise NanoGPTError("rope_freqs.weight holds factors that no Llama 3 RoPE scaling nanogpt knows gives")
 
 
 def gguf_tokenizer(reader, path):
