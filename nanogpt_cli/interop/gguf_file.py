@@ -4,11 +4,12 @@ our model.
 
     write_gguf(model, tokenizer_desc, Path("shk.gguf"), quant="q8_0");  model, meta = read_gguf("shk.gguf")
 
-Architectures (`gguf_arch`): llama (RoPE, RMSNorm, SwiGLU, no biases), qwen3 (the same with QK-norm), gpt2
-(learned or sinusoidal positions, LayerNorm, tanh GELU) and starcoder2 (RoPE on the whole head, LayerNorm, tanh
-GELU: our default config). llama.cpp computes GELU with the tanh approximation only, so a model trained with the
-exact GELU (--mlp gelu) is refused rather than run slightly differently. Files llama.cpp's converter wrote are
-read by gguf_in.py, which hands ours to this module.
+Architectures (`gguf_target`): the one llama.cpp's converter writes for the model's Hugging Face family (the
+family it came from, or the one that computes its config: `hf.hf_kind`), laid out as the family's GGUF record says
+(families/gguf_base.py): llama, qwen2, qwen3, gemma3, gpt2 and gptneox; our own default block (RoPE on the whole
+head, LayerNorm, tanh GELU) goes out as starcoder2. llama.cpp computes GELU with the tanh approximation only, so a
+model trained with the exact GELU (--mlp gelu) is refused rather than run slightly differently. Files llama.cpp's
+converter wrote are read by gguf_in.py, which hands ours to this module.
 
 Tokenizers: gpt2, byte, char (characters of one UTF-8 byte) and trained BPEs (gpt2, gpt4 and gpt4o patterns), all
 as llama.cpp's byte-level BPE ("gpt2" model): tokens spelled in GPT-2's byte alphabet in id order, merges derived
