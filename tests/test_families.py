@@ -570,7 +570,7 @@ def test_gguf_export_refuses_what_llama_cpps_architecture_cannot_compute(name, c
 
 def test_a_run_started_from_a_family_exports_back_to_it(tmp_path):
     """train --init-from a Qwen2.5 folder, resumed once: the run's export is Qwen2ForCausalLM again (a Llama with
-    attention_bias would compute the same, but is not the model the user started from)."""
+    attention_bias would compute the same, but is not the model the user started from), and llama.cpp's qwen2."""
     from typer.testing import CliRunner
 
     from nanogpt_cli.cli import app
@@ -590,6 +590,10 @@ def test_a_run_started_from_a_family_exports_back_to_it(tmp_path):
     args = ["export", str(run), "--last", "--format", "hf", "--out", str(tmp_path / "e")]  # the resumed step's
     assert (r := runner.invoke(app, args)).exit_code == 0, r.output
     assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "e")).__name__ == "Qwen2ForCausalLM"
+    args = ["export", str(run), "--format", "gguf", "--out", str(tmp_path / "e.gguf")]  # and llama.cpp's qwen2
+    assert (r := runner.invoke(app, args)).exit_code == 0, r.output
+    gguf = pytest.importorskip("gguf")
+    assert gguf.GGUFReader(str(tmp_path / "e.gguf")).fields["general.architecture"].contents() == "qwen2"
 
 
 # --- LoRA on imported models, exported for peft ----------------------------------------------------------------
