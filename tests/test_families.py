@@ -452,6 +452,15 @@ def test_a_quantized_llama_cpp_gguf_loads_as_the_gguf_package_dequantizes_it(nam
     assert result.exit_code == 0, result.output
 
 
+def test_a_llama_cpp_gguf_with_a_tensor_its_architecture_has_no_place_for_is_refused(tmp_path):
+    """Qwen2's q/k/v biases in a file that says qwen3 (whose llama.cpp loader has none): one sentence, not a model
+    that silently drops them."""
+    ref = random_model("qwen2.5", tmp_path / "hf")
+    write_converter_gguf(ref, tmp_path / "hf", "qwen3", tmp_path / "model.gguf")
+    with pytest.raises(NanoGPTError, match=r"holds blk\.0\.attn_k\.bias, which nanogpt's qwen3 has no place for"):
+        load_model(tmp_path / "model.gguf")
+
+
 # the byte offsets of the fp16 scales in one block of each type gguf.quants dequantizes but cannot quantize
 SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 SCALES |= {"IQ4_NL": (0,), "IQ4_XS": (0,), "TQ2_0": (64,)}
