@@ -362,8 +362,9 @@ def run_hub_commands(commands: list[Command], env: dict[str, str]) -> list[Comma
 @pytest.mark.slow
 def test_the_readme_examples_run_as_written_and_print_what_it_shows(tmp_path):
     """The examples run one after another in a fresh folder: every nanogpt command as written (train with the
-    tiny preset), torchrun's on the CPU. The set-up chain is left out (it installs, then trains for minutes).
-    Each command must succeed and print the first line the README shows (numbers aside)."""
+    tiny preset), torchrun's on the CPU, the open model's on a tiny model of its form in an offline Hugging Face
+    cache (run_hub_commands). The set-up chain is left out (it installs, then trains for minutes). Each command
+    must succeed and print the first line the README shows (numbers aside)."""
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"
