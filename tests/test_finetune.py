@@ -237,9 +237,14 @@ def test_cli_finetune(chat_data, base_run, tmp_path):
 
 
 def test_hf_base_offline_is_one_sentence(chat_data, tmp_path, no_network, monkeypatch):
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the switch and the cache's place once, when first imported
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     data_dir, name = chat_data
-    with pytest.raises(NanoGPTError, match="could not load hf:gpt2") as e:
+    with pytest.raises(NanoGPTError, match="hf:gpt2 is not in the Hugging Face cache .* HF_HUB_OFFLINE") as e:
         plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "x", init_from="hf:gpt2")
     assert "\n" not in str(e.value)
 
