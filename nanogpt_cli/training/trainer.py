@@ -411,14 +411,16 @@ class Trainer:
         world.barrier()  # every rank has planned (looked at the run folder) before rank 0 changes it
         dtype = self._prepare_device()
         self.show.on_status("loading the data")
+        # windows of --seq-len tokens (default: the model's context); evaluation reads the same
         batches = Batches(
-            Path(cfg.data_dir), cfg.data, plan.model.block_size, cfg.batch_size, world.device, cfg.seed, cfg.loss_mask
-        )
+            Path(cfg.data_dir), cfg.data, plan.seq_len, cfg.batch_size, world.device, cfg.seed, cfg.loss_mask,
+            plan.length_flag,
+        )  # fmt: skip
         eval_sets, eval_counted = self._eval_sets(batches)
         self.show.on_status("building the model")
         saved = self.run_dir.restore() if plan.resume else None
         model = self._build_model(saved)
-        params, flops_per_token = model.num_params(), model.flops_per_token()  # before FSDP shards it
+        params, flops_per_token = model.num_params(), model.flops_per_token(plan.seq_len)  # before FSDP shards it
         world.seed_dropout(cfg.seed)
         wrapped = world.wrap(model, cfg.parallel, dtype)
         optimizer = make_optimizer(model, cfg, world.device)  # FSDP has sharded the parameters in place
@@ -429,7 +431,7 @@ class Trainer:
             self._write_config(state, fresh=not saved)
         compiled = torch.compile(wrapped) if cfg.compile else wrapped
         peak = peak_flops(world.device, dtype)
-        tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * plan.model.block_size  # all ranks'
+        tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * plan.seq_len  # all ranks'
         self.show.on_start(
             RunStarted(
                 step=state.step,
