@@ -667,6 +667,44 @@ def test_a_lora_run_on_an_imported_model_loads_onto_the_original_with_peft(name,
         assert moved > 1e-3, f"{name}: the adapter moved the logits by {moved}"
 
 
+def test_a_converted_models_long_context_trains_at_seq_len_1024_unless_given_and_exports_whole(tmp_path):
+    """finetune --init-from a SmolLM2-shaped folder whose context is 2,048 tokens: without --seq-len it trains
+    sequences of 1,024 and says so; a given --seq-len is kept, the whole context included (no note); a run trained at
+    16 keeps the model's context, and its exports write max_position_embeddings (GGUF: context_length) 2,048."""
+    from nanogpt_cli.data.chat import prepare_chat
+    from nanogpt_cli.lora import LoRAConfig
+    from nanogpt_cli.training.finetune import plan_finetune
+    from nanogpt_cli.training.trainer import Trainer
+
+    folder = tmp_path / "hf"
+    random_model("smollm2", folder, max_position_embeddings=2048)
+    src, template = tmp_path / "chats.jsonl", tmp_path / "chatml.jinja"
+    src.write_text("\n".join(json.dumps({"messages": CHATS[i % 2]}) for i in range(40)) + "\n", encoding="utf-8")
+    template.write_text(CHATML_MARKED, encoding="utf-8")
+    prepare_chat(str(src), "chats", data_dir=str(tmp_path / "data"), tokenizer=str(folder), chat_template=str(template))
+    values = dict(data="chats", data_dir=str(tmp_path / "data"), dtype="float32", device="cpu", max_iters=2)
+    values.update(eval_interval=2, eval_iters=1, batch_size=2, warmup_iters=0)
+    run, lora = tmp_path / "run", LoRAConfig(r=2)
+    default = plan_finetune(values, out=run, init_from=str(folder), lora=lora).plan
+    assert default.seq_len == 1024 and default.model.block_size == 2048
+    assert [n for n in default.notes if n.startswith("--seq-len")] == [
+        "--seq-len 1024: training sequences of 1,024 tokens, the default for a converted model; it keeps its context "
+        "of 2,048 (give --seq-len 2048 to train at all of it)"
+    ]
+    whole = plan_finetune({**values, "seq_len": 2048}, out=run, init_from=str(folder), lora=lora).plan
+    assert whole.seq_len == 2048 and not [n for n in whole.notes if "--seq-len" in n]
+    short = plan_finetune({**values, "seq_len": 16}, out=run, init_from=str(folder), lora=lora)
+    trainer = Trainer(short.plan, trainable=short.trainable)
+    trainer.fit()
+    assert trainer.parts.batches.get_batch("train")[0].shape == (2, 16)
+    assert load_model(run)[0].config.block_size == 2048
+    export(run, "hf", tmp_path / "e", merge=True)
+    assert json.loads((tmp_path / "e" / "config.json").read_text())["max_position_embeddings"] == 2048
+    gguf = pytest.importorskip("gguf")
+    export(run, "gguf", tmp_path / "e.gguf", merge=True)
+    assert gguf.GGUFReader(str(tmp_path / "e.gguf")).fields["llama.context_length"].contents() == 2048
+
+
 # --- chat, serve and eval straight on a family folder and on a llama.cpp GGUF ------------------------------------
 
 

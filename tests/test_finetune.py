@@ -301,3 +301,72 @@ def test_a_lora_run_is_a_base_too(chat_data, base_run, tmp_path):
     again = plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "second", resume=True)
     Trainer(again.plan, trainable=again.trainable).fit()  # its base (the first run, merged) loads and checks out
     assert load_model(tmp_path / "second")[1]["step"] == 6
+
+
+def test_seq_len_trains_on_windows_of_that_length_and_the_model_keeps_its_context(chat_data, base_run, tmp_path):
+    """--seq-len 16 on a base whose context is 32: every batch trained and evaluated on is 16 tokens long, the tokens
+    counted are those, and the run's model keeps the context of 32."""
+    from nanogpt_cli.interop.loading import load_model
+    from nanogpt_cli.training.events import NoDisplay
+
+    class Start(NoDisplay):
+        def on_start(self, event):
+            self.started = event
+
+    job, _ = finetune_run(chat_data, base_run, tmp_path / "short", LoRAConfig(r=2), seq_len=16, max_iters=3)
+    shown = Start()
+    trainer = Trainer(job.plan, shown, trainable=job.trainable)
+    result = trainer.fit()
+    parts, B = trainer.parts, job.plan.train.batch_size
+    assert parts.batches.get_batch("train")[0].shape == (B, 16)
+    assert {tuple(x.shape) for split in parts.eval_sets.values() for x, _ in split} == {(B, 16)}
+    assert shown.started.tokens_per_iter == B * 16 and result.tokens == 3 * B * 16
+    assert parts.flops_per_token == parts.model.flops_per_token(16) < parts.model.flops_per_token()
+    config = json.loads((tmp_path / "short" / "config.json").read_text())
+    assert config["train"]["seq_len"] == 16 and config["model"]["block_size"] == 32
+    merged, _ = load_model(tmp_path / "short")
+    assert merged.config.block_size == 32
+
+
+def test_seq_len_longer_than_the_context_is_one_sentence(chat_data, base_run, tmp_path):
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    with pytest.raises(NanoGPTError, match=r"--seq-len 64 is longer than the context of .* \(--block-size 32\)") as e:
+        finetune_run(chat_data, base_run, tmp_path / "long", seq_len=64)
+    assert "\n" not in str(e.value) and not (tmp_path / "long").exists()
+    data_dir, name = chat_data  # a new model: its own --block-size is the context
+    args = ["train", "--preset", "tiny", "--data", name, "--data-dir", str(data_dir), "--out", str(tmp_path / "new")]
+    r = CliRunner().invoke(app, [*args, "--seq-len", "33"])
+    assert r.exit_code == 1 and "--seq-len 33 is longer than the model's context (--block-size 32)" in r.output
+    r = CliRunner().invoke(app, [*args, "--seq-len", "0"])
+    assert r.exit_code == 1 and "--seq-len must be a positive integer, got 0" in r.output
+
+
+def test_resume_keeps_the_seq_len_and_announces_a_change(chat_data, base_run, tmp_path):
+    out = tmp_path / "run"
+    finetune_run(chat_data, base_run, out, LoRAConfig(r=2), seq_len=16, stop_at=2)[1].fit()
+    data_dir, name = chat_data
+    values = {"data": name, "data_dir": str(data_dir)}
+    job = plan_finetune(values, out=out, resume=True)
+    assert job.plan.seq_len == 16 and not job.plan.changes  # the run's own, unless given
+    trainer = Trainer(job.plan, trainable=job.trainable)
+    result = trainer.fit()
+    assert trainer.parts.batches.get_batch("train")[0].shape[1] == 16 and result.tokens == 6 * 4 * 16
+    longer = plan_finetune({**values, "max_iters": 8, "seq_len": 32}, out=out, resume=True)
+    assert longer.plan.seq_len == 32 and "--seq-len 16 -> 32 from step 6" in map(str, longer.plan.changes)
+    with pytest.raises(NanoGPTError, match=r"--seq-len 40 is longer than the context of .* \(--block-size 32\)"):
+        plan_finetune({**values, "max_iters": 8, "seq_len": 40}, out=out, resume=True)
+
+
+def test_a_run_at_the_whole_context_is_unchanged_by_naming_it(chat_data, base_run, tmp_path):
+    """--seq-len the context is the default's run: the same windows, and on resume no change to announce."""
+    job, _ = finetune_run(chat_data, base_run, tmp_path / "a", max_iters=2, eval_interval=2)
+    named, _ = finetune_run(chat_data, base_run, tmp_path / "b", max_iters=2, eval_interval=2, seq_len=32)
+    assert job.plan.train.seq_len is None and job.plan.seq_len == named.plan.seq_len == 32
+    Trainer(job.plan).fit()
+    data_dir, name = chat_data
+    again = plan_finetune({"data": name, "data_dir": str(data_dir), "max_iters": 3, "seq_len": 32}, out=tmp_path / "a",
+                          resume=True)  # fmt: skip
+    assert [str(c) for c in again.plan.changes] == ["--max-iters 2 -> 3 from step 2"]
