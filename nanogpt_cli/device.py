@@ -80,16 +80,20 @@ TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.bfloat16: torch.bfloat16, Dt
 
 
 def resolve_dtype(
-    name: Dtype, device: torch.device, model: GPTConfig | None = None, rows: int | None = None
+    name: Dtype,
+    device: torch.device,
+    model: GPTConfig | None = None,
+    rows: int | None = None,
+    seq_len: int | None = None,
 ) -> torch.dtype:
     """auto: bf16 where the hardware supports it (CUDA, or a CPU with native bf16: there only for a model and
-    micro-batch of `rows` big enough, see BF16_MIN_FLOPS; without them, bf16), else fp16 on older CUDA GPUs,
-    else fp32."""
+    micro-batch of `rows` sequences of `seq_len` tokens, default the context, big enough, see BF16_MIN_FLOPS;
+    without them, bf16), else fp16 on older CUDA GPUs, else fp32."""
     if name == Dtype.auto:
         if device.type == "cuda":
             return cuda_auto_dtype(torch.cuda.get_device_capability(device))
         if device.type == "cpu" and cpu_has_bf16():
-            small = model is not None and update_flops(model, rows or 1) < BF16_MIN_FLOPS
+            small = model is not None and update_flops(model, rows or 1, seq_len) < BF16_MIN_FLOPS
             return torch.float32 if small else torch.bfloat16
         return torch.float32
     # float16 runs anywhere: torch's autocast and GradScaler work on the CPU too (slowly), so the path that
@@ -105,12 +109,13 @@ def resolve_dtype(
 BF16_MIN_FLOPS = 200e6
 
 
-def update_flops(model: GPTConfig, rows: int) -> float:
-    """Training FLOPs of the matmuls (6 per weight per token) of one micro-batch of `rows` full windows."""
+def update_flops(model: GPTConfig, rows: int, seq_len: int | None = None) -> float:
+    """Training FLOPs of the matmuls (6 per weight per token) of one micro-batch of `rows` windows of `seq_len`
+    tokens (default: the context)."""
     C = model.n_embd
     mlp = (3 if model.gated else 2) * C * model.hidden_size
     weights = model.n_layer * (4 * C * C + mlp) + model.vocab_size * C  # attention, MLP, the LM head
-    return 6.0 * weights * rows * model.block_size
+    return 6.0 * weights * rows * (seq_len or model.block_size)
 
 
 def cuda_auto_dtype(capability: tuple[int, int]) -> torch.dtype:

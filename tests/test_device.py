@@ -61,6 +61,7 @@ def test_auto_on_a_bf16_cpu_trains_small_updates_in_fp32_and_larger_ones_in_bf16
     monkeypatch.setattr(device, "cpu_has_bf16", lambda: True)
     assert resolve_dtype(Dtype.auto, cpu, toy, 8) == resolve_dtype(Dtype.auto, cpu, small, 8) == torch.float32
     assert resolve_dtype(Dtype.auto, cpu, small, 16) == resolve_dtype(Dtype.auto, cpu, cpu_char, 12) == torch.bfloat16
+    assert resolve_dtype(Dtype.auto, cpu, cpu_char, 12, seq_len=2) == torch.float32  # --seq-len: the rows' tokens
     assert resolve_dtype(Dtype.auto, cpu) == torch.bfloat16  # no size given: the hardware decides
     assert resolve_dtype(Dtype.bfloat16, cpu, toy, 8) == torch.bfloat16  # a given dtype is kept
     monkeypatch.setattr(device, "cpu_has_bf16", lambda: False)

@@ -483,7 +483,8 @@ class Trainer:
         elif device.type == "cpu":
             keep_freed_memory()  # activations come from freed memory, not fresh pages, every update
         torch.manual_seed(self.cfg.seed)
-        return resolve_dtype(self.cfg.dtype, device, self.plan.model, self.cfg.batch_size)  # a CPU's auto: by size
+        # a CPU's auto: by the size of a micro-batch
+        return resolve_dtype(self.cfg.dtype, device, self.plan.model, self.cfg.batch_size, self.plan.seq_len)
 
     def _eval_sets(self, batches: Batches) -> tuple[dict[str, list[tuple[torch.Tensor, torch.Tensor]]], int]:
         """Each split's fixed evaluation batches, this rank's share (the losses are summed over ranks), and how
