@@ -5,6 +5,7 @@ adapters, exact resume), full fine-tuning, the masked loss's guard and trained-t
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -306,6 +307,9 @@ def test_a_lora_run_is_a_base_too(chat_data, base_run, tmp_path):
 def test_seq_len_trains_on_windows_of_that_length_and_the_model_keeps_its_context(chat_data, base_run, tmp_path):
     """--seq-len 16 on a base whose context is 32: every batch trained and evaluated on is 16 tokens long, the tokens
     counted are those, and the run's model keeps the context of 32."""
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
     from nanogpt_cli.interop.loading import load_model
     from nanogpt_cli.training.events import NoDisplay
 
@@ -326,6 +330,11 @@ def test_seq_len_trains_on_windows_of_that_length_and_the_model_keeps_its_contex
     assert config["train"]["seq_len"] == 16 and config["model"]["block_size"] == 32
     merged, _ = load_model(tmp_path / "short")
     assert merged.config.block_size == 32
+    runner = CliRunner()
+    shown = json.loads(runner.invoke(app, ["info", str(tmp_path / "short"), "--json"]).output)
+    assert shown["seq_len"] == 16 and shown["model"]["block_size"] == 32
+    table = runner.invoke(app, ["info", str(tmp_path / "short")]).output
+    assert re.search(r"training sequences\s*│\s*16 tokens \(--seq-len\)", table), table
 
 
 def test_seq_len_longer_than_the_context_is_one_sentence(chat_data, base_run, tmp_path):
