@@ -37,6 +37,7 @@ from nanogpt_cli.device import (
     resolve_dtype,
 )
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.lora import hold_frozen
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
 from nanogpt_cli.runs.rundir import RunDir, SavePoint, Saver
@@ -419,6 +420,8 @@ class Trainer:
         saved = self.run_dir.restore() if plan.resume else None
         model = self._build_model(saved)
         params, flops_per_token = model.num_params(), model.flops_per_token()  # before FSDP shards it
+        if dtype != torch.float32 and not (world.size > 1 and cfg.parallel == "fsdp"):  # FSDP shards one dtype
+            hold_frozen(model, dtype)  # a LoRA run's frozen base as autocast would cast it each step, once
         world.seed_dropout(cfg.seed)
         wrapped = world.wrap(model, cfg.parallel, dtype)
         optimizer = make_optimizer(model, cfg, world.device)  # FSDP has sharded the parameters in place
