@@ -367,6 +367,7 @@ def test_a_lora_run_is_a_base_too(chat_data, base_run, tmp_path):
     merged, _ = load_model(tmp_path / "first")
     assert all(torch.equal(job.plan.init_model.state_dict()[k], t) for k, t in merged.state_dict().items())
     trainer.fit()
+    assert job.plan.init_model is None  # copied into the run's model, then let go: not held twice
     data_dir, name = chat_data
     again = plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "second", resume=True)
     Trainer(again.plan, trainable=again.trainable).fit()  # its base (the first run, merged) loads and checks out

@@ -503,6 +503,7 @@ class Trainer:
             load_weights(model, self.plan.init_weights)
         elif self.plan.init_model is not None:
             model.load_state_dict(self.plan.init_model.state_dict())  # copies in place: a tied head stays tied
+            self.plan.init_model = None  # the planning copy, let go: kept, the run would hold the weights twice
         if self.trainable is not None:  # it may add modules (adapters): before the saved weights and the move
             keep = {id(p) for p in self.trainable(model)}
             for p in model.parameters():
