@@ -53,7 +53,7 @@ Trainable = Callable[[GPT], Iterable[nn.Parameter]]  # the parameters to train; 
 
 def next_token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Pre-training's loss: the mean cross-entropy of each next token (nats/token), as the model computes it."""
-    _, loss = model(x, y)
+    _, loss = model(x, y, keep_logits=False)  # the logits unkept: a frozen head's loss is computed in chunks
     return loss
 
 
