@@ -33,6 +33,7 @@ from nanogpt_cli.device import (
     enable_tf32,
     keep_freed_memory,
     peak_flops,
+    release_freed_memory,
     resolve_device,
     resolve_dtype,
 )
@@ -424,6 +425,8 @@ class Trainer:
             hold_frozen(model, dtype)  # a LoRA run's frozen base as autocast would cast it each step, once
         world.seed_dropout(cfg.seed)
         wrapped = world.wrap(model, cfg.parallel, dtype)
+        if world.device.type == "cpu":
+            release_freed_memory()  # the copies that building the model freed, which keep_freed_memory would keep
         optimizer = make_optimizer(model, cfg, world.device)  # FSDP has sharded the parameters in place
         scaler = torch.amp.GradScaler(world.device.type, enabled=dtype == torch.float16)
         ctx = autocast_for(world.device, dtype)
