@@ -59,16 +59,18 @@ class HeadCrossEntropy(torch.autograd.Function):
     head's matmul in autocast's dtype, then float32), so the values differ by float rounding only. The head's
     weight gets no gradient: only a frozen head takes this path (GPT._head_loss_in_chunks)."""
 
-    # logits per chunk: 8 MB in float32 (42 rows of a 49,152 vocabulary). A trade: a 256-token LoRA step of
-    # SmolLM2-135M's shape in float32 took 3.09-3.20 s in chunks of 42 rows, 2.91-2.95 s in chunks of 170-256
-    # and 2.99 s with the whole-batch loss (the head's matmuls over fewer rows run below speed; bf16 was level),
-    # while chunks of 85-170 rows raised the bf16 step's peak RSS from 1.27 to 1.33 GB
+    # logits per chunk under autocast: 8 MB in float32 (42 rows of a 49,152 vocabulary); four times as many in
+    # float32, whose matmuls over fewer rows run below speed. A 256-token LoRA step of SmolLM2-135M's shape in
+    # float32 ran 0.96x the whole-batch loss's speed in chunks of 42 rows (peak RSS 1.57 against 1.69 GB) and
+    # 1.00x in chunks of 170 (1.62-1.64 GB); in bf16 the speeds were level, and chunks of 85-170 rows raised
+    # the step's peak RSS from 1.27 to 1.33 GB
     CHUNK_ELEMENTS = 1 << 21
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         N, V = h.size(0), w.size(0)
-        rows = max(1, HeadCrossEntropy.CHUNK_ELEMENTS // V)
+        full = w.dtype == torch.float32 and not torch.is_autocast_enabled(h.device.type)  # float32 matmuls
+        rows = max(1, HeadCrossEntropy.CHUNK_ELEMENTS * (4 if full else 1) // V)
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad = torch.empty_like(h)  # (N, C)
         for i in range(0, N, rows):
