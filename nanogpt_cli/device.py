@@ -199,6 +199,23 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
+def release_freed_memory() -> bool:
+    """Give the memory that freed blocks hold back to the system now (glibc's malloc_trim); True when it did.
+
+    keep_freed_memory keeps up to 1 GiB of it for the next allocations, which serves a training loop; a setup
+    that frees a model's worth of weights once (a converted checkpoint copied into the run's model, a LoRA base
+    recast, see lora.hold_frozen) would keep all of it. Called once after such a setup. Elsewhere nothing
+    happens."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return bool(trim(0))
+
+
 # --- CPU threads ---
 
 # torch's own count, read before anything changes it: one per physical core, or OMP_NUM_THREADS

@@ -86,6 +86,49 @@ def test_merged_weights_give_the_logits_of_base_plus_adapters():
     assert torch.allclose(adapted, merged, atol=1e-5)
 
 
+def lora_step_grads(model, idx, dtype):
+    """The loss and the adapters' gradients of one step under autocast to dtype."""
+    with torch.autocast("cpu", dtype):
+        loss = model(idx, idx)[1]
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_frozen_base_held_in_bf16_computes_what_autocast_over_fp32_did(tied):
+    import copy
+
+    from nanogpt_cli.lora import hold_frozen
+
+    torch.manual_seed(0)
+    model = GPT(tiny_config(mlp="swiglu", norm="rmsnorm", tie_embeddings=tied, n_kv_head=2))
+    add_lora(model, LoRAConfig(r=2, targets=("attn", "mlp.c_fc")))
+    with torch.no_grad():
+        for layer in adapters(model).values():
+            layer.lora_B.normal_(0, 0.1)  # B = 0 would leave A without a gradient
+    held = copy.deepcopy(model)
+    assert hold_frozen(held, torch.bfloat16) == 2 * 4 + 1  # the four projections of each of two blocks, and the head
+    assert held.lm_head.weight.dtype == torch.bfloat16 and held.lm_head.weight is not held.transformer.wte.weight
+    assert held.transformer.wte.weight.dtype == torch.float32  # the lookup as exact as before
+    assert all(p.dtype == torch.float32 for n, p in held.named_parameters() if p.requires_grad)
+    assert held.transformer.h[0].mlp.c_proj.weight.dtype == torch.bfloat16
+    idx = torch.randint(0, 61, (2, 16))
+    loss, grads = lora_step_grads(model, idx, torch.bfloat16)
+    held_loss, held_grads = lora_step_grads(held, idx, torch.bfloat16)
+    assert torch.equal(loss, held_loss) and grads.keys() == held_grads.keys()
+    assert all(torch.equal(grads[n], held_grads[n]) for n in grads)  # bit for bit
+    assert hold_frozen(held, torch.bfloat16) == 0  # nothing left to cast
+
+
+def test_hold_frozen_leaves_a_model_that_trains_every_weight_alone():
+    from nanogpt_cli.lora import hold_frozen
+
+    model = GPT(tiny_config())
+    assert hold_frozen(model, torch.bfloat16) == 0
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
 def test_targets_and_bad_lora_values():
     assert parse_targets(["attn,mlp.c_fc"]) == ("attn.c_attn", "attn.c_proj", "mlp.c_fc")
     with pytest.raises(NanoGPTError, match="unknown projection 'q_proj'"):
@@ -131,6 +174,38 @@ def test_lora_run_trains_only_adapters_and_saves_them_with_its_base(chat_data, b
     idx = torch.randint(0, 256, (2, 32))
     with torch.no_grad():
         assert torch.allclose(merged.eval()(idx)[0], model.eval()(idx)[0], atol=1e-5)
+
+
+def test_a_bf16_lora_run_holds_its_base_in_bf16_trains_and_merges(chat_data, base_run, tmp_path):
+    from nanogpt_cli.interop.loading import load_lora, load_model
+    from nanogpt_cli.runs.checkpoint import read_metadata
+    from nanogpt_cli.training.events import NoDisplay
+
+    class Losses(NoDisplay):
+        def __init__(self):
+            self.losses = []
+
+        def on_eval(self, event):
+            self.losses.append(event.train_loss)
+
+    lora = LoRAConfig(r=4, targets=("attn", "mlp"))
+    job, _ = finetune_run(chat_data, base_run, tmp_path / "bf16", lora, dtype="bfloat16", max_iters=16)
+    shown = Losses()
+    trainer = Trainer(job.plan, shown, trainable=job.trainable)
+    trainer.fit()
+    model = trainer.parts.model
+    assert model.transformer.h[0].attn.c_attn.weight.dtype == torch.bfloat16  # held, not cast every step
+    assert model.transformer.wte.weight.dtype == torch.float32
+    assert len(shown.losses) > 2 and shown.losses[-1] < shown.losses[0] - 0.05  # it trains: on fixed batches
+    saved = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert saved and all(t.dtype == torch.float32 for t in saved.values())  # the adapters as they trained
+    meta = read_metadata(tmp_path / "bf16" / "model.safetensors")
+    adapted, _ = load_lora(tmp_path / "bf16" / "model.safetensors", meta, merge=False)
+    merged, _ = load_model(tmp_path / "bf16")  # on the float32 base the run recorded
+    assert all(p.dtype == torch.float32 for p in merged.parameters())
+    idx = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        assert torch.allclose(merged.eval()(idx)[0], adapted.eval()(idx)[0], atol=1e-5)
 
 
 def test_lora_resume_is_exact(chat_data, base_run, tmp_path):
@@ -298,6 +373,7 @@ def test_a_lora_run_is_a_base_too(chat_data, base_run, tmp_path):
     merged, _ = load_model(tmp_path / "first")
     assert all(torch.equal(job.plan.init_model.state_dict()[k], t) for k, t in merged.state_dict().items())
     trainer.fit()
+    assert job.plan.init_model is None  # copied into the run's model, then let go: not held twice
     data_dir, name = chat_data
     again = plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "second", resume=True)
     Trainer(again.plan, trainable=again.trainable).fit()  # its base (the first run, merged) loads and checks out

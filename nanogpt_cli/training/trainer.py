@@ -33,10 +33,12 @@ from nanogpt_cli.device import (
     enable_tf32,
     keep_freed_memory,
     peak_flops,
+    release_freed_memory,
     resolve_device,
     resolve_dtype,
 )
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.lora import hold_frozen
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
 from nanogpt_cli.runs.rundir import RunDir, SavePoint, Saver
@@ -52,7 +54,7 @@ Trainable = Callable[[GPT], Iterable[nn.Parameter]]  # the parameters to train; 
 
 def next_token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Pre-training's loss: the mean cross-entropy of each next token (nats/token), as the model computes it."""
-    _, loss = model(x, y)
+    _, loss = model(x, y, keep_logits=False)  # the logits unkept: a frozen head's loss is computed in chunks
     return loss
 
 
@@ -421,8 +423,12 @@ class Trainer:
         saved = self.run_dir.restore() if plan.resume else None
         model = self._build_model(saved)
         params, flops_per_token = model.num_params(), model.flops_per_token(plan.seq_len)  # before FSDP shards it
+        if dtype != torch.float32 and not (world.size > 1 and cfg.parallel == "fsdp"):  # FSDP shards one dtype
+            hold_frozen(model, dtype)  # a LoRA run's frozen base as autocast would cast it each step, once
         world.seed_dropout(cfg.seed)
         wrapped = world.wrap(model, cfg.parallel, dtype)
+        if world.device.type == "cpu":
+            release_freed_memory()  # the copies that building the model freed, which keep_freed_memory would keep
         optimizer = make_optimizer(model, cfg, world.device)  # FSDP has sharded the parameters in place
         scaler = torch.amp.GradScaler(world.device.type, enabled=dtype == torch.float16)
         ctx = autocast_for(world.device, dtype)
@@ -503,6 +509,7 @@ class Trainer:
             load_weights(model, self.plan.init_weights)
         elif self.plan.init_model is not None:
             model.load_state_dict(self.plan.init_model.state_dict())  # copies in place: a tied head stays tied
+            self.plan.init_model = None  # the planning copy, let go: kept, the run would hold the weights twice
         if self.trainable is not None:  # it may add modules (adapters): before the saved weights and the move
             keep = {id(p) for p in self.trainable(model)}
             for p in model.parameters():
