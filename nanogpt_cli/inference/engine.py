@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inference.prefix import PrefixCache
 from nanogpt_cli.model import GPT, ModelOps, decode_ops, softcap
+from nanogpt_cli.model.decode import packed_form
 from nanogpt_cli.model.quantize import PREFILL_ROWS, QuantizedLinear, quantize_head
 
 if TYPE_CHECKING:
@@ -228,6 +229,7 @@ class DecodePlan(NamedTuple):
     ops: ModelOps  # the model's operations in their decoding form
     head: torch.Tensor  # (V, C), V cut to the vocabulary decode_plan was given
     head_t: torch.Tensor | None  # (C, V) contiguous on a CPU (head_logits)
+    head_packed: torch.Tensor | None  # a bf16 head on a CPU in oneDNN's layout (decode.packed_form), else None
     head_q: QuantizedLinear | None  # the head in the blocks' int8 / int4 form, for a quantized model (head_logits)
     logit_softcap: float | None
 
@@ -246,7 +248,10 @@ def decode_plan(model: GPT, vocab_size: int | None = None) -> DecodePlan:
         # a quantized model's head read in the same bits as its blocks: the float head (tied to the embedding)
         # stays for the lookup and for PREFILL_ROWS rows or more; the transposed copy is then not worth its bytes
         head_q, head_t = quantize_head(head, model.quantized, model.quant_group_size), None
-    return DecodePlan(model, decode_ops(model), head, head_t, head_q, cfg.logit_softcap)
+    head_packed = packed_form(head) if head_q is None else None
+    if head_packed is not None:  # 3.2 against 9.6 ms for the 135M model's head at batch 1: it replaces head_t
+        head_t = None
+    return DecodePlan(model, decode_ops(model), head, head_t, head_packed, head_q, cfg.logit_softcap)
 
 
 def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None = None) -> torch.Tensor:
@@ -271,6 +276,8 @@ def head_logits(p: DecodePlan, h: torch.Tensor) -> torch.Tensor:
         logits = p.head_q(h.contiguous())  # the kernel takes contiguous rows; a prefill hands h[:, -1]
         V = p.head.size(0)
         return logits if logits.size(1) == V else logits[:, :V].contiguous()  # int4's rows padded to 16
+    if p.head_packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(h.contiguous(), p.head_packed, None, "none", [], "")
     if p.head_t is None:
         return F.linear(h, p.head)
     return torch.mm(h, p.head_t)
