@@ -28,7 +28,16 @@ def decode_ops(model: GPT) -> ModelOps:
     except the transposed matrices (matmul_form)."""
     ops = model.ops()  # the tables, looked up here once rather than on every token
     blocks = [partial(block_forward, block_ops(b)) for b in ops.blocks]
-    return ops._replace(blocks=blocks, ln_f=norm_function(ops.ln_f))
+    ops = ops._replace(blocks=blocks, ln_f=norm_function(ops.ln_f))
+    dtype = ops.wte.dtype
+    if ops.cos is not None and ops.cos.dtype != dtype and dtype in (torch.bfloat16, torch.float16):
+        # RoPE's fp32 tables in the activations' dtype once, not per layer and token: apply_rope casts them to
+        # q's and k's dtype anyway, so the values are the same
+        tables = [t.to(dtype) for t in (ops.cos, ops.sin)]
+        same = ops.local_cos is ops.cos
+        local = tables if same else [t.to(dtype) for t in (ops.local_cos, ops.local_sin)]
+        ops = ops._replace(cos=tables[0], sin=tables[1], local_cos=local[0], local_sin=local[1])
+    return ops
 
 
 def block_ops(b: Block) -> BlockOps:
@@ -65,12 +74,21 @@ def norm_function(module: nn.Module | None) -> Op | None:
     shape, weight, eps = module.normalized_shape, module.weight, module.eps
     if isinstance(module, nn.RMSNorm):
         weight = norm_gain(module).detach()  # 1 + w under --norm-offset, added once here rather than per token
-        if weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu":
+        if weight is not None and weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu":
             # x / sqrt(mean(x^2) + eps) from the row's norm in three calls, cheaper than F.rms_norm on one row of
-            # a few hundred values on a CPU, and within 1e-6 of it. float32 only: the fused kernel accumulates bf16
-            # in fp32
+            # a few hundred values on a CPU, and within 1e-6 of it in float32. bf16 rows take their norm and the
+            # products in fp32 and round once, as F.rms_norm's fused kernel does (the same values), in 6 calls
+            # where its composite for bf16 makes ~12
             scale = 1.0 / weight.numel()
             eps = torch.tensor(torch.finfo(torch.float32).eps if eps is None else eps)
+            if weight.dtype == torch.bfloat16:
+                gain = weight.float()
+
+                def rms_norm_bf16(x: torch.Tensor) -> torch.Tensor:
+                    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+                    return (x * torch.addcmul(eps, n, n, value=scale).rsqrt_()).mul_(gain).to(x.dtype)
+
+                return rms_norm_bf16
 
             def rms_norm(x: torch.Tensor) -> torch.Tensor:
                 n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
