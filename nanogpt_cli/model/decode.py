@@ -6,8 +6,8 @@ rows MKL multiplies x @ W (W stored (in, out)) ~2x faster than F.linear's x @ W.
     ops = decode_ops(model)                                 # once per engine: copies the small matrices
     h = model.hidden_states(idx, cache, ops=ops)            # (B, T, C), in inference mode
 
-Only for inference (no dropout, no gradients). A projection that is not a plain nn.Linear (a LoRA layer not
-merged, a QuantizedLinear with its packed kernel) is called as the module it is.
+Only for inference (no dropout, no gradients). A QuantizedLinear is its packed kernel bound once (decode_op); any
+other projection that is not a plain nn.Linear (a LoRA layer not merged) is called as the module it is.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from nanogpt_cli.model.attention import AttentionOps, Op, norm_gain
 from nanogpt_cli.model.blocks import Block, BlockOps, Residual, activation, block_forward, post_normed
 from nanogpt_cli.model.gpt import GPT, ModelOps
+from nanogpt_cli.model.quantize import QuantizedLinear
 
 
 def decode_ops(model: GPT) -> ModelOps:
@@ -125,11 +126,15 @@ def packed_form(w: torch.Tensor) -> torch.Tensor | None:
 
 def packed_linear(w: torch.Tensor, b: torch.Tensor | None) -> Op:
     """x (N, in) -> x @ W.T + b against a packed_form weight."""
-    return lambda x: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    kernel = torch.ops.mkldnn._linear_pointwise.default  # the overload bound once: no lookup per call
+    return lambda x: kernel(x, w, b, "none", [], "")
 
 
 def linear_op(module: nn.Module) -> Op:
-    """x (N, in) -> x @ W.T + b, as one mm or addmm against the matmul form, or one oneDNN call (packed_form)."""
+    """x (N, in) -> x @ W.T + b, as one mm or addmm against the matmul form, or one oneDNN call (packed_form);
+    a QuantizedLinear as its bound kernel (decode_op)."""
+    if type(module) is QuantizedLinear:
+        return module.decode_op()
     if type(module) is not nn.Linear:
         return module
     packed = packed_form(module.weight)
@@ -143,13 +148,18 @@ def linear_op(module: nn.Module) -> Op:
 
 def residual_op(module: nn.Module) -> Residual:
     """(y, x) -> x + y @ W.T + b, the residual add riding in addmm (or oneDNN's product) where there is no bias."""
+    if type(module) is QuantizedLinear:
+        op = module.decode_op()
+        return lambda y, x: x + op(y)
     if type(module) is not nn.Linear:
         return lambda y, x: x + module(y)
     packed, b = packed_form(module.weight), module.bias
     if packed is not None:
         if b is None:
-            return lambda y, x: torch.ops.mkldnn._linear_pointwise.binary(y, x, packed, None, "add")
-        return lambda y, x: x + torch.ops.mkldnn._linear_pointwise(y, packed, b, "none", [], "")
+            kernel = torch.ops.mkldnn._linear_pointwise.binary
+            return lambda y, x: kernel(y, x, packed, None, "add")
+        proj = packed_linear(packed, b)
+        return lambda y, x: x + proj(y)
     w = matmul_form(module.weight)
     if b is None:
         return lambda y, x: torch.addmm(x, y, w)
