@@ -296,7 +296,12 @@ def grouped_queries_keys_values(w: AttentionOps, qkv: torch.Tensor, cos, sin):
     then RoPE on q and k with the layer's tables, as queries_keys_values does for nh = nkv. The fused training
     kernel (NormRopeQKV) assumes three equal parts; here q and k take the general path (benchmarks/README.md,
     grouped-query attention)."""
-    q, k, v = qkv.split([w.n_head, w.n_kv_head, w.n_kv_head], dim=2)  # (B, T, heads, hs) each
+    nh, nkv = w.n_head, w.n_kv_head
+    if w.q_norm is None and cos is not None:  # q and k rotated together: one set of elementwise ops for both
+        qk = apply_rope(qkv.narrow(2, 0, nh + nkv), cos.squeeze(-2), sin.squeeze(-2))  # (B, T, nh + nkv, hs)
+        q, k = qk.split([nh, nkv], dim=2)
+        return q.transpose(1, 2), k.transpose(1, 2), qkv.narrow(2, nh + nkv, nkv).transpose(1, 2)
+    q, k, v = qkv.split([nh, nkv, nkv], dim=2)  # (B, T, heads, hs) each
     if w.q_norm is not None:
         q, k = w.q_norm(q), w.k_norm(k)
     if cos is not None:  # cos, sin (T, 1, 1, rd) or (B, T, 1, 1, rd): a head axis of 1 for (B, T, heads, hs)
