@@ -273,7 +273,7 @@ def head_logits(p: DecodePlan, h: torch.Tensor) -> torch.Tensor:
     ~18% faster with it than with F.linear, though alone the two cost the same there. Its logits come out row by
     row, which every pass after it (temperature, the draw, the pick) reads ~2x faster than the transposed view
     that W @ h.T gives (that form is the fastest matmul from three rows on with AVX2). A quantized model's few rows
-    go through the packed kernel of its head_q instead."""
+    go through the packed kernel of its head_q instead, and a bf16 head on a CPU through oneDNN (head_packed)."""
     if p.head_q is not None and h.size(0) < PREFILL_ROWS:
         logits = p.head_q(h.contiguous())  # the kernel takes contiguous rows; a prefill hands h[:, -1]
         V = p.head.size(0)
