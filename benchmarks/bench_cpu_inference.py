@@ -270,6 +270,7 @@ GROUPS = {  # operator -> the part of the step it belongs to
         "aten::_weight_int8pack_mm",
         "aten::_weight_int4pack_mm_for_cpu",
         "aten::linear",
+        "mkldnn::_linear_pointwise",
     ),
     "attention over the cache": (
         "aten::_scaled_dot_product_flash_attention_for_cpu",

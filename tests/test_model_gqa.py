@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from nanogpt_cli.config import GPTConfig, build_configs
 from nanogpt_cli.errors import NanoGPTError
@@ -387,3 +388,20 @@ def test_a_peft_adapter_on_grouped_heads_gives_q_k_and_v_their_own_rows():
     rows = {t.rsplit(".", 1)[1]: tensors[f"base_model.model.{t}.lora_B.weight"] for t in targets}
     assert {k: tuple(v.shape) for k, v in rows.items()} == {"q_proj": (32, 2), "k_proj": (8, 2), "v_proj": (8, 2)}
     torch.testing.assert_close(torch.cat([rows["q_proj"], rows["k_proj"], rows["v_proj"]]), b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nkv", [1, 3, 6])
+def test_decode_attention_is_the_kernel_with_groups_and_a_row_mask(nkv, dtype):
+    from nanogpt_cli.model.attention import causal_mask, decode_attention
+
+    torch.manual_seed(0)
+    B, nh, S, hs = 3, 6, 20, 16
+    q = torch.randn(B, nh, 1, hs, dtype=dtype)
+    k, v = torch.randn(B, nkv, S, hs, dtype=dtype), torch.randn(B, nkv, S, hs, dtype=dtype)
+    mask = causal_mask(torch.tensor([[4], [19], [11]]), S)  # (B, 1, 1, S): each row at its own position
+    for m in (None, mask):
+        want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=m, enable_gqa=nkv != nh)
+        got = decode_attention(q, k, v, m)
+        assert got.shape == (B, nh, 1, hs) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), want, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)

@@ -169,3 +169,18 @@ def test_sample_refuses_an_unknown_quantize_in_one_line(trained_run):
     args = ["sample", "--checkpoint", str(trained_run), "--quantize", "int4", "--int4-group", "64"]
     result = CliRunner().invoke(app, args)  # the tiny preset's 32-wide projections
     assert result.exit_code == 1 and "--int4-group (64) must divide" in result.output, result.output
+
+
+def test_a_bf16_int8_model_decodes_with_the_bf16_head_and_int4_with_its_own():
+    from nanogpt_cli.model.decode import packed_form
+
+    h = torch.randn(3, 64, dtype=torch.bfloat16)
+    for kind in KINDS:
+        model = quantize_model(model_of().cast(torch.bfloat16), kind, 32)
+        plan = decode_plan(model)
+        packs = packed_form(plan.head) is not None  # oneDNN's bf16 product on this CPU
+        assert (plan.head_q is None) == (kind == "int8" and packs)
+        with torch.inference_mode():
+            got, ref = head_logits(plan, h).float(), torch.nn.functional.linear(h, plan.head).float()
+        tol = 0.02 if plan.head_q is None else 0.25
+        assert got.shape == (3, 61) and (got - ref).abs().max().item() <= tol * ref.abs().max().item()
