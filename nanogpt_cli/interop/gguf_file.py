@@ -20,6 +20,7 @@ exactly what was exported.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -465,7 +466,19 @@ def read_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
     (any GGUF file: gguf_in.read_any_gguf)."""
     import torch
 
+    from nanogpt_cli.interop.materialize import materialize
+
+    lazy = lazy_gguf(path, quantize, group_size)
+    return materialize(lazy, torch.float32).eval(), lazy.meta
+
+
+def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 32):
+    """read_gguf's model on the meta device and how to read each of its tensors from the file, one at a time
+    (materialize.py): the blocks' matrices held in the form `quantize` asks for become QuantizedLinear layers."""
+    import torch
+
     from nanogpt_cli.interop.gguf_blocks import GGUF_FORMS
+    from nanogpt_cli.interop.materialize import LazyModel, empty_model
 
     gguf = hf.require("gguf")
     try:
@@ -477,65 +490,74 @@ def read_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
         config = GPTConfig.from_dict(meta["config"])
     except (TypeError, ValueError) as e:
         raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None
-    arch = gguf_arch(config)
+    arch, model = gguf_arch(config), empty_model(config)
     direct = GGUF_FORMS.get(quantize) if quantize == "int8" or group_size == 32 else None
-    raw = {t.name: t.data for t in reader.tensors if t.tensor_type.name == direct and t.name.startswith("blk.")}
-    tensors = {
-        t.name: gguf.quants.dequantize(t.data, t.tensor_type)
-        .reshape([int(n) for n in reversed(t.shape)])
-        .astype(np.float32)
-        for t in reader.tensors
-        if t.name not in raw
-    }
-    model = GPT(config)
-    sd = model.state_dict()
-    ours: dict[str, np.ndarray] = {
-        "transformer.wte.weight": tensors["token_embd.weight"],
-        "transformer.ln_f.weight": tensors["output_norm.weight"],
-    }
-    if not config.tie_embeddings:
-        ours["lm_head.weight"] = tensors["output.weight"]
-    if "transformer.wpe.weight" in sd:
-        ours["transformer.wpe.weight"] = tensors["position_embd.weight"]
-    if "transformer.ln_f.bias" in sd:
-        ours["transformer.ln_f.bias"] = tensors["output_norm.bias"]
-    packed: dict[str, np.ndarray] = {}  # our matrix -> its raw blocks, for gguf_blocks
+    tensors = {t.name: t for t in reader.tensors}
+
+    def raw(name: str) -> np.ndarray:  # the file's bytes or values, never dequantized
+        if name not in tensors:
+            raise NanoGPTError(f"{path} does not match its config: it has no tensor {name}")
+        return read_tensor_data(path, tensors[name])
+
+    def floats(name: str) -> np.ndarray:  # float32, (out, in)
+        data, t = raw(name), tensors[name]
+        return (
+            gguf.quants.dequantize(data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)]).astype(np.float32)
+        )
+
+    def joined(keys: list[str], theirs: tuple[str, ...], read_one) -> np.ndarray:
+        return _joined([read_one(k) for k in keys], theirs, arch, config)
+
+    top = {"transformer.wte.weight": "token_embd.weight", "transformer.ln_f.weight": "output_norm.weight"}
+    top |= {"lm_head.weight": "output.weight", "transformer.wpe.weight": "position_embd.weight"}
+    top |= {"transformer.ln_f.bias": "output_norm.bias"}
+    names = set(model.state_dict())
+    sources = {ours: partial(floats, theirs) for ours, theirs in top.items() if ours in names}
+    packed = {}  # a projection -> its layer from the file's raw blocks, given its bias
     for i in range(config.n_layer):
         for name, theirs in _block_names(arch, config).items():
-            if f"transformer.h.{i}.{name}" not in sd:
+            if f"transformer.h.{i}.{name}" not in names:
                 continue  # zero biases llama.cpp wanted
             suffix = name.rsplit(".", 1)[1]
             keys = [f"blk.{i}.{t}.{suffix}" for t in theirs]
-            whole = all(k in raw for k in keys)  # else the parts that are blocks are dequantized after all
-            parts = [raw[k] if whole else tensors.get(k, _dequantized(raw.get(k), direct, gguf)) for k in keys]
-            if arch == "llama" and len(parts) == 3:  # a permutation of rows: the same on raw blocks
-                parts[:2] = [
-                    _llama_rope_order(p, _rope_heads(config, t), inverse=True) for p, t in zip(parts[:2], theirs)
-                ]
-            target = packed if whole else ours
-            target[f"transformer.h.{i}.{name}"] = np.concatenate(parts, axis=0)
-    with torch.no_grad():
-        for name, value in ours.items():
-            if tuple(sd[name].shape) != value.shape:
-                raise NanoGPTError(
-                    f"{path} does not match its config: {name} is {value.shape}, not {tuple(sd[name].shape)}"
-                )
-            sd[name].copy_(torch.from_numpy(value))
-    _swap_packed(model, packed, direct)
-    return model.eval(), meta
+            if (
+                direct
+                and suffix == "weight"
+                and all(k in tensors and tensors[k].tensor_type.name == direct for k in keys)
+            ):
+                blocks = partial(joined, keys, theirs, raw)
+                packed[f"transformer.h.{i}.{name.removesuffix('.weight')}"] = partial(_blocks_layer, blocks, direct)
+            else:  # a part that is blocks while another is not is dequantized with the rest
+                sources[f"transformer.h.{i}.{name}"] = partial(joined, keys, theirs, floats)
+
+    def read(name: str) -> torch.Tensor:
+        if name not in sources:
+            raise NanoGPTError(f"{path} has no tensor for our {name}")
+        return torch.from_numpy(sources[name]())
+
+    return LazyModel(model, read, meta, str(path), packed)
 
 
-def _dequantized(raw: np.ndarray | None, block_type: str | None, gguf) -> np.ndarray | None:
-    if raw is None:
-        return None
-    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[block_type]).astype(np.float32)
+def read_tensor_data(path: str | Path, t) -> np.ndarray:
+    """A GGUFReader tensor's data (t.data's shape and dtype) read from the file into memory of its own: reading
+    it through the reader's map of the whole file would keep every page read resident until the map is gone."""
+    data = np.empty(t.data.shape, t.data.dtype)
+    with open(path, "rb") as f:
+        f.seek(t.data_offset)
+        read = f.readinto(data.reshape(-1).view(np.uint8))
+    if read != data.nbytes:
+        raise NanoGPTError(f"{path} is truncated: {t.name} has {read:,} of {data.nbytes:,} bytes")
+    return data
 
 
-def _swap_packed(model: GPT, packed: dict[str, np.ndarray], block_type: str | None) -> None:
-    """Each matrix read as raw blocks becomes its QuantizedLinear, keeping the bias already loaded."""
+def _blocks_layer(blocks, block_type: str, bias):
     from nanogpt_cli.interop.gguf_blocks import linear_from_blocks
 
-    for name, raw in packed.items():
-        parent_name, attr = name.removesuffix(".weight").rsplit(".", 1)
-        parent = model.get_submodule(parent_name)
-        setattr(parent, attr, linear_from_blocks(raw, block_type, getattr(parent, attr).bias))
+    return linear_from_blocks(blocks(), block_type, bias)
+
+
+def _joined(parts: list[np.ndarray], theirs: tuple[str, ...], arch: str, config: GPTConfig) -> np.ndarray:
+    """One tensor of ours from the GGUF tensors it was cut into (float values or raw blocks, row by row)."""
+    if arch == "llama" and len(parts) == 3:  # a permutation of rows: the same on raw blocks
+        parts[:2] = [_llama_rope_order(p, _rope_heads(config, t), inverse=True) for p, t in zip(parts[:2], theirs)]
+    return np.concatenate(parts, axis=0)

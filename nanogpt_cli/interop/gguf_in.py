@@ -59,6 +59,16 @@ def read_any_gguf(path: str | Path, quantize: str | None = None, group_size: int
     return read_llama_cpp_gguf(reader, path)
 
 
+def lazy_any_gguf(path: str | Path, quantize: str | None = None, group_size: int = 32):
+    """read_any_gguf's model as a LazyModel (materialize.py), read tensor by tensor: ours (gguf_file.lazy_gguf);
+    None for a converter's file, which read_any_gguf builds whole."""
+    from nanogpt_cli.interop import gguf_file
+
+    if gguf_file.CONFIG_KEY in _reader(path).fields:
+        return gguf_file.lazy_gguf(path, quantize, group_size)
+    return None
+
+
 def read_any_gguf_meta(path: str | Path) -> dict[str, Any]:
     """read_any_gguf's metadata without the weights (for `info`)."""
     from nanogpt_cli.interop import gguf_file

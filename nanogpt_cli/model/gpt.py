@@ -66,12 +66,7 @@ class GPT(nn.Module):
         )
         if config.pos_encoding == "learned":
             self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)
-        elif config.pos_encoding == "sinusoidal":
-            self.register_buffer("pos_table", sinusoidal_table(config.block_size, config.n_embd), persistent=False)
-        else:
-            self.register_rope("rope", config.rope_theta, config)
-            if config.rope_local_theta is not None:  # Gemma 3: local layers turn at a base of their own, unscaled
-                self.register_rope("rope_local", config.rope_local_theta)
+        self.make_tables()
         # the sliding window when some layer has one (window_mask), else None
         local = any(config.is_local(i) for i in range(config.n_layer))
         self.window = config.sliding_window if local else None
@@ -88,6 +83,17 @@ class GPT(nn.Module):
                     nn.init.zeros_(p)
                 else:
                     nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def make_tables(self) -> None:
+        """The position tables (sinusoidal or RoPE), computed from the config: buffers that no weights file holds,
+        made again on the CPU for a model built on the meta device (interop/materialize.py)."""
+        config = self.config
+        if config.pos_encoding == "sinusoidal":
+            self.register_buffer("pos_table", sinusoidal_table(config.block_size, config.n_embd), persistent=False)
+        elif config.pos_encoding != "learned":
+            self.register_rope("rope", config.rope_theta, config)
+            if config.rope_local_theta is not None:  # Gemma 3: local layers turn at a base of their own, unscaled
+                self.register_rope("rope_local", config.rope_local_theta)
 
     def register_rope(self, name: str, theta: float, scaling: GPTConfig | None = None) -> None:
         """RoPE's tables at every position as buffers name_cos, name_sin (block_size, 1, 1, rd), shaped to

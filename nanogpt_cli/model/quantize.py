@@ -130,19 +130,30 @@ def quantize_linear(module: nn.Linear, kind: str, group_size: int = 32) -> Quant
 def quantize_model(model: nn.Module, kind: str, group_size: int = 32) -> nn.Module:
     """Every nn.Linear inside the Transformer blocks swapped in place for its quantized form (see the module's
     docstring for the embedding and the head). Returns the model."""
+    check_widths(model, kind, group_size)
+    for block in model.transformer.h:
+        quantize_block(block, kind, group_size)
+    model.quantized, model.quant_group_size = kind, group_size  # what decode_plan quantizes the head with
+    return model
+
+
+def check_widths(model: nn.Module, kind: str, group_size: int) -> None:
+    """Refuse a kind or group size the kernels do not take, or int4 groups that do not divide some projection's
+    input width (checked before any layer is touched; the model may still be on the meta device)."""
     check_quantize(kind, group_size)
     widths = {m.in_features for m in model.transformer.h.modules() if type(m) is nn.Linear}
     if kind == "int4" and any(w % group_size for w in widths):
         listed = ", ".join(map(str, sorted(widths)))
         raise ValueError(f"--int4-group ({group_size}) must divide every projection's input width ({listed})")
-    for block in model.transformer.h:
-        for name, module in list(block.named_modules()):
-            if type(module) is nn.Linear:
-                parent_name, _, attr = name.rpartition(".")
-                parent = block.get_submodule(parent_name) if parent_name else block
-                setattr(parent, attr, quantize_linear(module, kind, group_size))
-    model.quantized, model.quant_group_size = kind, group_size  # what decode_plan quantizes the head with
-    return model
+
+
+def quantize_block(block: nn.Module, kind: str, group_size: int) -> None:
+    """One block's nn.Linear layers swapped in place for their quantized form."""
+    for name, module in list(block.named_modules()):
+        if type(module) is nn.Linear:
+            parent_name, _, attr = name.rpartition(".")
+            parent = block.get_submodule(parent_name) if parent_name else block
+            setattr(parent, attr, quantize_linear(module, kind, group_size))
 
 
 def quantize_head(head: torch.Tensor, kind: str, group_size: int) -> QuantizedLinear:

@@ -125,6 +125,56 @@ def load_weights(model: GPT, path: Path) -> None:
         model.lm_head.weight = model.transformer.wte.weight
 
 
+# safetensors' dtype names -> torch's
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class TensorFile:
+    """A safetensors weights file read one tensor at a time, each into memory of its own with a plain read.
+    safe_open maps the whole file, and every page it has read stays in the process's resident memory until it is
+    closed: reading a model through it costs the file's size on top of the model being built (interop/materialize).
+
+        file = TensorFile(path); w = file.get("transformer.wte.weight")
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+        except (OSError, ValueError) as e:
+            raise NanoGPTError(f"{path} is not a valid safetensors checkpoint ({e})") from None
+        header.pop("__metadata__", None)
+        self.start, self.entries = 8 + n, header
+
+    def keys(self) -> set[str]:
+        return set(self.entries)
+
+    def get(self, name: str) -> torch.Tensor:
+        entry = self.entries[name]
+        begin, end = entry["data_offsets"]
+        t = torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
+        buffer = memoryview(t.reshape(-1).view(torch.uint8).numpy())  # (bytes,): the tensor's own memory
+        with open(self.path, "rb") as f:
+            f.seek(self.start + begin)
+            read = f.readinto(buffer)
+        if read != end - begin or read != len(buffer):
+            raise NanoGPTError(f"{self.path} is truncated or damaged: {name} has {read:,} of {len(buffer):,} bytes")
+        return t
+
+
 # --- optimizer and trainer state ---
 
 
