@@ -76,9 +76,9 @@ def test_each_block_is_quantized_before_the_next_one_is_read(tmp_path):
     lazy = lazy_model(saved(tmp_path, n_layer=3), False, "int8", 32)
     read, floats_seen = lazy.read, []
 
-    def watch(name):  # how many float projections the model holds at each read
+    def watch(name, dtype):  # how many float projections the model holds at each read
         floats_seen.append(sum(type(m) is nn.Linear and not m.weight.is_meta for m in lazy.model.modules()))
-        return read(name)
+        return read(name, dtype)
 
     lazy.read = watch
     model = materialize(lazy, torch.bfloat16, "int8", 32)
@@ -115,6 +115,16 @@ def test_the_plain_reader_gives_what_safetensors_reads(tmp_path):
     assert file.keys() == set(ref)
     for name, t in ref.items():
         assert file.get(name).dtype == t.dtype and torch.equal(file.get(name), t)
+        if t.is_floating_point():  # converted a slice of rows at a time, by way of float32
+            assert torch.equal(file.get(name, torch.float16), t.float().half())
+
+
+def test_a_large_tensor_is_converted_in_slices_of_rows_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt, "CONVERT_BYTES", 3 * 4 * 5)  # 3 rows of 5 float32 at a time: slices of 3, 3 and 1
+    t = torch.randn(7, 5, dtype=torch.float64)
+    save_file({"w": t}, str(tmp_path / "t.safetensors"))
+    got = ckpt.TensorFile(tmp_path / "t.safetensors").get("w", torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, t.float().bfloat16())
 
 
 def test_a_file_that_does_not_match_its_config_is_refused_in_one_sentence(tmp_path):

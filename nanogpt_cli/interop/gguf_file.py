@@ -479,6 +479,7 @@ def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
 
     from nanogpt_cli.interop.gguf_blocks import GGUF_FORMS
     from nanogpt_cli.interop.materialize import LazyModel, empty_model
+    from nanogpt_cli.runs.checkpoint import CONVERT_BYTES
 
     gguf = hf.require("gguf")
     try:
@@ -499,14 +500,19 @@ def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
             raise NanoGPTError(f"{path} does not match its config: it has no tensor {name}")
         return read_tensor_data(path, tensors[name])
 
-    def floats(name: str) -> np.ndarray:  # float32, (out, in)
+    def floats(name: str, dtype: torch.dtype) -> torch.Tensor:  # (out, in) in dtype, dequantized by row slices
         data, t = raw(name), tensors[name]
-        return (
-            gguf.quants.dequantize(data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)]).astype(np.float32)
-        )
+        shape = [int(n) for n in reversed(t.shape)]
+        out = torch.empty(shape, dtype=dtype)
+        rows, data = out.view(-1, shape[-1]), data.reshape(-1, data.shape[-1])  # (rows, in), (rows, bytes or in)
+        step = max(1, CONVERT_BYTES // (4 * rows.size(1)))
+        for r in range(0, rows.size(0), step):
+            part = gguf.quants.dequantize(data[r : r + step], t.tensor_type).astype(np.float32)
+            rows[r : r + step] = torch.from_numpy(part.reshape(-1, rows.size(1)))
+        return out
 
-    def joined(keys: list[str], theirs: tuple[str, ...], read_one) -> np.ndarray:
-        return _joined([read_one(k) for k in keys], theirs, arch, config)
+    def joined(keys: list[str], theirs: tuple[str, ...], read_one, *dtype) -> np.ndarray | torch.Tensor:
+        return _joined([read_one(k, *dtype) for k in keys], theirs, arch, config)
 
     top = {"transformer.wte.weight": "token_embd.weight", "transformer.ln_f.weight": "output_norm.weight"}
     top |= {"lm_head.weight": "output.weight", "transformer.wpe.weight": "position_embd.weight"}
@@ -530,10 +536,10 @@ def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
             else:  # a part that is blocks while another is not is dequantized with the rest
                 sources[f"transformer.h.{i}.{name}"] = partial(joined, keys, theirs, floats)
 
-    def read(name: str) -> torch.Tensor:
+    def read(name: str, dtype: torch.dtype) -> torch.Tensor:
         if name not in sources:
             raise NanoGPTError(f"{path} has no tensor for our {name}")
-        return torch.from_numpy(sources[name]())
+        return sources[name](dtype)
 
     return LazyModel(model, read, meta, str(path), packed)
 
@@ -556,8 +562,12 @@ def _blocks_layer(blocks, block_type: str, bias):
     return linear_from_blocks(blocks(), block_type, bias)
 
 
-def _joined(parts: list[np.ndarray], theirs: tuple[str, ...], arch: str, config: GPTConfig) -> np.ndarray:
-    """One tensor of ours from the GGUF tensors it was cut into (float values or raw blocks, row by row)."""
+def _joined(parts: list, theirs: tuple[str, ...], arch: str, config: GPTConfig) -> np.ndarray:
+    """One tensor of ours from the GGUF tensors it was cut into (float tensors or raw blocks, row by row)."""
+    import torch
+
     if arch == "llama" and len(parts) == 3:  # a permutation of rows: the same on raw blocks
         parts[:2] = [_llama_rope_order(p, _rope_heads(config, t), inverse=True) for p, t in zip(parts[:2], theirs)]
-    return np.concatenate(parts, axis=0)
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts, axis=0)
+    return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]

@@ -18,14 +18,15 @@ import torch
 from torch import nn
 
 from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.device import release_freed_memory
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
 
 
 def empty_model(config: GPTConfig) -> GPT:
-    """GPT(config) with its parameters on the meta device and its position tables made on the CPU."""
+    """GPT(config) with its parameters on the meta device, uninitialised, and its position tables made on the CPU."""
     with torch.device("meta"):
-        model = GPT(config)
+        model = GPT(config, init=False)
     model.make_tables()
     return model
 
@@ -35,7 +36,9 @@ class LazyModel:
     """A model on the meta device and where each of its tensors comes from."""
 
     model: GPT  # from empty_model
-    read: Callable[[str], torch.Tensor]  # a state-dict name -> its tensor on the CPU, in the file's dtype
+    # (a state-dict name, dtype) -> its tensor on the CPU in dtype, by way of float32 (as loading it into a float32
+    # model and casting after gives), never holding a large tensor whole in float32
+    read: Callable[[str, torch.dtype], torch.Tensor]
     meta: dict[str, Any]  # the file's metadata, as load_model gives it
     source: str = ""  # the file, for error messages
     # a projection's module name -> its layer built from the file's quantized blocks, given its bias (float32)
@@ -70,6 +73,7 @@ def materialize(lazy: LazyModel, dtype: torch.dtype, quantize: str | None = None
             _fill(lazy, block, prefix, dtype)
             if quantize is not None:
                 quantize_block(block, quantize, group_size)
+            release_freed_memory()  # the block's float tensors, now freed, give their pages back
         _fill(lazy, model, "", dtype)  # the rest: embeddings, the final norm, an untied head
     if model.config.tie_embeddings:
         model.lm_head.weight = model.transformer.wte.weight
@@ -80,14 +84,14 @@ def materialize(lazy: LazyModel, dtype: torch.dtype, quantize: str | None = None
 
 
 def _read(lazy: LazyModel, name: str, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The file's tensor for `name`, checked against the model's shape, in dtype by way of float32 (what loading
-    into a float32 model and casting it after gives)."""
-    t = lazy.read(name)
+    """The file's tensor for `name` in dtype, checked against the model's shape."""
+    t = lazy.read(name, dtype)
     if tuple(t.shape) != tuple(like.shape):
         raise NanoGPTError(
             f"{lazy.source} does not match its config: {name} is {tuple(t.shape)}, not {tuple(like.shape)}"
         )
-    return t if t.dtype == dtype else t.float().to(dtype)
+    assert t.dtype == dtype, f"{name} was read as {t.dtype}, not {dtype}"
+    return t
 
 
 def _fill(lazy: LazyModel, module: nn.Module, prefix: str, dtype: torch.dtype) -> None:
