@@ -399,10 +399,11 @@ def quality(args) -> None:
         tmp = Path(tmp)
         prepare(str(shakespeare_path()), "shk", tokenizer="char", data_dir=tmp / "data")
         run = tmp / "run"
+        n_layer, n_embd, n_head = (int(n) for n in args.quality_shape.split("x"))
         flags = dict(
-            n_layer=4,
-            n_head=4,
-            n_embd=128,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
             block_size=128,
             norm="rmsnorm",
             mlp="swiglu",
@@ -428,8 +429,8 @@ def quality(args) -> None:
             same = sum(a == b for a, b in zip(greedy[q], greedy[None]))
             r += [f"{100 * (float(r[1]) / base - 1):+.2f}%", f"{same} of {len(prompts)}"]
         table(
-            f"4 x 128 char model, {args.train_iters} iterations on Tiny Shakespeare; perplexity on its last 20,000 "
-            "characters",
+            f"{n_layer} x {n_embd} char model ({n_head} heads), {args.train_iters} iterations on Tiny Shakespeare; "
+            "perplexity on its last 20,000 characters",
             ["weights", "perplexity", "vs float32", "first 32 greedy tokens equal"],
             results,
         )
@@ -447,6 +448,7 @@ def main() -> None:
     p.add_argument("--quality", action="store_true")
     p.add_argument("--memory", action="store_true", help="peak RSS of loading alone, against llama.cpp's")
     p.add_argument("--train-iters", type=int, default=600)
+    p.add_argument("--quality-shape", default="4x128x4", help="--quality's model: layers x width x heads")
     args = p.parse_args()
     if args.quality:
         return quality(args)

@@ -479,7 +479,6 @@ def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
 
     from nanogpt_cli.interop.gguf_blocks import GGUF_FORMS
     from nanogpt_cli.interop.materialize import LazyModel, empty_model
-    from nanogpt_cli.runs.checkpoint import CONVERT_BYTES
 
     gguf = hf.require("gguf")
     try:
@@ -500,16 +499,9 @@ def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
             raise NanoGPTError(f"{path} does not match its config: it has no tensor {name}")
         return read_tensor_data(path, tensors[name])
 
-    def floats(name: str, dtype: torch.dtype) -> torch.Tensor:  # (out, in) in dtype, dequantized by row slices
-        data, t = raw(name), tensors[name]
-        shape = [int(n) for n in reversed(t.shape)]
-        out = torch.empty(shape, dtype=dtype)
-        rows, data = out.view(-1, shape[-1]), data.reshape(-1, data.shape[-1])  # (rows, in), (rows, bytes or in)
-        step = max(1, CONVERT_BYTES // (4 * rows.size(1)))
-        for r in range(0, rows.size(0), step):
-            part = gguf.quants.dequantize(data[r : r + step], t.tensor_type).astype(np.float32)
-            rows[r : r + step] = torch.from_numpy(part.reshape(-1, rows.size(1)))
-        return out
+    def floats(name: str, dtype: torch.dtype) -> torch.Tensor:
+        raw(name)  # a missing tensor is one sentence
+        return dequantized(path, tensors[name], dtype)
 
     def joined(keys: list[str], theirs: tuple[str, ...], read_one, *dtype) -> np.ndarray | torch.Tensor:
         return _joined([read_one(k, *dtype) for k in keys], theirs, arch, config)
@@ -542,6 +534,25 @@ def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
         return sources[name](dtype)
 
     return LazyModel(model, read, meta, str(path), packed)
+
+
+def dequantized(path: str | Path, t, dtype):
+    """A GGUFReader tensor (out, in) as a torch tensor in dtype, dequantized to float32 a slice of rows at a time
+    (the gguf package's dequantization holds several float copies of what it is given)."""
+    import torch
+
+    from nanogpt_cli.runs.checkpoint import CONVERT_BYTES
+
+    gguf = hf.require("gguf")
+    shape = [int(n) for n in reversed(t.shape)]
+    data = read_tensor_data(path, t)
+    out = torch.empty(shape, dtype=dtype)
+    rows, data = out.view(-1, shape[-1]), data.reshape(-1, data.shape[-1])  # (rows, in), (rows, bytes or in)
+    step = max(1, CONVERT_BYTES // (4 * rows.size(1)))
+    for r in range(0, rows.size(0), step):
+        part = gguf.quants.dequantize(data[r : r + step], t.tensor_type).astype(np.float32)
+        rows[r : r + step] = torch.from_numpy(part.reshape(-1, rows.size(1)))
+    return out
 
 
 def read_tensor_data(path: str | Path, t) -> np.ndarray:

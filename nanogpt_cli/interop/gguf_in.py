@@ -12,6 +12,7 @@ fallback (llama, with scores; the merges are derived from the scores as transfor
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +61,14 @@ def read_any_gguf(path: str | Path, quantize: str | None = None, group_size: int
 
 
 def lazy_any_gguf(path: str | Path, quantize: str | None = None, group_size: int = 32):
-    """read_any_gguf's model as a LazyModel (materialize.py), read tensor by tensor: ours (gguf_file.lazy_gguf);
-    None for a converter's file, which read_any_gguf builds whole."""
+    """read_any_gguf's model as a LazyModel (materialize.py), read tensor by tensor: ours (gguf_file.lazy_gguf) or
+    a converter's, whose tensors are all dequantized (quantize then applies to each block once it is read)."""
     from nanogpt_cli.interop import gguf_file
 
-    if gguf_file.CONFIG_KEY in _reader(path).fields:
+    reader = _reader(path)
+    if gguf_file.CONFIG_KEY in reader.fields:
         return gguf_file.lazy_gguf(path, quantize, group_size)
-    return None
+    return lazy_llama_cpp_gguf(reader, path)
 
 
 def read_any_gguf_meta(path: str | Path) -> dict[str, Any]:
@@ -88,24 +90,35 @@ def read_llama_cpp_gguf(reader, path: str | Path) -> tuple[GPT, dict[str, Any]]:
     """Our model (float32) and metadata from a GGUF file in llama.cpp's converter layout."""
     import torch
 
+    from nanogpt_cli.interop.materialize import materialize
+
+    lazy = lazy_llama_cpp_gguf(reader, path)
+    return materialize(lazy, torch.float32).eval(), lazy.meta
+
+
+def lazy_llama_cpp_gguf(reader, path: str | Path):
+    """read_llama_cpp_gguf's model on the meta device and how to read each of its tensors (materialize.py)."""
+    import torch
+
+    from nanogpt_cli.interop.materialize import LazyModel, empty_model
+
     arch = _arch(reader, path)
-    tensors = _tensors(reader)
-    config = _config(reader, arch, {k: v.shape for k, v in tensors.items()}, path)
-    model = GPT(config)
-    sd = model.state_dict()
-    ours = _weights(arch, config, tensors, sd.keys())
-    with torch.no_grad():
-        for name, target in sd.items():
-            value = ours.get(name)
-            if value is None:
-                if name.endswith(".bias") or name == "lm_head.weight":  # absent biases are zero; a tied head
-                    target.zero_() if name.endswith(".bias") else None
-                    continue
-                raise NanoGPTError(f"{path} has no tensor for our {name}")
-            if tuple(target.shape) != value.shape:
-                raise NanoGPTError(f"{path}: {name} is {value.shape}, its metadata says {tuple(target.shape)}")
-            target.copy_(torch.from_numpy(np.ascontiguousarray(value)))
-    return model.eval(), _meta(reader, arch, config, path)
+    tensors = {t.name: t for t in reader.tensors}
+    config = _config(reader, arch, {k: tuple(int(n) for n in reversed(t.shape)) for k, t in tensors.items()}, path)
+    model = empty_model(config)
+    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    sources = _weights(arch, config, tensors, shapes.keys(), path)
+    for name, shape in shapes.items():
+        if name in sources or name == "lm_head.weight" and config.tie_embeddings:
+            continue
+        if not name.endswith(".bias"):
+            raise NanoGPTError(f"{path} has no tensor for our {name}")
+        sources[name] = partial(torch.zeros, shape)  # absent biases are zero
+
+    def read(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return sources[name](dtype=dtype)
+
+    return LazyModel(model, read, _meta(reader, arch, config, path), str(path))
 
 
 def read_llama_cpp_meta(reader, path: str | Path) -> dict[str, Any]:
@@ -147,18 +160,6 @@ def _meta(reader, arch: str, config: GPTConfig, path) -> dict[str, Any]:
     if tok.chat_template:
         meta["chat_template"] = tok.chat_template
     return meta
-
-
-def _tensors(reader) -> dict[str, np.ndarray]:
-    """Every tensor as float32 numpy in PyTorch's (out, in) order, dequantized by the gguf package."""
-    import gguf
-
-    return {
-        t.name: gguf.quants.dequantize(t.data, t.tensor_type)
-        .reshape([int(n) for n in reversed(t.shape)])
-        .astype(np.float32)
-        for t in reader.tensors
-    }
 
 
 def _config(reader, arch: str, tensors: dict[str, tuple[int, ...]], path) -> GPTConfig:
@@ -257,35 +258,56 @@ def _llama3_scaling(factors: np.ndarray, reader, arch: str, head_dim: int, path)
     raise NanoGPTError(f"{path}: rope_freqs.weight holds factors that no Llama 3 RoPE scaling nanogpt knows gives")
 
 
-def _weights(arch: str, config: GPTConfig, tensors: dict[str, np.ndarray], names) -> dict[str, np.ndarray]:
-    """Our state-dict tensors from llama.cpp's, for the names our model has."""
-    from nanogpt_cli.interop.gguf_file import _llama_rope_order
-
-    ours = {
-        "transformer.wte.weight": tensors["token_embd.weight"],
-        "transformer.ln_f.weight": tensors["output_norm.weight"],
-    }
+def _weights(arch: str, config: GPTConfig, tensors: dict, names, path) -> dict[str, Any]:
+    """Our state-dict tensors from llama.cpp's, for the names our model has: name -> a function of the dtype that
+    reads it (dequantized to float32; llama-arch q/k rows reordered; Gemma's norm gains less 1)."""
+    top = {"transformer.wte.weight": "token_embd.weight", "transformer.ln_f.weight": "output_norm.weight"}
     if "output.weight" in tensors:
-        ours["lm_head.weight"] = tensors["output.weight"]
+        top["lm_head.weight"] = "output.weight"
+    ours = {name: partial(_one, path, tensors[theirs], arch, name) for name, theirs in top.items()}
     heads = {"attn_q": config.n_head, "attn_k": config.kv_heads}
     for i in range(config.n_layer):
         for name, theirs in BLOCK.items():
             parts = theirs if isinstance(theirs, tuple) else (theirs,)
             if f"transformer.h.{i}.{name}" not in names or f"blk.{i}.{parts[0]}" not in tensors:
                 continue
-            arrays = []
-            for part in parts:
-                t = tensors[f"blk.{i}.{part}"]
-                stem = part.split(".")[0]
-                if arch == "llama" and stem in heads:  # the converter's pair order for llama.cpp's rotation
-                    t = _llama_rope_order(t, heads[stem], inverse=True)
-                arrays.append(t)
-            ours[f"transformer.h.{i}.{name}"] = np.concatenate(arrays, axis=0)
-    if arch == "gemma3":  # the converter stores Gemma's norm gains as 1 + w
-        for name in ours:
-            if "ln_" in name or name.endswith("_norm.weight"):
-                ours[name] = ours[name] - 1.0
+            found = [(tensors[f"blk.{i}.{part}"], heads.get(part.split(".")[0])) for part in parts]
+            ours[f"transformer.h.{i}.{name}"] = partial(_joined, path, found, arch, name)
     return ours
+
+
+def _gemma_gain(name: str) -> bool:
+    """The converter stores Gemma's norm gains as 1 + w."""
+    return "ln_" in name or name.endswith("_norm.weight")
+
+
+def _one(path, t, arch: str, name: str, dtype=None):
+    """One top-level tensor: a slice of rows at a time into dtype (the embedding is the largest of all)."""
+    import torch
+
+    from nanogpt_cli.interop.gguf_file import dequantized
+
+    if arch == "gemma3" and _gemma_gain(name):
+        return (dequantized(path, t, torch.float32) - 1.0).to(dtype)
+    return dequantized(path, t, dtype)
+
+
+def _joined(path, found: list, arch: str, name: str, dtype=None):
+    """One block tensor of ours from llama.cpp's parts (concatenated along dim 0), in float32 then dtype."""
+    import torch
+
+    from nanogpt_cli.interop.gguf_file import _llama_rope_order, dequantized
+
+    parts = []
+    for t, heads in found:
+        w = dequantized(path, t, torch.float32)
+        if arch == "llama" and heads is not None:  # the converter's pair order for llama.cpp's rotation
+            w = _llama_rope_order(w, heads, inverse=True)
+        parts.append(w)
+    w = torch.cat(parts) if len(parts) > 1 else parts[0]
+    if arch == "gemma3" and _gemma_gain(name):
+        w = w - 1.0
+    return w.to(dtype)
 
 
 def gguf_tokenizer(reader, path):
