@@ -23,6 +23,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel takes
 # F.linear: the packed kernels are written for the few rows of a decode step, and the dequantization's one pass over
 # the weight costs little beside a matmul of many rows
 PREFILL_ROWS = 32
+ROWS_BYTES = 4 * 2**20  # float32 rows quantized at a time (_by_rows)
 
 
 class QuantizedLinear(nn.Module):
@@ -90,6 +91,10 @@ class QuantizedLinear(nn.Module):
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (out, in) -> int8 values and one symmetric scale per row, max |w| / 127, in w's dtype."""
+    return _by_rows(w, _int8_rows)
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w32 = w.float()
     scale = w32.abs().amax(dim=1).clamp(min=1e-12) / 127
     q = torch.round(w32 / scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -99,6 +104,10 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w (out, in) -> 4-bit values in 0..15, scale and zero per group (out, in / g): asymmetric, min to max in 15
     steps, which halves the error of a symmetric grid for groups that are not centred on zero."""
+    return _by_rows(w, lambda rows: _int4_rows(rows, group_size))
+
+
+def _int4_rows(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out, n = w.shape
     g = w.float().view(out, n // group_size, group_size)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
@@ -106,6 +115,16 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(out, n)
     zero = lo + 8 * scale  # the kernel's w = (q - 8) * scale + zero
     return q, scale.to(w.dtype), zero.to(w.dtype)
+
+
+def _by_rows(w: torch.Tensor, quantize) -> tuple[torch.Tensor, ...]:
+    """quantize over slices of w's rows, its outputs joined: the same values (every step is per row), without
+    several float32 copies of a large w at once (the head of a 49,152-token vocabulary: ~350 MB)."""
+    step = max(1, ROWS_BYTES // (4 * w.size(1)))
+    if w.size(0) <= step:
+        return quantize(w)
+    parts = [quantize(w[r : r + step]) for r in range(0, w.size(0), step)]
+    return tuple(torch.cat(p) for p in zip(*parts))
 
 
 def check_quantize(kind: str | None, group_size: int) -> None:
