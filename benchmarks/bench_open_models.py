@@ -12,11 +12,15 @@ BPE tokenizer to a temporary folder; ours loads that folder as `--init-from FOLD
 - prefill: one 512-token prompt into an empty cache, logits of its last token (transformers: logits_to_keep=1, as
   its generate does).
 - decode: tokens/s of one-token steps through the cache after a 16-token prompt, batch 1 and 8; ours is the
-  engine's decode_step, transformers a forward loop with its DynamicCache (no generate overhead), llama.cpp its
-  server with n_parallel rows, timed by llama.cpp itself (its `timings`).
+  engine's decode_step, transformers a forward loop with its DynamicCache (no generate overhead; its StaticCache
+  is no faster without torch.compile: 10.8-11.8 against 10.7-11.3 tok/s at batch 1), llama.cpp its server with
+  n_parallel rows, timed by llama.cpp itself (its `timings`). transformers runs its default SDPA attention.
 - LoRA step: forward, backward and AdamW on rank-8 adapters of the attention projections (ours: the fused q, k, v;
-  peft: q_proj, k_proj, v_proj), batch 1 x 256 tokens; bfloat16 is autocast over float32 weights, as finetune
-  runs it. Each tool runs in its own process; peak memory is the highest RSS sampled during the steps.
+  peft: q_proj, k_proj, v_proj), batch 1 x 256 tokens. bfloat16 is autocast over the float32 checkpoint, as
+  finetune runs it: ours holds the frozen base's matrices in bf16 (what autocast casts them to every step; the
+  embedding and the adapters stay float32), transformers' row casts them every step; a second row loads their
+  base in bf16 (dtype=torch.bfloat16, peft's adapters float32), as peft users usually hold it. Each tool runs in
+  its own process; peak memory is the highest RSS sampled during the steps.
 
 Rounds alternate ours and theirs; each figure is the median over rounds. llama.cpp runs in child processes on
 f16 and q8_0 exports (its logs go to /dev/null).
@@ -201,19 +205,25 @@ def lora_child(tool: str, folder: str, dtype_name: str, steps: int, tokens: int,
 
     torch.set_num_threads(threads)
     if tool == "ours":
+        from nanogpt_cli.device import keep_freed_memory
         from nanogpt_cli.interop.loading import load_model
-        from nanogpt_cli.lora import LoRAConfig, add_lora
+        from nanogpt_cli.lora import LoRAConfig, add_lora, hold_frozen
 
+        keep_freed_memory()  # as the trainer sets it on a CPU
         model, _ = load_model(folder)
         params = add_lora(model, LoRAConfig(r=8, alpha=16.0, targets=("attn.c_attn",)))
+        if dtype_name == "bfloat16":  # as the trainer holds a frozen base under autocast
+            hold_frozen(model, torch.bfloat16)
 
         def loss_of(ids):
-            return model(ids, ids)[1]
+            return model(ids, ids, keep_logits=False)[1]  # as the trainer asks for it
     else:
         import peft
         import transformers
 
-        model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        # "transformers-bf16": the base loaded in bf16 (peft keeps the adapters in fp32), as peft users hold it
+        held = torch.bfloat16 if tool == "transformers-bf16" else torch.float32
+        model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=held)
         lora = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj"], task_type="CAUSAL_LM")
         model = peft.get_peft_model(model, lora)
         params = [p for p in model.parameters() if p.requires_grad]
@@ -243,8 +253,13 @@ def lora_child(tool: str, folder: str, dtype_name: str, steps: int, tokens: int,
 
 
 def lora_rows(folder: Path, dtype_name: str, args) -> list[dict]:
+    """The LoRA step's rows: against transformers + peft on the float32 weights (autocast for bfloat16, as ours
+    is run), and for bfloat16 also against their base loaded in bf16, the way peft users hold it."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    results = {"ours": [], "transformers": []}
+    theirs = {"transformers": "LoRA step"}
+    if dtype_name == "bfloat16":
+        theirs["transformers-bf16"] = "LoRA step, their base in bf16"
+    results = {tool: [] for tool in ("ours", *theirs)}
     for _ in range(args.lora_rounds):
         for tool in results:
             cmd = [sys.executable, __file__, "--child", "lora", tool, str(folder), dtype_name]
@@ -253,15 +268,25 @@ def lora_rows(folder: Path, dtype_name: str, args) -> list[dict]:
             if out.returncode != 0:
                 raise SystemExit(f"the {tool} LoRA run failed:\n{out.stderr[-3000:]}")
             results[tool].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    row = {"task": "LoRA step", "dtype": dtype_name}
-    for tool, runs in results.items():
-        row[tool] = statistics.median(r["tokens_per_s"] for r in runs)
-        row[tool + "_peak"] = max(r["peak"] for r in runs)
-    print(
-        f"  {dtype_name} LoRA step: {row['ours']:,.0f} against {row['transformers']:,.0f} tok/s, peak RSS "
-        f"{row['ours_peak'] / 1e9:.2f} against {row['transformers_peak'] / 1e9:.2f} GB"
-    )
-    return [row]
+    speed = {tool: statistics.median(r["tokens_per_s"] for r in runs) for tool, runs in results.items()}
+    peak = {tool: max(r["peak"] for r in runs) for tool, runs in results.items()}
+    rows = []
+    for tool, task in theirs.items():
+        rows.append(
+            {
+                "task": task,
+                "dtype": dtype_name,
+                "ours": speed["ours"],
+                "transformers": speed[tool],
+                "ours_peak": peak["ours"],
+                "transformers_peak": peak[tool],
+            }
+        )
+        print(
+            f"  {dtype_name} {task}: {speed['ours']:,.0f} against {speed[tool]:,.0f} tok/s, peak RSS "
+            f"{peak['ours'] / 1e9:.2f} against {peak[tool] / 1e9:.2f} GB"
+        )
+    return rows
 
 
 # --- llama.cpp, one process per GGUF file ---------------------------------------------------------------

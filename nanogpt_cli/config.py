@@ -453,6 +453,16 @@ class TrainConfig:
     )
     data_dir: str = setting("data", "Folder of prepared datasets.", Resume.LOCAL, panel=MAIN)
     batch_size: int = setting(12, "Sequences per micro-batch.", Resume.CHANGES)
+    # the model keeps its context (positions, RoPE tables, what exports write); shorter windows cost less (attention
+    # is quadratic in their length) and a chat dataset packs its conversations into them. A converted model's long
+    # context gets a shorter default, with a note (plan.py, CONVERTED_SEQ_LEN)
+    seq_len: int | None = setting(
+        None,
+        "Tokens per training sequence, at most the model's context (default: --block-size; a Hugging Face or GGUF "
+        "model's, up to 1024).",
+        Resume.CHANGES,
+        default_shown=False,
+    )
     gradient_accumulation_steps: int = setting(1, "Micro-batches per update.", Resume.CHANGES)
     max_iters: int = setting(2000, "Optimizer updates in the run.", Resume.CHANGES)
     learning_rate: float = setting(1e-3, "Peak learning rate.", Resume.CHANGES)
@@ -560,6 +570,8 @@ class TrainConfig:
             raise ValueError(f"--max-time must be a positive number of seconds, got {self.max_time}")
         if self.stop_at is not None and self.stop_at <= 0:
             raise ValueError(f"--stop-at must be a positive integer, got {self.stop_at}")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len <= 0):
+            raise ValueError(f"--seq-len must be a positive integer, got {self.seq_len!r}")
 
     @property
     def decay_iters(self) -> int:

@@ -80,16 +80,20 @@ TORCH_DTYPES = {Dtype.float32: torch.float32, Dtype.bfloat16: torch.bfloat16, Dt
 
 
 def resolve_dtype(
-    name: Dtype, device: torch.device, model: GPTConfig | None = None, rows: int | None = None
+    name: Dtype,
+    device: torch.device,
+    model: GPTConfig | None = None,
+    rows: int | None = None,
+    seq_len: int | None = None,
 ) -> torch.dtype:
     """auto: bf16 where the hardware supports it (CUDA, or a CPU with native bf16: there only for a model and
-    micro-batch of `rows` big enough, see BF16_MIN_FLOPS; without them, bf16), else fp16 on older CUDA GPUs,
-    else fp32."""
+    micro-batch of `rows` sequences of `seq_len` tokens, default the context, big enough, see BF16_MIN_FLOPS;
+    without them, bf16), else fp16 on older CUDA GPUs, else fp32."""
     if name == Dtype.auto:
         if device.type == "cuda":
             return cuda_auto_dtype(torch.cuda.get_device_capability(device))
         if device.type == "cpu" and cpu_has_bf16():
-            small = model is not None and update_flops(model, rows or 1) < BF16_MIN_FLOPS
+            small = model is not None and update_flops(model, rows or 1, seq_len) < BF16_MIN_FLOPS
             return torch.float32 if small else torch.bfloat16
         return torch.float32
     # float16 runs anywhere: torch's autocast and GradScaler work on the CPU too (slowly), so the path that
@@ -105,12 +109,13 @@ def resolve_dtype(
 BF16_MIN_FLOPS = 200e6
 
 
-def update_flops(model: GPTConfig, rows: int) -> float:
-    """Training FLOPs of the matmuls (6 per weight per token) of one micro-batch of `rows` full windows."""
+def update_flops(model: GPTConfig, rows: int, seq_len: int | None = None) -> float:
+    """Training FLOPs of the matmuls (6 per weight per token) of one micro-batch of `rows` windows of `seq_len`
+    tokens (default: the context)."""
     C = model.n_embd
     mlp = (3 if model.gated else 2) * C * model.hidden_size
     weights = model.n_layer * (4 * C * C + mlp) + model.vocab_size * C  # attention, MLP, the LM head
-    return 6.0 * weights * rows * model.block_size
+    return 6.0 * weights * rows * (seq_len or model.block_size)
 
 
 def cuda_auto_dtype(capability: tuple[int, int]) -> torch.dtype:
@@ -194,21 +199,25 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, 32 << 20)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
-def release_freed_memory() -> None:
-    """Give the pages of freed memory back to the system (glibc's malloc_trim), where glibc would keep them.
+def release_freed_memory() -> bool:
+    """Give the memory that freed blocks hold back to the system now (glibc's malloc_trim); True when it did.
 
-    Loading a model a block at a time frees each block's float tensors and keeps its packed form: glibc serves
-    the next block's from the heap (its mmap threshold has grown past their size), behind the kept ones, so the
-    heap's free pages stay resident. A q8_0 GGUF of SmolLM2-135M's shape peaked at 855 MB without this, 528 MB
-    with it after each block. Elsewhere (not Linux, or another C library) nothing happens."""
+    keep_freed_memory keeps up to 1 GiB of it for the next allocations, which serves a training loop; a setup
+    that frees a model's worth of weights once (a converted checkpoint copied into the run's model, a LoRA base
+    recast, see lora.hold_frozen) would keep all of it: the trainer calls this once after such a setup. Loading a
+    model a block at a time (interop/materialize.py) calls it after each block: the block's float tensors are
+    freed and its packed form kept, and glibc serves the next block's from the heap (its mmap threshold has grown
+    past their size), behind the kept ones, so the heap's free pages would stay resident. A q8_0 GGUF of
+    SmolLM2-135M's shape peaked at 855 MB without this, 528 MB with it after each block. Elsewhere (not Linux, or
+    another C library) nothing happens."""
     if not sys.platform.startswith("linux"):
-        return
+        return False
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
-        return
+        return False
     trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
+    return bool(trim(0))
 
 
 # --- CPU threads ---

@@ -311,12 +311,25 @@ def _from_hub(repo: str) -> Path:
         folder = Path(hub.snapshot_download(repo, allow_patterns=HUB_FILES))
     except Exception as e:  # offline, a connection refused, a gated or missing repo: all mean "not here"
         raise NanoGPTError(
-            f"could not fetch the tokenizer of hf:{repo} from the Hugging Face hub (offline, misspelt, or "
+            offline_miss(f"hf:{repo}")
+            or f"could not fetch the tokenizer of hf:{repo} from the Hugging Face hub (offline, misspelt, or "
             f"gated?): {type(e).__name__}; give the path of a tokenizer.json instead"
         ) from None
     if not (folder / HF_FILE).is_file():
         raise NanoGPTError(f"hf:{repo} has no {HF_FILE}, so nanogpt cannot read its tokenizer")
     return folder
+
+
+def offline_miss(where: str) -> str | None:
+    """The sentence for hf:NAME missing from the local cache while HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) is
+    set, when it is; None when downloads are allowed (then the hub's own failure says more)."""
+    constants = require("huggingface_hub", "hf", what="models from the Hugging Face hub").constants
+    if not constants.HF_HUB_OFFLINE:
+        return None
+    return (
+        f"{where} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE (or "
+        "TRANSFORMERS_OFFLINE) is set, so nanogpt cannot download it; unset it to fetch the model once"
+    )
 
 
 def read_tokenizer_settings(folder: Path) -> tuple[dict[str, Any], str | None]:

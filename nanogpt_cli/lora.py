@@ -116,6 +116,24 @@ def add_lora(model: nn.Module, cfg: LoRAConfig) -> list[nn.Parameter]:
     return params
 
 
+@torch.no_grad()
+def hold_frozen(model: nn.Module, dtype: torch.dtype) -> int:
+    """Hold every frozen linear weight (a LoRA run's base projections and LM head) in `dtype`, for a run under
+    autocast to `dtype`: autocast would cast them to it on every forward and keep the casts for the backward, so
+    the values computed are the same, bit for bit, at half the memory and without the casts. The adapters, norms,
+    biases and the token embedding keep their dtype; a tied LM head gets a copy of its own, so the embedding's
+    lookup stays as exact as it was. A trained weight is left as it is. Returns how many weights it cast."""
+    held = 0
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if not isinstance(module, nn.Linear) or w is None or w.requires_grad or w.dtype == dtype:
+            continue
+        if w.is_floating_point():  # a new Parameter: a tied head stops sharing the embedding's
+            module.weight = nn.Parameter(w.detach().to(dtype), requires_grad=False)
+            held += 1
+    return held
+
+
 def adapters(model: nn.Module) -> dict[str, LoRALinear]:
     """The adapted layers by module name (transformer.h.0.attn.c_attn, ...)."""
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}

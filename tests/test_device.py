@@ -61,6 +61,7 @@ def test_auto_on_a_bf16_cpu_trains_small_updates_in_fp32_and_larger_ones_in_bf16
     monkeypatch.setattr(device, "cpu_has_bf16", lambda: True)
     assert resolve_dtype(Dtype.auto, cpu, toy, 8) == resolve_dtype(Dtype.auto, cpu, small, 8) == torch.float32
     assert resolve_dtype(Dtype.auto, cpu, small, 16) == resolve_dtype(Dtype.auto, cpu, cpu_char, 12) == torch.bfloat16
+    assert resolve_dtype(Dtype.auto, cpu, cpu_char, 12, seq_len=2) == torch.float32  # --seq-len: the rows' tokens
     assert resolve_dtype(Dtype.auto, cpu) == torch.bfloat16  # no size given: the hardware decides
     assert resolve_dtype(Dtype.bfloat16, cpu, toy, 8) == torch.bfloat16  # a given dtype is kept
     monkeypatch.setattr(device, "cpu_has_bf16", lambda: False)
@@ -117,3 +118,27 @@ def test_keeping_freed_memory_stops_tensors_faulting_their_pages_in_again():
         out = subprocess.run([sys.executable, "-c", FAULTS, mode], capture_output=True, text=True, check=True)
         faults[mode] = int(out.stdout.split()[-1])
     assert faults["mapped"] > 50 * 3 * 1000 and faults["keep"] * 10 < faults["mapped"], faults
+
+
+RELEASE = """
+import os, torch
+from nanogpt_cli.device import keep_freed_memory, release_freed_memory
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+assert keep_freed_memory()
+blocks = [torch.ones(1 << 18) for _ in range(256)]  # 256 MiB in 1 MiB blocks, from the heap
+held = rss()
+del blocks  # freed: the heap keeps it, as keep_freed_memory asks
+kept = rss()
+release_freed_memory()
+print(held, kept, rss())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
+def test_releasing_freed_memory_gives_back_what_keep_freed_memory_kept():
+    out = subprocess.run([sys.executable, "-c", RELEASE], capture_output=True, text=True, check=True)
+    held, kept, released = (int(v) for v in out.stdout.split())
+    assert kept > held - (32 << 20)  # freed but kept
+    assert released < kept - (200 << 20)  # given back

@@ -157,6 +157,11 @@ def test_dpo_refuses_a_chat_dataset(dpo_data, tmp_path):
         DPO(job)
 
 
+def test_dpo_refuses_seq_len_it_scores_each_pair_whole(dpo_data, tmp_path):
+    with pytest.raises(NanoGPTError, match=r"^--seq-len has no effect with --method dpo, .*; drop it$"):
+        dpo_job(dpo_data, tmp_path / "x", seq_len=16)
+
+
 def test_cli_prepare_preference_and_finetune_dpo(dpo_data, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

@@ -480,7 +480,8 @@ def test_a_hub_model_that_cannot_be_reached_is_one_sentence(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1
-    assert proc.stderr.startswith("error: could not load hf:nobody/nothing from the Hugging Face hub (offline")
+    cache = tmp_path / "hf" / "hub"
+    assert proc.stderr.startswith(f"error: hf:nobody/nothing is not in the Hugging Face cache ({cache})")
 
 
 # --- trained tokenizers, GGUF of the default config, quantized GGUF, reading our GGUF back -------------------

@@ -16,10 +16,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
+import numpy as np  # noqa: E402
 from test_hf_tokenizer import byte_level, sentencepiece  # noqa: E402
 
 from nanogpt_cli.errors import NanoGPTError  # noqa: E402
 from nanogpt_cli.interop.export import export  # noqa: E402
+from nanogpt_cli.interop.families import FAMILIES as FAMILY_RECORDS  # noqa: E402
 from nanogpt_cli.interop.loading import load_model  # noqa: E402
 
 pytestmark = pytest.mark.slow  # transformers takes seconds to import and to build its models
@@ -104,14 +106,14 @@ def special_ids(folder: Path) -> dict[str, int | None]:
     return {f"{k}_id": ids.get(settings.get(k)) for k in ("bos_token", "eos_token", "pad_token")}
 
 
-def random_model(name: str, folder: Path):
+def random_model(name: str, folder: Path, **changes):
     """The family's transformers model with every weight random (norm gains and biases too, so a misplaced one
-    shows), saved to `folder` with its tokenizer."""
+    shows), saved to `folder` with its tokenizer; changes: config arguments besides the family's."""
     cls, kwargs, tokenizer = FAMILIES[name]
     tokenizer(folder)
     torch.manual_seed(0)
     dropouts = dict.fromkeys(set(DROPOUTS) & getattr(transformers, cls)().to_dict().keys(), 0.0)
-    config = getattr(transformers, cls)(**kwargs, **special_ids(folder), **dropouts)
+    config = getattr(transformers, cls)(**{**kwargs, **changes}, **special_ids(folder), **dropouts)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -171,7 +173,14 @@ def test_an_unsupported_config_value_is_one_sentence_naming_it(name, change, mes
 # --- GGUF files as llama.cpp's converter writes them ----------------------------------------------------------
 
 GGUF_ARCHS = {"llama2": "llama", "llama3.2": "llama", "smollm2": "llama", "qwen2.5": "qwen2", "qwen3": "qwen3"}
-GGUF_ARCHS["gemma3"] = "gemma3"
+GGUF_ARCHS |= {"gemma3": "gemma3", "gpt2": "gpt2", "pythia": "gptneox"}
+# llama.cpp computes GELU with the tanh approximation: a Pythia in GGUF computes the tanh one (Pythia's is exact)
+GGUF_CHANGES = {"pythia": dict(hidden_act="gelu_new")}
+
+
+def gguf_source(name: str, folder: Path):
+    """random_model as a GGUF of its family computes it."""
+    return random_model(name, folder, **GGUF_CHANGES.get(name, {}))
 
 
 def permute(w, n_head: int, n_kv: int):
@@ -180,8 +189,44 @@ def permute(w, n_head: int, n_kv: int):
     return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+GPT2_NAMES = {"wte": "token_embd", "wpe": "position_embd", "ln_f": "output_norm", "ln_1": "attn_norm"}
+GPT2_NAMES |= {"attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm"}
+GPT2_NAMES |= {"mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # (in, out) in transformers
+NEOX_NAMES = {"embed_in": "token_embd", "final_layer_norm": "output_norm", "input_layernorm": "attn_norm"}
+NEOX_NAMES |= {"attention.query_key_value": "attn_qkv", "attention.dense": "attn_output"}
+NEOX_NAMES |= {"post_attention_layernorm": "ffn_norm", "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down"}
+
+
+def layernorm_converter_tensors(ref, arch: str) -> dict:
+    """convert_hf_to_gguf.py's GPT2Model (Conv1D matrices transposed to (out, in)) and GPTNeoXModel
+    (query_key_value's rows, q, k, v of head 0, then head 1, ..., reordered into q of every head, k, v)."""
+    c = ref.config
+    names = GPT2_NAMES if arch == "gpt2" else NEOX_NAMES
+    out = {}
+    for key, tensor in ref.state_dict().items():
+        t = tensor.float().numpy()
+        if key in ("lm_head.weight", "embed_out.weight"):
+            if not c.tie_word_embeddings:
+                out["output.weight"] = t
+            continue
+        parts = key.split(".")[1:]  # without transformer. / gpt_neox.
+        layer = f"blk.{parts[1]}." if parts[0] in ("h", "layers") else ""
+        module = ".".join(parts[2:-1] if layer else parts[:-1])
+        if arch == "gpt2" and parts[-1] == "weight" and module in CONV1D:
+            t = t.T
+        if module == "attention.query_key_value":
+            n, hs = c.num_attention_heads, c.hidden_size // c.num_attention_heads
+            heads = t.reshape(n, 3, hs, *t.shape[1:])
+            t = np.concatenate([heads[:, j].reshape(n * hs, *t.shape[1:]) for j in range(3)], axis=0)
+        out[f"{layer}{names[module]}.{parts[-1]}"] = np.ascontiguousarray(t)
+    return out
+
+
 def converter_tensors(ref, arch: str) -> dict:
     """The model's tensors under llama.cpp's names, transformed as its converter does."""
+    if arch in ("gpt2", "gptneox"):
+        return layernorm_converter_tensors(ref, arch)
     c = ref.config
     names = {"embed_tokens": "token_embd", "norm": "output_norm", "input_layernorm": "attn_norm"}
     names |= {f"self_attn.{p}_proj": f"attn_{p}" for p in "qkv"} | {"self_attn.o_proj": "attn_output"}
@@ -212,19 +257,27 @@ def converter_tensors(ref, arch: str) -> dict:
     return out
 
 
-def write_converter_gguf(ref, folder: Path, arch: str, path: Path, quant: str = "f32") -> None:
-    """A GGUF file as llama.cpp's converter writes this model and the tokenizer in `folder`; quant: the type of the
-    matrices whose rows are whole blocks (gguf's own quantizer), as the converter's --outtype does."""
-    import numpy as np
-
-    gguf = pytest.importorskip("gguf")
-    c = ref.config
-    w = gguf.GGUFWriter(str(path), arch)
+def converter_keys(w, c, arch: str, tensors: dict) -> None:
+    """The ARCH.* keys convert_hf_to_gguf.py writes for the architecture (set_gguf_parameters)."""
+    if arch == "gpt2":  # GPT2Model
+        w.add_block_count(c.n_layer)
+        w.add_context_length(c.n_positions)  # config.json's n_ctx
+        w.add_embedding_length(c.n_embd)
+        w.add_feed_forward_length(4 * c.n_embd)
+        w.add_head_count(c.n_head)
+        w.add_layer_norm_eps(c.layer_norm_epsilon)
+        return
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
+    if arch == "gptneox":  # GPTNeoXModel
+        partial = getattr(c, "rotary_pct", None) or c.rope_parameters["partial_rotary_factor"]
+        w.add_rope_dimension_count(int(partial * (c.hidden_size // c.num_attention_heads)))
+        w.add_parallel_residual(c.use_parallel_residual)
+        w.add_layer_norm_eps(c.layer_norm_eps)
+        return
     w.add_head_count_kv(c.num_key_value_heads)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     w.add_key_length(head_dim)
@@ -235,17 +288,30 @@ def write_converter_gguf(ref, folder: Path, arch: str, path: Path, quant: str = 
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     if arch == "gemma3":
         w.add_sliding_window(c.sliding_window)
-    tensors = converter_tensors(ref, arch)
     if rope.get("rope_type") == "llama3":  # LlamaModel.generate_extra_tensors: rope_freqs
         tensors["rope_freqs.weight"] = llama3_factors(rope, head_dim)
+
+
+def write_converter_gguf(ref, folder: Path, arch: str, path: Path, quant: str = "f32", raw=None) -> None:
+    """A GGUF file as llama.cpp's converter writes this model and the tokenizer in `folder`; quant: the type of the
+    matrices (f16, or gguf's own quantizer where their rows are whole blocks), as the converter's --outtype does;
+    raw(name, shape): a matrix's own bytes and type, or None."""
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), arch)
+    tensors = converter_tensors(ref, arch)
+    converter_keys(w, ref.config, arch, tensors)
     add_vocabulary(w, folder, gguf)
     qtype = getattr(gguf.GGMLQuantizationType, quant.upper())
     for name, t in tensors.items():
         t = np.ascontiguousarray(t, dtype=np.float32)
-        if quant != "f32" and t.ndim == 2 and t.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+        if callable(raw) and t.ndim == 2:  # raw(name, shape) -> (bytes, type), or None to write it as float
+            if (given := raw(name, t.shape)) is not None:
+                w.add_tensor(name, given[0], raw_shape=given[0].shape, raw_dtype=given[1])
+                continue
+        if quant not in ("f32", "f16") and t.ndim == 2 and t.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
             w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(name, t)
+            w.add_tensor(name, t.astype(np.float16) if quant == "f16" and t.ndim == 2 else t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -255,8 +321,6 @@ def write_converter_gguf(ref, folder: Path, arch: str, path: Path, quant: str = 
 def llama3_factors(rope: dict, head_dim: int):
     """convert_hf_to_gguf.py's Llama 3 rope_freqs: 1 for short wavelengths, factor for long, smooth between."""
     import math
-
-    import numpy as np
 
     base, factor = rope["rope_theta"], rope["factor"]
     low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
@@ -306,13 +370,33 @@ def add_vocabulary(w, folder: Path, gguf) -> None:
     w.add_chat_template(template)
 
 
-@pytest.mark.parametrize("name", list(GGUF_ARCHS))
-def test_a_llama_cpp_gguf_loads_with_the_models_logits_and_its_tokenizer(name, tmp_path):
+def rounded(ref, fn) -> None:
+    """Each matrix of transformers' model replaced by fn(it) in the orientation the converter writes it: (out, in),
+    GPT-2's Conv1D matrices transposed."""
+    conv1d = transformers.pytorch_utils.Conv1D
+    with torch.no_grad():
+        for module in ref.modules():
+            for p in module.parameters(recurse=False):
+                if p.dim() == 2:
+                    t = p.t() if isinstance(module, conv1d) else p
+                    given = torch.from_numpy(fn(t.float().numpy().copy()))
+                    t.copy_(given)
+
+
+CONVERTER_CASES = [(name, "f32") for name in GGUF_ARCHS] + [("gpt2", "f16"), ("pythia", "f16"), ("gemma3", "f16")]
+
+
+@pytest.mark.parametrize("name,dtype", CONVERTER_CASES)
+def test_a_llama_cpp_gguf_loads_with_the_models_logits_and_its_tokenizer(name, dtype, tmp_path):
+    """F32 files compute the model's very logits; F16 ones those of the model with its matrices in float16 (norms
+    and biases stay float32, as the converter keeps them)."""
     from nanogpt_cli.interop.loading import tokenizer_of
 
-    ref = random_model(name, tmp_path / "hf")
+    ref = gguf_source(name, tmp_path / "hf")
     path = tmp_path / "model.gguf"
-    write_converter_gguf(ref, tmp_path / "hf", GGUF_ARCHS[name], path)
+    write_converter_gguf(ref, tmp_path / "hf", GGUF_ARCHS[name], path, dtype)
+    if dtype == "f16":
+        rounded(ref, lambda t: t.astype(np.float16).astype(np.float32))
     ours, meta = load_model(path)
     assert meta["hf_family"] == ref.config.model_type
     idx = torch.randint(0, V, (2, 20))
@@ -330,26 +414,31 @@ def test_a_llama_cpp_gguf_loads_with_the_models_logits_and_its_tokenizer(name, t
     assert meta["chat_template"] and tok.eot_id == theirs.convert_tokens_to_ids(theirs.eos_token)
 
 
-@pytest.mark.parametrize("quant", ["q8_0", "q4_0", "q5_1"])  # gguf's Python quantizers have no K-quants
-def test_a_quantized_llama_cpp_gguf_loads_as_the_gguf_package_dequantizes_it(quant, tmp_path):
+QUANT_CASES = [("qwen2.5", q) for q in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")] + [
+    ("gpt2", "q8_0"),
+    ("pythia", "q4_0"),
+]
+
+
+@pytest.mark.parametrize("name,quant", QUANT_CASES)  # gguf's Python quantizers have no K-quants: see below
+def test_a_quantized_llama_cpp_gguf_loads_as_the_gguf_package_dequantizes_it(name, quant, tmp_path):
     """Quantized matrices come in as gguf's own dequantization: the logits of transformers' model given those
     same dequantized weights."""
-    import numpy as np
     from typer.testing import CliRunner
 
     from nanogpt_cli.cli import app
 
     gguf = pytest.importorskip("gguf")
-    ref = random_model("qwen2.5", tmp_path / "hf")
+    ref = gguf_source(name, tmp_path / "hf")
     path = tmp_path / f"model-{quant}.gguf"
     qtype = getattr(gguf.GGMLQuantizationType, quant.upper())
     block = gguf.GGML_QUANT_SIZES[qtype][0]
-    write_converter_gguf(ref, tmp_path / "hf", "qwen2", path, quant)
-    with torch.no_grad():  # transformers' model with the weights as gguf dequantizes them
-        for p in ref.parameters():
-            if p.dim() == 2 and p.shape[1] % block == 0:
-                q = gguf.quants.quantize(p.numpy().astype(np.float32), qtype)
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, qtype).reshape(p.shape)))
+    write_converter_gguf(ref, tmp_path / "hf", GGUF_ARCHS[name], path, quant)
+
+    def as_gguf_dequantizes(t):
+        return gguf.quants.dequantize(gguf.quants.quantize(t, qtype), qtype) if t.shape[1] % block == 0 else t
+
+    rounded(ref, as_gguf_dequantizes)
     ours, _ = load_model(path)
     idx = torch.randint(0, V, (2, 20))
     with torch.no_grad():
@@ -361,6 +450,78 @@ def test_a_quantized_llama_cpp_gguf_loads_as_the_gguf_package_dequantizes_it(qua
         app, ["sample", "--checkpoint", str(path), "--prompt", "Hello", "--temperature", "0", "--max-new-tokens", "5"]
     )
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3", "gpt2", "pythia"])
+def test_a_llama_cpp_gguf_loads_tensor_by_tensor_in_bf16_as_when_cast_after(name, tmp_path):
+    """Each tensor read through the family's layout straight into bfloat16 (interop/materialize.py) is the float32
+    model's cast after: llama's q/k rows, Gemma's 1 + w gains (taken off in float32), fused GPT-2/NeoX tensors."""
+    from nanogpt_cli.interop.loading import load_for_inference
+
+    ref = gguf_source(name, tmp_path / "hf")
+    path = tmp_path / "model.gguf"
+    write_converter_gguf(ref, tmp_path / "hf", GGUF_ARCHS[name], path, "f16")
+    whole, _ = load_model(path)
+    loaded = load_for_inference(path, device="cpu", dtype="bfloat16")
+    got, want = loaded.model.state_dict(), whole.cast(torch.bfloat16).state_dict()
+    assert got.keys() == want.keys()
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in got)
+
+
+def test_a_llama_cpp_gguf_with_a_tensor_its_architecture_has_no_place_for_is_refused(tmp_path):
+    """Qwen2's q/k/v biases in a file that says qwen3 (whose llama.cpp loader has none): one sentence, not a model
+    that silently drops them."""
+    ref = random_model("qwen2.5", tmp_path / "hf")
+    write_converter_gguf(ref, tmp_path / "hf", "qwen3", tmp_path / "model.gguf")
+    with pytest.raises(NanoGPTError, match=r"holds blk\.0\.attn_k\.bias, which nanogpt's qwen3 has no place for"):
+        load_model(tmp_path / "model.gguf")
+
+
+# the byte offsets of the fp16 scales in one block of each type gguf.quants dequantizes but cannot quantize
+SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SCALES |= {"IQ4_NL": (0,), "IQ4_XS": (0,), "TQ2_0": (64,)}
+
+
+@pytest.mark.parametrize("kind", list(SCALES))
+def test_k_quant_blocks_load_as_the_gguf_package_dequantizes_them(kind, tmp_path):
+    """Random blocks of a type (small finite scales) in a converter's file: our float weights are gguf's
+    dequantization of those bytes, the model computes finite logits, and `info` names the type and the size."""
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+    from nanogpt_cli.interop import gguf_file
+
+    gguf = pytest.importorskip("gguf")
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+    ref = random_model("qwen2.5", tmp_path / "hf", hidden_size=256, intermediate_size=512, num_hidden_layers=1)
+    expected = {}
+
+    def raw(name: str, shape):
+        if shape[1] % block:
+            return None
+        blocks = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+        for at in SCALES[kind]:
+            blocks[..., at : at + 2] = (
+                rng.uniform(1e-4, 1e-3, blocks.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+            )
+        data = blocks.reshape(shape[0], -1)
+        expected[name] = gguf.quants.dequantize(data, qtype)
+        return data, qtype
+
+    path = tmp_path / f"model-{kind}.gguf"
+    write_converter_gguf(ref, tmp_path / "hf", "qwen2", path, raw=raw)
+    ours, _ = load_model(path)
+    written = gguf_file.gguf_tensors(ours, FAMILY_RECORDS["qwen2"].gguf)  # ours under llama.cpp's names again
+    assert expected.keys() >= {"token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight"}
+    for name, values in expected.items():
+        assert np.array_equal(written[name], values), f"{kind}: {name}"
+    with torch.no_grad():
+        assert torch.isfinite(ours.eval()(torch.randint(0, V, (1, 8)))[0]).all()
+    result = CliRunner().invoke(app, ["info", str(path)])
+    assert result.exit_code == 0 and kind in result.output, result.output
+    assert f"{path.stat().st_size:,}" in result.output, result.output
 
 
 def test_train_init_from_a_llama_cpp_gguf(tmp_path):
@@ -386,11 +547,15 @@ def test_train_init_from_a_llama_cpp_gguf(tmp_path):
     assert (r := runner.invoke(app, args)).exit_code == 0, r.output
 
 
-@pytest.mark.parametrize("name", ["smollm2", "qwen3"])
+@pytest.mark.parametrize("name", [n for n in GGUF_ARCHS if n != "llama2"])
 def test_gguf_export_writes_llama_cpps_architecture_and_converter_layout(name, tmp_path):
-    """Our GGUF export of an imported model holds the tensors llama.cpp's converter writes for it, bit for bit."""
+    """Our GGUF export of an imported model is in the architecture llama.cpp's converter writes for its family, with
+    the tensors it writes, bit for bit, and every ARCH.* key it writes, with the same value; llama.cpp's layout reads
+    it back (gguf_in, not our own config) into the model's logits."""
     gguf = pytest.importorskip("gguf")
-    ref = random_model(name, tmp_path / "hf")
+    from nanogpt_cli.interop.gguf_in import read_llama_cpp_gguf
+
+    ref = gguf_source(name, tmp_path / "hf")
     export(tmp_path / "hf", "gguf", tmp_path / "ours.gguf")
     arch = GGUF_ARCHS[name]
     reader = gguf.GGUFReader(str(tmp_path / "ours.gguf"))
@@ -400,15 +565,37 @@ def test_gguf_export_writes_llama_cpps_architecture_and_converter_layout(name, t
     assert set(theirs) <= set(ours)  # ours also writes a tied head as output.weight
     for key, tensor in theirs.items():
         assert (ours[key] == tensor).all(), f"{name}: {key}"
-    back, _ = load_model(tmp_path / "ours.gguf")  # and it reads back (as our own export)
+    write_converter_gguf(ref, tmp_path / "hf", arch, tmp_path / "converter.gguf")
+    converter = gguf.GGUFReader(str(tmp_path / "converter.gguf")).fields
+    keys = {k for k in converter if k.startswith(f"{arch}.")}
+    defaults = {f"{arch}.attention.key_length", f"{arch}.attention.value_length"}  # n_embd / n_head: ours omits them
+    assert keys - set(reader.fields) <= defaults, f"{name}: {keys - set(reader.fields)}"
+    for key in keys & set(reader.fields):
+        assert reader.fields[key].contents() == converter[key].contents(), f"{name}: {key}"
     idx = torch.randint(0, V, (2, 20))
-    with torch.no_grad():
-        assert (back.eval()(idx)[0] - ref(idx).logits).abs().max().item() <= 1e-5
+    for back in (load_model(tmp_path / "ours.gguf")[0], read_llama_cpp_gguf(reader, tmp_path / "ours.gguf")[0]):
+        with torch.no_grad():
+            assert (back.eval()(idx)[0] - ref(idx).logits).abs().max().item() <= 1e-5, name
+
+
+@pytest.mark.parametrize(
+    "name,change,message",
+    [
+        ("mistral", {}, r"writes Mistral as llama, which has no sliding window: .* --sliding-window \(6\)"),
+        ("gemma3", dict(layer_types=["sliding_attention"] * 6), "every sixth layer global"),
+        ("pythia", dict(hidden_act="gelu"), "llama.cpp computes GELU with the tanh approximation"),
+    ],
+)
+def test_gguf_export_refuses_what_llama_cpps_architecture_cannot_compute(name, change, message, tmp_path):
+    random_model(name, tmp_path / "hf", **change)
+    with pytest.raises(NanoGPTError, match=message) as e:
+        export(tmp_path / "hf", "gguf", tmp_path / "out.gguf")
+    assert "\n" not in str(e.value) and not (tmp_path / "out.gguf").exists()
 
 
 def test_a_run_started_from_a_family_exports_back_to_it(tmp_path):
     """train --init-from a Qwen2.5 folder, resumed once: the run's export is Qwen2ForCausalLM again (a Llama with
-    attention_bias would compute the same, but is not the model the user started from)."""
+    attention_bias would compute the same, but is not the model the user started from), and llama.cpp's qwen2."""
     from typer.testing import CliRunner
 
     from nanogpt_cli.cli import app
@@ -428,6 +615,10 @@ def test_a_run_started_from_a_family_exports_back_to_it(tmp_path):
     args = ["export", str(run), "--last", "--format", "hf", "--out", str(tmp_path / "e")]  # the resumed step's
     assert (r := runner.invoke(app, args)).exit_code == 0, r.output
     assert type(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "e")).__name__ == "Qwen2ForCausalLM"
+    args = ["export", str(run), "--format", "gguf", "--out", str(tmp_path / "e.gguf")]  # and llama.cpp's qwen2
+    assert (r := runner.invoke(app, args)).exit_code == 0, r.output
+    gguf = pytest.importorskip("gguf")
+    assert gguf.GGUFReader(str(tmp_path / "e.gguf")).fields["general.architecture"].contents() == "qwen2"
 
 
 # --- LoRA on imported models, exported for peft ----------------------------------------------------------------
@@ -490,6 +681,44 @@ def test_a_lora_run_on_an_imported_model_loads_onto_the_original_with_peft(name,
         with tuned.disable_adapter():  # and the adapter matters: the original alone differs
             moved = (theirs - tuned(idx).logits).abs().max().item()
         assert moved > 1e-3, f"{name}: the adapter moved the logits by {moved}"
+
+
+def test_a_converted_models_long_context_trains_at_seq_len_1024_unless_given_and_exports_whole(tmp_path):
+    """finetune --init-from a SmolLM2-shaped folder whose context is 2,048 tokens: without --seq-len it trains
+    sequences of 1,024 and says so; a given --seq-len is kept, the whole context included (no note); a run trained at
+    16 keeps the model's context, and its exports write max_position_embeddings (GGUF: context_length) 2,048."""
+    from nanogpt_cli.data.chat import prepare_chat
+    from nanogpt_cli.lora import LoRAConfig
+    from nanogpt_cli.training.finetune import plan_finetune
+    from nanogpt_cli.training.trainer import Trainer
+
+    folder = tmp_path / "hf"
+    random_model("smollm2", folder, max_position_embeddings=2048)
+    src, template = tmp_path / "chats.jsonl", tmp_path / "chatml.jinja"
+    src.write_text("\n".join(json.dumps({"messages": CHATS[i % 2]}) for i in range(40)) + "\n", encoding="utf-8")
+    template.write_text(CHATML_MARKED, encoding="utf-8")
+    prepare_chat(str(src), "chats", data_dir=str(tmp_path / "data"), tokenizer=str(folder), chat_template=str(template))
+    values = dict(data="chats", data_dir=str(tmp_path / "data"), dtype="float32", device="cpu", max_iters=2)
+    values.update(eval_interval=2, eval_iters=1, batch_size=2, warmup_iters=0)
+    run, lora = tmp_path / "run", LoRAConfig(r=2)
+    default = plan_finetune(values, out=run, init_from=str(folder), lora=lora).plan
+    assert default.seq_len == 1024 and default.model.block_size == 2048
+    assert [n for n in default.notes if n.startswith("--seq-len")] == [
+        "--seq-len 1024: training sequences of 1,024 tokens, the default for a converted model; it keeps its context "
+        "of 2,048 (give --seq-len 2048 to train at all of it)"
+    ]
+    whole = plan_finetune({**values, "seq_len": 2048}, out=run, init_from=str(folder), lora=lora).plan
+    assert whole.seq_len == 2048 and not [n for n in whole.notes if "--seq-len" in n]
+    short = plan_finetune({**values, "seq_len": 16}, out=run, init_from=str(folder), lora=lora)
+    trainer = Trainer(short.plan, trainable=short.trainable)
+    trainer.fit()
+    assert trainer.parts.batches.get_batch("train")[0].shape == (2, 16)
+    assert load_model(run)[0].config.block_size == 2048
+    export(run, "hf", tmp_path / "e", merge=True)
+    assert json.loads((tmp_path / "e" / "config.json").read_text())["max_position_embeddings"] == 2048
+    gguf = pytest.importorskip("gguf")
+    export(run, "gguf", tmp_path / "e.gguf", merge=True)
+    assert gguf.GGUFReader(str(tmp_path / "e.gguf")).fields["llama.context_length"].contents() == 2048
 
 
 # --- chat, serve and eval straight on a family folder and on a llama.cpp GGUF ------------------------------------

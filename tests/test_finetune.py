@@ -5,6 +5,7 @@ adapters, exact resume), full fine-tuning, the masked loss's guard and trained-t
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -85,6 +86,49 @@ def test_merged_weights_give_the_logits_of_base_plus_adapters():
     assert torch.allclose(adapted, merged, atol=1e-5)
 
 
+def lora_step_grads(model, idx, dtype):
+    """The loss and the adapters' gradients of one step under autocast to dtype."""
+    with torch.autocast("cpu", dtype):
+        loss = model(idx, idx)[1]
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_frozen_base_held_in_bf16_computes_what_autocast_over_fp32_did(tied):
+    import copy
+
+    from nanogpt_cli.lora import hold_frozen
+
+    torch.manual_seed(0)
+    model = GPT(tiny_config(mlp="swiglu", norm="rmsnorm", tie_embeddings=tied, n_kv_head=2))
+    add_lora(model, LoRAConfig(r=2, targets=("attn", "mlp.c_fc")))
+    with torch.no_grad():
+        for layer in adapters(model).values():
+            layer.lora_B.normal_(0, 0.1)  # B = 0 would leave A without a gradient
+    held = copy.deepcopy(model)
+    assert hold_frozen(held, torch.bfloat16) == 2 * 4 + 1  # the four projections of each of two blocks, and the head
+    assert held.lm_head.weight.dtype == torch.bfloat16 and held.lm_head.weight is not held.transformer.wte.weight
+    assert held.transformer.wte.weight.dtype == torch.float32  # the lookup as exact as before
+    assert all(p.dtype == torch.float32 for n, p in held.named_parameters() if p.requires_grad)
+    assert held.transformer.h[0].mlp.c_proj.weight.dtype == torch.bfloat16
+    idx = torch.randint(0, 61, (2, 16))
+    loss, grads = lora_step_grads(model, idx, torch.bfloat16)
+    held_loss, held_grads = lora_step_grads(held, idx, torch.bfloat16)
+    assert torch.equal(loss, held_loss) and grads.keys() == held_grads.keys()
+    assert all(torch.equal(grads[n], held_grads[n]) for n in grads)  # bit for bit
+    assert hold_frozen(held, torch.bfloat16) == 0  # nothing left to cast
+
+
+def test_hold_frozen_leaves_a_model_that_trains_every_weight_alone():
+    from nanogpt_cli.lora import hold_frozen
+
+    model = GPT(tiny_config())
+    assert hold_frozen(model, torch.bfloat16) == 0
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
 def test_targets_and_bad_lora_values():
     assert parse_targets(["attn,mlp.c_fc"]) == ("attn.c_attn", "attn.c_proj", "mlp.c_fc")
     with pytest.raises(NanoGPTError, match="unknown projection 'q_proj'"):
@@ -130,6 +174,38 @@ def test_lora_run_trains_only_adapters_and_saves_them_with_its_base(chat_data, b
     idx = torch.randint(0, 256, (2, 32))
     with torch.no_grad():
         assert torch.allclose(merged.eval()(idx)[0], model.eval()(idx)[0], atol=1e-5)
+
+
+def test_a_bf16_lora_run_holds_its_base_in_bf16_trains_and_merges(chat_data, base_run, tmp_path):
+    from nanogpt_cli.interop.loading import load_lora, load_model
+    from nanogpt_cli.runs.checkpoint import read_metadata
+    from nanogpt_cli.training.events import NoDisplay
+
+    class Losses(NoDisplay):
+        def __init__(self):
+            self.losses = []
+
+        def on_eval(self, event):
+            self.losses.append(event.train_loss)
+
+    lora = LoRAConfig(r=4, targets=("attn", "mlp"))
+    job, _ = finetune_run(chat_data, base_run, tmp_path / "bf16", lora, dtype="bfloat16", max_iters=16)
+    shown = Losses()
+    trainer = Trainer(job.plan, shown, trainable=job.trainable)
+    trainer.fit()
+    model = trainer.parts.model
+    assert model.transformer.h[0].attn.c_attn.weight.dtype == torch.bfloat16  # held, not cast every step
+    assert model.transformer.wte.weight.dtype == torch.float32
+    assert len(shown.losses) > 2 and shown.losses[-1] < shown.losses[0] - 0.05  # it trains: on fixed batches
+    saved = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert saved and all(t.dtype == torch.float32 for t in saved.values())  # the adapters as they trained
+    meta = read_metadata(tmp_path / "bf16" / "model.safetensors")
+    adapted, _ = load_lora(tmp_path / "bf16" / "model.safetensors", meta, merge=False)
+    merged, _ = load_model(tmp_path / "bf16")  # on the float32 base the run recorded
+    assert all(p.dtype == torch.float32 for p in merged.parameters())
+    idx = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        assert torch.allclose(merged.eval()(idx)[0], adapted.eval()(idx)[0], atol=1e-5)
 
 
 def test_lora_resume_is_exact(chat_data, base_run, tmp_path):
@@ -237,9 +313,14 @@ def test_cli_finetune(chat_data, base_run, tmp_path):
 
 
 def test_hf_base_offline_is_one_sentence(chat_data, tmp_path, no_network, monkeypatch):
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads the switch and the cache's place once, when first imported
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     data_dir, name = chat_data
-    with pytest.raises(NanoGPTError, match="could not load hf:gpt2") as e:
+    with pytest.raises(NanoGPTError, match="hf:gpt2 is not in the Hugging Face cache .* HF_HUB_OFFLINE") as e:
         plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "x", init_from="hf:gpt2")
     assert "\n" not in str(e.value)
 
@@ -292,7 +373,85 @@ def test_a_lora_run_is_a_base_too(chat_data, base_run, tmp_path):
     merged, _ = load_model(tmp_path / "first")
     assert all(torch.equal(job.plan.init_model.state_dict()[k], t) for k, t in merged.state_dict().items())
     trainer.fit()
+    assert job.plan.init_model is None  # copied into the run's model, then let go: not held twice
     data_dir, name = chat_data
     again = plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "second", resume=True)
     Trainer(again.plan, trainable=again.trainable).fit()  # its base (the first run, merged) loads and checks out
     assert load_model(tmp_path / "second")[1]["step"] == 6
+
+
+def test_seq_len_trains_on_windows_of_that_length_and_the_model_keeps_its_context(chat_data, base_run, tmp_path):
+    """--seq-len 16 on a base whose context is 32: every batch trained and evaluated on is 16 tokens long, the tokens
+    counted are those, and the run's model keeps the context of 32."""
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+    from nanogpt_cli.interop.loading import load_model
+    from nanogpt_cli.training.events import NoDisplay
+
+    class Start(NoDisplay):
+        def on_start(self, event):
+            self.started = event
+
+    job, _ = finetune_run(chat_data, base_run, tmp_path / "short", LoRAConfig(r=2), seq_len=16, max_iters=3)
+    shown = Start()
+    trainer = Trainer(job.plan, shown, trainable=job.trainable)
+    result = trainer.fit()
+    parts, B = trainer.parts, job.plan.train.batch_size
+    assert parts.batches.get_batch("train")[0].shape == (B, 16)
+    assert {tuple(x.shape) for split in parts.eval_sets.values() for x, _ in split} == {(B, 16)}
+    assert shown.started.tokens_per_iter == B * 16 and result.tokens == 3 * B * 16
+    assert parts.flops_per_token == parts.model.flops_per_token(16) < parts.model.flops_per_token()
+    config = json.loads((tmp_path / "short" / "config.json").read_text())
+    assert config["train"]["seq_len"] == 16 and config["model"]["block_size"] == 32
+    merged, _ = load_model(tmp_path / "short")
+    assert merged.config.block_size == 32
+    runner = CliRunner()
+    shown = json.loads(runner.invoke(app, ["info", str(tmp_path / "short"), "--json"]).output)
+    assert shown["seq_len"] == 16 and shown["model"]["block_size"] == 32
+    table = runner.invoke(app, ["info", str(tmp_path / "short")]).output
+    assert re.search(r"training sequences\s*│\s*16 tokens \(--seq-len\)", table), table
+
+
+def test_seq_len_longer_than_the_context_is_one_sentence(chat_data, base_run, tmp_path):
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    with pytest.raises(NanoGPTError, match=r"--seq-len 64 is longer than the context of .* \(--block-size 32\)") as e:
+        finetune_run(chat_data, base_run, tmp_path / "long", seq_len=64)
+    assert "\n" not in str(e.value) and not (tmp_path / "long").exists()
+    data_dir, name = chat_data  # a new model: its own --block-size is the context
+    args = ["train", "--preset", "tiny", "--data", name, "--data-dir", str(data_dir), "--out", str(tmp_path / "new")]
+    r = CliRunner().invoke(app, [*args, "--seq-len", "33"])
+    assert r.exit_code == 1 and "--seq-len 33 is longer than the model's context (--block-size 32)" in r.output
+    r = CliRunner().invoke(app, [*args, "--seq-len", "0"])
+    assert r.exit_code == 1 and "--seq-len must be a positive integer, got 0" in r.output
+
+
+def test_resume_keeps_the_seq_len_and_announces_a_change(chat_data, base_run, tmp_path):
+    out = tmp_path / "run"
+    finetune_run(chat_data, base_run, out, LoRAConfig(r=2), seq_len=16, stop_at=2)[1].fit()
+    data_dir, name = chat_data
+    values = {"data": name, "data_dir": str(data_dir)}
+    job = plan_finetune(values, out=out, resume=True)
+    assert job.plan.seq_len == 16 and not job.plan.changes  # the run's own, unless given
+    trainer = Trainer(job.plan, trainable=job.trainable)
+    result = trainer.fit()
+    assert trainer.parts.batches.get_batch("train")[0].shape[1] == 16 and result.tokens == 6 * 4 * 16
+    longer = plan_finetune({**values, "max_iters": 8, "seq_len": 32}, out=out, resume=True)
+    assert longer.plan.seq_len == 32 and "--seq-len 16 -> 32 from step 6" in map(str, longer.plan.changes)
+    with pytest.raises(NanoGPTError, match=r"--seq-len 40 is longer than the context of .* \(--block-size 32\)"):
+        plan_finetune({**values, "max_iters": 8, "seq_len": 40}, out=out, resume=True)
+
+
+def test_a_run_at_the_whole_context_is_unchanged_by_naming_it(chat_data, base_run, tmp_path):
+    """--seq-len the context is the default's run: the same windows, and on resume no change to announce."""
+    job, _ = finetune_run(chat_data, base_run, tmp_path / "a", max_iters=2, eval_interval=2)
+    named, _ = finetune_run(chat_data, base_run, tmp_path / "b", max_iters=2, eval_interval=2, seq_len=32)
+    assert job.plan.train.seq_len is None and job.plan.seq_len == named.plan.seq_len == 32
+    Trainer(job.plan).fit()
+    data_dir, name = chat_data
+    again = plan_finetune({"data": name, "data_dir": str(data_dir), "max_iters": 3, "seq_len": 32}, out=tmp_path / "a",
+                          resume=True)  # fmt: skip
+    assert [str(c) for c in again.plan.changes] == ["--max-iters 2 -> 3 from step 2"]

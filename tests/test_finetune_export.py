@@ -96,14 +96,14 @@ def test_lora_exports_need_merge_or_peft_and_the_right_base(chat_data, tmp_path)
     base, run = lora_run(chat_data, tmp_path, "gpt2")
     with pytest.raises(NanoGPTError, match="export it with --merge"):
         export(run, "hf", tmp_path / "x")
-    with pytest.raises(NanoGPTError, match="needs --base DIR"):
+    with pytest.raises(NanoGPTError, match="needs --base: the Hugging Face export of the run.s base"):
         export(run, "peft", tmp_path / "x")
     with pytest.raises(NanoGPTError, match="holds whole weights"):
         export(base, "hf", tmp_path / "x", merge=True)
     other = tmp_path / "other"
     Trainer(tiny_plan(*chat_data, other, max_iters=1, eval_interval=1, eval_iters=1, **SHAPES["gpt2"])).fit()
     export(other, "hf", tmp_path / "other-hf")
-    with pytest.raises(NanoGPTError, match="is not the Hugging Face export of this run's base"):
+    with pytest.raises(NanoGPTError, match="does not hold this run.s base weights"):
         export(run, "peft", tmp_path / "x", base=tmp_path / "other-hf")
     assert not (tmp_path / "x").exists()
 

@@ -178,6 +178,11 @@ def test_a_raising_reward_stops_the_run_with_one_sentence(prompt_data, tmp_path,
         run.fit()
 
 
+def test_grpo_refuses_seq_len_it_scores_each_completion_whole(prompt_data, tmp_path):
+    with pytest.raises(NanoGPTError, match=r"^--seq-len has no effect with --method grpo, .*; drop it$"):
+        grpo_job(prompt_data, tmp_path / "x", seq_len=16)
+
+
 def test_cli_prepare_prompts_and_finetune_grpo(prompt_data, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

@@ -5,6 +5,7 @@ the same files; the file travelling through prepare, train, sample and export; c
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -188,7 +189,9 @@ def test_hf_name_offline_is_one_sentence(no_network, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(NanoGPTError, match=r"could not fetch the tokenizer of hf:someone/model .*offline"):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    said = f"hf:someone/model is not in the Hugging Face cache ({tmp_path / 'hf' / 'hub'}) and HF_HUB_OFFLINE"
+    with pytest.raises(NanoGPTError, match=re.escape(said)):
         read_hf_tokenizer("hf:someone/model")
 
 

@@ -188,6 +188,56 @@ def test_ignore_index_skips_targets():
     assert not torch.isclose(masked, full)
 
 
+def lora_loss_and_grads(model, x, y, keep_logits, dtype=torch.float32):
+    """(logits, loss, the trainable parameters' gradients) of one backward, under autocast to dtype."""
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype, enabled=dtype != torch.float32):
+        logits, loss = model(x, y, keep_logits=keep_logits)
+    (loss * 0.5).backward()  # as a loss shared by two micro-batches: the chunks' gradient takes the factor
+    return logits, loss.detach(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_frozen_heads_loss_in_chunks_is_the_whole_batch_loss(tied, monkeypatch):
+    from nanogpt_cli.lora import LoRAConfig, adapters, add_lora, hold_frozen
+    from nanogpt_cli.model.gpt import HeadCrossEntropy
+
+    monkeypatch.setattr(HeadCrossEntropy, "CHUNK_ELEMENTS", 61 * 5)  # 5 rows a chunk: 32 rows in 7 chunks
+    torch.manual_seed(0)
+    model = GPT(tiny(tie_embeddings=tied, dropout=0.0))
+    add_lora(model, LoRAConfig(r=2, targets=("all",)))
+    with torch.no_grad():
+        for layer in adapters(model).values():
+            layer.lora_B.normal_(0, 0.1)
+    x, y = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))
+    y[0, :5] = -1  # targets that do not count
+    logits, whole, expected = lora_loss_and_grads(model, x, y, keep_logits=True)
+    dropped, chunked, grads = lora_loss_and_grads(model, x, y, keep_logits=False)
+    assert logits is not None and dropped is None
+    torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=0)
+    for a, b in zip(grads, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    _, none, zeros = lora_loss_and_grads(model, x, torch.full_like(y, -1), keep_logits=False)
+    assert none.item() == 0.0 and not any(g.any() for g in zeros)  # no target: 0, not 0/0, and no gradient
+    with torch.no_grad():  # evaluation: the whole batch's logits and loss, as before
+        logits, loss = model(x, y, keep_logits=False)
+    assert logits is not None and torch.equal(loss, whole)
+    hold_frozen(model, torch.bfloat16)  # bf16 autocast, as a LoRA run trains: the same up to bf16's rounding
+    _, whole, expected = lora_loss_and_grads(model, x, y, True, torch.bfloat16)
+    _, chunked, grads = lora_loss_and_grads(model, x, y, False, torch.bfloat16)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=0)
+    for a, b in zip(grads, expected, strict=True):
+        assert (a - b).abs().max() <= 0.02 * b.abs().max()
+
+
+def test_a_trained_head_keeps_the_whole_batch_loss():
+    torch.manual_seed(0)
+    model = GPT(tiny())
+    x = torch.randint(0, 61, (2, 8))
+    logits, loss = model(x, x, keep_logits=False)  # the head trains: its gradient comes from the whole loss
+    assert logits is not None and torch.equal(loss, model(x, x)[1])
+
+
 def test_sinusoidal_table_matches_its_closed_form():
     pe = sinusoidal_table(50, 16)
     for p in (0, 1, 7, 49):

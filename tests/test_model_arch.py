@@ -461,8 +461,9 @@ def test_what_export_cannot_express_is_one_sentence_naming_the_setting(kw, messa
     with pytest.raises(NanoGPTError, match=message):
         hf.hf_kind(tiny(**kw))
     assert hf.hf_kind(tiny(parallel_residual=True, rotary_dim=4)) == "gpt_neox"
-    with pytest.raises(NanoGPTError, match="starcoder2, which has neither --parallel-residual nor --rotary-dim"):
-        gguf_file.gguf_arch(tiny(parallel_residual=True, mlp="gelu_tanh"))
+    assert gguf_file.gguf_arch(tiny(parallel_residual=True, mlp="gelu_tanh")) == "gptneox"  # llama.cpp's Pythia
+    with pytest.raises(NanoGPTError, match="llama.cpp computes GELU with the tanh approximation"):
+        gguf_file.gguf_arch(tiny(parallel_residual=True, mlp="gelu"))
 
 
 # --- end to end: train, resume, sample, serve ---------------------------------------------------------

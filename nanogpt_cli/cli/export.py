@@ -38,8 +38,11 @@ def export(
         bool, typer.Option("--merge", help="A LoRA run: fold its adapters into its base weights (hf, gguf).")
     ] = False,
     base: Annotated[
-        Path | None,
-        typer.Option(help="peft: the Hugging Face export of the LoRA run's base, which the adapter is for."),
+        str | None,
+        typer.Option(
+            help="peft: the LoRA run's base, which the adapter is for: hf:NAME, or a Hugging Face folder (the "
+            "base's export)."
+        ),
     ] = None,
 ):
     """Write a run as a Hugging Face folder or a GGUF file that other tools load.
@@ -53,7 +56,8 @@ def export(
     if result.format == "peft":
         console.print(
             f"wrote {result.path} (PEFT LoRA adapter for the {result.architecture} in {base}); load it with "
-            f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({str(base)!r}), {str(result.path)!r})",
+            f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base.removeprefix('hf:')!r}), "
+            f"{str(result.path)!r})",
             soft_wrap=True,
             highlight=False,
         )

@@ -32,9 +32,9 @@ def start_lines(e) -> list[str]:
     if t:
         accumulation = t["gradient_accumulation_steps"]
         micro = f"{accumulation} micro-batch{'es' if accumulation > 1 else ''}"
+        seq_len = t.get("seq_len") or m.get("block_size") or 0
         lines.append(
-            f"batch: {e.tokens_per_iter:,} tokens per step ({t['batch_size']} rows x {m.get('block_size', '?'):,} "
-            f"tokens x {micro})"
+            f"batch: {e.tokens_per_iter:,} tokens per step ({t['batch_size']} rows x {seq_len:,} tokens x {micro})"
         )
         optimizer = f"muon (lr {t['muon_lr']:g}) + adamw" if t["optimizer"] == "muon" else str(t["optimizer"])
         if t.get("embedding_lr") is not None:

@@ -340,6 +340,8 @@ def info_table(info):
                 f"{m['block_size']:,}, {m['pos_encoding']}, {m['norm']}, {m['mlp']}",
             )
         )
+        if info.seq_len is not None:
+            rows.append(("training sequences", f"{info.seq_len:,} tokens (--seq-len)"))
         config = model_config(m)
         if config is not None:
             rows.append(("attention", config.attention_words()))

@@ -18,7 +18,8 @@ from nanogpt_cli.errors import NanoGPTError
 class Batches:
     """Random (block_size + 1)-token windows from the train and val shards, never across two shards. A chat
     dataset that records its conversations is read as packed windows instead (data.reader.pack_windows): whole
-    conversations where they fit, padded at the end with targets that do not count."""
+    conversations where they fit, padded at the end with targets that do not count. block_size is the training
+    sequence's length (--seq-len, else the model's context); length_flag names the flag that set it, for errors."""
 
     def __init__(
         self,
@@ -29,6 +30,7 @@ class Batches:
         device: torch.device,
         seed: int,
         loss_mask: bool = True,
+        length_flag: str = "--block-size",
     ):
         self.splits = {s: open_split(data_dir, name, s) for s in ("train", "val")}
         # chat datasets: a mask per token; a target whose mask is 0 becomes -1, which the loss ignores
@@ -49,7 +51,7 @@ class Batches:
                 )
                 raise NanoGPTError(
                     f"the {split} split of '{name}' has {len(tokens):,} tokens{longest}, fewer than "
-                    f"--block-size + 1 = {block_size + 1}; use a smaller --block-size or more data"
+                    f"{length_flag} + 1 = {block_size + 1}; use a smaller {length_flag} or more data"
                 )
         self.block_size, self.batch_size, self.device = block_size, batch_size, device
         self.generator = torch.Generator().manual_seed(seed)

@@ -223,6 +223,7 @@ class Info:
     params: int | None = None
     params_non_embedding: int | None = None
     flops_per_token: int | None = None  # training FLOPs per token at the full context (6N + attention)
+    seq_len: int | None = None  # a run's training sequences (--seq-len), where they are shorter than the context
     kv_cache_bytes_per_token: float | None = None  # the engine's KV cache per token of a row, in float32
     tokenizer: str | None = None  # name and vocabulary size, in words
     dataset: str | None = None
@@ -332,6 +333,9 @@ def _inspect_run(path: Path) -> Info:
     if config is not None:
         _fill_model(info, config["model"], (config.get("dataset") or {}).get("tokenizer"))
         info.finetune = finetune_words(config.get("finetune"))
+        seq_len = (config.get("train") or {}).get("seq_len")
+        if isinstance(seq_len, int) and info.model and seq_len < info.model["block_size"]:
+            info.seq_len = seq_len
         info.history = [h for h in config.get("history") or [] if isinstance(h, dict)]
     else:
         meta = next(filter(None, map(_weights_meta, (run.best_path, run.last_path))), None)

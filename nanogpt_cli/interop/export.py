@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.errors import NanoGPTError, first_line
 from nanogpt_cli.interop import hf
 from nanogpt_cli.interop.loading import load_model, tokenizer_of
 from nanogpt_cli.model import GPT
@@ -53,8 +53,8 @@ def export(
     base: str | Path | None = None,
 ) -> ExportResult:
     """Export a run folder or .safetensors checkpoint (or a Hugging Face folder / hf:NAME) to `out`. quant: the
-    GGUF type of the matrices (gguf_file.QUANTS; default f32). A LoRA run: `merge` for hf and gguf; `base` (the
-    Hugging Face export of its base) for peft."""
+    GGUF type of the matrices (gguf_file.QUANTS; default f32). A LoRA run: `merge` for hf and gguf; `base` (its
+    base: hf:NAME, or a Hugging Face folder such as the base's export) for peft."""
     if fmt not in FORMATS:
         raise NanoGPTError(f"--format must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if quant is not None and fmt != "gguf":
@@ -71,15 +71,12 @@ def export(
         if merge:
             raise NanoGPTError("--merge folds the adapters in, and --format peft writes them apart; give one")
         if base is None:
-            raise NanoGPTError(
-                "--format peft needs --base DIR: the Hugging Face export of the run's base "
-                f"(`nanogpt export {lora[1]['base']['source']} --format hf --out DIR`)"
-            )
-        return export_peft(lora[0], lora[1], Path(base), Path(out), force)
+            raise NanoGPTError(f"--format peft needs --base: {_base_hint(lora[1]['base']['source'])}")
+        return export_peft(lora[0], lora[1], str(base), Path(out), force)
     if lora is not None and not merge:
         raise NanoGPTError(
             f"{source} is a LoRA run (adapters on {lora[1]['base']['source']}); export it with --merge (the "
-            "adapters folded into the base) or as an adapter with --format peft --base DIR"
+            "adapters folded into the base) or as an adapter with --format peft --base BASE"
         )
     if lora is None and merge:
         raise NanoGPTError(f"--merge folds a LoRA run's adapters into its base; {source} holds whole weights")
@@ -91,7 +88,8 @@ def export(
         origin = origin_of(source, meta)
         family = meta.get(hf.FAMILY_KEY)
         return export_hf(model, meta["tokenizer"], Path(out), force, origin, template, tokenizer, family)
-    return export_gguf(model, meta["tokenizer"], Path(out), force, quant or "f32", template, tokenizer)
+    family = meta.get(hf.FAMILY_KEY)
+    return export_gguf(model, meta["tokenizer"], Path(out), force, quant or "f32", template, tokenizer, family)
 
 
 def load_source(source: str | Path, last: bool = False) -> tuple[GPT, dict[str, Any]]:
@@ -268,10 +266,11 @@ def _reply_stops(template: str, tok, eot_id: int | None) -> dict[str, Any]:
 # --- PEFT -----------------------------------------------------------------------------------------------
 
 
-def export_peft(path: Path, meta: dict[str, Any], base: Path, out: Path, force: bool = False) -> ExportResult:
-    """Write a LoRA run's adapters as a PEFT adapter folder for `base`, the Hugging Face export of the run's base
-    (checked: its weights must be that base's): `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(
-    base), out)` computes what the run computes."""
+def export_peft(path: Path, meta: dict[str, Any], base: str, out: Path, force: bool = False) -> ExportResult:
+    """Write a LoRA run's adapters as a PEFT adapter folder for `base`: hf:NAME (the hub model the run started
+    from, from the cache or the hub) or a Hugging Face folder such as the run base's export (checked: its weights
+    must be that base's). `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(NAME or base), out)`
+    computes what the run computes."""
     from safetensors.torch import save_file
 
     from nanogpt_cli.interop.loading import load_lora
@@ -281,15 +280,12 @@ def export_peft(path: Path, meta: dict[str, Any], base: Path, out: Path, force: 
     model, plain = load_lora(path, meta, merge=False)
     family = meta.get(hf.FAMILY_KEY)  # a run started from a Qwen2 folder compares with a Qwen2, not a Llama
     kind = hf.hf_kind(model.config, family)
-    if not hf.is_hf_source(base) or str(base).startswith("hf:"):
-        raise NanoGPTError(f"--base {base} is not a Hugging Face model folder; export the base with --format hf")
-    with hf.quiet_transformers():
-        theirs = transformers.AutoModelForCausalLM.from_pretrained(str(base), local_files_only=True).state_dict()
+    theirs = _base_weights(transformers, base)
     ours = hf.to_hf(plain, prefer=family).state_dict()
     if any(k not in theirs or not _same(theirs[k], t) for k, t in ours.items()):
         raise NanoGPTError(
-            f"--base {base} is not the Hugging Face export of this run's base ({meta['base']['source']}); "
-            f"export that with `nanogpt export {meta['base']['source']} --format hf --out DIR`"
+            f"--base {base} does not hold this run's base weights ({meta['base']['source']}); give "
+            + _base_hint(meta["base"]["source"])
         )
     _check_target(out, force)
     cfg = meta["lora"]
@@ -298,7 +294,7 @@ def export_peft(path: Path, meta: dict[str, Any], base: Path, out: Path, force: 
     adapter_config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(base),
+        "base_model_name_or_path": base.removeprefix("hf:"),  # what from_pretrained takes: a hub name or folder
         "r": cfg["r"],
         "lora_alpha": cfg["alpha"],
         "lora_dropout": cfg["dropout"],
@@ -323,6 +319,33 @@ def export_peft(path: Path, meta: dict[str, Any], base: Path, out: Path, force: 
     return ExportResult(out, "peft", hf.ARCHS[kind][3], meta["tokenizer"]["name"])
 
 
+def _base_hint(source: str) -> str:
+    """What --base should be for a run whose base is `source`: that hf:NAME, or the base's Hugging Face export."""
+    if source.startswith("hf:"):
+        return f"--base {source}, the model the run started from"
+    return f"the Hugging Face export of the run's base (`nanogpt export {source} --format hf --out DIR`)"
+
+
+def _base_weights(transformers, base: str) -> dict[str, Any]:
+    """The state dict of --base: hf:NAME through from_pretrained (the cache, or the hub), or a local folder."""
+    hub = base.startswith("hf:")
+    if not hub and not hf.is_hf_source(base):
+        raise NanoGPTError(
+            f"--base {base} is neither hf:NAME nor a Hugging Face model folder; export the base with --format hf"
+        )
+    name = base.removeprefix("hf:")
+    try:
+        with hf.quiet_transformers():
+            model = transformers.AutoModelForCausalLM.from_pretrained(name, local_files_only=not hub)
+    except (OSError, ValueError) as e:
+        from nanogpt_cli.hf_tokenizer import offline_miss
+
+        raise NanoGPTError(
+            (offline_miss(base) if hub else None) or f"could not load the weights of --base {base} ({first_line(e)})"
+        ) from None
+    return model.state_dict()
+
+
 def _same(a, b) -> bool:
     return a.shape == b.shape and bool((a.float() == b.float()).all())
 
@@ -338,29 +361,32 @@ def export_gguf(
     quant: str = "f32",
     chat_template: str | None = None,
     tokenizer=None,
+    family: str | None = None,
 ) -> ExportResult:
     """Write one GGUF file (see gguf_file.py) with float32, float16 or quantized matrices, and the run's chat
-    template as tokenizer.chat_template; tokenizer: the HFTokenizer a Hugging Face description needs."""
+    template as tokenizer.chat_template; tokenizer: the HFTokenizer a Hugging Face description needs; family: the
+    Hugging Face family the model came from, whose llama.cpp architecture it keeps."""
     from nanogpt_cli.interop import gguf_file
 
     hf.require("gguf")
     if quant not in gguf_file.QUANTS:
         raise NanoGPTError(f"--quant must be one of {', '.join(gguf_file.QUANTS)}, got {quant!r}")
-    arch = gguf_file.gguf_arch(model.config)  # refusals first: nothing is written before every check has passed
+    # refusals first: nothing is written before every check has passed
+    arch, layout = gguf_file.gguf_target(model.config, family)
     gguf_file.gguf_vocabulary(desc, model.config.vocab_size, hf.require("gguf"), tokenizer)
     if out.suffix != ".gguf":
         raise NanoGPTError(f"--out for --format gguf is a file ending in .gguf, got {out}")
     _check_target(out, force)
     tmp = _staging(out)
     try:
-        gguf_file.write_gguf(model, desc, tmp, quant, chat_template, tokenizer)
+        gguf_file.write_gguf(model, desc, tmp, quant, chat_template, tokenizer, family)
         size = tmp.stat().st_size
         _replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     # the size of the same file in float32: its size less the tensors as written plus the tensors at 4 bytes a value
     gguf = hf.require("gguf")
-    tensors = gguf_file.gguf_tensors(model, arch)
+    tensors = gguf_file.gguf_tensors(model, layout)
 
     def padded(n: int) -> int:  # each tensor starts on a 32-byte boundary
         return gguf.GGUFWriter.ggml_pad(n, gguf.GGUF_DEFAULT_ALIGNMENT)

@@ -4,11 +4,12 @@ our model.
 
     write_gguf(model, tokenizer_desc, Path("shk.gguf"), quant="q8_0");  model, meta = read_gguf("shk.gguf")
 
-Architectures (`gguf_arch`): llama (RoPE, RMSNorm, SwiGLU, no biases), qwen3 (the same with QK-norm), gpt2
-(learned or sinusoidal positions, LayerNorm, tanh GELU) and starcoder2 (RoPE on the whole head, LayerNorm, tanh
-GELU: our default config). llama.cpp computes GELU with the tanh approximation only, so a model trained with the
-exact GELU (--mlp gelu) is refused rather than run slightly differently. Files llama.cpp's converter wrote are
-read by gguf_in.py, which hands ours to this module.
+Architectures (`gguf_target`): the one llama.cpp's converter writes for the model's Hugging Face family (the
+family it came from, or the one that computes its config: `hf.hf_kind`), laid out as the family's GGUF record says
+(families/gguf_base.py): llama, qwen2, qwen3, gemma3, gpt2 and gptneox; our own default block (RoPE on the whole
+head, LayerNorm, tanh GELU) goes out as starcoder2. llama.cpp computes GELU with the tanh approximation only, so a
+model trained with the exact GELU (--mlp gelu) is refused rather than run slightly differently. Files llama.cpp's
+converter wrote are read by gguf_in.py, which hands ours to this module.
 
 Tokenizers: gpt2, byte, char (characters of one UTF-8 byte) and trained BPEs (gpt2, gpt4 and gpt4o patterns), all
 as llama.cpp's byte-level BPE ("gpt2" model): tokens spelled in GPT-2's byte alphabet in id order, merges derived
@@ -29,7 +30,14 @@ import numpy as np
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop import hf
-from nanogpt_cli.interop.families import FAMILIES
+from nanogpt_cli.interop.families import FAMILIES, GGUF_FAMILIES
+from nanogpt_cli.interop.families.gguf_base import (
+    LAYERNORM_GGUF_BLOCK,
+    LAYERNORM_GGUF_TOP,
+    GGUFLayout,
+    common_keys_out,
+    gelu_refuses,
+)
 from nanogpt_cli.model import GPT, rope_inv_freq
 
 QUANTS = ("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0")  # --quant: what gguf's writer can produce
@@ -37,38 +45,62 @@ CONFIG_KEY, TOKENIZER_KEY = "nanogpt.config", "nanogpt.tokenizer"
 TOKENIZER_JSON_KEY = "nanogpt.tokenizer_json"  # a Hugging Face tokenizer's file, as text: the GGUF is one file
 # our trained BPE's split patterns -> the llama.cpp pre-tokenizer that splits with the same regex
 PRE_TOKENIZERS = {"gpt2": "gpt-2", "gpt4": "llama-bpe", "gpt4o": "gpt-4o"}
-RMS_ARCHS = ("llama", "qwen3")  # RMSNorm, SwiGLU, no biases but q/k/v's; only llama's q/k rows are reordered
 
 
-def gguf_arch(c: GPTConfig) -> str:
-    """llama, gpt2 or starcoder2: the llama.cpp architecture that computes this config exactly; else one sentence
-    naming the flags to change."""
+def gguf_target(c: GPTConfig, family: str | None = None) -> tuple[str, GGUFLayout]:
+    """The llama.cpp architecture that computes this config exactly, and how the model sits in it: the family's
+    (`family`: the one the model came from, kept when it holds the config, as in `hf.hf_kind`); else one sentence
+    naming the flags to change. Our own default block (RoPE on the whole head, LayerNorm, tanh GELU, one residual
+    after the other) goes out as starcoder2, as it always has; a GPT-NeoX or Pythia model as gptneox."""
     try:
-        kind = hf.hf_kind(c)
+        kind = hf.hf_kind(c, prefer=family)
     except NanoGPTError as e:
         raise NanoGPTError(f"GGUF export needs a model llama.cpp computes exactly: {e}") from None
-    if kind == "qwen3":  # llama.cpp's qwen3: Llama's tensors plus attn_q_norm / attn_k_norm, NeoX-order RoPE
-        if c.bias or c.attn_bias:
-            raise NanoGPTError("GGUF export of a Qwen3-shaped model needs --no-bias and no --qkv-bias")
-        return "qwen3"
-    if kind not in ("gpt2", "llama", "gpt_neox"):
+    arch, layout = FAMILIES[kind].gguf_arch, FAMILIES[kind].gguf
+    if kind == "gpt_neox" and family != "gpt_neox" and not c.parallel_residual and c.rotary_dim is None:
+        arch, layout = "starcoder2", STARCODER2
+    why = layout.refuses(c)
+    if why is not None:
+        raise NanoGPTError(why)
+    return arch, layout
+
+
+def gguf_arch(c: GPTConfig, family: str | None = None) -> str:
+    """gguf_target's architecture name."""
+    return gguf_target(c, family)[0]
+
+
+def layout_of(arch: str, path) -> GGUFLayout:
+    """How a file of llama.cpp's `arch` holds our model, or one sentence naming the architectures nanogpt reads."""
+    if arch == "starcoder2":
+        return STARCODER2
+    if arch not in GGUF_FAMILIES:
         raise NanoGPTError(
-            f"GGUF export writes llama, qwen3, gpt2 and starcoder2 models; a {hf.ARCHS[kind][3]}-shaped model "
-            f"(llama.cpp's {FAMILIES[kind].gguf_arch}) does not convert"
+            f"{path} holds a {arch!r} model; nanogpt reads llama.cpp's {', '.join(GGUF_FAMILIES)} GGUF files"
         )
-    if kind in ("gpt2", "gpt_neox") and c.mlp != "gelu_tanh":
-        raise NanoGPTError(
-            "llama.cpp computes GELU with the tanh approximation: GGUF export of a model with "
-            "LayerNorm and GELU needs --mlp gelu_tanh (or --norm rmsnorm --mlp swiglu --no-bias)"
-        )
-    if kind == "gpt_neox" and (c.parallel_residual or c.rotary_dim is not None):
-        raise NanoGPTError(
-            "GGUF export writes a GPT-NeoX-shaped model as starcoder2, which has neither --parallel-residual nor "
-            "--rotary-dim: train without them to export to GGUF"
-        )
-    if kind == "llama" and c.bias:  # llama.cpp's Llama has optional q, k, v biases (--qkv-bias), not the others
-        raise NanoGPTError("GGUF export of a Llama-shaped model needs --no-bias (--qkv-bias may stay)")
-    return "starcoder2" if kind == "gpt_neox" else kind
+    return FAMILIES[GGUF_FAMILIES[arch]].gguf
+
+
+def _starcoder2_keys(writer, c: GPTConfig) -> None:
+    common_keys_out(writer, c)
+    writer.add_head_count_kv(c.kv_heads)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_rope_dimension_count(c.head_size)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_layer_norm_eps(c.norm_eps)
+
+
+# llama.cpp's starcoder2: RoPE on the whole head, LayerNorm, tanh GELU, q, k and v apart; every bias required
+STARCODER2 = GGUFLayout(
+    top=LAYERNORM_GGUF_TOP,
+    block={
+        **LAYERNORM_GGUF_BLOCK,
+        "attn.c_attn.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+        "attn.c_attn.bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    },
+    keys_out=_starcoder2_keys,
+    refuses=gelu_refuses,
+)
 
 
 def gguf_vocabulary(desc: dict[str, Any], vocab_size: int, gguf, tokenizer=None) -> dict[str, Any]:
@@ -216,20 +248,25 @@ def write_gguf(
     quant: str = "f32",
     chat_template: str | None = None,
     tokenizer=None,
+    family: str | None = None,
 ) -> None:
-    """Write the model to `path` (checks first: a refusal writes nothing); a chat template goes in as
-    tokenizer.chat_template, without the generation tags llama.cpp does not know. A Hugging Face tokenizer
-    (`tokenizer`) goes in as llama.cpp's vocabulary and as its tokenizer.json's text (TOKENIZER_JSON_KEY), and its
-    end-of-turn ids as llama.cpp's end-of-text token."""
+    """Write the model to `path` (checks first: a refusal writes nothing) in the architecture of its family
+    (`family`: the one it came from; gguf_target); a chat template goes in as tokenizer.chat_template, without the
+    generation tags llama.cpp does not know. A Hugging Face tokenizer (`tokenizer`) goes in as llama.cpp's vocabulary
+    and as its tokenizer.json's text (TOKENIZER_JSON_KEY), and its end-of-turn ids as llama.cpp's end-of-text
+    token."""
     gguf = hf.require("gguf")
     if quant not in QUANTS:
         raise NanoGPTError(f"--quant must be one of {', '.join(QUANTS)}, got {quant!r}")
     c = model.config
-    arch = gguf_arch(c)
+    arch, layout = gguf_target(c, family)
     vocab = gguf_vocabulary(desc, c.vocab_size, gguf, tokenizer)
-    tensors = gguf_tensors(model, arch, gguf)
+    tensors = gguf_tensors(model, layout)
     writer = _writer_class(gguf)(str(path), arch)
-    _metadata(writer, c, arch, quant, gguf)
+    writer.add_name("nanogpt")
+    layout.keys_out(writer, c)
+    file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16"}.get(quant, f"MOSTLY_{quant.upper()}")
+    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
     writer.add_tokenizer_model(vocab["model"])
     writer.add_tokenizer_pre(vocab["pre"])
     writer.add_token_list(vocab["tokens"])
@@ -282,36 +319,6 @@ def _writer_class(gguf):
     return Writer
 
 
-def _metadata(writer, c: GPTConfig, arch: str, quant: str, gguf) -> None:
-    writer.add_name("nanogpt")
-    writer.add_context_length(c.block_size)
-    writer.add_embedding_length(c.n_embd)
-    writer.add_block_count(c.n_layer)
-    writer.add_feed_forward_length(c.hidden_size)
-    writer.add_head_count(c.n_head)
-    file_type = {"f32": "ALL_F32", "f16": "MOSTLY_F16", "bf16": "MOSTLY_BF16"}.get(quant, f"MOSTLY_{quant.upper()}")
-    writer.add_file_type(getattr(gguf.LlamaFileType, file_type))
-    if arch in ("llama", "qwen3", "starcoder2"):
-        writer.add_head_count_kv(c.kv_heads)
-        writer.add_rope_freq_base(c.rope_theta)
-        writer.add_rope_dimension_count(c.head_size)
-        writer.add_vocab_size(c.vocab_size)
-        if c.head_size * c.n_head != c.n_embd:  # llama.cpp takes n_embd / n_head unless told
-            writer.add_key_length(c.head_size)
-            writer.add_value_length(c.head_size)
-    if c.rope_scaling in ("linear", "yarn"):  # llama3's scaling goes in the rope_freqs tensor (gguf_tensors)
-        writer.add_rope_scaling_type(getattr(gguf.RopeScalingType, str(c.rope_scaling).upper()))
-        writer.add_rope_scaling_factor(c.rope_factor)
-    if c.rope_scaling == "yarn":  # llama.cpp applies YaRN's attention temperature itself
-        writer.add_rope_scaling_orig_ctx_len(c.rope_context)
-        writer.add_rope_scaling_yarn_beta_fast(c.rope_beta_fast)
-        writer.add_rope_scaling_yarn_beta_slow(c.rope_beta_slow)
-    if arch in RMS_ARCHS:
-        writer.add_layer_norm_rms_eps(c.norm_eps)
-    else:
-        writer.add_layer_norm_eps(c.norm_eps)
-
-
 def rope_freq_factors(c: GPTConfig) -> np.ndarray:
     """What llama.cpp divides each of RoPE's frequencies by: the plain frequency over the scaled one. (hs/2,)"""
     plain, scaled = rope_inv_freq(c.head_size, c.rope_theta), rope_inv_freq(c.head_size, c.rope_theta, c)
@@ -331,41 +338,6 @@ def _quantize(tensor: np.ndarray, quant: str, gguf):
     return gguf.quants.quantize(tensor, qtype), qtype
 
 
-def _llama_rope_order(w, n_head: int, inverse: bool = False):
-    """llama.cpp's Llama rotates interleaved pairs (x[2i], x[2i+1]); we and transformers rotate (x[i], x[i+hs/2]).
-    Reorder each head's rows of q and k so the two compute the same (the permutation llama.cpp's converter does);
-    `inverse` undoes it."""
-    rows = w.shape[0]
-    split = (n_head, rows // n_head // 2, 2) if inverse else (n_head, 2, rows // n_head // 2)
-    return w.reshape(*split, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _block_names(arch: str, c: GPTConfig) -> dict[str, tuple[str, ...]]:
-    """Our block tensor -> the GGUF tensors it is cut into, in order along dim 0 (one name: the same tensor)."""
-    names = {
-        "ln_1.weight": ("attn_norm",),
-        "attn.c_proj.weight": ("attn_output",),
-        "ln_2.weight": ("ffn_norm",),
-        "mlp.c_proj.weight": ("ffn_down",),
-    }
-    if arch == "gpt2":
-        names.update({"attn.c_attn.weight": ("attn_qkv",), "mlp.c_fc.weight": ("ffn_up",)})
-    else:
-        names.update(
-            {
-                "attn.c_attn.weight": ("attn_q", "attn_k", "attn_v"),
-                "mlp.c_fc.weight": ("ffn_gate", "ffn_up") if arch in RMS_ARCHS else ("ffn_up",),
-            }
-        )
-    if arch == "qwen3":
-        names.update({"attn.q_norm.weight": ("attn_q_norm",), "attn.k_norm.weight": ("attn_k_norm",)})
-    if arch not in RMS_ARCHS:  # every linear and norm of llama.cpp's gpt2 and starcoder2 has a bias
-        names.update({k.replace(".weight", ".bias"): v for k, v in list(names.items())})
-    elif c.attn_bias:
-        names["attn.c_attn.bias"] = ("attn_q", "attn_k", "attn_v")
-    return names
-
-
 def _parts(c: GPTConfig, ours: str, theirs: tuple[str, ...]) -> list[int] | int:
     """Where one of our fused tensors splits into its GGUF tensors along dim 0: q, k, v by their heads (grouped-query
     attention has fewer key/value heads), others in equal parts."""
@@ -375,45 +347,71 @@ def _parts(c: GPTConfig, ours: str, theirs: tuple[str, ...]) -> list[int] | int:
     return len(theirs)
 
 
-def _rope_heads(c: GPTConfig, name: str) -> int:
-    """Heads of a GGUF q or k tensor, which llama.cpp's pair order permutes head by head."""
-    return c.n_head if name == "attn_q" else c.kv_heads
+def _groups(layout: GGUFLayout, c: GPTConfig):
+    """(llama.cpp's prefix, ours, names) for the tensors outside the blocks, then for each block."""
+    yield "", "", layout.top
+    for i in range(c.n_layer):
+        yield f"blk.{i}.", f"transformer.h.{i}.", layout.block
 
 
-def gguf_tensors(model: GPT, arch: str, gguf=None) -> dict[str, np.ndarray]:
-    """GGUF tensor name -> float32 numpy array. A model without biases gets zero biases where llama.cpp wants them."""
+def gguf_tensors(model: GPT, layout: GGUFLayout) -> dict[str, np.ndarray]:
+    """GGUF tensor name -> float32 numpy array, in `layout`'s names and order of rows. A bias the model lacks is
+    written as zeros where llama.cpp's loader requires it."""
     c = model.config
     sd = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
-    if arch == "gpt2":
-        sd["transformer.wpe.weight"] = (
-            (model.pos_table if c.pos_encoding == "sinusoidal" else model.transformer.wpe.weight)
-            .detach()
-            .float()
-            .cpu()
-            .numpy()
-        )
-    out = {"token_embd.weight": sd["transformer.wte.weight"]}
-    if arch == "gpt2":
-        out["position_embd.weight"] = sd["transformer.wpe.weight"]
+    if c.pos_encoding == "sinusoidal":  # llama.cpp's gpt2 reads the table as learned positions
+        sd["transformer.wpe.weight"] = model.pos_table.detach().float().cpu().numpy()
+    out: dict[str, np.ndarray] = {}
     if c.rope_scaling == "llama3":
         # llama.cpp divides each RoPE frequency by its factor here (as its converter writes Llama 3.1's)
         out["rope_freqs.weight"] = rope_freq_factors(c)
-    for i in range(c.n_layer):
-        p = f"transformer.h.{i}."
-        for ours, theirs in _block_names(arch, c).items():
-            weight = sd.get(p + ours)
-            if weight is None:  # a bias the model does not have
-                weight = np.zeros(sd[p + ours.replace(".bias", ".weight")].shape[0], dtype=np.float32)
-            for name, part in zip(theirs, np.split(weight, _parts(c, ours, theirs), axis=0)):
-                if arch == "llama" and name in ("attn_q", "attn_k"):
-                    part = _llama_rope_order(part, _rope_heads(c, name))
-                out[f"blk.{i}.{name}.{ours.rsplit('.', 1)[1]}"] = part
-    out["output_norm.weight"] = sd["transformer.ln_f.weight"]
-    if arch not in RMS_ARCHS:
-        out["output_norm.bias"] = sd.get("transformer.ln_f.bias", np.zeros(c.n_embd, dtype=np.float32))
     # the head is written even when tied: readers that do not re-tie (transformers' GGUF loader) still find it
-    out["output.weight"] = sd["lm_head.weight"]
+    for prefix, p, table in _groups(layout, c):
+        for ours, theirs in table.items():
+            parts = theirs if isinstance(theirs, tuple) else (theirs,)
+            weight = sd.get(p + ours)
+            if weight is None:
+                if ours in layout.optional or not ours.endswith(".bias"):
+                    continue  # a tensor llama.cpp can do without (refuses() checked the others)
+                weight = np.zeros(sd[p + ours.replace(".bias", ".weight")].shape[0], dtype=np.float32)
+            for name, part in zip(parts, np.split(weight, _parts(c, ours, parts), axis=0)):
+                out[prefix + name] = layout.to_theirs(prefix + name, part, c)
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
+
+
+def gguf_parts(layout: GGUFLayout, c: GPTConfig, names) -> dict[str, tuple[str, ...]]:
+    """Our tensor -> the llama.cpp tensors it was cut into, in order along dim 0, for those of `names` (our state
+    dict's) that `layout` places: the reverse of gguf_tensors' names. Each is then read on its own (gguf_joined)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for prefix, p, table in _groups(layout, c):
+        for name, theirs in table.items():
+            if p + name in names:
+                out[p + name] = tuple(prefix + t for t in (theirs if isinstance(theirs, tuple) else (theirs,)))
+    return out
+
+
+def gguf_joined(layout: GGUFLayout, c: GPTConfig, theirs: tuple[str, ...], parts: list):
+    """One tensor of ours from its llama.cpp `parts` (named `theirs`: gguf_parts), numpy arrays or torch tensors:
+    the layout's transform on each, then concatenated along dim 0. On a matrix the transforms move whole rows only,
+    so raw quantized rows pass as they are."""
+    import torch
+
+    moved = [layout.to_ours(name, part, c) for name, part in zip(theirs, parts)]
+    if len(moved) == 1:
+        return moved[0]
+    return np.concatenate(moved, axis=0) if isinstance(moved[0], np.ndarray) else torch.cat(moved, dim=0)
+
+
+def gguf_floats(path: str | Path, layout: GGUFLayout, c: GPTConfig, parts: list, dtype):
+    """One tensor of ours in dtype from its GGUFReader `parts` (gguf_parts' order), dequantized a slice of rows at
+    a time. A matrix is read straight into dtype, as the layout's transforms only move its rows; a vector (norm
+    gains, biases) is transformed in float32 (Gemma's gains are stored as 1 + w), then cast: the values loading
+    the file into a float32 model and casting it after give."""
+    import torch
+
+    into = dtype if len(parts[0].shape) > 1 else torch.float32
+    tensors = [dequantized(path, t, into) for t in parts]
+    return gguf_joined(layout, c, tuple(t.name for t in parts), tensors).to(dtype)
 
 
 # --- reading a file we wrote --------------------------------------------------------------------------------
@@ -449,11 +447,14 @@ def _meta(reader, path) -> dict[str, Any]:
     from nanogpt_cli.hf_tokenizer import TOKENIZER_TEXT
 
     extra = {TOKENIZER_TEXT: fields[TOKENIZER_JSON_KEY].contents()} if TOKENIZER_JSON_KEY in fields else {}
+    arch = fields["general.architecture"].contents()
+    if arch in GGUF_FAMILIES:  # its export prefers that family again (a Qwen2 stays Qwen2, not Llama with biases)
+        extra[hf.FAMILY_KEY] = GGUF_FAMILIES[arch]
     return {
         **extra,
         "config": json.loads(fields[CONFIG_KEY].contents()),
         "tokenizer": json.loads(fields[TOKENIZER_KEY].contents()),
-        "architecture": fields["general.architecture"].contents(),
+        "architecture": arch,
         "file_type": int(file_type),
         "source": str(path),
         "format": "gguf",
@@ -490,47 +491,24 @@ def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
         config = GPTConfig.from_dict(meta["config"])
     except (TypeError, ValueError) as e:
         raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None
-    arch, model = gguf_arch(config), empty_model(config)
+    layout, model = layout_of(meta["architecture"], path), empty_model(config)
     direct = GGUF_FORMS.get(quantize) if quantize == "int8" or group_size == 32 else None
     tensors = {t.name: t for t in reader.tensors}
-
-    def raw(name: str) -> np.ndarray:  # the file's bytes or values, never dequantized
-        if name not in tensors:
-            raise NanoGPTError(f"{path} does not match its config: it has no tensor {name}")
-        return read_tensor_data(path, tensors[name])
-
-    def floats(name: str, dtype: torch.dtype) -> torch.Tensor:
-        raw(name)  # a missing tensor is one sentence
-        return dequantized(path, tensors[name], dtype)
-
-    def joined(keys: list[str], theirs: tuple[str, ...], read_one, *dtype) -> np.ndarray | torch.Tensor:
-        return _joined([read_one(k, *dtype) for k in keys], theirs, arch, config)
-
-    top = {"transformer.wte.weight": "token_embd.weight", "transformer.ln_f.weight": "output_norm.weight"}
-    top |= {"lm_head.weight": "output.weight", "transformer.wpe.weight": "position_embd.weight"}
-    top |= {"transformer.ln_f.bias": "output_norm.bias"}
-    names = set(model.state_dict())
-    sources = {ours: partial(floats, theirs) for ours, theirs in top.items() if ours in names}
+    names = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_embeddings else set())
+    parts = gguf_parts(layout, config, names)
+    missing = sorted(n for n in names if any(t not in tensors for t in parts.get(n, ("",))))
+    if missing:
+        raise NanoGPTError(f"{path} has no tensor for our {missing[0]}")
+    sources = {}  # our tensor -> a function of the dtype that reads it
     packed = {}  # a projection -> its layer from the file's raw blocks, given its bias
-    for i in range(config.n_layer):
-        for name, theirs in _block_names(arch, config).items():
-            if f"transformer.h.{i}.{name}" not in names:
-                continue  # zero biases llama.cpp wanted
-            suffix = name.rsplit(".", 1)[1]
-            keys = [f"blk.{i}.{t}.{suffix}" for t in theirs]
-            if (
-                direct
-                and suffix == "weight"
-                and all(k in tensors and tensors[k].tensor_type.name == direct for k in keys)
-            ):
-                blocks = partial(joined, keys, theirs, raw)
-                packed[f"transformer.h.{i}.{name.removesuffix('.weight')}"] = partial(_blocks_layer, blocks, direct)
-            else:  # a part that is blocks while another is not is dequantized with the rest
-                sources[f"transformer.h.{i}.{name}"] = partial(joined, keys, theirs, floats)
+    for name, theirs in parts.items():
+        if direct and name.startswith("transformer.h.") and all(tensors[t].tensor_type.name == direct for t in theirs):
+            blocks = partial(_raw_blocks, path, layout, config, [tensors[t] for t in theirs])
+            packed[name.removesuffix(".weight")] = partial(_blocks_layer, blocks, direct)
+        else:  # a matrix with a part that is blocks while another is not is dequantized whole
+            sources[name] = partial(gguf_floats, path, layout, config, [tensors[t] for t in theirs])
 
     def read(name: str, dtype: torch.dtype) -> torch.Tensor:
-        if name not in sources:
-            raise NanoGPTError(f"{path} has no tensor for our {name}")
         return sources[name](dtype)
 
     return LazyModel(model, read, meta, str(path), packed)
@@ -573,12 +551,6 @@ def _blocks_layer(blocks, block_type: str, bias):
     return linear_from_blocks(blocks(), block_type, bias)
 
 
-def _joined(parts: list, theirs: tuple[str, ...], arch: str, config: GPTConfig) -> np.ndarray:
-    """One tensor of ours from the GGUF tensors it was cut into (float tensors or raw blocks, row by row)."""
-    import torch
-
-    if arch == "llama" and len(parts) == 3:  # a permutation of rows: the same on raw blocks
-        parts[:2] = [_llama_rope_order(p, _rope_heads(config, t), inverse=True) for p, t in zip(parts[:2], theirs)]
-    if isinstance(parts[0], np.ndarray):
-        return np.concatenate(parts, axis=0)
-    return torch.cat(parts, dim=0) if len(parts) > 1 else parts[0]
+def _raw_blocks(path: str | Path, layout: GGUFLayout, c: GPTConfig, parts: list) -> np.ndarray:
+    """One matrix of ours as the file's raw quantized rows (gguf_blocks), its parts put in place by the layout."""
+    return gguf_joined(layout, c, tuple(t.name for t in parts), [read_tensor_data(path, t) for t in parts])

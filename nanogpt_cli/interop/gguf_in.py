@@ -4,7 +4,8 @@ transformers and we rotate), and the tokenizer rebuilt as a tokenizer.json from 
 
     model, meta = read_any_gguf("model.gguf")   # ours (gguf_file.read_gguf) or llama.cpp's converter's
 
-Architectures: llama (Llama, SmolLM2, TinyLlama, Mistral), qwen2, qwen3, gemma3. Tokenizers: byte-level BPE
+Architectures (each family's GGUF layout, families/): llama (Llama, SmolLM2, TinyLlama, Mistral), qwen2, qwen3,
+gemma3, gpt2 and gptneox (Pythia). Tokenizers: byte-level BPE
 (tokenizer.ggml.model gpt2, with merges and a pre-tokenizer llama.cpp names) and SentencePiece-style BPE with byte
 fallback (llama, with scores; the merges are derived from the scores as transformers' converter does).
 """
@@ -20,23 +21,8 @@ import numpy as np
 
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.interop.families import FAMILIES, GGUF_FAMILIES
 from nanogpt_cli.model import GPT
-
-ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}  # llama.cpp's -> family
-BLOCK = {  # ours <- llama.cpp's, per block (a tuple: concatenated along dim 0)
-    "ln_1.weight": "attn_norm.weight",
-    "attn.c_attn.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
-    "attn.c_attn.bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
-    "attn.c_proj.weight": "attn_output.weight",
-    "attn.q_norm.weight": "attn_q_norm.weight",
-    "attn.k_norm.weight": "attn_k_norm.weight",
-    "post_ln_1.weight": "post_attention_norm.weight",
-    "ln_2.weight": "ffn_norm.weight",
-    "mlp.c_fc.weight": ("ffn_gate.weight", "ffn_up.weight"),
-    "mlp.c_proj.weight": "ffn_down.weight",
-    "post_ln_2.weight": "post_ffw_norm.weight",
-}
-GEMMA3_PATTERN, GEMMA3_LOCAL_THETA = "LLLLLG", 10000.0  # what llama.cpp assumes for gemma3 when the file is silent
 
 
 def _reader(path: str | Path):
@@ -97,28 +83,45 @@ def read_llama_cpp_gguf(reader, path: str | Path) -> tuple[GPT, dict[str, Any]]:
 
 
 def lazy_llama_cpp_gguf(reader, path: str | Path):
-    """read_llama_cpp_gguf's model on the meta device and how to read each of its tensors (materialize.py)."""
+    """read_llama_cpp_gguf's model on the meta device and how to read each of its tensors (materialize.py),
+    through the family's GGUF layout; a tensor the layout has no place for is refused."""
     import torch
 
+    from nanogpt_cli.interop.gguf_file import gguf_floats, gguf_parts
     from nanogpt_cli.interop.materialize import LazyModel, empty_model
 
     arch = _arch(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     config = _config(reader, arch, {k: tuple(int(n) for n in reversed(t.shape)) for k, t in tensors.items()}, path)
+    layout = FAMILIES[GGUF_FAMILIES[arch]].gguf
     model = empty_model(config)
     shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
-    sources = _weights(arch, config, tensors, shapes.keys(), path)
-    for name, shape in shapes.items():
-        if name in sources or name == "lm_head.weight" and config.tie_embeddings:
-            continue
-        if not name.endswith(".bias"):
+    names = set(shapes) - ({"lm_head.weight"} if config.tie_embeddings else set())
+    parts = gguf_parts(layout, config, names)
+    used = {"rope_freqs.weight"} | {t for theirs in parts.values() for t in theirs}  # rope_freqs: in the config
+    unread = sorted(set(tensors) - used)
+    if unread:
+        raise NanoGPTError(f"{path} holds {unread[0]}, which nanogpt's {arch} has no place for")
+    sources = {}  # our tensor -> a function of the dtype that reads it
+    for name in names:
+        theirs = parts.get(name, ())
+        if theirs and all(t in tensors for t in theirs):
+            sources[name] = partial(gguf_floats, path, layout, config, [tensors[t] for t in theirs])
+        elif name.endswith(".bias"):
+            sources[name] = partial(_zeros, shapes[name])  # absent biases are zero
+        else:
             raise NanoGPTError(f"{path} has no tensor for our {name}")
-        sources[name] = partial(torch.zeros, shape)  # absent biases are zero
 
     def read(name: str, dtype: torch.dtype) -> torch.Tensor:
-        return sources[name](dtype=dtype)
+        return sources[name](dtype)
 
     return LazyModel(model, read, _meta(reader, arch, config, path), str(path))
+
+
+def _zeros(shape: tuple[int, ...], dtype):
+    import torch
+
+    return torch.zeros(shape, dtype=dtype)
 
 
 def read_llama_cpp_meta(reader, path: str | Path) -> dict[str, Any]:
@@ -135,9 +138,10 @@ def read_llama_cpp_meta(reader, path: str | Path) -> dict[str, Any]:
 
 def _arch(reader, path) -> str:
     arch = field(reader, "general.architecture")
-    if arch not in ARCHS:
+    if arch not in GGUF_FAMILIES:
         raise NanoGPTError(
-            f"{path} holds a {arch!r} model; nanogpt reads llama.cpp's {', '.join(ARCHS)} GGUF files and its own"
+            f"{path} holds a {arch!r} model; nanogpt reads llama.cpp's {', '.join(GGUF_FAMILIES)} GGUF files and "
+            "its own"
         )
     return arch
 
@@ -155,7 +159,7 @@ def _meta(reader, arch: str, config: GPTConfig, path) -> dict[str, Any]:
         "source": str(path),
         "format": "gguf",
         "writer": "llama.cpp",
-        "hf_family": ARCHS[arch],
+        "hf_family": GGUF_FAMILIES[arch],
     }
     if tok.chat_template:
         meta["chat_template"] = tok.chat_template
@@ -163,64 +167,24 @@ def _meta(reader, arch: str, config: GPTConfig, path) -> dict[str, Any]:
 
 
 def _config(reader, arch: str, tensors: dict[str, tuple[int, ...]], path) -> GPTConfig:
-    """Our config from the `ARCH.*` keys and the tensors' shapes; a value without a counterpart is one sentence."""
-
-    def key(name: str, default: Any = None) -> Any:
-        return field(reader, f"{arch}.{name}", default)
-
-    n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
-    kv = key("attention.head_count_kv", n_head)
-    if isinstance(kv, list):
-        raise NanoGPTError(
-            f"{path}: {arch}.attention.head_count_kv varies by layer, which nanogpt has no counterpart for"
-        )
-    head_dim = int(key("attention.key_length", n_embd // n_head))
-    rotary = key("rope.dimension_count", head_dim)
-    if rotary != head_dim:
-        raise NanoGPTError(f"{path}: {arch}.rope.dimension_count = {rotary} (of {head_dim}) has no counterpart here")
-    if "blk.0.attn_output.bias" in tensors or "blk.0.ffn_down.bias" in tensors:
-        raise NanoGPTError(f"{path}: biases on attn_output or the MLP have no counterpart for {arch} here")
-    gemma = arch == "gemma3"
-    fields: dict[str, Any] = dict(
-        vocab_size=tensors["token_embd.weight"][0],
-        block_size=int(key("context_length")),
-        n_layer=int(key("block_count")),
-        n_head=n_head,
-        n_embd=n_embd,
-        n_kv_head=int(kv) if kv != n_head else None,
-        head_dim=head_dim if head_dim * n_head != n_embd else None,
-        bias=False,
-        qkv_bias=True if "blk.0.attn_q.bias" in tensors else None,
-        pos_encoding="rope",
-        rope_theta=float(key("rope.freq_base", 10000.0)),
-        norm="rmsnorm",
-        norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        mlp="geglu" if gemma else "swiglu",
-        mlp_hidden=int(key("feed_forward_length")),
-        tie_embeddings="output.weight" not in tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in tensors,
-        **_rope_scaling(reader, arch, tensors, head_dim, path),
-    )
-    if gemma:
-        window = key("attention.sliding_window")
-        fields.update(
-            embed_scale=True,
-            norm_offset=True,
-            post_norms=True,
-            sliding_window=int(window) if window else None,
-            window_pattern=GEMMA3_PATTERN if window else None,
-            rope_local_theta=GEMMA3_LOCAL_THETA if window else None,
-            logit_softcap=key("final_logit_softcapping"),
-        )
+    """Our config from the `ARCH.*` keys and the tensors' shapes (the family's GGUF layout reads them); a value
+    without a counterpart is one sentence."""
     from nanogpt_cli.interop.families.base import default_width
+    from nanogpt_cli.interop.families.gguf_base import Keys
 
+    keys = Keys(arch, {k: field(reader, k) for k in reader.fields if k.startswith(f"{arch}.")})
     try:
+        fields = FAMILIES[GGUF_FAMILIES[arch]].gguf.config_in(keys, tensors)
+        if fields.get("pos_encoding") == "rope":
+            fields.update(
+                _rope_scaling(reader, arch, tensors, fields.get("head_dim") or fields["n_embd"] // fields["n_head"])
+            )
         return default_width(GPTConfig(**fields))
-    except ValueError as e:
+    except (NanoGPTError, ValueError) as e:
         raise NanoGPTError(f"{path}: {e}") from None
 
 
-def _rope_scaling(reader, arch: str, tensors: dict[str, tuple[int, ...]], head_dim: int, path) -> dict[str, Any]:
+def _rope_scaling(reader, arch: str, tensors: dict[str, tuple[int, ...]], head_dim: int) -> dict[str, Any]:
     """Our rope_* fields: linear and YaRN from `rope.scaling.*`, Llama 3's from the rope_freqs tensor (its factors
     must be what the standard Llama 3 settings give, which is what the converter writes)."""
     kind = field(reader, f"{arch}.rope.scaling.type", "none")
@@ -230,9 +194,9 @@ def _rope_scaling(reader, arch: str, tensors: dict[str, tuple[int, ...]], head_d
         if kind == "yarn":
             out["rope_original_context"] = int(field(reader, f"{arch}.rope.scaling.original_context_length"))
     elif kind != "none":
-        raise NanoGPTError(f"{path}: {arch}.rope.scaling.type = {kind!r} has no counterpart here")
+        raise NanoGPTError(f"{arch}.rope.scaling.type = {kind!r} has no counterpart here")
     if "rope_freqs.weight" in tensors:
-        out = _llama3_scaling(_rope_freqs(reader), reader, arch, head_dim, path)
+        out = _llama3_scaling(_rope_freqs(reader), reader, arch, head_dim)
     return out
 
 
@@ -243,7 +207,7 @@ def _rope_freqs(reader) -> np.ndarray:
     return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
 
 
-def _llama3_scaling(factors: np.ndarray, reader, arch: str, head_dim: int, path) -> dict[str, Any]:
+def _llama3_scaling(factors: np.ndarray, reader, arch: str, head_dim: int) -> dict[str, Any]:
     from nanogpt_cli.model import rope_inv_freq
 
     theta = float(field(reader, f"{arch}.rope.freq_base", 10000.0))
@@ -255,59 +219,7 @@ def _llama3_scaling(factors: np.ndarray, reader, arch: str, head_dim: int, path)
         scaled = rope_inv_freq(head_dim, theta, config)
         if np.allclose((rope_inv_freq(head_dim, theta) / scaled).numpy(), factors, rtol=1e-5, atol=0):
             return c
-    raise NanoGPTError(f"{path}: rope_freqs.weight holds factors that no Llama 3 RoPE scaling nanogpt knows gives")
-
-
-def _weights(arch: str, config: GPTConfig, tensors: dict, names, path) -> dict[str, Any]:
-    """Our state-dict tensors from llama.cpp's, for the names our model has: name -> a function of the dtype that
-    reads it (dequantized to float32; llama-arch q/k rows reordered; Gemma's norm gains less 1)."""
-    top = {"transformer.wte.weight": "token_embd.weight", "transformer.ln_f.weight": "output_norm.weight"}
-    if "output.weight" in tensors:
-        top["lm_head.weight"] = "output.weight"
-    ours = {name: partial(_one, path, tensors[theirs], arch, name) for name, theirs in top.items()}
-    heads = {"attn_q": config.n_head, "attn_k": config.kv_heads}
-    for i in range(config.n_layer):
-        for name, theirs in BLOCK.items():
-            parts = theirs if isinstance(theirs, tuple) else (theirs,)
-            if f"transformer.h.{i}.{name}" not in names or f"blk.{i}.{parts[0]}" not in tensors:
-                continue
-            found = [(tensors[f"blk.{i}.{part}"], heads.get(part.split(".")[0])) for part in parts]
-            ours[f"transformer.h.{i}.{name}"] = partial(_joined, path, found, arch, name)
-    return ours
-
-
-def _gemma_gain(name: str) -> bool:
-    """The converter stores Gemma's norm gains as 1 + w."""
-    return "ln_" in name or name.endswith("_norm.weight")
-
-
-def _one(path, t, arch: str, name: str, dtype=None):
-    """One top-level tensor: a slice of rows at a time into dtype (the embedding is the largest of all)."""
-    import torch
-
-    from nanogpt_cli.interop.gguf_file import dequantized
-
-    if arch == "gemma3" and _gemma_gain(name):
-        return (dequantized(path, t, torch.float32) - 1.0).to(dtype)
-    return dequantized(path, t, dtype)
-
-
-def _joined(path, found: list, arch: str, name: str, dtype=None):
-    """One block tensor of ours from llama.cpp's parts (concatenated along dim 0), in float32 then dtype."""
-    import torch
-
-    from nanogpt_cli.interop.gguf_file import _llama_rope_order, dequantized
-
-    parts = []
-    for t, heads in found:
-        w = dequantized(path, t, torch.float32)
-        if arch == "llama" and heads is not None:  # the converter's pair order for llama.cpp's rotation
-            w = _llama_rope_order(w, heads, inverse=True)
-        parts.append(w)
-    w = torch.cat(parts) if len(parts) > 1 else parts[0]
-    if arch == "gemma3" and _gemma_gain(name):
-        w = w - 1.0
-    return w.to(dtype)
+    raise NanoGPTError("rope_freqs.weight holds factors that no Llama 3 RoPE scaling nanogpt knows gives")
 
 
 def gguf_tokenizer(reader, path):

@@ -506,8 +506,11 @@ def load_pretrained_meta(source: str | Path) -> tuple[GPT, dict[str, Any]]:
             hf_config = transformers.AutoConfig.from_pretrained(name, **kwargs)
     except OSError as e:
         if online:
+            from nanogpt_cli.hf_tokenizer import offline_miss
+
             raise NanoGPTError(
-                f"could not load {where} from the Hugging Face hub (offline, misspelt, or gated?): {first_line(e)}"
+                offline_miss(where)
+                or f"could not load {where} from the Hugging Face hub (offline, misspelt, or gated?): {first_line(e)}"
             ) from None
         raise NanoGPTError(f"{where} holds no readable Hugging Face config.json ({first_line(e)})") from None
     except ValueError as e:

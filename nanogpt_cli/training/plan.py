@@ -34,6 +34,11 @@ from nanogpt_cli.runs.rundir import RunDir, resolve_weights
 from nanogpt_cli.tokenizer import describe_difference, same_tokenizer
 from nanogpt_cli.training.distributed import check_world, launched_size
 
+# --seq-len's default for a converted model (hf:NAME, a Hugging Face folder, a GGUF file, or a run started from one)
+# whose context is longer: such contexts are long (SmolLM2's 8,192 tokens), a batch of them costs that many tokens a
+# row, and fine-tuning data rarely needs them (TRL's SFT also trains at 1,024 by default)
+CONVERTED_SEQ_LEN = 1024
+
 
 @dataclass
 class RunPlan:
@@ -55,6 +60,18 @@ class RunPlan:
     finetune: dict[str, Any] | None = None
     changes: list[Change] = field(default_factory=list)  # training values a resume changes, from its step on
     hf_family: str | None = None  # --init-from a Hugging Face model or GGUF file: its family, which exports write back
+
+    @property
+    def seq_len(self) -> int:
+        """The tokens of each training sequence: --seq-len, else the model's context."""
+        return self.train.seq_len or self.model.block_size
+
+    @property
+    def length_flag(self) -> str:
+        """The flag that shortens the training sequences: --block-size for a new model without --seq-len, else
+        --seq-len (a resumed or started-from model keeps its context)."""
+        new_model = not self.resume and self.init_weights is None and self.init_model is None
+        return "--block-size" if new_model and self.train.seq_len is None else "--seq-len"
 
     @property
     def complete(self) -> bool:
@@ -156,9 +173,42 @@ def _plan_fresh(
             f"of dataset '{train_cfg.data}'; drop it to use the dataset's, or give at least that"
         )
     train_cfg = _without_unneeded(train_cfg, model_cfg, given, preset, init_from, notes)
+    check_seq_len(train_cfg, model_cfg, meta, init_from)
+    converted = init_from is not None and (is_converted(init_from) or "hf_family" in init)
+    if converted and train_cfg.seq_len is None and model_cfg.block_size > CONVERTED_SEQ_LEN:
+        train_cfg = dataclasses.replace(train_cfg, seq_len=CONVERTED_SEQ_LEN)
+        notes.append(
+            f"--seq-len {CONVERTED_SEQ_LEN}: training sequences of {CONVERTED_SEQ_LEN:,} tokens, the default for a "
+            f"converted model; it keeps its context of {model_cfg.block_size:,} (give --seq-len "
+            f"{model_cfg.block_size} to train at all of it)"
+        )
     check_world(train_cfg, world_size)
     notes += _warnings(model_cfg, train_cfg)
     return RunPlan(model_cfg, train_cfg, run_dir, meta, force=force, notes=notes, **init)
+
+
+def check_seq_len(train_cfg: TrainConfig, model_cfg: GPTConfig, meta: dict[str, Any], source: str | None) -> None:
+    """--seq-len: at most the model's context (source: the weights or run whose model it is, None for a new one),
+    and only where training reads windows (DPO and GRPO score each sequence whole)."""
+    n, context = train_cfg.seq_len, model_cfg.block_size
+    if n is None:
+        return
+    method = {"preference": "dpo", "prompts": "grpo"}.get(meta.get("format"))
+    if method is not None:
+        raise NanoGPTError(
+            f"--seq-len has no effect with --method {method}, which scores each sequence whole (padded to the "
+            "longest of its batch); drop it"
+        )
+    if n > context:
+        if source is None:
+            raise NanoGPTError(
+                f"--seq-len {n} is longer than the model's context (--block-size {context}); give at most {context}, "
+                "or a larger --block-size"
+            )
+        raise NanoGPTError(
+            f"--seq-len {n} is longer than the context of {source} (--block-size {context}), which it keeps; give "
+            f"--seq-len {context} or less"
+        )
 
 
 def _without_unneeded(
@@ -272,6 +322,11 @@ def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any], wor
     _check_architecture(run_dir, preset, given, saved["model"], model_said)
     model_cfg, _ = build_configs(saved["model"])
     _adapt_accumulation(train_said, given, world_size)  # a preset's adapts to the world, as when the run started
+    if (
+        saved["train"].get("seq_len") is None
+        and parse_value("seq_len", train_said.get("seq_len")) == model_cfg.block_size
+    ):
+        train_said.pop("seq_len")  # the context, which the run trains at already: not a change
     resuming = _Resuming(run_dir, preset, given, model_cfg, state.step, notes)
     train_values, changes = _resume_training(resuming, saved["train"], train_said)
     _, train_cfg = build_configs(train_values)
@@ -281,6 +336,7 @@ def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any], wor
             "raise it) to continue the run"
         )
     meta = _resumed_dataset(run_dir, saved.get("dataset") or {}, train_cfg, notes)
+    check_seq_len(train_cfg, model_cfg, meta, str(run_dir))
     check_world(train_cfg, world_size)
     notes += _warnings(model_cfg, train_cfg)
     return RunPlan(

@@ -33,10 +33,12 @@ from nanogpt_cli.device import (
     enable_tf32,
     keep_freed_memory,
     peak_flops,
+    release_freed_memory,
     resolve_device,
     resolve_dtype,
 )
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.lora import hold_frozen
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
 from nanogpt_cli.runs.rundir import RunDir, SavePoint, Saver
@@ -52,7 +54,7 @@ Trainable = Callable[[GPT], Iterable[nn.Parameter]]  # the parameters to train; 
 
 def next_token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Pre-training's loss: the mean cross-entropy of each next token (nats/token), as the model computes it."""
-    _, loss = model(x, y)
+    _, loss = model(x, y, keep_logits=False)  # the logits unkept: a frozen head's loss is computed in chunks
     return loss
 
 
@@ -411,16 +413,22 @@ class Trainer:
         world.barrier()  # every rank has planned (looked at the run folder) before rank 0 changes it
         dtype = self._prepare_device()
         self.show.on_status("loading the data")
+        # windows of --seq-len tokens (default: the model's context); evaluation reads the same
         batches = Batches(
-            Path(cfg.data_dir), cfg.data, plan.model.block_size, cfg.batch_size, world.device, cfg.seed, cfg.loss_mask
-        )
+            Path(cfg.data_dir), cfg.data, plan.seq_len, cfg.batch_size, world.device, cfg.seed, cfg.loss_mask,
+            plan.length_flag,
+        )  # fmt: skip
         eval_sets, eval_counted = self._eval_sets(batches)
         self.show.on_status("building the model")
         saved = self.run_dir.restore() if plan.resume else None
         model = self._build_model(saved)
-        params, flops_per_token = model.num_params(), model.flops_per_token()  # before FSDP shards it
+        params, flops_per_token = model.num_params(), model.flops_per_token(plan.seq_len)  # before FSDP shards it
+        if dtype != torch.float32 and not (world.size > 1 and cfg.parallel == "fsdp"):  # FSDP shards one dtype
+            hold_frozen(model, dtype)  # a LoRA run's frozen base as autocast would cast it each step, once
         world.seed_dropout(cfg.seed)
         wrapped = world.wrap(model, cfg.parallel, dtype)
+        if world.device.type == "cpu":
+            release_freed_memory()  # the copies that building the model freed, which keep_freed_memory would keep
         optimizer = make_optimizer(model, cfg, world.device)  # FSDP has sharded the parameters in place
         scaler = torch.amp.GradScaler(world.device.type, enabled=dtype == torch.float16)
         ctx = autocast_for(world.device, dtype)
@@ -429,7 +437,7 @@ class Trainer:
             self._write_config(state, fresh=not saved)
         compiled = torch.compile(wrapped) if cfg.compile else wrapped
         peak = peak_flops(world.device, dtype)
-        tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * plan.model.block_size  # all ranks'
+        tokens_per_iter = cfg.batch_size * cfg.gradient_accumulation_steps * plan.seq_len  # all ranks'
         self.show.on_start(
             RunStarted(
                 step=state.step,
@@ -481,7 +489,8 @@ class Trainer:
         elif device.type == "cpu":
             keep_freed_memory()  # activations come from freed memory, not fresh pages, every update
         torch.manual_seed(self.cfg.seed)
-        return resolve_dtype(self.cfg.dtype, device, self.plan.model, self.cfg.batch_size)  # a CPU's auto: by size
+        # a CPU's auto: by the size of a micro-batch
+        return resolve_dtype(self.cfg.dtype, device, self.plan.model, self.cfg.batch_size, self.plan.seq_len)
 
     def _eval_sets(self, batches: Batches) -> tuple[dict[str, list[tuple[torch.Tensor, torch.Tensor]]], int]:
         """Each split's fixed evaluation batches, this rank's share (the losses are summed over ranks), and how
@@ -500,6 +509,7 @@ class Trainer:
             load_weights(model, self.plan.init_weights)
         elif self.plan.init_model is not None:
             model.load_state_dict(self.plan.init_model.state_dict())  # copies in place: a tied head stays tied
+            self.plan.init_model = None  # the planning copy, let go: kept, the run would hold the weights twice
         if self.trainable is not None:  # it may add modules (adapters): before the saved weights and the move
             keep = {id(p) for p in self.trainable(model)}
             for p in model.parameters():

@@ -14,5 +14,9 @@ FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (gpt2.FAMILY, llama.FAMILY, gpt_neox.FAMILY, qwen2.FAMILY, qwen3.FAMILY, mistral.FAMILY, gemma3.FAMILY)
 }
+# llama.cpp's architecture -> the family a file of it reads as (the first that writes it: llama, not Mistral)
+GGUF_FAMILIES: dict[str, str] = {}
+for _f in FAMILIES.values():
+    GGUF_FAMILIES.setdefault(_f.gguf_arch, _f.model_type)
 
-__all__ = ["FAMILIES", "Biases", "Family"]
+__all__ = ["FAMILIES", "GGUF_FAMILIES", "Biases", "Family"]

@@ -16,6 +16,7 @@ import torch
 from nanogpt_cli import errors
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.interop.families.gguf_base import GGUFLayout
 from nanogpt_cli.model import yarn_attention_factor
 
 Names = dict[str, "str | tuple[str, ...]"]  # ours <- theirs; a tuple on the right is concatenated along dim 0
@@ -51,6 +52,7 @@ class Family:
     to_ours: Callable[[str, torch.Tensor, GPTConfig], torch.Tensor] = keep  # their tensor as ours
     to_theirs: Callable[[str, torch.Tensor, GPTConfig], torch.Tensor] = keep  # ours as theirs
     names: tuple[str, ...] = field(default=())  # the model names it covers, for docs and `info`
+    gguf: GGUFLayout | None = None  # how it sits in a GGUF file of gguf_arch (gguf_base.py)
 
 
 def require(module: str):

@@ -18,6 +18,16 @@ from nanogpt_cli.interop.families.base import (
     shape_in,
     unsupported,
 )
+from nanogpt_cli.interop.families.gguf_base import (
+    LLAMA_GGUF_BLOCK,
+    LLAMA_GGUF_TOP,
+    QK_NORM,
+    GGUFLayout,
+    Keys,
+    Shapes,
+    llama_gguf_config_in,
+    llama_gguf_keys_out,
+)
 
 BLOCK = {
     "ln_1.weight": "input_layernorm.weight",
@@ -137,6 +147,71 @@ def refuses(c: GPTConfig) -> str | None:
     return None
 
 
+# --- llama.cpp's gemma3 -------------------------------------------------------------------------------------------
+
+GGUF_PATTERN, GGUF_LOCAL_THETA = "LLLLLG", 10000.0  # what llama.cpp's gemma3 assumes: the file has no key for them
+
+
+def gguf_config_in(keys: Keys, shapes: Shapes) -> dict:
+    """Our fields for a gemma3 file: Llama's, with Gemma's set, the window on llama.cpp's pattern of layers."""
+    window = keys("attention.sliding_window")
+    return {
+        **llama_gguf_config_in(keys, shapes),
+        "mlp": "geglu",
+        "embed_scale": True,  # llama.cpp's gemma3 scales the embeddings by sqrt(n_embd) itself
+        "norm_offset": True,
+        "post_norms": True,
+        "sliding_window": int(window) if window else None,
+        "window_pattern": GGUF_PATTERN if window else None,
+        "rope_local_theta": GGUF_LOCAL_THETA if window else None,
+        "logit_softcap": keys("final_logit_softcapping"),
+    }
+
+
+def gguf_keys_out(writer, c: GPTConfig) -> None:
+    llama_gguf_keys_out(writer, c)
+    writer.add_sliding_window(c.sliding_window or c.block_size)  # llama.cpp's loader requires one
+
+
+def gguf_refuses(c: GPTConfig) -> str | None:
+    """llama.cpp's gemma3 makes every sixth layer global and turns the others at RoPE base 10000 in the window the
+    file gives: our layers must compute the same (a global layer of ours is a local one whose window holds the whole
+    context)."""
+    if c.logit_softcap is not None:
+        return "llama.cpp's gemma3 reads no final logit soft-capping: GGUF export needs no --logit-softcap"
+    if c.n_layer == 62 and c.n_embd // c.n_head != c.head_size:
+        return "llama.cpp scales a 62-layer gemma3's queries by n_embd / n_head, not by --head-dim"
+    for i in range(c.n_layer):
+        local, theirs = c.is_local(i), i % len(GGUF_PATTERN) != len(GGUF_PATTERN) - 1
+        theta = c.rope_local_theta if local and c.rope_local_theta is not None else c.rope_theta
+        whole = c.sliding_window is None or c.sliding_window >= c.block_size
+        if (local and not theirs) or (theirs and (theta != GGUF_LOCAL_THETA or not (local or whole))):
+            return (
+                "llama.cpp's gemma3 makes every sixth layer global and turns the others at RoPE base 10000: GGUF "
+                f"export needs --window-pattern {GGUF_PATTERN} and --rope-local-theta 10000"
+            )
+    return None
+
+
+def _shift(name: str, tensor, c: GPTConfig, by: float):
+    return tensor + by if name.endswith("norm.weight") else tensor
+
+
+GGUF = GGUFLayout(
+    top=LLAMA_GGUF_TOP,
+    block={
+        **{k: v for k, v in LLAMA_GGUF_BLOCK.items() if k != "attn.c_attn.bias"},
+        **QK_NORM,
+        "post_ln_1.weight": "post_attention_norm.weight",
+        "post_ln_2.weight": "post_ffw_norm.weight",
+    },
+    config_in=gguf_config_in,
+    keys_out=gguf_keys_out,
+    refuses=gguf_refuses,
+    to_ours=lambda name, t, c: _shift(name, t, c, -1.0),  # the converter stores every norm gain as 1 + w
+    to_theirs=lambda name, t, c: _shift(name, t, c, 1.0),
+)
+
 FAMILY = Family(
     model_type="gemma3_text",
     hf_class="Gemma3ForCausalLM",
@@ -148,4 +223,5 @@ FAMILY = Family(
     config_out=config_out,
     refuses=refuses,
     names=("Gemma 3 270M", "Gemma 3 1B"),
+    gguf=GGUF,
 )

@@ -5,6 +5,14 @@ from __future__ import annotations
 
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.interop.families.base import GELUS, Biases, Family, require, unsupported
+from nanogpt_cli.interop.families.gguf_base import (
+    LAYERNORM_GGUF_BLOCK,
+    LAYERNORM_GGUF_TOP,
+    GGUFLayout,
+    common_keys_out,
+    gelu_refuses,
+    layernorm_gguf_config_in,
+)
 
 BLOCK = {
     name: name
@@ -83,6 +91,20 @@ def transpose(name: str, tensor, config: GPTConfig):
     return tensor.t() if name.endswith(TRANSPOSED) else tensor
 
 
+def gguf_keys_out(writer, c: GPTConfig) -> None:
+    common_keys_out(writer, c)
+    writer.add_layer_norm_eps(c.norm_eps)
+
+
+# llama.cpp's gpt2: the converter writes Conv1D's matrices transposed, (out, in), which our Linear layers already are
+GGUF = GGUFLayout(
+    top={**LAYERNORM_GGUF_TOP, "transformer.wpe.weight": "position_embd.weight"},
+    block=LAYERNORM_GGUF_BLOCK,
+    config_in=lambda keys, shapes: {**layernorm_gguf_config_in(keys, shapes), "pos_encoding": "learned"},
+    keys_out=gguf_keys_out,
+    refuses=gelu_refuses,
+)
+
 FAMILY = Family(
     model_type="gpt2",
     hf_class="GPT2LMHeadModel",
@@ -96,4 +118,5 @@ FAMILY = Family(
     to_ours=transpose,
     to_theirs=transpose,
     names=("GPT-2", "DistilGPT2"),
+    gguf=GGUF,
 )

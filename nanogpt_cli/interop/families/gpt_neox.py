@@ -11,6 +11,16 @@ import torch
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop.families.base import GELUS, Biases, Family, require, rope_params, rope_theta, unsupported
+from nanogpt_cli.interop.families.gguf_base import (
+    LAYERNORM_GGUF_BLOCK,
+    LAYERNORM_GGUF_TOP,
+    GGUFLayout,
+    Keys,
+    Shapes,
+    common_keys_out,
+    gelu_refuses,
+    layernorm_gguf_config_in,
+)
 
 BLOCK = {
     "ln_1.weight": "input_layernorm.weight",
@@ -114,6 +124,38 @@ def refuses(c: GPTConfig) -> str | None:
     return None
 
 
+# --- llama.cpp's gptneox: the converter reorders query_key_value into q of every head, then k, then v (ours) -------
+
+
+def gguf_config_in(keys: Keys, shapes: Shapes) -> dict:
+    fields = layernorm_gguf_config_in(keys, shapes)
+    hs = fields["n_embd"] // fields["n_head"]
+    rotary = int(keys("rope.dimension_count", hs))
+    return {
+        **fields,
+        "pos_encoding": "rope",
+        "rope_theta": float(keys("rope.freq_base", 10000.0)),
+        "rotary_dim": None if rotary == hs else rotary,
+        "parallel_residual": bool(keys.need("use_parallel_residual")),
+    }
+
+
+def gguf_keys_out(writer, c: GPTConfig) -> None:
+    common_keys_out(writer, c)
+    writer.add_rope_dimension_count(c.rotary_size)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_parallel_residual(c.parallel_residual)
+    writer.add_layer_norm_eps(c.norm_eps)
+
+
+GGUF = GGUFLayout(
+    top=LAYERNORM_GGUF_TOP,
+    block=LAYERNORM_GGUF_BLOCK,
+    config_in=gguf_config_in,
+    keys_out=gguf_keys_out,
+    refuses=gelu_refuses,
+)
+
 FAMILY = Family(
     model_type="gpt_neox",
     hf_class="GPTNeoXForCausalLM",
@@ -127,4 +169,5 @@ FAMILY = Family(
     to_ours=to_ours,
     to_theirs=to_theirs,
     names=("Pythia", "GPT-NeoX"),
+    gguf=GGUF,
 )

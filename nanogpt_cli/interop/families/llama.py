@@ -15,6 +15,15 @@ from nanogpt_cli.interop.families.base import (
     require,
     rope_extra,
 )
+from nanogpt_cli.interop.families.gguf_base import (
+    LLAMA_GGUF_BLOCK,
+    LLAMA_GGUF_TOP,
+    GGUFLayout,
+    llama_gguf_config_in,
+    llama_gguf_keys_out,
+    llama_to_ours,
+    llama_to_theirs,
+)
 
 
 def config_in(c, biases: Biases) -> GPTConfig:
@@ -45,6 +54,24 @@ def refuses(c: GPTConfig) -> str | None:
     return None
 
 
+def gguf_refuses(c: GPTConfig) -> str | None:
+    if c.bias:  # llama.cpp's llama has optional q, k, v biases (--qkv-bias), not the others
+        return "GGUF export of a Llama-shaped model needs --no-bias (--qkv-bias may stay)"
+    return None
+
+
+# llama.cpp's llama: the converter reorders q and k rows for its interleaved-pair RoPE
+GGUF = GGUFLayout(
+    top=LLAMA_GGUF_TOP,
+    block=LLAMA_GGUF_BLOCK,
+    config_in=llama_gguf_config_in,
+    keys_out=llama_gguf_keys_out,
+    refuses=gguf_refuses,
+    to_ours=llama_to_ours,
+    to_theirs=llama_to_theirs,
+    optional=("attn.c_attn.bias",),
+)
+
 FAMILY = Family(
     model_type="llama",
     hf_class="LlamaForCausalLM",
@@ -56,4 +83,5 @@ FAMILY = Family(
     config_out=config_out,
     refuses=refuses,
     names=("Llama 2", "Llama 3", "Llama 3.1", "Llama 3.2", "TinyLlama", "SmolLM2"),
+    gguf=GGUF,
 )

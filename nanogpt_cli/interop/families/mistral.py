@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.interop.families.base import (
     LLAMA_BLOCK,
@@ -16,6 +18,7 @@ from nanogpt_cli.interop.families.base import (
     rope_extra,
     unsupported,
 )
+from nanogpt_cli.interop.families.llama import GGUF as LLAMA_GGUF
 
 
 def config_in(c, biases: Biases) -> GPTConfig:
@@ -41,6 +44,17 @@ def refuses(c: GPTConfig) -> str | None:
     return None
 
 
+def gguf_refuses(c: GPTConfig) -> str | None:
+    if c.sliding_window is not None and c.sliding_window < c.block_size:
+        return (
+            "llama.cpp's converter writes Mistral as llama, which has no sliding window: GGUF export needs a "
+            f"--sliding-window ({c.sliding_window}) of at least --block-size ({c.block_size})"
+        )
+    return None
+
+
+GGUF = dataclasses.replace(LLAMA_GGUF, refuses=gguf_refuses)
+
 FAMILY = Family(
     model_type="mistral",
     hf_class="MistralForCausalLM",
@@ -52,4 +66,5 @@ FAMILY = Family(
     config_out=config_out,
     refuses=refuses,
     names=("Mistral 7B v0.1-v0.3", "Ministral"),
+    gguf=GGUF,
 )

@@ -16,6 +16,13 @@ from nanogpt_cli.interop.families.base import (
     rope_extra,
     unsupported,
 )
+from nanogpt_cli.interop.families.gguf_base import (
+    LLAMA_GGUF_BLOCK,
+    LLAMA_GGUF_TOP,
+    GGUFLayout,
+    llama_gguf_config_in,
+    llama_gguf_keys_out,
+)
 
 
 def config_in(c, biases: Biases) -> GPTConfig:
@@ -38,6 +45,11 @@ def refuses(c: GPTConfig) -> str | None:
     return None
 
 
+# llama.cpp's qwen2: Llama's tensors in transformers' row order (NeoX-style RoPE), q, k and v biases required
+GGUF = GGUFLayout(
+    top=LLAMA_GGUF_TOP, block=LLAMA_GGUF_BLOCK, config_in=llama_gguf_config_in, keys_out=llama_gguf_keys_out
+)
+
 FAMILY = Family(
     model_type="qwen2",
     hf_class="Qwen2ForCausalLM",
@@ -49,4 +61,5 @@ FAMILY = Family(
     config_out=config_out,
     refuses=refuses,
     names=("Qwen2", "Qwen2.5"),
+    gguf=GGUF,
 )

@@ -16,6 +16,14 @@ from nanogpt_cli.interop.families.base import (
     require,
     rope_extra,
 )
+from nanogpt_cli.interop.families.gguf_base import (
+    LLAMA_GGUF_BLOCK,
+    LLAMA_GGUF_TOP,
+    QK_NORM,
+    GGUFLayout,
+    llama_gguf_config_in,
+    llama_gguf_keys_out,
+)
 
 BLOCK = {
     **LLAMA_BLOCK,
@@ -52,6 +60,21 @@ def refuses(c: GPTConfig) -> str | None:
     return None
 
 
+def gguf_refuses(c: GPTConfig) -> str | None:
+    if c.bias or c.attn_bias:
+        return "GGUF export of a Qwen3-shaped model needs --no-bias and no --qkv-bias (llama.cpp's qwen3 has none)"
+    return None
+
+
+# llama.cpp's qwen3: Llama's tensors plus attn_q_norm / attn_k_norm, in transformers' row order, without biases
+GGUF = GGUFLayout(
+    top=LLAMA_GGUF_TOP,
+    block={**{k: v for k, v in LLAMA_GGUF_BLOCK.items() if k != "attn.c_attn.bias"}, **QK_NORM},
+    config_in=llama_gguf_config_in,
+    keys_out=llama_gguf_keys_out,
+    refuses=gguf_refuses,
+)
+
 FAMILY = Family(
     model_type="qwen3",
     hf_class="Qwen3ForCausalLM",
@@ -63,4 +86,5 @@ FAMILY = Family(
     config_out=config_out,
     refuses=refuses,
     names=("Qwen3",),
+    gguf=GGUF,
 )
