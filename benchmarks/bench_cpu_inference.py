@@ -6,10 +6,13 @@ them) in SmolLM2-135M's and Qwen2.5-0.5B's shapes.
     python benchmarks/bench_cpu_inference.py --models smollm2-135m --rounds 3 --threads 2
     python benchmarks/bench_cpu_inference.py --profile        # torch.profiler of the 135M model's decode step
     python benchmarks/bench_cpu_inference.py --quality        # perplexity and greedy agreement of a trained model
+    python benchmarks/bench_cpu_inference.py --memory --models smollm2-135m   # peak RSS of a load
 
-Each of our runs is a fresh process (its peak RSS is the model's alone); llama.cpp runs as its own server, one per
-file, whose peak RSS is read from /proc. The ratio column is ours / llama.cpp in tokens per second, per round, then
-the median: rounds alternate the two so that the load other jobs put on a shared machine hits both alike.
+Each of our runs is a fresh process (its peak RSS is the model's alone: VmHWM from /proc, as Linux carries
+getrusage's ru_maxrss over from the parent); llama.cpp runs as its own server, one per file, whose peak RSS is read
+from /proc too, with slots of the model's whole context, so that its KV cache holds as many tokens as our 8 rows.
+The ratio column is ours / llama.cpp in tokens per second, per round, then the median: rounds alternate the two so
+that the load other jobs put on a shared machine hits both alike.
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ def make_model(folder: Path, name: str, quants: list[str]) -> tuple[Path, dict[s
 
 
 OURS = """
-import json, resource, sys, time, torch
+import json, sys, time, torch
 from nanogpt_cli.interop.loading import load_for_inference
 from nanogpt_cli.inference.engine import Engine, SamplingParams
 path, precision = sys.argv[1], sys.argv[2]
@@ -98,6 +101,7 @@ with torch.inference_mode():
     out["prefill_ms"] = (time.perf_counter() - t0) * 1000
     list(engine.run())
     for batch in (1, 8):
+        engine = None  # the last engine's cache freed first: the peak holds one cache, as llama.cpp's server does
         engine = Engine(m.model, max_batch=batch)  # the full head, as llama.cpp computes it
         engine.add_many([ids[:8]] * batch, SamplingParams(temperature=0.0), tokens + 4)
         for _ in range(4):
@@ -106,7 +110,9 @@ with torch.inference_mode():
         for _ in range(tokens):
             engine.step()
         out[f"decode{batch}_ms"] = (time.perf_counter() - t0) / tokens * 1000
-out["peak_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a child would report its parent's peak
+status = open("/proc/self/status").read()
+out["peak_mb"] = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM")) / 1024
 print(json.dumps(out))
 """
 
@@ -175,7 +181,9 @@ def speed(args) -> None:
                 if quant is not None:
                     # XLLAMACPP_PATH: a `pip install --target` folder of xllamacpp, when it is not installed
                     path = ":".join(filter(None, [str(ROOT), os.environ.get("XLLAMACPP_PATH")]))
-                    server = start("llama.cpp", weights, ggufs[quant], 8, 1024, args.threads, root=path)
+                    # each slot holds the model's whole context, as each row of our cache does (the same KV bytes)
+                    ctx = MODELS[name]["block_size"]
+                    server = start("llama.cpp", weights, ggufs[quant], 8, ctx, args.threads, root=path)
                 try:
                     if server:
                         theirs(server[1], server[0].pid, args)  # warm up
@@ -263,6 +271,71 @@ def profile(args) -> None:
             )
 
 
+LOAD = """
+import json, sys, torch
+from nanogpt_cli.interop.loading import load_for_inference
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a child would report its parent's peak
+status = lambda: open("/proc/self/status").read().splitlines()
+rss = lambda: next(int(line.split()[1]) for line in status() if line.startswith("VmHWM")) / 1024
+path, dtype, quant = sys.argv[1], sys.argv[2], None if sys.argv[3] == "-" else sys.argv[3]
+torch.set_num_threads(1)
+before = rss()
+m = load_for_inference(path, device="cpu", dtype=dtype, quantize=quant)
+tensors = {t.data_ptr(): t.untyped_storage().nbytes() for t in [*m.model.parameters(), *m.model.buffers()]}
+print(json.dumps({"before_mb": before, "peak_mb": rss(), "model_mb": sum(tensors.values()) / 2**20}))
+"""
+
+LLAMA_LOAD = """
+import sys, xllamacpp as x
+p = x.CommonParams()
+p.model.path = sys.argv[1]
+p.n_ctx, p.n_parallel, p.port = 512, 1, 0
+p.cpuparams.n_threads = p.cpuparams_batch.n_threads = 1
+server = x.Server(p)
+status = open("/proc/self/status").read()
+print(next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM")) / 1024)
+"""
+
+
+def memory(args) -> None:
+    """Peak RSS of loading alone, each load a fresh process: ours from our weights file at each precision and from
+    our q8_0 / q4_0 GGUF exports into the matching form; llama.cpp's server started on the same GGUF with a 512-token
+    context, one slot (its VmHWM once it listens; xllamacpp loaded in that process too)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if os.environ.get("XLLAMACPP_PATH"):
+        env["PYTHONPATH"] += ":" + os.environ["XLLAMACPP_PATH"]
+    for name in args.models:
+        with tempfile.TemporaryDirectory() as tmp:
+            weights, ggufs = make_model(Path(tmp), name, ["q8_0", "q4_0"])
+            cases = [(weights, d, q) for d, q in (("float32", "-"), ("bfloat16", "-"), ("bfloat16", "int8"))]
+            cases += [(weights, "bfloat16", "int4"), (ggufs["q8_0"], "bfloat16", "int8")]
+            cases.append((ggufs["q4_0"], "bfloat16", "int4"))
+            rows = []
+            for path, dtype, quant in cases:
+                cmd = [sys.executable, "-c", LOAD, str(path), dtype, quant]
+                done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+                if done.returncode != 0:
+                    raise SystemExit(f"loading {path.name} at {dtype} {quant} failed:\n{done.stderr[-2000:]}")
+                out = json.loads(done.stdout.strip().splitlines()[-1])
+                theirs = "-"
+                if path.suffix == ".gguf":
+                    done = subprocess.run(
+                        [sys.executable, "-c", LLAMA_LOAD, str(path)], capture_output=True, text=True, env=env
+                    )
+                    theirs = f"{float(done.stdout.split()[-1]):,.0f}" if done.returncode == 0 else "failed"
+                source = path.suffix.removeprefix(".") + ("" if path.suffix != ".gguf" else f" {path.stem[-4:]}")
+                rows.append(
+                    [source, dtype, quant, f"{path.stat().st_size / 2**20:,.0f}", f"{out['model_mb']:,.0f}"]
+                    + [f"{out['before_mb']:,.0f}", f"{out['peak_mb']:,.0f}", theirs]
+                )
+                print(rows[-1], flush=True)
+        table(
+            f"{name} shape (random weights): peak RSS of a load (MB), each a fresh process",
+            ["file", "dtype", "--quantize", "file MB", "model MB", "before load", "peak", "llama.cpp peak"],
+            rows,
+        )
+
+
 GROUPS = {  # operator -> the part of the step it belongs to
     "matmuls": (
         "aten::mm",
@@ -327,10 +400,11 @@ def quality(args) -> None:
         tmp = Path(tmp)
         prepare(str(shakespeare_path()), "shk", tokenizer="char", data_dir=tmp / "data")
         run = tmp / "run"
+        n_layer, n_embd, n_head = (int(n) for n in args.quality_shape.split("x"))
         flags = dict(
-            n_layer=4,
-            n_head=4,
-            n_embd=128,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
             block_size=128,
             norm="rmsnorm",
             mlp="swiglu",
@@ -356,8 +430,8 @@ def quality(args) -> None:
             same = sum(a == b for a, b in zip(greedy[q], greedy[None]))
             r += [f"{100 * (float(r[1]) / base - 1):+.2f}%", f"{same} of {len(prompts)}"]
         table(
-            f"4 x 128 char model, {args.train_iters} iterations on Tiny Shakespeare; perplexity on its last 20,000 "
-            "characters",
+            f"{n_layer} x {n_embd} char model ({n_head} heads), {args.train_iters} iterations on Tiny Shakespeare; "
+            "perplexity on its last 20,000 characters",
             ["weights", "perplexity", "vs float32", "first 32 greedy tokens equal"],
             results,
         )
@@ -373,12 +447,16 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=16, help="decode steps timed per batch")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--quality", action="store_true")
+    p.add_argument("--memory", action="store_true", help="peak RSS of loading alone, against llama.cpp's")
     p.add_argument("--train-iters", type=int, default=600)
+    p.add_argument("--quality-shape", default="4x128x4", help="--quality's model: layers x width x heads")
     args = p.parse_args()
     if args.quality:
         return quality(args)
     if args.profile:
         return profile(args)
+    if args.memory:
+        return memory(args)
     speed(args)
 
 

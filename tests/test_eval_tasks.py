@@ -225,6 +225,32 @@ def test_the_command_scores_as_simple_evaluate_with_our_model_does(sums, tmp_pat
 
 
 @pytest.mark.slow
+def test_quantize_scores_the_quantized_model_and_the_results_say_so(sums, tmp_path):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from nanogpt_cli.inference.lm_eval_model import NanoGPTLM
+    from nanogpt_cli.model.quantize import QuantizedLinear
+
+    names = "sums_mc,sums_roll"
+    base = ["eval", "tasks", str(sums["run"]), "--tasks", names, "--include-path", str(sums["tasks"])]
+    base += ["--json", "--limit", "8", "--device", "cpu"]
+    runs = {q: runner.invoke(app, [*base, *q]) for q in ((), ("--quantize", "int4", "--int4-group", "32"))}
+    assert all(r.exit_code == 0 for r in runs.values()), [r.output for r in runs.values()]
+    floats, int4 = (json.loads(r.stdout) for r in runs.values())
+    assert int4["config"]["model_args"] == {"pretrained": str(sums["run"]), "quantize": "int4", "group_size": 32}
+
+    lm = NanoGPTLM(str(sums["run"]), device="cpu", quantize="int4", group_size="32")  # as --model_args passes it
+    assert sum(isinstance(m, QuantizedLinear) for m in lm.model.modules()) == 2 * 4
+    manager = TaskManager(include_path=str(sums["tasks"]), include_defaults=False)
+    theirs = lm_eval.simple_evaluate(model=lm, tasks=names.split(","), limit=8, task_manager=manager)["results"]
+    assert int4["results"] == theirs
+    # the quantized model's own scores: near the float model's, not equal to them
+    a, b = (r["results"]["sums_roll"]["word_perplexity,none"] for r in (floats, int4))
+    assert a != b and abs(b / a - 1) < 0.2
+
+
+@pytest.mark.slow
 def test_scores_equal_lm_evals_hf_backend_on_our_hugging_face_export(sums):
     """Per document: multiple-choice and rolling log-likelihoods within 1e-4, greedy answers alike; the task
     scores (acc, acc_norm, exact_match) equal exactly."""
@@ -273,6 +299,8 @@ def test_scores_equal_lm_evals_hf_backend_on_our_hugging_face_export(sums):
         (["--limit", "0"], "--limit must be at least 1 document per task, got 0"),
         (["--include-path", "{tmp}/nowhere"], "--include-path {tmp}/nowhere does not exist"),
         (["--num-fewshot", "-1"], "--num-fewshot must be 0 or more, got -1"),
+        (["--quantize", "int3"], "--quantize must be one of int8, int4, got 'int3'"),
+        (["--quantize", "int4", "--int4-group", "48"], "--int4-group must be one of 32, 64, 128, 256, got 48"),
     ],
 )
 def test_bad_options_are_one_sentence_before_anything_loads(args, message, tmp_path):

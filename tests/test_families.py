@@ -452,6 +452,22 @@ def test_a_quantized_llama_cpp_gguf_loads_as_the_gguf_package_dequantizes_it(nam
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.parametrize("name", ["smollm2", "gemma3", "gpt2", "pythia"])
+def test_a_llama_cpp_gguf_loads_tensor_by_tensor_in_bf16_as_when_cast_after(name, tmp_path):
+    """Each tensor read through the family's layout straight into bfloat16 (interop/materialize.py) is the float32
+    model's cast after: llama's q/k rows, Gemma's 1 + w gains (taken off in float32), fused GPT-2/NeoX tensors."""
+    from nanogpt_cli.interop.loading import load_for_inference
+
+    ref = gguf_source(name, tmp_path / "hf")
+    path = tmp_path / "model.gguf"
+    write_converter_gguf(ref, tmp_path / "hf", GGUF_ARCHS[name], path, "f16")
+    whole, _ = load_model(path)
+    loaded = load_for_inference(path, device="cpu", dtype="bfloat16")
+    got, want = loaded.model.state_dict(), whole.cast(torch.bfloat16).state_dict()
+    assert got.keys() == want.keys()
+    assert all(got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]) for k in got)
+
+
 def test_a_llama_cpp_gguf_with_a_tensor_its_architecture_has_no_place_for_is_refused(tmp_path):
     """Qwen2's q/k/v biases in a file that says qwen3 (whose llama.cpp loader has none): one sentence, not a model
     that silently drops them."""

@@ -114,6 +114,19 @@ def test_a_batch_gives_each_row_the_tokens_it_gets_alone(kind):
     assert [together[r] for r in rows] == alone
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_quantizing_in_slices_of_rows_gives_the_same_values(kind, monkeypatch):
+    from nanogpt_cli.model import quantize
+
+    torch.manual_seed(0)
+    w = torch.randn(37, 64).bfloat16()
+    run = (lambda w: quantize.quantize_int8(w)) if kind == "int8" else (lambda w: quantize.quantize_int4(w, 32))
+    whole = run(w)
+    monkeypatch.setattr(quantize, "ROWS_BYTES", 5 * 4 * 64)  # 5 rows at a time: 8 slices, the last of 2
+    for a, b in zip(whole, run(w), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
 def test_a_bad_kind_or_group_size_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--quantize"):
         quantize_model(model_of(), "int3")

@@ -109,6 +109,8 @@ def tasks_command(
     json_out: Annotated[bool, typer.Option("--json", help="Print lm-eval's results JSON instead of a table.")] = False,
     device: Device = "auto",
     dtype: ScoreDtype = Dtype.float32,
+    quantize: Quantize = None,
+    group_size: GroupSize = 32,
     threads: Threads = None,
 ):
     """Score a model on lm-evaluation-harness tasks (HellaSwag, ARC, MMLU, GSM8K, ... or your own YAMLs).
@@ -118,14 +120,21 @@ def tasks_command(
     from nanogpt_cli.cli.common import note
     from nanogpt_cli.device import set_threads
     from nanogpt_cli.inference.tasks import check_options, evaluate_tasks
+    from nanogpt_cli.model.quantize import check_quantize
 
     check_options(tasks, limit, num_fewshot, include_path)  # before loading anything
     if batch_size < 1:
         raise NanoGPTError(f"--batch-size must be at least 1, got {batch_size}")
+    try:
+        check_quantize(quantize, group_size)
+    except ValueError as e:
+        raise NanoGPTError(str(e)) from None
     set_threads(threads)
     from nanogpt_cli.inference.lm_eval_model import NanoGPTLM
 
-    lm = NanoGPTLM(source, last=last, device=device, dtype=dtype, batch_size=batch_size)
+    lm = NanoGPTLM(
+        source, last=last, device=device, dtype=dtype, batch_size=batch_size, quantize=quantize, group_size=group_size
+    )
     if apply_chat_template and lm.template.plain:
         note(f"{source} has no chat template (a base model): its prompts get a plain User:/Assistant: transcript")
     results = evaluate_tasks(

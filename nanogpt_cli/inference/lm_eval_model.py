@@ -44,7 +44,8 @@ class NanoGPTLM(_model.TemplateLM):
     folder, hf:NAME or .gguf (what `--model_args pretrained=...` names), or an InferenceModel already loaded, then
     `source` says where from (the results record it; a Hugging Face folder's chat template is read there).
     batch_size: rows per forward; stride: tokens between the rolling windows (default: eval perplexity's, half the
-    context); seed: sampling's, for tasks that sample."""
+    context); seed: sampling's, for tasks that sample; quantize, group_size: int8 or int4 weights for the blocks
+    (`--quantize`, `--int4-group`; load_for_inference)."""
 
     def __init__(
         self,
@@ -57,6 +58,8 @@ class NanoGPTLM(_model.TemplateLM):
         seed: int = 1234,
         source: str | None = None,
         max_batch_size: int | None = None,  # lm-eval hands it to every model; it sizes `auto` batches only
+        quantize: str | None = None,
+        group_size: int | str = 32,
         **unknown: Any,
     ):
         super().__init__()
@@ -70,7 +73,16 @@ class NanoGPTLM(_model.TemplateLM):
             self.loaded, self.source = pretrained, source
         else:
             self.source = str(pretrained)
-            self.loaded = load_for_inference(pretrained, last=bool(last), device=device or "auto", dtype=Dtype(dtype))
+            if not str(group_size).isdigit():
+                raise NanoGPTError(f"--int4-group must be a whole number of inputs, got {group_size!r}")
+            self.loaded = load_for_inference(
+                pretrained,
+                last=bool(last),
+                device=device or "auto",
+                dtype=Dtype(dtype),
+                quantize=quantize,
+                group_size=int(group_size),
+            )
         self.batch_size, self.stride, self.seed = int(batch_size), stride, int(seed)
         self.tokenizer = self.loaded.tokenizer
         self._device = self.loaded.device

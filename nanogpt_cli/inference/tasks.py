@@ -65,6 +65,18 @@ def check_options(
     return names
 
 
+def _model_args(lm) -> dict[str, Any]:
+    """What the results record of the model: its source (which names lm-eval's output folder) and, for a quantized
+    one, how (the scores are not the float model's)."""
+    args: dict[str, Any] = {"pretrained": lm.source or "nanogpt"}
+    kind = getattr(lm.model, "quantized", None)
+    if kind is not None:
+        args["quantize"] = kind
+        if kind == "int4":
+            args["group_size"] = lm.model.quant_group_size
+    return args
+
+
 def evaluate_tasks(
     lm,
     tasks: list[str],
@@ -89,7 +101,7 @@ def evaluate_tasks(
     try:
         results = lm_eval.simple_evaluate(
             model=lm,
-            model_args={"pretrained": lm.source or "nanogpt"},  # recorded; names lm-eval's output folder
+            model_args=_model_args(lm),
             tasks=resolved,
             num_fewshot=num_fewshot,
             limit=limit,

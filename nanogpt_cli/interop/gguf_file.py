@@ -21,6 +21,7 @@ exactly what was exported.
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -378,21 +379,39 @@ def gguf_tensors(model: GPT, layout: GGUFLayout) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in out.items()}
 
 
-def gguf_state(layout: GGUFLayout, c: GPTConfig, get, names) -> dict[str, np.ndarray]:
-    """Our tensors, for those of `names` (our state dict's) whose every part `get(llama.cpp's name)` returns (an
-    array, or None when it has none): the reverse of gguf_tensors. Rows only move, so raw quantized rows pass."""
-    ours: dict[str, np.ndarray] = {}
+def gguf_parts(layout: GGUFLayout, c: GPTConfig, names) -> dict[str, tuple[str, ...]]:
+    """Our tensor -> the llama.cpp tensors it was cut into, in order along dim 0, for those of `names` (our state
+    dict's) that `layout` places: the reverse of gguf_tensors' names. Each is then read on its own (gguf_joined)."""
+    out: dict[str, tuple[str, ...]] = {}
     for prefix, p, table in _groups(layout, c):
         for name, theirs in table.items():
-            parts = theirs if isinstance(theirs, tuple) else (theirs,)
-            if p + name not in names:
-                continue
-            arrays = [get(prefix + part) for part in parts]
-            if any(a is None for a in arrays):
-                continue
-            moved = [layout.to_ours(prefix + part, a, c) for part, a in zip(parts, arrays)]
-            ours[p + name] = moved[0] if len(moved) == 1 else np.concatenate(moved, axis=0)
-    return ours
+            if p + name in names:
+                out[p + name] = tuple(prefix + t for t in (theirs if isinstance(theirs, tuple) else (theirs,)))
+    return out
+
+
+def gguf_joined(layout: GGUFLayout, c: GPTConfig, theirs: tuple[str, ...], parts: list):
+    """One tensor of ours from its llama.cpp `parts` (named `theirs`: gguf_parts), numpy arrays or torch tensors:
+    the layout's transform on each, then concatenated along dim 0. On a matrix the transforms move whole rows only,
+    so raw quantized rows pass as they are."""
+    import torch
+
+    moved = [layout.to_ours(name, part, c) for name, part in zip(theirs, parts)]
+    if len(moved) == 1:
+        return moved[0]
+    return np.concatenate(moved, axis=0) if isinstance(moved[0], np.ndarray) else torch.cat(moved, dim=0)
+
+
+def gguf_floats(path: str | Path, layout: GGUFLayout, c: GPTConfig, parts: list, dtype):
+    """One tensor of ours in dtype from its GGUFReader `parts` (gguf_parts' order), dequantized a slice of rows at
+    a time. A matrix is read straight into dtype, as the layout's transforms only move its rows; a vector (norm
+    gains, biases) is transformed in float32 (Gemma's gains are stored as 1 + w), then cast: the values loading
+    the file into a float32 model and casting it after give."""
+    import torch
+
+    into = dtype if len(parts[0].shape) > 1 else torch.float32
+    tensors = [dequantized(path, t, into) for t in parts]
+    return gguf_joined(layout, c, tuple(t.name for t in parts), tensors).to(dtype)
 
 
 # --- reading a file we wrote --------------------------------------------------------------------------------
@@ -448,7 +467,19 @@ def read_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
     (any GGUF file: gguf_in.read_any_gguf)."""
     import torch
 
+    from nanogpt_cli.interop.materialize import materialize
+
+    lazy = lazy_gguf(path, quantize, group_size)
+    return materialize(lazy, torch.float32).eval(), lazy.meta
+
+
+def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 32):
+    """read_gguf's model on the meta device and how to read each of its tensors from the file, one at a time
+    (materialize.py): the blocks' matrices held in the form `quantize` asks for become QuantizedLinear layers."""
+    import torch
+
     from nanogpt_cli.interop.gguf_blocks import GGUF_FORMS
+    from nanogpt_cli.interop.materialize import LazyModel, empty_model
 
     gguf = hf.require("gguf")
     try:
@@ -460,49 +491,66 @@ def read_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
         config = GPTConfig.from_dict(meta["config"])
     except (TypeError, ValueError) as e:
         raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None
-    layout = layout_of(meta["architecture"], path)
+    layout, model = layout_of(meta["architecture"], path), empty_model(config)
     direct = GGUF_FORMS.get(quantize) if quantize == "int8" or group_size == 32 else None
-    raw = {t.name: t.data for t in reader.tensors if t.tensor_type.name == direct and t.name.startswith("blk.")}
-    tensors = {
-        t.name: gguf.quants.dequantize(t.data, t.tensor_type)
-        .reshape([int(n) for n in reversed(t.shape)])
-        .astype(np.float32)
-        for t in reader.tensors
-        if t.name not in raw
-    }
-    model = GPT(config)
-    sd = model.state_dict()
-    names = set(sd) - ({"lm_head.weight"} if config.tie_embeddings else set())
-    # a matrix whose parts are all raw blocks loads as they are (gguf_blocks); the others are dequantized
-    matrices = {k for k in names if k.startswith("transformer.h.") and k.endswith(".weight")}
-    packed = gguf_state(layout, config, raw.get, matrices)
-    floats = lambda name: tensors[name] if name in tensors else _dequantized(raw.get(name), direct, gguf)  # noqa: E731
-    ours = gguf_state(layout, config, floats, names - packed.keys())
-    missing = sorted(names - packed.keys() - ours.keys())
+    tensors = {t.name: t for t in reader.tensors}
+    names = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_embeddings else set())
+    parts = gguf_parts(layout, config, names)
+    missing = sorted(n for n in names if any(t not in tensors for t in parts.get(n, ("",))))
     if missing:
         raise NanoGPTError(f"{path} has no tensor for our {missing[0]}")
-    with torch.no_grad():
-        for name, value in ours.items():
-            if tuple(sd[name].shape) != value.shape:
-                raise NanoGPTError(
-                    f"{path} does not match its config: {name} is {value.shape}, not {tuple(sd[name].shape)}"
-                )
-            sd[name].copy_(torch.from_numpy(value))
-    _swap_packed(model, packed, direct)
-    return model.eval(), meta
+    sources = {}  # our tensor -> a function of the dtype that reads it
+    packed = {}  # a projection -> its layer from the file's raw blocks, given its bias
+    for name, theirs in parts.items():
+        if direct and name.startswith("transformer.h.") and all(tensors[t].tensor_type.name == direct for t in theirs):
+            blocks = partial(_raw_blocks, path, layout, config, [tensors[t] for t in theirs])
+            packed[name.removesuffix(".weight")] = partial(_blocks_layer, blocks, direct)
+        else:  # a matrix with a part that is blocks while another is not is dequantized whole
+            sources[name] = partial(gguf_floats, path, layout, config, [tensors[t] for t in theirs])
+
+    def read(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return sources[name](dtype)
+
+    return LazyModel(model, read, meta, str(path), packed)
 
 
-def _dequantized(raw: np.ndarray | None, block_type: str | None, gguf) -> np.ndarray | None:
-    if raw is None:
-        return None
-    return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[block_type]).astype(np.float32)
+def dequantized(path: str | Path, t, dtype):
+    """A GGUFReader tensor (out, in) as a torch tensor in dtype, dequantized to float32 a slice of rows at a time
+    (the gguf package's dequantization holds several float copies of what it is given)."""
+    import torch
+
+    from nanogpt_cli.runs.checkpoint import CONVERT_BYTES
+
+    gguf = hf.require("gguf")
+    shape = [int(n) for n in reversed(t.shape)]
+    data = read_tensor_data(path, t)
+    out = torch.empty(shape, dtype=dtype)
+    rows, data = out.view(-1, shape[-1]), data.reshape(-1, data.shape[-1])  # (rows, in), (rows, bytes or in)
+    step = max(1, CONVERT_BYTES // (4 * rows.size(1)))
+    for r in range(0, rows.size(0), step):
+        part = gguf.quants.dequantize(data[r : r + step], t.tensor_type).astype(np.float32)
+        rows[r : r + step] = torch.from_numpy(part.reshape(-1, rows.size(1)))
+    return out
 
 
-def _swap_packed(model: GPT, packed: dict[str, np.ndarray], block_type: str | None) -> None:
-    """Each matrix read as raw blocks becomes its QuantizedLinear, keeping the bias already loaded."""
+def read_tensor_data(path: str | Path, t) -> np.ndarray:
+    """A GGUFReader tensor's data (t.data's shape and dtype) read from the file into memory of its own: reading
+    it through the reader's map of the whole file would keep every page read resident until the map is gone."""
+    data = np.empty(t.data.shape, t.data.dtype)
+    with open(path, "rb") as f:
+        f.seek(t.data_offset)
+        read = f.readinto(data.reshape(-1).view(np.uint8))
+    if read != data.nbytes:
+        raise NanoGPTError(f"{path} is truncated: {t.name} has {read:,} of {data.nbytes:,} bytes")
+    return data
+
+
+def _blocks_layer(blocks, block_type: str, bias):
     from nanogpt_cli.interop.gguf_blocks import linear_from_blocks
 
-    for name, raw in packed.items():
-        parent_name, attr = name.removesuffix(".weight").rsplit(".", 1)
-        parent = model.get_submodule(parent_name)
-        setattr(parent, attr, linear_from_blocks(raw, block_type, getattr(parent, attr).bias))
+    return linear_from_blocks(blocks(), block_type, bias)
+
+
+def _raw_blocks(path: str | Path, layout: GGUFLayout, c: GPTConfig, parts: list) -> np.ndarray:
+    """One matrix of ours as the file's raw quantized rows (gguf_blocks), its parts put in place by the layout."""
+    return gguf_joined(layout, c, tuple(t.name for t in parts), [read_tensor_data(path, t) for t in parts])

@@ -13,6 +13,7 @@ fallback (llama, with scores; the merges are derived from the scores as transfor
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,17 @@ def read_any_gguf(path: str | Path, quantize: str | None = None, group_size: int
     return read_llama_cpp_gguf(reader, path)
 
 
+def lazy_any_gguf(path: str | Path, quantize: str | None = None, group_size: int = 32):
+    """read_any_gguf's model as a LazyModel (materialize.py), read tensor by tensor: ours (gguf_file.lazy_gguf) or
+    a converter's, whose tensors are all dequantized (quantize then applies to each block once it is read)."""
+    from nanogpt_cli.interop import gguf_file
+
+    reader = _reader(path)
+    if gguf_file.CONFIG_KEY in reader.fields:
+        return gguf_file.lazy_gguf(path, quantize, group_size)
+    return lazy_llama_cpp_gguf(reader, path)
+
+
 def read_any_gguf_meta(path: str | Path) -> dict[str, Any]:
     """read_any_gguf's metadata without the weights (for `info`)."""
     from nanogpt_cli.interop import gguf_file
@@ -64,36 +76,52 @@ def read_llama_cpp_gguf(reader, path: str | Path) -> tuple[GPT, dict[str, Any]]:
     """Our model (float32) and metadata from a GGUF file in llama.cpp's converter layout."""
     import torch
 
-    from nanogpt_cli.interop.gguf_file import gguf_state
+    from nanogpt_cli.interop.materialize import materialize
+
+    lazy = lazy_llama_cpp_gguf(reader, path)
+    return materialize(lazy, torch.float32).eval(), lazy.meta
+
+
+def lazy_llama_cpp_gguf(reader, path: str | Path):
+    """read_llama_cpp_gguf's model on the meta device and how to read each of its tensors (materialize.py),
+    through the family's GGUF layout; a tensor the layout has no place for is refused."""
+    import torch
+
+    from nanogpt_cli.interop.gguf_file import gguf_floats, gguf_parts
+    from nanogpt_cli.interop.materialize import LazyModel, empty_model
 
     arch = _arch(reader, path)
-    tensors = _tensors(reader)
-    config = _config(reader, arch, {k: v.shape for k, v in tensors.items()}, path)
-    model = GPT(config)
-    sd = model.state_dict()
-    used: set[str] = {"rope_freqs.weight"}  # read into the config
-
-    def get(name: str) -> np.ndarray | None:
-        used.add(name)
-        return tensors.get(name)
-
-    names = set(sd) - ({"lm_head.weight"} if config.tie_embeddings else set())
-    ours = gguf_state(FAMILIES[GGUF_FAMILIES[arch]].gguf, config, get, names)
+    tensors = {t.name: t for t in reader.tensors}
+    config = _config(reader, arch, {k: tuple(int(n) for n in reversed(t.shape)) for k, t in tensors.items()}, path)
+    layout = FAMILIES[GGUF_FAMILIES[arch]].gguf
+    model = empty_model(config)
+    shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    names = set(shapes) - ({"lm_head.weight"} if config.tie_embeddings else set())
+    parts = gguf_parts(layout, config, names)
+    used = {"rope_freqs.weight"} | {t for theirs in parts.values() for t in theirs}  # rope_freqs: in the config
     unread = sorted(set(tensors) - used)
     if unread:
         raise NanoGPTError(f"{path} holds {unread[0]}, which nanogpt's {arch} has no place for")
-    with torch.no_grad():
-        for name, target in sd.items():
-            value = ours.get(name)
-            if value is None:
-                if name.endswith(".bias") or name == "lm_head.weight":  # absent biases are zero; a tied head
-                    target.zero_() if name.endswith(".bias") else None
-                    continue
-                raise NanoGPTError(f"{path} has no tensor for our {name}")
-            if tuple(target.shape) != value.shape:
-                raise NanoGPTError(f"{path}: {name} is {value.shape}, its metadata says {tuple(target.shape)}")
-            target.copy_(torch.from_numpy(np.ascontiguousarray(value)))
-    return model.eval(), _meta(reader, arch, config, path)
+    sources = {}  # our tensor -> a function of the dtype that reads it
+    for name in names:
+        theirs = parts.get(name, ())
+        if theirs and all(t in tensors for t in theirs):
+            sources[name] = partial(gguf_floats, path, layout, config, [tensors[t] for t in theirs])
+        elif name.endswith(".bias"):
+            sources[name] = partial(_zeros, shapes[name])  # absent biases are zero
+        else:
+            raise NanoGPTError(f"{path} has no tensor for our {name}")
+
+    def read(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return sources[name](dtype)
+
+    return LazyModel(model, read, _meta(reader, arch, config, path), str(path))
+
+
+def _zeros(shape: tuple[int, ...], dtype):
+    import torch
+
+    return torch.zeros(shape, dtype=dtype)
 
 
 def read_llama_cpp_meta(reader, path: str | Path) -> dict[str, Any]:
@@ -136,18 +164,6 @@ def _meta(reader, arch: str, config: GPTConfig, path) -> dict[str, Any]:
     if tok.chat_template:
         meta["chat_template"] = tok.chat_template
     return meta
-
-
-def _tensors(reader) -> dict[str, np.ndarray]:
-    """Every tensor as float32 numpy in PyTorch's (out, in) order, dequantized by the gguf package."""
-    import gguf
-
-    return {
-        t.name: gguf.quants.dequantize(t.data, t.tensor_type)
-        .reshape([int(n) for n in reversed(t.shape)])
-        .astype(np.float32)
-        for t in reader.tensors
-    }
 
 
 def _config(reader, arch: str, tensors: dict[str, tuple[int, ...]], path) -> GPTConfig:

@@ -121,7 +121,9 @@ def load_for_inference(
     """The one loader that sample and eval share. Inference casts the weights once instead of autocasting
     every call; `auto` picks the dtype from the device and the size of the weights (device.py). quantize: int8
     or int4 weights for the blocks' projections (model/quantize.py), group_size the int4 groups' width; a GGUF
-    export's Q8_0 or Q4_0 blocks load straight into that form."""
+    export's Q8_0 or Q4_0 blocks load straight into that form. Our weights files and GGUF exports are read tensor
+    by tensor into the finished form (materialize.py), never whole in float32."""
+    from nanogpt_cli.interop.materialize import materialize
     from nanogpt_cli.model.quantize import check_quantize, quantize_model
 
     try:
@@ -131,15 +133,53 @@ def load_for_inference(
     dev = resolve_device(device)
     if quantize is not None and dev.type != "cpu":
         raise NanoGPTError(f"--quantize runs on a CPU only (torch's packed kernels), not on {dev}; use --device cpu")
-    model, meta = load_model(checkpoint, last=last, quantize=quantize, group_size=group_size)
+    lazy = lazy_model(checkpoint, last, quantize, group_size)
+    if lazy is None:  # a Hugging Face model or LoRA adapters: built whole, then cast
+        model, meta = load_model(checkpoint, last=last, quantize=quantize, group_size=group_size)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    else:
+        meta, weight_bytes = lazy.meta, lazy.weight_bytes
     tokenizer = tokenizer_of(meta, checkpoint)
     say_threads(dev)  # set_threads' automatic choice, once the model is there: it stays as it is
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     cast = resolve_inference_dtype(dtype, dev, weight_bytes)
-    model = model.to(dev).cast(cast).eval()
-    if quantize is not None:
-        try:
-            quantize_model(model, quantize, group_size)
-        except ValueError as e:
-            raise NanoGPTError(str(e)) from None
+    try:
+        if lazy is None:
+            model = model.to(dev).cast(cast).eval()
+            if quantize is not None:
+                quantize_model(model, quantize, group_size)
+        else:
+            model = materialize(lazy, cast, quantize, group_size).to(dev).eval()
+    except ValueError as e:
+        raise NanoGPTError(str(e)) from None
     return InferenceModel(model, tokenizer, meta, dev, cast)
+
+
+def lazy_model(checkpoint: str | Path, last: bool, quantize: str | None, group_size: int):
+    """A LazyModel (materialize.py) for a weights file of ours or a GGUF file; None for what load_model builds
+    whole (a Hugging Face model, LoRA adapters on their base)."""
+    from nanogpt_cli.interop import gguf_file, gguf_in
+    from nanogpt_cli.interop.materialize import LazyModel, empty_model
+    from nanogpt_cli.runs.checkpoint import TensorFile
+
+    path = find_run(checkpoint)
+    if hf.is_hf_source(path):
+        return None
+    if gguf_file.is_gguf(path):
+        return gguf_in.lazy_any_gguf(path, quantize, group_size)
+    path = resolve_weights(path, last)
+    meta = read_metadata(path)
+    meta[TOKENIZER_DIR] = str(path.parent)
+    if "lora" in meta:
+        return None
+    try:
+        config = GPTConfig.from_dict(meta["config"])
+    except (TypeError, ValueError) as e:
+        raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None
+    file = TensorFile(path)
+    lazy = LazyModel(empty_model(config), file.get, meta, str(path))
+    head = {"lm_head.weight"} if config.tie_embeddings else set()  # a tied head is the embedding: any copy is unread
+    missing, unexpected = set(lazy.model.state_dict()) - head - file.keys(), file.keys() - set(lazy.model.state_dict())
+    if missing or unexpected:
+        missing, unexpected = sorted(missing), sorted(unexpected)
+        raise NanoGPTError(f"{path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return lazy

@@ -51,6 +51,11 @@ class ModelOps(NamedTuple):
     local_sin: torch.Tensor | None = None
 
 
+def embedding(n: int, dim: int, init: bool) -> nn.Embedding:
+    """nn.Embedding(n, dim), its N(0, 1) init skipped when not init (GPT's own init follows in any case)."""
+    return nn.Embedding(n, dim) if init else nn.Embedding(n, dim, _weight=torch.empty(n, dim))
+
+
 class HeadCrossEntropy(torch.autograd.Function):
     """The mean cross-entropy of a frozen LM head's logits, h w^T, over the targets that count (-1: none), with
     its gradient with respect to h computed in the forward, a chunk of rows at a time: the (N, V) float32 logits,
@@ -100,40 +105,56 @@ class HeadCrossEntropy(torch.autograd.Function):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, init: bool = True):
+        """init=False computes nothing: the weights stay as allocated and the position tables are not made, for a
+        model built on the meta device and filled from a file (interop/materialize.py), which makes the tables on
+        the CPU after. normal_ and arange have no meta kernels: their first call there imports torch's Python ones,
+        ~150 MB of resident memory for nothing."""
         super().__init__()
         self.config = config
         self.transformer = nn.ModuleDict(
             dict(
-                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wte=embedding(config.vocab_size, config.n_embd, init),
                 h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
                 ln_f=make_norm(config),
             )
         )
         if config.pos_encoding == "learned":
-            self.transformer["wpe"] = nn.Embedding(config.block_size, config.n_embd)
-        elif config.pos_encoding == "sinusoidal":
-            self.register_buffer("pos_table", sinusoidal_table(config.block_size, config.n_embd), persistent=False)
-        else:
-            self.register_rope("rope", config.rope_theta, config)
-            if config.rope_local_theta is not None:  # Gemma 3: local layers turn at a base of their own, unscaled
-                self.register_rope("rope_local", config.rope_local_theta)
+            self.transformer["wpe"] = embedding(config.block_size, config.n_embd, init)
+        if init:
+            self.make_tables()
         # the sliding window when some layer has one (window_mask), else None
         local = any(config.is_local(i) for i in range(config.n_layer))
         self.window = config.sliding_window if local else None
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
+        if init:
+            self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2's initialisation: N(0, 0.02) for every matrix and embedding, zero biases."""
         self.apply(self._init_weights)
         # GPT-2: scale the init of each residual branch's output by 1/sqrt(2 * n_layer), as the
         # residual stream sums 2 * n_layer of them; --zero-init-proj starts them at zero instead, so every
         # block begins as the identity (modded-nanogpt, nanochat)
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                if config.zero_init_proj:
+                if self.config.zero_init_proj:
                     nn.init.zeros_(p)
                 else:
-                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
+
+    def make_tables(self) -> None:
+        """The position tables (sinusoidal or RoPE), computed from the config: buffers that no weights file holds,
+        made again on the CPU for a model built on the meta device (interop/materialize.py)."""
+        config = self.config
+        if config.pos_encoding == "sinusoidal":
+            self.register_buffer("pos_table", sinusoidal_table(config.block_size, config.n_embd), persistent=False)
+        elif config.pos_encoding != "learned":
+            self.register_rope("rope", config.rope_theta, config)
+            if config.rope_local_theta is not None:  # Gemma 3: local layers turn at a base of their own, unscaled
+                self.register_rope("rope_local", config.rope_local_theta)
 
     def register_rope(self, name: str, theta: float, scaling: GPTConfig | None = None) -> None:
         """RoPE's tables at every position as buffers name_cos, name_sin (block_size, 1, 1, rd), shaped to

@@ -25,6 +25,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel takes
 # F.linear: the packed kernels are written for the few rows of a decode step, and the dequantization's one pass over
 # the weight costs little beside a matmul of many rows
 PREFILL_ROWS = 32
+ROWS_BYTES = 4 * 2**20  # float32 rows quantized at a time (_by_rows)
 
 
 class QuantizedLinear(nn.Module):
@@ -111,6 +112,10 @@ class QuantizedLinear(nn.Module):
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (out, in) -> int8 values and one symmetric scale per row, max |w| / 127, in w's dtype."""
+    return _by_rows(w, _int8_rows)
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w32 = w.float()
     scale = w32.abs().amax(dim=1).clamp(min=1e-12) / 127
     q = torch.round(w32 / scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -120,6 +125,10 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w (out, in) -> 4-bit values in 0..15, scale and zero per group (out, in / g): asymmetric, min to max in 15
     steps, which halves the error of a symmetric grid for groups that are not centred on zero."""
+    return _by_rows(w, lambda rows: _int4_rows(rows, group_size))
+
+
+def _int4_rows(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     out, n = w.shape
     g = w.float().view(out, n // group_size, group_size)
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)
@@ -127,6 +136,16 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     q = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8).view(out, n)
     zero = lo + 8 * scale  # the kernel's w = (q - 8) * scale + zero
     return q, scale.to(w.dtype), zero.to(w.dtype)
+
+
+def _by_rows(w: torch.Tensor, quantize) -> tuple[torch.Tensor, ...]:
+    """quantize over slices of w's rows, its outputs joined: the same values (every step is per row), without
+    several float32 copies of a large w at once (the head of a 49,152-token vocabulary: ~350 MB)."""
+    step = max(1, ROWS_BYTES // (4 * w.size(1)))
+    if w.size(0) <= step:
+        return quantize(w)
+    parts = [quantize(w[r : r + step]) for r in range(0, w.size(0), step)]
+    return tuple(torch.cat(p) for p in zip(*parts))
 
 
 def check_quantize(kind: str | None, group_size: int) -> None:
@@ -151,19 +170,30 @@ def quantize_linear(module: nn.Linear, kind: str, group_size: int = 32) -> Quant
 def quantize_model(model: nn.Module, kind: str, group_size: int = 32) -> nn.Module:
     """Every nn.Linear inside the Transformer blocks swapped in place for its quantized form (see the module's
     docstring for the embedding and the head). Returns the model."""
+    check_widths(model, kind, group_size)
+    for block in model.transformer.h:
+        quantize_block(block, kind, group_size)
+    model.quantized, model.quant_group_size = kind, group_size  # what decode_plan quantizes the head with
+    return model
+
+
+def check_widths(model: nn.Module, kind: str, group_size: int) -> None:
+    """Refuse a kind or group size the kernels do not take, or int4 groups that do not divide some projection's
+    input width (checked before any layer is touched; the model may still be on the meta device)."""
     check_quantize(kind, group_size)
     widths = {m.in_features for m in model.transformer.h.modules() if type(m) is nn.Linear}
     if kind == "int4" and any(w % group_size for w in widths):
         listed = ", ".join(map(str, sorted(widths)))
         raise ValueError(f"--int4-group ({group_size}) must divide every projection's input width ({listed})")
-    for block in model.transformer.h:
-        for name, module in list(block.named_modules()):
-            if type(module) is nn.Linear:
-                parent_name, _, attr = name.rpartition(".")
-                parent = block.get_submodule(parent_name) if parent_name else block
-                setattr(parent, attr, quantize_linear(module, kind, group_size))
-    model.quantized, model.quant_group_size = kind, group_size  # what decode_plan quantizes the head with
-    return model
+
+
+def quantize_block(block: nn.Module, kind: str, group_size: int) -> None:
+    """One block's nn.Linear layers swapped in place for their quantized form."""
+    for name, module in list(block.named_modules()):
+        if type(module) is nn.Linear:
+            parent_name, _, attr = name.rpartition(".")
+            parent = block.get_submodule(parent_name) if parent_name else block
+            setattr(parent, attr, quantize_linear(module, kind, group_size))
 
 
 def quantize_head(head: torch.Tensor, kind: str, group_size: int) -> QuantizedLinear:

@@ -125,6 +125,76 @@ def load_weights(model: GPT, path: Path) -> None:
         model.lm_head.weight = model.transformer.wte.weight
 
 
+CONVERT_BYTES = 4 * 2**20  # TensorFile.get converts this much float32 at a time
+# safetensors' dtype names -> torch's
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class TensorFile:
+    """A safetensors weights file read one tensor at a time, each into memory of its own with a plain read.
+    safe_open maps the whole file, and every page it has read stays in the process's resident memory until it is
+    closed: reading a model through it costs the file's size on top of the model being built (interop/materialize).
+
+        file = TensorFile(path); w = file.get("transformer.wte.weight")
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+        except (OSError, ValueError) as e:
+            raise NanoGPTError(f"{path} is not a valid safetensors checkpoint ({e})") from None
+        header.pop("__metadata__", None)
+        self.start, self.entries = 8 + n, header
+
+    def keys(self) -> set[str]:
+        return set(self.entries)
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor as stored, or in dtype by way of float32 (what loading it into a float32 model and casting
+        that after gives), converted a slice of rows at a time: never a whole float32 copy of a large tensor."""
+        entry = self.entries[name]
+        begin, end = entry["data_offsets"]
+        stored, shape = SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"]
+        if dtype is None or dtype == stored:
+            return self._read(name, begin, end, torch.empty(shape, dtype=stored))
+        out = torch.empty(shape, dtype=dtype)
+        if out.numel() == 0:
+            return out
+        rows = out.view(-1, shape[-1]) if len(shape) > 1 else out.view(1, -1)  # (rows, last dim)
+        step = max(1, CONVERT_BYTES // (4 * rows.size(1)))
+        row_bytes = rows.size(1) * stored.itemsize
+        for r in range(0, rows.size(0), step):
+            chunk = torch.empty(min(step, rows.size(0) - r), rows.size(1), dtype=stored)
+            start = begin + r * row_bytes
+            rows[r : r + chunk.size(0)] = self._read(
+                name, start, start + chunk.numel() * stored.itemsize, chunk
+            ).float()
+        return out
+
+    def _read(self, name: str, begin: int, end: int, into: torch.Tensor) -> torch.Tensor:
+        buffer = memoryview(into.reshape(-1).view(torch.uint8).numpy())  # (bytes,): the tensor's own memory
+        with open(self.path, "rb") as f:
+            f.seek(self.start + begin)
+            read = f.readinto(buffer)
+        if read != end - begin or read != len(buffer):
+            raise NanoGPTError(f"{self.path} is truncated or damaged: {name} has {read:,} of {len(buffer):,} bytes")
+        return into
+
+
 # --- optimizer and trainer state ---
 
 
