@@ -127,6 +127,20 @@ def test_quantizing_in_slices_of_rows_gives_the_same_values(kind, monkeypatch):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
+def test_int4_values_packed_in_slices_of_rows_compute_the_dequantized_weight(monkeypatch):
+    from nanogpt_cli.model import quantize
+
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 176, bias=False)  # 176 rows: slices of 64, 64 and 48
+    whole = quantize_linear(layer, "int4", 32)
+    monkeypatch.setattr(quantize, "PACK_ROWS", 64)
+    sliced = quantize_linear(layer, "int4", 32)
+    assert torch.equal(sliced.weight_q, whole.weight_q)
+    x = torch.randn(3, 64)
+    expected = torch.nn.functional.linear(x, sliced.dequantize(torch.float32))
+    torch.testing.assert_close(sliced(x), expected, atol=1e-5, rtol=0)
+
+
 def test_a_bad_kind_or_group_size_is_refused_naming_the_flag():
     with pytest.raises(ValueError, match="--quantize"):
         quantize_model(model_of(), "int3")

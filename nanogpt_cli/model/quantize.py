@@ -25,6 +25,7 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel takes
 # F.linear: the packed kernels are written for the few rows of a decode step, and the dequantization's one pass over
 # the weight costs little beside a matmul of many rows
 PREFILL_ROWS = 32
+PACK_ROWS = 4096  # rows of int4 values packed at a time (a multiple of the kernel's 64)
 ROWS_BYTES = 4 * 2**20  # float32 rows quantized at a time (_by_rows)
 
 
@@ -53,7 +54,7 @@ class QuantizedLinear(nn.Module):
         """From 4-bit values q (out, in) in 0..15 and per-group scale and zero (out, in / group_size), meaning
         w = (q - 8) * scale + zero."""
         m = cls(q.size(1), q.size(0), "int4", group_size, bias)
-        m.register_buffer("weight_q", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+        m.register_buffer("weight_q", _int4_pack(q))
         # (in / group_size, out, 2): the kernel's layout of scales and zeros
         m.register_buffer("scales", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
         # the values once more, two to a byte in a plain layout, for the prefill's dequantization (the kernel's own
@@ -108,6 +109,14 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.kind == "int4" else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind}{group}"
+
+
+def _int4_pack(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values (out, in) in the int4 kernel's layout, PACK_ROWS rows at a time: the kernel takes int32 values,
+    4 bytes a weight, which for a 151,936-row head at once would be the load's peak (545 MB for Qwen2.5-0.5B's). It
+    packs 64 rows at a time, so whole slices of them pack to the same bytes as the matrix at once."""
+    parts = [q[r : r + PACK_ROWS].to(torch.int32) for r in range(0, q.size(0), PACK_ROWS)]
+    return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(p, 1) for p in parts])
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
