@@ -51,7 +51,7 @@ def gguf_target(c: GPTConfig, family: str | None = None) -> tuple[str, GGUFLayou
     """The llama.cpp architecture that computes this config exactly, and how the model sits in it: the family's
     (`family`: the one the model came from, kept when it holds the config, as in `hf.hf_kind`); else one sentence
     naming the flags to change. Our own default block (RoPE on the whole head, LayerNorm, tanh GELU, one residual
-    after the other) goes out as starcoder2, as it always has; a GPT-NeoX or Pythia model as gptneox."""
+    after the other) goes out as starcoder2; a GPT-NeoX or Pythia model as gptneox."""
     try:
         kind = hf.hf_kind(c, prefer=family)
     except NanoGPTError as e:
