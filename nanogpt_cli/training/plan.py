@@ -175,7 +175,8 @@ def _plan_fresh(
     train_cfg = _without_unneeded(train_cfg, model_cfg, given, preset, init_from, notes)
     check_seq_len(train_cfg, model_cfg, meta, init_from)
     converted = init_from is not None and (is_converted(init_from) or "hf_family" in init)
-    if converted and train_cfg.seq_len is None and model_cfg.block_size > CONVERTED_SEQ_LEN:
+    windows = meta.get("format") not in ("preference", "prompts")  # DPO and GRPO score each sequence whole
+    if converted and windows and train_cfg.seq_len is None and model_cfg.block_size > CONVERTED_SEQ_LEN:
         train_cfg = dataclasses.replace(train_cfg, seq_len=CONVERTED_SEQ_LEN)
         notes.append(
             f"--seq-len {CONVERTED_SEQ_LEN}: training sequences of {CONVERTED_SEQ_LEN:,} tokens, the default for a "
@@ -336,7 +337,8 @@ def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any], wor
             "raise it) to continue the run"
         )
     meta = _resumed_dataset(run_dir, saved.get("dataset") or {}, train_cfg, notes)
-    check_seq_len(train_cfg, model_cfg, meta, str(run_dir))
+    if "seq_len" in train_said:  # a saved value was checked when the run was planned
+        check_seq_len(train_cfg, model_cfg, meta, str(run_dir))
     check_world(train_cfg, world_size)
     notes += _warnings(model_cfg, train_cfg)
     return RunPlan(
