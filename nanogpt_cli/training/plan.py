@@ -50,6 +50,7 @@ class RunPlan:
     dataset: dict[str, Any]  # the prepared dataset's meta.json
     init_weights: Path | None = None  # --init-from: the weights file to start from
     init_model: GPT | None = None  # --init-from a Hugging Face model: its weights, converted once while planning
+    init_model_used: bool = False  # a run copied init_model and let it go: another run of this plan must refuse
     resume: bool = False
     force: bool = False
     step: int = 0  # where the run starts: 0, or the step a resumed run stopped at
@@ -70,7 +71,9 @@ class RunPlan:
     def length_flag(self) -> str:
         """The flag that shortens the training sequences: --block-size for a new model without --seq-len, else
         --seq-len (a resumed or started-from model keeps its context)."""
-        new_model = not self.resume and self.init_weights is None and self.init_model is None
+        new_model = (
+            not self.resume and self.init_weights is None and self.init_model is None and not self.init_model_used
+        )
         return "--block-size" if new_model and self.train.seq_len is None else "--seq-len"
 
     @property
