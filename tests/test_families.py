@@ -8,6 +8,7 @@ A new family: its file in interop/families/ and one entry in FAMILIES below."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -292,13 +293,15 @@ def converter_keys(w, c, arch: str, tensors: dict) -> None:
         tensors["rope_freqs.weight"] = llama3_factors(rope, head_dim)
 
 
-def write_converter_gguf(ref, folder: Path, arch: str, path: Path, quant: str = "f32", raw=None) -> None:
+def write_converter_gguf(
+    ref, folder: Path, arch: str, path: Path, quant: str = "f32", raw=None, without: tuple[str, ...] = ()
+) -> None:
     """A GGUF file as llama.cpp's converter writes this model and the tokenizer in `folder`; quant: the type of the
     matrices (f16, or gguf's own quantizer where their rows are whole blocks), as the converter's --outtype does;
-    raw(name, shape): a matrix's own bytes and type, or None."""
+    raw(name, shape): a matrix's own bytes and type, or None; without: tensors left out (an odd file)."""
     gguf = pytest.importorskip("gguf")
     w = gguf.GGUFWriter(str(path), arch)
-    tensors = converter_tensors(ref, arch)
+    tensors = {k: t for k, t in converter_tensors(ref, arch).items() if k not in without}
     converter_keys(w, ref.config, arch, tensors)
     add_vocabulary(w, folder, gguf)
     qtype = getattr(gguf.GGMLQuantizationType, quant.upper())
@@ -475,6 +478,16 @@ def test_a_llama_cpp_gguf_with_a_tensor_its_architecture_has_no_place_for_is_ref
     write_converter_gguf(ref, tmp_path / "hf", "qwen3", tmp_path / "model.gguf")
     with pytest.raises(NanoGPTError, match=r"holds blk\.0\.attn_k\.bias, which nanogpt's qwen3 has no place for"):
         load_model(tmp_path / "model.gguf")
+
+
+@pytest.mark.parametrize("name,tensor", [("smollm2", "token_embd.weight"), ("gpt2", "blk.0.ffn_up.weight")])
+def test_a_llama_cpp_gguf_without_a_tensor_its_config_is_read_from_is_refused(name, tensor, tmp_path):
+    """A truncated or odd file: one sentence naming the file and the tensor, not a KeyError."""
+    ref = gguf_source(name, tmp_path / "hf")
+    path = tmp_path / "model.gguf"
+    write_converter_gguf(ref, tmp_path / "hf", GGUF_ARCHS[name], path, without=(tensor,))
+    with pytest.raises(NanoGPTError, match=rf"^{re.escape(str(path))}: the file has no tensor {re.escape(tensor)}, "):
+        load_model(path)
 
 
 # the byte offsets of the fp16 scales in one block of each type gguf.quants dequantizes but cannot quantize
