@@ -303,7 +303,7 @@ def write_converter_gguf(
     w = gguf.GGUFWriter(str(path), arch)
     tensors = {k: t for k, t in converter_tensors(ref, arch).items() if k not in without}
     converter_keys(w, ref.config, arch, tensors)
-    add_vocabulary(w, folder, gguf)
+    add_vocabulary(w, folder, gguf, pre="olmo" if arch == "gptneox" else "gpt-2")  # the converter's GPT-NeoX name
     qtype = getattr(gguf.GGMLQuantizationType, quant.upper())
     for name, t in tensors.items():
         t = np.ascontiguousarray(t, dtype=np.float32)
@@ -341,8 +341,8 @@ def llama3_factors(rope: dict, head_dim: int):
     return np.array(out, dtype=np.float32)
 
 
-def add_vocabulary(w, folder: Path, gguf) -> None:
-    """tokenizer.ggml.*: a byte-level BPE as model gpt2 (merges, pre-tokenizer), a SentencePiece-style one as
+def add_vocabulary(w, folder: Path, gguf, pre: str = "gpt-2") -> None:
+    """tokenizer.ggml.*: a byte-level BPE as model gpt2 (merges, pre-tokenizer `pre`), a SentencePiece-style one as
     model llama (scores, byte tokens), special tokens as control tokens, BOS/EOS and the chat template."""
     spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -359,7 +359,7 @@ def add_vocabulary(w, folder: Path, gguf) -> None:
         w.add_unk_token_id(vocab["<unk>"])
     else:
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt-2")
+        w.add_tokenizer_pre(pre)
         merges = spec["model"]["merges"]
         w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
         types = [T.CONTROL if t in special else T.NORMAL for t in tokens]
