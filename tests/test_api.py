@@ -311,3 +311,16 @@ def test_importing_the_api_loads_no_torch_and_the_package_hands_out_its_calls():
     assert nanogpt_cli.train is api.train and nanogpt_cli.prepare is api.prepare
     with pytest.raises(AttributeError):
         nanogpt_cli.nothing  # noqa: B018
+
+
+def test_a_plan_started_from_a_converted_model_runs_once(char_data, tmp_path):
+    """The run lets the plan's converted weights go; a second run of that plan refuses, not starts at random."""
+    from test_export import save_random_gpt2
+
+    data_dir, name = char_data
+    save_random_gpt2(tmp_path / "gpt2", load_meta(data_dir, name)["tokenizer"])
+    flags = dict(data=name, data_dir=str(data_dir), device="cpu", dtype="float32", max_iters=1, eval_iters=1)
+    training = api.plan_training(out=tmp_path / "run", init_from=tmp_path / "gpt2", force=True, **flags)
+    assert training.run().step == 1
+    with pytest.raises(NanoGPTError, match=r"^this plan's starting weights were used by a run already; plan it again$"):
+        training.run()

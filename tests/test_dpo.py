@@ -205,3 +205,26 @@ def test_dpo_starts_from_a_hugging_face_folder(dpo_data, tmp_path):
     assert result.step == 4 and records[0]["val_loss"] == pytest.approx(math.log(2), abs=1e-5)
     record = json.loads((tmp_path / "run" / "config.json").read_text())["finetune"]
     assert record["weights"]["base"]["sha256"]  # a LoRA run records its base as any LoRA run does
+
+
+def test_dpo_from_a_long_context_converted_base_plans_no_seq_len_and_resumes(dpo_data, tmp_path):
+    """The 1,024-token default of a converted model is for windowed data; DPO scores each pair whole."""
+    from nanogpt_cli.config import GPTConfig
+    from nanogpt_cli.data import load_meta
+    from nanogpt_cli.runs.checkpoint import save_model
+
+    meta = load_meta(dpo_data / "data", "pairs")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=meta["vocab_size"], block_size=2048, n_layer=1, n_head=2, n_embd=16))
+    base = tmp_path / "base.safetensors"
+    save_model(base, model, {"tokenizer": meta["tokenizer"], "hf_family": "llama"})
+    values = dict(data="pairs", data_dir=str(dpo_data / "data"), dtype="float32", device="cpu", max_iters=2)
+    values.update(eval_interval=1, eval_iters=1, batch_size=4, warmup_iters=0)
+    job = plan_finetune({**values, "stop_at": 1}, out=tmp_path / "run", init_from=str(base))
+    assert job.plan.train.seq_len is None and not [n for n in job.plan.notes if "--seq-len" in n]
+    DPO(job).fit()
+    config = tmp_path / "run" / "config.json"
+    saved = json.loads(config.read_text())
+    saved["train"]["seq_len"] = 1024  # as an earlier planner saved it: not the user's, so not refused
+    config.write_text(json.dumps(saved))
+    assert DPO(plan_finetune(values, out=tmp_path / "run", resume=True)).fit().step == 2

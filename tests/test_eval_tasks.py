@@ -153,6 +153,16 @@ def test_a_continuation_longer_than_the_context_is_one_sentence():
 # --- the lm-eval model ---
 
 
+def test_a_group_size_from_model_args_that_is_no_number_is_one_sentence_naming_it(tmp_path):
+    """lm-eval's --model_args gives it as group_size=; the CLI's --int4-group is checked before it gets here."""
+    from nanogpt_cli.errors import NanoGPTError
+    from nanogpt_cli.inference.lm_eval_model import NanoGPTLM
+
+    message = r"^--int4-group \(group_size=\) must be a whole number of inputs, got 'many'$"
+    with pytest.raises(NanoGPTError, match=message):
+        NanoGPTLM(str(tmp_path / "no-model"), quantize="int4", group_size="many")
+
+
 def test_rolling_loglikelihood_is_what_eval_perplexity_scores(tmp_path):
     """Documents longer than the context, through the same sliding window: for a tokenizer without an end-of-text
     token, minus the rolling log-likelihood is `eval perplexity --input`'s total NLL (loss x tokens)."""

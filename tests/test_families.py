@@ -8,6 +8,7 @@ A new family: its file in interop/families/ and one entry in FAMILIES below."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -292,15 +293,17 @@ def converter_keys(w, c, arch: str, tensors: dict) -> None:
         tensors["rope_freqs.weight"] = llama3_factors(rope, head_dim)
 
 
-def write_converter_gguf(ref, folder: Path, arch: str, path: Path, quant: str = "f32", raw=None) -> None:
+def write_converter_gguf(
+    ref, folder: Path, arch: str, path: Path, quant: str = "f32", raw=None, without: tuple[str, ...] = ()
+) -> None:
     """A GGUF file as llama.cpp's converter writes this model and the tokenizer in `folder`; quant: the type of the
     matrices (f16, or gguf's own quantizer where their rows are whole blocks), as the converter's --outtype does;
-    raw(name, shape): a matrix's own bytes and type, or None."""
+    raw(name, shape): a matrix's own bytes and type, or None; without: tensors left out (an odd file)."""
     gguf = pytest.importorskip("gguf")
     w = gguf.GGUFWriter(str(path), arch)
-    tensors = converter_tensors(ref, arch)
+    tensors = {k: t for k, t in converter_tensors(ref, arch).items() if k not in without}
     converter_keys(w, ref.config, arch, tensors)
-    add_vocabulary(w, folder, gguf)
+    add_vocabulary(w, folder, gguf, pre="olmo" if arch == "gptneox" else "gpt-2")  # the converter's GPT-NeoX name
     qtype = getattr(gguf.GGMLQuantizationType, quant.upper())
     for name, t in tensors.items():
         t = np.ascontiguousarray(t, dtype=np.float32)
@@ -338,8 +341,8 @@ def llama3_factors(rope: dict, head_dim: int):
     return np.array(out, dtype=np.float32)
 
 
-def add_vocabulary(w, folder: Path, gguf) -> None:
-    """tokenizer.ggml.*: a byte-level BPE as model gpt2 (merges, pre-tokenizer), a SentencePiece-style one as
+def add_vocabulary(w, folder: Path, gguf, pre: str = "gpt-2") -> None:
+    """tokenizer.ggml.*: a byte-level BPE as model gpt2 (merges, pre-tokenizer `pre`), a SentencePiece-style one as
     model llama (scores, byte tokens), special tokens as control tokens, BOS/EOS and the chat template."""
     spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
     settings = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
@@ -356,7 +359,7 @@ def add_vocabulary(w, folder: Path, gguf) -> None:
         w.add_unk_token_id(vocab["<unk>"])
     else:
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("gpt-2")
+        w.add_tokenizer_pre(pre)
         merges = spec["model"]["merges"]
         w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
         types = [T.CONTROL if t in special else T.NORMAL for t in tokens]
@@ -477,9 +480,60 @@ def test_a_llama_cpp_gguf_with_a_tensor_its_architecture_has_no_place_for_is_ref
         load_model(tmp_path / "model.gguf")
 
 
+@pytest.mark.parametrize("name,tensor", [("smollm2", "token_embd.weight"), ("gpt2", "blk.0.ffn_up.weight")])
+def test_a_llama_cpp_gguf_without_a_tensor_its_config_is_read_from_is_refused(name, tensor, tmp_path):
+    """A truncated or odd file: one sentence naming the file and the tensor, not a KeyError."""
+    ref = gguf_source(name, tmp_path / "hf")
+    path = tmp_path / "model.gguf"
+    write_converter_gguf(ref, tmp_path / "hf", GGUF_ARCHS[name], path, without=(tensor,))
+    with pytest.raises(NanoGPTError, match=rf"^{re.escape(str(path))}: the file has no tensor {re.escape(tensor)}, "):
+        load_model(path)
+
+
 # the byte offsets of the fp16 scales in one block of each type gguf.quants dequantizes but cannot quantize
 SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 SCALES |= {"IQ4_NL": (0,), "IQ4_XS": (0,), "TQ2_0": (64,)}
+BLOCK_SCALES = SCALES | {"Q8_0": (0,)}  # and Q8_0's, which gguf also quantizes
+
+
+def random_blocks(kind: str, expected: dict):
+    """raw for write_converter_gguf: random blocks of a type (small finite scales) for each matrix whose rows are
+    whole blocks, with gguf's dequantization of them put in expected[name]."""
+    gguf = pytest.importorskip("gguf")
+    qtype = gguf.GGMLQuantizationType[kind]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(0)
+
+    def raw(name: str, shape):
+        if shape[1] % block:
+            return None
+        blocks = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+        for at in BLOCK_SCALES[kind]:
+            blocks[..., at : at + 2] = (
+                rng.uniform(1e-4, 1e-3, blocks.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+            )
+        data = blocks.reshape(shape[0], -1)
+        expected[name] = gguf.quants.dequantize(data, qtype)
+        return data, qtype
+
+    return raw
+
+
+def loads_as_gguf_dequantizes(kind: str, tmp_path: Path):
+    """A qwen2 converter file of random `kind` blocks, loaded: the model, once its weights are checked to be gguf's
+    dequantization of those bytes."""
+    from nanogpt_cli.interop import gguf_file
+
+    ref = random_model("qwen2.5", tmp_path / "hf", hidden_size=256, intermediate_size=512, num_hidden_layers=1)
+    expected = {}
+    path = tmp_path / f"model-{kind}.gguf"
+    write_converter_gguf(ref, tmp_path / "hf", "qwen2", path, raw=random_blocks(kind, expected))
+    ours, _ = load_model(path)
+    written = gguf_file.gguf_tensors(ours, FAMILY_RECORDS["qwen2"].gguf)  # ours under llama.cpp's names again
+    assert expected.keys() >= {"token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight"}
+    for name, values in expected.items():
+        assert np.array_equal(written[name], values), f"{kind}: {name}"
+    return ours, path
 
 
 @pytest.mark.parametrize("kind", list(SCALES))
@@ -489,39 +543,23 @@ def test_k_quant_blocks_load_as_the_gguf_package_dequantizes_them(kind, tmp_path
     from typer.testing import CliRunner
 
     from nanogpt_cli.cli import app
-    from nanogpt_cli.interop import gguf_file
 
-    gguf = pytest.importorskip("gguf")
-    qtype = gguf.GGMLQuantizationType[kind]
-    block, size = gguf.GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(0)
-    ref = random_model("qwen2.5", tmp_path / "hf", hidden_size=256, intermediate_size=512, num_hidden_layers=1)
-    expected = {}
-
-    def raw(name: str, shape):
-        if shape[1] % block:
-            return None
-        blocks = rng.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
-        for at in SCALES[kind]:
-            blocks[..., at : at + 2] = (
-                rng.uniform(1e-4, 1e-3, blocks.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
-            )
-        data = blocks.reshape(shape[0], -1)
-        expected[name] = gguf.quants.dequantize(data, qtype)
-        return data, qtype
-
-    path = tmp_path / f"model-{kind}.gguf"
-    write_converter_gguf(ref, tmp_path / "hf", "qwen2", path, raw=raw)
-    ours, _ = load_model(path)
-    written = gguf_file.gguf_tensors(ours, FAMILY_RECORDS["qwen2"].gguf)  # ours under llama.cpp's names again
-    assert expected.keys() >= {"token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight"}
-    for name, values in expected.items():
-        assert np.array_equal(written[name], values), f"{kind}: {name}"
+    ours, path = loads_as_gguf_dequantizes(kind, tmp_path)
     with torch.no_grad():
         assert torch.isfinite(ours.eval()(torch.randint(0, V, (1, 8)))[0]).all()
     result = CliRunner().invoke(app, ["info", str(path)])
     assert result.exit_code == 0 and kind in result.output, result.output
     assert f"{path.stat().st_size:,}" in result.output, result.output
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K"])
+def test_blocks_dequantized_a_few_rows_at_a_time_load_as_when_whole(kind, tmp_path, monkeypatch):
+    """CONVERT_BYTES made small: each matrix is dequantized in slices of 3 rows (1 for the 512-wide ffn_down),
+    the last one short, and the weights are still gguf's dequantization of the whole matrix."""
+    from nanogpt_cli.runs import checkpoint
+
+    monkeypatch.setattr(checkpoint, "CONVERT_BYTES", 4 * 256 * 3)
+    loads_as_gguf_dequantizes(kind, tmp_path)
 
 
 def test_train_init_from_a_llama_cpp_gguf(tmp_path):

@@ -74,7 +74,7 @@ class NanoGPTLM(_model.TemplateLM):
         else:
             self.source = str(pretrained)
             if not str(group_size).isdigit():
-                raise NanoGPTError(f"--int4-group must be a whole number of inputs, got {group_size!r}")
+                raise NanoGPTError(f"--int4-group (group_size=) must be a whole number of inputs, got {group_size!r}")
             self.loaded = load_for_inference(
                 pretrained,
                 last=bool(last),

@@ -266,6 +266,12 @@ def _added(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
     ]
 
 
+# the tokenizer.ggml.pre names llama.cpp (llama-vocab.cpp) splits with GPT-2's regex alone: its GPT2, MPT, OLMO,
+# JAIS, TRILLION and GRANITE_DOCLING types; convert_hf_to_gguf.py writes "olmo" for GPT-NeoX's tokenizer (Pythia)
+GPT2_SPLIT = {"gpt-2", "phi-2", "mpt", "olmo", "jais", "gigachat", "a.x-4.0", "mellum", "exaone4", "trillion"}
+GPT2_SPLIT |= {"granite-docling", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de"}
+
+
 def _byte_level_json(tokens, types, merges, reader, path) -> str:
     import tokenizers as tk
 
@@ -275,7 +281,7 @@ def _byte_level_json(tokens, types, merges, reader, path) -> str:
     pre = field(reader, "tokenizer.ggml.pre", "default")
     regexes = {v: PATTERNS[k] for k, v in PRE_TOKENIZERS.items()} | {v: k for k, v in HF_PRE_TOKENIZERS.items()}
     byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in ("gpt-2", "default"):
+    if pre in GPT2_SPLIT or pre == "default":
         pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     elif pre == "smollm":  # GPT-2's split with each digit apart
         pre_tokenizer = tk.pre_tokenizers.Sequence(

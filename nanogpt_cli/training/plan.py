@@ -50,6 +50,7 @@ class RunPlan:
     dataset: dict[str, Any]  # the prepared dataset's meta.json
     init_weights: Path | None = None  # --init-from: the weights file to start from
     init_model: GPT | None = None  # --init-from a Hugging Face model: its weights, converted once while planning
+    init_model_used: bool = False  # a run copied init_model and let it go: another run of this plan must refuse
     resume: bool = False
     force: bool = False
     step: int = 0  # where the run starts: 0, or the step a resumed run stopped at
@@ -70,7 +71,9 @@ class RunPlan:
     def length_flag(self) -> str:
         """The flag that shortens the training sequences: --block-size for a new model without --seq-len, else
         --seq-len (a resumed or started-from model keeps its context)."""
-        new_model = not self.resume and self.init_weights is None and self.init_model is None
+        new_model = (
+            not self.resume and self.init_weights is None and self.init_model is None and not self.init_model_used
+        )
         return "--block-size" if new_model and self.train.seq_len is None else "--seq-len"
 
     @property
@@ -175,7 +178,8 @@ def _plan_fresh(
     train_cfg = _without_unneeded(train_cfg, model_cfg, given, preset, init_from, notes)
     check_seq_len(train_cfg, model_cfg, meta, init_from)
     converted = init_from is not None and (is_converted(init_from) or "hf_family" in init)
-    if converted and train_cfg.seq_len is None and model_cfg.block_size > CONVERTED_SEQ_LEN:
+    windows = meta.get("format") not in ("preference", "prompts")  # DPO and GRPO score each sequence whole
+    if converted and windows and train_cfg.seq_len is None and model_cfg.block_size > CONVERTED_SEQ_LEN:
         train_cfg = dataclasses.replace(train_cfg, seq_len=CONVERTED_SEQ_LEN)
         notes.append(
             f"--seq-len {CONVERTED_SEQ_LEN}: training sequences of {CONVERTED_SEQ_LEN:,} tokens, the default for a "
@@ -336,7 +340,8 @@ def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any], wor
             "raise it) to continue the run"
         )
     meta = _resumed_dataset(run_dir, saved.get("dataset") or {}, train_cfg, notes)
-    check_seq_len(train_cfg, model_cfg, meta, str(run_dir))
+    if "seq_len" in train_said:  # a saved value was checked when the run was planned
+        check_seq_len(train_cfg, model_cfg, meta, str(run_dir))
     check_world(train_cfg, world_size)
     notes += _warnings(model_cfg, train_cfg)
     return RunPlan(

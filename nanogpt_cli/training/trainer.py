@@ -504,12 +504,15 @@ class Trainer:
 
     def _build_model(self, saved: SavePoint | None) -> GPT:
         """The model on its device with its starting weights, and only the trainable parameters unfrozen."""
+        if self.plan.init_model_used:  # its weights are gone: the model would start at random
+            raise NanoGPTError("this plan's starting weights were used by a run already; plan it again")
         model = GPT(self.plan.model)
         if self.plan.init_weights is not None:
             load_weights(model, self.plan.init_weights)
         elif self.plan.init_model is not None:
             model.load_state_dict(self.plan.init_model.state_dict())  # copies in place: a tied head stays tied
             self.plan.init_model = None  # the planning copy, let go: kept, the run would hold the weights twice
+            self.plan.init_model_used = True
         if self.trainable is not None:  # it may add modules (adapters): before the saved weights and the move
             keep = {id(p) for p in self.trainable(model)}
             for p in model.parameters():

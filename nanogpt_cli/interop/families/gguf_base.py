@@ -92,6 +92,14 @@ LLAMA_GGUF_BLOCK: Names = {
 QK_NORM: Names = {"attn.q_norm.weight": "attn_q_norm.weight", "attn.k_norm.weight": "attn_k_norm.weight"}
 
 
+def rows(shapes: Shapes, name: str) -> int:
+    """The first dimension of the tensor `name`, which the config is read from; an odd file without it is one
+    sentence (the caller names the file)."""
+    if name not in shapes:
+        raise NanoGPTError(f"the file has no tensor {name}, which llama.cpp's converter writes")
+    return shapes[name][0]
+
+
 def llama_gguf_config_in(keys: Keys, shapes: Shapes) -> dict[str, Any]:
     """Our fields for a Llama-like file; RoPE scaling is read apart (gguf_in), since Llama 3's is a tensor."""
     n_embd, n_head = int(keys.need("embedding_length")), int(keys.need("attention.head_count"))
@@ -105,7 +113,7 @@ def llama_gguf_config_in(keys: Keys, shapes: Shapes) -> dict[str, Any]:
     if "blk.0.attn_output.bias" in shapes or "blk.0.ffn_down.bias" in shapes:
         raise NanoGPTError(f"biases on attn_output or the MLP have no counterpart for {keys.arch} here")
     return dict(
-        vocab_size=shapes["token_embd.weight"][0],
+        vocab_size=rows(shapes, "token_embd.weight"),
         block_size=int(keys.need("context_length")),
         n_layer=int(keys.need("block_count")),
         n_head=n_head,
@@ -198,7 +206,7 @@ def layernorm_gguf_config_in(keys: Keys, shapes: Shapes) -> dict[str, Any]:
     """Our fields for a gpt2 or gptneox file. Their MLP width is read from ffn_up (GPT-2's converter writes 4 *
     n_embd whatever n_inner is); the GELU is the tanh one, which is what llama.cpp computes."""
     return dict(
-        vocab_size=shapes["token_embd.weight"][0],
+        vocab_size=rows(shapes, "token_embd.weight"),
         block_size=int(keys.need("context_length")),
         n_layer=int(keys.need("block_count")),
         n_head=int(keys.need("attention.head_count")),
@@ -207,7 +215,7 @@ def layernorm_gguf_config_in(keys: Keys, shapes: Shapes) -> dict[str, Any]:
         norm="layernorm",
         norm_eps=float(keys("attention.layer_norm_epsilon", 1e-5)),
         mlp="gelu_tanh",
-        mlp_hidden=shapes["blk.0.ffn_up.weight"][0],
+        mlp_hidden=rows(shapes, "blk.0.ffn_up.weight"),
         tie_embeddings="output.weight" not in shapes,
     )
 
