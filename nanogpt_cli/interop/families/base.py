@@ -16,10 +16,9 @@ import torch
 from nanogpt_cli import errors
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.interop.families.gguf_base import GGUFLayout
+from nanogpt_cli.interop.families.gguf_base import GGUFLayout, Names, keep  # noqa: F401 (keep: re-exported)
 from nanogpt_cli.model import yarn_attention_factor
 
-Names = dict[str, "str | tuple[str, ...]"]  # ours <- theirs; a tuple on the right is concatenated along dim 0
 GELUS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}  # theirs -> our --mlp
 
 
@@ -29,11 +28,6 @@ class Biases:
 
     other: bool  # any bias besides q, k and v's
     qkv: bool | None = None  # q, k and v's (None: counted in `other`, for fused or Conv1D layouts)
-
-
-def keep(name: str, tensor: torch.Tensor, config: GPTConfig) -> torch.Tensor:
-    """The transform of a tensor stored the same way on both sides."""
-    return tensor
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import numpy as np
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
 
-Names = dict[str, "str | tuple[str, ...]"]
+Names = dict[str, "str | tuple[str, ...]"]  # ours <- theirs; a tuple on the right is concatenated along dim 0
 Shapes = dict[str, tuple[int, ...]]  # llama.cpp's tensor name -> its shape in PyTorch's (out, in) order
 
 
@@ -40,7 +40,8 @@ class Keys:
         return value
 
 
-def keep(name: str, tensor: np.ndarray, config: GPTConfig) -> np.ndarray:
+def keep(name: str, tensor, config: GPTConfig):
+    """The transform of a tensor stored the same way on both sides (numpy or torch)."""
     return tensor
 
 
