@@ -56,7 +56,7 @@ def test_an_optimizer_step_gives_the_next_engine_the_new_weights():
     torch.testing.assert_close(after, first_logits(fresh), atol=1e-6, rtol=0)  # ... as in a model built anew
 
 
-def test_copy_into_the_weights_load_state_dict_and_the_training_mode_each_rebuild_the_plan():
+def test_copy_into_the_weights_new_data_load_state_dict_and_the_training_mode_each_rebuild_the_plan():
     model, other = model_of(torch.bfloat16), model_of(torch.bfloat16)
     with torch.no_grad():
         for p in other.parameters():
@@ -65,7 +65,10 @@ def test_copy_into_the_weights_load_state_dict_and_the_training_mode_each_rebuil
     plan = decode_plan(model)
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight.copy_(other.transformer.h[0].mlp.c_fc.weight)
-    assert decode_plan(model) is not plan
+    rebuilt = decode_plan(model)
+    assert rebuilt is not plan
+    model.transformer.h[1].mlp.c_fc.weight.data = other.transformer.h[1].mlp.c_fc.weight.detach().clone()
+    assert decode_plan(model) is not rebuilt  # a new storage under the same parameter, at the same version
     model.load_state_dict(other.state_dict())
     torch.testing.assert_close(first_logits(model), expected, atol=0, rtol=0)
     plan = decode_plan(model)
@@ -80,7 +83,12 @@ def test_replaced_modules_and_copies_of_the_model_get_their_own_plan():
     twin = copy.deepcopy(model)  # starts without a plan: the original's copies are not the twin's weights
     assert decode_plan(twin) is not plan and decode_plan(model) is plan
     torch.testing.assert_close(first_logits(twin), first_logits(model), atol=0, rtol=0)
+    model.to(torch.bfloat16)  # the same parameters, their data cast in place
+    cast = decode_plan(model)
+    assert cast is not plan and cast.head.dtype == torch.bfloat16
+    torch.testing.assert_close(first_logits(model), first_logits(twin.to(torch.bfloat16)), atol=0, rtol=0)
     quantize_model(model, "int8")
     quantized = decode_plan(model)
-    assert quantized is not plan and quantized.head_q is not None
+    assert quantized is not cast
+    torch.testing.assert_close(first_logits(model), first_logits(quantize_model(twin, "int8")), atol=0, rtol=0)
     assert decode_plan(model) is quantized

@@ -4,12 +4,12 @@ repack the weights nor hold a second copy of them per engine.
 
     plan = cached_form(model, lambda: build(model), vocab_size)     # built again only after a change
 
-A change is any of: a parameter, buffer or submodule replaced (quantization, LoRA layers merged or swapped), an
-in-place write to a parameter or buffer (copy_, load_state_dict, foreach optimizers: each bumps the tensor's
-version counter), a step of any torch optimizer (counted by a global hook: the fused AdamW kernels write the
-parameters without bumping their counters), the training mode, or the extra values the caller keys on. Writes
-that bypass both (through `.data`, or to inference tensors) are not seen: a model holding inference tensors is
-never cached.
+A change is any of: a parameter, buffer or submodule replaced (quantization, LoRA layers merged or swapped), its
+data moved or cast (Module.to), an in-place write to a parameter or buffer (copy_, load_state_dict, foreach
+optimizers: each bumps the tensor's version counter), a step of any torch optimizer (counted by a global hook: the
+fused AdamW kernels write the parameters without bumping their counters), the training mode, or the extra values
+the caller keys on. In-place writes through `.data` or to inference tensors are not seen: a model holding
+inference tensors is never cached.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class FormCache:
 
     def __init__(self):
         self.refs: list[weakref.ref] = []  # the modules and tensors, by weak reference: an id could be reused
-        self.versions: tuple[int, ...] = ()  # each tensor's version counter when the form was built
+        self.versions: tuple = ()  # each tensor's version counter, storage, dtype and shape when the form was built
         self.extra: tuple = ()  # the optimizer steps, the training mode, the quantization and the caller's values
         self.value: Any = None  # the form itself
 
@@ -51,20 +51,22 @@ class FormCache:
     def __reduce__(self):
         return (FormCache, ())
 
-    def matches(self, objects: list, versions: tuple[int, ...], extra: tuple) -> bool:
+    def matches(self, objects: list, versions: tuple, extra: tuple) -> bool:
         """Whether the form was built from exactly these objects at these versions."""
         if self.value is None or extra != self.extra or versions != self.versions or len(objects) != len(self.refs):
             return False
         return all(ref() is obj for ref, obj in zip(self.refs, objects))
 
 
-def model_state(model: nn.Module) -> tuple[list, tuple[int, ...]] | None:
-    """Every submodule, parameter and buffer of the model and the tensors' version counters; None where a tensor
-    keeps no counter (an inference tensor), whose writes could not be seen."""
+def model_state(model: nn.Module) -> tuple[list, tuple] | None:
+    """Every submodule, parameter and buffer of the model and what each tensor is now (version counter, storage,
+    dtype, shape); None where a tensor keeps no counter (an inference tensor), whose writes could not be seen."""
     tensors = [*model.parameters(), *model.buffers()]
     if any(t.is_inference() for t in tensors):
         return None
-    return [*model.modules(), *tensors], tuple(t._version for t in tensors)
+    # the storage's address and dtype as well: Module.to() and `p.data = ...` swap a parameter's data in place,
+    # keeping its identity and version counter
+    return [*model.modules(), *tensors], tuple((t._version, t.data_ptr(), t.dtype, t.shape) for t in tensors)
 
 
 def cached_form(model: nn.Module, build: Callable[[], Any], *extra: Any) -> Any:
