@@ -29,6 +29,7 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inference.prefix import PrefixCache
 from nanogpt_cli.model import GPT, ModelOps, decode_ops, softcap
 from nanogpt_cli.model.decode import packed_form
+from nanogpt_cli.model.form_cache import cached_form
 from nanogpt_cli.model.quantize import PREFILL_ROWS, QuantizedLinear, quantize_head
 
 if TYPE_CHECKING:
@@ -223,7 +224,7 @@ class CacheView:
 
 
 class DecodePlan(NamedTuple):
-    """Everything decode_step reads, looked up once per engine (decode_plan)."""
+    """Everything decode_step reads, looked up once per model state (decode_plan)."""
 
     model: GPT
     ops: ModelOps  # the model's operations in their decoding form
@@ -235,12 +236,20 @@ class DecodePlan(NamedTuple):
 
 
 def decode_plan(model: GPT, vocab_size: int | None = None) -> DecodePlan:
-    """What decode_step reads, looked up once. vocab_size: logits for the first vocab_size tokens only (a padded
-    head has rows no tokenizer token reaches). Tensors are shared, not copied, except the transposed forms."""
+    """What decode_step reads, built once per model and reused by every engine on it while its weights, modules
+    and training mode are unchanged (model/form_cache.py): its packed and transposed copies cost the weights' bytes
+    once more and ~0.3 s per 100M bf16 parameters to build. vocab_size: logits for the first vocab_size tokens
+    only (a padded head has rows no tokenizer token reaches). Tensors are shared, not copied, except those forms."""
+    V = min(vocab_size or model.config.vocab_size, model.config.vocab_size)  # None and the full size: one plan
+    return cached_form(model, lambda: build_plan(model, V), V)
+
+
+def build_plan(model: GPT, vocab_size: int) -> DecodePlan:
+    """A new DecodePlan for the model as it is now (decode_plan)."""
     cfg = model.config
-    head = model.lm_head.weight[: vocab_size or cfg.vocab_size]
+    head = model.lm_head.weight[:vocab_size]
     # MKL's kernel for h @ W.T with a tall, thin W (V x C, V in the tens of thousands) is much slower than for
-    # h @ W_t with the transpose stored contiguous (C x V): one copy of the head, once per engine, for the biggest
+    # h @ W_t with the transpose stored contiguous (C x V): one copy of the head, once per model, for the biggest
     # matmul of a small model's token; a GPU has no such gap
     head_t = head.t().contiguous() if head.device.type == "cpu" and head.size(0) >= 8 * head.size(1) else None
     head_q, head_packed = None, packed_form(head)  # bf16 on a CPU: oneDNN's layout (model/decode.py)

@@ -4,7 +4,7 @@ token makes ~100 module calls and attribute lookups of about a microsecond or mo
 rows MKL multiplies x @ W (W stored (in, out)) ~2x faster than F.linear's x @ W.T. bf16 weights on a CPU go to
 oneDNN in its own packed layout (packed_form), 1.4-2x faster than torch's bf16 matmuls at real sizes.
 
-    ops = decode_ops(model)                                 # once per engine: copies the small or bf16 matrices
+    ops = decode_ops(model)                                 # copies the small or bf16 matrices (form_cache.py)
     h = model.hidden_states(idx, cache, ops=ops)            # (B, T, C), in inference mode
 
 Only for inference (no dropout, no gradients). A QuantizedLinear is its packed kernel bound once (decode_op); any
