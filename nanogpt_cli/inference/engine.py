@@ -248,20 +248,24 @@ def build_plan(model: GPT, vocab_size: int) -> DecodePlan:
     """A new DecodePlan for the model as it is now (decode_plan)."""
     cfg = model.config
     head = model.lm_head.weight[:vocab_size]
-    # MKL's kernel for h @ W.T with a tall, thin W (V x C, V in the tens of thousands) is much slower than for
-    # h @ W_t with the transpose stored contiguous (C x V): one copy of the head, once per model, for the biggest
-    # matmul of a small model's token; a GPU has no such gap
-    head_t = head.t().contiguous() if head.device.type == "cpu" and head.size(0) >= 8 * head.size(1) else None
-    head_q, head_packed = None, packed_form(head)  # bf16 on a CPU: oneDNN's layout (model/decode.py)
-    if head_packed is not None:  # 3.2 against 9.6 ms for the 135M model's head at batch 1: it replaces head_t
-        head_t = None
-    kind = getattr(model, "quantized", None)
-    if kind is not None and head.device.type == "cpu" and (kind == "int4" or head_packed is None):
+    cpu, kind = head.device.type == "cpu", getattr(model, "quantized", None)
+    head_t = head_packed = head_q = None  # one form of the head is built: each is a copy of a large matrix
+    if kind == "int4" and cpu:
         # a quantized model's head read in the same bits as its blocks: the float head (tied to the embedding)
-        # stays for the lookup and for PREFILL_ROWS rows or more; the transposed copy is then not worth its bytes.
-        # Not int8 where the bf16 head is packed: torch's int8 kernel reads the 135M model's head slower than
-        # oneDNN reads it in bf16 (3.9 against 3.5 ms at batch 1, 11.7 against 4.4 at batch 8), and bf16 is exact
-        head_q, head_t, head_packed = quantize_head(head, kind, model.quant_group_size), None, None
+        # stays for the lookup and for PREFILL_ROWS rows or more
+        head_q = quantize_head(head, kind, model.quant_group_size)
+    else:
+        # bf16 on a CPU: oneDNN's layout (model/decode.py), 3.2 against 9.6 ms for the 135M model's head at batch
+        # 1. An int8 model's bf16 head goes this way too: torch's int8 kernel reads the 135M model's head slower
+        # than oneDNN reads it in bf16 (3.9 against 3.5 ms at batch 1, 11.7 against 4.4 at batch 8), and exactly
+        head_packed = packed_form(head)
+        if head_packed is None and kind is not None and cpu:
+            head_q = quantize_head(head, kind, model.quant_group_size)
+        elif head_packed is None and cpu and head.size(0) >= 8 * head.size(1):
+            # MKL's kernel for h @ W.T with a tall, thin W (V x C, V in the tens of thousands) is much slower than
+            # for h @ W_t with the transpose stored contiguous (C x V): one copy of the head, once per model, for
+            # the biggest matmul of a small model's token; a GPU has no such gap
+            head_t = head.t().contiguous()
     return DecodePlan(model, decode_ops(model), head, head_t, head_packed, head_q, cfg.logit_softcap)
 
 

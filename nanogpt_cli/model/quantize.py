@@ -115,8 +115,8 @@ def _int4_pack(q: torch.Tensor) -> torch.Tensor:
     """4-bit values (out, in) in the int4 kernel's layout, PACK_ROWS rows at a time: the kernel takes int32 values,
     4 bytes a weight, which for a 151,936-row head at once would be the load's peak (545 MB for Qwen2.5-0.5B's). It
     packs 64 rows at a time, so whole slices of them pack to the same bytes as the matrix at once."""
-    parts = [q[r : r + PACK_ROWS].to(torch.int32) for r in range(0, q.size(0), PACK_ROWS)]
-    return torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(p, 1) for p in parts])
+    pack = torch.ops.aten._convert_weight_to_int4pack_for_cpu
+    return torch.cat([pack(q[r : r + PACK_ROWS].to(torch.int32), 1) for r in range(0, q.size(0), PACK_ROWS)])
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
