@@ -817,3 +817,46 @@ def test_chat_serve_and_eval_run_on_a_qwen2_folder_and_a_llama_cpp_gguf(tmp_path
         perplexities.append(json.loads(run_cli(*args))["perplexity"])
     assert replies[0] == replies[1]
     assert perplexities[0] == pytest.approx(perplexities[1], rel=1e-5) and perplexities[0] > 1.0
+
+
+def copied_into_a_random_model(ref):
+    """What conversion built before it filled a meta model: GPT(config), every converted tensor copied into it."""
+    from nanogpt_cli.interop import hf
+    from nanogpt_cli.model import GPT
+
+    kind = ref.config.model_type
+    theirs = {k: v.float() for k, v in ref.state_dict().items()}
+    config = hf.from_hf(ref).config  # the config conversion is not what is compared here
+    model = GPT(config)
+    ours = model.state_dict()
+    with torch.no_grad():
+        for name, source in hf._mapping(config, kind).items():
+            if name not in ours:
+                continue
+            sources = source if isinstance(source, tuple) else (source,)
+            if not all(s in theirs for s in sources):
+                ours[name].zero_()
+                continue
+            ours[name].copy_(hf._to_ours(kind, name, torch.cat([theirs[s] for s in sources], dim=0), config))
+    return model
+
+
+@pytest.mark.parametrize("consume", [False, True])
+def test_a_converted_model_equals_one_copied_into_a_random_model(family, consume):
+    from nanogpt_cli.interop import hf
+
+    name, folder, ref = family
+    expected = copied_into_a_random_model(ref).state_dict()
+    source = transformers.AutoModelForCausalLM.from_pretrained(folder) if consume else ref
+    model = hf.from_hf(source, consume=consume)
+    got = model.state_dict()
+    assert not [k for k, t in got.items() if t.is_meta], name
+    assert got.keys() == expected.keys()
+    for k in expected:
+        assert got[k].dtype == expected[k].dtype and torch.equal(got[k], expected[k]), f"{name}: {k}"
+        assert got[k].is_contiguous(), f"{name}: {k}"
+    assert (model.lm_head.weight is model.transformer.wte.weight) == model.config.tie_embeddings
+    old_buffers = dict(copied_into_a_random_model(ref).named_buffers())
+    assert dict(model.named_buffers()).keys() == old_buffers.keys()
+    for k, t in model.named_buffers():  # the position tables, made as GPT(config) makes them
+        assert torch.equal(t, old_buffers[k]), f"{name}: {k}"

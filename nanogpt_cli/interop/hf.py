@@ -247,30 +247,67 @@ def _has_bias(state: dict[str, torch.Tensor], qkv: bool | None = None) -> bool:
     return any(t.is_floating_point() and bool(t.any()) for t in biases)
 
 
-def from_hf(hf_model) -> GPT:
-    """Our GPT with the weights of a transformers model of one of the families (families/)."""
+def from_hf(hf_model, consume: bool = False) -> GPT:
+    """Our GPT with the weights of a transformers model of one of the families (families/). Built on the meta
+    device and filled tensor by tensor: a tensor whose layout is ours already (float32, no transform) is shared
+    with hf_model, not copied, so training the result changes hf_model too. consume: hf_model is dropped after,
+    so each of its tensors is taken out of it once used, and a transformed one (fused q/k/v, a transpose) frees
+    its source at once: the peak is hf_model and one block's new tensors, not two models."""
+    from nanogpt_cli.device import release_freed_memory
+    from nanogpt_cli.interop.materialize import empty_model
+
     kind = _check_kind(hf_model.config)
-    theirs = {k: v.float() for k, v in hf_model.state_dict().items()}
+    theirs = hf_model.state_dict()
     if isinstance(FAMILIES[kind].block["attn.c_attn.weight"], tuple):  # separate q, k and v: their biases apart
         biases = Biases(other=_has_bias(theirs, qkv=False), qkv=_has_bias(theirs, True))
     else:
         biases = Biases(other=_has_bias(theirs))
     config = config_from_hf(hf_model.config, biases)
-    model = GPT(config)
-    ours = model.state_dict()
+    model = empty_model(config)
+    wanted = dict(model.named_parameters())  # a tied head is one parameter, under the embedding's name
     with torch.no_grad():
         for name, source in _mapping(config, kind).items():
-            if name not in ours:
+            if name not in wanted:
                 continue  # a bias of theirs that is zero, or positions we compute (RoPE)
-            sources = source if isinstance(source, tuple) else (source,)
-            if not all(s in theirs for s in sources):  # only biases may be absent (Llama without mlp_bias)
-                assert name.endswith(".bias"), f"{name}: {sources} missing from the Hugging Face model"
-                ours[name].zero_()
-                continue
-            tensor = _to_ours(kind, name, torch.cat([theirs[s] for s in sources], dim=0), config)
-            assert tensor.shape == ours[name].shape, f"{name}: {tuple(tensor.shape)} vs {tuple(ours[name].shape)}"
-            ours[name].copy_(tensor)
+            _set_param(model, name, _converted(kind, name, source, theirs, wanted[name], config))
+            if consume:
+                _drop(hf_model, source)
+            if name.endswith(".mlp.c_proj.weight"):
+                release_freed_memory()  # a block's sources, freed, give their pages back
+    if config.tie_embeddings:
+        model.lm_head.weight = model.transformer.wte.weight
+    assert not any(t.is_meta for t in model.state_dict().values()), "a tensor was left on the meta device"
     return model
+
+
+def _converted(kind: str, name: str, source, theirs: dict, like: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """Our tensor `name` from their state dict: theirs itself when float32 and kept as is, else a new one."""
+    sources = source if isinstance(source, tuple) else (source,)
+    if not all(s in theirs for s in sources):  # only biases may be absent (Llama without mlp_bias)
+        assert name.endswith(".bias"), f"{name}: {sources} missing from the Hugging Face model"
+        return torch.zeros(like.shape)
+    parts = [theirs.pop(s).detach().float() for s in sources]
+    tensor = _to_ours(kind, name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0), config)
+    assert tensor.shape == like.shape, f"{name}: {tuple(tensor.shape)} vs {tuple(like.shape)}"
+    return tensor.contiguous()  # GPT-2's transposed Conv1D matrices: as copy_ into our Linear laid them out
+
+
+def _set_param(model: GPT, name: str, tensor: torch.Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner)
+    setattr(module, attr, torch.nn.Parameter(tensor, requires_grad=getattr(module, attr).requires_grad))
+
+
+def _drop(hf_model, source) -> None:
+    """Take the used tensors out of hf_model (an empty tensor in their place), so that one no tensor of ours
+    shares is freed now."""
+    for s in source if isinstance(source, tuple) else (source,):
+        owner, _, attr = s.rpartition(".")
+        module = hf_model.get_submodule(owner)
+        if attr in module._parameters:
+            module._parameters[attr] = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        elif attr in module._buffers:
+            module._buffers[attr] = torch.empty(0)
 
 
 def to_hf(model: GPT, special: dict[str, int | None] | None = None, prefer: str | None = None):
@@ -522,7 +559,8 @@ def load_pretrained_meta(source: str | Path) -> tuple[GPT, dict[str, Any]]:
             hf_model = transformers.AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
         raise NanoGPTError(f"could not load the weights of {where} ({first_line(e)})") from None
-    model = from_hf(hf_model)
+    model = from_hf(hf_model, consume=True)
+    del hf_model
     meta[FAMILY_KEY] = hf_config.model_type  # an export of this model writes the same family back
     desc = meta["tokenizer"]
     if desc["vocab_size"] > model.config.vocab_size:
