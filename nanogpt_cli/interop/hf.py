@@ -265,13 +265,20 @@ def from_hf(hf_model, consume: bool = False) -> GPT:
     config = config_from_hf(hf_model.config, biases)
     model = empty_model(config)
     wanted = dict(model.named_parameters())  # a tied head is one parameter, under the embedding's name
+    files = _file_ranges() if consume else []
     with torch.no_grad():
         for name, source in _mapping(config, kind).items():
             if name not in wanted:
                 continue  # a bias of theirs that is zero, or positions we compute (RoPE)
-            _set_param(model, name, _converted(kind, name, source, theirs, wanted[name], config))
+            sources = [theirs.pop(s) for s in (source if isinstance(source, tuple) else (source,)) if s in theirs]
+            tensor = _converted(kind, name, source, sources, wanted[name], config)
+            _set_param(model, name, tensor)
             if consume:
                 _drop(hf_model, source)
+                for s in sources:
+                    if s.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+                        _drop_file_pages(s, files)
+                del sources
             if name.endswith(".mlp.c_proj.weight"):
                 release_freed_memory()  # a block's sources, freed, give their pages back
     if config.tie_embeddings:
@@ -280,13 +287,13 @@ def from_hf(hf_model, consume: bool = False) -> GPT:
     return model
 
 
-def _converted(kind: str, name: str, source, theirs: dict, like: torch.Tensor, config: GPTConfig) -> torch.Tensor:
-    """Our tensor `name` from their state dict: theirs itself when float32 and kept as is, else a new one."""
-    sources = source if isinstance(source, tuple) else (source,)
-    if not all(s in theirs for s in sources):  # only biases may be absent (Llama without mlp_bias)
-        assert name.endswith(".bias"), f"{name}: {sources} missing from the Hugging Face model"
+def _converted(kind: str, name: str, source, sources: list, like: torch.Tensor, config: GPTConfig) -> torch.Tensor:
+    """Our tensor `name` from their tensors `sources` (those of the names `source` it has): theirs itself when
+    float32 and kept as is, else a new one."""
+    if len(sources) < (len(source) if isinstance(source, tuple) else 1):  # only biases may be absent (mlp_bias)
+        assert name.endswith(".bias"), f"{name}: {source} missing from the Hugging Face model"
         return torch.zeros(like.shape)
-    parts = [theirs.pop(s).detach().float() for s in sources]
+    parts = [t.detach().float() for t in sources]
     tensor = _to_ours(kind, name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0), config)
     assert tensor.shape == like.shape, f"{name}: {tuple(tensor.shape)} vs {tuple(like.shape)}"
     return tensor.contiguous()  # GPT-2's transposed Conv1D matrices: as copy_ into our Linear laid them out
@@ -308,6 +315,38 @@ def _drop(hf_model, source) -> None:
             module._parameters[attr] = torch.nn.Parameter(torch.empty(0), requires_grad=False)
         elif attr in module._buffers:
             module._buffers[attr] = torch.empty(0)
+
+
+def _file_ranges() -> list[tuple[int, int]]:
+    """The address ranges this process maps from files (/proc/self/maps; none where it cannot be read)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[5].startswith("/"):
+            start, end = fields[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def _drop_file_pages(tensor: torch.Tensor, files: list[tuple[int, int]]) -> None:
+    """A tensor that transformers mapped from its safetensors file and that nothing uses any more: its whole
+    pages leave the resident set now (madvise DONTNEED; a private file mapping reads them again from the file if
+    touched). The mapping itself lives as long as any tensor of the file, such as one our model shares, so
+    freeing the tensor alone would keep every page it was read through."""
+    import ctypes
+    import os
+
+    start, end = tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    if not tensor.is_contiguous() or not any(a <= start and end <= b for a, b in files):
+        return  # memory of its own (not a file's): freed with the tensor
+    page = os.sysconf("SC_PAGE_SIZE")
+    first, last = -(-start // page) * page, end // page * page  # only pages wholly inside the tensor
+    if last > first:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), 4)  # 4: MADV_DONTNEED
 
 
 def to_hf(model: GPT, special: dict[str, int | None] | None = None, prefer: str | None = None):
