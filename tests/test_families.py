@@ -420,6 +420,7 @@ def test_a_llama_cpp_gguf_loads_with_the_models_logits_and_its_tokenizer(name, d
 QUANT_CASES = [("qwen2.5", q) for q in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")] + [
     ("gpt2", "q8_0"),
     ("pythia", "q4_0"),
+    ("smollm2", "bf16"),  # the converter's --outtype bf16: exactly bfloat16's rounding
 ]
 
 
