@@ -27,8 +27,8 @@ from torch.nn import functional as F
 
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inference.prefix import PrefixCache
-from nanogpt_cli.model import GPT, ModelOps, decode_ops, softcap
-from nanogpt_cli.model.decode import packed_form
+from nanogpt_cli.model import GPT, ModelOps, decode_ops, native, softcap
+from nanogpt_cli.model.decode import FusedStep, fused_step, packed_form
 from nanogpt_cli.model.form_cache import cached_form
 from nanogpt_cli.model.quantize import PREFILL_ROWS, QuantizedLinear, quantize_head
 
@@ -233,6 +233,8 @@ class DecodePlan(NamedTuple):
     head_packed: torch.Tensor | None  # a bf16 head on a CPU in oneDNN's layout (decode.packed_form), else None
     head_q: QuantizedLinear | None  # the head in the blocks' int8 / int4 form, for a quantized model (head_logits)
     logit_softcap: float | None
+    head_native: native.Packed | None = None  # a bf16 head in our kernel's tiled form (model/native.py)
+    fused: FusedStep | None = None  # the whole step's blocks in one call, where they fit (decode.fused_step)
 
 
 def decode_plan(model: GPT, vocab_size: int | None = None) -> DecodePlan:
@@ -249,15 +251,17 @@ def build_plan(model: GPT, vocab_size: int) -> DecodePlan:
     cfg = model.config
     head = model.lm_head.weight[:vocab_size]
     cpu, kind = head.device.type == "cpu", getattr(model, "quantized", None)
-    head_t = head_packed = head_q = None  # one form of the head is built: each is a copy of a large matrix
-    if kind == "int4" and cpu:
+    head_t = head_packed = head_q = head_native = None  # one form of the head is built: each copies a large matrix
+    if kind is not None and cpu and (kind == "int4" or native.available()):
         # a quantized model's head read in the same bits as its blocks: the float head (tied to the embedding)
-        # stays for the lookup and for PREFILL_ROWS rows or more
+        # stays for the lookup and for PREFILL_ROWS rows or more. With our kernels int8 too, which read the 135M
+        # model's head in 1.3 against 1.7 ms for bf16 at batch 1
         head_q = quantize_head(head, kind, model.quant_group_size)
-    else:
-        # bf16 on a CPU: oneDNN's layout (model/decode.py), 3.2 against 9.6 ms for the 135M model's head at batch
-        # 1. An int8 model's bf16 head goes this way too: torch's int8 kernel reads the 135M model's head slower
-        # than oneDNN reads it in bf16 (3.9 against 3.5 ms at batch 1, 11.7 against 4.4 at batch 8), and exactly
+    elif (head_native := native.pack(head)) is None:
+        # bf16 on a CPU without our kernels: oneDNN's layout (model/decode.py), 3.2 against 9.6 ms for the 135M
+        # model's head at batch 1. An int8 model's bf16 head goes this way too: torch's int8 kernel reads the 135M
+        # model's head slower than oneDNN reads it in bf16 (3.9 against 3.5 ms at batch 1, 11.7 against 4.4 at
+        # batch 8)
         head_packed = packed_form(head)
         if head_packed is None and kind is not None and cpu:
             head_q = quantize_head(head, kind, model.quant_group_size)
@@ -266,7 +270,9 @@ def build_plan(model: GPT, vocab_size: int) -> DecodePlan:
             # for h @ W_t with the transpose stored contiguous (C x V): one copy of the head, once per model, for
             # the biggest matmul of a small model's token; a GPU has no such gap
             head_t = head.t().contiguous()
-    return DecodePlan(model, decode_ops(model), head, head_t, head_packed, head_q, cfg.logit_softcap)
+    ops = decode_ops(model)
+    fused = fused_step(model)
+    return DecodePlan(model, ops, head, head_t, head_packed, head_q, cfg.logit_softcap, head_native, fused)
 
 
 def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None = None) -> torch.Tensor:
@@ -276,7 +282,10 @@ def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None 
     prompt, or prompts of one length) attention needs no mask; otherwise each row's keys past its own position
     are masked. Call it under torch.inference_mode()."""
     B = idx.size(0) if n is None else n
-    h = p.model.hidden_states(idx.view(B, 1), cache.view(0, B), ops=p.ops)  # (B, 1, C)
+    if p.fused is not None and B < PREFILL_ROWS and cache.ring is None:
+        h = p.ops.ln_f(p.fused(idx, cache, B))  # (B, C)
+    else:
+        h = p.model.hidden_states(idx.view(B, 1), cache.view(0, B), ops=p.ops)  # (B, 1, C)
     return softcap(head_logits(p, h.view(B, -1)), p.logit_softcap)  # (B, V)
 
 
@@ -291,6 +300,8 @@ def head_logits(p: DecodePlan, h: torch.Tensor) -> torch.Tensor:
         logits = p.head_q(h.contiguous())  # the kernel takes contiguous rows; a prefill hands h[:, -1]
         V = p.head.size(0)
         return logits if logits.size(1) == V else logits[:, :V].contiguous()  # int4's rows padded to 16
+    if p.head_native is not None and h.size(0) < PREFILL_ROWS:
+        return p.head_native(h)
     if p.head_packed is not None:
         return torch.ops.mkldnn._linear_pointwise(h.contiguous(), p.head_packed, None, "none", [], "")
     if p.head_t is None:

@@ -13,16 +13,19 @@ other projection that is not a plain nn.Linear (a LoRA layer not merged) is call
 
 from __future__ import annotations
 
+import ctypes
+import math
 from functools import partial
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from nanogpt_cli.model import native
 from nanogpt_cli.model.attention import AttentionOps, Op, norm_gain
 from nanogpt_cli.model.blocks import Block, BlockOps, Residual, activation, block_forward, post_normed
 from nanogpt_cli.model.gpt import GPT, ModelOps
-from nanogpt_cli.model.quantize import QuantizedLinear
+from nanogpt_cli.model.quantize import PREFILL_ROWS, QuantizedLinear
 
 
 def decode_ops(model: GPT) -> ModelOps:
@@ -131,9 +134,30 @@ def packed_linear(w: torch.Tensor, b: torch.Tensor | None) -> Op:
     return lambda x: kernel(x, w, b, "none", [], "")
 
 
+def native_linear(module: nn.Module) -> native.Packed | None:
+    """Our kernel for the few rows of a decode step (model/native.py): a bf16 nn.Linear's weight packed in its
+    tiled form, or a QuantizedLinear's own; None where it does not run."""
+    if type(module) is QuantizedLinear:
+        return module.kernel() if module.native else None
+    if type(module) is nn.Linear:
+        return native.pack(module.weight, module.bias)
+    return None
+
+
+def few_rows(kernel: native.Packed, module: nn.Module, res: bool = False) -> Op | Residual:
+    """kernel for fewer than PREFILL_ROWS rows, the module itself for more (a large batch, where the library's
+    matmuls are faster); res: the (y, x) -> x + module(y) form."""
+    if res:
+        return lambda y, x: kernel(y, x) if y.size(0) < PREFILL_ROWS else x + module(y)
+    return lambda x: kernel(x) if x.size(0) < PREFILL_ROWS else module(x)
+
+
 def linear_op(module: nn.Module) -> Op:
-    """x (N, in) -> x @ W.T + b, as one mm or addmm against the matmul form, or one oneDNN call (packed_form);
-    a QuantizedLinear as its bound kernel (decode_op)."""
+    """x (N, in) -> x @ W.T + b: our kernel (native_linear) where it runs; otherwise one mm or addmm against the
+    matmul form, one oneDNN call (packed_form), or a QuantizedLinear's bound kernel (decode_op)."""
+    kernel = native_linear(module)
+    if kernel is not None:
+        return few_rows(kernel, module)
     if type(module) is QuantizedLinear:
         return module.decode_op()
     if type(module) is not nn.Linear:
@@ -148,7 +172,11 @@ def linear_op(module: nn.Module) -> Op:
 
 
 def residual_op(module: nn.Module) -> Residual:
-    """(y, x) -> x + y @ W.T + b, the residual add riding in addmm (or oneDNN's product) where there is no bias."""
+    """(y, x) -> x + y @ W.T + b, the residual add riding in our kernel (native_linear), or in addmm (or oneDNN's
+    product) where there is no bias."""
+    kernel = native_linear(module)
+    if kernel is not None:
+        return few_rows(kernel, module, res=True)
     if type(module) is QuantizedLinear:
         op = module.decode_op()
         return lambda y, x: x + op(y)
@@ -165,3 +193,95 @@ def residual_op(module: nn.Module) -> Residual:
     if b is None:
         return lambda y, x: torch.addmm(x, y, w)
     return lambda y, x: x + torch.addmm(b, y, w)
+
+
+# --- a whole decode step in one call --------------------------------------------------------------------------
+
+
+class FusedStep:
+    """A Llama-shaped model's blocks as native.cpp's Block structs: one decode step of every block in one call
+    (ng_decode), the norms, RoPE, the cache writes and attention included, for fewer than PREFILL_ROWS rows. A
+    30-layer model's step makes ~600 torch calls of a few microseconds each otherwise, as much time as its int4
+    weights take to read. Its values are those of the blocks' own forward up to rounding: the sub-blocks' inner
+    values stay float32 where torch rounds each op's output to bf16."""
+
+    def __init__(self, model: GPT, kernels: list[list[native.Packed]]):
+        cfg = model.config
+        self.model, self.kernels = model, kernels  # the kernels' tensors stay alive with the structs
+        self.bf16 = model.transformer.wte.weight.dtype == torch.bfloat16
+        S, hs = cfg.block_size, cfg.head_size
+        self.cos = model.rope_cos.float().reshape(S, hs).contiguous()
+        self.sin = model.rope_sin.float().reshape(S, hs).contiguous()
+        self.gains, blocks = [], (native.Block * cfg.n_layer)()
+        for b, block, (qkv, proj, fc, down) in zip(blocks, model.transformer.h, kernels):
+            g1, g2 = (norm_gain(n).detach().float().contiguous() for n in (block.ln_1, block.ln_2))
+            self.gains += [g1, g2]
+            b.qkv, b.proj, b.fc, b.down = qkv.struct, proj.struct, fc.struct, down.struct
+            b.ln1, b.ln2 = g1.data_ptr(), g2.data_ptr()
+            b.eps1, b.eps2 = (
+                torch.finfo(torch.float32).eps if n.eps is None else n.eps for n in (block.ln_1, block.ln_2)
+            )
+            b.C, b.nh, b.nkv, b.hs, b.H, b.S = cfg.n_embd, cfg.n_head, cfg.kv_heads, hs, cfg.hidden_size, S
+            b.cos, b.sin = self.cos.data_ptr(), self.sin.data_ptr()
+        self.blocks, self.n_layer = blocks, cfg.n_layer
+        self.embed_scale = math.sqrt(cfg.n_embd) if cfg.embed_scale else None
+        self.call = native.library()[0].ng_decode
+
+    def __call__(self, idx: torch.Tensor, cache, B: int) -> torch.Tensor:
+        """The last block's output (B, C) after one new token for each of the cache's first B rows, idx (B,); the
+        cache holds the new keys and values and its rows advance by one."""
+        pos = cache.pos[:B]
+        assert max(pos) < cache.capacity, f"a row at position {max(pos)} overflows a cache of {cache.capacity}"
+        x = torch.embedding(self.model.transformer.wte.weight, idx.reshape(B)).contiguous()  # (B, C), a new tensor
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        ptrs = cache.__dict__.get("native_ptrs")
+        if ptrs is None:  # the cache's tensors are its own for its lifetime
+            kinds = ctypes.c_void_p * self.n_layer
+            ptrs = cache.native_ptrs = (
+                kinds(*(k.data_ptr() for k in cache.k)),
+                kinds(*(v.data_ptr() for v in cache.v)),
+            )
+        at = torch.tensor(pos, dtype=torch.int64)
+        kv_bf16 = cache.dtype == torch.bfloat16
+        rc = self.call(self.blocks, self.n_layer, B, x.data_ptr(), at.data_ptr(), *ptrs, self.bf16, kv_bf16,
+                       torch.get_num_threads())  # fmt: skip
+        assert rc == 0, "the fused decode step refused a shape fused_step accepted"
+        cache.pos[:B] = [p + 1 for p in pos]
+        return x
+
+
+def fused_step(model: GPT) -> FusedStep | None:
+    """The model's decode step in one call where native.cpp's block fits it: pre-norm RMSNorm blocks with full
+    RoPE, grouped-query attention over every held key (no window, no QK-norm), a SwiGLU MLP, and every
+    projection one our kernels multiply (bf16, or int8 / int4 quantized), on a CPU. SmolLM2, Qwen2 and 2.5,
+    Llama 2 and 3 and Mistral without a window are; the rest decode through decode_ops. None where it does not."""
+    cfg = model.config
+    fits = (
+        native.available()
+        and not model.training
+        and cfg.pos_encoding == "rope"
+        and cfg.rotary_size == cfg.head_size
+        and cfg.head_size % 16 == 0
+        and cfg.head_size <= 512
+        and cfg.sliding_window is None
+        and cfg.rope_local_theta is None
+        and not cfg.qk_norm
+        and cfg.norm == "rmsnorm"
+        and cfg.mlp == "swiglu"
+        and not cfg.parallel_residual
+        and not cfg.post_norms
+        and model.transformer.wte.weight.dtype in (torch.float32, torch.bfloat16)
+        and model.transformer.wte.weight.device.type == "cpu"
+    )
+    if not fits:
+        return None
+    kernels = []
+    for block in model.transformer.h:
+        if not all(isinstance(n, nn.RMSNorm) for n in (block.ln_1, block.ln_2)):
+            return None
+        layer = [native_linear(m) for m in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)]
+        if any(k is None for k in layer):
+            return None
+        kernels.append(layer)
+    return FusedStep(model, kernels)

@@ -1,7 +1,9 @@
-"""Weight-only quantization for inference: the blocks' nn.Linear layers swapped for QuantizedLinear, whose forward
-calls torch's own packed CPU kernels, per-channel int8 (aten._weight_int8pack_mm) or grouped int4
-(aten._weight_int4pack_mm_for_cpu). Activations stay in the model's dtype (float32 or bfloat16); only the weights
-are stored in 8 or 4 bits, which is what a CPU decode step is bound by: the bytes of weights read per token.
+"""Weight-only quantization for inference: the blocks' nn.Linear layers swapped for QuantizedLinear, per-channel
+int8 or grouped int4, whose few-row products run in our x86 kernels (model/native.py) or, where those cannot run,
+torch's own packed CPU kernels (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu). Activations stay in
+the model's dtype (float32 or bfloat16), except that our int4 kernel rounds them to int8 in blocks of 32 inside
+the product, as llama.cpp's q4_0 does; the weights are stored in 8 or 4 bits, which is what a CPU decode step is
+bound by: the bytes of weights read per token.
 
     quantize_model(model, "int4", group_size=32)   # in place, after GPT.cast; the model is for inference only
 
@@ -19,6 +21,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from nanogpt_cli.model import native
+
 QUANT_KINDS = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel takes
 # from this many rows on (a prefill) the weight is dequantized to the activations' dtype and multiplied by
@@ -31,19 +35,25 @@ ROWS_BYTES = 4 * 2**20  # float32 rows quantized at a time (_by_rows)
 
 class QuantizedLinear(nn.Module):
     """y = x @ W.T + b with W held as int8 per output channel (w = q * scale) or as int4 in groups of group_size
-    along the input (w = (q - 8) * scale + zero, q in 0..15, packed two to a byte by the kernel's own layout).
-    The float buffers (scales, zeros, bias) follow the model's dtype on .to(dtype)."""
+    along the input (w = (q - 8) * scale + zero, q in 0..15). Where our kernels run (model/native.py) the values
+    are held in their tiled order, and int4's scales and zeros as fp16 (w = q * scale + (zero - 8 * scale), in
+    `scales` and `zeros`); elsewhere in the layouts of torch's own kernels, whose float buffers follow the model's
+    dtype on .to(dtype). `native` says which."""
 
     def __init__(self, in_features: int, out_features: int, kind: str, group_size: int, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features, self.kind, self.group_size = in_features, out_features, kind, group_size
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        code = native.INT8 if kind == "int8" else native.INT4
+        self.native = native.available() and native.takes(code, in_features, group_size)
+        self._kernel: tuple | None = None  # (the tensors it was built from, native.Packed)
 
     @classmethod
     def int8(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
         """From int8 values q (out, in) and one scale per output row (out,)."""
         m = cls(q.size(1), q.size(0), "int8", q.size(1), bias)
-        m.register_buffer("weight_q", q.to(torch.int8).contiguous())
+        q = q.to(torch.int8)
+        m.register_buffer("weight_q", native.tiles(q, native.CHUNK) if m.native else q.contiguous())
         m.register_buffer("scales", scale.contiguous())
         return m
 
@@ -54,6 +64,12 @@ class QuantizedLinear(nn.Module):
         """From 4-bit values q (out, in) in 0..15 and per-group scale and zero (out, in / group_size), meaning
         w = (q - 8) * scale + zero."""
         m = cls(q.size(1), q.size(0), "int4", group_size, bias)
+        if m.native:
+            m.register_buffer("weight_q", native.tiles(native.int4_nibbles(q), native.CHUNK))
+            s = scale.float()
+            m.register_buffer("scales", native.tiles(s.half(), 1).squeeze(-1))  # (out / R, in / group_size, R)
+            m.register_buffer("zeros", native.tiles((zero.float() - 8 * s).half(), 1).squeeze(-1))
+            return m
         m.register_buffer("weight_q", _int4_pack(q))
         # (in / group_size, out, 2): the kernel's layout of scales and zeros
         m.register_buffer("scales", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous())
@@ -65,32 +81,33 @@ class QuantizedLinear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight (out, in) in dtype."""
+        N, K = self.out_features, self.in_features
         if self.kind == "int8":
-            return (self.weight_q.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
-        G = self.in_features // self.group_size
+            q = native.untile(self.weight_q, N) if self.native else self.weight_q
+            return (q.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
+        G = K // self.group_size
+        if self.native:
+            q = native.int4_values(native.untile(self.weight_q, N)).view(N, G, self.group_size)
+            scale, zero = (native.untile(t.unsqueeze(-1), N).float() for t in (self.scales, self.zeros))  # (N, G)
+            return torch.addcmul(zero[..., None], q.float(), scale[..., None]).reshape(N, K).to(dtype)
         q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1)  # (out, in / 2, 2)
-        q = q.view(self.out_features, G, self.group_size).to(dtype)  # (out, G, g)
+        q = q.view(N, G, self.group_size).to(dtype)  # (out, G, g)
         scale, zero = self.scales[..., 0].t().to(dtype), self.scales[..., 1].t().to(dtype)  # (out, G)
-        return torch.addcmul(zero[..., None], q - 8, scale[..., None]).reshape(self.out_features, self.in_features)
+        return torch.addcmul(zero[..., None], q - 8, scale[..., None]).reshape(N, K)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.in_features)  # (N, in)
-        if x.size(0) >= PREFILL_ROWS:
-            y = F.linear(x, self.dequantize(x.dtype), self.bias)
-            return y.view(*shape[:-1], self.out_features)
-        if self.kind == "int8":
-            y = torch.ops.aten._weight_int8pack_mm(x, self.weight_q, self.scales)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight_q, self.group_size, self.scales)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*shape[:-1], self.out_features)
-
-    def decode_op(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """x (N, in) -> y (N, out), what forward computes, with the packed kernel bound once: a decode step's
-        few rows skip the module call, the reshapes and the attribute lookups (~4 us a call, 120 calls a token
-        in a 30-layer model). Rows from PREFILL_ROWS on still go through forward."""
+    def kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x (N, in) -> x @ W.T + b for few rows: our kernel (native.Packed, built once per set of buffers) or
+        torch's packed one with its arguments bound."""
+        if self.native:
+            held = (self.weight_q, self.scales, getattr(self, "zeros", None), self.bias)
+            if self._kernel is None or any(a is not b for a, b in zip(self._kernel[0], held)):
+                N, K, bias = self.out_features, self.in_features, self.bias
+                if self.kind == "int8":
+                    packed = native.pack_int8(self.weight_q, self.scales, N, K, bias)
+                else:
+                    packed = native.pack_int4(self.weight_q, self.scales, self.zeros, N, K, self.group_size, bias)
+                self._kernel = (held, packed)
+            return self._kernel[1]
         if self.kind == "int8":
             kernel, args = torch.ops.aten._weight_int8pack_mm.default, (self.weight_q, self.scales)
         else:
@@ -99,10 +116,28 @@ class QuantizedLinear(nn.Module):
         bias = self.bias
 
         def op(x: torch.Tensor) -> torch.Tensor:
-            if x.size(0) >= PREFILL_ROWS:
-                return self(x)
             y = kernel(x, *args)
             return y if bias is None else y.add_(bias)
+
+        return op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)  # (N, in)
+        if x.size(0) >= PREFILL_ROWS:
+            y = F.linear(x, self.dequantize(x.dtype), self.bias)
+        else:
+            y = self.kernel()(x.contiguous())
+        return y.view(*shape[:-1], self.out_features)
+
+    def decode_op(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x (N, in) -> y (N, out), what forward computes, with the kernel bound once: a decode step's few rows
+        skip the module call, the reshapes and the attribute lookups (~4 us a call, 120 calls a token in a
+        30-layer model). Rows from PREFILL_ROWS on still go through forward."""
+        kernel = self.kernel()
+
+        def op(x: torch.Tensor) -> torch.Tensor:
+            return self(x) if x.size(0) >= PREFILL_ROWS else kernel(x)
 
         return op
 
@@ -212,9 +247,11 @@ def quantize_head(head: torch.Tensor, kind: str, group_size: int) -> QuantizedLi
     w = head.detach()
     if kind == "int8":
         return QuantizedLinear.int8(*quantize_int8(w))
-    pad = -w.size(0) % 16
+    ours = native.available() and native.takes(native.INT4, w.size(1), group_size)
+    pad = 0 if ours else -w.size(0) % 16  # torch's kernel takes whole 16s of rows
     if pad:
         w = torch.cat([w, w.new_zeros(pad, w.size(1))])
     m = QuantizedLinear.int4(*quantize_int4(w, group_size), group_size)
-    del m.nibbles  # the prefill's plain copy of the values, which this copy never reads: V x C / 2 bytes saved
+    if not m.native:
+        del m.nibbles  # the prefill's plain copy of the values, which this copy never reads: V x C / 2 bytes saved
     return m
