@@ -1,0 +1,149 @@
+"""Our x86 kernels for the decode step (model/native.py, native.cpp): each product against its weight computed
+by torch, rows alone against rows in a batch, the fused step of whole blocks against the step op by op, where
+the fused step applies, and torch's kernels when ours cannot run."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nanogpt_cli.inference.engine import KVCache, decode_plan, decode_step
+from nanogpt_cli.model import GPT, native
+from nanogpt_cli.model.quantize import QuantizedLinear, quantize_int4, quantize_int8, quantize_model
+from conftest import tiny_config
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"our kernels do not run here: {native.status()}")
+
+N, K = 102, 128  # 102 rows: the last tile of 4 half padding
+
+
+def int4_reference(q: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
+    """native.cpp's int4 product from first principles: x's blocks of 32 rounded to int8 at max |x| / 127 (xq),
+    the weight against xq and its zeros against the rest of x: xq @ W.T + (x - xq) @ Z.T."""
+    rows = x.size(0)
+    blocks = x.float().view(rows, -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    xq = (torch.round(blocks * (127 / amax)) * (amax / 127)).view(rows, -1)
+    Z = native.untile(q.zeros.unsqueeze(-1), q.out_features).float().repeat_interleave(q.group_size, dim=1)
+    return xq @ q.dequantize(torch.float32).T + (x.float() - xq) @ Z.T
+
+
+def kernel_and_reference(kind: str, x: torch.Tensor, bias: torch.Tensor):
+    torch.manual_seed(1)
+    w = torch.randn(N, K) * 0.05
+    if kind == "bf16":
+        w = w.bfloat16()
+        return native.pack(w, bias), x.float() @ w.float().T
+    if kind == "int8":
+        q = QuantizedLinear.int8(*quantize_int8(w), bias=bias)
+        return q.kernel(), x.float() @ q.dequantize(torch.float32).T
+    q = QuantizedLinear.int4(*quantize_int4(w, 32), 32, bias=bias)
+    return q.kernel(), int4_reference(q, x)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_each_kernel_computes_its_weight_with_the_bias_and_residual(kind, dtype, rows):
+    torch.manual_seed(0)
+    x, bias, res = torch.randn(rows, K).to(dtype), torch.randn(N), torch.randn(rows, N).to(dtype)
+    kernel, ref = kernel_and_reference(kind, x, bias)
+    assert isinstance(kernel, native.Packed)
+    got = kernel(x, res)
+    assert got.dtype == dtype and got.shape == (rows, N)
+    expected = ref + bias + res.float()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # float32's sums; bf16: the output's rounding, 2^-8
+    torch.testing.assert_close(got.float(), expected, atol=tol * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+def test_a_row_in_a_batch_gets_exactly_what_it_gets_alone(kind):
+    torch.manual_seed(0)
+    x = torch.randn(9, K).bfloat16()
+    kernel, _ = kernel_and_reference(kind, x, torch.randn(N))
+    batch = kernel(x)
+    for r in range(9):
+        assert torch.equal(kernel(x[r : r + 1]), batch[r : r + 1])
+
+
+def llama(dtype: torch.dtype, kind: str | None, **kw) -> GPT:
+    torch.manual_seed(0)
+    shape = dict(n_embd=128, n_head=4, n_kv_head=2, norm="rmsnorm", mlp="swiglu", block_size=32, qkv_bias=True)
+    cfg = tiny_config(**{**shape, **kw})
+    model = GPT(cfg).eval().cast(dtype)
+    return quantize_model(model, kind, 32) if kind else model
+
+
+@pytest.mark.parametrize(
+    "dtype, kind", [(torch.float32, "int8"), (torch.float32, "int4"), (torch.bfloat16, None), (torch.bfloat16, "int4")]
+)
+def test_the_fused_step_equals_the_step_op_by_op(dtype, kind):
+    model = llama(dtype, kind)
+    plan = decode_plan(model)
+    assert plan.fused is not None
+    idx = torch.randint(0, 61, (3, 20))
+    outs = []
+    with torch.inference_mode():
+        for p in (plan, plan._replace(fused=None)):
+            cache = KVCache(model, 3)
+            model.hidden_states(idx[:, :10], cache=cache.view(0, 3))
+            cache.pos = [10, 7, 3]  # each row at a position of its own
+            outs.append(torch.stack([decode_step(p, idx[:, t], cache) for t in range(10, 20)]).float())
+            assert cache.pos == [20, 17, 13]
+    fused, by_op = outs
+    # float32 int8: the same sums in another order; bf16: the op-by-op step rounds each op's output to bf16;
+    # int4: a step's activations rounded to int8 flip where the two differ by a rounding
+    tol = 1e-5 if (dtype, kind) == (torch.float32, "int8") else 0.02
+    assert (fused - by_op).abs().max().item() <= tol * by_op.abs().max().item()
+    assert (fused.argmax(-1) == by_op.argmax(-1)).float().mean() >= 0.9
+
+
+def test_the_fused_step_is_built_only_for_the_blocks_it_computes():
+    assert decode_plan(llama(torch.bfloat16, None)).fused is not None
+    assert decode_plan(llama(torch.float32, None)).fused is None  # float32 weights: no kernel of ours
+    assert decode_plan(llama(torch.bfloat16, None, qk_norm=True)).fused is None
+    assert decode_plan(llama(torch.bfloat16, None, sliding_window=8)).fused is None
+    plan = decode_plan(llama(torch.bfloat16, "int8", n_embd=96, n_head=3, n_kv_head=1))  # 96: 3 chunks of 32
+    assert plan.fused is not None and plan.head_q is not None
+
+
+def test_without_our_kernels_torch_runs_the_same_model(monkeypatch):
+    model = llama(torch.float32, None)
+    idx = torch.randint(0, 61, (2, 12))
+    with torch.inference_mode():
+        ref, _ = model(idx)
+    monkeypatch.setattr(native, "library", lambda: (None, "off (NANOGPT_NATIVE=0)"))
+    assert not native.available() and native.status() == "off (NANOGPT_NATIVE=0)"
+    for kind in ("int8", "int4"):
+        q = quantize_model(llama(torch.float32, None), kind, 32)
+        assert not any(m.native for m in q.modules() if isinstance(m, QuantizedLinear))
+        plan = decode_plan(q)
+        assert plan.fused is None and plan.head_q is not None
+        with torch.inference_mode():
+            got, _ = q(idx)
+            cache = KVCache(q, 2)
+            q.hidden_states(idx[:, :11], cache=cache.view(0, 2))
+            step = decode_step(plan, idx[:, 11], cache)
+        assert (got - ref).abs().max().item() <= 0.25 * ref.abs().max().item()
+        assert torch.isfinite(step).all()
+
+
+@pytest.mark.slow
+def test_the_library_is_built_once_per_machine_and_a_failed_build_falls_back_in_one_line(tmp_path):
+    code = "from nanogpt_cli.model import native; print(native.status())"
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+
+    def status(**extra) -> str:
+        done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert status().startswith("ours (")
+    built = list((tmp_path / "nanogpt" / "native").glob("native-*.so"))
+    assert len(built) == 1
+    assert status().startswith("ours (") and list((tmp_path / "nanogpt" / "native").glob("*.so")) == built
+    assert status(NANOGPT_NATIVE="0") == "off (NANOGPT_NATIVE=0)"
+    bad = status(CXX="false", XDG_CACHE_HOME=str(tmp_path / "other"))  # a compiler that fails
+    assert bad.startswith("the kernels did not compile here") and bad.endswith("torch's kernels"), bad
