@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -239,6 +240,7 @@ def profile(args) -> None:
     from nanogpt_cli.interop.loading import load_for_inference
 
     torch.set_num_threads(args.threads)
+    label_our_calls()
     with tempfile.TemporaryDirectory() as tmp:
         weights, _ = make_model(Path(tmp), "smollm2-135m", [])
         for precision in args.ours:
@@ -261,6 +263,10 @@ def profile(args) -> None:
                         engine.step()
                     step_ms = (time.perf_counter() - t0) / args.tokens * 1000
             groups = group_profile(prof, args.tokens)
+            if engine.plan.fused is not None:  # inside the one call: its products timed alone, and the rest
+                products = fused_products_ms(engine.plan.fused, args.tokens)
+                groups["  of which: matmuls, timed alone"] = products
+                groups["  of which: attention, norms, RoPE"] = groups[FUSED] - products
             rows = [[k, f"{v:.2f}", f"{100 * v / step_ms:.0f}%"] for k, v in groups.items()]
             rows.append(["step (wall, profiled)", f"{step_ms:.2f}", "100%"])
             rows.append(["step (wall, not profiled)", f"{plain_ms:.2f}", ""])
@@ -372,20 +378,55 @@ GROUPS = {  # operator -> the part of the step it belongs to
 }
 
 
+FUSED, HEAD = "blocks in one call (ours)", "head"
+
+
+def label_our_calls() -> None:
+    """Our kernels are ctypes calls, which torch.profiler does not see: a record_function range around the fused
+    step and the head puts them in the profile (benchmark only)."""
+    from torch.profiler import record_function
+
+    from nanogpt_cli.inference import engine
+    from nanogpt_cli.model.decode import FusedStep
+
+    def labelled(fn, name):
+        def call(*a, **kw):
+            with record_function(name):
+                return fn(*a, **kw)
+
+        return call
+
+    FusedStep.__call__ = labelled(FusedStep.__call__, FUSED)
+    engine.head_logits = labelled(engine.head_logits, HEAD)
+
+
+def fused_products_ms(fused, steps: int) -> float:
+    """ms per step of the fused step's matrix products alone, one row each, in the model's dtype."""
+    import torch
+
+    dtype = torch.bfloat16 if fused.bf16 else torch.float32
+    calls = [(k, torch.randn(1, k.K, dtype=dtype)) for layer in fused.kernels for k in layer]
+    for k, x in calls:
+        k(x)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        for k, x in calls:
+            k(x)
+    return (time.perf_counter() - t0) / steps * 1000
+
+
 def group_profile(prof, steps: int) -> dict[str, float]:
     """Self CPU time per step (ms) of each part; the head's matmul is the (1, C) x (C, V) mm, told apart by its
     shape; what no operator accounts for is Python and dispatch."""
-    totals = {
-        k: 0.0
-        for k in ("matmuls", "head", "attention over the cache", "norms, activations, RoPE", "sampling", "other ops")
-    }
+    parts = ("matmuls", HEAD, "attention over the cache", "norms, activations, RoPE", "sampling", "other ops")
+    totals = {k: 0.0 for k in (FUSED, *parts)}
     for e in prof.key_averages(group_by_input_shape=True):
         ms = e.self_cpu_time_total / 1000 / steps
-        part = next((k for k, ops in GROUPS.items() if e.key in ops), "other ops")
+        part = e.key if e.key in (FUSED, HEAD) else next((k for k, ops in GROUPS.items() if e.key in ops), "other ops")
         if part == "matmuls" and "49152" in str(e.input_shapes):
-            part = "head"
+            part = HEAD
         totals[part] += ms
-    return totals
+    return {k: v for k, v in totals.items() if v or k != FUSED}
 
 
 def quality(args) -> None:
@@ -424,17 +465,40 @@ def quality(args) -> None:
             model = api.load(run, device="cpu", dtype="float32", quantize=q)
             score = model.score(files=[tmp / "held.txt"])
             greedy[q] = [model.generate(p, max_new_tokens=32, temperature=0.0).token_ids for p in prompts]
-            results.append([q or "float32", f"{score.perplexity:.4f}"])
-        base = float(results[0][1])
+            stepped = decode_perplexity(model.module, model.tokenizer.encode(held), 128)
+            results.append([q or "float32", f"{score.perplexity:.4f}", f"{stepped:.4f}"])
+        base, base_step = float(results[0][1]), float(results[0][2])
         for r, q in zip(results, (None, "int8", "int4")):
             same = sum(a == b for a, b in zip(greedy[q], greedy[None]))
-            r += [f"{100 * (float(r[1]) / base - 1):+.2f}%", f"{same} of {len(prompts)}"]
+            r[2:] = [f"{100 * (float(r[1]) / base - 1):+.2f}%", r[2], f"{100 * (float(r[2]) / base_step - 1):+.2f}%"]
+            r.append(f"{same} of {len(prompts)}")
         table(
             f"{n_layer} x {n_embd} char model ({n_head} heads), {args.train_iters} iterations on Tiny Shakespeare; "
-            "perplexity on its last 20,000 characters",
-            ["weights", "perplexity", "vs float32", "first 32 greedy tokens equal"],
+            "perplexity on its last 20,000 characters, scored whole and token by token through the decode step",
+            ["weights", "perplexity", "vs float32", "decode-step perplexity", "vs float32", "first 32 greedy equal"],
             results,
         )
+
+
+def decode_perplexity(model, ids: list[int], window: int) -> float:
+    """Perplexity of ids in windows of `window` tokens, each token's logits from the engine's decode step (the
+    kernels a reply runs through: one to a few rows), 8 windows at a time."""
+    import torch
+    from torch.nn import functional as F
+
+    from nanogpt_cli.inference.engine import KVCache, decode_plan, decode_step
+
+    windows = [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
+    nll, count, plan = 0.0, 0, decode_plan(model)
+    with torch.inference_mode():
+        for b in range(0, len(windows), 8):
+            x = torch.tensor(windows[b : b + 8])
+            cache = KVCache(model, x.size(0))
+            for t in range(window - 1):
+                logits = decode_step(plan, x[:, t], cache).float()
+                nll += F.cross_entropy(logits, x[:, t + 1], reduction="sum").item()
+                count += x.size(0)
+    return math.exp(nll / count)
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ import copy
 import torch
 
 from nanogpt_cli.inference.engine import Engine, SamplingParams, decode_plan
-from nanogpt_cli.model import GPT
+from nanogpt_cli.model import GPT, native
 from nanogpt_cli.model.quantize import quantize_model
 from conftest import tiny_config as tiny
 
@@ -32,7 +32,9 @@ def test_two_engines_on_one_bf16_model_share_one_plan_and_its_copies():
     model = model_of(torch.bfloat16)
     a, b = Engine(model), Engine(model)
     assert a.plan is b.plan and a.plan.ops.blocks[0] is b.plan.ops.blocks[0]  # the blocks' copies bound once
-    if torch.ops.mkldnn._is_mkldnn_bf16_supported():  # the head in oneDNN's layout, one copy for both engines
+    if native.available():  # the head in our kernel's tiled layout, one copy for both engines
+        assert a.plan.head_native is not None and a.plan.head_native is b.plan.head_native
+    elif torch.ops.mkldnn._is_mkldnn_bf16_supported():  # the head in oneDNN's layout
         assert a.plan.head_packed is not None and a.plan.head_packed is b.plan.head_packed
     assert decode_plan(model, 40) is not a.plan  # another vocabulary cut: another plan
 

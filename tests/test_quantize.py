@@ -53,7 +53,7 @@ def int4_kernel_reference(q: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     blocks = x.view(rows, K // 32, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     xq = (torch.round(blocks * (127 / amax)) * (amax / 127)).view(rows, K)
-    zeros = native.untile(q.zeros.unsqueeze(-1), q.out_features).float()  # (N, G)
+    zeros = native.untile(q.zeros.view(torch.float16).unsqueeze(-1), q.out_features).float()  # (N, G)
     Z = zeros.repeat_interleave(q.group_size, dim=1)
     W = q.dequantize(torch.float32)
     return xq @ W.T + (x - xq) @ Z.T + (0 if q.bias is None else q.bias)

@@ -1,14 +1,16 @@
 """The model's operations in the form that decodes a few rows fastest: the same blocks (block_forward, attention),
 each primitive a cheaper call than its module's. Decoding a small model on a CPU is bound by per-call overhead: a
 token makes ~100 module calls and attribute lookups of about a microsecond or more each, and for one to a few
-rows MKL multiplies x @ W (W stored (in, out)) ~2x faster than F.linear's x @ W.T. bf16 weights on a CPU go to
-oneDNN in its own packed layout (packed_form), 1.4-2x faster than torch's bf16 matmuls at real sizes.
+rows MKL multiplies x @ W (W stored (in, out)) ~2x faster than F.linear's x @ W.T. bf16 and quantized weights on
+an x86 CPU go to our own kernels (model/native.py) in their tiled layout; without those, bf16 goes to oneDNN in
+its own packed layout (packed_form), 1.4-2x faster than torch's bf16 matmuls at real sizes.
 
     ops = decode_ops(model)                                 # copies the small or bf16 matrices (form_cache.py)
     h = model.hidden_states(idx, cache, ops=ops)            # (B, T, C), in inference mode
+    step = fused_step(model)                                # a Llama-shaped model's whole step in one call, or None
 
-Only for inference (no dropout, no gradients). A QuantizedLinear is its packed kernel bound once (decode_op); any
-other projection that is not a plain nn.Linear (a LoRA layer not merged) is called as the module it is.
+Only for inference (no dropout, no gradients). A QuantizedLinear is its kernel bound once (decode_op); any other
+projection that is not a plain nn.Linear (a LoRA layer not merged) is called as the module it is.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ ROWS_BYTES = 4 * 2**20  # float32 rows quantized at a time (_by_rows)
 class QuantizedLinear(nn.Module):
     """y = x @ W.T + b with W held as int8 per output channel (w = q * scale) or as int4 in groups of group_size
     along the input (w = (q - 8) * scale + zero, q in 0..15). Where our kernels run (model/native.py) the values
-    are held in their tiled order, and int4's scales and zeros as fp16 (w = q * scale + (zero - 8 * scale), in
-    `scales` and `zeros`); elsewhere in the layouts of torch's own kernels, whose float buffers follow the model's
+    are held in their tiled order, and int4's scales and zeros as fp16 bits (w = q * scale + (zero - 8 * scale),
+    in `scales` and `zeros`); elsewhere in the layouts of torch's own kernels, whose float buffers follow the model's
     dtype on .to(dtype). `native` says which."""
 
     def __init__(self, in_features: int, out_features: int, kind: str, group_size: int, bias: torch.Tensor | None):
@@ -66,9 +66,10 @@ class QuantizedLinear(nn.Module):
         m = cls(q.size(1), q.size(0), "int4", group_size, bias)
         if m.native:
             m.register_buffer("weight_q", native.tiles(native.int4_nibbles(q), native.CHUNK))
+            # fp16 bits held as int16, (out / R, in / group_size, R): a model's .to(dtype) leaves them as they are
             s = scale.float()
-            m.register_buffer("scales", native.tiles(s.half(), 1).squeeze(-1))  # (out / R, in / group_size, R)
-            m.register_buffer("zeros", native.tiles((zero.float() - 8 * s).half(), 1).squeeze(-1))
+            m.register_buffer("scales", native.tiles(s.half(), 1).squeeze(-1).view(torch.int16))
+            m.register_buffer("zeros", native.tiles((zero.float() - 8 * s).half(), 1).squeeze(-1).view(torch.int16))
             return m
         m.register_buffer("weight_q", _int4_pack(q))
         # (in / group_size, out, 2): the kernel's layout of scales and zeros
@@ -88,7 +89,8 @@ class QuantizedLinear(nn.Module):
         G = K // self.group_size
         if self.native:
             q = native.int4_values(native.untile(self.weight_q, N)).view(N, G, self.group_size)
-            scale, zero = (native.untile(t.unsqueeze(-1), N).float() for t in (self.scales, self.zeros))  # (N, G)
+            halves = (t.view(torch.float16).unsqueeze(-1) for t in (self.scales, self.zeros))
+            scale, zero = (native.untile(t, N).float() for t in halves)  # (N, G)
             return torch.addcmul(zero[..., None], q.float(), scale[..., None]).reshape(N, K).to(dtype)
         q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1)  # (out, in / 2, 2)
         q = q.view(N, G, self.group_size).to(dtype)  # (out, G, g)
@@ -105,7 +107,8 @@ class QuantizedLinear(nn.Module):
                 if self.kind == "int8":
                     packed = native.pack_int8(self.weight_q, self.scales, N, K, bias)
                 else:
-                    packed = native.pack_int4(self.weight_q, self.scales, self.zeros, N, K, self.group_size, bias)
+                    scale, zero = self.scales.view(torch.float16), self.zeros.view(torch.float16)
+                    packed = native.pack_int4(self.weight_q, scale, zero, N, K, self.group_size, bias)
                 self._kernel = (held, packed)
             return self._kernel[1]
         if self.kind == "int8":
