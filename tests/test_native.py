@@ -26,7 +26,8 @@ def int4_reference(q: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
     blocks = x.float().view(rows, -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     xq = (torch.round(blocks * (127 / amax)) * (amax / 127)).view(rows, -1)
-    Z = native.untile(q.zeros.view(torch.float16).unsqueeze(-1), q.out_features).float().repeat_interleave(q.group_size, dim=1)
+    zeros = native.untile(q.zeros.view(torch.float16).unsqueeze(-1), q.out_features).float()  # (N, G)
+    Z = zeros.repeat_interleave(q.group_size, dim=1)
     return xq @ q.dequantize(torch.float32).T + (x.float() - xq) @ Z.T
 
 

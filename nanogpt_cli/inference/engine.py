@@ -270,8 +270,9 @@ def build_plan(model: GPT, vocab_size: int) -> DecodePlan:
             # for h @ W_t with the transpose stored contiguous (C x V): one copy of the head, once per model, for
             # the biggest matmul of a small model's token; a GPU has no such gap
             head_t = head.t().contiguous()
-    ops = decode_ops(model)
-    fused = fused_step(model)
+    packs = {}  # bf16 weights packed for our kernels, shared by the two forms
+    fused = fused_step(model, packs)
+    ops = decode_ops(model, packs)
     return DecodePlan(model, ops, head, head_t, head_packed, head_q, cfg.logit_softcap, head_native, fused)
 
 

@@ -30,11 +30,13 @@ from nanogpt_cli.model.gpt import GPT, ModelOps
 from nanogpt_cli.model.quantize import PREFILL_ROWS, QuantizedLinear
 
 
-def decode_ops(model: GPT) -> ModelOps:
+def decode_ops(model: GPT, packs: dict | None = None) -> ModelOps:
     """The model's operations in their decoding form, for GPT.hidden_states. Tensors are shared, not copied,
-    except the transposed matrices (matmul_form)."""
+    except the transposed matrices (matmul_form) and packed forms; packs: the bf16 weights packed for our kernels
+    so far, by module, shared with fused_step (each packed once)."""
     ops = model.ops()  # the tables, looked up here once rather than on every token
-    blocks = [partial(block_forward, block_ops(b)) for b in ops.blocks]
+    packs = {} if packs is None else packs
+    blocks = [partial(block_forward, block_ops(b, packs)) for b in ops.blocks]
     ops = ops._replace(blocks=blocks, ln_f=norm_function(ops.ln_f))
     dtype = ops.wte.dtype
     if ops.cos is not None and ops.cos.dtype != dtype and dtype in (torch.bfloat16, torch.float16):
@@ -47,21 +49,21 @@ def decode_ops(model: GPT) -> ModelOps:
     return ops
 
 
-def block_ops(b: Block) -> BlockOps:
+def block_ops(b: Block, packs: dict) -> BlockOps:
     a = b.attn
     q_norm, k_norm = norm_function(a.q_norm), norm_function(a.k_norm)
-    attn = AttentionOps(linear_op(a.c_attn), q_norm, k_norm, a.n_head, a.head_size, 0, a.n_kv_head, a.local)
+    attn = AttentionOps(linear_op(a.c_attn, packs), q_norm, k_norm, a.n_head, a.head_size, 0, a.n_kv_head, a.local)
     if b.post_ln_1 is None:
-        attn_out, mlp_out = residual_op(a.c_proj), residual_op(b.mlp.c_proj)
+        attn_out, mlp_out = residual_op(a.c_proj, packs), residual_op(b.mlp.c_proj, packs)
     else:  # the post-norm sits between the projection and the add, which then cannot ride in addmm
-        attn_out = post_normed_residual(linear_op(a.c_proj), norm_function(b.post_ln_1))
-        mlp_out = post_normed_residual(linear_op(b.mlp.c_proj), norm_function(b.post_ln_2))
+        attn_out = post_normed_residual(linear_op(a.c_proj, packs), norm_function(b.post_ln_1))
+        mlp_out = post_normed_residual(linear_op(b.mlp.c_proj, packs), norm_function(b.post_ln_2))
     return BlockOps(
         ln_1=norm_function(b.ln_1),
         attn=attn,
         attn_out=attn_out,
         ln_2=norm_function(b.ln_2),
-        c_fc=linear_op(b.mlp.c_fc),
+        c_fc=linear_op(b.mlp.c_fc, packs),
         act=partial(activation, mlp=b.mlp.kind),
         mlp_out=mlp_out,
         parallel=b.parallel,
@@ -136,14 +138,18 @@ def packed_linear(w: torch.Tensor, b: torch.Tensor | None) -> Op:
     return lambda x: kernel(x, w, b, "none", [], "")
 
 
-def native_linear(module: nn.Module) -> native.Packed | None:
+def native_linear(module: nn.Module, packs: dict | None = None) -> native.Packed | None:
     """Our kernel for the few rows of a decode step (model/native.py): a bf16 nn.Linear's weight packed in its
-    tiled form, or a QuantizedLinear's own; None where it does not run."""
+    tiled form (kept in packs, by module: a copy of the weight), or a QuantizedLinear's own; None where it does
+    not run."""
     if type(module) is QuantizedLinear:
         return module.kernel() if module.native else None
-    if type(module) is nn.Linear:
-        return native.pack(module.weight, module.bias)
-    return None
+    if type(module) is not nn.Linear:
+        return None
+    packs = {} if packs is None else packs
+    if module not in packs:
+        packs[module] = native.pack(module.weight, module.bias)
+    return packs[module]
 
 
 def few_rows(kernel: native.Packed, module: nn.Module, res: bool = False) -> Op | Residual:
@@ -154,10 +160,10 @@ def few_rows(kernel: native.Packed, module: nn.Module, res: bool = False) -> Op 
     return lambda x: kernel(x) if x.size(0) < PREFILL_ROWS else module(x)
 
 
-def linear_op(module: nn.Module) -> Op:
+def linear_op(module: nn.Module, packs: dict | None = None) -> Op:
     """x (N, in) -> x @ W.T + b: our kernel (native_linear) where it runs; otherwise one mm or addmm against the
     matmul form, one oneDNN call (packed_form), or a QuantizedLinear's bound kernel (decode_op)."""
-    kernel = native_linear(module)
+    kernel = native_linear(module, packs)
     if kernel is not None:
         return few_rows(kernel, module)
     if type(module) is QuantizedLinear:
@@ -173,10 +179,10 @@ def linear_op(module: nn.Module) -> Op:
     return lambda x: torch.addmm(b, x, w)
 
 
-def residual_op(module: nn.Module) -> Residual:
+def residual_op(module: nn.Module, packs: dict | None = None) -> Residual:
     """(y, x) -> x + y @ W.T + b, the residual add riding in our kernel (native_linear), or in addmm (or oneDNN's
     product) where there is no bias."""
-    kernel = native_linear(module)
+    kernel = native_linear(module, packs)
     if kernel is not None:
         return few_rows(kernel, module, res=True)
     if type(module) is QuantizedLinear:
@@ -253,7 +259,7 @@ class FusedStep:
         return x
 
 
-def fused_step(model: GPT) -> FusedStep | None:
+def fused_step(model: GPT, packs: dict | None = None) -> FusedStep | None:
     """The model's decode step in one call where native.cpp's block fits it: pre-norm RMSNorm blocks with full
     RoPE, grouped-query attention over every held key (no window, no QK-norm), a SwiGLU MLP, and every
     projection one our kernels multiply (bf16, or int8 / int4 quantized), on a CPU. SmolLM2, Qwen2 and 2.5,
@@ -282,7 +288,8 @@ def fused_step(model: GPT) -> FusedStep | None:
     for block in model.transformer.h:
         if not all(isinstance(n, nn.RMSNorm) for n in (block.ln_1, block.ln_2)):
             return None
-        layer = [native_linear(m) for m in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)]
+        mats = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
+        layer = [native_linear(m, packs) for m in mats]
         if any(k is None for k in layer):
             return None
         kernels.append(layer)

@@ -101,8 +101,9 @@ class QuantizedLinear(nn.Module):
         """x (N, in) -> x @ W.T + b for few rows: our kernel (native.Packed, built once per set of buffers) or
         torch's packed one with its arguments bound."""
         if self.native:
-            held = (self.weight_q, self.scales, getattr(self, "zeros", None), self.bias)
-            if self._kernel is None or any(a is not b for a, b in zip(self._kernel[0], held)):
+            tensors = (self.weight_q, self.scales, getattr(self, "zeros", None), self.bias)
+            held = [(id(t), t.data_ptr()) if t is not None else None for t in tensors]
+            if self._kernel is None or self._kernel[0] != held:
                 N, K, bias = self.out_features, self.in_features, self.bias
                 if self.kind == "int8":
                     packed = native.pack_int8(self.weight_q, self.scales, N, K, bias)
@@ -123,6 +124,10 @@ class QuantizedLinear(nn.Module):
             return y if bias is None else y.add_(bias)
 
         return op
+
+    def __getstate__(self) -> dict:
+        """Copies (deepcopy, pickle) leave the kernel behind: it points at this module's tensors."""
+        return {**super().__getstate__(), "_kernel": None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
