@@ -257,16 +257,19 @@ def profile(args) -> None:
                 for _ in range(args.tokens):
                     engine.step()
                 plain_ms = (time.perf_counter() - t0) / args.tokens * 1000
+                if engine.plan.fused is not None:
+                    fused_timers(reset=True)
                 with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                     t0 = time.perf_counter()
                     for _ in range(args.tokens):
                         engine.step()
                     step_ms = (time.perf_counter() - t0) / args.tokens * 1000
             groups = group_profile(prof, args.tokens)
-            if engine.plan.fused is not None:  # inside the one call: its products timed alone, and the rest
-                products = fused_products_ms(engine.plan.fused, args.tokens)
-                groups["  of which: matmuls, timed alone"] = products
-                groups["  of which: attention, norms, RoPE"] = groups[FUSED] - products
+            if engine.plan.fused is not None:  # inside the one call, by its own clock over the profiled steps
+                products, attention, total = (1000 * t / args.tokens for t in fused_timers())
+                groups["  of which: matmuls"] = products
+                groups["  of which: attention over the cache"] = attention
+                groups["  of which: norms, RoPE, SwiGLU, cache writes"] = total - products - attention
             rows = [[k, f"{v:.2f}", f"{100 * v / step_ms:.0f}%"] for k, v in groups.items()]
             rows.append(["step (wall, profiled)", f"{step_ms:.2f}", "100%"])
             rows.append(["step (wall, not profiled)", f"{plain_ms:.2f}", ""])
@@ -400,19 +403,16 @@ def label_our_calls() -> None:
     engine.head_logits = labelled(engine.head_logits, HEAD)
 
 
-def fused_products_ms(fused, steps: int) -> float:
-    """ms per step of the fused step's matrix products alone, one row each, in the model's dtype."""
-    import torch
+def fused_timers(reset: bool = False) -> list[float]:
+    """Seconds the fused step spent so far in its products, its attention over the cache, and in all (its own
+    clock, native.cpp's ng_timers)."""
+    import ctypes
 
-    dtype = torch.bfloat16 if fused.bf16 else torch.float32
-    calls = [(k, torch.randn(1, k.K, dtype=dtype)) for layer in fused.kernels for k in layer]
-    for k, x in calls:
-        k(x)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        for k, x in calls:
-            k(x)
-    return (time.perf_counter() - t0) / steps * 1000
+    from nanogpt_cli.model import native
+
+    out = (ctypes.c_double * 3)()
+    native.library()[0].ng_timers(out, int(reset))
+    return list(out)
 
 
 def group_profile(prof, steps: int) -> dict[str, float]:

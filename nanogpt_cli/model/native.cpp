@@ -12,6 +12,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "these kernels need AVX2, FMA and F16C; elsewhere torch's own kernels run"
@@ -412,6 +413,20 @@ static void rope(float* x, const float* cos, const float* sin, int64_t hs) {
     for (int64_t i = 0; i < hs; i++) x[i] = t[i] * cos[i] + t[i < half ? i + half : i - half] * sin[i];
 }
 
+// seconds spent in ng_decode by part, for the benchmarks' profile (ng_timers): products, attention, all of it
+static double timers[3];
+static inline double now() {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+static void timed_linear(const Linear& L, int64_t B, const void* x, int x_bf16, const Out& o, int threads) {
+    const double t0 = now();
+    linear(L, B, x, x_bf16, o, threads);
+    timers[0] += now() - t0;
+}
+
 static void block_step(const Block& L, int64_t B, void* x, const int64_t* pos, void* kc, void* vc, int bf16,
                        int kv_bf16, int threads, char* scratch) {
     const int64_t C = L.C, nh = L.nh, nkv = L.nkv, hs = L.hs, H = L.H, S = L.S, width = (nh + 2 * nkv) * hs;
@@ -424,7 +439,7 @@ static void block_step(const Block& L, int64_t B, void* x, const int64_t* pos, v
     void* h = gu + B * 2 * H;                                          // (B, H) model dtype
     float* scores = (float*)((char*)h + B * H * 4);                    // (threads, S)
     rms_norm(x, L.ln1, L.eps1, B, C, xn, bf16);
-    linear(L.qkv, B, xn, bf16, {qkv, nullptr, 0}, threads);
+    timed_linear(L.qkv, B, xn, bf16, {qkv, nullptr, 0}, threads);
     for (int64_t b = 0; b < B; b++) {
         float* row = qkv + b * width;
         const float *c = L.cos + pos[b] * hs, *s = L.sin + pos[b] * hs;
@@ -437,6 +452,7 @@ static void block_step(const Block& L, int64_t B, void* x, const int64_t* pos, v
             }
         }
     }
+    const double t0 = now();
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && B * nkv > 1)
     for (int64_t t = 0; t < B * nkv; t++) {
         const int64_t b = t / nkv, kh = t % nkv, group = nh / nkv;
@@ -449,16 +465,17 @@ static void block_step(const Block& L, int64_t B, void* x, const int64_t* pos, v
         attend(L, qkv + b * width + kh * group * hs, (const char*)kc + at * (kv_bf16 ? 2 : 4),
                (const char*)vc + at * (kv_bf16 ? 2 : 4), pos[b] + 1, kv_bf16, sc, att + (b * nh + kh * group) * hs);
     }
+    timers[1] += now() - t0;
     for (int64_t i = 0; i < B * nh * hs; i++) put(atto, i, att[i], bf16);
-    linear(L.proj, B, atto, bf16, {x, x, bf16}, threads);
+    timed_linear(L.proj, B, atto, bf16, {x, x, bf16}, threads);
     rms_norm(x, L.ln2, L.eps2, B, C, xn, bf16);
-    linear(L.fc, B, xn, bf16, {gu, nullptr, 0}, threads);
+    timed_linear(L.fc, B, xn, bf16, {gu, nullptr, 0}, threads);
     for (int64_t b = 0; b < B; b++)
         for (int64_t i = 0; i < H; i++) {
             const float g = gu[b * 2 * H + i], u = gu[b * 2 * H + H + i];
             put(h, b * H + i, g / (1.f + expf(-g)) * u, bf16);
         }
-    linear(L.down, B, h, bf16, {x, x, bf16}, threads);
+    timed_linear(L.down, B, h, bf16, {x, x, bf16}, threads);
     (void)es;
 }
 
@@ -500,9 +517,17 @@ int ng_decode(const Block* blocks, int64_t n_layer, int64_t B, void* x, const in
     const Block& f = blocks[0];
     const int64_t width = (f.nh + 2 * f.nkv) * f.hs, heads = f.nh * f.hs;
     const int64_t n = B * (4 * f.C + 4 * width + 8 * heads + 8 * f.H + 4 * f.H) + 4 * (threads + 1) * f.S;
+    const double t0 = now();
     char* scratch = (char*)malloc(n);
     for (int64_t l = 0; l < n_layer; l++) block_step(blocks[l], B, x, pos, ks[l], vs[l], bf16, kv_bf16, threads, scratch);
     free(scratch);
+    timers[2] += now() - t0;
     return 0;
+}
+
+// the seconds ng_decode spent so far in its products, its attention and in all, into out[0..2]; reset: zero them
+void ng_timers(double* out, int reset) {
+    for (int i = 0; i < 3; i++) out[i] = timers[i];
+    if (reset) memset(timers, 0, sizeof timers);
 }
 }
