@@ -148,3 +148,21 @@ def test_the_library_is_built_once_per_machine_and_a_failed_build_falls_back_in_
     assert status(NANOGPT_NATIVE="0") == "off (NANOGPT_NATIVE=0)"
     bad = status(CXX="false", XDG_CACHE_HOME=str(tmp_path / "other"))  # a compiler that fails
     assert bad.startswith("the kernels did not compile here") and bad.endswith("torch's kernels"), bad
+
+
+@pytest.mark.slow
+def test_the_avx2_kernels_compute_the_same_products(tmp_path):
+    """The kernels for CPUs without AVX-512, built for haswell here: the product and fused-step tests again."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "NANOGPT_NATIVE_MARCH": "haswell"}
+    select = "each_kernel or exactly or fused_step_equals"
+    args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-500:]
+    status = subprocess.run(
+        [sys.executable, "-c", "from nanogpt_cli.model import native; print(native.status())"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert status.stdout.strip() == "ours (AVX2)", status.stdout + status.stderr

@@ -11,7 +11,8 @@ weight once per token, so its speed is the weights' bytes over the memory's band
   write and attention included, where torch would make ~20 calls a layer of a few microseconds each.
 
 torch's kernels stay the fallback: no x86 (AVX2, FMA, F16C), no compiler, NANOGPT_NATIVE=0, or a shape the
-kernels do not take. `status()` says which, in one line.
+kernels do not take. `status()` says which, in one line. NANOGPT_NATIVE_MARCH compiles for another instruction set
+than the machine's (haswell: the AVX2 kernels, which the tests run too).
 
     lin = native.pack(weight, bias)          # a bf16 (N, K) nn.Linear weight in the tiled form, or None
     y = lin(x)                               # x (B, K) bf16 or float32 -> (B, N), in x's dtype
@@ -35,7 +36,12 @@ SOURCE = Path(__file__).with_name("native.cpp")
 BF16, INT8, INT4 = 0, 1, 2
 TILE_ROWS = 4  # weight rows per tile (native.cpp's R)
 CHUNK = 32  # inputs per chunk of a tile; int4 pairs two chunks in one byte each
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+
+def march() -> str:
+    """The instruction set compiled for: the machine's own, or NANOGPT_NATIVE_MARCH's (haswell: AVX2 only)."""
+    return os.environ.get("NANOGPT_NATIVE_MARCH", "native")
 
 
 class Linear(ctypes.Structure):
@@ -106,13 +112,14 @@ def library() -> tuple[ctypes.CDLL | None, str]:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"the compiler {cxx} does not run ({e}): torch's kernels"
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *FLAGS, cpu_flags()]).encode()).hexdigest()
+    flags = [*FLAGS, f"-march={march()}"]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *flags, cpu_flags()]).encode()).hexdigest()
     path = cache_dir() / f"native-{key[:16]}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             out = Path(tmp) / path.name
-            done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+            done = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
             if done.returncode != 0:
                 why = (done.stderr.strip().splitlines() or ["no output"])[-1]
                 return None, f"the kernels did not compile here ({why}): torch's kernels"
