@@ -276,6 +276,9 @@ def build_plan(model: GPT, vocab_size: int) -> DecodePlan:
     return DecodePlan(model, ops, head, head_t, head_packed, head_q, cfg.logit_softcap, head_native, fused)
 
 
+FUSED_CACHE = (torch.float32, torch.bfloat16)  # the cache dtypes the fused step reads and writes
+
+
 def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None = None) -> torch.Tensor:
     """Logits (B, V) after one new token for each of the cache's first n rows (idx (B,) or (B, 1)), each at its
     own position: GPT.hidden_states through the cache with the model's decoding form (model/decode.py), which
@@ -283,7 +286,7 @@ def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None 
     prompt, or prompts of one length) attention needs no mask; otherwise each row's keys past its own position
     are masked. Call it under torch.inference_mode()."""
     B = idx.size(0) if n is None else n
-    if p.fused is not None and B < PREFILL_ROWS and cache.ring is None:
+    if p.fused is not None and B < PREFILL_ROWS and cache.ring is None and cache.dtype in FUSED_CACHE:
         h = p.ops.ln_f(p.fused(idx, cache, B))  # (B, C)
     else:
         h = p.model.hidden_states(idx.view(B, 1), cache.view(0, B), ops=p.ops)  # (B, 1, C)

@@ -239,7 +239,8 @@ class FusedStep:
         """The last block's output (B, C) after one new token for each of the cache's first B rows, idx (B,); the
         cache holds the new keys and values and its rows advance by one."""
         pos = cache.pos[:B]
-        assert max(pos) < cache.capacity, f"a row at position {max(pos)} overflows a cache of {cache.capacity}"
+        if max(pos) >= cache.capacity:
+            raise AssertionError(f"a row at position {max(pos)} overflows a cache of {cache.capacity}")
         x = torch.embedding(self.model.transformer.wte.weight, idx.reshape(B)).contiguous()  # (B, C), a new tensor
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -254,7 +255,8 @@ class FusedStep:
         kv_bf16 = cache.dtype == torch.bfloat16
         rc = self.call(self.blocks, self.n_layer, B, x.data_ptr(), at.data_ptr(), *ptrs, self.bf16, kv_bf16,
                        torch.get_num_threads())  # fmt: skip
-        assert rc == 0, "the fused decode step refused a shape fused_step accepted"
+        if rc != 0:
+            raise RuntimeError("the fused decode step refused a shape fused_step accepted")
         cache.pos[:B] = [p + 1 for p in pos]
         return x
 

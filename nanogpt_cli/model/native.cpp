@@ -22,9 +22,10 @@ enum { BF16 = 0, INT8 = 1, INT4 = 2 };
 enum { R = 4, CHUNK = 32, PAIR = 64 };  // weight rows per tile, values per row of a tile's chunk; int4: two chunks
 
 // One packed weight, laid out by tiles of R rows (N padded to a multiple of R with zero rows): tile t holds, for
-// each chunk c of 32 inputs, rows 4t..4t+3's values there, one after another. int4: 16 bytes a row's chunk, value
-// j in byte j's low nibble and value j + 16 in its high one (llama.cpp's Q4_0 order); its scales and zeros fp16,
-// (N / R, K / group, R). The same fields in native.py.
+// each chunk c of 32 inputs, rows 4t..4t+3's values there, one after another. int4 goes by pairs of chunks (64
+// inputs): 32 bytes a row, input j of the pair's first 32 in byte j's low nibble and input j of its next 32 in
+// the high one (native.int4_nibbles); its scales and zeros fp16, (N / R, K / group, R). The same fields in
+// native.py.
 struct Linear {
     const void* w;
     const float* scale;      // int8: (N padded,) float32
@@ -511,6 +512,13 @@ int ng_decode(const Block* blocks, int64_t n_layer, int64_t B, void* x, const in
     for (int64_t l = 0; l < n_layer; l++) {
         const Block& L = blocks[l];
         if (!takes(L.qkv) || !takes(L.proj) || !takes(L.fc) || !takes(L.down) || L.hs % 16 || L.hs > 512) return 1;
+        const int64_t width = (L.nh + 2 * L.nkv) * L.hs;  // the products' shapes the scratch is sized for
+        if (L.nkv <= 0 || L.nh % L.nkv || L.qkv.K != L.C || L.qkv.N != width || L.proj.K != L.nh * L.hs ||
+            L.proj.N != L.C || L.fc.K != L.C || L.fc.N != 2 * L.H || L.down.K != L.H || L.down.N != L.C)
+            return 1;
+        if (L.C != blocks[0].C || L.H != blocks[0].H || L.S != blocks[0].S || width != (blocks[0].nh + 2 * blocks[0].nkv) * blocks[0].hs ||
+            L.nh * L.hs != blocks[0].nh * blocks[0].hs)
+            return 1;
         for (int64_t b = 0; b < B; b++)
             if (pos[b] < 0 || pos[b] >= L.S) return 1;
     }
@@ -519,6 +527,7 @@ int ng_decode(const Block* blocks, int64_t n_layer, int64_t B, void* x, const in
     const int64_t n = B * (4 * f.C + 4 * width + 8 * heads + 8 * f.H + 4 * f.H) + 4 * (threads + 1) * f.S;
     const double t0 = now();
     char* scratch = (char*)malloc(n);
+    if (!scratch) return 2;
     for (int64_t l = 0; l < n_layer; l++) block_step(blocks[l], B, x, pos, ks[l], vs[l], bf16, kv_bf16, threads, scratch);
     free(scratch);
     timers[2] += now() - t0;

@@ -115,16 +115,19 @@ def library() -> tuple[ctypes.CDLL | None, str]:
     flags = [*FLAGS, f"-march={march()}"]
     key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *flags, cpu_flags()]).encode()).hexdigest()
     path = cache_dir() / f"native-{key[:16]}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            out = Path(tmp) / path.name
-            done = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
-            if done.returncode != 0:
-                why = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                return None, f"the kernels did not compile here ({why}): torch's kernels"
-            os.replace(out, path)  # whole or not at all, for processes building at once
-    lib = ctypes.CDLL(str(path))
+    try:
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                out = Path(tmp) / path.name
+                done = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+                if done.returncode != 0:
+                    why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                    return None, f"the kernels did not compile here ({why}): torch's kernels"
+                os.replace(out, path)  # whole or not at all, for processes building at once
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, f"the kernels could not be built or loaded in {path.parent} ({e}): torch's kernels"
     lib.ng_isa.restype = ctypes.c_char_p
     lib.ng_sizeof_block.restype = ctypes.c_int64
     if lib.ng_tile_rows() != TILE_ROWS or lib.ng_sizeof_block() != ctypes.sizeof(Block):
@@ -152,7 +155,7 @@ def tiles(t: torch.Tensor, width: int) -> torch.Tensor:
     pad = -N % TILE_ROWS
     if pad:
         t = torch.cat([t, t.new_zeros(pad, W)])
-    return t.view(-1, TILE_ROWS, W // width, width).permute(0, 2, 1, 3).contiguous()
+    return t.reshape(-1, TILE_ROWS, W // width, width).permute(0, 2, 1, 3).contiguous()
 
 
 def untile(t: torch.Tensor, N: int) -> torch.Tensor:
@@ -186,17 +189,20 @@ class Packed:
         self.call = library()[0].ng_linear
 
     def __call__(self, x: torch.Tensor, res: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.bfloat16):  # float16: the kernels read float32 or bf16 only
+            return self(x.float(), None if res is None else res.float()).to(x.dtype)
+        if x.dim() != 2 or x.size(1) != self.K:
+            raise ValueError(f"expected rows of {self.K} inputs, got a tensor of shape {tuple(x.shape)}")
         x = x.contiguous()
         B = x.size(0)
+        if res is not None:  # held here: the kernel reads it after this line
+            res = res.to(x.dtype).contiguous()
+            if res.shape != (B, self.N):
+                raise ValueError(f"expected a residual of shape {(B, self.N)}, got {tuple(res.shape)}")
         y = torch.empty(B, self.N, dtype=x.dtype)
-        bf16 = x.dtype == torch.bfloat16
-        r = None if res is None else res.contiguous().data_ptr()
-        self.call(self.ref, B, x.data_ptr(), r, y.data_ptr(), bf16, torch.get_num_threads())
+        r = None if res is None else res.data_ptr()
+        self.call(self.ref, B, x.data_ptr(), r, y.data_ptr(), x.dtype == torch.bfloat16, torch.get_num_threads())
         return y
-
-
-def native_dtype(t: torch.Tensor) -> bool:
-    return t.dtype in (torch.float32, torch.bfloat16) and t.device.type == "cpu"
 
 
 def pack(w: torch.Tensor, bias: torch.Tensor | None = None) -> Packed | None:
