@@ -5,6 +5,7 @@ the fused step applies, and torch's kernels when ours cannot run."""
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -144,7 +145,9 @@ def test_float16_rows_are_multiplied_in_float32_and_come_back_in_float16():
 def test_the_library_builds_once_per_machine_the_avx2_kernels_agree_and_a_failed_build_is_one_line(tmp_path):
     """A fresh cache, the kernels built for haswell (AVX2 only, no AVX-512): the product and fused-step tests pass
     on them, the library is built once and reused, and NANOGPT_NATIVE=0 or a failing compiler fall back."""
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "NANOGPT_NATIVE_MARCH": "haswell"}
+    root = str(Path(native.__file__).resolve().parents[2])  # the subprocesses import this very package
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "NANOGPT_NATIVE_MARCH": "haswell", "PYTHONPATH": path}
     select = "each_kernel or exactly or fused_step_equals"
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select]
     done = subprocess.run(args, env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
@@ -163,3 +166,19 @@ def test_the_library_builds_once_per_machine_the_avx2_kernels_agree_and_a_failed
     assert status(NANOGPT_NATIVE="0") == "off (NANOGPT_NATIVE=0)"
     bad = status(CXX="false", XDG_CACHE_HOME=str(tmp_path / "other"))  # a compiler that fails
     assert bad.startswith("the kernels did not compile here") and bad.endswith("torch's kernels"), bad
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_head_quantized_in_slices_of_rows_is_the_head_quantized_at_once(kind, monkeypatch):
+    from nanogpt_cli.model import quantize
+
+    torch.manual_seed(0)
+    head = torch.randn(50, 64).bfloat16()  # 50 rows: slices of 8, the last of 2 (a half tile)
+    whole = quantize.quantize_head(head, kind, 32)
+    monkeypatch.setattr(quantize, "PACK_ROWS", 8)
+    sliced = quantize.quantize_head(head, kind, 32)
+    assert sliced.out_features == 50 and whole.state_dict().keys() == sliced.state_dict().keys()
+    for name, t in whole.state_dict().items():
+        assert torch.equal(t, sliced.state_dict()[name]), name
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(sliced(x), whole(x))

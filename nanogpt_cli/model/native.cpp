@@ -20,6 +20,7 @@
 
 enum { BF16 = 0, INT8 = 1, INT4 = 2 };
 enum { R = 4, CHUNK = 32, PAIR = 64 };  // weight rows per tile, values per row of a tile's chunk; int4: two chunks
+enum { PARALLEL_WORK = 1 << 17 };     // multiply-adds from which a product or the attention is split over threads
 
 // One packed weight, laid out by tiles of R rows (N padded to a multiple of R with zero rows): tile t holds, for
 // each chunk c of 32 inputs, rows 4t..4t+3's values there, one after another. int4 goes by pairs of chunks (64
@@ -330,7 +331,10 @@ static void linear(const Linear& L, int64_t B, const void* x, int x_bf16, const 
         }
     }
     const int64_t tiles = (L.N + R - 1) / R;
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    // threads only for a weight worth it: waking them costs more than a small product, and on busy cores
+    // OpenMP's barriers make it far more
+    const bool split = threads > 1 && L.N * L.K >= PARALLEL_WORK;
+#pragma omp parallel for schedule(static) num_threads(threads) if (split)
     for (int64_t t = 0; t < tiles; t++) tile_rows(L, t, xf, xh, xq, B, o);
     free(own);
 }
@@ -454,7 +458,10 @@ static void block_step(const Block& L, int64_t B, void* x, const int64_t* pos, v
         }
     }
     const double t0 = now();
-#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && B * nkv > 1)
+    int64_t keys = 0;  // the attention's work: every row's held keys times the heads' widths
+    for (int64_t b = 0; b < B; b++) keys += pos[b] + 1;
+    const bool split = threads > 1 && B * nkv > 1 && keys * nh * hs >= PARALLEL_WORK;
+#pragma omp parallel for schedule(static) num_threads(threads) if (split)
     for (int64_t t = 0; t < B * nkv; t++) {
         const int64_t b = t / nkv, kh = t % nkv, group = nh / nkv;
 #ifdef _OPENMP

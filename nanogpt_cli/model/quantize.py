@@ -80,6 +80,19 @@ class QuantizedLinear(nn.Module):
         m.register_buffer("nibbles", q[:, 0::2] | (q[:, 1::2] << 4), persistent=False)
         return m
 
+    @classmethod
+    def joined(cls, parts: list[QuantizedLinear]) -> QuantizedLinear:
+        """One layer of parts' rows, one after another: parts in our tiled layout, each but the last of a whole
+        number of tiles, without biases."""
+        first = parts[0]
+        assert all(p.native and p.bias is None for p in parts), "joined takes bias-free layers in our layout"
+        assert all(p.out_features % native.TILE_ROWS == 0 for p in parts[:-1]), "joined parts end on whole tiles"
+        m = cls(first.in_features, sum(p.out_features for p in parts), first.kind, first.group_size, None)
+        for name in ("weight_q", "scales", "zeros"):
+            if hasattr(first, name):  # tiles (and int8's scale per row) join along their first dimension
+                m.register_buffer(name, torch.cat([getattr(p, name) for p in parts]))
+        return m
+
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight (out, in) in dtype."""
         N, K = self.out_features, self.in_features
@@ -253,6 +266,12 @@ def quantize_head(head: torch.Tensor, kind: str, group_size: int) -> QuantizedLi
     multiplies PREFILL_ROWS rows or more by the float head). The int4 kernel takes a multiple of 16 rows, so the
     vocabulary is padded with zero rows there: the caller cuts the logits back to head.size(0)."""
     w = head.detach()
+    code = native.INT8 if kind == "int8" else native.INT4
+    if native.available() and native.takes(code, w.size(1), group_size) and w.size(0) > PACK_ROWS:
+        # our tiled layout joins along its rows: quantized PACK_ROWS rows at a time, the values of a large
+        # vocabulary's head are never all held at once before their tiled copy (Qwen2.5's int4 head: ~270 MB)
+        parts = [quantize_head(w[r : r + PACK_ROWS], kind, group_size) for r in range(0, w.size(0), PACK_ROWS)]
+        return QuantizedLinear.joined(parts)
     if kind == "int8":
         return QuantizedLinear.int8(*quantize_int8(w))
     ours = native.available() and native.takes(native.INT4, w.size(1), group_size)
