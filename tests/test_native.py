@@ -79,10 +79,18 @@ def llama(dtype: torch.dtype, kind: str | None, **kw) -> GPT:
 
 
 @pytest.mark.parametrize(
-    "dtype, kind", [(torch.float32, "int8"), (torch.float32, "int4"), (torch.bfloat16, None), (torch.bfloat16, "int4")]
+    "dtype, kind, kw",
+    [
+        (torch.float32, "int8", {}),
+        (torch.float32, "int4", {}),
+        (torch.bfloat16, None, {}),
+        (torch.bfloat16, "int4", {}),
+        (torch.float32, "int8", dict(qk_norm=True)),  # Qwen3's QK-norm
+        (torch.bfloat16, None, dict(qk_norm=True, norm_offset=True)),
+    ],
 )
-def test_the_fused_step_equals_the_step_op_by_op(dtype, kind):
-    model = llama(dtype, kind)
+def test_the_fused_step_equals_the_step_op_by_op(dtype, kind, kw):
+    model = llama(dtype, kind, **kw)
     plan = decode_plan(model)
     assert plan.fused is not None
     idx = torch.randint(0, 61, (3, 20))
@@ -105,7 +113,6 @@ def test_the_fused_step_equals_the_step_op_by_op(dtype, kind):
 def test_the_fused_step_is_built_only_for_the_blocks_it_computes():
     assert decode_plan(llama(torch.bfloat16, None)).fused is not None
     assert decode_plan(llama(torch.float32, None)).fused is None  # float32 weights: no kernel of ours
-    assert decode_plan(llama(torch.bfloat16, None, qk_norm=True)).fused is None
     assert decode_plan(llama(torch.bfloat16, None, sliding_window=8)).fused is None
     plan = decode_plan(llama(torch.bfloat16, "int8", n_embd=96, n_head=3, n_kv_head=1))  # 96: 3 chunks of 32
     assert plan.fused is not None and plan.head_q is not None

@@ -231,6 +231,11 @@ class FusedStep:
             )
             b.C, b.nh, b.nkv, b.hs, b.H, b.S = cfg.n_embd, cfg.n_head, cfg.kv_heads, hs, cfg.hidden_size, S
             b.cos, b.sin = self.cos.data_ptr(), self.sin.data_ptr()
+            if block.attn.q_norm is not None:  # QK-norm (Qwen3)
+                qn, kn = (norm_gain(n).detach().float().contiguous() for n in (block.attn.q_norm, block.attn.k_norm))
+                self.gains += [qn, kn]
+                b.q_norm, b.k_norm = qn.data_ptr(), kn.data_ptr()
+                b.eps_q, b.eps_k = (eps_of(n) for n in (block.attn.q_norm, block.attn.k_norm))
         self.blocks, self.n_layer = blocks, cfg.n_layer
         self.embed_scale = math.sqrt(cfg.n_embd) if cfg.embed_scale else None
         self.call = native.library()[0].ng_decode
@@ -261,10 +266,15 @@ class FusedStep:
         return x
 
 
+def eps_of(norm: nn.RMSNorm) -> float:
+    """An RMSNorm's epsilon as the decoding form's norms take it (norm_function): float32's when it has none."""
+    return torch.finfo(torch.float32).eps if norm.eps is None else norm.eps
+
+
 def fused_step(model: GPT, packs: dict | None = None) -> FusedStep | None:
     """The model's decode step in one call where native.cpp's block fits it: pre-norm RMSNorm blocks with full
-    RoPE, grouped-query attention over every held key (no window, no QK-norm), a SwiGLU MLP, and every
-    projection one our kernels multiply (bf16, or int8 / int4 quantized), on a CPU. SmolLM2, Qwen2 and 2.5,
+    RoPE, QK-norm or none, grouped-query attention over every held key (no window), a SwiGLU MLP, and every
+    projection one our kernels multiply (bf16, or int8 / int4 quantized), on a CPU. SmolLM2, Qwen2, 2.5 and 3,
     Llama 2 and 3 and Mistral without a window are; the rest decode through decode_ops. None where it does not."""
     cfg = model.config
     fits = (
@@ -276,7 +286,6 @@ def fused_step(model: GPT, packs: dict | None = None) -> FusedStep | None:
         and cfg.head_size <= 512
         and cfg.sliding_window is None
         and cfg.rope_local_theta is None
-        and not cfg.qk_norm
         and cfg.norm == "rmsnorm"
         and cfg.mlp == "swiglu"
         and not cfg.parallel_residual
@@ -288,7 +297,8 @@ def fused_step(model: GPT, packs: dict | None = None) -> FusedStep | None:
         return None
     kernels = []
     for block in model.transformer.h:
-        if not all(isinstance(n, nn.RMSNorm) for n in (block.ln_1, block.ln_2)):
+        norms = (block.ln_1, block.ln_2) + ((block.attn.q_norm, block.attn.k_norm) if cfg.qk_norm else ())
+        if not all(isinstance(n, nn.RMSNorm) for n in norms):
             return None
         mats = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
         layer = [native_linear(m, packs) for m in mats]

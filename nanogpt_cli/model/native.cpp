@@ -353,6 +353,9 @@ struct Block {
     int64_t C, nh, nkv, hs, H, S;  // S: the cache's positions per row
     const float* cos;              // RoPE (S, hs) float32: cos, and sin with its first half negated
     const float* sin;
+    const float* q_norm;           // QK-norm's gains (hs,) float32, before RoPE (Qwen3, OLMo 2), or null
+    const float* k_norm;
+    float eps_q, eps_k;
 };
 
 static inline float value(const void* p, int64_t i, int bf16) {
@@ -448,6 +451,11 @@ static void block_step(const Block& L, int64_t B, void* x, const int64_t* pos, v
     for (int64_t b = 0; b < B; b++) {
         float* row = qkv + b * width;
         const float *c = L.cos + pos[b] * hs, *s = L.sin + pos[b] * hs;
+        if (L.q_norm) {  // QK-norm: each query and key head's hs values RMS-normed with the shared gains
+            for (int64_t head = 0; head < nh; head++) rms_norm(row + head * hs, L.q_norm, L.eps_q, 1, hs, row + head * hs, 0);
+            for (int64_t head = nh; head < nh + nkv; head++)
+                rms_norm(row + head * hs, L.k_norm, L.eps_k, 1, hs, row + head * hs, 0);
+        }
         for (int64_t head = 0; head < nh + nkv; head++) rope(row + head * hs, c, s, hs);
         for (int64_t kh = 0; kh < nkv; kh++) {  // the new key and value into the cache
             const int64_t at = ((b * nkv + kh) * S + pos[b]) * hs;

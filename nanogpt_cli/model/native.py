@@ -76,6 +76,10 @@ class Block(ctypes.Structure):
         ("S", ctypes.c_int64),
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("eps_q", ctypes.c_float),
+        ("eps_k", ctypes.c_float),
     ]
 
 
