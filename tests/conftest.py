@@ -129,6 +129,23 @@ def tiny_config(**overrides):
     return GPTConfig(**{**TINY, **overrides})
 
 
+def int4_kernel_reference(q, x):
+    """What our int4 kernel (model/native.cpp) computes for a QuantizedLinear q, from first principles, bias left
+    out: x's blocks of 32 rounded to int8 at max |x| / 127 (xq), the weight against xq and its zeros against the
+    rest of x: xq @ W.T + (x - xq) @ Z.T, Z being each group's zero over its inputs."""
+    import torch
+
+    from nanogpt_cli.model import native
+
+    rows = x.size(0)
+    blocks = x.float().view(rows, -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    xq = (torch.round(blocks * (127 / amax)) * (amax / 127)).view(rows, -1)
+    zeros = native.untile(q.zeros.view(torch.float16).unsqueeze(-1), q.out_features).float()  # (N, G)
+    Z = zeros.repeat_interleave(q.group_size, dim=1)
+    return xq @ q.dequantize(torch.float32).T + (x.float() - xq) @ Z.T
+
+
 def tiny_plan(data_dir: Path, name: str, run_dir: Path, **overrides):
     """A run plan of the `tiny` preset on a prepared dataset, in float32 on the CPU (deterministic)."""
     from nanogpt_cli.training.plan import plan_run

@@ -13,23 +13,11 @@ import torch
 from nanogpt_cli.inference.engine import KVCache, decode_plan, decode_step
 from nanogpt_cli.model import GPT, native
 from nanogpt_cli.model.quantize import QuantizedLinear, quantize_int4, quantize_int8, quantize_model
-from conftest import tiny_config
+from conftest import int4_kernel_reference, tiny_config
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"our kernels do not run here: {native.status()}")
 
 N, K = 102, 128  # 102 rows: the last tile of 4 half padding
-
-
-def int4_reference(q: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    """native.cpp's int4 product from first principles: x's blocks of 32 rounded to int8 at max |x| / 127 (xq),
-    the weight against xq and its zeros against the rest of x: xq @ W.T + (x - xq) @ Z.T."""
-    rows = x.size(0)
-    blocks = x.float().view(rows, -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    xq = (torch.round(blocks * (127 / amax)) * (amax / 127)).view(rows, -1)
-    zeros = native.untile(q.zeros.view(torch.float16).unsqueeze(-1), q.out_features).float()  # (N, G)
-    Z = zeros.repeat_interleave(q.group_size, dim=1)
-    return xq @ q.dequantize(torch.float32).T + (x.float() - xq) @ Z.T
 
 
 def kernel_and_reference(kind: str, x: torch.Tensor, bias: torch.Tensor):
@@ -42,7 +30,7 @@ def kernel_and_reference(kind: str, x: torch.Tensor, bias: torch.Tensor):
         q = QuantizedLinear.int8(*quantize_int8(w), bias=bias)
         return q.kernel(), x.float() @ q.dequantize(torch.float32).T
     q = QuantizedLinear.int4(*quantize_int4(w, 32), 32, bias=bias)
-    return q.kernel(), int4_reference(q, x)
+    return q.kernel(), int4_kernel_reference(q, x)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])

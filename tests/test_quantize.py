@@ -13,7 +13,7 @@ from nanogpt_cli.cli import app
 from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams, decode_plan, decode_step, head_logits
 from nanogpt_cli.model import GPT, native
 from nanogpt_cli.model.quantize import QuantizedLinear, quantize_linear, quantize_model
-from conftest import tiny_config
+from conftest import int4_kernel_reference, tiny_config
 
 KINDS = ["int8", "int4"]
 LLAMA = dict(n_embd=64, norm="rmsnorm", mlp="swiglu", block_size=32)  # 64: whole int4 groups of 32
@@ -38,25 +38,11 @@ def test_the_packed_kernel_computes_the_dequantized_weight(kind, rows):
     x = torch.randn(rows, 64)
     expected = torch.nn.functional.linear(x, q.dequantize(torch.float32), q.bias)
     if kind == "int4" and q.native and rows < 32:  # our int4 kernel: x rounded to int8 in blocks of 32
-        expected = int4_kernel_reference(q, x)
+        expected = int4_kernel_reference(q, x) + q.bias
     torch.testing.assert_close(q(x), expected, atol=1e-5, rtol=0)
     # each weight within half a quantization step: 1/254 of the row's largest (int8), 1/30 of a group's range
     step = layer.weight.abs().amax(1, keepdim=True) / 127 if kind == "int8" else 2 * layer.weight.abs().max() / 15
     assert ((q.dequantize(torch.float32) - layer.weight).abs() <= step / 2 + 1e-6).all()
-
-
-def int4_kernel_reference(q: QuantizedLinear, x: torch.Tensor) -> torch.Tensor:
-    """What native.cpp's int4 product computes, from first principles: each block of 32 inputs rounded to int8
-    at a scale of max |x| / 127 (x ~ xq), the weight's q * scale part against xq and its zeros against x itself:
-    xq @ W.T + (x - xq) @ Z.T, Z being each group's zero over its inputs."""
-    rows, K = x.shape
-    blocks = x.view(rows, K // 32, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    xq = (torch.round(blocks * (127 / amax)) * (amax / 127)).view(rows, K)
-    zeros = native.untile(q.zeros.view(torch.float16).unsqueeze(-1), q.out_features).float()  # (N, G)
-    Z = zeros.repeat_interleave(q.group_size, dim=1)
-    W = q.dequantize(torch.float32)
-    return xq @ W.T + (x - xq) @ Z.T + (0 if q.bias is None else q.bias)
 
 
 def test_our_kernels_are_built_here_when_ci_says_so():
@@ -168,7 +154,7 @@ def test_int4_values_packed_in_slices_of_rows_compute_the_dequantized_weight(mon
     x = torch.randn(3, 64)
     expected = torch.nn.functional.linear(x, sliced.dequantize(torch.float32))
     if sliced.native:
-        expected = int4_kernel_reference(sliced, x)
+        expected = int4_kernel_reference(sliced, x)  # no bias
     torch.testing.assert_close(sliced(x), expected, atol=1e-5, rtol=0)
 
 

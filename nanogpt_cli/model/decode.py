@@ -161,13 +161,14 @@ def few_rows(kernel: native.Packed, module: nn.Module, res: bool = False) -> Op 
 
 
 def linear_op(module: nn.Module, packs: dict | None = None) -> Op:
-    """x (N, in) -> x @ W.T + b: our kernel (native_linear) where it runs; otherwise one mm or addmm against the
-    matmul form, one oneDNN call (packed_form), or a QuantizedLinear's bound kernel (decode_op)."""
+    """x (N, in) -> x @ W.T + b: a QuantizedLinear's bound kernel (decode_op: ours or torch's); a bf16 nn.Linear
+    in our kernel (native_linear) where it runs; otherwise one mm or addmm against the matmul form or one oneDNN
+    call (packed_form)."""
+    if type(module) is QuantizedLinear:
+        return module.decode_op()
     kernel = native_linear(module, packs)
     if kernel is not None:
         return few_rows(kernel, module)
-    if type(module) is QuantizedLinear:
-        return module.decode_op()
     if type(module) is not nn.Linear:
         return module
     packed = packed_form(module.weight)

@@ -438,7 +438,6 @@ static void timed_linear(const Linear& L, int64_t B, const void* x, int x_bf16, 
 static void block_step(const Block& L, int64_t B, void* x, const int64_t* pos, void* kc, void* vc, int bf16,
                        int kv_bf16, int threads, char* scratch) {
     const int64_t C = L.C, nh = L.nh, nkv = L.nkv, hs = L.hs, H = L.H, S = L.S, width = (nh + 2 * nkv) * hs;
-    const int es = bf16 ? 2 : 4;
     void* xn = scratch;                                                // (B, C) model dtype
     float* qkv = (float*)(scratch + B * C * 4);                        // (B, width)
     float* att = qkv + B * width;                                      // (B, nh * hs) float32
@@ -492,7 +491,6 @@ static void block_step(const Block& L, int64_t B, void* x, const int64_t* pos, v
             put(h, b * H + i, g / (1.f + expf(-g)) * u, bf16);
         }
     timed_linear(L.down, B, h, bf16, {x, x, bf16}, threads);
-    (void)es;
 }
 
 extern "C" {
