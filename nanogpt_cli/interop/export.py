@@ -24,6 +24,7 @@ from typing import Any
 
 from nanogpt_cli.errors import NanoGPTError, first_line
 from nanogpt_cli.interop import hf
+from nanogpt_cli.interop.gguf_pre import PRE_KEY
 from nanogpt_cli.interop.loading import load_model, tokenizer_of
 from nanogpt_cli.model import GPT
 
@@ -88,8 +89,8 @@ def export(
         origin = origin_of(source, meta)
         family = meta.get(hf.FAMILY_KEY)
         return export_hf(model, meta["tokenizer"], Path(out), force, origin, template, tokenizer, family)
-    family = meta.get(hf.FAMILY_KEY)
-    return export_gguf(model, meta["tokenizer"], Path(out), force, quant or "f32", template, tokenizer, family)
+    family, pre = meta.get(hf.FAMILY_KEY), meta.get(PRE_KEY)  # a GGUF source's own pre-tokenizer name goes out again
+    return export_gguf(model, meta["tokenizer"], Path(out), force, quant or "f32", template, tokenizer, family, pre)
 
 
 def load_source(source: str | Path, last: bool = False) -> tuple[GPT, dict[str, Any]]:
@@ -362,10 +363,12 @@ def export_gguf(
     chat_template: str | None = None,
     tokenizer=None,
     family: str | None = None,
+    pre: str | None = None,
 ) -> ExportResult:
     """Write one GGUF file (see gguf_file.py) with float32, float16 or quantized matrices, and the run's chat
     template as tokenizer.chat_template; tokenizer: the HFTokenizer a Hugging Face description needs; family: the
-    Hugging Face family the model came from, whose llama.cpp architecture it keeps."""
+    Hugging Face family the model came from, whose llama.cpp architecture it keeps; pre: the llama.cpp
+    pre-tokenizer the GGUF it came from named, kept when it cuts text as the tokenizer does."""
     from nanogpt_cli.interop import gguf_file
 
     hf.require("gguf")
@@ -373,13 +376,13 @@ def export_gguf(
         raise NanoGPTError(f"--quant must be one of {', '.join(gguf_file.QUANTS)}, got {quant!r}")
     # refusals first: nothing is written before every check has passed
     arch, layout = gguf_file.gguf_target(model.config, family)
-    gguf_file.gguf_vocabulary(desc, model.config.vocab_size, hf.require("gguf"), tokenizer)
+    gguf_file.gguf_vocabulary(desc, model.config.vocab_size, hf.require("gguf"), tokenizer, pre)
     if out.suffix != ".gguf":
         raise NanoGPTError(f"--out for --format gguf is a file ending in .gguf, got {out}")
     _check_target(out, force)
     tmp = _staging(out)
     try:
-        gguf_file.write_gguf(model, desc, tmp, quant, chat_template, tokenizer, family)
+        gguf_file.write_gguf(model, desc, tmp, quant, chat_template, tokenizer, family, pre)
         size = tmp.stat().st_size
         _replace(tmp, out)
     finally:

@@ -103,12 +103,15 @@ STARCODER2 = GGUFLayout(
 )
 
 
-def gguf_vocabulary(desc: dict[str, Any], vocab_size: int, gguf, tokenizer=None) -> dict[str, Any]:
+def gguf_vocabulary(
+    desc: dict[str, Any], vocab_size: int, gguf, tokenizer=None, pre: str | None = None
+) -> dict[str, Any]:
     """The tokenizer as llama.cpp reads it: tokens in id order, their types, merges, pre-tokenizer, end-of-text id.
     A padded vocabulary gets unused filler tokens, since llama.cpp wants one token per embedding row. A Hugging
-    Face tokenizer (`tokenizer`, an HFTokenizer) is read from its file (`_hf_vocabulary`)."""
+    Face tokenizer (`tokenizer`, an HFTokenizer) is read from its file (`_hf_vocabulary`); `pre`: the llama.cpp
+    pre-tokenizer a GGUF it came from named, kept when it cuts text as the file does (gguf_pre.llama_pre)."""
     if desc.get("kind") == "hf":
-        return _pad(_hf_vocabulary(tokenizer, gguf), vocab_size, gguf)
+        return _pad(_hf_vocabulary(tokenizer, gguf, pre), vocab_size, gguf)
     from nanogpt_cli.tokenizer import (
         BPETokenizer,
         byte_to_unicode,
@@ -167,17 +170,11 @@ def _pad(vocab: dict[str, Any], vocab_size: int, gguf) -> dict[str, Any]:
     return vocab
 
 
-# a byte-level BPE's split regex (its Split pre-tokenizer) -> the llama.cpp pre-tokenizer that splits the same way
-HF_PRE_TOKENIZERS = {
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"""
-    r"""|\s+(?!\S)|\s+""": "qwen2",
-}
-
-
-def _hf_vocabulary(tok, gguf) -> dict[str, Any]:
+def _hf_vocabulary(tok, gguf, pre: str | None = None) -> dict[str, Any]:
     """A Hugging Face BPE as llama.cpp reads it: byte-level ("gpt2": tokens in GPT-2's byte alphabet, merges, the
-    pre-tokenizer of its split regex) or SentencePiece-style with byte fallback ("llama": scores by id, <0xNN>
-    byte tokens); added tokens are control (special) or user-defined tokens. Anything else is one sentence."""
+    llama.cpp pre-tokenizer that cuts text as it does: gguf_pre) or SentencePiece-style with byte fallback
+    ("llama": scores by id, <0xNN> byte tokens); added tokens are control (special) or user-defined tokens.
+    Anything else is one sentence."""
     spec = json.loads(tok.text)
     model = spec.get("model") or {}
     if model.get("type") != "BPE":
@@ -206,7 +203,9 @@ def _hf_vocabulary(tok, gguf) -> dict[str, Any]:
         vocab["space_prefix"] = _prepends_space(spec)
         vocab["unk"] = tok.token_id(model.get("unk_token"))
         return vocab
-    return {**vocab, "model": "gpt2", "pre": _hf_pre_tokenizer(spec, tok.name)}
+    from nanogpt_cli.interop.gguf_pre import llama_pre
+
+    return {**vocab, "model": "gpt2", "pre": llama_pre(spec, tok.name, pre)}
 
 
 def _prepends_space(spec: dict[str, Any]) -> bool:
@@ -215,24 +214,6 @@ def _prepends_space(spec: dict[str, Any]) -> bool:
     if pre.get("type") == "Metaspace":
         return pre.get("prepend_scheme", "always") != "never"
     return '"Prepend"' in norm
-
-
-def _hf_pre_tokenizer(spec: dict[str, Any], name: str) -> str:
-    """The llama.cpp pre-tokenizer of a byte-level BPE: GPT-2's regex, or one of the split regexes it knows."""
-    pre = spec.get("pre_tokenizer") or {}
-    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    kinds = [p.get("type") for p in parts]
-    if kinds == ["ByteLevel"] and parts[0].get("use_regex", True):
-        return "gpt-2"
-    if kinds == ["Split", "ByteLevel"]:
-        regex = (parts[0].get("pattern") or {}).get("Regex")
-        known = {v: PRE_TOKENIZERS[k] for k, v in _patterns().items() if k in PRE_TOKENIZERS} | HF_PRE_TOKENIZERS
-        if regex in known:
-            return known[regex]
-    raise NanoGPTError(
-        f"llama.cpp has no pre-tokenizer nanogpt knows to match the {name} tokenizer's ({' + '.join(map(str, kinds))}),"
-        " so a GGUF export would split text differently"
-    )
 
 
 def _patterns() -> dict[str, str]:
@@ -249,18 +230,19 @@ def write_gguf(
     chat_template: str | None = None,
     tokenizer=None,
     family: str | None = None,
+    pre: str | None = None,
 ) -> None:
     """Write the model to `path` (checks first: a refusal writes nothing) in the architecture of its family
     (`family`: the one it came from; gguf_target); a chat template goes in as tokenizer.chat_template, without the
     generation tags llama.cpp does not know. A Hugging Face tokenizer (`tokenizer`) goes in as llama.cpp's vocabulary
     and as its tokenizer.json's text (TOKENIZER_JSON_KEY), and its end-of-turn ids as llama.cpp's end-of-text
-    token."""
+    token. pre: the llama.cpp pre-tokenizer a GGUF the model came from named (gguf_vocabulary)."""
     gguf = hf.require("gguf")
     if quant not in QUANTS:
         raise NanoGPTError(f"--quant must be one of {', '.join(QUANTS)}, got {quant!r}")
     c = model.config
     arch, layout = gguf_target(c, family)
-    vocab = gguf_vocabulary(desc, c.vocab_size, gguf, tokenizer)
+    vocab = gguf_vocabulary(desc, c.vocab_size, gguf, tokenizer, pre)
     tensors = gguf_tensors(model, layout)
     writer = _writer_class(gguf)(str(path), arch)
     writer.add_name("nanogpt")
@@ -448,6 +430,10 @@ def _meta(reader, path) -> dict[str, Any]:
 
     extra = {TOKENIZER_TEXT: fields[TOKENIZER_JSON_KEY].contents()} if TOKENIZER_JSON_KEY in fields else {}
     arch = fields["general.architecture"].contents()
+    if "tokenizer.ggml.pre" in fields:  # its export names the same llama.cpp pre-tokenizer again
+        from nanogpt_cli.interop.gguf_pre import PRE_KEY
+
+        extra[PRE_KEY] = fields["tokenizer.ggml.pre"].contents()
     if arch in GGUF_FAMILIES:  # its export prefers that family again (a Qwen2 stays Qwen2, not Llama with biases)
         extra[hf.FAMILY_KEY] = GGUF_FAMILIES[arch]
     return {

@@ -22,6 +22,7 @@ import numpy as np
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop.families import FAMILIES, GGUF_FAMILIES
+from nanogpt_cli.interop.gguf_pre import PRE_KEY, pre_tokenizer
 from nanogpt_cli.model import GPT
 
 
@@ -161,6 +162,8 @@ def _meta(reader, arch: str, config: GPTConfig, path) -> dict[str, Any]:
         "writer": "llama.cpp",
         "hf_family": GGUF_FAMILIES[arch],
     }
+    if field(reader, "tokenizer.ggml.model") == "gpt2":  # an export names the same llama.cpp pre-tokenizer again
+        meta[PRE_KEY] = field(reader, "tokenizer.ggml.pre", "default")
     if tok.chat_template:
         meta["chat_template"] = tok.chat_template
     return meta
@@ -266,36 +269,19 @@ def _added(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
     ]
 
 
-# the tokenizer.ggml.pre names llama.cpp (llama-vocab.cpp) splits with GPT-2's regex alone: its GPT2, MPT, OLMO,
-# JAIS, TRILLION and GRANITE_DOCLING types; convert_hf_to_gguf.py writes "olmo" for GPT-NeoX's tokenizer (Pythia)
-GPT2_SPLIT = {"gpt-2", "phi-2", "mpt", "olmo", "jais", "gigachat", "a.x-4.0", "mellum", "exaone4", "trillion"}
-GPT2_SPLIT |= {"granite-docling", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de"}
-
-
 def _byte_level_json(tokens, types, merges, reader, path) -> str:
+    """A byte-level BPE as tokenizer.json, cutting text as its llama.cpp pre-tokenizer does (gguf_pre; "default",
+    which older files name, as GPT-2's regex)."""
     import tokenizers as tk
 
-    from nanogpt_cli.interop.gguf_file import HF_PRE_TOKENIZERS, PRE_TOKENIZERS
-    from nanogpt_cli.tokenizer import PATTERNS
-
     pre = field(reader, "tokenizer.ggml.pre", "default")
-    regexes = {v: PATTERNS[k] for k, v in PRE_TOKENIZERS.items()} | {v: k for k, v in HF_PRE_TOKENIZERS.items()}
-    byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in GPT2_SPLIT or pre == "default":
-        pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    elif pre == "smollm":  # GPT-2's split with each digit apart
-        pre_tokenizer = tk.pre_tokenizers.Sequence(
-            [tk.pre_tokenizers.Digits(individual_digits=True), tk.pre_tokenizers.ByteLevel(add_prefix_space=False)]
-        )
-    elif pre in regexes:
-        split = tk.pre_tokenizers.Split(tk.Regex(regexes[pre]), behavior="isolated")
-        pre_tokenizer = tk.pre_tokenizers.Sequence([split, byte_level])
-    else:
+    known = pre_tokenizer("gpt-2" if pre == "default" else pre)
+    if known is None:
         raise NanoGPTError(f"{path}: tokenizer.ggml.pre = {pre!r} is a pre-tokenizer nanogpt does not know")
     vocab = {t: i for i, t in enumerate(tokens) if types[i] not in (3, 4)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre == "llama-bpe"))
-    tok.pre_tokenizer = pre_tokenizer
+    tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=pairs, ignore_merges=known[1]))
+    tok.pre_tokenizer = known[0]
     tok.decoder = tk.decoders.ByteLevel()
     return _with_added(tok, tokens, types)
 
