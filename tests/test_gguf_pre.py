@@ -1,8 +1,9 @@
 """llama.cpp's pre-tokenizer names (interop/gguf_pre.py): for each family in docs/models.md, a tokenizer trained here
 with the tokenizers library and the pre-tokenizer and normalizer that family's tokenizer.json has, exported to GGUF:
-the name written is the one llama.cpp's converter writes for the family, llama.cpp's own regexes for that name
-(llama-vocab.cpp, in its spelling) cut text as the tokenizer does, and transformers' GGUF loader (where it knows the
-name) and ours give the tokenizer's ids; a cut llama.cpp lacks is one sentence; a GGUF's own name goes out again."""
+the name written is the one llama.cpp's converter writes for the family (SentencePiece-style ones go out as its
+"llama" vocabulary), llama.cpp's own regexes for that name (llama-vocab.cpp, in its spelling) cut text as the
+tokenizer does, and transformers' GGUF loader (where it knows the name) and ours give the tokenizer's ids; a cut
+llama.cpp lacks is one sentence; a GGUF's own name goes out again."""
 
 from __future__ import annotations
 
@@ -23,13 +24,18 @@ from nanogpt_cli.interop.loading import load_model, tokenizer_of  # noqa: E402
 from nanogpt_cli.model import GPT  # noqa: E402
 
 # the split regexes as the families' tokenizer.json files spell them
-LLAMA3 = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
 QWEN2 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
 )
 TEKKEN = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?"
-    r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
 )
 # llama.cpp's regexes for the names (llama-vocab.cpp), each cutting the pieces the one before left
 LLAMA_CPP_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
@@ -52,8 +58,8 @@ def byte_level(regex: bool = True):
     return tk.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=regex)
 
 
-# family -> (normalizer, pre-tokenizer, ignore_merges) as its tokenizer.json has them, and the name llama.cpp's
-# converter writes for it (Pythia's "olmo" cuts as "gpt-2" does)
+# byte-level family -> (normalizer, pre-tokenizer, ignore_merges) as its tokenizer.json has them, and the name
+# llama.cpp's converter writes for it (Pythia's "olmo" cuts as "gpt-2" does)
 FAMILIES = {
     "gpt2": ((None, byte_level(), False), "gpt-2"),
     "llama3": ((None, tk.pre_tokenizers.Sequence([split(LLAMA3), byte_level(False)]), True), "llama-bpe"),
@@ -77,7 +83,14 @@ HELD_OUT = [  # digits, runs of spaces, tabs and newlines, contractions, other s
 ]
 
 
+# SentencePiece-style family -> whether a text gets a ▁ in front: Llama 2, TinyLlama and Mistral 7B (a Prepend
+# normalizer), Gemma 3 (spaces replaced only); llama.cpp's "llama" vocabulary, with no pre-tokenizer of its own
+SENTENCEPIECE = {"llama2": True, "gemma3": False}
+
+
 def family_tokenizer(name: str, folder) -> HFTokenizer:
+    if name in SENTENCEPIECE:
+        return sentencepiece_family(SENTENCEPIECE[name])
     (normalizer, pre, ignore_merges), _ = FAMILIES[name]
     t = tk.Tokenizer(tk.models.BPE(ignore_merges=ignore_merges))
     t.normalizer, t.pre_tokenizer, t.decoder = normalizer, pre, tk.decoders.ByteLevel()
@@ -91,6 +104,27 @@ def family_tokenizer(name: str, folder) -> HFTokenizer:
     folder.mkdir(parents=True, exist_ok=True)
     t.save(str(folder / "tokenizer.json"))
     return HFTokenizer(t.to_str(), name, {"eos_token": "<|endoftext|>"}, folder=folder)
+
+
+def sentencepiece_family(prefix: bool) -> HFTokenizer:
+    """A BPE with byte fallback as Llama 2's and Gemma's tokenizer.json are: <unk> <s> </s>, the 256 <0xNN> tokens,
+    merges learnt on ▁-marked words, spaces replaced by ▁ (and a ▁ put in front: `prefix`)."""
+    t = tk.Tokenizer(tk.models.BPE())
+    t.pre_tokenizer = tk.pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    t.train_from_iterator([TRAIN], tk.trainers.BpeTrainer(vocab_size=300, limit_alphabet=60, show_progress=False))
+    learnt = json.loads(t.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    for token, _ in sorted(learnt["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in learnt["merges"]]
+    s = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    replace = tk.normalizers.Replace(" ", "▁")
+    s.normalizer = tk.normalizers.Sequence([tk.normalizers.Prepend("▁"), replace]) if prefix else replace
+    steps = [tk.decoders.Replace("▁", " "), tk.decoders.ByteFallback(), tk.decoders.Fuse()]
+    s.decoder = tk.decoders.Sequence(steps + ([tk.decoders.Strip(" ", 1, 0)] if prefix else []))
+    s.add_special_tokens([tk.AddedToken(x, special=True, normalized=False) for x in ["<unk>", "<s>", "</s>"]])
+    settings = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False}
+    return HFTokenizer(s.to_str(), "spm", settings)
 
 
 def export_of(tok: HFTokenizer, path) -> dict:
@@ -118,12 +152,14 @@ def llama_cpp_cut(text: str, regexes: list[str]) -> list[str]:
     return ["".join(alphabet[b] for b in p.encode("utf-8")) for p in pieces]
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", [*FAMILIES, *SENTENCEPIECE])
 def test_each_familys_tokenizer_goes_out_under_llama_cpps_name_and_reads_back_with_its_ids(name, tmp_path):
     tok = family_tokenizer(name, tmp_path / "tok")
     fields = export_of(tok, tmp_path / "m.gguf")
-    pre = FAMILIES[name][1]
-    assert fields["tokenizer.ggml.model"].contents() == "gpt2" and fields["tokenizer.ggml.pre"].contents() == pre
+    model, pre = ("llama", "default") if name in SENTENCEPIECE else ("gpt2", FAMILIES[name][1])
+    assert fields["tokenizer.ggml.model"].contents() == model and fields["tokenizer.ggml.pre"].contents() == pre
+    if name in SENTENCEPIECE:
+        assert bool(fields["tokenizer.ggml.add_space_prefix"].contents()) == SENTENCEPIECE[name]
     backend = tk.Tokenizer.from_str(tok.text)
     if pre in LLAMA_CPP:  # llama.cpp's own regexes for the name cut as the tokenizer's pre-tokenizer does
         for text in HELD_OUT:
@@ -137,6 +173,8 @@ def test_each_familys_tokenizer_goes_out_under_llama_cpps_name_and_reads_back_wi
 @pytest.mark.slow  # transformers takes seconds to import
 @pytest.mark.parametrize("name", [n for n in FAMILIES if n != "smollm2"])  # transformers has no split for smollm
 def test_transformers_reads_the_gguf_tokenizer_with_the_same_ids(name, tmp_path):
+    """transformers' GGUF reader, on the byte-level names it knows. (Its SentencePiece reader is chosen by the
+    architecture, and puts no ▁ before a text that starts with a space, where llama.cpp and Llama 2's file do.)"""
     transformers = pytest.importorskip("transformers")
     tok = family_tokenizer(name, tmp_path / "tok")
     export_of(tok, tmp_path / "m.gguf")

@@ -242,7 +242,8 @@ def tiny_smollm2(folder: Path) -> None:
     import transformers
 
     tok = tk.Tokenizer(tk.models.BPE())
-    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    digits = tk.pre_tokenizers.Digits(individual_digits=True)  # SmolLM2's: each digit apart, then GPT-2's split
+    tok.pre_tokenizer = tk.pre_tokenizers.Sequence([digits, tk.pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = tk.decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2, as SmolLM2's
     alphabet = tk.pre_tokenizers.ByteLevel.alphabet()
