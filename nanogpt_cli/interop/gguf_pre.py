@@ -38,7 +38,7 @@ TEKKEN = (
     r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"""
     r"""|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"""
     r"""|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)  # Mistral's tekken (Mistral NeMo, Pixtral)
+)  # Mistral's tekken (Mistral NeMo)
 # the case-blind contractions as llama.cpp rewrites them, and as tokenizer.json files spell them
 _CONTRACTIONS = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])", r"(?i:'s|'t|'re|'ve|'m|'ll|'d)")
 
