@@ -214,8 +214,8 @@ def list_runs(root: Path) -> list[RunSummary]:
     if not root.is_dir():
         raise NanoGPTError(f"{root} is not a folder of runs")
 
-    def listed(p: Path) -> bool:
-        return RunDir(p).has_run() or read_hf_folder(p) is not None
+    def listed(p: Path) -> bool:  # a run, an export, or a run being started (its lock held, no config.json yet)
+        return RunDir(p).has_run() or read_hf_folder(p) is not None or RunDir(p).running() is not None
 
     folders = (
         [root]
