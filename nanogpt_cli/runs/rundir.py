@@ -198,9 +198,10 @@ class RunDir:
             self.clear_leftovers()
             yield
         finally:
-            if made and [p.name for p in self.path.iterdir()] == [LOCK]:  # refused before it wrote: no folder left
-                (self.path / LOCK).unlink()
-                self.path.rmdir()
+            with contextlib.suppress(OSError):  # refused before it wrote anything: no folder is left behind
+                if made and [p.name for p in self.path.iterdir()] == [LOCK]:
+                    (self.path / LOCK).unlink()
+                    self.path.rmdir()
             os.close(fd)  # lets go of the lock; the file stays (removing it would race a process opening it)
 
     def running(self) -> dict[str, Any] | None:
@@ -409,7 +410,7 @@ class RunDir:
         try:
             step = self.restore().state.step
         except NanoGPTError:
-            return "no checkpoint of this run is on disk yet"
+            return "no complete checkpoint of this run is on disk"
         return f"the checkpoint of step {step:,} there is intact: once that is fixed, --resume continues from it"
 
     def restore(self) -> SavePoint:

@@ -208,7 +208,9 @@ class Trainer:
         self.tuner = thread_tuner(world.device, world.size, plan.threads if plan.resume else None)
 
     def fit(self) -> TrainResult:
-        # rank 0 owns the run folder while it trains: `runs` says "running", another start there is refused
+        # rank 0 owns the run folder while it trains: `runs` says "running", another start there is refused;
+        # once every rank has planned, as each one checks that no process owns it
+        self.world.barrier()
         with self.run_dir.hold() if self.world.main else contextlib.nullcontext():
             self.parts = self._setup()
             step = self.parts.state.step
