@@ -185,6 +185,24 @@ def test_a_refused_start_leaves_no_folder_and_a_stopped_lock_says_nothing(char_d
     assert RunDir(run).running() is None
 
 
+def test_leftovers_of_a_save_cut_short_are_cleared_and_a_needed_predecessor_is_kept(char_data, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_plan(*char_data, run, max_iters=4, eval_interval=2, stop_at=2))
+    leftovers = [".model.safetensors.staged", ".optimizer.safetensors.staged", ".config.json.tmp-99999"]
+    for name in leftovers:
+        (run / name).write_bytes(b"half written")
+    os.link(run / "trainer.json", run / ".trainer.json.prev")
+    os.link(run / "best.safetensors", run / ".best.safetensors.prev")  # replaced by a complete save: not needed
+    # a save cut short after renaming the step-4 weights: their step-2 predecessor is what a resume loads
+    os.link(run / "model.safetensors", run / ".model.safetensors.prev")
+    train(tiny_plan(*char_data, tmp_path / "ahead", max_iters=4, eval_interval=2, stop_at=4))
+    os.replace(tmp_path / "ahead" / "model.safetensors", run / "model.safetensors")
+    with RunDir(run).hold():
+        hidden = sorted(p.name for p in run.iterdir() if p.name.startswith("."))
+    assert hidden == [".lock", ".model.safetensors.prev"]
+    assert train(plan_run({}, out=run, resume=True)).step == 4
+
+
 # --- the start command plus --resume ---
 
 
