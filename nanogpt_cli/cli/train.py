@@ -238,8 +238,7 @@ def finetune(
         return run_planned(job.plan, quiet, sink, job.trainable, plot=plot)
     settings = dict(beta=beta, loss_type=loss_type, rpo_alpha=rpo_alpha, group_size=group_size, kl=kl, reward=reward)
     settings |= dict(max_new_tokens=max_new_tokens, rollout_temperature=temperature, grpo_updates=grpo_updates)
-    with job.plan.run_dir.hold():  # `runs` says "running" while it trains; another start there is refused
-        run_policy(job, method, settings, quiet, sink)
+    run_policy(job, method, settings, quiet, sink)
 
 
 def stopped_line(plan, result) -> str:
