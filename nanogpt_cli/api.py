@@ -395,7 +395,8 @@ class Saved:
 if TYPE_CHECKING:
     # what a training callback receives, in this order: Note and Change (a resume's changed values) from the
     # plan, Status while it sets up, RunStarted, then StepLogged and Evaluated as the run goes (Evaluated.saved:
-    # a checkpoint followed), Saved for the final checkpoint of a stopped run, and Hint when there is advice
+    # a checkpoint followed; it comes once that is on disk, maybe after StepLogged of later steps), Saved for
+    # the final checkpoint of a stopped run, and Hint when there is advice
     Event = Note | Change | Status | RunStarted | StepLogged | Evaluated | Saved | Hint
 
 

@@ -85,7 +85,8 @@ def run_policy(job, method: str, given: dict, quiet: bool, sink=None) -> None:
     if method == "dpo":
         from nanogpt_cli.training.dpo import DPO
 
-        result = DPO(job, given, show).fit()
+        with job.plan.run_dir.hold():  # `runs` says "running" while it trains; another start there is refused
+            result = DPO(job, given, show).fit()
         console.print(
             f"dpo: {result.step:,} updates in {result.run_dir}; val loss {result.val_loss:.4f}, "
             f"preference accuracy {result.val_accuracy:.1%}",
@@ -98,5 +99,6 @@ def run_policy(job, method: str, given: dict, quiet: bool, sink=None) -> None:
     from nanogpt_cli.training.grpo import GRPO
 
     vocab = job.plan.dataset.get("vocab_size")
-    result = GRPO(job, partial(engine_rollout, vocab_size=vocab), given, show).fit()
+    with job.plan.run_dir.hold():
+        result = GRPO(job, partial(engine_rollout, vocab_size=vocab), given, show).fit()
     console.print(f"grpo: {result.step:,} updates in {result.run_dir}; val reward {result.val_reward:.4f}")

@@ -299,7 +299,7 @@ def runs_table(runs, root, width: int | None = None):
     for name in shown:
         justify = "left" if name in ("run", "dataset", "updated", "status") else "right"
         table.add_column(name, justify=justify, no_wrap=True)
-    colours = {"finished": "[green]finished[/]", "damaged": "[red]damaged[/]"}
+    colours = {"finished": "[green]finished[/]", "damaged": "[red]damaged[/]", "running": "[cyan]running[/]"}
     for row in rows:
         cells = []
         for name in shown:

@@ -8,6 +8,7 @@ Nothing here writes; a damaged file is reported (status "damaged", or "loads": f
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
@@ -24,9 +25,11 @@ from nanogpt_cli.runs.checkpoint import damage, file_step, read_metadata
 from nanogpt_cli.runs.rundir import RunDir
 
 STATUSES = {
+    "running": "a process is training it now",
     "finished": "step reached --max-iters, or --max-time was spent",
     "resumable": "stopped before --max-iters; `nanogpt train --out RUN --resume` continues it",
     "stopped": "weights but no trainer state: start from it with --init-from",
+    "empty": "stopped before its first save: the command that started it starts it again",
     "damaged": "a file it needs cannot be read",
     "export": "a Hugging Face folder (`nanogpt export --format hf`): sample, eval and --init-from read it",
 }
@@ -47,7 +50,7 @@ class RunSummary:
     updated: str  # ISO time of the newest file in the folder
     status: str  # one of STATUSES
     problem: str | None = None  # why it is damaged
-    description: str | None = None  # what an export folder is, in words
+    description: str | None = None  # what an export folder is, who trains a running run, in words
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -158,13 +161,27 @@ def summarize_run(path: Path) -> RunSummary:
         status="damaged",
         updated=stamp,
     )
+    owner = run.running()
     try:
         config = run.read_config()
         summary.dataset = config["train"].get("data")
         summary.max_iters = config["train"].get("max_iters")
         summary.params = model_counts(GPTConfig.from_dict(config["model"]))[1]
     except (NanoGPTError, TypeError, ValueError) as e:
+        if owner is not None:  # config.json not written yet, or being replaced
+            summary.status, summary.description = "running", _trained_by(owner)
+            return summary
         summary.problem = str(e)
+        return summary
+    if owner is not None:  # its files are being written: what they hold now, as far as it can be read
+        summary.status, summary.description = "running", _trained_by(owner)
+        with contextlib.suppress(NanoGPTError):
+            state = run.read_trainer()
+            summary.step, summary.tokens, summary.best_val_loss = state.step, state.tokens, state.best_val_loss
+        return summary
+    if run.is_empty():
+        summary.status = "empty"
+        summary.description = "stopped before its first save: the command that started it starts it again"
         return summary
     if not run.has_trainer_state():
         meta = _weights_meta(run.last_path)
@@ -184,14 +201,21 @@ def summarize_run(path: Path) -> RunSummary:
     return summary
 
 
+def _trained_by(owner: dict[str, Any]) -> str:
+    """Who trains a running run, from its lock's record."""
+    if not owner.get("pid"):
+        return "being trained now"
+    return f"being trained by process {owner['pid']}" + (f" since {owner['started']}" if owner.get("started") else "")
+
+
 def list_runs(root: Path) -> list[RunSummary]:
     """Every run folder directly under root (or root itself when it is one), newest first."""
     root = Path(root)
     if not root.is_dir():
         raise NanoGPTError(f"{root} is not a folder of runs")
 
-    def listed(p: Path) -> bool:
-        return RunDir(p).has_run() or read_hf_folder(p) is not None
+    def listed(p: Path) -> bool:  # a run, an export, or a run being started (its lock held, no config.json yet)
+        return RunDir(p).has_run() or read_hf_folder(p) is not None or RunDir(p).running() is not None
 
     folders = (
         [root]

@@ -293,6 +293,9 @@ class TrainerState:
     eval_s: float = 0.0  # the last evaluation's length: --max-time keeps it free for the final one
     max_time_spent: float | None = None  # the --max-time that ended the run; None: the clock did not end it
     speed: dict[str, Any] | None = None  # the last invocation's events.RunSpeed, for `info`
+    # a CPU run's torch threads at this save: sums differ by thread count, so a resume keeps it (None: a GPU run,
+    # or a run saved before this was kept)
+    threads: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(
@@ -303,6 +306,7 @@ class TrainerState:
             eval_s=self.eval_s,
             max_time_spent=self.max_time_spent,
             speed=self.speed,
+            threads=self.threads,
             version=__version__,
             rng_torch=_maybe(encode_rng, self.rng_torch),
             rng_batches=_maybe(encode_rng, self.rng_batches),
@@ -323,6 +327,7 @@ class TrainerState:
             eval_s=d.get("eval_s", 0.0),
             max_time_spent=d.get("max_time_spent"),
             speed=d.get("speed"),
+            threads=d.get("threads"),
             rng_torch=_maybe(decode_rng, d.get("rng_torch")),
             rng_batches=_maybe(decode_rng, d.get("rng_batches")),
             rng_cuda=[decode_rng(s) for s in d.get("rng_cuda") or []],

@@ -17,6 +17,15 @@ Layout of a run folder:
     metrics.jsonl          one JSON object per evaluation (kind "eval") and per --log-interval (kind "train")
     loss.png               the loss curves, when matplotlib is installed
     tokenizer.json         a Hugging Face tokenizer's file, copied from the dataset (the metadata holds its sha256)
+    .lock                  locked (flock) by the process training the run, for as long as it runs: `runs` says
+                           "running", and another start in the folder is refused; the kernel lets go of it when the
+                           process ends, however it ends
+    .NAME.staged, .NAME.prev, .NAME.tmp-PID
+                           a save in progress: the new files, the previous ones, a file being written; a process
+                           killed during a save leaves some behind, which the next start clears
+
+A folder with config.json but no checkpoint file yet is an empty run: one stopped before its first save, which
+the command that started it starts again (nothing of value is in it).
 """
 
 from __future__ import annotations
@@ -29,13 +38,20 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+
+try:
+    import fcntl
+except ImportError:  # not on POSIX: no lock, and `runs` cannot tell a running run
+    fcntl = None
 
 from nanogpt_cli import __version__
 from nanogpt_cli.errors import NanoGPTError, first_line
@@ -57,6 +73,8 @@ OPTIMIZER, TRAINER, CONFIG, METRICS = "optimizer.safetensors", "trainer.json", "
 TOKENIZER = "tokenizer.json"  # hf_tokenizer.HF_FILE: the vocabulary of a Hugging Face tokenizer travels with the run
 LOSS_PLOT = "loss.png"  # drawn from metrics.jsonl at the end of `nanogpt train` when matplotlib is installed
 RUNS_DIR = Path("checkpoints")  # the folder of runs: `nanogpt runs` lists it; a bare run name is looked up in it
+LOCK = ".lock"  # held by the process training the run (see the module docstring)
+SAVED = (LAST, BEST, OPTIMIZER, TRAINER)  # a save's files: a run with none of them is empty
 
 
 class RunDir:
@@ -104,34 +122,129 @@ class RunDir:
         """The weights files present, best first."""
         return [p for p in (self.best_path, self.last_path) if p.is_file()]
 
+    def is_empty(self) -> bool:
+        """A run stopped before its first save: config.json (and progress lines) but not one checkpoint file."""
+        return self.has_run() and not any((self.path / n).exists() for n in SAVED)
+
     def check(self, resume: bool, force: bool) -> None:
-        """A run folder must be new, empty, or (with --resume / --force) a run; anything else is refused."""
+        """A run folder must be new, empty, an empty run, or (with --resume / --force) a run; anything else, or a
+        run being trained now, is refused."""
         if self.path.exists() and not self.path.is_dir():
             raise NanoGPTError(f"--out {self.path} is a file, not a folder")
         if resume and force:
             raise NanoGPTError("--resume continues the run in --out and --force deletes it; give one of them")
+        owner = self.running()
+        if owner is not None:
+            raise NanoGPTError(f"{self.path} is being trained now{_by(owner)}; wait for it to end, or stop it first")
         if resume:
+            if self.is_empty():
+                raise NanoGPTError(
+                    f"--resume: {self.path} was stopped before its first save, so there is nothing to resume; "
+                    "start it again with the command that started it, without --resume"
+                )
             if not self.has_run():
                 raise NanoGPTError(
                     f"--resume: {self.path} holds no run to resume (no {TRAINER} and {CONFIG}); "
                     "start it without --resume"
                 )
-        elif self.has_run() and not force:
+        elif self.has_run() and not force and not self.is_empty():
             raise NanoGPTError(
                 f"{self.path} already holds a run; pass --resume to continue it or --force to "
                 "start over (this deletes it)"
             )
-        elif not self.has_run() and self.path.is_dir() and any(self.path.iterdir()):
+        elif not self.has_run() and self.path.is_dir() and any(not _leftover(p.name) for p in self.path.iterdir()):
             raise NanoGPTError(f"--out {self.path} holds other files and no run; choose a new or empty folder")
         elif not self.has_run():
             check_creatable(self.path, "--out")
 
     def start(self, force: bool) -> None:
-        """A fresh run: with --force delete the files of the run there, and nothing else."""
-        if force:
+        """A fresh run: with --force, or in an empty run, delete the files of the run there, and nothing else."""
+        if force or self.is_empty():
             for name in self.FILES:
                 (self.path / name).unlink(missing_ok=True)
         self.path.mkdir(parents=True, exist_ok=True)
+
+    # --- the process that trains the run ---
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Own the folder while training in it: its lock, taken (or the run is being trained by another process,
+        which is refused) and kept until the block ends; then the files a save cut short left behind are cleared.
+        The kernel lets go of the lock when the process ends, kill -9 included, so it is never stale."""
+        if fcntl is None:
+            yield
+            return
+        made = not self.path.exists()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise NanoGPTError(f"cannot write into --out {self.path}: {_reason(e)}") from None
+        try:
+            for _ in range(40):  # `runs` holds a shared lock for a moment while it looks
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.025)
+            else:
+                owner = self.running() or {}
+                raise NanoGPTError(
+                    f"{self.path} is being trained now{_by(owner)}; wait for it to end, or stop it first"
+                )
+            started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps({"pid": os.getpid(), "started": started}).encode())
+            self.clear_leftovers()
+            yield
+        finally:
+            with contextlib.suppress(OSError):  # refused before it wrote anything: no folder is left behind
+                if made and [p.name for p in self.path.iterdir()] == [LOCK]:
+                    (self.path / LOCK).unlink()
+                    self.path.rmdir()
+            os.close(fd)  # lets go of the lock; the file stays (removing it would race a process opening it)
+
+    def running(self) -> dict[str, Any] | None:
+        """The process training this run now, as its lock records it ({"pid", "started"}), or None."""
+        path = self.path / LOCK
+        if fcntl is None or not path.is_file():
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    record = json.loads(os.read(fd, 4096) or b"{}")
+                except (OSError, ValueError):
+                    record = {}
+                return {"pid": None, "started": None, **(record if isinstance(record, dict) else {})}
+            return None
+        finally:
+            os.close(fd)
+
+    def clear_leftovers(self) -> None:
+        """The files a process killed during a save left behind (its caller holds the lock, so no save is being
+        written): staged and temporary files, and kept predecessors that the last complete save has replaced."""
+        try:
+            step = self.read_trainer().step
+        except NanoGPTError:
+            step = None
+        for p in list(self.path.iterdir()):
+            name = p.name
+            if not name.startswith(".") or name == LOCK:
+                continue
+            if name.endswith(".staged") or ".tmp-" in name:
+                p.unlink(missing_ok=True)
+            elif name.endswith(".prev") and step is not None:
+                # needed only while its file is from a save newer than the trainer state's (one cut short)
+                final = self.path / name[1 : -len(".prev")]
+                saved = file_step(final) if final.is_file() and final.name != TRAINER else None
+                if final.name == TRAINER or (saved is not None and saved <= step):
+                    p.unlink(missing_ok=True)
 
     def keep_tokenizer(self, data_dir: Path) -> None:
         """Copy the dataset's tokenizer.json into the run (a Hugging Face tokenizer; other kinds have none), so the
@@ -153,7 +266,16 @@ class RunDir:
                 pass  # a damaged config.json is being replaced: its history is lost with it
         if changes:
             history.append(changes)
-        write_json(self.path / CONFIG, {**config, "history": history, "version": __version__})
+        with self._writing(CONFIG):
+            write_json(self.path / CONFIG, {**config, "history": history, "version": __version__})
+
+    @contextlib.contextmanager
+    def _writing(self, name: str) -> Iterator[None]:
+        """A write of one of the run's small files: its failure is one sentence, which says what is kept."""
+        try:
+            yield
+        except OSError as e:
+            raise NanoGPTError(f"cannot write {self.path / name} ({_reason(e)}); {self.kept()}") from None
 
     def read_config(self) -> dict[str, Any]:
         config = self._read_json(CONFIG)
@@ -190,7 +312,7 @@ class RunDir:
         return ""
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        with open(self.path / METRICS, "a", encoding="utf-8") as f:
+        with self._writing(METRICS), open(self.path / METRICS, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 
     def read_metrics(self) -> tuple[list[dict[str, Any]], int]:
@@ -209,7 +331,8 @@ class RunDir:
             return
         records, _ = read_jsonl(path)
         lines = [json.dumps(r) for r in records if r.get("step", 0) <= step]
-        atomic_write(path, lambda tmp: tmp.write_text("".join(ln + "\n" for ln in lines), encoding="utf-8"))
+        with self._writing(METRICS):
+            atomic_write(path, lambda tmp: tmp.write_text("".join(ln + "\n" for ln in lines), encoding="utf-8"))
 
     def check_resumable(self) -> tuple[TrainerState, list[str]]:
         """Everything a resume reads, checked before anything is written: the trainer state, and weights and
@@ -245,13 +368,17 @@ class RunDir:
     def write(self, snap: Snapshot) -> None:
         """Write every file under a temporary name first, then rename them into place one after another, so a
         crash can at worst leave files of two adjacent saves, which restore() detects, never a half-written one.
-        trainer.json is renamed last: it names the step the others must match."""
+        trainer.json is renamed last: it names the step the others must match. Each file reaches the disk before
+        the renames, and the renames before this returns (fsync): a save that returned survives a power cut. A
+        write that fails (a full disk, a file too large, a folder gone) is one NanoGPTError that says the
+        previous save is intact, which it is: nothing of it is touched before every new file is written."""
         staged: list[tuple[Path, Path]] = []
 
         def stage(name: str, write) -> None:
             tmp = self.path / f".{name}.staged"
             write(tmp)
             staged.append((tmp, self.path / name))
+            _sync(tmp)
 
         try:
             stage(LAST, lambda p: write_tensors(p, snap.weights, snap.weights_meta))
@@ -267,11 +394,24 @@ class RunDir:
                     os.link(final, _prev(final))
             for tmp, final in staged:
                 os.replace(tmp, final)
+            _sync(self.path)  # the renames themselves
             for _, final in staged:
                 _prev(final).unlink(missing_ok=True)
+        except (OSError, SafetensorError) as e:
+            raise NanoGPTError(
+                f"saving step {snap.trainer['step']:,} in {self.path} failed ({_reason(e)}); {self.kept()}"
+            ) from None
         finally:
             for tmp, _ in staged:
                 tmp.unlink(missing_ok=True)
+
+    def kept(self) -> str:
+        """What is on disk to go on from, in words: the save that restore() would take, and how to continue."""
+        try:
+            step = self.restore().state.step
+        except NanoGPTError:
+            return "no complete checkpoint of this run is on disk"
+        return f"the checkpoint of step {step:,} there is intact: once that is fixed, --resume continues from it"
 
     def restore(self) -> SavePoint:
         """The last complete save, to resume from. A save cut short between its renames leaves newer files
@@ -538,3 +678,41 @@ def _matching(path: Path, step: int) -> Path | None:
         if candidate.is_file() and file_step(candidate) == step:
             return candidate
     return None
+
+
+def _leftover(name: str) -> bool:
+    """A file of ours that is no run by itself: the lock, or what a save cut short left behind."""
+    return name == LOCK or (name.startswith(".") and (name.endswith((".staged", ".prev")) or ".tmp-" in name))
+
+
+def _by(owner: dict[str, Any]) -> str:
+    """ " by process 1234 (since 2026-01-01T10:00:00+00:00)", from a lock's record, or "" where it has none."""
+    if not owner.get("pid"):
+        return ""
+    return f" by process {owner['pid']}" + (f" (since {owner['started']})" if owner.get("started") else "")
+
+
+def _reason(e: BaseException) -> str:
+    """An I/O error in words: "No space left on device" (safetensors wraps the system's error in its own)."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = first_line(e)
+    text = text.split("I/O error: ", 1)[-1]  # "Error while serializing: I/O error: File too large (os error 27)"
+    return text.split(" (os error", 1)[0]
+
+
+def _sync(path: Path) -> None:
+    """Have a file's data, or a folder's entries, reach the disk (where the platform syncs folders)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if path.is_dir():  # Windows opens no folders: its renames are as durable as it makes them
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
+    finally:
+        os.close(fd)

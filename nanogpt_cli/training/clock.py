@@ -156,10 +156,17 @@ class ThreadTuner:
     ends after one update GIVE_UP times as long, so a wrong guess costs one update."""
 
     def __init__(
-        self, threads: int, top: int, cpus: int, apply: Callable[[int], None] = torch.set_num_threads, note: str = ""
+        self,
+        threads: int,
+        top: int,
+        cpus: int,
+        apply: Callable[[int], None] = torch.set_num_threads,
+        note: str = "",
+        fixed: bool = False,
     ):
         self.threads, self.top, self.cpus, self.apply = threads, top, cpus, apply
         self.note = note  # the start's choice and why, said with the run's first lines
+        self.fixed = fixed  # says its note and keeps the count (a resumed run: see thread_tuner)
         self.times: list[float] = []  # the current count's updates (the trial's during one)
         self.kept: float | None = None  # the kept count's update time (a median of PROBE)
         self.trial: tuple[int, float] | None = None  # during a trial: the kept count and its time
@@ -177,6 +184,8 @@ class ThreadTuner:
     def stepped(self, step_s: float, running: Callable[[], float | None] | None = None) -> str | None:
         """After each update, its length: the note to print when the thread count changed, else None. running:
         the threads running elsewhere now (default: three looks at /proc, ~4 ms, made every LOOK_EVERY updates)."""
+        if self.fixed:
+            return None
         if self.skip:
             self.skip -= 1
             return None
@@ -226,11 +235,31 @@ class ThreadTuner:
         return None
 
 
-def thread_tuner(device: torch.device, world_size: int) -> ThreadTuner | None:
+def thread_tuner(device: torch.device, world_size: int, last_used: int | None = None) -> ThreadTuner | None:
     """For a CPU run of one process whose threads set_threads chose itself, the tuner that says the choice and
     adapts it; None for every other run (a given --threads or OMP_NUM_THREADS, several processes, a GPU, a run
-    started without set_threads), whose threads stay as they are."""
+    started without set_threads), whose threads stay as they are.
+
+    A resumed run (last_used: the threads it last trained with) keeps that count instead, fixed, so that it
+    computes the very sums an uninterrupted run would (CPU sums differ by thread count in their last digits); a
+    count the user gives wins, with a note saying what it may change."""
     choice = take_threads_choice()
-    if choice is None or choice.source != "auto" or device.type != "cpu" or world_size > 1:
+    if choice is None or device.type != "cpu" or world_size > 1:
+        return None
+    if last_used is not None and choice.source == "auto":
+        torch.set_num_threads(last_used)
+        note = (
+            f"threads: {last_used}, as this run last trained with: a resume keeps them, so that it computes what an "
+            "uninterrupted run would; --threads N sets it"
+        )
+        return ThreadTuner(last_used, last_used, cpu_cores(), note=note, fixed=True)
+    if last_used is not None and choice.threads != last_used:
+        said = "--threads" if choice.source == "given" else "OMP_NUM_THREADS"
+        note = (
+            f"{said} {choice.threads}: this run last trained with {last_used} threads, and sums differ by thread "
+            "count, so its losses may differ in the last digits from a run that did not stop"
+        )
+        return ThreadTuner(choice.threads, choice.threads, cpu_cores(), note=note, fixed=True)
+    if choice.source != "auto":
         return None
     return ThreadTuner(choice.threads, choice.cores, cpu_cores(), note=choice.line())

@@ -73,7 +73,9 @@ def plan_train(request: TrainRequest) -> TrainJob:
                 f"{r.out} is a LoRA run, which --nproc does not launch; resume it in one process, or with "
                 "torchrun --nproc-per-node N -m nanogpt_cli finetune --out RUN --resume"
             )
-        job = plan_finetune(r.flags, r.file_values, out=r.out, resume=True, force=r.force)
+        job = plan_finetune(
+            r.flags, r.file_values, out=r.out, resume=True, force=r.force, init_from=r.init_from, init_last=r.init_last
+        )
         return TrainJob(job.plan, job.trainable)
     plan = plan_run(
         r.flags,

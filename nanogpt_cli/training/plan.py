@@ -61,6 +61,9 @@ class RunPlan:
     finetune: dict[str, Any] | None = None
     changes: list[Change] = field(default_factory=list)  # training values a resume changes, from its step on
     hf_family: str | None = None  # --init-from a Hugging Face model or GGUF file: its family, which exports write back
+    # --init-from as config.json records it, {"source", "last", "path"}: a resume given it again checks it is the same
+    init_from: dict[str, Any] | None = None
+    threads: int | None = None  # a resumed CPU run: the threads it last trained with (None: not known)
 
     @property
     def seq_len(self) -> int:
@@ -130,8 +133,8 @@ def plan_run(
     run_dir.check(resume, force)
     split_values(values)  # unknown keys are refused first
     if resume:
-        if init_from is not None:
-            raise NanoGPTError("--resume continues a run with its own weights; drop --init-from")
+        if init_from is not None:  # the command that started the run, given again: accepted when it is the same
+            check_same_start(run_dir, init_from, init_last)
         return _plan_resume(run_dir, preset, values, world_size)
     return _plan_fresh(run_dir, preset, values, world_size, force, init_from, init_last)
 
@@ -188,7 +191,52 @@ def _plan_fresh(
         )
     check_world(train_cfg, world_size)
     notes += _warnings(model_cfg, train_cfg)
-    return RunPlan(model_cfg, train_cfg, run_dir, meta, force=force, notes=notes, **init)
+    started = None if init_from is None else start_record(init_from, init_last)
+    return RunPlan(model_cfg, train_cfg, run_dir, meta, force=force, notes=notes, init_from=started, **init)
+
+
+def start_record(init_from: str, last: bool) -> dict[str, Any]:
+    """--init-from as config.json records it: as given, and where it pointed then (see check_same_start)."""
+    return {"source": init_from, "last": last, "path": _weights_identity(init_from, last)}
+
+
+def check_same_start(run_dir: RunDir, init_from: str, last: bool) -> None:
+    """--resume with --init-from: the command that started the run, given again. Accepted when it names the
+    weights the run started from (as given then, or the same file or folder now); the run continues with its own
+    weights either way, so anything else is refused rather than silently not used."""
+    config = run_dir.read_config()
+    record = config.get("init_from")
+    if record is None and config.get("finetune", {}).get("init_from"):  # a fine-tune records it there
+        finetune = config["finetune"]
+        record = {"source": finetune["init_from"], "last": finetune.get("init_last", False)}
+    given = f"--init-from {init_from}" + (" --last" if last else "")
+    if not record or not record.get("source"):
+        raise NanoGPTError(
+            f"{run_dir} was not started from other weights, and --resume continues it with its own; drop {given}"
+        )
+    if bool(record.get("last")) == last:
+        if record["source"] == init_from:
+            return
+        known = record.get("path") or _weights_identity(record["source"], bool(record.get("last")))
+        if known is not None and known == _weights_identity(init_from, last):
+            return
+    started = f"--init-from {record['source']}" + (" --last" if record.get("last") else "")
+    raise NanoGPTError(
+        f"{given} is not what {run_dir} was started from ({started}); --resume continues the run with its own "
+        "weights: drop --init-from, or give the one it was started with"
+    )
+
+
+def _weights_identity(source: str, last: bool) -> str | None:
+    """What a --init-from value points at, to compare two spellings of it: hf:NAME, or the weights file or model
+    folder resolved to an absolute path; None when it names nothing now."""
+    if source.startswith("hf:"):
+        return source
+    try:
+        path = Path(source) if is_converted(source) else resolve_weights(source, last=last)
+        return str(path.resolve()) if path.exists() else None
+    except (NanoGPTError, OSError):
+        return None
 
 
 def check_seq_len(train_cfg: TrainConfig, model_cfg: GPTConfig, meta: dict[str, Any], source: str | None) -> None:
@@ -355,6 +403,8 @@ def _plan_resume(run_dir: RunDir, preset: str | None, given: dict[str, Any], wor
         time_spent=state.max_time_spent,
         changes=changes,
         hf_family=saved.get("hf_family"),
+        init_from=saved.get("init_from"),
+        threads=state.threads,
     )
 
 

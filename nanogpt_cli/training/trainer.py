@@ -199,21 +199,27 @@ class Trainer:
         self.loss_fn, self.trainable = loss, trainable
         self.last: Evaluated | None = None  # the latest evaluation
         self.saved_at: int | None = None  # the step of the last checkpoint this call wrote
+        self.unsaid: Evaluated | None = None  # an evaluation whose checkpoint is still being written: shown after
         self.stopped: str | None = None
         self.skipped = 0  # fp16 updates the scaler skipped since the last progress line
         self.hinted = False  # the busy-machine hint is given once
         self.trained_total = 0.0  # the targets trained on in this invocation (a chat dataset)
-        self.tuner = thread_tuner(world.device, world.size)  # says the CPU threads, adapts them (None: stay)
+        # says the CPU threads, adapts them (None: stay); a resume keeps the count the run last trained with
+        self.tuner = thread_tuner(world.device, world.size, plan.threads if plan.resume else None)
 
     def fit(self) -> TrainResult:
-        self.parts = self._setup()
-        step = self.parts.state.step
-        self.lr = lr_at(max(step - 1, 0), self.cfg)  # the last update's rate, for evaluation lines
-        self.logged_step = step
-        # the targets trained on since the last progress line (a chat dataset), counted on the device
-        self.trained = torch.zeros((), dtype=torch.int64, device=self.world.device)
-        self.watch_load()  # busy before the first step already
-        self._loop()
+        # rank 0 owns the run folder while it trains: `runs` says "running", another start there is refused;
+        # once every rank has planned, as each one checks that no process owns it
+        self.world.barrier()
+        with self.run_dir.hold() if self.world.main else contextlib.nullcontext():
+            self.parts = self._setup()
+            step = self.parts.state.step
+            self.lr = lr_at(max(step - 1, 0), self.cfg)  # the last update's rate, for evaluation lines
+            self.logged_step = step
+            # the targets trained on since the last progress line (a chat dataset), counted on the device
+            self.trained = torch.zeros((), dtype=torch.int64, device=self.world.device)
+            self.watch_load()  # busy before the first step already
+            self._loop()
         return self._result()
 
     # --- the loop ---
@@ -231,6 +237,7 @@ class Trainer:
             while state.step < p.end:
                 loss = self.train_step()
                 self.watch_load()
+                self.say_saved()
                 due = state.step % cfg.eval_interval == 0 or state.step == cfg.max_iters
                 out_of_time = state.step < cfg.max_iters and p.clock.out_of_time(due)
                 if state.step % cfg.log_interval == 0 or state.step == p.end or out_of_time:
@@ -252,6 +259,7 @@ class Trainer:
             if final:
                 self.save(self.last.val_loss if self.last else None, is_best=False)
             waiting = time.perf_counter()
+            self.say_saved(wait=True)
             p.saver.wait()  # the end of a run, stopped or not, is a complete save on disk
             p.clock.saved(waiting)
             p.clock.ended(ended)
@@ -326,7 +334,7 @@ class Trainer:
         said = self.tuner.watch(self.parts.clock.steps) if self.tuner is not None else None
         if said:
             self.show.on_hint(said)
-        if self.hinted or (self.tuner is not None and self.tuner.threads > 1):
+        if self.hinted or (self.tuner is not None and not self.tuner.fixed and self.tuner.threads > 1):
             return
         hint = busy_hint(self.parts.clock.steps, load_average(), cpu_cores(), torch.get_num_threads())
         if hint is not None:
@@ -369,8 +377,15 @@ class Trainer:
         if self.world.main:
             self.run_dir.append_metrics(self.last.record())
         if checkpoint:
-            self.save(losses["val"], is_best)
-        self.show.on_eval(self.last)
+            try:
+                self.save(losses["val"], is_best)
+            except BaseException:
+                self.show.on_eval(dataclasses.replace(self.last, saved=False))
+                raise
+            self.unsaid = self.last  # said once its files are on disk
+            self.say_saved()
+        else:
+            self.show.on_eval(self.last)
         p.clock.set_aside(started)
 
     def stop_requested(self) -> str | None:
@@ -378,10 +393,26 @@ class Trainer:
         code = self.world.max_int(STOP_CODES[self.parts.signals.received])
         return {code: name for name, code in STOP_CODES.items()}[code]
 
+    def say_saved(self, wait: bool = False) -> None:
+        """The line of an evaluation whose checkpoint was being written, once it is on disk ("checkpoint saved"
+        is said of files that are there); at once with wait=True. A write that failed is raised here, after the
+        line, which then says nothing of a save."""
+        if self.unsaid is None or (self.parts.saver.busy() and not wait):
+            return
+        evaluated, self.unsaid = self.unsaid, None
+        try:
+            self.parts.saver.wait()
+        except BaseException:
+            self.show.on_eval(dataclasses.replace(evaluated, saved=False))
+            raise
+        self.show.on_eval(evaluated)
+
     def save(self, val_loss: float | None, is_best: bool) -> None:
         p = self.parts
         state, clock = p.state, p.clock
+        self.say_saved(wait=True)  # the previous save's line first (the new save waits for it anyway)
         self.saved_at = state.step
+        state.threads = torch.get_num_threads() if self.world.device.type == "cpu" else None
         state.elapsed_s = clock.elapsed()
         state.eval_s = clock.last_eval_s  # --max-time keeps this much free for the final evaluation
         timed, train_s, _ = clock.training_time(state.step - p.start_step)
@@ -561,6 +592,8 @@ class Trainer:
                 "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             }
         config = {"model": plan.model.to_dict(), "train": self.cfg.to_dict(), "dataset": plan.dataset}
+        if plan.init_from:  # a resume given the same --init-from checks it against this
+            config["init_from"] = plan.init_from
         if plan.finetune:
             config["finetune"] = plan.finetune
         if plan.hf_family:
