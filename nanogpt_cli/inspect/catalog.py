@@ -57,7 +57,7 @@ def model_counts(config: GPTConfig) -> tuple[int, int, int]:
     """(all parameters, non-embedding parameters, training FLOPs per token) of a config, from a model built on
     the meta device: shapes only, no memory, so a GPT-2-sized run costs nothing to inspect."""
     with torch.device("meta"):
-        model = GPT(config)
+        model = GPT(config, init=False)  # init on the meta device would still import torch's reference kernels
     return model.num_params(non_embedding=False), model.num_params(), model.flops_per_token()
 
 
@@ -249,7 +249,9 @@ def inspect_path(path: str | Path) -> Info:
         return _inspect_run(path)
     if not path.exists():
         raise NanoGPTError(f"{path} does not exist; give a run folder or a .safetensors file")
-    if path.suffix.lower() == ".gguf":  # a GGUF file: ours holds our config and tokenizer, llama.cpp's is converted
+    from nanogpt_cli.interop.gguf_file import is_gguf
+
+    if is_gguf(path):  # a GGUF file: ours holds our config and tokenizer, llama.cpp's is converted
         from nanogpt_cli.interop.gguf_in import read_any_gguf_meta
 
         meta = read_any_gguf_meta(path)

@@ -26,12 +26,9 @@ from nanogpt_cli.model import GPT
 
 
 def _reader(path: str | Path):
-    import gguf
+    from nanogpt_cli.interop.gguf_header import read_header
 
-    try:
-        return gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise NanoGPTError(f"{path} is not a readable GGUF file ({e})") from None
+    return read_header(path)
 
 
 def read_any_gguf(path: str | Path, quantize: str | None = None, group_size: int = 32) -> tuple[GPT, dict[str, Any]]:
@@ -68,8 +65,7 @@ def read_any_gguf_meta(path: str | Path) -> dict[str, Any]:
 
 
 def field(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    return reader.get(key, default)
 
 
 def read_llama_cpp_gguf(reader, path: str | Path) -> tuple[GPT, dict[str, Any]]:
@@ -87,14 +83,15 @@ def lazy_llama_cpp_gguf(reader, path: str | Path):
     through the family's GGUF layout; a tensor the layout has no place for is refused."""
     import torch
 
-    from nanogpt_cli.interop.gguf_file import gguf_floats, gguf_parts
+    from nanogpt_cli.interop.gguf_file import check_blocks, check_gguf_shapes, gguf_floats, gguf_parts
     from nanogpt_cli.interop.materialize import LazyModel, empty_model
 
     arch = _arch(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     config = _config(reader, arch, {k: tuple(int(n) for n in reversed(t.shape)) for k, t in tensors.items()}, path)
     layout = FAMILIES[GGUF_FAMILIES[arch]].gguf
-    model = empty_model(config)
+    check_blocks(reader, config.n_layer, path)
+    model = empty_model(config, str(path))
     shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     names = set(shapes) - ({"lm_head.weight"} if config.tie_embeddings else set())
     parts = gguf_parts(layout, config, names)
@@ -102,6 +99,9 @@ def lazy_llama_cpp_gguf(reader, path: str | Path):
     unread = sorted(set(tensors) - used)
     if unread:
         raise NanoGPTError(f"{path} holds {unread[0]}, which nanogpt's {arch} has no place for")
+    found = {k: t.dims for k, t in tensors.items() if k != "rope_freqs.weight"}
+    biases = [t for n, theirs in parts.items() if n.endswith(".bias") for t in theirs]  # absent biases are zero
+    check_gguf_shapes(path, model, parts, found, biases)
     sources = {}  # our tensor -> a function of the dtype that reads it
     for name in names:
         theirs = parts.get(name, ())
@@ -129,7 +129,7 @@ def read_llama_cpp_meta(reader, path: str | Path) -> dict[str, Any]:
     file type, and the tensor types with how many of each ("tensor_types")."""
     arch = _arch(reader, path)
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
-    meta = _meta(reader, arch, _config(reader, arch, shapes, path), path)
+    meta = _meta(reader, arch, _config(reader, arch, shapes, path), path, tokenizer=False)
     counts: dict[str, int] = {}
     for t in reader.tensors:
         counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
@@ -146,9 +146,23 @@ def _arch(reader, path) -> str:
     return arch
 
 
-def _meta(reader, arch: str, config: GPTConfig, path) -> dict[str, Any]:
+def _meta(reader, arch: str, config: GPTConfig, path, tokenizer: bool = True) -> dict[str, Any]:
+    """The metadata load_model gives; tokenizer False: the tokenizer only named and counted, not built (`info`)."""
     from nanogpt_cli.hf_tokenizer import TOKENIZER_TEXT
 
+    if not tokenizer:
+        tokens = field(reader, "tokenizer.ggml.tokens")
+        described = {"name": Path(path).stem, "kind": "hf"}
+        return {
+            "config": config.to_dict(),
+            "tokenizer": described | ({"vocab_size": len(tokens)} if isinstance(tokens, list) else {}),
+            "architecture": arch,
+            "file_type": field(reader, "general.file_type", 0),
+            "source": str(path),
+            "format": "gguf",
+            "writer": "llama.cpp",
+            "hf_family": GGUF_FAMILIES[arch],
+        }
     tok = gguf_tokenizer(reader, path)
     meta: dict[str, Any] = {
         "config": config.to_dict(),
@@ -180,8 +194,10 @@ def _config(reader, arch: str, tensors: dict[str, tuple[int, ...]], path) -> GPT
                 _rope_scaling(reader, arch, tensors, fields.get("head_dim") or fields["n_embd"] // fields["n_head"])
             )
         return default_width(GPTConfig(**fields))
-    except (NanoGPTError, ValueError) as e:
+    except NanoGPTError as e:
         raise NanoGPTError(f"{path}: {e}") from None
+    except (ValueError, TypeError, ArithmeticError) as e:  # a value of the wrong type, a head count of 0
+        raise NanoGPTError(f"{path}: its {arch}.* metadata does not describe a model nanogpt can build ({e})") from None
 
 
 def _rope_scaling(reader, arch: str, tensors: dict[str, tuple[int, ...]], head_dim: int) -> dict[str, Any]:
@@ -203,8 +219,10 @@ def _rope_scaling(reader, arch: str, tensors: dict[str, tuple[int, ...]], head_d
 def _rope_freqs(reader) -> np.ndarray:
     import gguf
 
+    from nanogpt_cli.interop.gguf_file import read_tensor_data
+
     t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-    return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
+    return gguf.quants.dequantize(read_tensor_data(reader.path, t), t.tensor_type).astype(np.float32).reshape(-1)
 
 
 def _llama3_scaling(factors: np.ndarray, reader, arch: str, head_dim: int) -> dict[str, Any]:
