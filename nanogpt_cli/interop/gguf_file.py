@@ -543,7 +543,11 @@ def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
     missing = sorted(n for n in names if n not in parts)
     if missing:
         raise NanoGPTError(f"{path} has no tensor for our {missing[0]}")
-    check_gguf_shapes(path, model, parts, {t.name: t.dims for t in reader.tensors if t.name != "rope_freqs.weight"})
+    # what export writes beside the model: rope_freqs (in the config), and zero biases llama.cpp's loader requires
+    wanted = {t for theirs in parts.values() for t in theirs}
+    found = {t.name: t.dims for t in reader.tensors if t.name in wanted or not t.name.endswith(".bias")}
+    found.pop("rope_freqs.weight", None)
+    check_gguf_shapes(path, model, parts, found)
     sources = {}  # our tensor -> a function of the dtype that reads it
     packed = {}  # a projection -> its layer from the file's raw blocks, given its bias
     for name, theirs in parts.items():
