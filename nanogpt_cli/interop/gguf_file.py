@@ -543,10 +543,12 @@ def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
     missing = sorted(n for n in names if n not in parts)
     if missing:
         raise NanoGPTError(f"{path} has no tensor for our {missing[0]}")
-    # what export writes beside the model: rope_freqs (in the config), and zero biases llama.cpp's loader requires
+    # what export writes beside the model: rope_freqs (in the config), a tied head's copy for readers that do not
+    # tie, and the zero biases llama.cpp's loader requires
     wanted = {t for theirs in parts.values() for t in theirs}
     found = {t.name: t.dims for t in reader.tensors if t.name in wanted or not t.name.endswith(".bias")}
-    found.pop("rope_freqs.weight", None)
+    for name in ("rope_freqs.weight", "output.weight" if config.tie_embeddings else ""):
+        found.pop(name, None)
     check_gguf_shapes(path, model, parts, found)
     sources = {}  # our tensor -> a function of the dtype that reads it
     packed = {}  # a projection -> its layer from the file's raw blocks, given its bias

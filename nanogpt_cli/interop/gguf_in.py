@@ -312,6 +312,9 @@ def _byte_level_json(tokens, types, merges, reader, path) -> str:
         raise NanoGPTError(f"{path}: tokenizer.ggml.pre = {pre!r} is a pre-tokenizer nanogpt does not know")
     vocab = {t: i for i, t in enumerate(tokens) if types[i] not in (3, 4)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
+    for pair in pairs:  # checked here: the tokenizers library panics on a merge outside the vocabulary
+        if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+            raise NanoGPTError(f"{path}: tokenizer.ggml.merges holds {' '.join(pair)!r}, which the vocabulary lacks")
     tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=pairs, ignore_merges=pre == "llama-bpe"))
     tok.pre_tokenizer = pre_tokenizer
     tok.decoder = tk.decoders.ByteLevel()
