@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import re
 import resource
 import shutil
 import signal
@@ -195,6 +196,11 @@ def load_gguf(path: Path) -> GPT:
     return load_model(path)[0].eval()
 
 
+# the byte offsets of the fp16 scales in one block of each type gguf dequantizes but cannot quantize
+BLOCK_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+BLOCK_SCALES |= {"IQ4_NL": (0,), "IQ4_XS": (0,), "TQ2_0": (64,)}
+
+
 def write_converter_gguf(model: GPT, path: Path, qtype_name: str) -> None:
     """model as llama.cpp's converter writes a Llama (no nanogpt keys): its layout's names, keys and row order,
     a byte-level vocabulary, the matrices in qtype_name (gguf's quantizer, or random blocks of the K and IQ types,
@@ -228,9 +234,10 @@ def write_converter_gguf(model: GPT, path: Path, qtype_name: str) -> None:
             w.add_tensor(name, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
         else:  # random blocks with small finite fp16 scales at each block's start
             blocks = rng.integers(0, 256, (t.shape[0], t.shape[1] // block, size), dtype=np.uint8)
-            scale = rng.uniform(1e-4, 1e-3, blocks.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
-            at = {"Q2_K": 80, "Q3_K": 108, "Q6_K": 208, "TQ2_0": 64}.get(qtype_name, 0)
-            blocks[..., at : at + 2] = scale
+            for at in BLOCK_SCALES[qtype_name]:
+                blocks[..., at : at + 2] = (
+                    rng.uniform(1e-4, 1e-3, blocks.shape[:2] + (1,)).astype(np.float16).view(np.uint8)
+                )
             w.add_tensor(
                 name, blocks.reshape(t.shape[0], -1), raw_shape=blocks.reshape(t.shape[0], -1).shape, raw_dtype=qtype
             )
@@ -354,25 +361,24 @@ def safetensors_cases(data: bytes, rng: random.Random, flips_n: int):
     header = json.loads(data[8 : 8 + n])
     meta = header["__metadata__"]
     name = "transformer.h.0.attn.c_attn.weight"
+
+    def config(field: str, value: str):
+        return lambda h: meta.update(config=re.sub(rf'"{field}": [^,}}]+', f'"{field}": {value}', meta["config"]))
+
     edits = {
-        "shape of 2**40": lambda h: h[name].update(shape=[2**40, 64]),
-        "negative shape": lambda h: h[name].update(shape=[-1, 64]),
-        "zero shape": lambda h: h[name].update(shape=[0, 64]),
+        "shape of 2**40": lambda h: h[name].update(shape=[2**40, h[name]["shape"][1]]),
+        "negative shape": lambda h: h[name].update(shape=[-1, h[name]["shape"][1]]),
+        "zero shape": lambda h: h[name].update(shape=[0, h[name]["shape"][1]]),
         "offsets past the end": lambda h: h[name].update(data_offsets=[0, 2**40]),
         "unknown dtype": lambda h: h[name].update(dtype="F128"),
-        "a tensor missing": lambda h: h.pop("transformer.h.1.ln_2.weight"),
+        "a tensor missing": lambda h: h.pop("transformer.h.0.ln_2.weight"),
         "config not JSON": lambda h: meta.update(config="{n_layer: 2"),
-        "config n_layer 100000": lambda h: meta.update(
-            config=meta["config"].replace('"n_layer": 2', '"n_layer": 100000')
-        ),
-        "config n_layer 1": lambda h: meta.update(config=meta["config"].replace('"n_layer": 2', '"n_layer": 1')),
-        "config n_embd 2**30": lambda h: meta.update(
-            config=meta["config"].replace('"n_embd": 64', '"n_embd": 1073741824')
-        ),
-        "config n_head 0": lambda h: meta.update(config=meta["config"].replace('"n_head": 4', '"n_head": 0')),
-        "config block_size 2**40": lambda h: meta.update(
-            config=meta["config"].replace('"block_size": 32', '"block_size": 1099511627776')
-        ),
+        "config n_layer 100000": config("n_layer", "100000"),
+        "config n_layer 3": config("n_layer", "3"),
+        "config n_embd 2**30": config("n_embd", "1073741824"),
+        "config n_head 0": config("n_head", "0"),
+        "config n_head a string": config("n_head", '"4"'),
+        "config block_size 2**40": config("block_size", "1099511627776"),
     }
     for label, edit in edits.items():
         h = json.loads(data[8 : 8 + n])
@@ -410,7 +416,7 @@ def test_a_mutated_run_folder_fails_in_one_line_or_loads_the_same_model(tmp_path
     args = ["prepare", str(tmp_path / "t.txt"), "--name", "t", "--tokenizer", "char", "--data-dir", str(tmp_path / "d")]
     assert runner.invoke(app, args).exit_code == 0
     run = tmp_path / "run"
-    args = ["train", "--dataset", "t", "--data-dir", str(tmp_path / "d"), "--out-dir", str(run), "--n-layer", "1"]
+    args = ["train", "--data", "t", "--data-dir", str(tmp_path / "d"), "--out", str(run), "--n-layer", "1"]
     args += ["--n-embd", "32", "--n-head", "2", "--block-size", "16", "--batch-size", "2", "--max-iters", "2"]
     args += ["--eval-interval", "2", "--eval-iters", "1", "--device", "cpu"]
     result = runner.invoke(app, args)
@@ -639,11 +645,10 @@ def test_damaged_files_through_the_cli_end_in_one_error_line_and_exit_1(tmp_path
     from typer.testing import CliRunner
 
     from nanogpt_cli.cli import app
-    from nanogpt_cli.interop.gguf_file import write_gguf
 
     model = tiny(llama_config())
     path = tmp_path / "m.gguf"
-    write_gguf(model, {"name": "byte", "vocab_size": 256}, path)
+    write_converter_gguf(model, path, "Q8_0")
     data = path.read_bytes()
     at = after(data, b"llama.block_count") + 4
     (tmp_path / "blocks.gguf").write_bytes(patched(data, at, "I", 100_000))

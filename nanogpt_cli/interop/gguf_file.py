@@ -461,7 +461,22 @@ def read_gguf_meta(path: str | Path) -> dict[str, Any]:
     GGUF file: gguf_in.read_any_gguf_meta)."""
     from nanogpt_cli.interop.gguf_header import read_header
 
-    return _meta(read_header(path), path)
+    header = read_header(path)
+    meta = _meta(header, path)
+    if isinstance(meta["config"].get("n_layer"), int):  # a config of 100,000 blocks is not counted as a model's
+        _check_block_count(header, meta, meta["config"]["n_layer"], path)
+    return meta
+
+
+def _check_block_count(header, meta: dict[str, Any], n_layer: int, path) -> None:
+    """Our config's blocks against what llama.cpp reads (ARCH.block_count) and the blk.N tensors."""
+    blocks = header.get(f"{meta['architecture']}.block_count")
+    if blocks is not None and blocks != n_layer:  # what llama.cpp reads must be the model we read
+        raise NanoGPTError(
+            f"{path} is damaged: its {meta['architecture']}.block_count ({blocks!r}) disagrees with its "
+            f"{CONFIG_KEY} ({n_layer} blocks)"
+        )
+    check_blocks(header, n_layer, path)
 
 
 def _meta(header, path) -> dict[str, Any]:
@@ -534,7 +549,7 @@ def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
     except (TypeError, ValueError) as e:
         raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None
     layout = layout_of(meta["architecture"], path)
-    check_blocks(reader, config.n_layer, path)
+    _check_block_count(reader, meta, config.n_layer, path)
     model = empty_model(config)
     direct = GGUF_FORMS.get(quantize) if quantize == "int8" or group_size == 32 else None
     tensors = {t.name: t for t in reader.tensors}

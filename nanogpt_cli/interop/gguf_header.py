@@ -220,4 +220,8 @@ def _parse(buf, path: Path) -> GGUFHeader:
                 f"{' (misaligned)' if offset % alignment else ''}, and the file has {r.size:,}"
             )
         tensors.append(GGUFTensor(name, shape, qtype, begin, n_bytes))
+    ordered = sorted(tensors, key=lambda t: t.data_offset)
+    for a, b in zip(ordered, ordered[1:]):  # a damaged type or offset shows as data two tensors claim
+        if a.data_offset + a.n_bytes > b.data_offset:
+            raise r.fail(f"{a.name} ({a.tensor_type.name}) runs into the data of {b.name}")
     return GGUFHeader(path, version, fields, tensors)

@@ -127,9 +127,13 @@ def _zeros(shape: tuple[int, ...], dtype):
 def read_llama_cpp_meta(reader, path: str | Path) -> dict[str, Any]:
     """read_llama_cpp_gguf's metadata without reading the weights (for `info`): config, tokenizer, architecture,
     file type, and the tensor types with how many of each ("tensor_types")."""
+    from nanogpt_cli.interop.gguf_file import check_blocks
+
     arch = _arch(reader, path)
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
-    meta = _meta(reader, arch, _config(reader, arch, shapes, path), path, tokenizer=False)
+    config = _config(reader, arch, shapes, path)
+    check_blocks(reader, config.n_layer, path)  # a config of 100,000 blocks is not counted as a model's
+    meta = _meta(reader, arch, config, path, tokenizer=False)
     counts: dict[str, int] = {}
     for t in reader.tensors:
         counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1

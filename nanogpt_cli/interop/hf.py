@@ -613,6 +613,8 @@ def load_pretrained_meta(source: str | Path) -> tuple[GPT, dict[str, Any]]:
         raise NanoGPTError(f"{where} holds no readable Hugging Face config.json ({first_line(e)})") from None
     except ValueError as e:
         raise NanoGPTError(f"{where}: {first_line(e)}") from None
+    except Exception as e:  # a config.json whose values break transformers' own checks (a head count of 0)
+        raise NanoGPTError(f"{where}'s config.json is not valid ({type(e).__name__}: {first_line(e)})") from None
     _check_kind(hf_config)
     if not online:
         check_folder(Path(name), hf_config, transformers)
