@@ -184,6 +184,11 @@ def _meta(reader, arch: str, config: GPTConfig, path, tokenizer: bool = True) ->
     return meta
 
 
+# the ARCH.* keys that are counts and widths: each a positive whole number
+SIZES = ("block_count", "head_count", "head_count_kv", "embedding_length", "context_length", "feed_forward_length")
+SIZES += ("key_length", "value_length", "rope.dimension_count")
+
+
 def _config(reader, arch: str, tensors: dict[str, tuple[int, ...]], path) -> GPTConfig:
     """Our config from the `ARCH.*` keys and the tensors' shapes (the family's GGUF layout reads them); a value
     without a counterpart is one sentence."""
@@ -191,6 +196,11 @@ def _config(reader, arch: str, tensors: dict[str, tuple[int, ...]], path) -> GPT
     from nanogpt_cli.interop.families.gguf_base import Keys
 
     keys = Keys(arch, {k: field(reader, k) for k in reader.fields if k.startswith(f"{arch}.")})
+    for key, value in keys.values.items():
+        if isinstance(value, list):
+            continue  # a value per layer: config_in says whether it has a counterpart
+        if key.endswith(SIZES) and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise NanoGPTError(f"{path}: {key} = {value!r}, where llama.cpp needs a positive whole number")
     try:
         fields = FAMILIES[GGUF_FAMILIES[arch]].gguf.config_in(keys, tensors)
         if fields.get("pos_encoding") == "rope":
