@@ -523,6 +523,11 @@ def test_a_mutated_hugging_face_folder_fails_in_one_line_or_loads_the_same_model
         (f"weights {label}", "model.safetensors", d)
         for label, d in truncations(weights, rng, 2) + flips(weights, rng, 6, (0, 8 + n))
     ]
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        text = (hf_folder / name).read_bytes()
+        cases += [
+            (f"{name} {label}", name, d) for label, d in truncations(text, rng, 2) + flips(text, rng, 4, (0, len(text)))
+        ]
     for i, (label, name, data) in enumerate(cases):
         folder = tmp_path / f"case{i}"
         shutil.copytree(hf_folder, folder)
