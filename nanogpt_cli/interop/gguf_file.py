@@ -428,7 +428,7 @@ def gguf_joined(layout: GGUFLayout, c: GPTConfig, theirs: tuple[str, ...], parts
 
 
 def gguf_floats(path: str | Path, layout: GGUFLayout, c: GPTConfig, parts: list, dtype):
-    """One tensor of ours in dtype from its GGUFReader `parts` (gguf_parts' order), dequantized a slice of rows at
+    """One tensor of ours in dtype from its GGUF tensors `parts` (gguf_parts' order), dequantized a slice of rows at
     a time. A matrix is read straight into dtype, as the layout's transforms only move its rows; a vector (norm
     gains, biases) is transformed in float32 (Gemma's gains are stored as 1 + w), then cast: the values loading
     the file into a float32 model and casting it after give."""
@@ -550,7 +550,7 @@ def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
         raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None
     layout = layout_of(meta["architecture"], path)
     _check_block_count(reader, meta, config.n_layer, path)
-    model = empty_model(config)
+    model = empty_model(config, str(path))
     direct = GGUF_FORMS.get(quantize) if quantize == "int8" or group_size == 32 else None
     tensors = {t.name: t for t in reader.tensors}
     names = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_embeddings else set())
@@ -581,8 +581,8 @@ def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
 
 
 def dequantized(path: str | Path, t, dtype):
-    """A GGUFReader tensor (out, in) as a torch tensor in dtype, dequantized to float32 a slice of rows at a time
-    (the gguf package's dequantization holds several float copies of what it is given)."""
+    """A GGUF tensor (gguf_header.GGUFTensor, (out, in)) as a torch tensor in dtype, dequantized to float32 a
+    slice of rows at a time (the gguf package's dequantization holds several float copies of what it is given)."""
     import torch
 
     from nanogpt_cli.runs.checkpoint import CONVERT_BYTES
@@ -600,8 +600,9 @@ def dequantized(path: str | Path, t, dtype):
 
 
 def read_tensor_data(path: str | Path, t) -> np.ndarray:
-    """A GGUFReader tensor's data (t.data's shape and dtype) read from the file into memory of its own: reading
-    it through the reader's map of the whole file would keep every page read resident until the map is gone."""
+    """A tensor's data (gguf_header.GGUFTensor: its data_shape and data_dtype, as GGUFReader holds it) read from
+    the file into memory of its own: reading it through a map of the whole file would keep every page read
+    resident until the map is gone."""
     data = np.empty(t.data_shape, t.data_dtype)
     with open(path, "rb") as f:
         f.seek(t.data_offset)

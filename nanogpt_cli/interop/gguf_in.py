@@ -263,19 +263,27 @@ def gguf_tokenizer(reader, path):
     if tokens is None:
         raise NanoGPTError(f"{path} has no tokenizer.ggml.tokens, so nanogpt cannot encode text for it")
     types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    scores = field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+    for key, values, kind in (("tokens", tokens, str), ("token_type", types, int), ("scores", scores, (int, float))):
+        if not isinstance(values, list) or len(values) != len(tokens) or not all(isinstance(v, kind) for v in values):
+            raise NanoGPTError(f"{path}: tokenizer.ggml.{key} is not one {kind_name(kind)} per token")
+    ids = {key: field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("bos", "eos", "unknown", "padding", "eot")}
+    for key, i in ids.items():
+        if i is not None and (not isinstance(i, int) or isinstance(i, bool)):
+            raise NanoGPTError(f"{path}: tokenizer.ggml.{key}_token_id = {i!r} is not a token id")
+    # an id past the vocabulary is no token, as llama.cpp takes it (it warns and uses its default)
+    ids = {key: i if i is not None and 0 <= i < len(tokens) else None for key, i in ids.items()}
     if model == "gpt2":
         text = _byte_level_json(tokens, types, field(reader, "tokenizer.ggml.merges") or [], reader, path)
     elif model == "llama":
-        scores = field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
         text = _sentencepiece_json(tokens, types, scores, bool(field(reader, "tokenizer.ggml.add_space_prefix", True)))
     else:
         raise NanoGPTError(f"{path}: tokenizer.ggml.model = {model!r} has no counterpart here (gpt2 and llama do)")
 
     def token(key: str) -> str | None:
-        i = field(reader, f"tokenizer.ggml.{key}_token_id")
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+        return tokens[ids[key]] if ids[key] is not None else None
 
-    eot = field(reader, "tokenizer.ggml.eot_token_id")
+    eot = ids["eot"]
     settings = {
         "bos_token": token("bos"),
         "eos_token": token("eos"),
@@ -286,6 +294,10 @@ def gguf_tokenizer(reader, path):
         "stop_ids": [eot] if eot is not None else [],
     }
     return HFTokenizer(text, Path(path).stem, settings, field(reader, "tokenizer.chat_template"))
+
+
+def kind_name(kind) -> str:
+    return {str: "string", int: "whole number"}.get(kind, "number")
 
 
 def _added(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
