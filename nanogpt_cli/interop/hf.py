@@ -664,7 +664,17 @@ def check_folder(folder: Path, hf_config, transformers) -> None:
     from nanogpt_cli.interop.materialize import check_blocks
 
     shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(folder.glob("*.safetensors")):
+    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"  # sharded weights: only the files it lists are the model's
+    if index.is_file():
+        try:
+            listed = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise NanoGPTError(
+                f"{index} is not a readable weights index ({type(e).__name__}: {first_line(e)})"
+            ) from None
+        files = [f for f in files if f.name in listed]
+    for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
