@@ -437,7 +437,12 @@ def test_a_mutated_run_folder_fails_in_one_line_or_loads_the_same_model(tmp_path
     weights.write_bytes(original)
     config = run / "config.json"
     text = config.read_bytes()
-    for label, data in truncations(text, rng, 4) + flips(text, rng, 8, (0, len(text))):
+    settings = json.loads(text)
+    edits = [
+        (f"model {k} {v:,}", json.dumps(settings | {"model": settings["model"] | {k: v}}).encode())
+        for k, v in (("n_layer", 100_000), ("n_embd", 2**30), ("n_head", 0), ("block_size", 2**40))
+    ]
+    for label, data in edits + truncations(text, rng, 4) + flips(text, rng, 8, (0, len(text))):
         config.write_bytes(data)
         for load in (load_weights_file, inspect_path):
             kind, result = outcome(load, run, f"run folder, config.json {label}")
