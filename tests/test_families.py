@@ -592,6 +592,7 @@ def test_gguf_export_writes_llama_cpps_architecture_and_converter_layout(name, t
     the tensors it writes, bit for bit, and every ARCH.* key it writes, with the same value; llama.cpp's layout reads
     it back (gguf_in, not our own config) into the model's logits."""
     gguf = pytest.importorskip("gguf")
+    from nanogpt_cli.interop.gguf_header import read_header
     from nanogpt_cli.interop.gguf_in import read_llama_cpp_gguf
 
     ref = gguf_source(name, tmp_path / "hf")
@@ -612,7 +613,8 @@ def test_gguf_export_writes_llama_cpps_architecture_and_converter_layout(name, t
     for key in keys & set(reader.fields):
         assert reader.fields[key].contents() == converter[key].contents(), f"{name}: {key}"
     idx = torch.randint(0, V, (2, 20))
-    for back in (load_model(tmp_path / "ours.gguf")[0], read_llama_cpp_gguf(reader, tmp_path / "ours.gguf")[0]):
+    header = read_header(tmp_path / "ours.gguf")
+    for back in (load_model(tmp_path / "ours.gguf")[0], read_llama_cpp_gguf(header, tmp_path / "ours.gguf")[0]):
         with torch.no_grad():
             assert (back.eval()(idx)[0] - ref(idx).logits).abs().max().item() <= 1e-5, name
 

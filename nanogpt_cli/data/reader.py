@@ -36,9 +36,57 @@ def load_meta(data_dir: Path, name: str) -> dict[str, Any]:
         )
         raise NanoGPTError(f"no dataset {name!r} in {data_dir}/; {hint}")
     try:
-        return json.loads(meta_path.read_text(encoding="utf-8"))
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise NanoGPTError(f"{meta_path} is unreadable ({e}); prepare the dataset again") from None
+    problem = _meta_problem(meta)
+    if problem:
+        raise NanoGPTError(f"{meta_path} is damaged: {problem}; prepare the dataset again")
+    return meta
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _plain_name(value: Any) -> bool:
+    """A file name inside the dataset's folder (a shard list never points elsewhere)."""
+    return isinstance(value, str) and value not in ("", ".", "..") and "/" not in value and "\\" not in value
+
+
+def _meta_problem(meta: Any) -> str | None:
+    """Why a meta.json cannot be read as a dataset's (the fields the readers use, their types and ranges), or None."""
+    if not isinstance(meta, dict):
+        return "it is not a JSON object"
+    if meta.get("format") in ("preference", "prompts"):
+        return None  # rows in JSON lines (data/preference.py), no shards
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        return f"its dtype is {meta.get('dtype')!r}, not uint16 or uint32"
+    vocab = meta.get("vocab_size")
+    if vocab is not None and (not _count(vocab) or vocab == 0 or vocab > np.iinfo(meta["dtype"]).max + 1):
+        return f"its vocab_size {vocab!r} does not fit its {meta['dtype']} tokens"
+    shards = meta.get("shards", {})
+    if not isinstance(shards, dict):
+        return "its shards are not a JSON object"
+    for split in SPLITS:
+        listed = shards.get(split)
+        if not listed:  # datasets from before shards: one SPLIT.bin of SPLIT_tokens
+            if not _count(meta.get(f"{split}_tokens")):
+                return f"it lists no {split} shards and no {split}_tokens"
+            continue
+        if not isinstance(listed, list):
+            return f"its {split} shards are not a list"
+        for shard in listed:
+            if not isinstance(shard, dict) or not _plain_name(shard.get("file")) or not _count(shard.get("tokens")):
+                return f"a {split} shard is {shard!r}, not a file name in the folder and its token count"
+            if ("mask" in shard or meta.get("masks")) and not _plain_name(shard.get("mask")):
+                return f"a {split} shard's mask is {shard.get('mask')!r}, not a file name in the folder"
+    conversations = meta.get("conversations") or {}
+    if not isinstance(conversations, dict) or not all(
+        isinstance(e, dict) and _plain_name(e.get("file")) and _count(e.get("count")) for e in conversations.values()
+    ):
+        return "its conversations are not file names with their counts"
+    return None
 
 
 def list_datasets(data_dir: Path) -> list[str]:
@@ -57,8 +105,9 @@ class TokenShards:
     those of `torch.randint(len - length + 1)`, as before shards.
     """
 
-    def __init__(self, paths: list[Path], counts: list[int], dtype: str):
+    def __init__(self, paths: list[Path], counts: list[int], dtype: str, vocab_size: int | None = None):
         self.paths, self.counts, self.dtype = list(paths), list(counts), np.dtype(dtype)
+        self.vocab_size = vocab_size  # every id read is checked to be below it (a damaged shard is one sentence)
         self._maps: dict[int, np.memmap] = {}
 
     def __len__(self) -> int:
@@ -98,7 +147,14 @@ class TokenShards:
 
     def read(self, starts: list[tuple[int, int]], length: int) -> np.ndarray:
         """The windows of `length` tokens at these (shard, offset) starts, as an array (len(starts), length)."""
-        return np.stack([self.shard(s)[o : o + length] for s, o in starts])
+        out = np.stack([self.shard(s)[o : o + length] for s, o in starts])
+        if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
+            bad = next(s for s, o in starts if int(self.shard(s)[o : o + length].max()) >= self.vocab_size)
+            raise NanoGPTError(
+                f"{self.paths[bad]} holds token id {int(out.max()):,}, past the vocabulary of {self.vocab_size:,}: "
+                "the shard is damaged; prepare the dataset again"
+            )
+        return out
 
 
 def open_split(data_dir: Path, name: str, split: str) -> TokenShards:
@@ -118,7 +174,8 @@ def open_split(data_dir: Path, name: str, split: str) -> TokenShards:
                 f"{path} should hold {shard['tokens']:,} tokens ({expected:,} bytes) but "
                 f"{'is missing' if size < 0 else f'has {size:,} bytes'}; prepare the dataset again"
             )
-    return TokenShards([folder / s["file"] for s in shards], [s["tokens"] for s in shards], meta["dtype"])
+    files, counts = [folder / s["file"] for s in shards], [s["tokens"] for s in shards]
+    return TokenShards(files, counts, meta["dtype"], meta.get("vocab_size"))
 
 
 def open_mask_split(data_dir: Path, name: str, split: str) -> TokenShards | None:

@@ -60,7 +60,7 @@ def model_counts(config: GPTConfig) -> tuple[int, int, int]:
     """(all parameters, non-embedding parameters, training FLOPs per token) of a config, from a model built on
     the meta device: shapes only, no memory, so a GPT-2-sized run costs nothing to inspect."""
     with torch.device("meta"):
-        model = GPT(config)
+        model = GPT(config, init=False)  # init on the meta device would still import torch's reference kernels
     return model.num_params(non_embedding=False), model.num_params(), model.flops_per_token()
 
 
@@ -166,8 +166,9 @@ def summarize_run(path: Path) -> RunSummary:
         config = run.read_config()
         summary.dataset = config["train"].get("data")
         summary.max_iters = config["train"].get("max_iters")
-        summary.params = model_counts(GPTConfig.from_dict(config["model"]))[1]
-    except (NanoGPTError, TypeError, ValueError) as e:
+        if _blocks_agree(run, config["model"]):
+            summary.params = model_counts(GPTConfig.from_dict(config["model"]))[1]
+    except (NanoGPTError, TypeError, ValueError, RuntimeError) as e:  # RuntimeError: sizes past torch's
         if owner is not None:  # config.json not written yet, or being replaced
             summary.status, summary.description = "running", _trained_by(owner)
             return summary
@@ -273,7 +274,9 @@ def inspect_path(path: str | Path) -> Info:
         return _inspect_run(path)
     if not path.exists():
         raise NanoGPTError(f"{path} does not exist; give a run folder or a .safetensors file")
-    if path.suffix.lower() == ".gguf":  # a GGUF file: ours holds our config and tokenizer, llama.cpp's is converted
+    from nanogpt_cli.interop.gguf_file import is_gguf
+
+    if is_gguf(path):  # a GGUF file: ours holds our config and tokenizer, llama.cpp's is converted
         from nanogpt_cli.interop.gguf_in import read_any_gguf_meta
 
         meta = read_any_gguf_meta(path)
@@ -287,6 +290,12 @@ def inspect_path(path: str | Path) -> Info:
         info.files = [FileInfo(path.name, path.stat().st_size, True, "GGUF")]
         return info
     meta = read_metadata(path)  # one sentence when it is not a nanogpt weights file
+    n_layer = (meta.get("config") or {}).get("n_layer") if isinstance(meta.get("config"), dict) else None
+    if isinstance(n_layer, int) and "lora" not in meta:  # blocks counted in the header before a model of them
+        from nanogpt_cli.interop.materialize import check_blocks
+        from nanogpt_cli.runs.checkpoint import TensorFile
+
+        check_blocks(str(path), n_layer, TensorFile(path).keys())
     info = Info(
         path=str(path),
         kind="weights",
@@ -354,7 +363,7 @@ def _inspect_run(path: Path) -> Info:
         config = run.read_config()
     except NanoGPTError:
         pass
-    if config is not None:
+    if config is not None and _blocks_agree(run, config["model"]):
         _fill_model(info, config["model"], (config.get("dataset") or {}).get("tokenizer"))
         info.finetune = finetune_words(config.get("finetune"))
         seq_len = (config.get("train") or {}).get("seq_len")
@@ -378,6 +387,24 @@ def _inspect_run(path: Path) -> Info:
     return info
 
 
+def _blocks_agree(run: RunDir, config: Any) -> bool:
+    """Whether a run's config.json has as many blocks as its weights (where it has intact weights): a damaged
+    config of 100,000 layers is not counted as a model's (that takes minutes)."""
+    from nanogpt_cli.runs.checkpoint import TensorFile
+
+    n_layer = config.get("n_layer") if isinstance(config, dict) else None
+    for path in (run.best_path, run.last_path):
+        if isinstance(n_layer, int) and path.is_file() and damage(path) is None:
+            try:
+                names = TensorFile(path).keys()
+            except NanoGPTError:
+                return False
+            if any("lora_" in n for n in names):
+                return True  # adapters: the base's blocks are elsewhere
+            return len({n.split(".")[2] for n in names if n.startswith("transformer.h.")}) == n_layer
+    return True
+
+
 def _fill_model(info: Info, config: dict[str, Any] | None, tokenizer: dict[str, Any] | None) -> None:
     if config is not None:
         try:
@@ -385,7 +412,7 @@ def _fill_model(info: Info, config: dict[str, Any] | None, tokenizer: dict[str, 
             info.model = cfg.to_dict()
             info.params, info.params_non_embedding, info.flops_per_token = model_counts(cfg)
             info.kv_cache_bytes_per_token = cfg.kv_values_per_token * 4
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: sizes past what torch can hold
             pass
     if isinstance(tokenizer, dict):
         info.tokenizer = (

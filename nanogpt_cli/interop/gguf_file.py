@@ -372,6 +372,31 @@ def gguf_parts(layout: GGUFLayout, c: GPTConfig, names) -> dict[str, tuple[str, 
     return out
 
 
+def check_blocks(header, n_layer: int, path) -> None:
+    """The file's blocks (blk.N.* tensors) against the config's n_layer, before a model of that many is built."""
+    from nanogpt_cli.interop.materialize import check_blocks as check
+
+    check(str(path), n_layer, (t.name for t in header.tensors), r"blk\.(\d+)\.")
+
+
+def check_gguf_shapes(path, model: GPT, parts: dict[str, tuple[str, ...]], found: dict[str, tuple], optional=()):
+    """The file's tensors (llama.cpp's name -> shape, PyTorch's order) against the shapes our model's tensors
+    (`parts`: gguf_parts') cut into, before any is read: one sentence naming a tensor missing, extra or of
+    another shape. optional: llama.cpp's names that may be absent."""
+    from nanogpt_cli.interop.materialize import check_tensors
+
+    c, shapes = model.config, {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    expected = {}
+    for name, theirs in parts.items():
+        rows, rest = shapes[name][0], shapes[name][1:]
+        if len(theirs) == 3 and ".attn.c_attn." in name:
+            sizes = [n * c.head_size for n in (c.n_head, c.kv_heads, c.kv_heads)]
+        else:
+            sizes = [rows // len(theirs)] * len(theirs)
+        expected |= {t: (size, *rest) for t, size in zip(theirs, sizes)}
+    check_tensors(str(path), expected, found, optional)
+
+
 def gguf_joined(layout: GGUFLayout, c: GPTConfig, theirs: tuple[str, ...], parts: list):
     """One tensor of ours from its llama.cpp `parts` (named `theirs`: gguf_parts), numpy arrays or torch tensors:
     the layout's transform on each, then concatenated along dim 0. On a matrix the transforms move whole rows only,
@@ -385,7 +410,7 @@ def gguf_joined(layout: GGUFLayout, c: GPTConfig, theirs: tuple[str, ...], parts
 
 
 def gguf_floats(path: str | Path, layout: GGUFLayout, c: GPTConfig, parts: list, dtype):
-    """One tensor of ours in dtype from its GGUFReader `parts` (gguf_parts' order), dequantized a slice of rows at
+    """One tensor of ours in dtype from its GGUF tensors `parts` (gguf_parts' order), dequantized a slice of rows at
     a time. A matrix is read straight into dtype, as the layout's transforms only move its rows; a vector (norm
     gains, biases) is transformed in float32 (Gemma's gains are stored as 1 + w), then cast: the values loading
     the file into a float32 model and casting it after give."""
@@ -400,51 +425,86 @@ def gguf_floats(path: str | Path, layout: GGUFLayout, c: GPTConfig, parts: list,
 
 
 def is_gguf(path: str | Path) -> bool:
+    """A file that begins with GGUF's magic, whatever its name; or one named .gguf, whose reader then says what
+    its first bytes are not (the format is named by its magic, not by the reader that failed last)."""
     path = Path(path)
-    if path.suffix.lower() != ".gguf" or not path.is_file():
+    if not path.is_file():
         return False
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError:
+        return path.suffix.lower() == ".gguf"
+    return magic == b"GGUF" or path.suffix.lower() == ".gguf"
 
 
 def read_gguf_meta(path: str | Path) -> dict[str, Any]:
     """Our config and tokenizer description from a GGUF file nanogpt wrote, plus its architecture and type (any
     GGUF file: gguf_in.read_any_gguf_meta)."""
-    gguf = hf.require("gguf")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise NanoGPTError(f"{path} is not a readable GGUF file ({e})") from None
-    return _meta(reader, path)
+    from nanogpt_cli.interop.gguf_header import read_header
+
+    header = read_header(path)
+    meta = _meta(header, path)
+    if isinstance(meta["config"].get("n_layer"), int):  # a config of 100,000 blocks is not counted as a model's
+        _check_block_count(header, meta, meta["config"]["n_layer"], path)
+    return meta
 
 
-def _meta(reader, path) -> dict[str, Any]:
-    fields = reader.fields
+def _check_block_count(header, meta: dict[str, Any], n_layer: int, path) -> None:
+    """Our config's blocks against what llama.cpp reads (ARCH.block_count) and the blk.N tensors."""
+    blocks = header.get(f"{meta['architecture']}.block_count")
+    if blocks is not None and blocks != n_layer:  # what llama.cpp reads must be the model we read
+        raise NanoGPTError(
+            f"{path} is damaged: its {meta['architecture']}.block_count ({blocks!r}) disagrees with its "
+            f"{CONFIG_KEY} ({n_layer} blocks)"
+        )
+    check_blocks(header, n_layer, path)
+
+
+def _meta(header, path) -> dict[str, Any]:
+    fields = header.fields
     if CONFIG_KEY not in fields or TOKENIZER_KEY not in fields:
         raise NanoGPTError(
             f"{path} is a GGUF file that nanogpt did not write (it has no {CONFIG_KEY}); nanogpt "
             "reads back its own GGUF exports only"
         )
-    file_type = fields["general.file_type"].contents() if "general.file_type" in fields else 0
     from nanogpt_cli.hf_tokenizer import TOKENIZER_TEXT
 
-    extra = {TOKENIZER_TEXT: fields[TOKENIZER_JSON_KEY].contents()} if TOKENIZER_JSON_KEY in fields else {}
-    arch = fields["general.architecture"].contents()
-    if "tokenizer.ggml.pre" in fields:  # its export names the same llama.cpp pre-tokenizer again
+    extra = {TOKENIZER_TEXT: _text(fields, TOKENIZER_JSON_KEY, path)} if TOKENIZER_JSON_KEY in fields else {}
+    arch = fields.get("general.architecture")
+    if isinstance(fields.get("tokenizer.ggml.pre"), str):  # its export names the same llama.cpp pre-tokenizer again
         from nanogpt_cli.interop.gguf_pre import PRE_KEY
 
-        extra[PRE_KEY] = fields["tokenizer.ggml.pre"].contents()
+        extra[PRE_KEY] = fields["tokenizer.ggml.pre"]
     if arch in GGUF_FAMILIES:  # its export prefers that family again (a Qwen2 stays Qwen2, not Llama with biases)
         extra[hf.FAMILY_KEY] = GGUF_FAMILIES[arch]
+    file_type = fields.get("general.file_type", 0)
     return {
         **extra,
-        "config": json.loads(fields[CONFIG_KEY].contents()),
-        "tokenizer": json.loads(fields[TOKENIZER_KEY].contents()),
+        "config": _json_object(fields, CONFIG_KEY, path),
+        "tokenizer": _json_object(fields, TOKENIZER_KEY, path),
         "architecture": arch,
-        "file_type": int(file_type),
+        "file_type": file_type if isinstance(file_type, int) else 0,
         "source": str(path),
         "format": "gguf",
     }
+
+
+def _text(fields: dict[str, Any], key: str, path) -> str:
+    if not isinstance(fields[key], str):
+        raise NanoGPTError(f"{path} holds a {key} that is not text, as nanogpt writes it")
+    return fields[key]
+
+
+def _json_object(fields: dict[str, Any], key: str, path) -> dict[str, Any]:
+    """One of our keys' JSON object, or one sentence saying the file's is damaged."""
+    try:
+        value = json.loads(_text(fields, key, path))
+    except ValueError as e:
+        raise NanoGPTError(f"{path} holds a {key} that is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise NanoGPTError(f"{path} holds a {key} that is not a JSON object")
+    return value
 
 
 def read_gguf(path: str | Path, quantize: str | None = None, group_size: int = 32) -> tuple[GPT, dict[str, Any]]:
@@ -465,26 +525,32 @@ def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
     import torch
 
     from nanogpt_cli.interop.gguf_blocks import GGUF_FORMS
+    from nanogpt_cli.interop.gguf_header import read_header
     from nanogpt_cli.interop.materialize import LazyModel, empty_model
 
-    gguf = hf.require("gguf")
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise NanoGPTError(f"{path} is not a readable GGUF file ({e})") from None
+    reader = read_header(path)
     meta = _meta(reader, path)
     try:
         config = GPTConfig.from_dict(meta["config"])
     except (TypeError, ValueError) as e:
         raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None
-    layout, model = layout_of(meta["architecture"], path), empty_model(config)
+    layout = layout_of(meta["architecture"], path)
+    _check_block_count(reader, meta, config.n_layer, path)
+    model = empty_model(config, str(path))
     direct = GGUF_FORMS.get(quantize) if quantize == "int8" or group_size == 32 else None
     tensors = {t.name: t for t in reader.tensors}
     names = set(model.state_dict()) - ({"lm_head.weight"} if config.tie_embeddings else set())
     parts = gguf_parts(layout, config, names)
-    missing = sorted(n for n in names if any(t not in tensors for t in parts.get(n, ("",))))
+    missing = sorted(n for n in names if n not in parts)
     if missing:
         raise NanoGPTError(f"{path} has no tensor for our {missing[0]}")
+    # what export writes beside the model: rope_freqs (in the config), a tied head's copy for readers that do not
+    # tie, and the zero biases llama.cpp's loader requires
+    wanted = {t for theirs in parts.values() for t in theirs}
+    found = {t.name: t.dims for t in reader.tensors if t.name in wanted or not t.name.endswith(".bias")}
+    for name in ("rope_freqs.weight", "output.weight" if config.tie_embeddings else ""):
+        found.pop(name, None)
+    check_gguf_shapes(path, model, parts, found)
     sources = {}  # our tensor -> a function of the dtype that reads it
     packed = {}  # a projection -> its layer from the file's raw blocks, given its bias
     for name, theirs in parts.items():
@@ -501,8 +567,8 @@ def lazy_gguf(path: str | Path, quantize: str | None = None, group_size: int = 3
 
 
 def dequantized(path: str | Path, t, dtype):
-    """A GGUFReader tensor (out, in) as a torch tensor in dtype, dequantized to float32 a slice of rows at a time
-    (the gguf package's dequantization holds several float copies of what it is given)."""
+    """A GGUF tensor (gguf_header.GGUFTensor, (out, in)) as a torch tensor in dtype, dequantized to float32 a
+    slice of rows at a time (the gguf package's dequantization holds several float copies of what it is given)."""
     import torch
 
     from nanogpt_cli.runs.checkpoint import CONVERT_BYTES
@@ -520,9 +586,10 @@ def dequantized(path: str | Path, t, dtype):
 
 
 def read_tensor_data(path: str | Path, t) -> np.ndarray:
-    """A GGUFReader tensor's data (t.data's shape and dtype) read from the file into memory of its own: reading
-    it through the reader's map of the whole file would keep every page read resident until the map is gone."""
-    data = np.empty(t.data.shape, t.data.dtype)
+    """A tensor's data (gguf_header.GGUFTensor: its data_shape and data_dtype, as GGUFReader holds it) read from
+    the file into memory of its own: reading it through a map of the whole file would keep every page read
+    resident until the map is gone."""
+    data = np.empty(t.data_shape, t.data_dtype)
     with open(path, "rb") as f:
         f.seek(t.data_offset)
         read = f.readinto(data.reshape(-1).view(np.uint8))

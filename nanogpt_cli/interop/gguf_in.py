@@ -27,12 +27,9 @@ from nanogpt_cli.model import GPT
 
 
 def _reader(path: str | Path):
-    import gguf
+    from nanogpt_cli.interop.gguf_header import read_header
 
-    try:
-        return gguf.GGUFReader(str(path))
-    except (ValueError, OSError) as e:
-        raise NanoGPTError(f"{path} is not a readable GGUF file ({e})") from None
+    return read_header(path)
 
 
 def read_any_gguf(path: str | Path, quantize: str | None = None, group_size: int = 32) -> tuple[GPT, dict[str, Any]]:
@@ -69,8 +66,7 @@ def read_any_gguf_meta(path: str | Path) -> dict[str, Any]:
 
 
 def field(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+    return reader.get(key, default)
 
 
 def read_llama_cpp_gguf(reader, path: str | Path) -> tuple[GPT, dict[str, Any]]:
@@ -88,14 +84,15 @@ def lazy_llama_cpp_gguf(reader, path: str | Path):
     through the family's GGUF layout; a tensor the layout has no place for is refused."""
     import torch
 
-    from nanogpt_cli.interop.gguf_file import gguf_floats, gguf_parts
+    from nanogpt_cli.interop.gguf_file import check_blocks, check_gguf_shapes, gguf_floats, gguf_parts
     from nanogpt_cli.interop.materialize import LazyModel, empty_model
 
     arch = _arch(reader, path)
     tensors = {t.name: t for t in reader.tensors}
     config = _config(reader, arch, {k: tuple(int(n) for n in reversed(t.shape)) for k, t in tensors.items()}, path)
     layout = FAMILIES[GGUF_FAMILIES[arch]].gguf
-    model = empty_model(config)
+    check_blocks(reader, config.n_layer, path)
+    model = empty_model(config, str(path))
     shapes = {name: tuple(p.shape) for name, p in model.state_dict().items()}
     names = set(shapes) - ({"lm_head.weight"} if config.tie_embeddings else set())
     parts = gguf_parts(layout, config, names)
@@ -103,6 +100,9 @@ def lazy_llama_cpp_gguf(reader, path: str | Path):
     unread = sorted(set(tensors) - used)
     if unread:
         raise NanoGPTError(f"{path} holds {unread[0]}, which nanogpt's {arch} has no place for")
+    found = {k: t.dims for k, t in tensors.items() if k != "rope_freqs.weight"}
+    biases = [t for n, theirs in parts.items() if n.endswith(".bias") for t in theirs]  # absent biases are zero
+    check_gguf_shapes(path, model, parts, found, biases)
     sources = {}  # our tensor -> a function of the dtype that reads it
     for name in names:
         theirs = parts.get(name, ())
@@ -128,9 +128,13 @@ def _zeros(shape: tuple[int, ...], dtype):
 def read_llama_cpp_meta(reader, path: str | Path) -> dict[str, Any]:
     """read_llama_cpp_gguf's metadata without reading the weights (for `info`): config, tokenizer, architecture,
     file type, and the tensor types with how many of each ("tensor_types")."""
+    from nanogpt_cli.interop.gguf_file import check_blocks
+
     arch = _arch(reader, path)
     shapes = {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
-    meta = _meta(reader, arch, _config(reader, arch, shapes, path), path)
+    config = _config(reader, arch, shapes, path)
+    check_blocks(reader, config.n_layer, path)  # a config of 100,000 blocks is not counted as a model's
+    meta = _meta(reader, arch, config, path, tokenizer=False)
     counts: dict[str, int] = {}
     for t in reader.tensors:
         counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + 1
@@ -147,9 +151,23 @@ def _arch(reader, path) -> str:
     return arch
 
 
-def _meta(reader, arch: str, config: GPTConfig, path) -> dict[str, Any]:
+def _meta(reader, arch: str, config: GPTConfig, path, tokenizer: bool = True) -> dict[str, Any]:
+    """The metadata load_model gives; tokenizer False: the tokenizer only named and counted, not built (`info`)."""
     from nanogpt_cli.hf_tokenizer import TOKENIZER_TEXT
 
+    if not tokenizer:
+        tokens = field(reader, "tokenizer.ggml.tokens")
+        described = {"name": Path(path).stem, "kind": "hf"}
+        return {
+            "config": config.to_dict(),
+            "tokenizer": described | ({"vocab_size": len(tokens)} if isinstance(tokens, list) else {}),
+            "architecture": arch,
+            "file_type": field(reader, "general.file_type", 0),
+            "source": str(path),
+            "format": "gguf",
+            "writer": "llama.cpp",
+            "hf_family": GGUF_FAMILIES[arch],
+        }
     tok = gguf_tokenizer(reader, path)
     meta: dict[str, Any] = {
         "config": config.to_dict(),
@@ -169,6 +187,11 @@ def _meta(reader, arch: str, config: GPTConfig, path) -> dict[str, Any]:
     return meta
 
 
+# the ARCH.* keys that are counts and widths: each a positive whole number
+SIZES = ("block_count", "head_count", "head_count_kv", "embedding_length", "context_length", "feed_forward_length")
+SIZES += ("key_length", "value_length", "rope.dimension_count")
+
+
 def _config(reader, arch: str, tensors: dict[str, tuple[int, ...]], path) -> GPTConfig:
     """Our config from the `ARCH.*` keys and the tensors' shapes (the family's GGUF layout reads them); a value
     without a counterpart is one sentence."""
@@ -176,6 +199,11 @@ def _config(reader, arch: str, tensors: dict[str, tuple[int, ...]], path) -> GPT
     from nanogpt_cli.interop.families.gguf_base import Keys
 
     keys = Keys(arch, {k: field(reader, k) for k in reader.fields if k.startswith(f"{arch}.")})
+    for key, value in keys.values.items():
+        if isinstance(value, list):
+            continue  # a value per layer: config_in says whether it has a counterpart
+        if key.endswith(SIZES) and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise NanoGPTError(f"{path}: {key} = {value!r}, where llama.cpp needs a positive whole number")
     try:
         fields = FAMILIES[GGUF_FAMILIES[arch]].gguf.config_in(keys, tensors)
         if fields.get("pos_encoding") == "rope":
@@ -183,8 +211,10 @@ def _config(reader, arch: str, tensors: dict[str, tuple[int, ...]], path) -> GPT
                 _rope_scaling(reader, arch, tensors, fields.get("head_dim") or fields["n_embd"] // fields["n_head"])
             )
         return default_width(GPTConfig(**fields))
-    except (NanoGPTError, ValueError) as e:
+    except NanoGPTError as e:
         raise NanoGPTError(f"{path}: {e}") from None
+    except (ValueError, TypeError, ArithmeticError) as e:  # a value of the wrong type, a head count of 0
+        raise NanoGPTError(f"{path}: its {arch}.* metadata does not describe a model nanogpt can build ({e})") from None
 
 
 def _rope_scaling(reader, arch: str, tensors: dict[str, tuple[int, ...]], head_dim: int) -> dict[str, Any]:
@@ -206,8 +236,10 @@ def _rope_scaling(reader, arch: str, tensors: dict[str, tuple[int, ...]], head_d
 def _rope_freqs(reader) -> np.ndarray:
     import gguf
 
+    from nanogpt_cli.interop.gguf_file import read_tensor_data
+
     t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-    return gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1)
+    return gguf.quants.dequantize(read_tensor_data(reader.path, t), t.tensor_type).astype(np.float32).reshape(-1)
 
 
 def _llama3_scaling(factors: np.ndarray, reader, arch: str, head_dim: int) -> dict[str, Any]:
@@ -234,19 +266,27 @@ def gguf_tokenizer(reader, path):
     if tokens is None:
         raise NanoGPTError(f"{path} has no tokenizer.ggml.tokens, so nanogpt cannot encode text for it")
     types = field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    scores = field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
+    for key, values, kind in (("tokens", tokens, str), ("token_type", types, int), ("scores", scores, (int, float))):
+        if not isinstance(values, list) or len(values) != len(tokens) or not all(isinstance(v, kind) for v in values):
+            raise NanoGPTError(f"{path}: tokenizer.ggml.{key} is not one {kind_name(kind)} per token")
+    ids = {key: field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("bos", "eos", "unknown", "padding", "eot")}
+    for key, i in ids.items():
+        if i is not None and (not isinstance(i, int) or isinstance(i, bool)):
+            raise NanoGPTError(f"{path}: tokenizer.ggml.{key}_token_id = {i!r} is not a token id")
+    # an id past the vocabulary is no token, as llama.cpp takes it (it warns and uses its default)
+    ids = {key: i if i is not None and 0 <= i < len(tokens) else None for key, i in ids.items()}
     if model == "gpt2":
         text = _byte_level_json(tokens, types, field(reader, "tokenizer.ggml.merges") or [], reader, path)
     elif model == "llama":
-        scores = field(reader, "tokenizer.ggml.scores") or [0.0] * len(tokens)
         text = _sentencepiece_json(tokens, types, scores, bool(field(reader, "tokenizer.ggml.add_space_prefix", True)))
     else:
         raise NanoGPTError(f"{path}: tokenizer.ggml.model = {model!r} has no counterpart here (gpt2 and llama do)")
 
     def token(key: str) -> str | None:
-        i = field(reader, f"tokenizer.ggml.{key}_token_id")
-        return tokens[i] if i is not None and 0 <= i < len(tokens) else None
+        return tokens[ids[key]] if ids[key] is not None else None
 
-    eot = field(reader, "tokenizer.ggml.eot_token_id")
+    eot = ids["eot"]
     settings = {
         "bos_token": token("bos"),
         "eos_token": token("eos"),
@@ -257,6 +297,10 @@ def gguf_tokenizer(reader, path):
         "stop_ids": [eot] if eot is not None else [],
     }
     return HFTokenizer(text, Path(path).stem, settings, field(reader, "tokenizer.chat_template"))
+
+
+def kind_name(kind) -> str:
+    return {str: "string", int: "whole number"}.get(kind, "number")
 
 
 def _added(tokens: list[str], types: list[int]) -> list[dict[str, Any]]:
@@ -275,11 +319,14 @@ def _byte_level_json(tokens, types, merges, reader, path) -> str:
     import tokenizers as tk
 
     pre = field(reader, "tokenizer.ggml.pre", "default")
-    known = pre_tokenizer("gpt-2" if pre == "default" else pre)
+    known = pre_tokenizer("gpt-2" if pre == "default" else pre) if isinstance(pre, str) else None
     if known is None:
         raise NanoGPTError(f"{path}: tokenizer.ggml.pre = {pre!r} is a pre-tokenizer nanogpt does not know")
     vocab = {t: i for i, t in enumerate(tokens) if types[i] not in (3, 4)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
+    for pair in pairs:  # checked here: the tokenizers library panics on a merge outside the vocabulary
+        if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+            raise NanoGPTError(f"{path}: tokenizer.ggml.merges holds {' '.join(pair)!r}, which the vocabulary lacks")
     tok = tk.Tokenizer(tk.models.BPE(vocab=vocab, merges=pairs, ignore_merges=known[1]))
     tok.pre_tokenizer = known[0]
     tok.decoder = tk.decoders.ByteLevel()

@@ -263,6 +263,12 @@ def from_hf(hf_model, consume: bool = False) -> GPT:
     else:
         biases = Biases(other=_has_bias(theirs))
     config = config_from_hf(hf_model.config, biases)
+    embedding, head = theirs.get(FAMILIES[kind].top["transformer.wte.weight"]), theirs.get("lm_head.weight")
+    if config.tie_embeddings and head is not None and embedding is not None and not _same(head, embedding):
+        raise NanoGPTError(
+            "the model's config ties the output head to the embedding (tie_word_embeddings), and its weights hold "
+            "an lm_head.weight of its own: set tie_word_embeddings to false in its config.json"
+        )
     model = empty_model(config)
     wanted = dict(model.named_parameters())  # a tied head is one parameter, under the embedding's name
     files = _file_ranges() if consume else []
@@ -287,15 +293,31 @@ def from_hf(hf_model, consume: bool = False) -> GPT:
     return model
 
 
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One tensor, or two holding equal values."""
+    if a.data_ptr() == b.data_ptr() and a.shape == b.shape:
+        return True
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
 def _converted(kind: str, name: str, source, sources: list, like: torch.Tensor, config: GPTConfig) -> torch.Tensor:
     """Our tensor `name` from their tensors `sources` (those of the names `source` it has): theirs itself when
     float32 and kept as is, else a new one."""
     if len(sources) < (len(source) if isinstance(source, tuple) else 1):  # only biases may be absent (mlp_bias)
-        assert name.endswith(".bias"), f"{name}: {source} missing from the Hugging Face model"
+        if not name.endswith(".bias"):
+            raise NanoGPTError(f"the Hugging Face model has no {source}, which its config implies")
         return torch.zeros(like.shape)
     parts = [t.detach().float() for t in sources]
-    tensor = _to_ours(kind, name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0), config)
-    assert tensor.shape == like.shape, f"{name}: {tuple(tensor.shape)} vs {tuple(like.shape)}"
+    try:
+        tensor = _to_ours(kind, name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=0), config)
+    except RuntimeError:  # parts that do not concatenate or reshape: shapes the config does not imply
+        tensor = None
+    if tensor is None or tensor.shape != like.shape:
+        shapes = ", ".join(f"{tuple(t.shape)}" for t in parts)
+        raise NanoGPTError(
+            f"the Hugging Face model's {source} has shape {shapes}, which is not what its config implies for our "
+            f"{name} {tuple(like.shape)}"
+        )
     return tensor.contiguous()  # GPT-2's transposed Conv1D matrices: as copy_ into our Linear laid them out
 
 
@@ -591,13 +613,20 @@ def load_pretrained_meta(source: str | Path) -> tuple[GPT, dict[str, Any]]:
         raise NanoGPTError(f"{where} holds no readable Hugging Face config.json ({first_line(e)})") from None
     except ValueError as e:
         raise NanoGPTError(f"{where}: {first_line(e)}") from None
+    except Exception as e:  # a config.json whose values break transformers' own checks (a head count of 0)
+        raise NanoGPTError(f"{where}'s config.json is not valid ({type(e).__name__}: {first_line(e)})") from None
     _check_kind(hf_config)
+    if not online:
+        check_folder(Path(name), hf_config, transformers)
     meta = _pretrained_tokenizer(transformers, name, where, kwargs)
     try:
         with quiet_transformers():
-            hf_model = transformers.AutoModelForCausalLM.from_pretrained(name, **kwargs)
-    except (OSError, ValueError) as e:
-        raise NanoGPTError(f"could not load the weights of {where} ({first_line(e)})") from None
+            hf_model, report = transformers.AutoModelForCausalLM.from_pretrained(
+                name, output_loading_info=True, ignore_mismatched_sizes=True, **kwargs
+            )
+    except Exception as e:  # transformers raises what its parts raise for a damaged file
+        raise NanoGPTError(f"could not load the weights of {where} ({type(e).__name__}: {first_line(e)})") from None
+    _check_report(where, report)
     model = from_hf(hf_model, consume=True)
     del hf_model
     meta[FAMILY_KEY] = hf_config.model_type  # an export of this model writes the same family back
@@ -607,6 +636,69 @@ def load_pretrained_meta(source: str | Path) -> tuple[GPT, dict[str, Any]]:
             f"{where} has {desc['vocab_size']:,} tokens but only {model.config.vocab_size:,} rows of embeddings"
         )
     return model, meta
+
+
+def _check_report(where: str, report: dict[str, Any]) -> None:
+    """transformers' loading report: a tensor of another shape than the config implies, one the config has no
+    place for, or one it implies and the files lack (which transformers would leave random) is one sentence."""
+    for name, has, wants in sorted(report.get("mismatched_keys") or ()):
+        raise NanoGPTError(
+            f"{where} does not match its config.json: {name} has shape {tuple(has)}, and the config implies "
+            f"{tuple(wants)}"
+        )
+    for key, words in (
+        ("missing_keys", "has no {}, which its config.json implies (it would be left random)"),
+        ("unexpected_keys", "holds {}, which its config.json has no place for"),
+    ):
+        names = sorted(report.get(key) or ())
+        if names:
+            raise NanoGPTError(f"{where} does not match its config.json: it {words.format(names[0])}")
+
+
+def check_folder(folder: Path, hf_config, transformers) -> None:
+    """A local folder's safetensors headers against its config.json, before transformers builds the model: its
+    blocks counted (a config of 100,000 layers is refused, not allocated) and each tensor's shape against the one
+    the config implies (the model built on the meta device)."""
+    from safetensors import SafetensorError, safe_open
+
+    from nanogpt_cli.interop.materialize import check_blocks
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    files = sorted(folder.glob("*.safetensors"))
+    index = folder / "model.safetensors.index.json"  # sharded weights: only the files it lists are the model's
+    if index.is_file():
+        try:
+            listed = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise NanoGPTError(
+                f"{index} is not a readable weights index ({type(e).__name__}: {first_line(e)})"
+            ) from None
+        files = [f for f in files if f.name in listed]
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                shapes |= {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except (SafetensorError, OSError, ValueError) as e:
+            raise NanoGPTError(f"{file} is not a valid safetensors file ({first_line(e)})") from None
+    layers = getattr(hf_config, "num_hidden_layers", None)
+    if not shapes or not isinstance(layers, int):
+        return  # no safetensors (transformers reports what it finds), or a config without a layer count
+    check_blocks(f"{folder}", layers, shapes, r"(?:.*\.)?(?:layers|h)\.(\d+)\.")
+    try:
+        with torch.device("meta"), quiet_transformers():
+            meta_model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    except Exception as e:  # a config.json transformers cannot build from
+        raise NanoGPTError(
+            f"{folder}'s config.json does not build a model ({type(e).__name__}: {first_line(e)})"
+        ) from None
+    expected = {k: tuple(v.shape) for k, v in meta_model.state_dict().items()}
+    prefix = getattr(meta_model, "base_model_prefix", "")
+    for name, shape in shapes.items():
+        wants = expected.get(name, expected.get(f"{prefix}.{name}"))
+        if wants is not None and wants != shape:
+            raise NanoGPTError(
+                f"{folder} does not match its config.json: {name} has shape {shape}, and the config implies {wants}"
+            )
 
 
 def _pretrained_tokenizer(transformers, name: str, where: str, kwargs: dict[str, Any]) -> dict[str, Any]:

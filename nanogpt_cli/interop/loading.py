@@ -44,10 +44,7 @@ def load_model(
     meta[TOKENIZER_DIR] = str(path.parent)  # a Hugging Face tokenizer's tokenizer.json is beside the weights
     if "lora" in meta:
         return load_lora(path, meta, merge=True)[0].to(device), meta
-    try:
-        config = GPTConfig.from_dict(meta["config"])
-    except (TypeError, ValueError) as e:
-        raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None
+    config = checked_weights(path, meta).model.config
     model = GPT(config)
     load_weights(model, path)
     return model.to(device), meta
@@ -158,8 +155,6 @@ def lazy_model(checkpoint: str | Path, last: bool, quantize: str | None, group_s
     """A LazyModel (materialize.py) for a weights file of ours or a GGUF file; None for what load_model builds
     whole (a Hugging Face model, LoRA adapters on their base)."""
     from nanogpt_cli.interop import gguf_file, gguf_in
-    from nanogpt_cli.interop.materialize import LazyModel, empty_model
-    from nanogpt_cli.runs.checkpoint import TensorFile
 
     path = find_run(checkpoint)
     if hf.is_hf_source(path):
@@ -171,15 +166,32 @@ def lazy_model(checkpoint: str | Path, last: bool, quantize: str | None, group_s
     meta[TOKENIZER_DIR] = str(path.parent)
     if "lora" in meta:
         return None
-    try:
-        config = GPTConfig.from_dict(meta["config"])
-    except (TypeError, ValueError) as e:
-        raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None
+    return checked_weights(path, meta)
+
+
+def checked_weights(path: Path, meta: dict):
+    """A weights file of ours as a LazyModel on the meta device, once its header's tensors are the ones its config
+    implies (names and shapes, the blocks counted before the model is built)."""
+    from nanogpt_cli.interop.materialize import LazyModel, check_blocks, check_tensors, empty_model
+    from nanogpt_cli.runs.checkpoint import TensorFile
+
+    config = config_of(meta, path)
     file = TensorFile(path)
-    lazy = LazyModel(empty_model(config), file.get, meta, str(path))
-    head = {"lm_head.weight"} if config.tie_embeddings else set()  # a tied head is the embedding: any copy is unread
-    missing, unexpected = set(lazy.model.state_dict()) - head - file.keys(), file.keys() - set(lazy.model.state_dict())
-    if missing or unexpected:
-        missing, unexpected = sorted(missing), sorted(unexpected)
-        raise NanoGPTError(f"{path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    found = file.shapes()
+    if config.tie_embeddings:  # a tied head is the embedding: any copy is unread
+        found.pop("lm_head.weight", None)
+    check_blocks(str(path), config.n_layer, found)
+    lazy = LazyModel(empty_model(config, str(path)), file.get, meta, str(path))
+    expected = {k: tuple(v.shape) for k, v in lazy.model.state_dict().items()}
+    if config.tie_embeddings:
+        expected.pop("lm_head.weight")
+    check_tensors(str(path), expected, found)
     return lazy
+
+
+def config_of(meta: dict, path) -> GPTConfig:
+    """The config in a file's metadata, or one sentence."""
+    try:
+        return GPTConfig.from_dict(meta["config"])
+    except (TypeError, ValueError, KeyError) as e:
+        raise NanoGPTError(f"{path} holds an invalid model config: {e}") from None

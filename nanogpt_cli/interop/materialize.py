@@ -22,13 +22,71 @@ from nanogpt_cli.device import release_freed_memory
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.model import GPT
 
+# the most values one position table (context x rotary width) may hold: 64M, 256 MB in float32, as a Gemma 3 of
+# 128k positions by 256 needs; a context beyond it in a file is damage, not a model a CPU runs
+MAX_TABLE = 2**26
 
-def empty_model(config: GPTConfig) -> GPT:
-    """GPT(config) with its parameters on the meta device, uninitialised, and its position tables made on the CPU."""
+
+def empty_model(config: GPTConfig, source: str = "") -> GPT:
+    """GPT(config) with its parameters on the meta device, uninitialised, and its position tables made on the CPU
+    (a context whose tables would pass MAX_TABLE is one sentence naming `source`)."""
+    width = config.n_embd if config.pos_encoding == "sinusoidal" else config.rotary_size
+    if config.pos_encoding != "learned" and config.block_size * width > MAX_TABLE:
+        raise NanoGPTError(
+            f"{source or 'the model'} has a context of {config.block_size:,} positions, whose position tables "
+            f"({config.block_size:,} x {width}) pass the {MAX_TABLE:,} values nanogpt holds: a damaged config"
+        )
     with torch.device("meta"):
         model = GPT(config, init=False)
     model.make_tables()
     return model
+
+
+def check_blocks(source: str, n_layer: int, names, pattern: str = r"transformer\.h\.(\d+)\.") -> None:
+    """The file's blocks (its tensor names matching `pattern`, group 1 the block's index) against the config's
+    n_layer, before a model of n_layer blocks is built: a missing or extra block is one sentence."""
+    import re
+
+    blocks: dict[int, str] = {}
+    for name in sorted(names):
+        m = re.match(pattern, name)
+        if m:
+            blocks.setdefault(int(m.group(1)), name)
+    if n_layer < len(blocks) or (blocks and max(blocks) >= n_layer):
+        extra = min(i for i in blocks if i >= n_layer)
+        raise NanoGPTError(
+            f"{source} does not match its config: it holds {blocks[extra]}, and the config has {n_layer:,} "
+            f"block{'s' if n_layer != 1 else ''} (0 to {n_layer - 1:,})"
+        )
+    if len(blocks) < n_layer:
+        gap = min(set(range(n_layer)) - set(blocks))
+        raise NanoGPTError(
+            f"{source} does not match its config: the config has {n_layer:,} blocks, and the file has no tensors "
+            f"of block {gap:,}"
+        )
+
+
+def check_tensors(source: str, expected: dict[str, tuple], found: dict[str, tuple], optional=frozenset()) -> None:
+    """The file's tensors (name -> shape) against those the config implies, before any is read: one sentence
+    naming the first tensor that is missing, extra, or of another shape. optional: names that may be absent."""
+    for name, shape in expected.items():
+        if name in found and tuple(found[name]) != tuple(shape):
+            raise NanoGPTError(
+                f"{source} does not match its config: {name} has shape {tuple(found[name])}, and the config "
+                f"implies {tuple(shape)}"
+            )
+    missing = sorted(set(expected) - set(found) - set(optional))
+    if missing:
+        raise NanoGPTError(
+            f"{source} does not match its config: it has no {missing[0]}, which the config implies "
+            f"(shape {tuple(expected[missing[0]])})"
+        )
+    extra = sorted(set(found) - set(expected))
+    if extra:
+        raise NanoGPTError(
+            f"{source} does not match its config: it holds {extra[0]} (shape {tuple(found[extra[0]])}), which "
+            "the config has no place for"
+        )
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,8 +108,15 @@ def load_weights(model: GPT, path: Path) -> None:
         tensors = load_file(str(path))
     except (SafetensorError, OSError) as e:
         raise NanoGPTError(f"{path} is not a valid safetensors checkpoint ({e})") from None
+    own = model.state_dict()
+    for name, tensor in tensors.items():
+        if name in own and tuple(own[name].shape) != tuple(tensor.shape):
+            raise NanoGPTError(
+                f"{path} does not match its config: {name} has shape {tuple(tensor.shape)}, and the config implies "
+                f"{tuple(own[name].shape)}"
+            )
     if tensors and all(is_adapter_key(k) for k in tensors):
-        ours = {k for k in model.state_dict() if is_adapter_key(k)}
+        ours = {k for k in own if is_adapter_key(k)}
         if ours != set(tensors):
             raise NanoGPTError(
                 f"{path} holds adapters for other layers than this model's: missing "
@@ -153,12 +161,27 @@ class TensorFile:
         self.path = Path(path)
         try:
             with open(self.path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
                 n = int.from_bytes(f.read(8), "little")
+                if size < 8 or n > size - 8:  # checked before the header is read: the length may be damage
+                    raise NanoGPTError(
+                        f"{path} is not a valid safetensors checkpoint (its header length {n:,} passes the end of "
+                        f"the file, {size:,} bytes)"
+                    )
                 header = json.loads(f.read(n))
         except (OSError, ValueError) as e:
             raise NanoGPTError(f"{path} is not a valid safetensors checkpoint ({e})") from None
+        if not isinstance(header, dict):
+            raise NanoGPTError(f"{path} is not a valid safetensors checkpoint (its header is not a JSON object)")
         header.pop("__metadata__", None)
         self.start, self.entries = 8 + n, header
+        for name, entry in header.items():
+            problem = _entry_problem(entry, size - self.start)
+            if problem:
+                raise NanoGPTError(f"{path} is a damaged safetensors file: {name} {problem}")
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: tuple(entry["shape"]) for name, entry in self.entries.items()}
 
     def keys(self) -> set[str]:
         return set(self.entries)
@@ -193,6 +216,25 @@ class TensorFile:
         if read != end - begin or read != len(buffer):
             raise NanoGPTError(f"{self.path} is truncated or damaged: {name} has {read:,} of {len(buffer):,} bytes")
         return into
+
+
+def _entry_problem(entry: Any, data_bytes: int) -> str | None:
+    """Why one safetensors header entry cannot be read from a data section of data_bytes, or None: its dtype, its
+    shape and its offsets must agree with each other and lie inside the file, before anything is allocated."""
+    if not isinstance(entry, dict) or entry.get("dtype") not in SAFETENSORS_DTYPES:
+        return f"has dtype {entry.get('dtype') if isinstance(entry, dict) else None!r}, which safetensors lacks"
+    shape, offsets = entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        return f"has shape {shape!r}, not a list of sizes"
+    ok = isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+    if not ok or not 0 <= offsets[0] <= offsets[1] <= data_bytes:
+        return f"has data offsets {offsets!r} outside the file's {data_bytes:,} bytes of data"
+    n = SAFETENSORS_DTYPES[entry["dtype"]].itemsize
+    for d in shape:
+        n *= d
+    if n != offsets[1] - offsets[0]:
+        return f"of shape {tuple(shape)} needs {n:,} bytes, and its offsets hold {offsets[1] - offsets[0]:,}"
+    return None
 
 
 # --- optimizer and trainer state ---
