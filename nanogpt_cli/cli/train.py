@@ -5,6 +5,7 @@ nanogpt train --data shakespeare-char --preset cpu-char --out checkpoints/shk
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Annotated
 
@@ -115,7 +116,7 @@ def train(
         nnodes=nnodes,
         rdzv_endpoint=rdzv_endpoint,
     )
-    job = plan_train(request)
+    job = while_planning(plan_train, request)
     if job.launch is not None:  # everything was checked here, before any process starts
         options = dict(preset=preset, config=config, init_from=init_from, threads=threads, tracker=tracker)
         switches = dict(resume=resume, force=force, quiet=quiet, last=last, verbose=verbose, no_plot=not plot)
@@ -143,7 +144,7 @@ def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False, 
     # torchrun stop the others) before
     with open_world(plan.train) as world:
         try:
-            with TrainDisplay(quiet or not prints(), verbose) as display:
+            with TrainDisplay(quiet or not prints(), verbose) as display, cut_short(plan):
                 result = Trainer(plan, Tee(display, sink) if sink else display, world, trainable=trainable).fit()
         finally:
             if sink is not None:
@@ -154,7 +155,7 @@ def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False, 
         from nanogpt_cli.training.launch import record_error
 
         record_error(stopped_line(plan, result))  # every rank: torchrun's report of the stop ends with this line
-        raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
+        raise typer.Exit(stop_code(result.stopped))
 
 
 @config_options
@@ -223,7 +224,8 @@ def finetune(
     if given or (lora and not resume):
         targets = given.pop("targets", None)
         lora_cfg = LoRAConfig(**given, targets=(targets,) if targets is not None else DEFAULT_TARGETS)
-    job = plan_finetune(
+    job = while_planning(
+        plan_finetune,
         flags,
         load_toml(config) if config else {},
         out=out,
@@ -241,12 +243,71 @@ def finetune(
     run_policy(job, method, settings, quiet, sink)
 
 
-def stopped_line(plan, result) -> str:
-    """How a run stopped by a signal ended, and the command that resumes it (with the launch flags of --nproc)."""
+def resume_command(plan) -> str:
+    """The command that continues a planned run (with the launch flags of --nproc; a DPO or GRPO run's method)."""
     from nanogpt_cli.training.launch import launch_flags
 
-    resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
-    return f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}"
+    method = (plan.finetune or {}).get("objective")
+    if method is not None:
+        return f"nanogpt finetune --method {method} --out {plan.run_dir} --resume"
+    return f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
+
+
+def stopped_line(plan, result) -> str:
+    """How a run stopped by a signal ended: what it saved, and the command that resumes it."""
+    if result.step == 0 or not plan.run_dir.has_trainer_state():  # stopped before its first step
+        return f"stopped by {result.stopped} before the first step; {on_disk(plan)}"
+    return f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_command(plan)}"
+
+
+def on_disk(plan) -> str:
+    """What a run stopped at once left in its folder: the step of its last complete save, or nothing."""
+    run = plan.run_dir
+    if not run.has_trainer_state():
+        return f"nothing was saved in {run}"
+    try:
+        step = run.read_trainer().step
+    except NanoGPTError as e:
+        return f"its last save could not be read: {e}"
+    return f"the checkpoint of step {step:,} is in {run}; resume with: {resume_command(plan)}"
+
+
+def stop_code(signal_name: str | None) -> int:
+    """The shell's exit code of a run stopped by a signal: 128 + its number (SIGINT 130, SIGTERM 143)."""
+    return 143 if signal_name == "SIGTERM" else 130
+
+
+@contextlib.contextmanager
+def cut_short(plan):
+    """A run stopped before its loop could save: by a signal while it was being set up (Interrupted), or at
+    once by a second Ctrl-C (KeyboardInterrupt). Says what is on disk and exits with the signal's code."""
+    from nanogpt_cli.training.signals import Interrupted
+
+    try:
+        yield
+    except Interrupted as stop:
+        if prints():
+            note(f"stopped by {stop.signal} before the run began; {on_disk(plan)}")
+        raise typer.Exit(stop_code(stop.signal)) from None
+    except KeyboardInterrupt:
+        if prints():
+            note(f"stopped at once by a second SIGINT; {on_disk(plan)}")
+        raise typer.Exit(130) from None
+
+
+def while_planning(plan_fn, *args, **kwargs):
+    """plan_fn(*args, **kwargs), which reads the data and may load a model, dropped at once by Ctrl-C or
+    SIGTERM with a line saying nothing was saved (a plan writes nothing)."""
+    from nanogpt_cli.training.signals import Interrupted, StopSignals
+
+    try:
+        with StopSignals() as signals, signals.interruptible():
+            return plan_fn(*args, **kwargs)
+    except (Interrupted, KeyboardInterrupt) as stop:
+        name = stop.signal if isinstance(stop, Interrupted) else "SIGINT"
+        if prints():
+            note(f"stopped by {name} while planning the run; nothing was saved")
+        raise typer.Exit(stop_code(name)) from None
 
 
 def launch_training(plan, how, given: dict, options: dict) -> None:
@@ -285,9 +346,7 @@ def report_training(plan, result, plot: bool = True) -> None:
             write_png([plan.run_dir.path], plan.run_dir.loss_plot_path)
         except NanoGPTError as e:  # said once, here at the end, where it is seen
             note(f"{plan.run_dir.loss_plot_path.name} not drawn: {e}")
-    from nanogpt_cli.training.launch import launch_flags
-
-    resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
+    resume_with = resume_command(plan)
     if result.stopped in ("SIGINT", "SIGTERM"):  # a stop the user asked for, after a save: a note, not an error
         note(stopped_line(plan, result))
     if result.stopped == "stop_at":
