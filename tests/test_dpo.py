@@ -162,6 +162,12 @@ def test_dpo_refuses_seq_len_it_scores_each_pair_whole(dpo_data, tmp_path):
         dpo_job(dpo_data, tmp_path / "x", seq_len=16)
 
 
+def load_file_tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path)).items()
+
+
 def test_cli_prepare_preference_and_finetune_dpo(dpo_data, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
@@ -179,7 +185,15 @@ def test_cli_prepare_preference_and_finetune_dpo(dpo_data, tmp_path, monkeypatch
     args += ["--out", "run"]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
-    assert "preference accuracy" in r.output
+    # train's display: start lines (LoRA's trainable parameters among them), progress, evaluations, a table
+    lines = r.output.splitlines()
+    lora = next(line for line in lines if line.startswith("fine-tune: DPO, LoRA r 8, alpha 16 on attn.c_attn; "))
+    trainable = sum(p.numel() for n, p in load_file_tensors(tmp_path / "run" / "model.safetensors") if "lora_" in n)
+    assert f"{trainable:,} trainable params" in lora
+    assert "batch: 2 preference pairs per step; sigmoid loss, beta 0.2, rpo alpha 0.5" in r.output
+    assert any(line.startswith("step 2/2 | loss ") for line in lines)
+    assert any(line.startswith("step 2: val loss ") and "val accuracy" in line for line in lines)
+    assert "dpo run run" in r.output and "val preference accuracy" in r.output and "ms/iter" in r.output
     assert json.loads((tmp_path / "run" / "config.json").read_text())["finetune"]["settings"]["rpo_alpha"] == 0.5
     r = runner.invoke(app, [*args[:-2], "--out", "run2", "--group-size", "4"])
     assert r.exit_code == 1 and "--group-size has no effect with --method dpo" in r.output
