@@ -37,8 +37,9 @@ Force = Annotated[bool, typer.Option("--force", help="Start over in an --out tha
 InitFrom = Annotated[
     str | None,
     typer.Option(
-        help="The weights to start from, with a fresh optimizer: a run folder or a run's name in checkpoints/, a "
-        ".safetensors file, a Hugging Face folder or hf:NAME (not needed with --resume).",
+        help="The weights to start from, with a fresh optimizer: a run folder or a run's name in checkpoints/ (a "
+        "LoRA run merged on its base), a .safetensors file, a .gguf file (ours or llama.cpp's), a Hugging Face "
+        "folder or hf:NAME (not needed with --resume).",
         show_default=False,
     ),
 ]
