@@ -76,7 +76,7 @@ def run_policy(job, method: str, given: dict, quiet: bool, sink=None) -> None:
     given = {k: v for k, v in given.items() if v is not None}
     for message in job.plan.notes:
         note(message)
-    from nanogpt_cli.cli.train import cut_short, resume_command, stop_code, stopped_line, while_planning
+    from nanogpt_cli.cli.stops import cut_short, resume_command, stop_code, stopped_line, while_planning
     from nanogpt_cli.cli.train_ui import TrainDisplay, policy_table
 
     with TrainDisplay(quiet) as display:
