@@ -147,6 +147,29 @@ def test_dpo_resume_continues_exactly(dpo_data, tmp_path):
         DPO(dpo_job(dpo_data, tmp_path / "b", resume=True, max_iters=10), {"beta": 0.9})
 
 
+def test_a_signal_stops_dpo_after_its_step_with_a_save_and_the_resume_continues_exactly(dpo_data, tmp_path):
+    import os
+    import signal
+
+    from nanogpt_cli.training.events import NoDisplay
+
+    class SigtermAtStep3(NoDisplay):  # a real SIGTERM to this process, as the run logs step 3
+        def on_step(self, event):
+            if event.step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    whole = []
+    DPO(dpo_job(dpo_data, tmp_path / "a"), None, whole.append).fit()
+    part = []
+    stopped = DPO(dpo_job(dpo_data, tmp_path / "b"), None, part.append, SigtermAtStep3()).fit()
+    assert stopped.stopped == "SIGTERM" and stopped.step == 3
+    assert json.loads((tmp_path / "b" / "trainer.json").read_text())["step"] == 3  # saved between evaluations
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
+    DPO(dpo_job(dpo_data, tmp_path / "b", resume=True), None, part.append).fit()
+    losses = [r["loss"] for r in whole if r["kind"] == "train"]
+    assert [r["loss"] for r in part if r["kind"] == "train"] == losses
+
+
 def test_dpo_refuses_a_chat_dataset(dpo_data, tmp_path):
     job = plan_finetune(
         dict(data="chats", data_dir=str(dpo_data / "data"), dtype="float32", device="cpu"),
