@@ -277,6 +277,7 @@ class GRPO:
         )
         self.val = None
         if run.state.step == 0 and cfg.eval_first:
+            run.show.on_status("first evaluation")
             if not self.evaluate_and_log(save=False):
                 return run.signals.received
         end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
