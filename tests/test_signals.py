@@ -52,7 +52,7 @@ def stop(proc: subprocess.Popen, sig: int) -> tuple[str, str, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_during_an_evaluation_stops_at_once_saves_and_the_resume_evaluates(char_data, tmp_path, sig):
     data_dir, name = char_data
     run = tmp_path / "run"
