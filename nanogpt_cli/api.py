@@ -415,6 +415,9 @@ class _Callback:
     def on_eval(self, event: Evaluated) -> None:
         self.fn(event)
 
+    def on_scored(self, event) -> None:  # DPO's and GRPO's evaluations (events.Scored)
+        self.fn(event)
+
     def on_save(self, step: int) -> None:
         self.fn(Saved(step))
 

@@ -261,7 +261,9 @@ def test_on_a_terminal_two_turns_then_ctrl_d_leaves(chat_model):
         for message in ("hello", "and again"):
             term.type(message)
             shown = re.sub(rb"\x1b\[[0-9;?]*[A-Za-z]", b"", term.wait_for(b">>> ")).replace(b"\r", b"")
-            assert shown.decode().split("\n") == [message, "".join(session.ask(message)), ""]
+            typed, reply, speed, rest = shown.decode().split("\n")
+            assert [typed, reply, rest] == [message, "".join(session.ask(message)), ""]
+            assert re.fullmatch(r"\(6 tokens, [\d,]+\.\d tok/s\)", speed), speed  # each reply's speed, quietly
         os.write(term.fd, b"\x04")  # Ctrl-D
         assert term.close() == 0 and term.out.endswith(b"\r\n")
     finally:

@@ -139,3 +139,22 @@ def test_the_preset_list_in_train_help_is_every_preset():
 
     text = options(help_of(["train"]))["--preset"]
     assert all(name in text for name in PRESETS), text
+
+
+def source_help(out: str) -> str:
+    """The help of what a command loads: its argument's (Arguments section), or its --checkpoint / --init-from."""
+    if "Arguments" in out:
+        text = out.split("Arguments")[1].split("Options")[0]
+        return " ".join(re.sub(r"[│╭╮╰╯─]", " ", text).split())
+    found = options(out)
+    return found.get("--checkpoint") or found["--init-from"]
+
+
+def test_every_command_that_loads_a_model_lists_every_source_the_loader_takes(helps):
+    # the commands that load weights take --last (which of a run's weights); what interop/loading.py reads
+    loading = [command for command, out in helps.items() if "--last" in options(out)]
+    assert {"sample", "chat", "serve", "export", "eval perplexity", "eval tasks", "train", "finetune"} <= set(loading)
+    kinds = ("run folder", "checkpoints/", "LoRA run", ".safetensors file", ".gguf file", "Hugging Face folder")
+    for command in loading:
+        text = source_help(helps[command])
+        assert all(k.lower() in text.lower() for k in kinds) and "hf:NAME" in text, (command, text)

@@ -147,6 +147,29 @@ def test_dpo_resume_continues_exactly(dpo_data, tmp_path):
         DPO(dpo_job(dpo_data, tmp_path / "b", resume=True, max_iters=10), {"beta": 0.9})
 
 
+def test_a_signal_stops_dpo_after_its_step_with_a_save_and_the_resume_continues_exactly(dpo_data, tmp_path):
+    import os
+    import signal
+
+    from nanogpt_cli.training.events import NoDisplay
+
+    class SigtermAtStep3(NoDisplay):  # a real SIGTERM to this process, as the run logs step 3
+        def on_step(self, event):
+            if event.step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    whole = []
+    DPO(dpo_job(dpo_data, tmp_path / "a"), None, whole.append).fit()
+    part = []
+    stopped = DPO(dpo_job(dpo_data, tmp_path / "b"), None, part.append, SigtermAtStep3()).fit()
+    assert stopped.stopped == "SIGTERM" and stopped.step == 3
+    assert json.loads((tmp_path / "b" / "trainer.json").read_text())["step"] == 3  # saved between evaluations
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
+    DPO(dpo_job(dpo_data, tmp_path / "b", resume=True), None, part.append).fit()
+    losses = [r["loss"] for r in whole if r["kind"] == "train"]
+    assert [r["loss"] for r in part if r["kind"] == "train"] == losses
+
+
 def test_dpo_refuses_a_chat_dataset(dpo_data, tmp_path):
     job = plan_finetune(
         dict(data="chats", data_dir=str(dpo_data / "data"), dtype="float32", device="cpu"),
@@ -160,6 +183,12 @@ def test_dpo_refuses_a_chat_dataset(dpo_data, tmp_path):
 def test_dpo_refuses_seq_len_it_scores_each_pair_whole(dpo_data, tmp_path):
     with pytest.raises(NanoGPTError, match=r"^--seq-len has no effect with --method dpo, .*; drop it$"):
         dpo_job(dpo_data, tmp_path / "x", seq_len=16)
+
+
+def load_file_tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path)).items()
 
 
 def test_cli_prepare_preference_and_finetune_dpo(dpo_data, tmp_path, monkeypatch):
@@ -179,7 +208,15 @@ def test_cli_prepare_preference_and_finetune_dpo(dpo_data, tmp_path, monkeypatch
     args += ["--out", "run"]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
-    assert "preference accuracy" in r.output
+    # train's display: start lines (LoRA's trainable parameters among them), progress, evaluations, a table
+    lines = r.output.splitlines()
+    lora = next(line for line in lines if line.startswith("fine-tune: DPO, LoRA r 8, alpha 16 on attn.c_attn; "))
+    trainable = sum(p.numel() for n, p in load_file_tensors(tmp_path / "run" / "model.safetensors") if "lora_" in n)
+    assert f"{trainable:,} trainable params" in lora
+    assert "batch: 2 preference pairs per step; sigmoid loss, beta 0.2, rpo alpha 0.5" in r.output
+    assert any(line.startswith("step 2/2 | loss ") for line in lines)
+    assert any(line.startswith("step 2: val loss ") and "val accuracy" in line for line in lines)
+    assert "dpo run run" in r.output and "val preference accuracy" in r.output and "ms/iter" in r.output
     assert json.loads((tmp_path / "run" / "config.json").read_text())["finetune"]["settings"]["rpo_alpha"] == 0.5
     r = runner.invoke(app, [*args[:-2], "--out", "run2", "--group-size", "4"])
     assert r.exit_code == 1 and "--group-size has no effect with --method dpo" in r.output

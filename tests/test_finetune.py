@@ -289,6 +289,7 @@ def test_cli_finetune(chat_data, base_run, tmp_path):
     from typer.testing import CliRunner
 
     from nanogpt_cli.cli import app
+    from nanogpt_cli.interop.loading import load_model
 
     data_dir, name = chat_data
     common = ["--data", name, "--data-dir", str(data_dir), "--device", "cpu", "--dtype", "float32", "-q"]
@@ -299,15 +300,25 @@ def test_cli_finetune(chat_data, base_run, tmp_path):
     args = ["finetune", "--init-from", str(base_run), *common, "--out", out, "--lora-r", "2", "--eval-iters", "1"]
     ok = runner.invoke(app, [*args, "--max-iters", "2", "--eval-interval", "2", "--stop-at", "1"])
     assert ok.exit_code == 0, ok.output
-    resumed = runner.invoke(app, ["train", "--out", out, "--resume", "-q"])  # train resumes a LoRA run too
+    resumed = runner.invoke(app, ["train", "--out", out, "--resume"])  # train resumes a LoRA run too
     assert resumed.exit_code == 0, resumed.output
+    # its start lines say LoRA, with the parameters that train: the adapters the run saves
+    adapters = load_file(str(tmp_path / "lora" / "model.safetensors"))
+    trainable = sum(t.numel() for n, t in adapters.items() if "lora_" in n)
+    total = sum(p.numel() for p in load_model(base_run)[0].parameters()) + trainable
+    assert (
+        f"fine-tune: supervised, LoRA r 2, alpha 16 on attn.c_attn; {trainable:,} trainable params "
+        f"({trainable / total:.2%} of {total:,}), the base frozen"
+    ) in resumed.output
     assert json.loads((tmp_path / "lora" / "trainer.json").read_text())["step"] == 2
     info = runner.invoke(app, ["info", out, "--json"])
     assert json.loads(info.output)["finetune"].startswith("LoRA r 2, alpha 16, dropout 0 on attn.c_attn; adapters")
     # train --init-from on a chat dataset is the same full fine-tune, and says that finetune has LoRA
+    common = [a for a in common if a != "-q"]
     full = ["train", "--init-from", str(base_run), *common, "--out", str(tmp_path / "full"), "--eval-iters", "1"]
     trained = runner.invoke(app, [*full, "--max-iters", "1", "--eval-interval", "1"])
     assert trained.exit_code == 0, trained.output
+    assert f"fine-tune: supervised, full; every weight trains ({total - trainable:,} params)" in trained.output
     assert "`nanogpt finetune` does the same" in trained.output
     assert json.loads((tmp_path / "full" / "config.json").read_text())["finetune"]["method"] == "full"
 

@@ -198,9 +198,17 @@ def test_cli_prepare_prompts_and_finetune_grpo(prompt_data, tmp_path, monkeypatc
     assert "skipped line 5: the row has neither 'prompt' nor 'messages'" in r.output and "4 prompts" in r.output
     args = ["finetune", "--method", "grpo", "--init-from", str(prompt_data / "base"), "--data", "c", "--lora"]
     args += ["--max-iters", "2", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "4", "--out", "run"]
-    r = runner.invoke(app, [*args, "--dtype", "float32"])
+    r = runner.invoke(app, [*args, "--dtype", "float32", "--log-interval", "1"])
     assert r.exit_code == 0, r.output
-    assert "val reward" in r.output and "reward_std" in r.output
+    # train's display: start lines, progress lines, evaluation lines and the closing table
+    lines = r.output.splitlines()
+    assert any(line.startswith("fine-tune: GRPO, LoRA r 8, alpha 16 on attn.c_attn; ") for line in lines)
+    assert "batch: 2 prompts x 2 completions per step, up to 4 new tokens" in r.output
+    assert "training from step 0 of 2 on cpu (float32) -> run" in r.output
+    assert [line.split(" | ")[0] for line in lines if " | loss " in line] == ["step 1/2", "step 2/2"]
+    assert any(line.startswith("step 2: val reward ") and "checkpoint saved" in line for line in lines)
+    assert "grpo run run" in r.output and "best val reward" in r.output and "ms/iter" in r.output
+    assert "reward_std" not in r.output  # the metrics file's raw records stay in the file
 
 
 def test_a_chat_rows_reply_is_its_answer():
@@ -212,3 +220,60 @@ def test_a_chat_rows_reply_is_its_answer():
     )
     assert rows == [({"answer": "2", "id": 7, "prompt": [{"role": "user", "content": "count ab"}]}, 1)]
     assert bad == [(2, "the conversation has no prompt before its assistant turn")]
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_rollout_stops_at_once_saves_the_steps_trained_and_resumes(prompt_data, tmp_path, monkeypatch):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    # a reward that takes its time (REWARD_SLEEP s a completion) and notes each call: a step's rollout is long
+    calls = tmp_path / "calls.txt"
+    (tmp_path / "slow_reward.py").write_text(
+        "import os, time\n"
+        "def score(prompt, completion, row):\n"
+        f"    open({str(calls)!r}, 'a').write('.')\n"
+        "    time.sleep(float(os.environ.get('REWARD_SLEEP', '0')))\n"
+        "    return float('x' in completion)\n"
+    )
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "nanogpt_cli",
+        "finetune",
+        "--method",
+        "grpo",
+        "--init-from",
+        str(prompt_data / "base"),
+    ]
+    cmd += ["--data", "prompts", "--data-dir", str(prompt_data / "data"), "--lora", "--max-iters", "50"]
+    cmd += ["--batch-size", "2", "--group-size", "4", "--max-new-tokens", "4", "--reward", "slow_reward:score"]
+    cmd += ["--eval-interval", "100", "--no-eval-first", "--dtype", "float32", "--device", "cpu", "--out", str(run)]
+    env = {**os.environ, "REWARD_SLEEP": "0.3"}  # 8 completions a step: 2.4 s of rewards
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (calls.is_file() and len(calls.read_text()) >= 10):  # step 1 done, step 2's rollout under way
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert took < 15, f"{took:.1f} s to stop"
+    assert len(calls.read_text()) < 16  # step 2's rollout was dropped, not finished
+    assert f"stopped by SIGTERM after step 1; resume with: nanogpt finetune --method grpo --out {run} --resume" in (
+        " ".join(err.split())
+    )
+    assert "step 1: checkpoint saved" in " ".join(out.split()) and "grpo run" in out
+    assert json.loads((run / "trainer.json").read_text())["step"] == 1
+    monkeypatch.chdir(tmp_path)
+    result = GRPO(grpo_job(prompt_data, run, resume=True, max_iters=2), engine_rollout).fit()
+    assert result.step == 2 and result.stopped is None

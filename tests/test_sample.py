@@ -318,6 +318,7 @@ def test_sample_separators_stay_out_of_stdout_and_json_gives_one_object_per_samp
     assert plain.exit_code == 0, plain.output
     assert "sample" not in plain.stdout and "─" not in plain.stdout and "sample 3 of 3" in plain.stderr
     assert plain.stdout.count("KING:") == 3
+    assert "tok/s" not in plain.output  # not a terminal: the text alone (--json has the speed)
     out = runner.invoke(app, [*args, "--num-samples", "3", "--temperature", "0", "--json"])
     assert out.exit_code == 0, out.output
     rows = [json.loads(line) for line in out.stdout.splitlines()]
@@ -333,3 +334,35 @@ def test_interactive_sampling_says_how_to_leave_and_leaves_on_a_new_line(trained
     assert out.exit_code == 0, out.output
     assert "Ctrl-D" in out.stderr
     assert out.stdout.endswith("prompt> \n")  # Ctrl-D at the prompt: the shell's prompt starts a line of its own
+
+
+@pytest.mark.slow  # the CLI as a subprocess
+def test_on_a_terminal_each_sample_shows_its_speed(trained_run):
+    import os
+    import re
+    import select
+    import subprocess
+    import sys
+
+    fd, child = os.openpty()
+    cmd = [sys.executable, "-m", "nanogpt_cli", "sample", "--checkpoint", str(trained_run), "--prompt", "KING:"]
+    cmd += ["--max-new-tokens", "12", "--num-samples", "2", "--ignore-eot", "--device", "cpu"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=child, stderr=child)
+    os.close(child)
+    shown = b""
+    try:
+        while select.select([fd], [], [], 60)[0]:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the child is gone
+                break
+            if not chunk:
+                break
+            shown += chunk
+        assert proc.wait(timeout=60) == 0, shown
+    finally:
+        proc.kill()
+        os.close(fd)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown.decode()).replace("\r", "")
+    speeds = re.findall(r"^\(12 tokens, [\d,]+\.\d tok/s, --max-new-tokens reached\)$", text, re.M)
+    assert len(speeds) == 2, text  # one quiet line after each sample

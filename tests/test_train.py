@@ -873,7 +873,8 @@ def test_the_summary_and_info_report_steady_speed_and_the_time_evaluating_and_sa
 
 def test_many_processes_ask_for_a_stop_once_per_log_interval_not_every_update(char_data, tmp_path):
     """The stop flag's all-reduce waits for the device: under torchrun it runs at log lines, evaluations and
-    the end, not after every update. A world that counts its collectives (and is otherwise one process)."""
+    the end, not after every update (and once before the first). A world that counts its collectives (and is
+    otherwise one process)."""
     from dataclasses import dataclass
 
     import torch
@@ -894,7 +895,7 @@ def test_many_processes_ask_for_a_stop_once_per_log_interval_not_every_update(ch
     data_dir, name = char_data
     plan = tiny_plan(data_dir, name, tmp_path / "run", max_iters=40, log_interval=10, eval_interval=20)
     result = Trainer(plan, None, world).fit()
-    assert result.step == 40 and len(world.calls) == 4  # steps 10, 20, 30, 40
+    assert result.step == 40 and len(world.calls) == 5  # before the first step, then steps 10, 20, 30, 40
 
 
 def test_a_batch_is_one_copy_of_its_windows_sliced_after(char_data):

@@ -124,10 +124,11 @@ def config_option(cls, field):
 
 
 # options that several commands share
-# the weights a command loads (interop/loading.py): a bare name is a run in checkpoints/, as `nanogpt runs` lists it
+# the weights a command loads (interop/loading.py, every source it takes): a bare name is a run in checkpoints/, as
+# `nanogpt runs` lists it; a LoRA run's weights file holds its adapters, loaded on the base it names
 SOURCE_HELP = (
-    "Run folder (its best weights) or a run's name in checkpoints/, a .safetensors file, a Hugging Face folder or "
-    "hf:NAME."
+    "Run folder (its best weights) or a run's name in checkpoints/ (a LoRA run loads on its base), a .safetensors "
+    "file, a .gguf file (ours or llama.cpp's), a Hugging Face folder or hf:NAME."
 )
 Checkpoint = Annotated[str, typer.Option(help=SOURCE_HELP)]
 Last = Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")]

@@ -14,6 +14,7 @@ import typer
 
 from nanogpt_cli.cli.common import (
     DATA_DIR_HELP,
+    SOURCE_HELP,
     Checkpoint,
     Device,
     GroupSize,
@@ -84,7 +85,7 @@ def perplexity(
 @eval_app.command("tasks", short_help="Score a model on lm-evaluation-harness tasks: HellaSwag, MMLU.")
 @one_line_errors
 def tasks_command(
-    source: Annotated[str, typer.Argument(help="Run folder, .safetensors file, Hugging Face folder or hf:NAME.")],
+    source: Annotated[str, typer.Argument(help=SOURCE_HELP)],
     tasks: Annotated[
         list[str],
         typer.Option(

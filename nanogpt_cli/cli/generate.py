@@ -29,6 +29,8 @@ from nanogpt_cli.cli.common import (
 from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError
 
+STOP_WORDS = {"eot": "end of text", "stop": "stop text", "length": "--max-new-tokens reached"}  # why a sample ended
+
 
 def print_samples(sampler, text: str, settings, num_samples: int, stream: bool, json_out: bool = False) -> None:
     """Continue one prompt: the samples printed after it, streamed when asked (or one JSON object each)."""
@@ -47,7 +49,8 @@ def print_samples(sampler, text: str, settings, num_samples: int, stream: bool, 
             record.update(stop_reason=r.stop_reason, tokens_per_s=round(r.tokens_per_s, 1))
             print(json.dumps(record, ensure_ascii=False), flush=True)
         return
-    for i, pieces in enumerate(sampler.samples(text, settings, num_samples)):
+    results: list = [None] * num_samples
+    for i, pieces in enumerate(sampler.samples(text, settings, num_samples, results)):
         if num_samples > 1:  # on stderr: stdout holds the samples' text only
             sys.stdout.flush()
             err_console.rule(f"sample {i + 1} of {num_samples}")
@@ -58,6 +61,18 @@ def print_samples(sampler, text: str, settings, num_samples: int, stream: bool, 
                 sys.stdout.flush()
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if sys.stdout.isatty() and results[i] is not None:  # a terminal: the speed too (--json has it for scripts)
+            show_speed(results[i].tokens, results[i].tokens_per_s, STOP_WORDS.get(results[i].stop_reason))
+
+
+def show_speed(tokens: int, tokens_per_s: float, why: str | None = None) -> None:
+    """On a terminal, after a reply or a sample: its tokens and speed, dimmed, on stderr (pipes get the text only;
+    sample --json has the same figures)."""
+    from nanogpt_cli.cli.ui import err_console
+
+    if tokens and err_console.is_terminal:
+        ended = f", {why}" if why else ""
+        err_console.print(f"({tokens:,} tokens, {tokens_per_s:,.1f} tok/s{ended})", style="dim", highlight=False)
 
 
 # the sampling options that sample and chat share
@@ -256,6 +271,7 @@ def converse(session) -> None:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             print()
+            show_speed(reply.tokens, reply.tokens_per_s)
         except KeyboardInterrupt:
             reply.close()
             print()

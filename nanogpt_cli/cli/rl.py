@@ -1,4 +1,4 @@
-"""finetune --method dpo and --method grpo: their options, and the run with one progress line per log.
+"""finetune --method dpo and --method grpo: their options, and the run with the training display.
 
 nanogpt finetune --method grpo --init-from checkpoints/sft --data count-prompts --group-size 8 --kl 0.02
 """
@@ -55,8 +55,8 @@ def sft_planned(plan) -> bool:
 
 
 def run_policy(job, method: str, given: dict, quiet: bool, sink=None) -> None:
-    """Train a planned DPO or GRPO run, printing its metrics lines (unless quiet) and a summary. sink: the
-    --tracker's, which these methods do not feed yet (refused)."""
+    """Train a planned DPO or GRPO run with train's display (start lines, progress, evaluations; unless quiet)
+    and a summary table. sink: the --tracker's, which these methods do not feed yet (refused)."""
     from nanogpt_cli.cli.common import note
     from nanogpt_cli.cli.ui import console
     from nanogpt_cli.errors import NanoGPTError
@@ -76,29 +76,28 @@ def run_policy(job, method: str, given: dict, quiet: bool, sink=None) -> None:
     given = {k: v for k, v in given.items() if v is not None}
     for message in job.plan.notes:
         note(message)
+    from nanogpt_cli.cli.stops import cut_short, resume_command, stop_code, stopped_line, while_planning
+    from nanogpt_cli.cli.train_ui import TrainDisplay, policy_table
 
-    def show(record: dict) -> None:
-        if not quiet:
-            values = "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items())
-            console.print(values, highlight=False, soft_wrap=True)
+    with TrainDisplay(quiet) as display:
+        if method == "dpo":
+            from nanogpt_cli.training.dpo import DPO
 
-    if method == "dpo":
-        from nanogpt_cli.training.dpo import DPO
+            run = while_planning(DPO, job, given, display=display)  # reads the pairs
+        else:
+            from functools import partial
 
-        with job.plan.run_dir.hold():  # `runs` says "running" while it trains; another start there is refused
-            result = DPO(job, given, show).fit()
-        console.print(
-            f"dpo: {result.step:,} updates in {result.run_dir}; val loss {result.val_loss:.4f}, "
-            f"preference accuracy {result.val_accuracy:.1%}",
-            highlight=False,
-        )
-        return
-    from functools import partial
+            from nanogpt_cli.api import engine_rollout
+            from nanogpt_cli.training.grpo import GRPO
 
-    from nanogpt_cli.api import engine_rollout
-    from nanogpt_cli.training.grpo import GRPO
-
-    vocab = job.plan.dataset.get("vocab_size")
-    with job.plan.run_dir.hold():
-        result = GRPO(job, partial(engine_rollout, vocab_size=vocab), given, show).fit()
-    console.print(f"grpo: {result.step:,} updates in {result.run_dir}; val reward {result.val_reward:.4f}")
+            rollout = partial(engine_rollout, vocab_size=job.plan.dataset.get("vocab_size"))
+            run = while_planning(GRPO, job, rollout, given, display=display)  # reads the prompts and the reward
+        # `runs` says "running" while it trains; another start there is refused
+        with cut_short(job.plan), job.plan.run_dir.hold():
+            result = run.fit()
+    console.print(policy_table(result, method))
+    if result.stopped in ("SIGINT", "SIGTERM"):  # a stop asked for, after a save: a note, not an error
+        note(stopped_line(job.plan, result))
+        raise typer.Exit(stop_code(result.stopped))
+    if result.stopped == "stop_at":
+        console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_command(job.plan)}")

@@ -25,6 +25,7 @@ from nanogpt_cli.cli.rl import (
     run_policy,
     sft_planned,
 )
+from nanogpt_cli.cli.stops import cut_short, resume_command, stop_code, stopped_line, while_planning
 from nanogpt_cli.config import PRESETS
 from nanogpt_cli.errors import NanoGPTError
 
@@ -36,8 +37,9 @@ Force = Annotated[bool, typer.Option("--force", help="Start over in an --out tha
 InitFrom = Annotated[
     str | None,
     typer.Option(
-        help="The weights to start from, with a fresh optimizer: a run folder or a run's name in checkpoints/, a "
-        ".safetensors file, a Hugging Face folder or hf:NAME (not needed with --resume).",
+        help="The weights to start from, with a fresh optimizer: a run folder or a run's name in checkpoints/ (a "
+        "LoRA run merged on its base), a .safetensors file, a .gguf file (ours or llama.cpp's), a Hugging Face "
+        "folder or hf:NAME (not needed with --resume).",
         show_default=False,
     ),
 ]
@@ -115,7 +117,7 @@ def train(
         nnodes=nnodes,
         rdzv_endpoint=rdzv_endpoint,
     )
-    job = plan_train(request)
+    job = while_planning(plan_train, request)
     if job.launch is not None:  # everything was checked here, before any process starts
         options = dict(preset=preset, config=config, init_from=init_from, threads=threads, tracker=tracker)
         switches = dict(resume=resume, force=force, quiet=quiet, last=last, verbose=verbose, no_plot=not plot)
@@ -143,7 +145,7 @@ def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False, 
     # torchrun stop the others) before
     with open_world(plan.train) as world:
         try:
-            with TrainDisplay(quiet or not prints(), verbose) as display:
+            with TrainDisplay(quiet or not prints(), verbose) as display, cut_short(plan):
                 result = Trainer(plan, Tee(display, sink) if sink else display, world, trainable=trainable).fit()
         finally:
             if sink is not None:
@@ -154,7 +156,7 @@ def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False, 
         from nanogpt_cli.training.launch import record_error
 
         record_error(stopped_line(plan, result))  # every rank: torchrun's report of the stop ends with this line
-        raise typer.Exit(130 if result.stopped == "SIGINT" else 143)  # the shell's 128 + signal number
+        raise typer.Exit(stop_code(result.stopped))
 
 
 @config_options
@@ -223,30 +225,15 @@ def finetune(
     if given or (lora and not resume):
         targets = given.pop("targets", None)
         lora_cfg = LoRAConfig(**given, targets=(targets,) if targets is not None else DEFAULT_TARGETS)
-    job = plan_finetune(
-        flags,
-        load_toml(config) if config else {},
-        out=out,
-        resume=resume,
-        force=force,
-        init_from=init_from,
-        init_last=last,
-        lora=lora_cfg,
-        lora_flags=set(given) | ({"targets"} if lora_targets is not None else set()),
-    )
+    where = dict(out=out, resume=resume, force=force, init_from=init_from, init_last=last)
+    lora_flags = set(given) | ({"targets"} if lora_targets is not None else set())
+    file_values = load_toml(config) if config else {}
+    job = while_planning(plan_finetune, flags, file_values, **where, lora=lora_cfg, lora_flags=lora_flags)
     if method == "sft" and sft_planned(job.plan):
         return run_planned(job.plan, quiet, sink, job.trainable, plot=plot)
     settings = dict(beta=beta, loss_type=loss_type, rpo_alpha=rpo_alpha, group_size=group_size, kl=kl, reward=reward)
     settings |= dict(max_new_tokens=max_new_tokens, rollout_temperature=temperature, grpo_updates=grpo_updates)
     run_policy(job, method, settings, quiet, sink)
-
-
-def stopped_line(plan, result) -> str:
-    """How a run stopped by a signal ended, and the command that resumes it (with the launch flags of --nproc)."""
-    from nanogpt_cli.training.launch import launch_flags
-
-    resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
-    return f"stopped by {result.stopped} after step {result.step:,}; resume with: {resume_with}"
 
 
 def launch_training(plan, how, given: dict, options: dict) -> None:
@@ -285,9 +272,7 @@ def report_training(plan, result, plot: bool = True) -> None:
             write_png([plan.run_dir.path], plan.run_dir.loss_plot_path)
         except NanoGPTError as e:  # said once, here at the end, where it is seen
             note(f"{plan.run_dir.loss_plot_path.name} not drawn: {e}")
-    from nanogpt_cli.training.launch import launch_flags
-
-    resume_with = f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
+    resume_with = resume_command(plan)
     if result.stopped in ("SIGINT", "SIGTERM"):  # a stop the user asked for, after a save: a note, not an error
         note(stopped_line(plan, result))
     if result.stopped == "stop_at":

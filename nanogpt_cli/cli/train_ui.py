@@ -29,12 +29,18 @@ def start_lines(e) -> list[str]:
             f"model: {m['n_layer']} layers, {m['n_embd']} wide, {m['n_head']} heads, context {m['block_size']:,}, "
             f"{size} non-embedding params"
         )
+    tune = getattr(e, "finetune", None)
+    if tune:
+        lines.append(finetune_line(e))
     if t:
         accumulation = t["gradient_accumulation_steps"]
         micro = f"{accumulation} micro-batch{'es' if accumulation > 1 else ''}"
         seq_len = t.get("seq_len") or m.get("block_size") or 0
+        batch = getattr(e, "batch", None)
         lines.append(
-            f"batch: {e.tokens_per_iter:,} tokens per step ({t['batch_size']} rows x {seq_len:,} tokens x {micro})"
+            f"batch: {batch}"
+            if batch
+            else f"batch: {e.tokens_per_iter:,} tokens per step ({t['batch_size']} rows x {seq_len:,} tokens x {micro})"
         )
         optimizer = f"muon (lr {t['muon_lr']:g}) + adamw" if t["optimizer"] == "muon" else str(t["optimizer"])
         if t.get("embedding_lr") is not None:
@@ -48,6 +54,22 @@ def start_lines(e) -> list[str]:
     return lines
 
 
+def finetune_line(e) -> str:
+    """A fine-tune's start line: its method (DPO, GRPO or supervised), LoRA's settings and what trains."""
+    tune = e.finetune
+    objective = {"dpo": "DPO", "grpo": "GRPO"}.get(tune.get("objective"), "supervised")
+    lora = (tune.get("weights") or {}).get("lora") if tune.get("method") == "lora" else None
+    total = getattr(e, "total", None)
+    if lora is None:
+        trains = f"every weight trains ({total:,} params)" if total else "every weight trains"
+        return f"fine-tune: {objective}, full; {trains}"
+    trainable = getattr(e, "trainable", None)
+    share = f" ({trainable / total:.2%} of {total:,})" if trainable is not None and total else ""
+    count = f"{trainable:,} trainable params{share}" if trainable is not None else "adapters train"
+    targets = ", ".join(lora["targets"])
+    return f"fine-tune: {objective}, LoRA r {lora['r']}, alpha {lora['alpha']:g} on {targets}; {count}, the base frozen"
+
+
 class TrainDisplay:
     """Shows the trainer's events (events.Display): a live rich progress bar on a terminal, plain log lines
     elsewhere, or nothing with quiet (errors still go to stderr). verbose: the whole config at the start too."""
@@ -57,7 +79,7 @@ class TrainDisplay:
         self.live = ui.console.is_terminal and not quiet
         self.progress = None
         self.task = None
-        self.val_loss: float | None = None
+        self.val: str | None = None  # the last evaluation's first value, for the progress lines ("val 1.2345")
         self.start_step = 0
         self.max_iters = 0
         self.step_width = 6
@@ -118,8 +140,10 @@ class TrainDisplay:
         # (priority, text) in display order; where the line is too long the highest numbers go first, so that
         # loss, the time left, val and tok/s stay in 80 columns
         parts = [(0, f"loss {e.loss:.4f}")]
-        if self.val_loss is not None:
-            parts.append((2, f"val {self.val_loss:.4f}"))
+        if self.val is not None:
+            parts.append((2, self.val))
+        extra = getattr(e, "extra", {}).items()  # an objective's own values, the first as kept as the speed
+        parts += [(3 if i == 0 else 4, f"{name} {value:.4g}") for i, (name, value) in enumerate(extra)]
         parts += [(3, f"{e.tokens_per_s:,.0f} tok/s"), (6, f"{e.ms_per_iter:.1f} ms/it"), (7, f"lr {e.lr:.2e}")]
         if e.mfu is not None:
             parts.append((8, f"MFU {e.mfu:.1%}"))
@@ -143,7 +167,7 @@ class TrainDisplay:
     def on_eval(self, e) -> None:
         if self.quiet:
             return
-        self.val_loss = e.val_loss
+        self.val = f"val {e.val_loss:.4f}"
         line = (
             f"step {e.step:>{self.step_width},}: train loss {e.train_loss:.4f}, val loss {e.val_loss:.4f}"
             f" (best {e.best_val_loss:.4f})" + (", checkpoint saved" if e.saved else "")
@@ -151,6 +175,22 @@ class TrainDisplay:
         if self.progress is not None:
             self.progress.update(self.task, completed=e.step)  # the bar is at the step evaluated (and saved)
         (self.progress.console if self.progress is not None else ui.console).print(line)
+
+    def on_scored(self, e) -> None:
+        """A DPO or GRPO evaluation (events.Scored): its named values, the best of the first so far."""
+        if self.quiet:
+            return
+        shown = [f"{name} {show_value(name, v)}" for name, v in e.values.items()]
+        first = next(iter(e.values), None)
+        if first is not None:
+            self.val = shown[0]
+        best = f" (best {show_value(first, e.best)})" if e.best is not None and first is not None else ""
+        line = f"step {e.step:>{self.step_width},}: {', '.join(shown)}{best}" + (
+            ", checkpoint saved" if e.saved else ""
+        )
+        if self.progress is not None:
+            self.progress.update(self.task, completed=e.step)
+        (self.progress.console if self.progress is not None else ui.console).print(line, highlight=False)
 
     def on_save(self, step: int) -> None:
         """A save outside the evaluations (Ctrl-C, SIGTERM, --stop-at): the bar stops at the step saved."""
@@ -161,6 +201,11 @@ class TrainDisplay:
             self.progress.stop()  # its last frame stays on the screen, at this step
             self.progress = None
         ui.console.print(f"step {step:>{self.step_width},}: checkpoint saved")
+
+
+def show_value(name: str, value: float) -> str:
+    """A score as the lines show it: a share (accuracy) in percent, anything else to 4 decimals."""
+    return f"{value:.1%}" if "accuracy" in name else f"{value:.4f}"
 
 
 def fit_fields(parts: list[tuple[int, str]], width: int) -> str:
@@ -195,3 +240,21 @@ def train_table(result):
     if result.mfu is not None:
         rows.append(("MFU", f"{result.mfu:.1%}"))
     return summary_table(f"run {result.run_dir}", rows)
+
+
+def policy_table(result, objective: str):
+    """The summary of a DPO or GRPO run (training.dpo.DPOResult, training.grpo.GRPOResult)."""
+    rows = [("steps", f"{result.step:,}")]
+    if objective == "dpo" and result.val_loss is not None:
+        rows += [("val loss", f"{result.val_loss:.4f}"), ("val preference accuracy", f"{result.val_accuracy:.1%}")]
+        if result.best_val_loss is not None:
+            rows.append(("best val loss", f"{result.best_val_loss:.4f}"))
+    if objective == "grpo" and result.val_reward is not None:
+        rows.append(("val reward", f"{result.val_reward:.4f}"))
+        if result.best_val_reward is not None:
+            rows.append(("best val reward", f"{result.best_val_reward:.4f}"))
+    rows += [
+        ("time", f"{result.elapsed_s:.1f} s"),
+        ("speed", f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_s:,.0f} tokens/s"),
+    ]
+    return summary_table(f"{objective} run {result.run_dir}", rows)

@@ -114,6 +114,8 @@ class Reply:
         self.first_cut = first_cut  # the first time this conversation was cut: say so
         self.text = ""
         self.stop_reason: str | None = None  # "eot", "stop", "length"; None while running or when stopped early
+        self.tokens = 0  # tokens generated, once the reply has ended by itself
+        self.elapsed_s = 0.0  # the time they took (prompt included)
         self._pieces: Iterator[str] | None = None
         self._done = False
 
@@ -134,8 +136,13 @@ class Reply:
                     self.text += piece
                     yield piece
             self.stop_reason = result.get("stop_reason")
+            self.tokens, self.elapsed_s = result.get("tokens", 0), result.get("elapsed_s", 0.0)
         finally:
             self._finish()
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     def close(self) -> None:
         """End the reply where it is (idempotent); what was shown stays in the history."""

@@ -183,11 +183,14 @@ class Sampler:
     def generate(self, prompt: str, settings: SampleSettings, generator: torch.Generator | None = None) -> SampleResult:
         return self.generate_many([prompt], settings, generator)[0]
 
-    def samples(self, prompt: str, settings: SampleSettings, num_samples: int = 1) -> Iterator[Iterator[str]]:
+    def samples(
+        self, prompt: str, settings: SampleSettings, num_samples: int = 1, results: list | None = None
+    ) -> Iterator[Iterator[str]]:
         """num_samples continuations of one prompt, decoded together as one batch and handed out one after
         another: each is a stream of text pieces, and reading sample i drives the whole batch, keeping the
         later samples' text until their turn. So a terminal shows sample 1 live, then each next one at once up
-        to where the batch is, then live. The same seed gives the same set."""
+        to where the batch is, then live. The same seed gives the same set. results: a list of num_samples,
+        where each sample's SampleResult is put when it ends."""
         if num_samples < 1:
             raise NanoGPTError(f"--num-samples must be at least 1, got {num_samples}")
         pieces = self.stream_many([prompt] * num_samples, settings)
@@ -203,6 +206,8 @@ class Sampler:
                 piece = next(pieces)  # never exhausted while a row is not done
                 if piece.text:
                     held[piece.row].append(piece.text)
+                if piece.result is not None and results is not None:
+                    results[piece.row] = piece.result
                 done[piece.row] = done[piece.row] or piece.result is not None
 
         for row in range(num_samples):

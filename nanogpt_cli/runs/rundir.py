@@ -376,8 +376,8 @@ class RunDir:
 
         def stage(name: str, write) -> None:
             tmp = self.path / f".{name}.staged"
+            staged.append((tmp, self.path / name))  # before the write: one cut short (Ctrl-C) is removed too
             write(tmp)
-            staged.append((tmp, self.path / name))
             _sync(tmp)
 
         try:
@@ -513,6 +513,7 @@ class Saver:
     def __init__(self, run: RunDir, background: bool = True, writes: bool = True):
         self.run, self.background, self.writes = run, background, writes
         self._thread: threading.Thread | None = None
+        self._written = threading.Event()  # set when the write in progress has ended
         self._error: BaseException | None = None
         self._buffers: dict[str, torch.Tensor] = {}  # the host copy, reused by every save until the run ends
 
@@ -539,10 +540,11 @@ class Saver:
         if not background:
             self.run.write(snap)
             return
-        self._thread = threading.Thread(target=self._write, args=(snap,), name="nanogpt-save")
+        self._written = threading.Event()
+        self._thread = threading.Thread(target=self._write, args=(snap, self._written), name="nanogpt-save")
         self._thread.start()  # not a daemon: even an interpreter on its way out finishes the write first
 
-    def _write(self, snap: Snapshot) -> None:
+    def _write(self, snap: Snapshot, written: threading.Event) -> None:
         if sys.platform == "linux":  # a lower CPU priority for this thread alone: training goes first
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
@@ -550,6 +552,8 @@ class Saver:
             self.run.write(snap)
         except BaseException as e:  # raised on the training thread by the next save or wait
             self._error = e
+        finally:
+            written.set()
 
     def busy(self) -> bool:
         """Whether a save is being written now."""
@@ -558,6 +562,9 @@ class Saver:
     def wait(self) -> None:
         """Until the save in progress is written; its error, if it failed."""
         if self._thread is not None:
+            # the event first: a join that Ctrl-C interrupts leaves the thread looking finished (CPython before
+            # 3.13), and neither a second wait nor the interpreter's exit would then wait for the write
+            self._written.wait()
             self._thread.join()
             self._thread = None
         if self._error is not None:

@@ -31,8 +31,11 @@ import torch.nn.functional as F
 
 from nanogpt_cli.data.preference import read_split
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.files import atomic_write
 from nanogpt_cli.lora import weights_hash
+from nanogpt_cli.training.events import Display
 from nanogpt_cli.training.policy import Log, PolicyRun, adapters_off, check_format, pad_batch, sequence_logprobs
+from nanogpt_cli.training.signals import Interrupted
 
 LOSS_TYPES = ("sigmoid", "ipo")
 DEFAULTS = {"beta": 0.1, "loss_type": "sigmoid", "rpo_alpha": 0.0}
@@ -80,14 +83,20 @@ class DPOResult:
     step: int
     val_loss: float | None  # the val pairs' DPO loss at the last evaluation
     val_accuracy: float | None  # the share of val pairs whose chosen reward beats the rejected one
-    stopped: str | None = None
+    stopped: str | None = None  # None: finished; "stop_at", "SIGINT", "SIGTERM"
+    best_val_loss: float | None = None
+    elapsed_s: float = 0.0  # this invocation's wall time, evaluations and saves included
+    ms_per_iter: float = 0.0  # the updates' own time, evaluations and saves left out
+    tokens_per_s: float = 0.0  # the tokens of the pairs the updates read
 
 
 class DPO:
     """A DPO run over a prepared preference dataset (see the module's docstring)."""
 
-    def __init__(self, job, given: dict[str, Any] | None = None, log: Log | None = None):
-        self.run = PolicyRun(job, "dpo", DEFAULTS, given or {}, log)
+    def __init__(
+        self, job, given: dict[str, Any] | None = None, log: Log | None = None, display: Display | None = None
+    ):
+        self.run = PolicyRun(job, "dpo", DEFAULTS, given or {}, log, display)
         check_format(self.run.plan.dataset, "dpo", "preference")
         s = self.run.settings
         if s["loss_type"] not in LOSS_TYPES:
@@ -117,6 +126,7 @@ class DPO:
         digest = self.run.plan.finetune.setdefault("reference_sha256", None) or weights_hash(model)
         self.run.plan.finetune["reference_sha256"] = digest
         path = Path(cfg.data_dir) / cfg.data / f"reference-{digest[:16]}.json"
+        self.reference_path = path
         if path.is_file():
             return json.loads(path.read_text(encoding="utf-8"))
         if self.run.plan.resume:
@@ -140,8 +150,12 @@ class DPO:
                         for j in range(n)
                     ]
                 table[split] = rows
-        path.write_text(json.dumps(table), encoding="utf-8")
         return table
+
+    def store_reference(self, table: dict[str, list[dict[str, float]]]) -> None:
+        """Keep the reference table beside the dataset, for a resume or another run (once: it never changes)."""
+        if not self.reference_path.is_file():
+            atomic_write(self.reference_path, lambda tmp: tmp.write_text(json.dumps(table), encoding="utf-8"))
 
     def scores(self, model, split: str, idx: list[int]):
         """Loss, chosen and rejected rewards of these pairs."""
@@ -170,31 +184,70 @@ class DPO:
         return sum(losses) / len(val), right / len(val)
 
     def fit(self) -> DPOResult:
+        """Train to the end, or to a signal (the steps trained are saved; an evaluation in progress is dropped)."""
+        run = self.run
+        with run.signals:
+            stopped = self._fit()
+        elapsed, ms, speed = run.speed()
+        return DPOResult(
+            run.run_dir.path, run.state.step, self.val_loss, self.val_acc, stopped, run.state.best_val_loss,
+            elapsed, ms, speed,
+        )  # fmt: skip
+
+    def _fit(self) -> str | None:
         run, cfg = self.run, self.run.cfg
         model = run.setup()
         if not run.lora:
-            self.ref_table = self.reference_table(model)
+            with run.signals.interruptible():  # computed, then written: a stop leaves no half-written table
+                table = self.reference_table(model)
+            self.store_reference(table)
+            self.ref_table = table
             run.write_config_again()
         model.train()
-        val_loss = val_acc = None
+        s = run.settings
+        run.begin(f"{cfg.batch_size} preference pairs per step; {s['loss_type']} loss, beta {s['beta']:g}"
+                  + (f", rpo alpha {s['rpo_alpha']:g}" if s["rpo_alpha"] else ""))  # fmt: skip
+        self.val_loss = self.val_acc = None
         if run.state.step == 0 and cfg.eval_first:
-            val_loss, val_acc = self.evaluate(model)
-            run.record("eval", {"val_loss": val_loss, "val_accuracy": val_acc})
+            run.show.on_status("first evaluation")
+            if not self.evaluate_and_log(save=False):
+                return run.signals.received
         end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
-        while run.state.step < end:
+        while run.state.step < end and not run.signals.received:
             lr = run.step_lr()
             # each step's pairs from a generator of the seed and step alone: a resume draws the same ones
             rng = random.Random(cfg.seed * 1_000_003 + run.state.step)
             idx = [rng.randrange(len(self.pairs["train"])) for _ in range(cfg.batch_size)]
             loss, chosen, rejected = self.scores(model, "train", idx)
             run.update(loss)
+            tokens = sum(len(self.pairs["train"][i][k]) for i in idx for k in ("chosen", "rejected"))
+            run.state.tokens += tokens
+            run.stepped(tokens)
             step = run.state.step
             if step % cfg.log_interval == 0 or step == end:
                 values = {"loss": loss.item(), "lr": lr, "reward_chosen": chosen.mean().item()}
                 values |= {"reward_rejected": rejected.mean().item(), "margin": (chosen - rejected).mean().item()}
-                run.record("train", values)
+                run.log_step(values, shown=("margin",))
             if step % cfg.eval_interval == 0 or step == end:
-                val_loss, val_acc = self.evaluate(model)
-                run.record("eval", {"val_loss": val_loss, "val_accuracy": val_acc})
-                run.save(val_loss)
-        return DPOResult(run.run_dir.path, run.state.step, val_loss, val_acc)
+                if not self.evaluate_and_log(save=True):
+                    break
+        if run.signals.received:
+            run.save_on_stop()
+            return run.signals.received
+        return "stop_at" if run.state.step == end < cfg.max_iters else None
+
+    def evaluate_and_log(self, save: bool) -> bool:
+        """An evaluation, its lines and (with save) a save; False when a signal dropped it."""
+        run = self.run
+        with run.untimed():
+            try:
+                with run.signals.interruptible():
+                    loss, accuracy = self.evaluate(self.run.model)
+            except Interrupted:
+                self.run.model.train()
+                return False
+            self.val_loss, self.val_acc = loss, accuracy
+            if save:
+                run.save(loss)
+            run.log_eval({"val_loss": loss, "val_accuracy": accuracy}, run.state.best_val_loss, saved=save)
+        return True

@@ -7,7 +7,7 @@ prints nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +24,12 @@ class RunStarted:
     resume: bool
     model: dict[str, Any]
     train: dict[str, Any]
+    # a fine-tune: how it started (config.json's "finetune": method "full" or "lora", LoRA's settings under
+    # weights.lora, a DPO or GRPO objective and its settings); None for pre-training
+    finetune: dict[str, Any] | None = None
+    trainable: int | None = None  # the parameters the optimizer updates, embeddings included (None: all of them)
+    total: int | None = None  # every parameter of the model, embeddings included
+    batch: str | None = None  # what one step reads, where it is not windows of tokens (DPO's pairs, GRPO's prompts)
 
 
 @dataclass
@@ -43,6 +49,7 @@ class StepLogged:
     # False for the line at --stop-at's step, which the metrics file and the trackers leave out, so a stopped and
     # resumed run records the same lines as an uninterrupted one
     recorded: bool = True
+    extra: dict[str, float] = field(default_factory=dict)  # an objective's own values: DPO's margin, GRPO's reward
 
     def record(self) -> dict[str, Any]:
         record = dict(
@@ -85,10 +92,22 @@ class Evaluated:
         )
 
 
+@dataclass
+class Scored:
+    """One evaluation of a DPO or GRPO run, whose scores are not a train and a val loss: named values in display
+    order ("val loss", "val accuracy", "val reward"), the best of the first so far, and whether a save followed."""
+
+    step: int
+    values: dict[str, float]
+    best: float | None = None
+    saved: bool = True
+
+
 class Display(Protocol):
     def on_start(self, event: RunStarted) -> None: ...
     def on_step(self, event: StepLogged) -> None: ...
     def on_eval(self, event: Evaluated) -> None: ...
+    def on_scored(self, event: Scored) -> None: ...  # DPO's and GRPO's evaluations
     def on_save(self, step: int) -> None: ...
     def on_status(self, text: str) -> None: ...  # what happens before the first step (no long silences)
     def on_hint(self, text: str) -> None: ...  # advice while the run goes (a busy machine), at most once each
@@ -102,6 +121,9 @@ class NoDisplay:
         pass
 
     def on_eval(self, event: Evaluated) -> None:
+        pass
+
+    def on_scored(self, event: Scored) -> None:
         pass
 
     def on_save(self, step: int) -> None:

@@ -39,7 +39,9 @@ import torch
 from nanogpt_cli.data.preference import read_split
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.tokenizer import tokenizer_from_description
+from nanogpt_cli.training.events import Display
 from nanogpt_cli.training.policy import Log, PolicyRun, adapters_off, check_format, pad_batch, sequence_logprobs
+from nanogpt_cli.training.signals import Interrupted
 
 # (model, prompts' token ids, max_new_tokens, temperature, generator, stop_ids) -> each prompt's new token ids
 Rollout = Callable[[Any, Sequence[Sequence[int]], int, float, torch.Generator, Sequence[int]], list[list[int]]]
@@ -147,14 +149,25 @@ class GRPOResult:
     run_dir: Path
     step: int
     val_reward: float | None  # the val prompts' mean reward of the greedy completion, at the last evaluation
-    stopped: str | None = None
+    stopped: str | None = None  # None: finished; "stop_at", "SIGINT", "SIGTERM"
+    best_val_reward: float | None = None
+    elapsed_s: float = 0.0  # this invocation's wall time, evaluations and saves included
+    ms_per_iter: float = 0.0  # the updates' own time (rollouts included), evaluations and saves left out
+    tokens_per_s: float = 0.0  # the completion tokens the updates trained on
 
 
 class GRPO:
     """A GRPO run over a prepared prompts dataset (see the module's docstring)."""
 
-    def __init__(self, job, rollout: Rollout, given: dict[str, Any] | None = None, log: Log | None = None):
-        self.run = PolicyRun(job, "grpo", DEFAULTS, given or {}, log)
+    def __init__(
+        self,
+        job,
+        rollout: Rollout,
+        given: dict[str, Any] | None = None,
+        log: Log | None = None,
+        display: Display | None = None,
+    ):
+        self.run = PolicyRun(job, "grpo", DEFAULTS, given or {}, log, display)
         dataset = self.run.plan.dataset
         check_format(dataset, "grpo", "prompts")
         s = self.run.settings
@@ -199,16 +212,21 @@ class GRPO:
         rng = random.Random(cfg.seed * 1_000_003 + run.state.step)
         rows = [self.rows["train"][rng.randrange(len(self.rows["train"]))] for _ in range(cfg.batch_size)]
         generator = torch.Generator(run.device).manual_seed(cfg.seed * 1_000_003 + run.state.step)
-        done = self.complete(model, rows, int(s["group_size"]), float(s["rollout_temperature"]), generator)
-        rewards = torch.tensor([d["reward"] for d in done])
-        advantages = group_advantages(rewards, int(s["group_size"])).to(run.device)
-        x, y, m = self.policy_logprobs(model, done)
-        with torch.no_grad():
-            old = sequence_logprobs(model, x, y)
-            ref = None
-            if s["kl"] > 0:
-                with adapters_off(model) if reference is None else contextlib.nullcontext():
-                    ref = sequence_logprobs(reference or model, x, y)
+        # the rollout and the scoring read the weights only: a signal drops them (the step is drawn again on resume)
+        with run.signals.interruptible():
+            try:
+                done = self.complete(model, rows, int(s["group_size"]), float(s["rollout_temperature"]), generator)
+            finally:
+                model.train()
+            rewards = torch.tensor([d["reward"] for d in done])
+            advantages = group_advantages(rewards, int(s["group_size"])).to(run.device)
+            x, y, m = self.policy_logprobs(model, done)
+            with torch.no_grad():
+                old = sequence_logprobs(model, x, y)
+                ref = None
+                if s["kl"] > 0:
+                    with adapters_off(model) if reference is None else contextlib.nullcontext():
+                        ref = sequence_logprobs(reference or model, x, y)
         lr = run.step_lr()
         for _ in range(int(s["grpo_updates"])):
             loss, kl = grpo_loss(sequence_logprobs(model, x, y), old, ref, advantages, m, s["clip"], s["kl"])
@@ -219,6 +237,7 @@ class GRPO:
             run.optimizer.zero_grad(set_to_none=True)
         run.state.step += 1
         run.state.tokens += int(m.sum())
+        run.stepped(int(m.sum()))
         lengths = [len(d["ids"]) for d in done]
         return {
             "loss": loss.item(), "lr": lr, "reward": rewards.mean().item(), "reward_std": rewards.std().item(),
@@ -235,29 +254,67 @@ class GRPO:
         return total / len(val)
 
     def fit(self) -> GRPOResult:
-        run, cfg = self.run, self.run.cfg
+        """Train to the end, or to a signal (the steps trained are saved; a rollout or an evaluation in progress
+        is dropped)."""
+        run = self.run
+        with run.signals:
+            stopped = self._fit()
+        best = -run.state.best_val_loss if run.state.best_val_loss is not None else None
+        elapsed, ms, speed = run.speed()
+        return GRPOResult(run.run_dir.path, run.state.step, self.val, stopped, best, elapsed, ms, speed)
+
+    def _fit(self) -> str | None:
+        run, cfg, s = self.run, self.run.cfg, self.run.settings
         model = run.setup()
         reference = None
         if not run.lora and run.settings["kl"] > 0:  # a frozen copy of the start weights (of the run's start)
-            reference = self._start_copy(model)
+            with run.signals.interruptible():
+                reference = self._start_copy(model)
         model.train()
-        val = None
+        run.begin(
+            f"{cfg.batch_size} prompts x {s['group_size']} completions per step, up to {s['max_new_tokens']} new "
+            f"tokens at temperature {s['rollout_temperature']:g}; reward {s['reward']}, kl {s['kl']:g}"
+        )
+        self.val = None
         if run.state.step == 0 and cfg.eval_first:
-            val = self.evaluate(model)
-            run.record("eval", {"val_reward": val})
+            run.show.on_status("first evaluation")
+            if not self.evaluate_and_log(save=False):
+                return run.signals.received
         end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
-        while run.state.step < end:
-            values = self.train_step(model, reference)
+        while run.state.step < end and not run.signals.received:
+            try:
+                values = self.train_step(model, reference)
+            except Interrupted:
+                break
             step = run.state.step
             if not all(map(math.isfinite, values.values())):
                 raise NanoGPTError(f"the loss became non-finite at step {step}; try a lower --learning-rate")
             if step % cfg.log_interval == 0 or step == end:
-                run.record("train", values)
+                run.log_step(values, shown=("reward", "kl"))
             if step % cfg.eval_interval == 0 or step == end:
-                val = self.evaluate(model)
-                run.record("eval", {"val_reward": val})
+                if not self.evaluate_and_log(save=True):
+                    break
+        if run.signals.received:
+            run.save_on_stop()
+            return run.signals.received
+        return "stop_at" if run.state.step == end < cfg.max_iters else None
+
+    def evaluate_and_log(self, save: bool) -> bool:
+        """An evaluation, its lines and (with save) a save; False when a signal dropped it."""
+        run = self.run
+        with run.untimed():
+            try:
+                with run.signals.interruptible():
+                    val = self.evaluate(run.model)
+            except Interrupted:
+                run.model.train()
+                return False
+            self.val = val
+            if save:
                 run.save(-val)  # the best weights are those of the highest val reward
-        return GRPOResult(run.run_dir.path, run.state.step, val)
+            best = -run.state.best_val_loss if run.state.best_val_loss is not None else None
+            run.log_eval({"val_reward": val}, best, saved=save)
+        return True
 
     def _start_copy(self, model):
         """The reference of a full fine-tune: the start weights, frozen (on resume, loaded from the start)."""

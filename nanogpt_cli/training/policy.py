@@ -25,7 +25,9 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.lora import adapters
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
+from nanogpt_cli.training.events import Display, NoDisplay, RunStarted, Scored, StepLogged
 from nanogpt_cli.training.optim import lr_at, make_optimizer, set_lr
+from nanogpt_cli.training.signals import StopSignals
 
 Log = Callable[[dict[str, Any]], None]  # a metrics record: what the display shows and the run's metrics file keeps
 
@@ -91,8 +93,17 @@ class Settings:
 class PolicyRun:
     """A DPO or GRPO run's model, optimizer, state and saves (see the module's docstring)."""
 
-    def __init__(self, job, objective: str, defaults: dict[str, Any], given: dict[str, Any], log: Log | None = None):
+    def __init__(
+        self,
+        job,
+        objective: str,
+        defaults: dict[str, Any],
+        given: dict[str, Any],
+        log: Log | None = None,
+        display: Display | None = None,
+    ):
         self.job, self.plan, self.cfg = job, job.plan, job.plan.train
+        self.objective = objective
         self.run_dir = self.plan.run_dir
         saved = self.plan.finetune.get("settings") if self.plan.resume else None
         if self.plan.resume and self.plan.finetune.get("objective") != objective:
@@ -113,8 +124,18 @@ class PolicyRun:
             raise NanoGPTError(f"--method {objective} runs the model uncompiled; drop --compile")
         self.plan.finetune = {**self.plan.finetune, "objective": objective, "settings": self.settings}
         self.log = log or (lambda record: None)
+        self.show = display or NoDisplay()
         self.device = resolve_device(self.cfg.device)
         self.state = TrainerState()
+        # Ctrl-C and SIGTERM (entered by fit): the step ends, the run saves and stops; a rollout or an evaluation
+        # in progress is dropped at once
+        self.signals = StopSignals()
+        self.saved_at: int | None = None
+        self.start_step = 0
+        self.timed = _Window()  # the updates since the last progress line, evaluations and saves left out
+        self.train_s = 0.0  # the time of every update of this invocation
+        self.trained_tokens = 0
+        self.invoked = time.perf_counter()
 
     @property
     def lora(self) -> bool:
@@ -124,22 +145,25 @@ class PolicyRun:
         """The model with its start (or resumed) weights, the optimizer, and the run folder's config written."""
         plan, cfg = self.plan, self.cfg
         torch.manual_seed(cfg.seed)
-        model = GPT(plan.model)
-        if plan.init_weights is not None:
-            load_weights(model, plan.init_weights)
-        elif plan.init_model is not None:
-            model.load_state_dict(plan.init_model.state_dict())
-        if self.job.trainable is not None:
-            keep = {id(p) for p in self.job.trainable(model)}
-            for p in model.parameters():
-                p.requires_grad_(id(p) in keep)
-        saved = self.run_dir.restore() if plan.resume else None
+        self.show.on_status("building the model")
+        with self.signals.interruptible():  # reading and building only: a signal drops them at once
+            model = GPT(plan.model)
+            if plan.init_weights is not None:
+                load_weights(model, plan.init_weights)
+            elif plan.init_model is not None:
+                model.load_state_dict(plan.init_model.state_dict())
+            if self.job.trainable is not None:
+                keep = {id(p) for p in self.job.trainable(model)}
+                for p in model.parameters():
+                    p.requires_grad_(id(p) in keep)
+            saved = self.run_dir.restore() if plan.resume else None
+            if saved is not None:
+                saved.load_weights(model)
+            self.model = model.to(self.device)
+            self.optimizer = make_optimizer(self.model, cfg, self.device)
+            if saved is not None:
+                saved.load_optimizer(self.optimizer)
         if saved is not None:
-            saved.load_weights(model)
-        self.model = model.to(self.device)
-        self.optimizer = make_optimizer(self.model, cfg, self.device)
-        if saved is not None:
-            saved.load_optimizer(self.optimizer)
             self.state = saved.state
             if self.state.rng_torch is not None:
                 torch.set_rng_state(self.state.rng_torch)
@@ -147,8 +171,33 @@ class PolicyRun:
         else:
             self.run_dir.start(plan.force)
         self.write_config_again()
+        self.start_step = self.state.step
         self.started = time.perf_counter()
         return self.model
+
+    def begin(self, batch: str) -> None:
+        """The run's start lines (batch: what one step reads, in words), then its clock starts."""
+        model = self.model
+        total = sum(p.numel() for p in model.parameters())
+        self.show.on_start(
+            RunStarted(
+                step=self.state.step,
+                max_iters=self.cfg.max_iters,
+                device=str(self.device),
+                dtype="float32",
+                params=model.num_params(),
+                tokens_per_iter=0,
+                run_dir=str(self.run_dir),
+                resume=self.plan.resume,
+                model=self.plan.model.to_dict(),
+                train=self.cfg.to_dict(),
+                finetune=self.plan.finetune,
+                trainable=sum(p.numel() for p in model.parameters() if p.requires_grad) if self.lora else None,
+                total=total,
+                batch=batch,
+            )
+        )
+        self.timed.restart(self.state.step)
 
     def write_config_again(self) -> None:
         """config.json with what the run has recorded so far (the base's hash, the reference's)."""
@@ -179,10 +228,61 @@ class PolicyRun:
         self.run_dir.append_metrics(record)
         self.log(record)
 
-    def save(self, val_loss: float) -> None:
-        """Save the run (the weights, optimizer and state, the best weights by val_loss: lower is better)."""
+    def stepped(self, tokens: int) -> None:
+        """An update is done: its tokens (the completions' and prompts' the loss read) count to the speed."""
+        self.timed.tokens += tokens
+        self.trained_tokens += tokens
+
+    def log_step(self, values: dict[str, float], shown: Sequence[str]) -> None:
+        """A metrics line (kind "train") and a progress line: loss, lr, speed and the values named in shown."""
+        self.record("train", values)
+        now, steps = time.perf_counter(), max(1, self.state.step - self.timed.step)
+        seconds = now - self.timed.started
+        self.train_s += seconds
+        self.show.on_step(
+            StepLogged(
+                step=self.state.step,
+                loss=values["loss"],
+                lr=values["lr"],
+                tokens=self.state.tokens,
+                elapsed_s=self.state.elapsed_s + now - self.started,
+                ms_per_iter=seconds / steps * 1000,
+                tokens_per_s=self.timed.tokens / seconds if seconds > 0 else 0.0,
+                mfu=None,
+                extra={k.replace("_", " "): values[k] for k in shown},
+            )
+        )
+        self.timed.restart(self.state.step)
+
+    def log_eval(self, values: dict[str, float], best: float | None, saved: bool) -> None:
+        """A metrics line (kind "eval") and the display's evaluation line; the clock of updates resumes after."""
+        self.record("eval", values)
+        shown = {k.replace("_", " "): v for k, v in values.items()}
+        self.show.on_scored(Scored(step=self.state.step, values=shown, best=best, saved=saved))
+
+    def untimed(self) -> contextlib.AbstractContextManager:
+        """Time that is not the updates' (an evaluation, a save): left out of the speed."""
+        return self.timed.pause()
+
+    def save_on_stop(self) -> None:
+        """After a signal: the updates since the last save, saved (none trained: the folder holds them)."""
+        if self.state.step > self.start_step and self.saved_at != self.state.step:
+            self.show.on_status(f"{self.signals.received}: saving step {self.state.step:,}")
+            self.save(None)
+            self.show.on_save(self.state.step)
+
+    def speed(self) -> tuple[float, float, float]:
+        """This invocation's wall time (s), ms per update and tokens per second of the updates."""
+        steps = self.state.step - self.start_step
+        ms = self.train_s / steps * 1000 if steps else 0.0
+        return time.perf_counter() - self.invoked, ms, self.trained_tokens / self.train_s if self.train_s else 0.0
+
+    def save(self, val_loss: float | None) -> None:
+        """Save the run (the weights, optimizer and state, the best weights by val_loss: lower is better; None:
+        not evaluated, as when a signal stops the run between evaluations)."""
         state = self.state
-        is_best = state.best_val_loss is None or val_loss < state.best_val_loss
+        self.saved_at = state.step
+        is_best = val_loss is not None and (state.best_val_loss is None or val_loss < state.best_val_loss)
         if is_best:
             state.best_val_loss = val_loss
         state.elapsed_s += time.perf_counter() - self.started
@@ -198,6 +298,24 @@ class PolicyRun:
             meta["chat_template"] = template
         meta.update(self.plan.finetune.get("weights", {}))
         return meta
+
+
+class _Window:
+    """The updates since the last progress line: from which step, since when, with how many tokens."""
+
+    def __init__(self):
+        self.restart(0)
+
+    def restart(self, step: int) -> None:
+        self.step, self.started, self.tokens = step, time.perf_counter(), 0
+
+    @contextlib.contextmanager
+    def pause(self):
+        paused = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.started += time.perf_counter() - paused
 
 
 def check_format(dataset: dict[str, Any], method: str, wanted: str) -> None:

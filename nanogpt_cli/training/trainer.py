@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from nanogpt_cli.training.distributed import World, launched_size
 from nanogpt_cli.training.events import Display, Evaluated, NoDisplay, RunStarted, StepLogged, TrainResult
 from nanogpt_cli.training.optim import lr_at, make_optimizer, set_lr
 from nanogpt_cli.training.plan import RunPlan
+from nanogpt_cli.training.signals import Interrupted, StopSignals
 
 LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # (model, x, y) -> mean loss, a scalar
 Trainable = Callable[[GPT], Iterable[nn.Parameter]]  # the parameters to train; every other one is frozen
@@ -100,34 +100,6 @@ def scale_tensor(scaler: torch.amp.GradScaler, device: torch.device) -> torch.Te
     """The fp16 loss scale as a tensor on the device, read without waiting for it (get_scale() syncs)."""
     scale = scaler._get_scale_async()  # None until the first scale(): the initial (or restored) value then
     return scale.clone() if scale is not None else torch.tensor(scaler.get_scale(), device=device)
-
-
-class StopSignals:
-    """Ctrl-C / SIGTERM set a flag; the loop finishes its step, saves and stops. A second Ctrl-C aborts, except
-    under torchrun, which passes a terminal's Ctrl-C on to its workers a second time (and kills them itself
-    if they have not ended 30 s later)."""
-
-    def __init__(self, abort_on_second: bool = True):
-        self.abort_on_second = abort_on_second
-        self.received: str | None = None
-        self._old: dict[int, Any] = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: no handlers, Ctrl-C works as usual
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        if self.received is not None and signum == signal.SIGINT and self.abort_on_second:
-            raise KeyboardInterrupt
-        self.received = self.received or signal.Signals(signum).name
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 STOP_CODES = {None: 0, "SIGINT": 1, "SIGTERM": 2}  # reduced with max: a signal to any rank stops them all
@@ -208,10 +180,13 @@ class Trainer:
         self.tuner = thread_tuner(world.device, world.size, plan.threads if plan.resume else None)
 
     def fit(self) -> TrainResult:
-        # rank 0 owns the run folder while it trains: `runs` says "running", another start there is refused;
-        # once every rank has planned, as each one checks that no process owns it
-        self.world.barrier()
-        with self.run_dir.hold() if self.world.main else contextlib.nullcontext():
+        """Train to the end (or a stop). A signal while the run is being set up raises Interrupted (nothing of
+        this invocation is saved then); a second Ctrl-C, KeyboardInterrupt, once the save being written is."""
+        # Ctrl-C and SIGTERM from the start: loading a large dataset or model is dropped at once
+        with (
+            StopSignals(abort_on_second=self.world.size == 1, abandon=self.world.size == 1) as self.signals,
+            self._owning_the_run_dir(),
+        ):
             self.parts = self._setup()
             step = self.parts.state.step
             self.lr = lr_at(max(step - 1, 0), self.cfg)  # the last update's rate, for evaluation lines
@@ -222,19 +197,30 @@ class Trainer:
             self._loop()
         return self._result()
 
+    @contextlib.contextmanager
+    def _owning_the_run_dir(self):
+        """Rank 0 owns the run folder while it trains: `runs` says "running", another start there is refused;
+        taken once every rank has planned, as each one checks that no process owns it."""
+        self.world.barrier()
+        with self.run_dir.hold() if self.world.main else contextlib.nullcontext():
+            yield
+
     # --- the loop ---
 
     def _loop(self) -> None:
         cfg, p = self.cfg, self.parts
         state = p.state
-        with p.signals, p.saver:  # leaving it waits for the save being written, on every way out
-            if not self.plan.resume and cfg.eval_first:  # the loss at init; a checkpoint of it would resume nothing
-                self.show.on_status("first evaluation")
+        with p.saver:  # leaving it waits for the save being written, on every way out
+            self.stopped = self.stop_requested()  # a signal while the run folder was being written
+            if not self.stopped and not self.plan.resume and cfg.eval_first:
+                self.show.on_status("first evaluation")  # the loss at init; a checkpoint of it would resume nothing
                 self.evaluate(checkpoint=False)
-            if cfg.compile:
+            elif not self.stopped and self.evaluation_missed():  # a stop dropped it: done now, as it would have been
+                self.evaluate()
+            if cfg.compile and not self.stopped:
                 self.show.on_status("compiling the model (the first step takes a while)")
             p.model.train()
-            while state.step < p.end:
+            while state.step < p.end and not self.stopped:
                 loss = self.train_step()
                 self.watch_load()
                 self.say_saved()
@@ -248,6 +234,8 @@ class Trainer:
                     state.max_time_spent = cfg.max_time  # saved with the final checkpoint: a resume trains no more
                 if due or out_of_time:
                     self.evaluate()
+                    if self.stopped:  # a signal dropped the evaluation: the step is saved without it
+                        break
                 every = self.world.stop_check_every or cfg.log_interval
                 received = self.stop_requested() if state.step % every == 0 or due or state.step == p.end else None
                 if received or out_of_time:
@@ -255,8 +243,12 @@ class Trainer:
                     break
             if not self.stopped and state.step == p.end < cfg.max_iters and not self.plan.complete:
                 self.stopped = "stop_at"
-            ended, final = time.perf_counter(), self.stopped and self.saved_at != state.step
+            # a stop saves the steps trained since the last save; none trained: the run folder holds them already
+            final = self.stopped and self.saved_at != state.step and state.step > p.start_step
+            ended = time.perf_counter()
             if final:
+                if self.stopped in STOP_CODES:
+                    self.show.on_status(f"{self.stopped}: saving step {state.step:,}")
                 self.save(self.last.val_loss if self.last else None, is_best=False)
             waiting = time.perf_counter()
             self.say_saved(wait=True)
@@ -353,12 +345,19 @@ class Trainer:
         cfg, p = self.cfg, self.parts
         state = p.state
         started = time.perf_counter()
-        losses = {
-            s: self.world.mean_loss(
-                eval_losses(p.compiled, p.eval_sets[s], p.ctx, self.loss_fn), p.eval_counted, cfg.eval_iters
-            )
-            for s in ("train", "val")
-        }
+        try:
+            with self.signals.interruptible():  # a signal drops the evaluation: it only reads the weights
+                losses = {
+                    s: self.world.mean_loss(
+                        eval_losses(p.compiled, p.eval_sets[s], p.ctx, self.loss_fn), p.eval_counted, cfg.eval_iters
+                    )
+                    for s in ("train", "val")
+                }
+        except Interrupted as stop:
+            self.stopped = stop.signal
+            p.compiled.train()
+            p.clock.set_aside(started)
+            return
         if not all(math.isfinite(v) for v in losses.values()):
             raise non_finite(state.step, self.run_dir)
         is_best = state.best_val_loss is None or losses["val"] < state.best_val_loss
@@ -388,9 +387,20 @@ class Trainer:
             self.show.on_eval(self.last)
         p.clock.set_aside(started)
 
+    def evaluation_missed(self) -> bool:
+        """Whether a resumed run's step was due an evaluation that a signal dropped (the metrics have none at it):
+        the run then evaluates (and saves) it first, so its metrics are those of a run that was never stopped."""
+        cfg, step = self.cfg, self.parts.state.step
+        if self.world.size > 1:  # under torchrun no rank drops an evaluation (StopSignals.abandon)
+            return False
+        if not self.plan.resume or step == 0 or (step % cfg.eval_interval and step != cfg.max_iters):
+            return False
+        records, _ = self.run_dir.read_metrics()
+        return not any(r.get("kind", "eval") == "eval" and r.get("step") == step for r in records)
+
     def stop_requested(self) -> str | None:
         """A signal any rank received ("SIGINT", "SIGTERM"), agreed by all once per step, or None."""
-        code = self.world.max_int(STOP_CODES[self.parts.signals.received])
+        code = self.world.max_int(STOP_CODES[self.signals.received])
         return {code: name for name, code in STOP_CODES.items()}[code]
 
     def say_saved(self, wait: bool = False) -> None:
@@ -443,27 +453,30 @@ class Trainer:
         plan, cfg, world = self.plan, self.cfg, self.world
         world.barrier()  # every rank has planned (looked at the run folder) before rank 0 changes it
         dtype = self._prepare_device()
-        self.show.on_status("loading the data")
-        # windows of --seq-len tokens (default: the model's context); evaluation reads the same
-        batches = Batches(
-            Path(cfg.data_dir), cfg.data, plan.seq_len, cfg.batch_size, world.device, cfg.seed, cfg.loss_mask,
-            plan.length_flag,
-        )  # fmt: skip
-        eval_sets, eval_counted = self._eval_sets(batches)
-        self.show.on_status("building the model")
-        saved = self.run_dir.restore() if plan.resume else None
-        model = self._build_model(saved)
-        params, flops_per_token = model.num_params(), model.flops_per_token(plan.seq_len)  # before FSDP shards it
-        if dtype != torch.float32 and not (world.size > 1 and cfg.parallel == "fsdp"):  # FSDP shards one dtype
-            hold_frozen(model, dtype)  # a LoRA run's frozen base as autocast would cast it each step, once
-        world.seed_dropout(cfg.seed)
-        wrapped = world.wrap(model, cfg.parallel, dtype)
-        if world.device.type == "cpu":
-            release_freed_memory()  # the copies that building the model freed, which keep_freed_memory would keep
-        optimizer = make_optimizer(model, cfg, world.device)  # FSDP has sharded the parameters in place
-        scaler = torch.amp.GradScaler(world.device.type, enabled=dtype == torch.float16)
-        ctx = autocast_for(world.device, dtype)
-        state = self._restore(saved, batches, wrapped, optimizer, scaler) if saved else TrainerState()
+        with self.signals.interruptible():  # reading and building only: a signal drops them at once
+            self.show.on_status("loading the data")
+            # windows of --seq-len tokens (default: the model's context); evaluation reads the same
+            batches = Batches(
+                Path(cfg.data_dir), cfg.data, plan.seq_len, cfg.batch_size, world.device, cfg.seed, cfg.loss_mask,
+                plan.length_flag,
+            )  # fmt: skip
+            eval_sets, eval_counted = self._eval_sets(batches)
+            self.show.on_status("building the model")
+            saved = self.run_dir.restore() if plan.resume else None
+            model = self._build_model(saved)
+            params, flops_per_token = model.num_params(), model.flops_per_token(plan.seq_len)  # before FSDP shards it
+            total = sum(q.numel() for q in model.parameters())
+            trainable = sum(q.numel() for q in model.parameters() if q.requires_grad) if self.trainable else None
+            if dtype != torch.float32 and not (world.size > 1 and cfg.parallel == "fsdp"):  # FSDP shards one dtype
+                hold_frozen(model, dtype)  # a LoRA run's frozen base as autocast would cast it each step, once
+            world.seed_dropout(cfg.seed)
+            wrapped = world.wrap(model, cfg.parallel, dtype)
+            if world.device.type == "cpu":
+                release_freed_memory()  # the copies that building the model freed, which keep_freed_memory would keep
+            optimizer = make_optimizer(model, cfg, world.device)  # FSDP has sharded the parameters in place
+            scaler = torch.amp.GradScaler(world.device.type, enabled=dtype == torch.float16)
+            ctx = autocast_for(world.device, dtype)
+            state = self._restore(saved, batches, wrapped, optimizer, scaler) if saved else TrainerState()
         if world.main:
             self._write_config(state, fresh=not saved)
         compiled = torch.compile(wrapped) if cfg.compile else wrapped
@@ -481,6 +494,9 @@ class Trainer:
                 resume=plan.resume,
                 model=plan.model.to_dict(),
                 train=cfg.to_dict(),
+                finetune=plan.finetune,
+                trainable=trainable,
+                total=total,
             )
         )
         end = min(cfg.max_iters, cfg.stop_at) if cfg.stop_at else cfg.max_iters
@@ -507,7 +523,7 @@ class Trainer:
             masked=batches.masks["train"] is not None or batches.packed["train"] is not None,
             start_step=state.step,
             end=end,
-            signals=StopSignals(abort_on_second=world.size == 1),
+            signals=self.signals,
             saver=Saver(self.run_dir, background=not cfg.sync_save, writes=world.main),
             clock=clock,
         )
