@@ -51,6 +51,22 @@ def serve(
             help="NAME=LORA_RUN: also serve a LoRA run of this base as model NAME (repeatable).", show_default=False
         ),
     ] = None,
+    allow_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Also answer requests whose Host header is NAME (repeatable; * for any). Loopback names and --host "
+            "are always answered.",
+            show_default=False,
+        ),
+    ] = None,
+    cors_origin: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Let web pages from ORIGIN (e.g. http://localhost:3000; * for any) call the API from a browser "
+            "(repeatable; default: none).",
+            show_default=False,
+        ),
+    ] = None,
     no_ui: Annotated[bool, typer.Option("--no-ui", help="Do not serve the chat page at /.")] = False,
     last: Last = False,
     device: Device = "auto",
@@ -86,6 +102,8 @@ def serve(
         max_queue=max_queue,
         prompt_cache_mb=prompt_cache_mb,
         adapters=adapter or [],
+        allow_hosts=allow_host or [],
+        cors_origins=cors_origin or [],
     )
     set_threads(threads)
     if not is_loopback(host) and options.api_key is None:

@@ -177,10 +177,10 @@ class Constraint:
         self.added_eos = _adds_eos(tokenizer)
         self._next: torch.Tensor | None = None  # a mask done computed, for the next allowed()
         first = self.allowed(keep=True)  # the first mask: the costly part of a compile, made here, off the engine
-        if self.matcher.is_error():
-            raise NanoGPTError(self.matcher.get_error().splitlines()[0])
         if not first.any():
             raise NanoGPTError("it cannot begin with any token of the model's vocabulary")
+        if self.matcher.is_error():
+            raise NanoGPTError(self.matcher.get_error().splitlines()[0])
 
     def copy(self) -> Constraint:
         """An independent constraint at the same point (a request's other choices)."""
@@ -207,10 +207,12 @@ class Constraint:
         # llguidance writes 32 tokens per int32 word, token 32 * j + i at bit i of word j: little-endian bit
         # order over the bytes, which numpy unpacks ~5x faster than torch's shifts (17 against 97 us for GPT-2)
         self.matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * 4)
-        if self.matcher.is_error():  # a limit hit: llguidance's mask is then empty, say why instead
-            raise NanoGPTError(self.matcher.get_error().splitlines()[0])
         bits = np.unpackbits(self.words.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
         out = torch.from_numpy(bits).view(torch.bool)
+        if self.matcher.is_error():  # a limit hit (an empty mask that cannot go on is for the caller to tell)
+            error = self.matcher.get_error().splitlines()[0]
+            if out.any() or not error.startswith("NoExtension"):
+                raise NanoGPTError(error)
         self._next = out if keep else None
         return out
 
