@@ -276,11 +276,13 @@ def test_the_key_is_checked_whatever_bytes_are_sent(live):
     assert status == 200
 
 
-def test_a_bad_cors_origin_is_one_clear_error():
-    from nanogpt_cli.errors import NanoGPTError
+def test_a_bad_cors_origin_is_one_clear_error(tmp_path):
+    from typer.testing import CliRunner
 
-    with pytest.raises(NanoGPTError, match="--cors-origin takes an origin"):
-        ServeOptions(source="x", cors_origins=["localhost:3000"])
+    from nanogpt_cli.cli import app
+
+    out = CliRunner().invoke(app, ["serve", str(tmp_path / "m.safetensors"), "--cors-origin", "localhost:3000"])
+    assert out.exit_code == 1 and "error: --cors-origin takes an origin such as http://localhost:3000" in out.output
 
 
 def test_streams_keep_their_text_while_many_requests_fail_beside_them(client, live):
