@@ -36,7 +36,8 @@ EXPLODES = "(a{1000}){1000}"  # compiles, then its lexer runs out of budget at t
 def model_path(tmp_path_factory):
     torch.manual_seed(0)
     tok = ByteTokenizer()
-    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=128, n_layer=1, n_head=2, n_embd=32))
+    # context 1,024: the tools' prompt alone is ~700 bytes
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=1024, n_layer=1, n_head=2, n_embd=32))
     path = tmp_path_factory.mktemp("hostile") / "tiny.safetensors"
     ckpt.save_model(path, model, {"tokenizer": tok.describe(), "step": 0})
     return path
@@ -65,25 +66,25 @@ def client(live):
     return openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def _stream(client, **extra):
+def _stream(client, max_tokens: int = 600):
     return client.completions.create(
-        model="tiny", prompt="The stream", max_tokens=400, temperature=0, stream=True, **extra
+        model="tiny", prompt="The stream", max_tokens=max_tokens, temperature=0, stream=True
     )
 
 
-def _beside(client, failing) -> tuple[str, str, object]:
-    """The stream's text alone, its text with `failing()` run while it decodes, and what failing raised."""
-    alone = "".join(c.choices[0].text for c in _stream(client))
-    chunks = iter(_stream(client))
+def _beside(client, failing, live, max_tokens: int = 600) -> tuple[str, str, object]:
+    """The stream's text alone, its text with `failing()` run from start to end while it decodes, and what
+    failing raised."""
+    alone = "".join(c.choices[0].text for c in _stream(client, max_tokens))
+    chunks = iter(_stream(client, max_tokens))
     text = next(chunks).choices[0].text  # it is decoding now
     try:
         failing()
         raised = None
     except openai.APIError as e:
         raised = e
-    after = [c.choices[0] for c in chunks]
-    assert after and after[0].finish_reason is None, "the stream ended before the failing request did"
-    return alone, text + "".join(c.text for c in after), raised
+    assert live.health()["active_rows"] == 1, "the stream ended before the failing request did"
+    return alone, text + "".join(c.choices[0].text for c in chunks), raised
 
 
 def test_a_grammar_that_fails_mid_decode_ends_its_request_with_a_400_alone(client, live):
@@ -93,6 +94,7 @@ def test_a_grammar_that_fails_mid_decode_ends_its_request_with_a_400_alone(clien
         lambda: client.completions.create(
             model="tiny", prompt="a", max_tokens=20, extra_body={"grammar": {"type": "regex", "value": EXPLODES}}
         ),
+        live,
     )
     assert isinstance(e, openai.BadRequestError) and "grammar failed" in e.message, e
     assert "\n" not in e.message  # one line: no parser state
@@ -122,6 +124,7 @@ def test_a_grammar_past_the_compile_time_limit_is_a_400_and_the_stream_goes_on(c
                 max_tokens=5,
                 extra_body={"grammar": {"type": "regex", "value": "(a{300}){300}"}},
             ),
+            live,
         )
     finally:
         limits.grammar_seconds = saved
@@ -177,8 +180,32 @@ def _post(live, route: str, body: dict) -> int:
 def test_a_surrogate_request_beside_a_stream_leaves_it_alone(client, live):
     status = []
     body = {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 5}
-    alone, beside, _ = _beside(client, lambda: status.append(_post(live, "/v1/chat/completions", body)))
+    alone, beside, _ = _beside(client, lambda: status.append(_post(live, "/v1/chat/completions", body)), live)
     assert status == [400] and beside == alone
+
+
+@pytest.mark.slow
+def test_a_tool_call_nested_too_deeply_to_parse_stays_text_beside_a_stream(client, live):
+    # json's decoder gives up at the interpreter's recursion limit (1,000): the block is text, not a failure
+    deep = "[" * 1100
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    replies = []
+
+    def failing():
+        replies.append(
+            client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "x"}],
+                tools=[tool],
+                max_tokens=1200,
+                extra_body={"grammar": {"type": "regex", "value": rf"<tool_call>\[{{{len(deep)}}}</tool_call>"}},
+            )
+        )
+
+    alone, beside, e = _beside(client, failing, live, max_tokens=2000)
+    assert e is None and beside == alone
+    message = replies[0].choices[0].message
+    assert message.tool_calls is None and message.content == f"<tool_call>{deep}</tool_call>"
 
 
 def test_a_tool_call_too_deeply_nested_to_parse_stays_text():
@@ -307,6 +334,7 @@ def test_streams_keep_their_text_while_many_requests_fail_beside_them(client, li
     deadline = time.monotonic() + 30
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
+    assert live.health()["active_rows"] == 2, "the streams ended before the failing requests did"
     texts = [text + "".join(c.choices[0].text for c in s) for text, s in zip(texts, streams)]
     assert sorted(errors) == [400] * 4
     assert texts == [alone, alone]
