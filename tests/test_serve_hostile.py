@@ -66,30 +66,43 @@ def client(live):
     return openai.OpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
-def _stream(client, max_tokens: int = 600):
+def _stream(client, max_tokens: int):
     return client.completions.create(
         model="tiny", prompt="The stream", max_tokens=max_tokens, temperature=0, stream=True
     )
 
 
-def _beside(client, failing, live, max_tokens: int = 600) -> tuple[str, str, object]:
-    """The stream's text alone, its text with `failing()` run from start to end while it decodes, and what
-    failing raised."""
-    alone = "".join(c.choices[0].text for c in _stream(client, max_tokens))
-    chunks = iter(_stream(client, max_tokens))
-    text = next(chunks).choices[0].text  # it is decoding now
+def _beside(client, failing, live, streams: int = 1, length: int = 300) -> tuple[str, list[str], object]:
+    """The stream's first `length` tokens of text alone, and the text of `streams` streams of the same prompt
+    that go on far longer, so that `failing()` runs from start to end while they decode (then they are closed),
+    and what failing raised. Compare with `same`."""
+    alone = "".join(c.choices[0].text for c in _stream(client, length))
+    running = [_stream(client, 4000) for _ in range(streams)]
+    texts = [next(iter(s)).choices[0].text for s in running]  # each is decoding now
     try:
         failing()
         raised = None
     except openai.APIError as e:
         raised = e
-    assert live.health()["active_rows"] == 1, "the stream ended before the failing request did"
-    return alone, text + "".join(c.choices[0].text for c in chunks), raised
+    assert live.health()["active_rows"] == streams, "a stream ended before the failing request did"
+    for i, s in enumerate(running):
+        for chunk in s:
+            texts[i] += chunk.choices[0].text
+            if len(texts[i]) > len(alone):
+                break
+        s.close()  # its row leaves the batch
+    return alone, texts, raised
+
+
+def same(alone: str, beside: str) -> bool:
+    """The text alone is where the longer stream's starts (but for a last character that the cut after `length`
+    tokens may have left incomplete)."""
+    return beside.startswith(alone[:-1])
 
 
 def test_a_grammar_that_fails_mid_decode_ends_its_request_with_a_400_alone(client, live):
     # the reported case: this regex compiles, then fails at its first token; the other rows went with it
-    alone, beside, e = _beside(
+    alone, (beside,), e = _beside(
         client,
         lambda: client.completions.create(
             model="tiny", prompt="a", max_tokens=20, extra_body={"grammar": {"type": "regex", "value": EXPLODES}}
@@ -98,7 +111,7 @@ def test_a_grammar_that_fails_mid_decode_ends_its_request_with_a_400_alone(clien
     )
     assert isinstance(e, openai.BadRequestError) and "grammar failed" in e.message, e
     assert "\n" not in e.message  # one line: no parser state
-    assert beside == alone
+    assert same(alone, beside)
     # streamed, it is an error event (which the openai package raises), and the server goes on
     stream = client.completions.create(
         model="tiny",
@@ -116,7 +129,7 @@ def test_a_grammar_past_the_compile_time_limit_is_a_400_and_the_stream_goes_on(c
     limits = live.server.state.limits
     saved, limits.grammar_seconds = limits.grammar_seconds, 0.001
     try:
-        alone, beside, e = _beside(
+        alone, (beside,), e = _beside(
             client,
             lambda: client.chat.completions.create(
                 model="tiny",
@@ -129,7 +142,7 @@ def test_a_grammar_past_the_compile_time_limit_is_a_400_and_the_stream_goes_on(c
     finally:
         limits.grammar_seconds = saved
     assert isinstance(e, openai.BadRequestError) and "took longer than" in e.message and e.body["param"] == "grammar"
-    assert beside == alone
+    assert same(alone, beside)
 
 
 @pytest.mark.parametrize(
@@ -180,8 +193,8 @@ def _post(live, route: str, body: dict) -> int:
 def test_a_surrogate_request_beside_a_stream_leaves_it_alone(client, live):
     status = []
     body = {"messages": [{"role": "user", "content": "\ud800"}], "max_tokens": 5}
-    alone, beside, _ = _beside(client, lambda: status.append(_post(live, "/v1/chat/completions", body)), live)
-    assert status == [400] and beside == alone
+    alone, (beside,), _ = _beside(client, lambda: status.append(_post(live, "/v1/chat/completions", body)), live)
+    assert status == [400] and same(alone, beside)
 
 
 @pytest.mark.slow
@@ -202,8 +215,8 @@ def test_a_tool_call_nested_too_deeply_to_parse_stays_text_beside_a_stream(clien
             )
         )
 
-    alone, beside, e = _beside(client, failing, live, max_tokens=2000)
-    assert e is None and beside == alone
+    alone, (beside,), e = _beside(client, failing, live)
+    assert e is None and same(alone, beside)
     message = replies[0].choices[0].message
     assert message.tool_calls is None and message.content == f"<tool_call>{deep}</tool_call>"
 
@@ -314,7 +327,6 @@ def test_a_bad_cors_origin_is_one_clear_error(tmp_path):
 
 def test_streams_keep_their_text_while_many_requests_fail_beside_them(client, live):
     """Requests of every failing kind at once, beside two streams."""
-    alone = "".join(c.choices[0].text for c in _stream(client))
     failing = [
         {"prompt": "a", "grammar": {"type": "regex", "value": EXPLODES}},
         {"prompt": "\ud800"},
@@ -326,15 +338,22 @@ def test_streams_keep_their_text_while_many_requests_fail_beside_them(client, li
     def run(body):
         errors.append(_post(live, "/v1/completions", {**body, "max_tokens": 9}))
 
-    streams = [iter(_stream(client)) for _ in range(2)]
-    texts = [next(s).choices[0].text for s in streams]
-    threads = [threading.Thread(target=run, args=(fn,), daemon=True) for fn in failing]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 30
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert live.health()["active_rows"] == 2, "the streams ended before the failing requests did"
-    texts = [text + "".join(c.choices[0].text for c in s) for text, s in zip(texts, streams)]
+    def all_at_once():
+        threads = [threading.Thread(target=run, args=(body,), daemon=True) for body in failing]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    alone, texts, _ = _beside(client, all_at_once, live, streams=2)
     assert sorted(errors) == [400] * 4
-    assert texts == [alone, alone]
+    assert all(same(alone, text) for text in texts)
+    assert _idle(live)  # the closed streams have left the batch
+
+
+def _idle(live) -> bool:
+    deadline = time.monotonic() + 20
+    while live.health()["active_rows"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return live.health()["active_rows"] == 0
