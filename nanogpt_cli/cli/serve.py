@@ -54,6 +54,7 @@ def serve(
     allow_host: Annotated[
         list[str] | None,
         typer.Option(
+            metavar="NAME",
             help="Also answer requests whose Host header is NAME (repeatable; * for any). Loopback names and --host "
             "are always answered.",
             show_default=False,
@@ -62,6 +63,7 @@ def serve(
     cors_origin: Annotated[
         list[str] | None,
         typer.Option(
+            metavar="ORIGIN",
             help="Let web pages from ORIGIN (e.g. http://localhost:3000; * for any) call the API from a browser "
             "(repeatable; default: none).",
             show_default=False,
@@ -110,6 +112,11 @@ def serve(
         note(
             f"--host {host} is reachable from other machines and no --api-key is set: anyone who can reach it "
             "can use the model"
+        )
+    if host in ("0.0.0.0", "::") and not options.allow_hosts:
+        note(
+            f"--host {host} listens on every address, but requests are answered only under loopback names: give "
+            "--allow-host with each name or address other machines use to reach this one"
         )
     name = options.model_name or default_model_name(source)
     run_server(
