@@ -29,16 +29,18 @@ __all__ = ["FORMATS", "Constraint", "compile_grammar", "vocabulary"]
 FORMATS = ("json_schema", "regex", "gbnf", "lark")  # what compile_grammar takes
 COMPACT = {"whitespace_flexible": False}  # llguidance's option for JSON without free whitespace
 
-# A number a schema leaves unbounded is held to an integer part of at most 16 digits, as llama.cpp's schema
-# converter holds it, and a fraction of at most 10 (a multipleOf, which llguidance reads as a decimal step; 1e-10
-# is the finest it takes); otherwise a weak model can write digits until max_tokens runs out
+# A number a schema leaves unbounded is held to 16 digits before the point, as llama.cpp's schema converter holds
+# it: an integer to [-1e16, 1e16] (llguidance reads bounds as doubles, in which 1e16 - 1 is 1e16), a number to
+# (-1e16, 1e16), with at most 10 digits after the point (a multipleOf, which llguidance reads as a decimal step;
+# 1e-10 is the finest it takes); otherwise a weak model can write digits until max_tokens runs out
 INTEGER_DIGITS, FRACTION_DIGITS = 16, 10
-_NUMBER_BOUNDS = {"minimum": -(10**INTEGER_DIGITS - 1), "maximum": 10**INTEGER_DIGITS - 1}
+_INTEGER_BOUNDS = {"minimum": -(10**INTEGER_DIGITS), "maximum": 10**INTEGER_DIGITS}
+_NUMBER_BOUNDS = {"exclusiveMinimum": -(10**INTEGER_DIGITS), "exclusiveMaximum": 10**INTEGER_DIGITS}
 
-# llguidance's budgets: a grammar's lexer may build regex derivatives for this much "fuel" in all (its default,
-# 1,000,000, let `(a{1000}){1000}` compute one mask for minutes), so a pathological grammar fails within seconds
-# and a working one stays far inside it; sizes are llguidance's own defaults, named here
-LEXER_FUEL = 100_000
+# llguidance's budgets. The lexer's fuel bounds the regex derivatives it builds: its default, 1,000,000, let
+# `(a{1000}){1000}` compute its first mask for 170 s on a busy 2-core machine (17 s at 300,000, 2 s at 100,000);
+# 100,000 is too little for a schema of 200 properties with bounded numbers. Sizes are llguidance's own defaults.
+LEXER_FUEL = 300_000
 MAX_GRAMMAR_SIZE = 500_000  # symbols in the grammar's rules
 MAX_LEXER_STATES = 250_000  # states the lexer may build (~1-2 kB each)
 
@@ -145,8 +147,9 @@ def bounded(schema: Any, closed: bool = False) -> Any:
             out[key] = bounded(value, closed)
     kind = k_type(out)
     if kind in ("integer", "number"):
-        for key, value in _NUMBER_BOUNDS.items():
-            if key not in out and not isinstance(out.get("exclusiveM" + key[1:]), (int, float)):
+        for key, value in (_INTEGER_BOUNDS if kind == "integer" else _NUMBER_BOUNDS).items():
+            side = key[-6:]  # "inimum" or "aximum": a side the schema bounds, either way, is left as it is
+            if "m" + side not in out and "exclusiveM" + side not in out:
                 out[key] = value
         if kind == "number" and "multipleOf" not in out:
             out["multipleOf"] = float(f"1e-{FRACTION_DIGITS}")
