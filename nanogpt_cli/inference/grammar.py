@@ -145,7 +145,7 @@ def bounded(schema: Any, closed: bool = False) -> Any:
             out[key] = {name: bounded(v, closed) for name, v in value.items()}
         else:
             out[key] = bounded(value, closed)
-    kind = k_type(out)
+    kind = _kind(out)
     if kind in ("integer", "number"):
         for key, value in (_INTEGER_BOUNDS if kind == "integer" else _NUMBER_BOUNDS).items():
             side = key[-6:]  # "inimum" or "aximum": a side the schema bounds, either way, is left as it is
@@ -158,7 +158,7 @@ def bounded(schema: Any, closed: bool = False) -> Any:
     return out
 
 
-def k_type(schema: dict) -> str | None:
+def _kind(schema: dict) -> str | None:
     """A schema node's one type ("object" also for a node with properties and no type), or None."""
     t = schema.get("type")
     if isinstance(t, str):
