@@ -324,7 +324,8 @@ def test_bad_inputs_get_their_status_openais_shape_and_exception_class(live, cli
     assert e.value.status_code == 413 and "50,000 bytes" in e.value.message
     status, body = get_json(live.url, "/no/such/route")
     assert status == 404 and body["error"]["type"] == "invalid_request_error"
-    status, body = get_json(live.url, "/v1/chat/completions", "POST", b"[1, 2]", {"Authorization": f"Bearer {KEY}"})
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    status, body = get_json(live.url, "/v1/chat/completions", "POST", b"[1, 2]", headers)
     assert status == 400 and "detail" not in body  # never FastAPI's own 422 body
     assert live.health()["status"] == "ok"
 
@@ -371,7 +372,7 @@ def test_raw_stream_is_data_lines_ending_with_done_and_a_disconnect_frees_the_ro
     whole = json.dumps({"model": "tiny", "prompt": "Go", "max_tokens": 100_000, "temperature": 0})
     sock = socket.create_connection((host, int(port)), timeout=30)  # a whole (not streamed) answer, abandoned
     sock.sendall(
-        f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(whole)}\r\n\r\n{whole}".encode()
     )
     deadline = time.monotonic() + 20

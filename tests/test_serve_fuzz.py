@@ -329,7 +329,7 @@ def test_chat_completions_answer_every_body_with_2xx_or_a_4xx_error(live, body):
     body=RAW,
     content_type=st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded", ""]),
 )
-def test_bodies_that_are_not_json_objects_are_400(live, route, body, content_type):
+def test_bodies_that_are_not_json_objects_or_not_sent_as_json_are_4xx(live, route, body, content_type):
     check(*send(live, "POST", route, body, content_type))
 
 

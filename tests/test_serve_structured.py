@@ -22,7 +22,7 @@ from test_serve import Live, get_json  # noqa: E402
 from nanogpt_cli.config import GPTConfig  # noqa: E402
 from nanogpt_cli.errors import NanoGPTError  # noqa: E402
 from nanogpt_cli.inference.engine import Engine, SamplingParams  # noqa: E402
-from nanogpt_cli.inference.grammar import Constraint, compile_grammar  # noqa: E402
+from nanogpt_cli.inference.grammar import COMPACT, Constraint, bounded, compile_grammar  # noqa: E402
 from nanogpt_cli.model import GPT  # noqa: E402
 from nanogpt_cli.runs import checkpoint as ckpt  # noqa: E402
 from nanogpt_cli.serve import ServeOptions  # noqa: E402
@@ -357,3 +357,86 @@ def test_a_template_that_takes_tools_gets_them_and_earlier_calls_as_objects():
     text = plain.render(template_messages(messages, plain, [TIME]))
     assert '"name": "get_time"' in text and "<tools>" in text and "<tool_response>\n12:00\n</tool_response>" in text
     assert '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>' in text
+
+
+# --- bounds a weak model cannot run past ---------------------------------------------------------------------------
+
+NUMBERS = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}, "x": {"type": "number"}},
+    "required": ["n", "x"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.slow
+def test_numbers_a_schema_leaves_unbounded_are_held_to_16_digits_and_the_reply_ends(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "numbers", "schema": NUMBERS}}
+    # the same schema through a Lark grammar's %json, which is taken as written: the random model writes digits
+    # until max_tokens runs out
+    raw = {"grammar": {"type": "lark", "value": "start: %json " + json.dumps({**NUMBERS, "x-guidance": COMPACT})}}
+    unbounded = [
+        client.chat.completions.create(model="tiny", messages=ASK, seed=s, max_tokens=48, extra_body=raw)
+        for s in range(4)
+    ]
+    assert sum(r.choices[0].finish_reason == "length" for r in unbounded) >= 3
+    for seed in range(4):
+        r = client.chat.completions.create(model="tiny", messages=ASK, response_format=fmt, seed=seed, max_tokens=48)
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        value = json.loads(choice.message.content)
+        jsonschema.validate(value, NUMBERS)
+        n, x = re.fullmatch(r'\{"n":(-?\d+),"x":(-?[0-9.]+)\}', choice.message.content).groups()
+        whole, _, fraction = x.lstrip("-").partition(".")
+        assert abs(int(n)) <= 10**16 and len(whole) <= 16 and len(fraction) <= 10
+
+
+def test_a_forced_call_of_a_tool_whose_schema_is_open_returns_tool_calls_with_its_keys_only(client):
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {  # no additionalProperties: taken as closed, as OpenAI's strict function calling does
+                "type": "object",
+                "properties": {"city": {"enum": ["Oslo", "Lima"]}, "where": {"type": "object", "properties": {}}},
+                "required": ["city"],
+            },
+        },
+    }
+    for seed in range(4):
+        r = client.chat.completions.create(
+            model="tiny", messages=ASK, tools=[tool], tool_choice="required", seed=seed, max_tokens=150
+        )
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        (call,) = choice.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert set(arguments) <= {"city", "where"} and arguments.get("where", {}) == {}
+        jsonschema.validate(arguments, tool["function"]["parameters"])
+
+
+def test_bounded_keeps_what_a_schema_says_and_bounds_only_what_it_leaves_open():
+    schema = {
+        "type": "object",
+        "properties": {
+            "type": {"type": "integer", "minimum": 3},  # a property named like a keyword
+            "price": {"type": "number", "exclusiveMinimum": 0, "multipleOf": 0.01},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {"id": {"type": "integer"}}}},
+            "kind": {"const": {"type": "integer"}},  # a value, not a schema
+        },
+        "$defs": {"open": {"type": "object", "additionalProperties": True}},
+    }
+    out = bounded(schema, closed=True)
+    assert out["additionalProperties"] is False and out["$defs"]["open"]["additionalProperties"] is True
+    assert out["properties"]["type"] == {"type": "integer", "minimum": 3, "maximum": 10**16}
+    assert out["properties"]["price"] == {
+        "type": "number",
+        "exclusiveMinimum": 0,
+        "multipleOf": 0.01,
+        "exclusiveMaximum": 10**16,
+    }
+    item = out["properties"]["tags"]["items"]
+    assert item["additionalProperties"] is False and item["properties"]["id"]["minimum"] == -(10**16)
+    assert out["properties"]["kind"] == {"const": {"type": "integer"}}
+    assert "additionalProperties" not in bounded(schema)  # open unless asked (response_format)
+    assert schema["properties"]["type"] == {"type": "integer", "minimum": 3}  # a copy: the request's is unchanged

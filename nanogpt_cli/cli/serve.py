@@ -51,6 +51,24 @@ def serve(
             help="NAME=LORA_RUN: also serve a LoRA run of this base as model NAME (repeatable).", show_default=False
         ),
     ] = None,
+    allow_host: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="NAME",
+            help="Also answer requests whose Host header is NAME (repeatable; * for any). Loopback names and --host "
+            "are always answered.",
+            show_default=False,
+        ),
+    ] = None,
+    cors_origin: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="ORIGIN",
+            help="Let web pages from ORIGIN (e.g. http://localhost:3000; * for any) call the API from a browser "
+            "(repeatable; default: none).",
+            show_default=False,
+        ),
+    ] = None,
     no_ui: Annotated[bool, typer.Option("--no-ui", help="Do not serve the chat page at /.")] = False,
     last: Last = False,
     device: Device = "auto",
@@ -86,12 +104,19 @@ def serve(
         max_queue=max_queue,
         prompt_cache_mb=prompt_cache_mb,
         adapters=adapter or [],
+        allow_hosts=allow_host or [],
+        cors_origins=cors_origin or [],
     )
     set_threads(threads)
     if not is_loopback(host) and options.api_key is None:
         note(
             f"--host {host} is reachable from other machines and no --api-key is set: anyone who can reach it "
             "can use the model"
+        )
+    if host in ("0.0.0.0", "::") and not options.allow_hosts:
+        note(
+            f"--host {host} listens on every address, but requests are answered only under loopback names: give "
+            "--allow-host with each name or address other machines use to reach this one"
         )
     name = options.model_name or default_model_name(source)
     run_server(

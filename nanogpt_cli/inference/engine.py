@@ -39,6 +39,7 @@ __all__ = [
     "CacheView",
     "DecodePlan",
     "Engine",
+    "GrammarError",
     "KVCache",
     "LogitsMask",
     "RowError",
@@ -362,11 +363,21 @@ GRAMMAR_STUCK = "the row's grammar allows no token of the model's vocabulary her
 
 class RowError(NanoGPTError):
     """Some rows of a step cannot go on (non-finite probabilities); `rows` names them (Engine row ids, or
-    indices into the logits where sample_tokens raises it). The step changed nothing: remove them and step again."""
+    indices into the logits where sample_tokens raises it). The step changed nothing: remove them and step again.
+    request_fault: the rows' own requests are at fault (their grammar), not the model."""
+
+    request_fault = False
 
     def __init__(self, message: str, rows: list[int]):
         super().__init__(message)
         self.rows = rows
+
+
+class GrammarError(RowError):
+    """Rows whose grammar failed (a limit of llguidance's hit, or a mask it could not compute): their requests'
+    fault, and theirs alone."""
+
+    request_fault = True
 
 
 DRAW_BLOCK = 1024  # tokens per block of sample_tokens' two-level search
@@ -458,12 +469,14 @@ class SamplingParams:
 @dataclass
 class StepToken:
     """One row's new token from Engine.step; finish is "length" or "stop" (a stop token) when it ended the row,
-    which has then left the batch. With SamplingParams.logprobs: the token's log-probability under the model
-    and the most likely (token, logprob) pairs (token_logprobs)."""
+    which has then left the batch, or "error" when its mask refused the token or failed (error says why; the
+    row has left too). With SamplingParams.logprobs: the token's log-probability under the model and the most
+    likely (token, logprob) pairs (token_logprobs)."""
 
     row: int
     token: int
     finish: str | None = None
+    error: str | None = None
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
 
@@ -714,8 +727,9 @@ class Engine:
         if not self.rows:
             return []
         logits = self.logits
+        masked = self._masked(logits)  # GrammarError: rows whose grammar failed
         try:
-            tokens = self._sample(self._masked(logits))
+            tokens = self._sample(masked)
         except RowError as e:  # a row whose grammar allows no token of the vocabulary: say so
             stuck = {r.id for r in self.rows if r.mask is not None} & set(e.rows)
             raise RowError(GRAMMAR_STUCK if stuck else str(e), e.rows) from None
@@ -723,11 +737,10 @@ class Engine:
         for slot, (row, token) in enumerate(zip(self.rows, tokens)):
             row.tokens.append(token)
             row.generated += 1
-            if row.mask is not None:
-                row.mask.accept(token)
-            done = token in row.stop_ids or (row.mask is not None and row.mask.done)
-            finish = "stop" if done else "length" if row.generated >= row.max_new_tokens else None
-            out.append(StepToken(row.id, token, finish))
+            error = self._accept(row, token) if row.mask is not None else None
+            done = error is None and (token in row.stop_ids or (row.mask is not None and row.mask.done))
+            finish = "error" if error else "stop" if done else "length" if row.generated >= row.max_new_tokens else None
+            out.append(StepToken(row.id, token, finish, error))
             if row.params.logprobs is not None:
                 ((out[-1].logprob, out[-1].top_logprobs),) = token_logprobs(
                     logits[slot : slot + 1], [token], row.params.logprobs
@@ -763,13 +776,33 @@ class Engine:
         self._select(0, len(self.rows))
         return decode_step(self.plan, idx, self.cache, len(self.rows)).float()
 
+    @staticmethod
+    def _accept(row: _Row, token: int) -> str | None:
+        """Hand the row's mask its token: None, or why the mask failed (that row ends, no other)."""
+        try:
+            row.mask.accept(token)
+            row.mask.done  # noqa: B018 (a property that asks the grammar, which may fail too)
+        except Exception as e:  # a grammar's own failure (a limit hit): its row's, never the batch's
+            return str(e) or type(e).__name__
+        return None
+
     def _masked(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits with -inf for every token a row's mask forbids; rows without a mask are left as they are
-        (and the logits themselves too: logprobs report the model's own)."""
+        (and the logits themselves too: logprobs report the model's own). A mask that fails raises GrammarError
+        naming its rows, before anything changed."""
         slots = [s for s, r in enumerate(self.rows) if r.mask is not None]
         if not slots:
             return logits
-        allowed = torch.stack([self.rows[s].mask.allowed()[: logits.size(1)] for s in slots])  # (m, V)
+        masks, failed, why = [], [], ""
+        for s in slots:
+            try:
+                masks.append(self.rows[s].mask.allowed()[: logits.size(1)])
+            except Exception as e:  # a grammar's own failure: its row's, never the batch's
+                failed.append(self.rows[s].id)
+                why = str(e) or type(e).__name__
+        if failed:
+            raise GrammarError(why, failed)
+        allowed = torch.stack(masks)  # (m, V)
         allowed = allowed.to(logits.device)
         if len(slots) == len(self.rows):  # one pass that writes a new tensor: cheaper than a clone and a fill
             return torch.where(allowed, logits, float("-inf"))

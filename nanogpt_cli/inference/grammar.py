@@ -29,6 +29,21 @@ __all__ = ["FORMATS", "Constraint", "compile_grammar", "vocabulary"]
 FORMATS = ("json_schema", "regex", "gbnf", "lark")  # what compile_grammar takes
 COMPACT = {"whitespace_flexible": False}  # llguidance's option for JSON without free whitespace
 
+# A number a schema leaves unbounded is held to 16 digits before the point, as llama.cpp's schema converter holds
+# it: an integer to [-1e16, 1e16] (llguidance reads bounds as doubles, in which 1e16 - 1 is 1e16), a number to
+# (-1e16, 1e16), with at most 10 digits after the point (a multipleOf, which llguidance reads as a decimal step;
+# 1e-10 is the finest it takes); otherwise a weak model can write digits until max_tokens runs out
+INTEGER_DIGITS, FRACTION_DIGITS = 16, 10
+_INTEGER_BOUNDS = {"minimum": -(10**INTEGER_DIGITS), "maximum": 10**INTEGER_DIGITS}
+_NUMBER_BOUNDS = {"exclusiveMinimum": -(10**INTEGER_DIGITS), "exclusiveMaximum": 10**INTEGER_DIGITS}
+
+# llguidance's budgets. The lexer's fuel bounds the regex derivatives it builds: its default, 1,000,000, let
+# `(a{1000}){1000}` compute its first mask for 170 s on a busy 2-core machine (17 s at 300,000, 2 s at 100,000);
+# 100,000 is too little for a schema of 200 properties with bounded numbers. Sizes are llguidance's own defaults.
+LEXER_FUEL = 300_000
+MAX_GRAMMAR_SIZE = 500_000  # symbols in the grammar's rules
+MAX_LEXER_STATES = 250_000  # states the lexer may build (~1-2 kB each)
+
 _vocabularies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
@@ -82,7 +97,7 @@ def compile_grammar(kind: str, value: Any, tokenizer: Tokenizer | None = None) -
         if kind == "json_schema":
             if not isinstance(value, dict):
                 raise NanoGPTError("a JSON schema must be a JSON object")
-            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(value), defaults=COMPACT)
+            grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(bounded(value)), defaults=COMPACT)
         elif kind in ("gbnf", "lark", "regex"):
             if not isinstance(value, str) or not value.strip():
                 raise NanoGPTError(f"a {kind} grammar must be a non-empty string")
@@ -91,10 +106,64 @@ def compile_grammar(kind: str, value: Any, tokenizer: Tokenizer | None = None) -
             raise NanoGPTError(f"unknown grammar kind {kind!r}; choose one of {', '.join(FORMATS)}")
     except ValueError as e:  # GBNF that does not convert, or JSON that is not a schema
         raise NanoGPTError(str(e).splitlines()[0]) from None
-    problem = llg.LLMatcher.validate_grammar(grammar, vocabulary(tokenizer) if tokenizer is not None else None)
+    vocab = vocabulary(tokenizer) if tokenizer is not None else None
+    problem = llg.LLMatcher.validate_grammar(grammar, vocab, limits=limits())
     if problem:
         raise NanoGPTError(problem.splitlines()[0])
     return grammar
+
+
+def limits():
+    """llguidance's budgets for one grammar (LEXER_FUEL, MAX_GRAMMAR_SIZE, MAX_LEXER_STATES)."""
+    llg = require("llguidance", "serve", "structured output")
+    return llg.LLParserLimits(
+        initial_lexer_fuel=LEXER_FUEL,
+        max_grammar_size=MAX_GRAMMAR_SIZE,
+        max_lexer_states=MAX_LEXER_STATES,
+        verbose_errors=False,  # a one-line error: no parser state or grammar dump in a reply
+    )
+
+
+_NOT_SCHEMAS = ("enum", "const", "default", "examples", "required")  # values, not schemas: left as they are
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")  # name -> schema
+
+
+def bounded(schema: Any, closed: bool = False) -> Any:
+    """A copy of a JSON schema whose integers and numbers without bounds get llama.cpp's (INTEGER_DIGITS and
+    FRACTION_DIGITS); closed: every object without `additionalProperties` is taken as `false` (OpenAI's strict
+    function calling asks for it on every object). Text that validates against the result validates against
+    the schema."""
+    if isinstance(schema, list):
+        return [bounded(item, closed) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in _NOT_SCHEMAS:
+            out[key] = value
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: bounded(v, closed) for name, v in value.items()}
+        else:
+            out[key] = bounded(value, closed)
+    kind = _kind(out)
+    if kind in ("integer", "number"):
+        for key, value in (_INTEGER_BOUNDS if kind == "integer" else _NUMBER_BOUNDS).items():
+            side = key[-6:]  # "inimum" or "aximum": a side the schema bounds, either way, is left as it is
+            if "m" + side not in out and "exclusiveM" + side not in out:
+                out[key] = value
+        if kind == "number" and "multipleOf" not in out:
+            out["multipleOf"] = float(f"1e-{FRACTION_DIGITS}")
+    if closed and kind == "object" and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def _kind(schema: dict) -> str | None:
+    """A schema node's one type ("object" also for a node with properties and no type), or None."""
+    t = schema.get("type")
+    if isinstance(t, str):
+        return t
+    return "object" if t is None and isinstance(schema.get("properties"), dict) else None
 
 
 class Constraint:
@@ -103,15 +172,18 @@ class Constraint:
     def __init__(self, tokenizer: Tokenizer, grammar: str):
         llg = require("llguidance", "serve", "structured output")
         self.vocab_size = tokenizer.vocab_size
-        self.matcher = llg.LLMatcher(vocabulary(tokenizer), grammar, log_level=0)
+        self.matcher = llg.LLMatcher(vocabulary(tokenizer), grammar, log_level=0, limits=limits())
         if self.matcher.is_error():
             raise NanoGPTError(self.matcher.get_error().splitlines()[0])
         # the mask's words: 32 tokens each, the tokenizer's and the end-of-text one added for char and byte
         self.words = torch.empty((vocabulary(tokenizer).vocab_size + 31) // 32, dtype=torch.int32)
         self.added_eos = _adds_eos(tokenizer)
         self._next: torch.Tensor | None = None  # a mask done computed, for the next allowed()
-        if not self.allowed(keep=True).any():
+        first = self.allowed(keep=True)  # the first mask: the costly part of a compile, made here, off the engine
+        if not first.any():
             raise NanoGPTError("it cannot begin with any token of the model's vocabulary")
+        if self.matcher.is_error():
+            raise NanoGPTError(self.matcher.get_error().splitlines()[0])
 
     def copy(self) -> Constraint:
         """An independent constraint at the same point (a request's other choices)."""
@@ -140,10 +212,14 @@ class Constraint:
         self.matcher.unsafe_compute_mask_ptr(self.words.data_ptr(), self.words.numel() * 4)
         bits = np.unpackbits(self.words.numpy().view(np.uint8), bitorder="little")[: self.vocab_size]
         out = torch.from_numpy(bits).view(torch.bool)
+        if self.matcher.is_error():  # a limit hit (an empty mask that cannot go on is for the caller to tell)
+            error = self.matcher.get_error().splitlines()[0]
+            if out.any() or not error.startswith("NoExtension"):
+                raise NanoGPTError(error)
         self._next = out if keep else None
         return out
 
     def accept(self, token: int) -> None:
         """Take the token the row picked (one that allowed() allowed)."""
         if not self.matcher.consume_token(token):
-            raise NanoGPTError(f"the grammar refused token {token}: {self.matcher.get_error()}")
+            raise NanoGPTError(f"it stopped at token {token}: {self.matcher.get_error().splitlines()[0]}")

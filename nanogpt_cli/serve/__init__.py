@@ -54,6 +54,9 @@ class ServeOptions:
     max_queue: int = 64
     prompt_cache_mb: int = 512  # MiB of keys and values the prefix cache keeps; 0: off
     adapters: list[str] = field(default_factory=list)  # NAME=LORA_RUN, each served as model NAME
+    allow_hosts: list[str] = field(default_factory=list)  # Host names answered besides loopback's and host ("*": any)
+    cors_origins: list[str] = field(default_factory=list)  # origins whose pages may call the API ("*": any); none: off
+    grammar_seconds: float = 10.0  # most seconds a request's grammar may take to compile (then a 400)
 
     def __post_init__(self):
         for name in ("max_batch", "max_body", "max_tokens", "max_n", "max_queue"):
@@ -65,6 +68,14 @@ class ServeOptions:
             parse_adapter(spec)  # the form at once, before the model loads
         if self.prompt_cache_mb < 0:
             raise NanoGPTError(f"--prompt-cache-mb must be at least 0 (0: no prompt cache), got {self.prompt_cache_mb}")
+        if not self.grammar_seconds > 0:
+            raise NanoGPTError(f"grammar_seconds must be more than 0, got {self.grammar_seconds}")
+        for origin in self.cors_origins:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise NanoGPTError(
+                    f"--cors-origin takes an origin such as http://localhost:3000 (scheme, host and port) or *, "
+                    f"got {origin!r}"
+                )
         if not 0 <= self.port <= 65535:
             raise NanoGPTError(f"--port must be between 0 and 65535, got {self.port}")
         self.api_key = self.api_key or os.environ.get("NANOGPT_API_KEY") or None  # an empty key is no key
@@ -133,8 +144,10 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
         metrics=metrics,
         template=ChatTemplate.for_model(loaded.meta, loaded.tokenizer, options.source),
         api_key=options.api_key,
-        limits=Limits(options.max_body, options.max_tokens, options.max_n),
+        limits=Limits(options.max_body, options.max_tokens, options.max_n, options.grammar_seconds),
         ui=options.ui,
+        hosts=[options.host, *options.allow_hosts],
+        cors_origins=[o.rstrip("/") for o in options.cors_origins],
     )
     config = uvicorn.Config(
         create_app(state),

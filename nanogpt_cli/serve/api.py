@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import html
 import json
 import logging
@@ -42,6 +43,10 @@ class Limits:
     max_body: int = 1_000_000  # bytes of a request body
     max_tokens: int = 4096  # tokens a request may ask for, per choice
     max_n: int = 8  # choices per request
+    grammar_seconds: float = 10.0  # a grammar's compile (and its first mask) past this is a 400
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")  # the Host names a server always answers to
 
 
 @dataclass
@@ -56,6 +61,8 @@ class ServerState:
     api_key: str | None = None
     limits: Limits = field(default_factory=Limits)
     ui: bool = True
+    hosts: list[str] = field(default_factory=list)  # Host names answered besides LOOPBACK_NAMES ("*": any)
+    cors_origins: list[str] = field(default_factory=list)  # origins a browser page may call from ("*": any)
     created: int = field(default_factory=lambda: int(time.time()))
     handoff: _Handoff | None = None  # made by the first request, in the event loop's thread
 
@@ -73,6 +80,16 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="nanogpt", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.nanogpt = state
     _install_error_handlers(app)
+    if state.cors_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=state.cors_origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+        )
+    app.add_middleware(_CheckHost, hosts=state.hosts)  # outside CORS: a preflight to a foreign Host is refused too
     if state.metrics is not None:
         app.add_middleware(_CountRequests, metrics=state.metrics)
 
@@ -159,24 +176,63 @@ class _CountRequests:
             self.metrics.requests.labels(getattr(route, "path", "other"), str(status[0])).inc()
 
 
+class _ErrorResponse(JSONResponse):
+    """An error body as ASCII JSON (non-ASCII escaped): a message that quotes a request's text can always be
+    sent, whatever that text holds."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
+
+
+def _error(e: APIError) -> _ErrorResponse:
+    return _ErrorResponse(e.body(), status_code=e.status)
+
+
+class _CheckHost:
+    """ASGI middleware: answer only requests whose Host header names this server (LOOPBACK_NAMES and `hosts`), so
+    a web page on another name that resolves to this machine (DNS rebinding) cannot read it. A request without
+    a Host header (HTTP/1.0) is no browser's and passes."""
+
+    def __init__(self, app, hosts: list[str]):
+        self.app = app
+        self.any = "*" in hosts
+        self.hosts = {h.lower().strip("[]") for h in [*LOOPBACK_NAMES, *hosts]}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.any:
+            return await self.app(scope, receive, send)
+        raw = next((v for k, v in scope["headers"] if k == b"host"), None)
+        if raw is None:
+            return await self.app(scope, receive, send)
+        host = raw.decode("latin-1").lower()
+        name = host[1 : host.index("]")] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
+        if name in self.hosts:
+            return await self.app(scope, receive, send)
+        message = (
+            f"this server does not answer to the host name {name!r}; to serve it under that name, start it "
+            f"with --allow-host {name}"
+        )
+        await _error(APIError(400, message, code="invalid_host"))(scope, receive, send)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return _error(e)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
         message = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
-        return JSONResponse(APIError(e.status_code, message, code="not_found").body(), status_code=e.status_code)
+        return _error(APIError(e.status_code, message, code="not_found"))
 
     @app.exception_handler(RequestValidationError)  # FastAPI's 422 body never reaches a client
     async def validation_error(request: Request, e: RequestValidationError):
-        return JSONResponse(APIError(400, f"invalid request: {e.errors()[0].get('msg', '')}").body(), status_code=400)
+        return _error(APIError(400, f"invalid request: {e.errors()[0].get('msg', '')}"))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
         log.exception("unexpected error")
-        return JSONResponse(APIError(500, f"internal error: {e}").body(), status_code=500)
+        return _error(APIError(500, f"internal error: {e}"))
 
 
 def _authorize(state: ServerState, request: Request) -> None:
@@ -185,12 +241,25 @@ def _authorize(state: ServerState, request: Request) -> None:
     header = request.headers.get("authorization", "")
     if not header.startswith("Bearer "):
         raise APIError(401, "this server needs an API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-    if header[len("Bearer ") :].strip() != state.api_key:
+    # in constant time, so the time of a refusal tells nothing of how much of the key was right; headers are
+    # latin-1 text of the bytes sent, the key is UTF-8
+    given = header[len("Bearer ") :].strip().encode("latin-1")
+    if not hmac.compare_digest(given, state.api_key.encode("utf-8")):
         raise APIError(401, "incorrect API key", code="invalid_api_key")
 
 
 async def _read_json(request: Request, limit: int) -> Any:
-    """The body as JSON, refused with 413 past `limit` bytes (read no further) and 400 when it is not JSON."""
+    """The body as JSON, refused with 415 unless it is sent as application/json (a web page can post text/plain
+    to any server without the browser asking it first), 413 past `limit` bytes (read no further), and 400 when
+    it is not JSON or holds text that is not Unicode."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media != "application/json":
+        shown = f"'{media}'" if media else "none"
+        raise APIError(
+            415,
+            f"send the request body as JSON with 'Content-Type: application/json' (this one has {shown})",
+            code="unsupported_media_type",
+        )
     too_large = APIError(
         413, f"the request body is larger than this server's limit of {limit:,} bytes", code="body_too_large"
     )
@@ -203,11 +272,44 @@ async def _read_json(request: Request, limit: int) -> Any:
         if len(body) > limit:
             raise too_large
     try:
-        return json.loads(body)
+        data = json.loads(body)
     except ValueError as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from None
     except RecursionError:  # json's C decoder recurses once per level of nesting
         raise APIError(400, "the request body is JSON nested too deeply") from None
+    _check_unicode(data)
+    return data
+
+
+def _check_unicode(data: Any) -> None:
+    """APIError(400) naming the first text in a JSON body that is not Unicode: JSON's escapes can write a lone
+    surrogate ("\\ud800"), which no tokenizer, template or reply can encode."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:  # not recursive: the body may be nested as deep as json's decoder goes
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            for k, v in value.items():
+                _check_text(k, where or None)
+                stack.append((f"{where}.{k}" if where else k, v))
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, str):
+            _check_text(value, where or None)
+
+
+def _check_text(text: str, param: str | None) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = text[e.start]
+        raise APIError(
+            400,
+            f"{param or 'the request body'} holds a lone surrogate ({ascii(bad)}), which is not text that can be "
+            "encoded; send each character whole (a pair of surrogates, or the character itself)",
+            param=param,
+        ) from None
 
 
 # --- shared by both routes ---------------------------------------------------------------------------
@@ -411,10 +513,18 @@ async def _constraint(state: ServerState, body, forced: str | None = None):
     def build():
         return Constraint(state.tokenizer, compile_grammar(kind, value, state.tokenizer))
 
-    try:
-        return await asyncio.to_thread(build)
+    seconds = state.limits.grammar_seconds
+    try:  # a thread left behind by the time limit ends within llguidance's budgets (inference/grammar.py)
+        return await asyncio.wait_for(asyncio.to_thread(build), seconds)
     except NanoGPTError as e:
         raise APIError(400, f"invalid {param}: {e}", param=param, code="invalid_grammar") from None
+    except asyncio.TimeoutError:
+        raise APIError(
+            400,
+            f"the {param} took longer than {seconds:g} s to compile; simplify it",
+            param=param,
+            code="invalid_grammar",
+        ) from None
 
 
 def _usage(prompts: list[list[int]], completion: int) -> dict[str, int]:
@@ -428,6 +538,20 @@ def _failure(event: Failed) -> APIError:
         event.message,
         code="server_stopping" if event.status == 503 else None,
     )
+
+
+async def _guarded(chunks):
+    """A stream's chunks; a failure while making them (its text, its tool calls) ends this stream with an error
+    event and [DONE], as a failed row does, and the connection stays usable."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except Exception as e:
+        log.exception("a stream failed")
+        yield _sse(APIError(500, f"the request failed while its reply was made: {e}").body())
+        yield _sse("[DONE]")
+    finally:
+        await chunks.aclose()
 
 
 def _sse(data: Any) -> bytes:
@@ -472,7 +596,7 @@ async def _completions(state: ServerState, request: Request, body: CompletionReq
     head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_names[adapter]}
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventSourceResponse(_completion_stream(run, head, prompts, echo, logs, include_usage))
+        return EventSourceResponse(_guarded(_completion_stream(run, head, prompts, echo, logs, include_usage)))
     return await _completion_whole(run, request, head, prompts, echo, logs)
 
 
@@ -619,7 +743,7 @@ async def _chat(state: ServerState, request: Request, body: ChatRequest):
     if body.stream:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         chunks = _chat_stream(run, {**head, "object": "chat.completion.chunk"}, ids, include_usage, names)
-        return EventSourceResponse(chunks)
+        return EventSourceResponse(_guarded(chunks))
     return await _chat_whole(run, request, {**head, "object": "chat.completion"}, ids, names)
 
 

@@ -22,6 +22,7 @@ class APIError(Exception):
         401: "authentication_error",
         404: "invalid_request_error",
         413: "invalid_request_error",
+        415: "invalid_request_error",
         500: "server_error",
         503: "server_error",
     }

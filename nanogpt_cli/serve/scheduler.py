@@ -263,15 +263,27 @@ class Scheduler:
             for row in e.rows:
                 job = self._running.pop(row)
                 self.engine.remove(row)
-                job.sink(Failed(str(e), 500))
+                job.sink(
+                    Failed(
+                        f"the request's grammar failed: {e}" if e.request_fault else str(e),
+                        400 if e.request_fault else 500,
+                    )
+                )
             return
         except Exception as e:
             return self._fail_all(e)
         running = self._running
         for t in tokens:
             job = running.get(t.row)
-            if job is not None:
+            if job is None:
+                continue
+            try:
                 self._deliver(job, t)
+            except Exception as e:  # its text (a tokenizer, a stop text) failed: this request ends, no other
+                log.exception("a request failed while its text was made")
+                self._fail(
+                    job, f"the request failed while its text was made: {e}", 400 if isinstance(e, NanoGPTError) else 500
+                )
         try:
             self.engine.advance()
         except Exception as e:
@@ -284,7 +296,15 @@ class Scheduler:
             job.sink(Failed(f"the model failed on this request: {e}", 500))
         self._running.clear()
 
+    def _fail(self, job: Job, message: str, status: int) -> None:
+        """End one running job with its own error; the other rows go on."""
+        if self._running.pop(job.row, None) is not None:
+            self.engine.remove(job.row)
+        job.sink(Failed(message, status))
+
     def _deliver(self, job: Job, t: StepToken) -> None:
+        if t.finish == "error":  # its grammar failed on this token: the engine has removed the row
+            return self._fail(job, f"the request's grammar failed: {t.error}", 400)
         if self.metrics is not None:
             self.metrics.token(job)
         piece = job.text.feed(t.token)

@@ -18,7 +18,7 @@ import uuid
 from typing import Any
 
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.inference.grammar import COMPACT
+from nanogpt_cli.inference.grammar import COMPACT, bounded
 from nanogpt_cli.serve.chat import ChatTemplate, message_text
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -79,16 +79,20 @@ def _arguments(text: str) -> Any:
 
 
 def call_schema(tools: list[dict[str, Any]], name: str | None = None) -> dict[str, Any]:
-    """The JSON schema of one call {"name", "arguments"} of any tool, or of the one named."""
+    """The JSON schema of one call {"name", "arguments"} of any tool, or of the one named. Arguments are closed
+    objects unless the schema says otherwise (OpenAI's strict function calling asks for additionalProperties
+    false on every object), and their numbers bounded (grammar.bounded): a model cannot run out of tokens adding
+    keys or digits the tool never asked for."""
     options = []
     for t in tools:
         f = t["function"]
         if name is not None and f["name"] != name:
             continue
+        arguments = bounded(f.get("parameters") or {"type": "object", "properties": {}}, closed=True)
         options.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}},
+                "properties": {"name": {"const": f["name"]}, "arguments": arguments},
                 "required": ["name", "arguments"],
                 "additionalProperties": False,
             }
@@ -106,20 +110,21 @@ def parse_call(text: str, names: set[str]) -> dict[str, Any] | None:
     """One `<tool_call>` block's JSON as an OpenAI tool call; None when it is not a call of a known tool."""
     try:
         call = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # json's C decoder recurses once per level of nesting
         return None
     if not isinstance(call, dict) or call.get("name") not in names:
         return None
     arguments = call.get("arguments", {})
-    if isinstance(arguments, str):
-        try:
+    try:
+        if isinstance(arguments, str):
             arguments = json.loads(arguments)
-        except ValueError:
-            return None
+        text = json.dumps(arguments, ensure_ascii=False)
+    except (ValueError, RecursionError):
+        return None
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
         "type": "function",
-        "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
+        "function": {"name": call["name"], "arguments": text},
     }
 
 
