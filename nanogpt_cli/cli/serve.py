@@ -22,6 +22,42 @@ from nanogpt_cli.cli.common import (
 )
 from nanogpt_cli.config import Dtype
 
+AllowHost = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="NAME",
+        help="Also answer requests whose Host header is NAME (repeatable; * for any). Loopback names and --host "
+        "are always answered.",
+        show_default=False,
+    ),
+]
+CorsOrigin = Annotated[
+    list[str] | None,
+    typer.Option(
+        metavar="ORIGIN",
+        help="Let web pages from ORIGIN (e.g. http://localhost:3000; * for any) call the API from a browser "
+        "(repeatable; default: none).",
+        show_default=False,
+    ),
+]
+
+
+def note_exposure(options) -> None:
+    """The notes for a server other machines can reach: no key, or host names it will not answer under."""
+    from nanogpt_cli.serve import is_loopback
+
+    host = options.host
+    if not is_loopback(host) and options.api_key is None:
+        note(
+            f"--host {host} is reachable from other machines and no --api-key is set: anyone who can reach it "
+            "can use the model"
+        )
+    if host in ("0.0.0.0", "::") and not options.allow_hosts:
+        note(
+            f"--host {host} listens on every address, but requests are answered only under loopback names: give "
+            "--allow-host with each name or address other machines use to reach this one"
+        )
+
 
 @one_line_errors
 def serve(
@@ -51,24 +87,8 @@ def serve(
             help="NAME=LORA_RUN: also serve a LoRA run of this base as model NAME (repeatable).", show_default=False
         ),
     ] = None,
-    allow_host: Annotated[
-        list[str] | None,
-        typer.Option(
-            metavar="NAME",
-            help="Also answer requests whose Host header is NAME (repeatable; * for any). Loopback names and --host "
-            "are always answered.",
-            show_default=False,
-        ),
-    ] = None,
-    cors_origin: Annotated[
-        list[str] | None,
-        typer.Option(
-            metavar="ORIGIN",
-            help="Let web pages from ORIGIN (e.g. http://localhost:3000; * for any) call the API from a browser "
-            "(repeatable; default: none).",
-            show_default=False,
-        ),
-    ] = None,
+    allow_host: AllowHost = None,
+    cors_origin: CorsOrigin = None,
     no_ui: Annotated[bool, typer.Option("--no-ui", help="Do not serve the chat page at /.")] = False,
     last: Last = False,
     device: Device = "auto",
@@ -82,7 +102,7 @@ def serve(
     Example: nanogpt serve checkpoints/shk --port 8000
     """
     from nanogpt_cli.device import set_threads
-    from nanogpt_cli.serve import ServeOptions, default_model_name, is_loopback
+    from nanogpt_cli.serve import ServeOptions, default_model_name
     from nanogpt_cli.serve import serve as run_server
 
     options = ServeOptions(
@@ -108,16 +128,7 @@ def serve(
         cors_origins=cors_origin or [],
     )
     set_threads(threads)
-    if not is_loopback(host) and options.api_key is None:
-        note(
-            f"--host {host} is reachable from other machines and no --api-key is set: anyone who can reach it "
-            "can use the model"
-        )
-    if host in ("0.0.0.0", "::") and not options.allow_hosts:
-        note(
-            f"--host {host} listens on every address, but requests are answered only under loopback names: give "
-            "--allow-host with each name or address other machines use to reach this one"
-        )
+    note_exposure(options)
     name = options.model_name or default_model_name(source)
     run_server(
         options,
