@@ -197,6 +197,12 @@ def test_a_surrogate_request_beside_a_stream_leaves_it_alone(client, live):
     assert status == [400] and same(alone, beside)
 
 
+
+def test_a_stop_text_too_long_to_check_each_token_is_a_400(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="a", max_tokens=2, stop=["ab" * 501])
+    assert e.value.body["param"] == "stop" and "1,000 characters" in e.value.body["message"]
+
 @pytest.mark.slow
 def test_a_tool_call_nested_too_deeply_to_parse_stays_text_beside_a_stream(client, live):
     # json's decoder gives up at the interpreter's recursion limit (1,000): the block is text, not a failure

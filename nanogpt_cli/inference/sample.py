@@ -287,10 +287,13 @@ def _encodable(tokenizer: Tokenizer, text: str) -> bool:
 
 def _held_back(text: str, stops: list[str]) -> int:
     """How many trailing characters of text could still grow into one of the stop strings."""
-    longest = 0
+    longest, last = 0, text[-1:]
     for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                longest = max(longest, k)
+        # only a beginning of s that ends in text's last character can match: try those, longest first
+        k = s.rfind(last, 0, min(len(s) - 1, len(text))) if last else -1
+        while k >= 0:
+            if text.endswith(s[: k + 1]):
+                longest = max(longest, k + 1)
                 break
+            k = s.rfind(last, 0, k)
     return longest

@@ -45,6 +45,7 @@ class APIError(Exception):
 # the smallest temperature, top_p and repetition_penalty taken (and 1/TINY the largest penalty): the engine divides
 # float32 logits by them, and a value near float32's smallest (1.2e-38) makes them infinite, which fails the row
 TINY = 1e-6
+MAX_STOP_CHARS = 1_000  # one stop text's length: every token is checked against its beginnings
 
 
 class StreamOptions(BaseModel):
@@ -121,6 +122,12 @@ class _Common(BaseModel):
             ("presence_penalty", self.presence_penalty == 0, "is not supported (only 0)"),
             ("stop", all(s != "" for s in self.stops), "must be non-empty texts"),
             ("stop", len(self.stops) <= 16, "takes at most 16 texts"),
+            # each token is checked against every stop text's beginnings: a long one would slow every row
+            (
+                "stop",
+                all(len(s) <= MAX_STOP_CHARS for s in self.stops),
+                f"texts are at most {MAX_STOP_CHARS:,} characters",
+            ),
             # a 64-bit seed, as OpenAI's: torch's generator refuses more, and that in the engine's thread
             ("seed", self.seed is None or -(2**63) <= self.seed < 2**63, "must be a 64-bit integer"),
         ]
