@@ -115,6 +115,12 @@ def cpu_flags() -> str:
     return "\n".join(keep)
 
 
+def cpu_name() -> str | None:
+    """The CPU's model name (Linux), or None."""
+    line = next((x for x in cpu_flags().splitlines() if x.startswith("model name")), None)
+    return None if line is None else line.split(":", 1)[1].strip()
+
+
 def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
