@@ -390,6 +390,6 @@ def system_info() -> dict:
         "cpu_features": [f for f in CPU_FEATURES if f in flags],
         "kernels": native.status(),
         "kernels_cache": str(native.cache_dir()),
-        "kernels_library": None if native.build().path is None else str(native.build().path),
+        "kernels_library": str(native.build().path) if native.available() else None,
         "devices": devices,
     }
