@@ -285,15 +285,18 @@ def takes(kind: int, K: int, group: int = CHUNK) -> bool:
 
 
 def check(
-    name: str, t, dtypes: tuple[torch.dtype, ...], shape: Sequence[int | None] | None = None, numel: int | None = None
+    name: str, t, dtypes: tuple[torch.dtype, ...], shape: tuple[int | None, ...] | None = None, numel: int | None = None
 ) -> None:
     """A ValueError naming the argument unless t is a contiguous CPU tensor of one of dtypes, of shape (None: any
     size there) or of numel values in whatever shape: what a pointer handed to native.cpp must be."""
+    if type(t) is torch.Tensor and t.is_cpu and t.dtype in dtypes and t.is_contiguous():  # the common case, fast
+        if (shape is None or t.shape == shape or fits(t.shape, shape)) and (numel is None or t.numel() == numel):
+            return
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise ValueError(f"{name} must be {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if shape is not None and (t.dim() != len(shape) or any(n is not None and n != m for n, m in zip(shape, t.shape))):
+    if shape is not None and not fits(t.shape, shape):
         want = ", ".join("any" if n is None else str(n) for n in shape)
         raise ValueError(f"{name} must have shape ({want}), got {tuple(t.shape)}")
     if numel is not None and t.numel() != numel:
@@ -302,6 +305,10 @@ def check(
         raise ValueError(f"{name} must be on the CPU, got {t.device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
+
+
+def fits(got: torch.Size, shape: tuple[int | None, ...]) -> bool:
+    return len(got) == len(shape) and all(n is None or n == m for n, m in zip(shape, got))
 
 
 def check_count(name: str, n, low: int = 1) -> None:
@@ -347,6 +354,7 @@ class Packed:
         elif kind == INT4:
             self.struct.scale4, self.struct.zero4 = ptr(scale), ptr(zero)
         self.ref = ctypes.byref(self.struct)
+        self.call = library()[0].ng_linear
 
     def __call__(self, x: torch.Tensor, res: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype not in FLOATS:  # float16: the kernels read float32 or bf16 only
@@ -363,16 +371,17 @@ def linear(weight: Packed, x: torch.Tensor, res: torch.Tensor | None, y: torch.T
     """ng_linear: y (B, N) = x (B, K) @ W.T (+ bias) (+ res), x, res and y of one dtype (float32 or bf16)."""
     if not isinstance(weight, Packed):
         raise ValueError(f"weight must be a native.Packed, got {type(weight).__name__}")
-    check("x", x, FLOATS, (None, weight.K))
-    B = x.size(0)
+    B = x.size(0) if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+    check("x", x, FLOATS, (B, weight.K))
     if B < 1:
         raise ValueError("x must have at least one row")
     if res is not None:
         check("res", res, (x.dtype,), (B, weight.N))
     check("y", y, (x.dtype,), (B, weight.N))
-    check_count("threads", threads)
+    if type(threads) is not int or threads < 1:
+        check_count("threads", threads)
     r = None if res is None else res.data_ptr()
-    rc = library()[0].ng_linear(weight.ref, B, x.data_ptr(), r, y.data_ptr(), x.dtype == torch.bfloat16, threads)
+    rc = weight.call(weight.ref, B, x.data_ptr(), r, y.data_ptr(), x.dtype == torch.bfloat16, threads)
     if rc == 2:
         raise MemoryError("the kernel's product ran out of memory")
     assert rc == 0, f"ng_linear refused a checked call ({rc})"
