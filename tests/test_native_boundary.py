@@ -74,6 +74,8 @@ def test_a_packed_weight_is_checked_against_the_layout_the_kernel_reads():
         native.Packed(native.INT8, q, 8, 64, scale=None)
     with pytest.raises(ValueError, match=r"^K \(48\)"):
         native.Packed(native.BF16, w, 8, 48)
+    with pytest.raises(ValueError, match=r"^K \(64\) and group \(0\)"):  # no division by zero on either side
+        native.Packed(native.INT4, torch.zeros(256, dtype=torch.uint8), 8, 64, scale=None, zero=None, group=0)
 
 
 def fused(model: GPT):

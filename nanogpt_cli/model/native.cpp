@@ -309,7 +309,8 @@ static void tile_rows(const Linear& L, int64_t tile, const float* xf, const uint
 }
 
 static bool takes(const Linear& L) {
-    return L.K % CHUNK == 0 && (L.kind != INT4 || (L.K % PAIR == 0 && L.group % CHUNK == 0 && L.K % L.group == 0));
+    if (L.N < 1 || L.K < 1 || L.K % CHUNK || (L.kind != BF16 && L.kind != INT8 && L.kind != INT4)) return false;
+    return L.kind != INT4 || (L.K % PAIR == 0 && L.group > 0 && L.group % CHUNK == 0 && L.K % L.group == 0);
 }
 
 // y = x @ W.T + bias + res for x (B, K) float32, or bf16 where x_bf16; 0, or 2 where memory ran out

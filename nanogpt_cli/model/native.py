@@ -280,7 +280,7 @@ def untile(t: torch.Tensor, N: int) -> torch.Tensor:
 def takes(kind: int, K: int, group: int = CHUNK) -> bool:
     """Whether the kernels take a weight of K inputs (int4: in groups of `group`)."""
     if kind == INT4:
-        return K % (2 * CHUNK) == 0 and group % CHUNK == 0 and K % group == 0
+        return K % (2 * CHUNK) == 0 and group > 0 and group % CHUNK == 0 and K % group == 0
     return K % CHUNK == 0
 
 
