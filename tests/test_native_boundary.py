@@ -45,6 +45,8 @@ LINEAR_CALLS = {  # argument named -> (x, res, y, threads)
     "x": [
         (X.double(), None, torch.empty(3, 10), 1),  # dtype
         (torch.randn(3, 32), None, torch.empty(3, 10), 1),  # inputs
+        (torch.randn(1, 3, 64), None, torch.empty(3, 10), 1),  # not rows
+        (torch.randn(0, 64), None, torch.empty(0, 10), 1),  # no rows
         (torch.randn(64, 3).t(), None, torch.empty(3, 10), 1),  # not contiguous
         (X.to("meta"), None, torch.empty(3, 10), 1),  # not on the CPU
         ([[0.0] * 64] * 3, None, torch.empty(3, 10), 1),  # not a tensor

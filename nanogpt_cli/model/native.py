@@ -371,7 +371,7 @@ def linear(weight: Packed, x: torch.Tensor, res: torch.Tensor | None, y: torch.T
     """ng_linear: y (B, N) = x (B, K) @ W.T (+ bias) (+ res), x, res and y of one dtype (float32 or bf16)."""
     if not isinstance(weight, Packed):
         raise ValueError(f"weight must be a native.Packed, got {type(weight).__name__}")
-    B = x.size(0) if isinstance(x, torch.Tensor) and x.dim() == 2 else 0
+    B = x.size(0) if isinstance(x, torch.Tensor) and x.dim() == 2 else None
     check("x", x, FLOATS, (B, weight.K))
     if B < 1:
         raise ValueError("x must have at least one row")
