@@ -3,6 +3,7 @@ the shared structs' layout checked field by field, no state shared between two e
 seeded fuzz of shapes against the op-by-op step, the whole of it under AddressSanitizer and UBSan, and the build
 told in one note (the CLI's `info --system`)."""
 
+import copy
 import ctypes
 import os
 import random
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams, decode_plan, decode_step
+from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams, decode_plan, decode_step, head_logits
 from nanogpt_cli.model import GPT, native
 from nanogpt_cli.model.quantize import QuantizedLinear, quantize_int4, quantize_int8, quantize_model
 from conftest import int4_kernel_reference, tiny_config
@@ -214,11 +215,36 @@ def test_a_seeded_fuzz_of_product_shapes_against_torch():
     assert cases >= 20
 
 
-def test_a_seeded_fuzz_of_fused_step_shapes_against_the_step_op_by_op():
+def in_torch(model: GPT) -> GPT:
+    """The model with each quantized projection an nn.Linear of its dequantized weights: every product torch's."""
+    ref = copy.deepcopy(model)
+    for module in list(ref.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, QuantizedLinear):
+                dtype = ref.transformer.wte.weight.dtype
+                linear = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None)
+                linear.weight.data = child.dequantize(torch.float32).to(dtype)
+                if child.bias is not None:
+                    linear.bias.data = child.bias.detach().to(dtype)
+                setattr(module, name, linear.to(dtype))
+    return ref
+
+
+def prefilled(model: GPT, idx: torch.Tensor, pos: list[int]) -> KVCache:
+    """A cache of idx's rows but the last token, each row then set back to a position of its own."""
+    B, T = idx.shape
+    cache = KVCache(model, B)
+    model.hidden_states(idx[:, : T - 1], cache=cache.view(0, B))
+    cache.pos = list(pos)
+    return cache
+
+
+def test_a_seeded_fuzz_of_fused_step_shapes_against_torch_and_the_step_op_by_op():
     """Widths, heads and groups of query heads per key head, batch 1-9, positions up to the context, int4
-    groups: the fused step's logits against the model's blocks computed op by op (torch's path)."""
+    groups: the fused step's last hidden state against the model's own forward in torch (quantized weights
+    dequantized), and its logits against the decoding form's step op by op."""
     rng, start, cases = random.Random(7), time.perf_counter(), 0
-    while cases < 12 and time.perf_counter() - start < 4:
+    while cases < 12 and time.perf_counter() - start < 5:
         hs, nkv, group = rng.choice([16, 32, 48, 64]), rng.choice([1, 2]), rng.choice([1, 2, 3])
         nh = nkv * group
         if (nh * hs) % 64:  # the width in whole int4 pairs of chunks (and int8's chunks)
@@ -236,16 +262,20 @@ def test_a_seeded_fuzz_of_fused_step_shapes_against_the_step_op_by_op():
         pos = [rng.randint(0, S - 1) for _ in range(B)]
         pos[rng.randrange(B)] = S - 1  # one row at the context's last position
         idx = torch.randint(0, 61, (B, S))
-        outs = []
+        token = idx[torch.arange(B), pos]
+
         with torch.inference_mode():
-            for p in (plan, plan._replace(fused=None)):
-                cache = KVCache(model, B)
-                model.hidden_states(idx[:, : S - 1], cache=cache.view(0, B))
-                cache.pos = list(pos)
-                outs.append(decode_step(p, idx[torch.arange(B), pos], cache).float())
-        fused, by_op = outs
-        tol = 1e-5 if kind == "int8" else 0.03
-        assert (fused - by_op).abs().max().item() <= tol * by_op.abs().max().item(), (kw, kind, pos)
+            cache = prefilled(model, idx, pos)
+            fused = plan.ops.ln_f(plan.fused(token, cache, B)).float()  # (B, C)
+            fused_logits = head_logits(plan, fused.to(dtype)).float()
+            by_op = decode_step(plan._replace(fused=None), token, prefilled(model, idx, pos)).float()
+            ref = in_torch(model)
+            own = ref.hidden_states(token.view(B, 1), prefilled(ref, idx, pos).view(0, B))[:, 0].float()
+        # float32 int8: the same sums in another order; bf16: torch rounds each op's output to bf16 where the
+        # fused step keeps float32; int4: the activations rounded to int8 in blocks of 32 as well
+        tol = 1e-4 if kind == "int8" else 0.03
+        assert (fused - own).abs().max().item() <= tol * own.abs().max().item(), (kw, kind, pos)
+        assert (fused_logits - by_op).abs().max().item() <= tol * by_op.abs().max().item(), (kw, kind, pos)
         cases += 1
     assert cases >= 6
 
