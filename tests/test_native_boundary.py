@@ -303,7 +303,7 @@ def test_every_kernel_and_fused_step_shape_runs_clean_under_address_and_undefine
         **os.environ,
         "XDG_CACHE_HOME": str(tmp_path),
         "PYTHONPATH": path,
-        "NANOGPT_NATIVE_FLAGS": "-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -O1",
+        "NANOGPT_NATIVE_FLAGS": "-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -O0",
         "LD_PRELOAD": asan,
         "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:exitcode=99",  # python's own allocations are not ours
         "UBSAN_OPTIONS": "print_stacktrace=1:exitcode=99",
