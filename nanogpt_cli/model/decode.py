@@ -216,7 +216,6 @@ class FusedStep:
     def __init__(self, model: GPT, kernels: list[list[native.Packed]]):
         cfg = model.config
         self.model = model
-        self.bf16 = model.transformer.wte.weight.dtype == torch.bfloat16
         S, hs = cfg.block_size, cfg.head_size
         cos = model.rope_cos.float().reshape(S, hs).contiguous()
         sin = model.rope_sin.float().reshape(S, hs).contiguous()
