@@ -258,7 +258,7 @@ def profile(args) -> None:
                     engine.step()
                 plain_ms = (time.perf_counter() - t0) / args.tokens * 1000
                 if engine.plan.fused is not None:
-                    fused_timers(reset=True)
+                    engine.plan.fused.timers.zero_()  # the step's own profile clock
                 with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                     t0 = time.perf_counter()
                     for _ in range(args.tokens):
@@ -266,7 +266,7 @@ def profile(args) -> None:
                     step_ms = (time.perf_counter() - t0) / args.tokens * 1000
             groups = group_profile(prof, args.tokens)
             if engine.plan.fused is not None:  # inside the one call, by its own clock over the profiled steps
-                products, attention, total = (1000 * t / args.tokens for t in fused_timers())
+                products, attention, total = (1000 * t / args.tokens for t in engine.plan.fused.timers.tolist())
                 groups["  of which: matmuls"] = products
                 groups["  of which: attention over the cache"] = attention
                 groups["  of which: norms, RoPE, SwiGLU, cache writes"] = total - products - attention
@@ -401,18 +401,6 @@ def label_our_calls() -> None:
 
     FusedStep.__call__ = labelled(FusedStep.__call__, FUSED)
     engine.head_logits = labelled(engine.head_logits, HEAD)
-
-
-def fused_timers(reset: bool = False) -> list[float]:
-    """Seconds the fused step spent so far in its products, its attention over the cache, and in all (its own
-    clock, native.cpp's ng_timers)."""
-    import ctypes
-
-    from nanogpt_cli.model import native
-
-    out = (ctypes.c_double * 3)()
-    native.library()[0].ng_timers(out, int(reset))
-    return list(out)
 
 
 def group_profile(prof, steps: int) -> dict[str, float]:

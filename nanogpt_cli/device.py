@@ -356,3 +356,40 @@ def say_threads(device: torch.device) -> None:
     choice = take_threads_choice()
     if choice is not None and choice.source == "auto" and device.type == "cpu" and sys.stderr.isatty():
         print(f"note: {choice.line()}", file=sys.stderr, flush=True)
+
+
+# the CPU features that decide our kernels' and torch's paths, in the order `info --system` lists them
+CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni",
+                "amx_bf16", "amx_int8")  # fmt: skip
+
+
+def system_info() -> dict:
+    """What `nanogpt info --system` shows: torch, the threads, the CPU and its features, our decode kernels (built
+    here if they were not: their status is whether they build) and where they are kept, and the devices."""
+    import platform
+
+    from nanogpt_cli.model import native
+
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+                    .split(":", 1)[1].split())  # fmt: skip
+    except (OSError, StopIteration):
+        flags = set()
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices += [f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        devices.append("mps")
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": cpu_cores(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "cpu": f"{platform.machine()}, {native.cpu_name() or platform.processor() or 'unknown model'}",
+        "cpu_features": [f for f in CPU_FEATURES if f in flags],
+        "kernels": native.status(),
+        "kernels_cache": str(native.cache_dir()),
+        "kernels_library": str(native.build().path) if native.available() else None,
+        "devices": devices,
+    }

@@ -171,3 +171,19 @@ def note(message: str) -> None:
     from nanogpt_cli.cli.ui import err_console
 
     err_console.print(f"note: {message}", highlight=False, soft_wrap=True, markup=False)
+
+
+def say_kernels(device=None) -> None:
+    """Our decode kernels' build in one note, once per process, where this process built them (its time and
+    instruction set) or failed to (the compiler's last error). device: a CPU that is about to decode, where the
+    build (made on first use anyway) is made now, so that the note comes before the output."""
+    import sys
+
+    if device is not None and getattr(device, "type", None) == "cpu":
+        from nanogpt_cli.model import native
+
+        native.available()
+    native = sys.modules.get("nanogpt_cli.model.native")
+    text = native.take_note() if native is not None else None
+    if text:
+        note(text)

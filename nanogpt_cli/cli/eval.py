@@ -71,7 +71,10 @@ def perplexity(
 
     set_threads(threads)
     model = api.load(checkpoint, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size)
+    from nanogpt_cli.cli.common import say_kernels
     from nanogpt_cli.cli.ui import eval_progress
+
+    say_kernels()  # scoring runs whole forwards: the note only where loading built (or failed to build) them
 
     with eval_progress() as progress:  # a bar on a terminal: tokens scored, rate, time left
         what = dict(data=data, split=split, data_dir=data_dir) if data is not None else dict(files=input)

@@ -25,6 +25,7 @@ from nanogpt_cli.cli.common import (
     fail,
     note,
     one_line_errors,
+    say_kernels,
 )
 from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError
@@ -145,9 +146,9 @@ def sample(
     )
     from nanogpt_cli import api
 
-    sampler = api.load(
-        checkpoint, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size
-    ).sampler
+    model = api.load(checkpoint, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size)
+    say_kernels(model.device)
+    sampler = model.sampler
     run = functools.partial(
         print_samples, sampler, settings=settings, num_samples=num_samples, stream=stream, json_out=json_out
     )
@@ -223,6 +224,7 @@ def chat(
     )
     set_threads(threads)
     model = api.load(source, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size)
+    say_kernels(model.device)
     session = model.conversation(system, max_new_tokens, **settings)
     if session.template.plain:
         note(f"{source} has no chat template (a base model): it gets a plain User:/Assistant: transcript")

@@ -19,6 +19,7 @@ from nanogpt_cli.cli.common import (
     Threads,
     note,
     one_line_errors,
+    say_kernels,
 )
 from nanogpt_cli.config import Dtype
 
@@ -130,11 +131,13 @@ def serve(
     set_threads(threads)
     note_exposure(options)
     name = options.model_name or default_model_name(source)
-    run_server(
-        options,
-        on_ready=lambda started: print(
+
+    def ready(started) -> None:
+        say_kernels()  # where loading built our decode kernels (or failed to), once
+        print(
             f"serving {name} at {started.url} with a KV cache of {started.cache_bytes_per_token:,.0f} bytes per token "
             "(Ctrl-C to stop)",
             flush=True,
-        ),
-    )
+        )
+
+    run_server(options, on_ready=ready)
