@@ -25,7 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.training.events import Evaluated, RunStarted, StepLogged, TrainResult  # dataclasses only
+from nanogpt_cli.training.events import (  # dataclasses only
+    EvalProgress,
+    Evaluated,
+    RunStarted,
+    StepLogged,
+    TrainResult,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ChatReply",
+    "EvalProgress",
     "Evaluated",
     "Hint",
     "Model",
@@ -395,8 +402,9 @@ class Saved:
 if TYPE_CHECKING:
     # what a training callback receives, in this order: Note and Change (a resume's changed values) from the
     # plan, Status while it sets up, RunStarted, then StepLogged and Evaluated as the run goes (Evaluated.saved:
-    # a checkpoint followed), Saved for the final checkpoint of a stopped run, and Hint when there is advice
-    Event = Note | Change | Status | RunStarted | StepLogged | Evaluated | Saved | Hint
+    # a checkpoint followed; EvalProgress before it while a slow one goes), Saved for the final checkpoint of a
+    # stopped run, and Hint when there is advice
+    Event = Note | Change | Status | RunStarted | StepLogged | EvalProgress | Evaluated | Saved | Hint
 
 
 class _Callback:
@@ -412,6 +420,9 @@ class _Callback:
         self.fn(event)
 
     def on_eval(self, event: Evaluated) -> None:
+        self.fn(event)
+
+    def on_eval_progress(self, event: EvalProgress) -> None:
         self.fn(event)
 
     def on_save(self, step: int) -> None:
