@@ -272,7 +272,7 @@ class Model:
         *,
         limit: int | None = None,
         num_fewshot: int | None = None,
-        batch_size: int = 32,
+        batch_size: int | None = None,
         include_path: str | Path | None = None,
         apply_chat_template: bool = False,
         output_path: str | Path | None = None,
@@ -281,8 +281,8 @@ class Model:
         are lm-eval task, group or tag names, glob patterns or YAML files (a list, or one comma-separated string);
         limit: the first N documents of each; num_fewshot: examples before each question (default: the task's);
         include_path: a folder of task YAMLs of your own; output_path: where lm-eval writes its results JSON and
-        per-sample logs. The result holds the scores as rows, lm-eval's results object and each document's
-        sample."""
+        per-sample logs; batch_size: rows per forward (None: as many as about 2 GB holds, up to 32). The result
+        holds the scores as rows, lm-eval's results object and each document's sample."""
         from nanogpt_cli.inference.tasks import check_options, evaluate_tasks
 
         names = [tasks] if isinstance(tasks, str) else list(tasks)
