@@ -35,9 +35,8 @@ def start_lines(e) -> list[str]:
         accumulation = t["gradient_accumulation_steps"]
         micro = f"{accumulation} micro-batch{'es' if accumulation > 1 else ''}"
         seq_len = t.get("seq_len") or m.get("block_size") or 0
-        lines.append(
-            f"batch: {e.tokens_per_iter:,} tokens per step ({t['batch_size']} row{'s' if t['batch_size'] > 1 else ''} x {seq_len:,} tokens x {micro})"
-        )
+        rows = f"{t['batch_size']} row{'s' if t['batch_size'] > 1 else ''}"
+        lines.append(f"batch: {e.tokens_per_iter:,} tokens per step ({rows} x {seq_len:,} tokens x {micro})")
         optimizer = f"muon (lr {t['muon_lr']:g}) + adamw" if t["optimizer"] == "muon" else str(t["optimizer"])
         if t.get("embedding_lr") is not None:
             optimizer += f" (embedding lr {t['embedding_lr']:g})"
