@@ -71,18 +71,18 @@ def test_rows_follow_the_models_size(smol):
 
 def test_a_converted_model_on_a_cpu_gets_laptop_defaults_said_in_one_note(smol, tmp_path, monkeypatch):
     """The tiny model counted as twice the reference model's work per token: 1,024 tokens an update make one
-    row of its --seq-len 1024 (half a row rounds up to one); evaluations of 4 batches a split; one note."""
+    row of its --seq-len 1024 (half a row rounds up to one); evaluations of 2 batches a split; one note."""
     weights = planning.matmul_weights(plan(smol, tmp_path, eval_iters=1, batch_size=1).model)
     monkeypatch.setattr(planning, "CPU_REFERENCE_WEIGHTS", weights // 2)
     p = plan(smol, tmp_path)
-    assert (p.train.batch_size, p.seq_len, p.train.eval_iters) == (1, 1024, 4)
+    assert (p.train.batch_size, p.seq_len, p.train.eval_iters) == (1, 1024, 2)
     assert cpu_notes(p) == [
-        "--batch-size 1, --eval-iters 4: a converted model's defaults on a CPU, updates of 1 row of 1,024 tokens "
-        "and evaluations of 4 such batches a split (give --batch-size or --eval-iters to choose)"
+        "--batch-size 1, --eval-iters 2: a converted model's defaults on a CPU, updates of 1 row of 1,024 tokens "
+        "and evaluations of 2 such batches a split (give --batch-size or --eval-iters to choose)"
     ]
     monkeypatch.setattr(planning, "CPU_REFERENCE_WEIGHTS", weights * 2)  # now it is half the reference: 2 rows
     p = plan(smol, tmp_path, seq_len=512)  # of the --seq-len given: 4 rows
-    assert (p.train.batch_size, p.seq_len, p.train.eval_iters) == (4, 512, 4)
+    assert (p.train.batch_size, p.seq_len, p.train.eval_iters) == (4, 512, 2)
 
 
 def test_every_value_the_user_gives_stays_theirs(smol, tmp_path, monkeypatch):
@@ -91,8 +91,8 @@ def test_every_value_the_user_gives_stays_theirs(smol, tmp_path, monkeypatch):
     given = plan(smol, tmp_path, batch_size=12, eval_iters=20)  # the defaults elsewhere, given: kept
     assert (given.train.batch_size, given.train.eval_iters) == (12, 20) and not cpu_notes(given)
     one = plan(smol, tmp_path, batch_size=3)  # the other is still chosen, and only it is said
-    assert (one.train.batch_size, one.train.eval_iters) == (3, 4)
-    assert cpu_notes(one)[0].startswith("--eval-iters 4: ") and "(give --eval-iters to choose)" in cpu_notes(one)[0]
+    assert (one.train.batch_size, one.train.eval_iters) == (3, 2)
+    assert cpu_notes(one)[0].startswith("--eval-iters 2: ") and "(give --eval-iters to choose)" in cpu_notes(one)[0]
     preset = plan(smol, tmp_path, preset="tiny")  # a preset's values are the user's choice too
     assert (preset.train.batch_size, preset.train.eval_iters) == (8, 4) and not cpu_notes(preset)
 
@@ -106,7 +106,7 @@ def test_the_chosen_defaults_train_and_evaluate_on_batches_of_their_size(smol, t
     values = dict(data="chats", data_dir=str(smol / "data"), dtype="float32", device="cpu", seq_len=64)
     values.update(max_iters=1, warmup_iters=0)
     job = plan_finetune(values, out=tmp_path / "run", init_from=str(smol / "hf"), lora=LoRAConfig(r=2))
-    assert (job.plan.train.batch_size, job.plan.train.eval_iters) == (12, 4)  # 2,048 tokens: the default's 12 at most
+    assert (job.plan.train.batch_size, job.plan.train.eval_iters) == (12, 2)  # 2,048 tokens: the default's 12 at most
     trainer = Trainer(job.plan, trainable=job.trainable)
     trainer.fit()
-    assert [x.shape for x, _ in trainer.parts.eval_sets["val"]] == [(12, 64)] * 4
+    assert [x.shape for x, _ in trainer.parts.eval_sets["val"]] == [(12, 64)] * 2

@@ -44,7 +44,7 @@ CONVERTED_SEQ_LEN = 1024
 # model (rows of --seq-len tokens, so a larger model gets fewer rows, never fewer than one), and an evaluation
 # scores CPU_EVAL_ITERS batches of them per split: a few updates' time, and memory a few times the weights'.
 CPU_UPDATE_TOKENS = 1024
-CPU_EVAL_ITERS = 4
+CPU_EVAL_ITERS = 2
 CPU_REFERENCE_WEIGHTS = 135_000_000  # the model whose update CPU_UPDATE_TOKENS tokens make (SmolLM2-135M's size)
 
 
