@@ -39,8 +39,8 @@ from nanogpt_cli.training.distributed import check_world, launched_size
 # row, and fine-tuning data rarely needs them (TRL's SFT also trains at 1,024 by default)
 CONVERTED_SEQ_LEN = 1024
 # A converted model fine-tuned on a CPU (a laptop's): TrainConfig's --batch-size 12 and --eval-iters 20 make an update
-# of 12 sequences and an evaluation of 480, which for SmolLM2-135M on 2 cores took minutes an update and over 9
-# minutes and 7 GB for the first evaluation. There an update works through about CPU_UPDATE_TOKENS tokens of a 135M
+# of 12 sequences and an evaluation of 480, which for SmolLM2-135M on 2 busy cores took 193 s an update, over 8
+# minutes for the first evaluation, and 12.7 GB. There an update works through about CPU_UPDATE_TOKENS tokens of a 135M
 # model (rows of --seq-len tokens, so a larger model gets fewer rows, never fewer than one), and an evaluation
 # scores CPU_EVAL_ITERS batches of them per split: a few updates' time, and memory a few times the weights'.
 CPU_UPDATE_TOKENS = 1024
