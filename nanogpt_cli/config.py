@@ -452,7 +452,9 @@ class TrainConfig:
         "--data, or train on it in a new run: nanogpt train --init-from {run_dir} --data {given} --out NEW_FOLDER",
     )
     data_dir: str = setting("data", "Folder of prepared datasets.", Resume.LOCAL, panel=MAIN)
-    batch_size: int = setting(12, "Sequences per micro-batch.", Resume.CHANGES)
+    batch_size: int = setting(
+        12, "Sequences per micro-batch (a converted model on a CPU: by its size, with a note).", Resume.CHANGES
+    )
     # the model keeps its context (positions, RoPE tables, what exports write); shorter windows cost less (attention
     # is quadratic in their length) and a chat dataset packs its conversations into them. A converted model's long
     # context gets a shorter default, with a note (plan.py, CONVERTED_SEQ_LEN)
@@ -504,7 +506,9 @@ class TrainConfig:
     # each step is three small matmuls per matrix: a small share of a CPU update (benchmarks/README.md)
     muon_ns_steps: int = setting(5, "Muon's Newton-Schulz steps.", Resume.CHANGES)
     eval_interval: int = setting(250, "Evaluate and checkpoint every N updates.", Resume.CHANGES)  # and at the end
-    eval_iters: int = setting(20, "Batches per split in an evaluation.", Resume.CHANGES)
+    eval_iters: int = setting(
+        20, "Batches per split in an evaluation (a converted model on a CPU: 2, with a note).", Resume.CHANGES
+    )
     # a speedrun under a short --max-time skips it: it costs about ten updates and trains nothing
     eval_first: bool = setting(True, "Evaluate before the first update (the loss at init).", Resume.CHANGES)
     log_interval: int = setting(10, "Progress every N updates.", Resume.CHANGES)

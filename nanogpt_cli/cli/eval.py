@@ -101,7 +101,10 @@ def tasks_command(
     num_fewshot: Annotated[
         int | None, typer.Option(help="Examples shown before each question (default: the task's own).")
     ] = None,
-    batch_size: Annotated[int, typer.Option(help="Rows per forward pass.")] = 32,
+    batch_size: Annotated[
+        int | None,
+        typer.Option(help="Rows per forward pass (default: as many as about 2 GB beside the weights holds, up to 32)."),
+    ] = None,
     apply_chat_template: Annotated[
         bool, typer.Option("--apply-chat-template", help="Render each prompt with the model's chat template.")
     ] = False,
@@ -127,7 +130,7 @@ def tasks_command(
     from nanogpt_cli.model.quantize import check_quantize
 
     check_options(tasks, limit, num_fewshot, include_path)  # before loading anything
-    if batch_size < 1:
+    if batch_size is not None and batch_size < 1:
         raise NanoGPTError(f"--batch-size must be at least 1, got {batch_size}")
     try:
         check_quantize(quantize, group_size)

@@ -71,7 +71,6 @@ def info(
     if system:
         if path is not None:
             raise NanoGPTError("give a run or file, or --system, not both")
-        from nanogpt_cli.cli.ui import system_table
         from nanogpt_cli.device import system_info
 
         found = system_info()
@@ -116,3 +115,28 @@ def plot(
         console.print(f"wrote {write_png(runs, out)}")
     else:
         print(terminal_plot(runs, width=min(console.width, 100), height=20, color=console.is_terminal))
+
+
+def system_table(found: dict):
+    """`nanogpt info --system` of device.system_info(): one row per fact."""
+    from rich.table import Table
+
+    threads = f"{found['threads']} of {found['cpus']} CPUs"
+    if found["omp_num_threads"] is not None:
+        threads += f" (OMP_NUM_THREADS={found['omp_num_threads']})"
+    rows = [
+        ("python", found["python"]),
+        ("torch", found["torch"]),
+        ("threads", threads),
+        ("cpu", found["cpu"]),
+        ("cpu features", ", ".join(found["cpu_features"]) or "none of those our kernels use"),
+        ("decode kernels", found["kernels"]),
+        ("kernels kept in", found["kernels_library"] or found["kernels_cache"]),
+        ("devices", ", ".join(found["devices"])),
+    ]
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for key, value in rows:
+        table.add_row(key, str(value))
+    return table

@@ -323,31 +323,6 @@ def model_config(m: dict):
         return None
 
 
-def system_table(found: dict):
-    """`nanogpt info --system` of device.system_info(): one row per fact."""
-    from rich.table import Table
-
-    threads = f"{found['threads']} of {found['cpus']} CPUs"
-    if found["omp_num_threads"] is not None:
-        threads += f" (OMP_NUM_THREADS={found['omp_num_threads']})"
-    rows = [
-        ("python", found["python"]),
-        ("torch", found["torch"]),
-        ("threads", threads),
-        ("cpu", found["cpu"]),
-        ("cpu features", ", ".join(found["cpu_features"]) or "none of those our kernels use"),
-        ("decode kernels", found["kernels"]),
-        ("kernels kept in", found["kernels_library"] or found["kernels_cache"]),
-        ("devices", ", ".join(found["devices"])),
-    ]
-    table = Table(show_header=False, box=None, pad_edge=False)
-    table.add_column(style="bold")
-    table.add_column(overflow="fold")
-    for key, value in rows:
-        table.add_row(key, str(value))
-    return table
-
-
 def info_table(info):
     """`nanogpt info` of a runs.Info: the summary, then the files with sizes and whether each loads."""
     from rich.console import Group
