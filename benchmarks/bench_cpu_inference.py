@@ -390,7 +390,7 @@ def label_our_calls() -> None:
     from torch.profiler import record_function
 
     from nanogpt_cli.inference import engine
-    from nanogpt_cli.model.decode import FusedStep
+    from nanogpt_cli.inference.backends.decode import FusedStep
 
     def labelled(fn, name):
         def call(*a, **kw):
@@ -408,7 +408,7 @@ def fused_timers(reset: bool = False) -> list[float]:
     clock, native.cpp's ng_timers)."""
     import ctypes
 
-    from nanogpt_cli.model import native
+    from nanogpt_cli.inference.backends import native
 
     out = (ctypes.c_double * 3)()
     native.library()[0].ng_timers(out, int(reset))

@@ -15,7 +15,7 @@ each ratio is the median of the rounds' ratios (the two chunks of a round ran se
     python benchmarks/bench_forward.py --kernels                         # each kernel against the path without it
 
 --kernels measures this checkout only: the training step with NormRopeQKV and with the norms and RoPE as separate
-ops; the decode step through the decoding form (model/decode.py) and through the modules; the forward that keeps
+ops; the decode step through the decoding form (backends/decode.py) and through the modules; the forward that keeps
 the attention probabilities (the explicit kernel) against the usual one.
 """
 

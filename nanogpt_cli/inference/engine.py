@@ -26,11 +26,12 @@ import torch
 from torch.nn import functional as F
 
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.inference.backends import native
+from nanogpt_cli.inference.backends.decode import FusedStep, decode_ops, fused_step, packed_form
+from nanogpt_cli.inference.backends.form_cache import cached_form
+from nanogpt_cli.inference.backends.quantize import PREFILL_ROWS, QuantizedLinear, quantize_head
 from nanogpt_cli.inference.prefix import PrefixCache
-from nanogpt_cli.model import GPT, ModelOps, decode_ops, native, softcap
-from nanogpt_cli.model.decode import FusedStep, fused_step, packed_form
-from nanogpt_cli.model.form_cache import cached_form
-from nanogpt_cli.model.quantize import PREFILL_ROWS, QuantizedLinear, quantize_head
+from nanogpt_cli.model import GPT, ModelOps, softcap
 
 if TYPE_CHECKING:
     from nanogpt_cli.lora import RowAdapters
@@ -233,13 +234,13 @@ class DecodePlan(NamedTuple):
     head_packed: torch.Tensor | None  # a bf16 head on a CPU in oneDNN's layout (decode.packed_form), else None
     head_q: QuantizedLinear | None  # the head in the blocks' int8 / int4 form, for a quantized model (head_logits)
     logit_softcap: float | None
-    head_native: native.Packed | None = None  # a bf16 head in our kernel's tiled form (model/native.py)
+    head_native: native.Packed | None = None  # a bf16 head in our kernel's tiled form (inference/backends/native.py)
     fused: FusedStep | None = None  # the whole step's blocks in one call, where they fit (decode.fused_step)
 
 
 def decode_plan(model: GPT, vocab_size: int | None = None) -> DecodePlan:
     """What decode_step reads, built once per model and reused by every engine on it while its weights, modules
-    and training mode are unchanged (model/form_cache.py): its packed and transposed copies cost the weights' bytes
+    and training mode are unchanged (backends/form_cache.py): its packed and transposed copies cost the weights' bytes
     once more and ~0.3 s per 100M bf16 parameters to build. vocab_size: logits for the first vocab_size tokens
     only (a padded head has rows no tokenizer token reaches). Tensors are shared, not copied, except those forms."""
     V = min(vocab_size or model.config.vocab_size, model.config.vocab_size)  # None and the full size: one plan
@@ -258,7 +259,7 @@ def build_plan(model: GPT, vocab_size: int) -> DecodePlan:
         # model's head in 1.3 against 1.7 ms for bf16 at batch 1
         head_q = quantize_head(head, kind, model.quant_group_size)
     elif (head_native := native.pack(head)) is None:
-        # bf16 on a CPU without our kernels: oneDNN's layout (model/decode.py), 3.2 against 9.6 ms for the 135M
+        # bf16 on a CPU without our kernels: oneDNN's layout (backends/decode.py), 3.2 against 9.6 ms for the 135M
         # model's head at batch 1. An int8 model's bf16 head goes this way too: torch's int8 kernel reads the 135M
         # model's head slower than oneDNN reads it in bf16 (3.9 against 3.5 ms at batch 1, 11.7 against 4.4 at
         # batch 8)
@@ -281,7 +282,7 @@ FUSED_CACHE = (torch.float32, torch.bfloat16)  # the cache dtypes the fused step
 
 def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None = None) -> torch.Tensor:
     """Logits (B, V) after one new token for each of the cache's first n rows (idx (B,) or (B, 1)), each at its
-    own position: GPT.hidden_states through the cache with the model's decoding form (model/decode.py), which
+    own position: GPT.hidden_states through the cache with the model's decoding form (backends/decode.py), which
     makes a small model's token ~1.5x cheaper than its modules do. When every row is at the same position (one
     prompt, or prompts of one length) attention needs no mask; otherwise each row's keys past its own position
     are masked. Call it under torch.inference_mode()."""

@@ -117,11 +117,11 @@ def load_for_inference(
 ) -> InferenceModel:
     """The one loader that sample and eval share. Inference casts the weights once instead of autocasting
     every call; `auto` picks the dtype from the device and the size of the weights (device.py). quantize: int8
-    or int4 weights for the blocks' projections (model/quantize.py), group_size the int4 groups' width; a GGUF
+    or int4 weights for the blocks' projections (backends/quantize.py), group_size the int4 groups' width; a GGUF
     export's Q8_0 or Q4_0 blocks load straight into that form. Our weights files and GGUF exports are read tensor
     by tensor into the finished form (materialize.py), never whole in float32."""
+    from nanogpt_cli.inference.backends.quantize import check_quantize, quantize_model
     from nanogpt_cli.interop.materialize import materialize
-    from nanogpt_cli.model.quantize import check_quantize, quantize_model
 
     try:
         check_quantize(quantize, group_size)

@@ -44,7 +44,7 @@ class ServeOptions:
     api_key: str | None = None  # default: $NANOGPT_API_KEY
     device: str = "auto"
     dtype: Dtype = Dtype.auto
-    quantize: str | None = None  # int8 or int4 weights (model/quantize.py)
+    quantize: str | None = None  # int8 or int4 weights (inference/backends/quantize.py)
     group_size: int = 32  # int4's group width
     last: bool = False
     ui: bool = True

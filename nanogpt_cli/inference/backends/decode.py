@@ -2,7 +2,7 @@
 each primitive a cheaper call than its module's. Decoding a small model on a CPU is bound by per-call overhead: a
 token makes ~100 module calls and attribute lookups of about a microsecond or more each, and for one to a few
 rows MKL multiplies x @ W (W stored (in, out)) ~2x faster than F.linear's x @ W.T. bf16 and quantized weights on
-an x86 CPU go to our own kernels (model/native.py) in their tiled layout; without those, bf16 goes to oneDNN in
+an x86 CPU go to our own kernels (native.py) in their tiled layout; without those, bf16 goes to oneDNN in
 its own packed layout (packed_form), 1.4-2x faster than torch's bf16 matmuls at real sizes.
 
     ops = decode_ops(model)                                 # copies the small or bf16 matrices (form_cache.py)
@@ -23,11 +23,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from nanogpt_cli.model import native
+from nanogpt_cli.inference.backends import native
+from nanogpt_cli.inference.backends.quantize import PREFILL_ROWS, QuantizedLinear
 from nanogpt_cli.model.attention import AttentionOps, Op, norm_gain
 from nanogpt_cli.model.blocks import Block, BlockOps, Residual, activation, block_forward, post_normed
 from nanogpt_cli.model.gpt import GPT, ModelOps
-from nanogpt_cli.model.quantize import PREFILL_ROWS, QuantizedLinear
 
 
 def decode_ops(model: GPT, packs: dict | None = None) -> ModelOps:
@@ -139,7 +139,7 @@ def packed_linear(w: torch.Tensor, b: torch.Tensor | None) -> Op:
 
 
 def native_linear(module: nn.Module, packs: dict | None = None) -> native.Packed | None:
-    """Our kernel for the few rows of a decode step (model/native.py): a bf16 nn.Linear's weight packed in its
+    """Our kernel for the few rows of a decode step (native.py): a bf16 nn.Linear's weight packed in its
     tiled form (kept in packs, by module: a copy of the weight), or a QuantizedLinear's own; None where it does
     not run."""
     if type(module) is QuantizedLinear:
