@@ -389,7 +389,7 @@ def label_our_calls() -> None:
     step and the head puts them in the profile (benchmark only)."""
     from torch.profiler import record_function
 
-    from nanogpt_cli.inference import engine
+    from nanogpt_cli.inference.backends import cpu
     from nanogpt_cli.inference.backends.decode import FusedStep
 
     def labelled(fn, name):
@@ -400,7 +400,7 @@ def label_our_calls() -> None:
         return call
 
     FusedStep.__call__ = labelled(FusedStep.__call__, FUSED)
-    engine.head_logits = labelled(engine.head_logits, HEAD)
+    cpu.head_logits = labelled(cpu.head_logits, HEAD)
 
 
 def fused_timers(reset: bool = False) -> list[float]:
@@ -486,7 +486,8 @@ def decode_perplexity(model, ids: list[int], window: int) -> float:
     import torch
     from torch.nn import functional as F
 
-    from nanogpt_cli.inference.engine import KVCache, decode_plan, decode_step
+    from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
+    from nanogpt_cli.inference.engine import KVCache
 
     windows = [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
     nll, count, plan = 0.0, 0, decode_plan(model)

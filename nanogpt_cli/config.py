@@ -849,3 +849,54 @@ def build_configs(values: dict[str, Any]) -> tuple[GPTConfig, TrainConfig]:
         return GPTConfig(**model_kw), TrainConfig(**train_kw)
     except (ValueError, TypeError) as e:
         raise NanoGPTError(str(e)) from None
+
+
+# --- what a consumer of a GPTConfig computes ----------------------------------------------------------------
+
+
+class Takes(typing.NamedTuple):
+    """The values of one GPTConfig field that a consumer computes: ok(value, config) and, for the refusal, what
+    it takes in a few words."""
+
+    ok: Callable[[Any, GPTConfig], bool]
+    says: str
+
+
+ANY = Takes(lambda value, config: True, "any value")
+
+
+def only(*values: Any) -> Takes:
+    """Exactly these values."""
+    return Takes(lambda value, config: value in values, " or ".join(show_value(v) for v in values))
+
+
+@dataclass(frozen=True)
+class Features:
+    """What one consumer of a GPTConfig (a decode backend, a writer, a Hugging Face family) computes, declared
+    for every field, each either ANY or the values it takes. tests/test_config.py fails when a field is missing
+    from any consumer's declaration, so a new field is looked at by each of them before it can reach one that
+    would compute something else. `refusal` is the one sentence for a config it does not compute."""
+
+    consumer: str  # who, for the sentence: "the cpu backend's fused step", "LlamaForCausalLM"
+    takes: dict[str, Takes]
+
+    def refusal(self, c: GPTConfig) -> str | None:
+        """Why the consumer does not compute c, naming the first field it does not take, or None."""
+        for name, takes in self.takes.items():
+            value = getattr(c, name)
+            if not takes.ok(value, c):
+                shown = str(value).lower() if isinstance(value, bool) else show_value(value)
+                return f"{self.consumer} does not compute --{flag(name)} {shown} (it takes {takes.says})"
+        return None
+
+    def unclassified(self) -> list[str]:
+        """GPTConfig's fields this declaration does not name."""
+        return [f.name for f in dataclasses.fields(GPTConfig) if f.name not in self.takes]
+
+
+def features(consumer: str, any_of: typing.Iterable[str], **takes: Takes) -> Features:
+    """A declaration: the fields named in any_of take any value, the others what their Takes says."""
+    return Features(consumer, {**dict.fromkeys(any_of, ANY), **takes})
+
+
+EVERY_FIELD = tuple(f.name for f in dataclasses.fields(GPTConfig))  # for a consumer that computes every config

@@ -167,7 +167,8 @@ def check_rows_apart(model, steps: int, chunk: tuple[int, int] | None = None):
     then take those columns of their tokens as one chunk each, with the same check. Returns the cache."""
     import torch
 
-    from nanogpt_cli.inference.engine import KVCache, decode_plan, decode_step
+    from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
+    from nanogpt_cli.inference.engine import KVCache
 
     lengths = [3, 7, 1]
     idx = torch.randint(0, 61, (3, 16))

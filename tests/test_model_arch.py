@@ -11,7 +11,8 @@ import torch
 from torch.nn import functional as F
 
 from nanogpt_cli.config import GPTConfig
-from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams, decode_plan, decode_step
+from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
+from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams
 from nanogpt_cli.inspect.attention import attention_forward
 from nanogpt_cli.model import GPT, Block, Context, activation, apply_rope, rope_tables
 from conftest import check_rows_apart

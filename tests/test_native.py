@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from nanogpt_cli.inference.backends import native
+from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
 from nanogpt_cli.inference.backends.quantize import QuantizedLinear, quantize_int4, quantize_int8, quantize_model
-from nanogpt_cli.inference.engine import KVCache, decode_plan, decode_step
+from nanogpt_cli.inference.engine import KVCache
 from nanogpt_cli.model import GPT
 from conftest import int4_kernel_reference, tiny_config
 

@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 
 from nanogpt_cli.cli import app
 from nanogpt_cli.inference.backends import native
+from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step, head_logits
 from nanogpt_cli.inference.backends.quantize import QuantizedLinear, quantize_linear, quantize_model
-from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams, decode_plan, decode_step, head_logits
+from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams
 from nanogpt_cli.model import GPT
 from conftest import int4_kernel_reference, tiny_config
 

@@ -8,6 +8,7 @@ its own packed layout (packed_form), 1.4-2x faster than torch's bf16 matmuls at 
     ops = decode_ops(model)                                 # copies the small or bf16 matrices (form_cache.py)
     h = model.hidden_states(idx, cache, ops=ops)            # (B, T, C), in inference mode
     step = fused_step(model)                                # a Llama-shaped model's whole step in one call, or None
+                                                            # (for a config cpu.FUSED takes)
 
 Only for inference (no dropout, no gradients). A QuantizedLinear is its kernel bound once (decode_op); any other
 projection that is not a plain nn.Linear (a LoRA layer not merged) is called as the module it is.
@@ -273,32 +274,18 @@ def eps_of(norm: nn.RMSNorm) -> float:
 
 
 def fused_step(model: GPT, packs: dict | None = None) -> FusedStep | None:
-    """The model's decode step in one call where native.cpp's block fits it: pre-norm RMSNorm blocks with full
-    RoPE, QK-norm or none, grouped-query attention over every held key (no window), a SwiGLU MLP, and every
-    projection one our kernels multiply (bf16, or int8 / int4 quantized), on a CPU. SmolLM2, Qwen2, 2.5 and 3,
-    Llama 2 and 3 and Mistral without a window are; the rest decode through decode_ops. None where it does not."""
-    cfg = model.config
-    fits = (
-        native.available()
-        and not model.training
-        and cfg.pos_encoding == "rope"
-        and cfg.rotary_size == cfg.head_size
-        and cfg.head_size % 16 == 0
-        and cfg.head_size <= 512
-        and cfg.sliding_window is None
-        and cfg.rope_local_theta is None
-        and cfg.norm == "rmsnorm"
-        and cfg.mlp == "swiglu"
-        and not cfg.parallel_residual
-        and not cfg.post_norms
-        and model.transformer.wte.weight.dtype in (torch.float32, torch.bfloat16)
-        and model.transformer.wte.weight.device.type == "cpu"
-    )
-    if not fits:
+    """The model's decode step in one call, for a config the cpu backend's FUSED declaration takes (its caller
+    checks that), where the model's own tensors fit native.cpp's block too: our kernels built here, not training,
+    float32 or bf16 activations on a CPU, RMSNorm modules, and every projection one our kernels multiply (bf16, or
+    int8 / int4 quantized). None where they do not."""
+    w = model.transformer.wte.weight
+    if not native.available() or model.training or w.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if w.device.type != "cpu":
         return None
     kernels = []
     for block in model.transformer.h:
-        norms = (block.ln_1, block.ln_2) + ((block.attn.q_norm, block.attn.k_norm) if cfg.qk_norm else ())
+        norms = (block.ln_1, block.ln_2) + ((block.attn.q_norm, block.attn.k_norm) if model.config.qk_norm else ())
         if not all(isinstance(n, nn.RMSNorm) for n in norms):
             return None
         mats = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
