@@ -152,6 +152,14 @@ Quantize = Annotated[
         show_default=False,
     ),
 ]
+Backend = Annotated[
+    str | None,
+    typer.Option(
+        help="How decode steps are computed: cpu (our kernels, on a CPU) or torch (the model's own forward); "
+        "default: the first that supports the model.",
+        show_default=False,
+    ),
+]
 GroupSize = Annotated[
     int, typer.Option("--int4-group", help="Inputs per int4 scale with --quantize int4: 32, 64, 128 or 256.")
 ]

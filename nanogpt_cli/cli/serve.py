@@ -11,6 +11,7 @@ import typer
 
 from nanogpt_cli.cli.common import (
     SOURCE_HELP,
+    Backend,
     Device,
     DtypeOption,
     GroupSize,
@@ -57,6 +58,7 @@ def serve(
     dtype: DtypeOption = Dtype.auto,
     quantize: Quantize = None,
     group_size: GroupSize = 32,
+    backend: Backend = None,
     threads: Threads = None,
 ):
     """Serve a model over the OpenAI API (completions, chat, streaming) with a chat page at /.
@@ -78,6 +80,7 @@ def serve(
         dtype=dtype,
         quantize=quantize,
         group_size=group_size,
+        backend=backend,
         last=last,
         ui=not no_ui,
         max_body=max_body,

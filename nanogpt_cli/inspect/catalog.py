@@ -250,6 +250,7 @@ class Info:
     flops_per_token: int | None = None  # training FLOPs per token at the full context (6N + attention)
     seq_len: int | None = None  # a run's training sequences (--seq-len), where they are shorter than the context
     kv_cache_bytes_per_token: float | None = None  # the engine's KV cache per token of a row, in float32
+    decode: str | None = None  # which decode backend runs it on a CPU, in words (backends.decode_words)
     tokenizer: str | None = None  # name and vocabulary size, in words
     dataset: str | None = None
     step: int | None = None
@@ -406,12 +407,15 @@ def _blocks_agree(run: RunDir, config: Any) -> bool:
 
 
 def _fill_model(info: Info, config: dict[str, Any] | None, tokenizer: dict[str, Any] | None) -> None:
+    from nanogpt_cli.inference.backends import decode_words
+
     if config is not None:
         try:
             cfg = GPTConfig.from_dict(config)
             info.model = cfg.to_dict()
             info.params, info.params_non_embedding, info.flops_per_token = model_counts(cfg)
             info.kv_cache_bytes_per_token = cfg.kv_values_per_token * 4
+            info.decode = decode_words(cfg)
         except (TypeError, ValueError, RuntimeError):  # RuntimeError: sizes past what torch can hold
             pass
     if isinstance(tokenizer, dict):

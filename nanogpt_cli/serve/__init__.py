@@ -46,6 +46,7 @@ class ServeOptions:
     dtype: Dtype = Dtype.auto
     quantize: str | None = None  # int8 or int4 weights (inference/backends/quantize.py)
     group_size: int = 32  # int4's group width
+    backend: str | None = None  # the decode backend (inference/backends/); default: the first that fits
     last: bool = False
     ui: bool = True
     max_body: int = 1_000_000
@@ -108,6 +109,7 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
         dtype=options.dtype,
         quantize=options.quantize,
         group_size=options.group_size,
+        backend=options.backend,
     )
     model_name = options.model_name or default_model_name(options.source)
     adapters = _adapters(options, loaded, model_name)

@@ -10,13 +10,28 @@ May import: the top-level modules (model, config, errors). Never the rest of inf
 
 from __future__ import annotations
 
+import torch
+
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inference.backends.base import DecodeBackend
-from nanogpt_cli.inference.backends.cpu import CPU
+from nanogpt_cli.inference.backends.cpu import CPU, FUSED
 from nanogpt_cli.inference.backends.reference import TORCH
 
 BACKENDS: tuple[DecodeBackend, ...] = (CPU, TORCH)  # the first that supports a model decodes it
 NAMES = tuple(b.name for b in BACKENDS)
+
+
+def decode_words(config) -> str:
+    """Which backend decodes a model of this config on a CPU, and whether the cpu backend's fused step runs it, in
+    words (for `info`, which reads no weights: the step also needs our kernels built and bf16 or quantized
+    weights)."""
+    backend = next(b for b in BACKENDS if b.supports(config, torch.bfloat16, torch.device("cpu"), None) is None)
+    if backend is not CPU:
+        return backend.name
+    why = FUSED.refusal(config)
+    if why is None:
+        return "cpu: our kernels run each step of the blocks in one call (bf16, int8 or int4 weights)"
+    return f"cpu: the decoding form, op by op ({why})"
 
 
 def choose(model, name: str | None = None) -> DecodeBackend:
@@ -38,4 +53,4 @@ def choose(model, name: str | None = None) -> DecodeBackend:
     raise AssertionError("the torch backend supports every model")
 
 
-__all__ = ["BACKENDS", "NAMES", "DecodeBackend", "choose"]
+__all__ = ["BACKENDS", "NAMES", "DecodeBackend", "choose", "decode_words"]
