@@ -99,9 +99,13 @@ FUSED = features(
         "logit_softcap",
         "zero_init_proj",
     ),  # fmt: skip
-    head_dim=Takes(lambda v, c: c.head_size % 16 == 0 and c.head_size <= 512, "a head size of 16, 32, ... 512"),
+    head_dim=Takes(
+        lambda v, c: c.head_size % 16 == 0 and c.head_size <= 512,
+        "a head size that is a multiple of 16, up to 512",
+        shows=lambda c: f"a head size of {c.head_size}",
+    ),
     pos_encoding=only("rope"),
-    rotary_dim=Takes(lambda v, c: c.rotary_size == c.head_size, "none: every dimension rotates"),
+    rotary_dim=Takes(lambda v, c: c.rotary_size == c.head_size, "none (every dimension rotates)"),
     sliding_window=only(None),
     rope_local_theta=only(None),
     norm=only("rmsnorm"),

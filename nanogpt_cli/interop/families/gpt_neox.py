@@ -8,9 +8,22 @@ import math
 
 import torch
 
-from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.config import ANY, GPTConfig, only
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.interop.families.base import GELUS, Biases, Family, require, rope_params, rope_theta, unsupported
+from nanogpt_cli.interop.families.base import (
+    GELU,
+    GELUS,
+    MHA,
+    NO_GEMMA,
+    NO_WINDOW,
+    Biases,
+    Family,
+    holds,
+    require,
+    rope_params,
+    rope_theta,
+    unsupported,
+)
 from nanogpt_cli.interop.families.gguf_base import (
     LAYERNORM_GGUF_BLOCK,
     LAYERNORM_GGUF_TOP,
@@ -118,10 +131,19 @@ def config_out(c: GPTConfig, special: dict):
     return config, {"rope_theta": c.rope_theta, "rotary_emb_base": c.rope_theta, "rotary_pct": pct}
 
 
-def refuses(c: GPTConfig) -> str | None:
-    if c.pos_encoding != "rope" or c.norm != "layernorm" or c.mlp not in ("gelu", "gelu_tanh"):
-        return "GPTNeoXForCausalLM needs --pos-encoding rope, --norm layernorm and --mlp gelu or gelu_tanh"
-    return None
+FEATURES = holds(
+    "GPTNeoXForCausalLM",
+    pos_encoding=only("rope"),
+    norm=only("layernorm"),
+    mlp=GELU,
+    bias=ANY,
+    parallel_residual=ANY,
+    rotary_dim=ANY,
+    qk_norm=only(False),
+    **MHA,
+    **NO_GEMMA,
+    **NO_WINDOW,
+)
 
 
 # --- llama.cpp's gptneox: the converter reorders query_key_value into q of every head, then k, then v (ours) -------
@@ -165,7 +187,7 @@ FAMILY = Family(
     prefix="gpt_neox.layers",
     config_in=config_in,
     config_out=config_out,
-    refuses=refuses,
+    features=FEATURES,
     to_ours=to_ours,
     to_theirs=to_theirs,
     names=("Pythia", "GPT-NeoX"),
