@@ -234,10 +234,20 @@ def test_gguf_gpt2_shape_and_metadata(tmp_path):
             "byte",
             "closest, GPT2LMHeadModel, which has --pos-encoding learned, needs --norm layernorm",
         ),
-        (dict(norm="rmsnorm"), "hf", "byte", "closest, GPTNeoXForCausalLM, needs --norm layernorm$"),
-        (dict(mlp="swiglu"), "hf", "byte", "closest, LlamaForCausalLM, needs --norm rmsnorm$"),
-        (dict(mlp="relu2"), "hf", "byte", "closest, GPTNeoXForCausalLM, needs --mlp gelu$"),
-        (dict(norm="rmsnorm", mlp="relu2"), "hf", "byte", "closest, LlamaForCausalLM, needs --mlp swiglu$"),
+        (
+            dict(norm="rmsnorm"),
+            "hf",
+            "byte",
+            "closest, LlamaForCausalLM, which has --norm rmsnorm, needs --mlp swiglu$",
+        ),
+        (dict(mlp="swiglu"), "hf", "byte", "closest, LlamaForCausalLM, which has --mlp swiglu, needs --norm rmsnorm$"),
+        (dict(mlp="relu2"), "hf", "byte", "closest, GPTNeoXForCausalLM, needs --mlp gelu or gelu_tanh$"),
+        (
+            dict(norm="rmsnorm", mlp="relu2"),
+            "hf",
+            "byte",
+            "closest, LlamaForCausalLM, which has --norm rmsnorm, needs --mlp swiglu$",
+        ),
         (dict(qk_norm=True), "hf", "byte", "closest, Qwen3ForCausalLM, which has --qk-norm, needs --norm rmsnorm"),
         (dict(), "hf", "cl100k_base", "the cl100k_base tokenizer does not export"),
         (
@@ -248,7 +258,12 @@ def test_gguf_gpt2_shape_and_metadata(tmp_path):
             r"--mlp gelu_tanh \(or",
         ),
         (dict(pos_encoding="learned", mlp="gelu"), "gguf", "gpt2", "needs --mlp gelu_tanh"),
-        (dict(mlp="relu2"), "gguf", "byte", "needs a model llama.cpp computes exactly: .* needs --mlp gelu$"),
+        (
+            dict(mlp="relu2"),
+            "gguf",
+            "byte",
+            "needs a model llama.cpp computes exactly: .* needs --mlp gelu or gelu_tanh$",
+        ),
         (
             dict(norm="rmsnorm", mlp="swiglu"),
             "gguf",

@@ -2,6 +2,7 @@
 top level, thin command modules and short functions."""
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "nanogpt_cli"
@@ -109,3 +110,42 @@ def test_command_modules_stay_under_400_lines_and_functions_under_80():
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno + 1 > 80
     ]
     assert not long_functions, long_functions
+
+
+# --- docs/architecture.md tells the truth ----------------------------------------------------------------------
+
+DOC = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def doc_section(title: str) -> str:
+    text = DOC.read_text()
+    start = text.index(f"## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_the_architecture_pages_layer_table_is_the_layers_checked_here():
+    rows = [line.split("|") for line in doc_section("The layers").splitlines() if line.startswith("| ")]
+    drawn = {}
+    for row in rows[1:]:  # the header first
+        layer_cell, where = row[1].strip(), row[2]
+        if not layer_cell.isdigit():
+            continue
+        for name in re.findall(r"`([^`]+)`", where):
+            drawn[name.removesuffix("/").removesuffix(".py").replace("/", ".")] = int(layer_cell)
+    assert drawn == LAYERS, (drawn, LAYERS)
+
+
+def test_every_module_of_the_package_is_named_on_the_architecture_page():
+    bullets = {}  # the folder a bullet of "Every module" opens with -> its text
+    for bullet in doc_section("Every module").split("\n- ")[1:]:
+        head = bullet.split(":", 1)[0]
+        bullets[head.strip("`").removesuffix("/") if head != "top level" else ""] = bullet
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        parts = path.relative_to(PACKAGE).parts
+        if f"`{path.name}`" not in bullets.get(parts[0] if len(parts) > 1 else "", ""):
+            missing.append(str(path.relative_to(PACKAGE)))
+    assert not missing, missing
