@@ -176,3 +176,23 @@ def test_importing_the_backends_installs_no_optimizer_hook():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["0", "1"]
+
+
+@pytest.mark.slow
+def test_sample_with_a_backend_forced_and_info_saying_which_decodes(trained_run):
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    args = ["sample", "--checkpoint", str(trained_run), "--max-new-tokens", "5", "--temperature", "0", "--seed", "1"]
+    texts = []
+    for backend in ("cpu", "torch"):
+        result = CliRunner().invoke(app, [*args, "--dtype", "float32", "--backend", backend])
+        assert result.exit_code == 0, result.output
+        texts.append(result.output)
+    assert texts[0] == texts[1]  # float32 greedy: the same text from either backend
+    result = CliRunner().invoke(app, [*args, "--backend", "gpu"])
+    assert result.exit_code == 1 and "--backend must be one of cpu, torch, got 'gpu'" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    info = CliRunner().invoke(app, ["info", str(trained_run)])
+    assert info.exit_code == 0 and "decode backend" in info.output and "cpu: the decoding form" in info.output

@@ -47,6 +47,7 @@ class Family:
     to_theirs: Callable[[str, torch.Tensor, GPTConfig], torch.Tensor] = keep  # ours as theirs
     names: tuple[str, ...] = field(default=())  # the model names it covers, for docs and `info`
     gguf: GGUFLayout | None = None  # how it sits in a GGUF file of gguf_arch (gguf_base.py)
+    conv1d: bool = False  # its linear layers store their weights (in, out): PEFT's fan_in_fan_out
 
     def refuses(self, c: GPTConfig) -> str | None:
         """Why this family cannot hold our config exactly (one sentence naming the flags), or None."""

@@ -135,6 +135,7 @@ FAMILY = Family(
     config_in=config_in,
     config_out=config_out,
     features=FEATURES,
+    conv1d=True,
     to_ours=transpose,
     to_theirs=transpose,
     names=("GPT-2", "DistilGPT2"),
