@@ -157,9 +157,13 @@ def test_the_engine_takes_the_first_backend_that_fits_and_a_forced_one_that_does
         Engine(model, backend="cuda")
     model.decode_backend = "torch"  # what load_for_inference(backend=...) leaves for every engine on the model
     assert Engine(model).backend.name == "torch"
-    assert decode_words(GPTConfig(**SHAPE, **ARCHS["qwen3"])).startswith("cpu: our kernels run each step")
+    assert (
+        decode_words(GPTConfig(**SHAPE, **ARCHS["qwen3"]))
+        == "cpu, each step of the blocks in one call (bf16, int8, int4)"
+    )
     words = decode_words(GPTConfig(**SHAPE, **ARCHS["gemma3"]))
-    assert words.startswith("cpu: the decoding form, op by op (the cpu backend's fused step does not compute --slid")
+    needs = "--sliding-window none, --rope-local-theta none, --mlp swiglu and --no-post-norms"
+    assert words == f"cpu, op by op (its fused step needs {needs})"
 
 
 @pytest.mark.slow
@@ -195,4 +199,4 @@ def test_sample_with_a_backend_forced_and_info_saying_which_decodes(trained_run)
     assert result.exit_code == 1 and "--backend must be one of cpu, torch, got 'gpu'" in result.output
     assert len(result.output.strip().splitlines()) == 1
     info = CliRunner().invoke(app, ["info", str(trained_run)])
-    assert info.exit_code == 0 and "decode backend" in info.output and "cpu: the decoding form" in info.output
+    assert info.exit_code == 0 and "decode backend" in info.output and "cpu, op by op" in info.output

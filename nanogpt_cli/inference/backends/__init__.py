@@ -23,15 +23,14 @@ NAMES = tuple(b.name for b in BACKENDS)
 
 def decode_words(config) -> str:
     """Which backend decodes a model of this config on a CPU, and whether the cpu backend's fused step runs it, in
-    words (for `info`, which reads no weights: the step also needs our kernels built and bf16 or quantized
+    a few words (for `info`, which reads no weights: the step also needs our kernels built and bf16 or quantized
     weights)."""
     backend = next(b for b in BACKENDS if b.supports(config, torch.bfloat16, torch.device("cpu"), None) is None)
     if backend is not CPU:
         return backend.name
-    why = FUSED.refusal(config)
-    if why is None:
-        return "cpu: our kernels run each step of the blocks in one call (bf16, int8 or int4 weights)"
-    return f"cpu: the decoding form, op by op ({why})"
+    if FUSED.refusal(config) is None:
+        return "cpu, each step of the blocks in one call (bf16, int8, int4)"
+    return f"cpu, op by op (its fused step needs {FUSED.needs(config)})"
 
 
 def choose(model, name: str | None = None) -> DecodeBackend:
