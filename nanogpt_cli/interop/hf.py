@@ -139,12 +139,6 @@ def _mapping(config: GPTConfig, kind: str) -> dict[str, str | tuple[str, ...]]:
     return names
 
 
-def _neox_qkv(tensor: torch.Tensor, n_head: int, to_neox: bool) -> torch.Tensor:
-    from nanogpt_cli.interop.families.gpt_neox import neox_qkv
-
-    return neox_qkv(tensor, n_head, to_neox)
-
-
 def _to_ours(kind: str, name: str, tensor: torch.Tensor, config: GPTConfig) -> torch.Tensor:
     return FAMILIES[kind].to_ours(name, tensor, config)
 
@@ -158,17 +152,17 @@ def peft_tensors(
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Our LoRA adapters ({module name: (A (r, in), B (out, r))}) as a PEFT adapter's tensors for the `kind` model,
     and the exact paths of the modules they go on. A fused projection of ours that is several modules there
-    (Llama's q/k/v_proj, gate/up_proj) gives each its rows of B and the same A: B_q A is the q rows of B A.
-    GPT-NeoX's fused rows are ordered by head (_neox_qkv); GPT-2's Conv1D needs no transpose here, as PEFT keeps
-    lora_A and lora_B as linear layers there too (fan_in_fan_out applies to the merge)."""
+    (separate q/k/v_proj, gate/up_proj) gives each its rows of B and the same A: B_q A is the q rows of B A. The
+    family orders B's rows as its weights' (its peft_rows, for fused rows ordered by head); a Conv1D family needs
+    no transpose here, as PEFT keeps lora_A and lora_B as linear layers there too (fan_in_fan_out applies to the
+    merge)."""
     names = _mapping(config, kind)
     tensors: dict[str, torch.Tensor] = {}
     targets: list[str] = []
     for module, (a, b) in layers.items():
         theirs = names[f"{module}.weight"]
         theirs = theirs if isinstance(theirs, tuple) else (theirs,)
-        if kind == "gpt_neox" and module.endswith("attn.c_attn"):
-            b = _neox_qkv(b, config.n_head, to_neox=True)
+        b = FAMILIES[kind].peft_rows(f"{module}.weight", b, config)  # fused rows a family orders by head
         sizes = _fused_sizes(config, module, b.size(0), len(theirs))
         for name, part in zip(theirs, b.split(sizes, dim=0)):
             path = name.removesuffix(".weight")

@@ -48,6 +48,10 @@ class Family:
     names: tuple[str, ...] = field(default=())  # the model names it covers, for docs and `info`
     gguf: GGUFLayout | None = None  # how it sits in a GGUF file of gguf_arch (gguf_base.py)
     conv1d: bool = False  # its linear layers store their weights (in, out): PEFT's fan_in_fan_out
+    peft_rows: Callable[[str, torch.Tensor, GPTConfig], torch.Tensor] = keep  # a LoRA B's rows in their order
+    # (whether a config of ours, not imported from this family, fits, the architecture, its layout): another llama.cpp
+    # architecture that computes such a model where gguf_arch would not fit it as well
+    gguf_plain: tuple[Callable[[GPTConfig], bool], str, GGUFLayout] | None = None
 
     def refuses(self, c: GPTConfig) -> str | None:
         """Why this family cannot hold our config exactly (one sentence naming the flags), or None."""

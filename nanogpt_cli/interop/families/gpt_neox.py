@@ -178,6 +178,34 @@ GGUF = GGUFLayout(
     refuses=gelu_refuses,
 )
 
+
+def starcoder2_keys(writer, c: GPTConfig) -> None:
+    common_keys_out(writer, c)
+    writer.add_head_count_kv(c.kv_heads)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_rope_dimension_count(c.head_size)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_layer_norm_eps(c.norm_eps)
+
+
+# llama.cpp's starcoder2: RoPE on the whole head, LayerNorm, tanh GELU, q, k and v apart; every bias required. Our
+# own default block (one residual after the other, every dimension rotated) goes out as it
+STARCODER2 = GGUFLayout(
+    top=LAYERNORM_GGUF_TOP,
+    block={
+        **LAYERNORM_GGUF_BLOCK,
+        "attn.c_attn.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+        "attn.c_attn.bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    },
+    keys_out=starcoder2_keys,
+    refuses=gelu_refuses,
+)
+
+
+def plain_block(c: GPTConfig) -> bool:
+    return not c.parallel_residual and c.rotary_dim is None
+
+
 FAMILY = Family(
     model_type="gpt_neox",
     hf_class="GPTNeoXForCausalLM",
@@ -190,6 +218,12 @@ FAMILY = Family(
     features=FEATURES,
     to_ours=to_ours,
     to_theirs=to_theirs,
+    peft_rows=to_theirs,
+    gguf_plain=(
+        plain_block,
+        "starcoder2",
+        STARCODER2,
+    ),  # a fused q/k/v LoRA's B rows, ordered by head as the weight's are
     names=("Pythia", "GPT-NeoX"),
     gguf=GGUF,
 )
