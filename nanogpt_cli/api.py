@@ -85,16 +85,18 @@ def load(
     dtype: Any = "auto",
     quantize: str | None = None,
     group_size: int = 32,
+    backend: str | None = None,
 ) -> Model:
     """A model ready to generate, chat and score, from any source the commands load: a run folder (its best
     weights; its last with last=True), a .safetensors file, a Hugging Face folder or hf:NAME, or a .gguf file
     that `export` wrote. device: auto, cpu, cuda, cuda:N or mps; dtype: auto, float32, bfloat16, float16 (or a
     torch.dtype); auto picks from the device and the size of the weights. quantize: None, "int8" (one scale per
-    output channel) or "int4" (a scale and zero per group_size inputs) for the blocks' weights, on a CPU."""
+    output channel) or "int4" (a scale and zero per group_size inputs) for the blocks' weights, on a CPU. backend:
+    "cpu" or "torch", how decode steps are computed (default: the first that supports the model)."""
     from nanogpt_cli.interop.loading import load_for_inference
 
     loaded = load_for_inference(
-        source, last=last, device=device, dtype=_dtype(dtype), quantize=quantize, group_size=group_size
+        source, last=last, device=device, dtype=_dtype(dtype), quantize=quantize, group_size=group_size, backend=backend
     )
     return Model(loaded, str(source))
 

@@ -299,8 +299,8 @@ def test_quantize_scores_the_quantized_model_and_the_results_say_so(sums, tmp_pa
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    from nanogpt_cli.inference.backends.quantize import QuantizedLinear
     from nanogpt_cli.inference.lm_eval_model import NanoGPTLM
-    from nanogpt_cli.model.quantize import QuantizedLinear
 
     names = "sums_mc,sums_roll"
     base = ["eval", "tasks", str(sums["run"]), "--tasks", names, "--include-path", str(sums["tasks"])]

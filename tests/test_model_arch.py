@@ -11,7 +11,8 @@ import torch
 from torch.nn import functional as F
 
 from nanogpt_cli.config import GPTConfig
-from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams, decode_plan, decode_step
+from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
+from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams
 from nanogpt_cli.inspect.attention import attention_forward
 from nanogpt_cli.model import GPT, Block, Context, activation, apply_rope, rope_tables
 from conftest import check_rows_apart
@@ -448,10 +449,10 @@ def test_a_pythia_shaped_gpt_neox_loads_with_its_logits_and_exports_back():
 @pytest.mark.parametrize(
     "kw,message",
     [
-        (dict(sliding_window=8), "--sliding-window has one .* MistralForCausalLM needs --pos-encoding rope"),
-        (dict(norm="rmsnorm", norm_offset=True, post_norms=True), "--norm-offset --post-norms has one .* Gemma3"),
-        (dict(mlp="geglu"), "--mlp geglu has one Hugging Face counterpart, and Gemma3ForCausalLM needs"),
-        (dict(parallel_residual=True, norm="rmsnorm", mlp="swiglu"), "--parallel-residual export as GPTNeoXForCausal"),
+        (dict(sliding_window=8), "closest, MistralForCausalLM, which has --sliding-window 8, needs --norm rmsnorm"),
+        (dict(norm="rmsnorm", norm_offset=True, post_norms=True), "Gemma3ForCausalLM, which has .*--post-norms, needs"),
+        (dict(mlp="geglu"), "closest, Gemma3ForCausalLM, which has --mlp geglu, needs --norm rmsnorm, --qk-norm"),
+        (dict(parallel_residual=True, norm="rmsnorm", mlp="swiglu"), "LlamaForCausalLM, .* needs --no-parallel-resid"),
     ],
 )
 def test_what_export_cannot_express_is_one_sentence_naming_the_setting(kw, message):

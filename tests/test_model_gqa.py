@@ -16,7 +16,8 @@ from torch.nn import functional as F
 
 from nanogpt_cli.config import GPTConfig, build_configs
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.inference.engine import Engine, KVCache, decode_plan, decode_step
+from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
+from nanogpt_cli.inference.engine import Engine, KVCache
 from nanogpt_cli.inspect.attention import attention_forward
 from nanogpt_cli.lora import LoRAConfig, add_lora, merge_lora
 from nanogpt_cli.model import GPT, rope_inv_freq, rope_tables

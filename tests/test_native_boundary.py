@@ -1,5 +1,5 @@
-"""The boundary to our C kernels (model/native.py, native.cpp): every wrong call a ValueError naming the argument,
-the shared structs' layout checked field by field, no state shared between two engines decoding at once, a
+"""The boundary to our C kernels (inference/backends/native.py, native.cpp): every wrong call a ValueError naming
+the argument, the shared structs' layout checked field by field, no state shared between two engines decoding at once, a
 seeded fuzz of shapes against the op-by-op step, the whole of it under AddressSanitizer and UBSan, and the build
 told in one note (the CLI's `info --system`)."""
 
@@ -16,13 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams, decode_plan, decode_step, head_logits
-from nanogpt_cli.model import GPT, native
-from nanogpt_cli.model.quantize import QuantizedLinear, quantize_int4, quantize_int8, quantize_model
+from nanogpt_cli.inference.backends import native
+from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step, head_logits
+from nanogpt_cli.inference.backends.quantize import QuantizedLinear, quantize_int4, quantize_int8, quantize_model
+from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams
+from nanogpt_cli.model import GPT
 from conftest import int4_kernel_reference, tiny_config
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"our kernels do not run here: {native.status()}")
-ROOT = str(Path(native.__file__).resolve().parents[2])  # subprocesses import this very package
+ROOT = str(Path(native.__file__).resolve().parents[3])  # subprocesses import this very package
 
 
 def llama(dtype: torch.dtype, kind: str | None, seed: int = 0, **kw) -> GPT:

@@ -273,7 +273,7 @@ def test_shell_completion_is_offered():
 def test_info_system_describes_the_machine_and_info_needs_one_thing_to_describe(tmp_path):
     import torch
 
-    from nanogpt_cli.model import native
+    from nanogpt_cli.inference.backends import native
 
     out = runner.invoke(app, ["info", "--system", "--json"])
     assert out.exit_code == 0, out.output

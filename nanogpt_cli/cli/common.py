@@ -153,6 +153,14 @@ Quantize = Annotated[
         show_default=False,
     ),
 ]
+Backend = Annotated[
+    str | None,
+    typer.Option(
+        help="How decode steps are computed: cpu (our kernels, on a CPU) or torch (the model's own forward); "
+        "default: the first that supports the model.",
+        show_default=False,
+    ),
+]
 GroupSize = Annotated[
     int, typer.Option("--int4-group", help="Inputs per int4 scale with --quantize int4: 32, 64, 128 or 256.")
 ]
@@ -180,10 +188,10 @@ def say_kernels(device=None) -> None:
     import sys
 
     if device is not None and getattr(device, "type", None) == "cpu":
-        from nanogpt_cli.model import native
+        from nanogpt_cli.inference.backends import native
 
         native.available()
-    native = sys.modules.get("nanogpt_cli.model.native")
+    native = sys.modules.get("nanogpt_cli.inference.backends.native")
     text = native.take_note() if native is not None else None
     if text:
         note(text)

@@ -126,8 +126,8 @@ def tasks_command(
     """
     from nanogpt_cli.cli.common import note
     from nanogpt_cli.device import set_threads
+    from nanogpt_cli.inference.backends.quantize import check_quantize
     from nanogpt_cli.inference.tasks import check_options, evaluate_tasks
-    from nanogpt_cli.model.quantize import check_quantize
 
     check_options(tasks, limit, num_fewshot, include_path)  # before loading anything
     if batch_size is not None and batch_size < 1:

@@ -14,6 +14,7 @@ import typer
 
 from nanogpt_cli.cli.common import (
     SOURCE_HELP,
+    Backend,
     Checkpoint,
     Device,
     DtypeOption,
@@ -115,6 +116,7 @@ def sample(
     dtype: DtypeOption = Dtype.auto,
     quantize: Quantize = None,
     group_size: GroupSize = 32,
+    backend: Backend = None,
     threads: Threads = None,
 ):
     """Generate text from a trained model, streamed as it is written.
@@ -146,7 +148,9 @@ def sample(
     )
     from nanogpt_cli import api
 
-    model = api.load(checkpoint, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size)
+    model = api.load(
+        checkpoint, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size, backend=backend
+    )
     say_kernels(model.device)
     sampler = model.sampler
     run = functools.partial(
@@ -202,6 +206,7 @@ def chat(
     dtype: DtypeOption = Dtype.auto,
     quantize: Quantize = None,
     group_size: GroupSize = 32,
+    backend: Backend = None,
     threads: Threads = None,
 ):
     """Talk to a model in the terminal, formatted with its chat template; /reset, /exit, Ctrl-C stops a reply.
@@ -223,7 +228,9 @@ def chat(
         stop=stop or [],
     )
     set_threads(threads)
-    model = api.load(source, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size)
+    model = api.load(
+        source, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size, backend=backend
+    )
     say_kernels(model.device)
     session = model.conversation(system, max_new_tokens, **settings)
     if session.template.plain:

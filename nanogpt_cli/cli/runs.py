@@ -71,7 +71,7 @@ def info(
     if system:
         if path is not None:
             raise NanoGPTError("give a run or file, or --system, not both")
-        from nanogpt_cli.device import system_info
+        from nanogpt_cli.inspect.catalog import system_info
 
         found = system_info()
         say_kernels()  # a build this made (or a failed one), as every command says it
@@ -118,7 +118,7 @@ def plot(
 
 
 def system_table(found: dict):
-    """`nanogpt info --system` of device.system_info(): one row per fact."""
+    """`nanogpt info --system` of inspect.catalog.system_info(): one row per fact."""
     from rich.table import Table
 
     threads = f"{found['threads']} of {found['cpus']} CPUs"

@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.config import ANY, GPTConfig, Takes, only
 from nanogpt_cli.interop.families.base import (
     LLAMA_ATTN,
     LLAMA_MLP,
@@ -13,6 +13,7 @@ from nanogpt_cli.interop.families.base import (
     Biases,
     Family,
     head_dim_of,
+    holds,
     require,
     rope_params,
     shape_in,
@@ -135,16 +136,27 @@ def config_out(c: GPTConfig, special: dict):
     return config, {"rope_theta": c.rope_theta, "rope_local_base_freq": local_theta}
 
 
-def refuses(c: GPTConfig) -> str | None:
-    needs = ("qk_norm", "embed_scale", "norm_offset", "post_norms")
-    if c.pos_encoding != "rope" or c.norm != "rmsnorm" or c.mlp != "geglu" or not all(getattr(c, f) for f in needs):
-        return (
-            "Gemma3ForCausalLM needs --pos-encoding rope --norm rmsnorm --mlp geglu --qk-norm --embed-scale "
-            "--norm-offset --post-norms"
-        )
-    if c.bias or c.attn_bias or c.parallel_residual or c.rotary_dim is not None or c.rope_scaling != "none":
-        return "Gemma3ForCausalLM has no biases, no --parallel-residual, no --rotary-dim and no --rope-scaling here"
-    return None
+FEATURES = holds(
+    "Gemma3ForCausalLM",
+    pos_encoding=only("rope"),
+    norm=only("rmsnorm"),
+    mlp=only("geglu"),
+    qk_norm=only(True),
+    embed_scale=only(True),
+    norm_offset=only(True),
+    post_norms=only(True),
+    logit_softcap=ANY,
+    bias=only(False),
+    qkv_bias=Takes(lambda v, c: not c.attn_bias, "none or false (no biases)", (False,)),
+    parallel_residual=only(False),
+    rotary_dim=only(None),
+    rope_scaling=only("none"),
+    n_kv_head=ANY,
+    head_dim=ANY,
+    sliding_window=ANY,
+    window_pattern=ANY,
+    rope_local_theta=ANY,
+)
 
 
 # --- llama.cpp's gemma3 -------------------------------------------------------------------------------------------
@@ -221,7 +233,7 @@ FAMILY = Family(
     prefix="model.layers",
     config_in=config_in,
     config_out=config_out,
-    refuses=refuses,
+    features=FEATURES,
     names=("Gemma 3 270M", "Gemma 3 1B"),
     gguf=GGUF,
 )

@@ -3,8 +3,19 @@ LayerNorm, GELU (exact or tanh); a model without biases gets zero biases. Its li
 
 from __future__ import annotations
 
-from nanogpt_cli.config import GPTConfig
-from nanogpt_cli.interop.families.base import GELUS, Biases, Family, require, unsupported
+from nanogpt_cli.config import ANY, GPTConfig, only
+from nanogpt_cli.interop.families.base import (
+    GELU,
+    GELUS,
+    MHA,
+    NO_GEMMA,
+    NO_WINDOW,
+    Biases,
+    Family,
+    holds,
+    require,
+    unsupported,
+)
 from nanogpt_cli.interop.families.gguf_base import (
     LAYERNORM_GGUF_BLOCK,
     LAYERNORM_GGUF_TOP,
@@ -81,10 +92,19 @@ def config_out(c: GPTConfig, special: dict):
     return config, {"n_ctx": c.block_size}  # llama.cpp's GPT-2 converter wants n_ctx
 
 
-def refuses(c: GPTConfig) -> str | None:
-    if c.pos_encoding not in ("learned", "sinusoidal") or c.norm != "layernorm" or c.mlp not in ("gelu", "gelu_tanh"):
-        return "GPT2LMHeadModel needs learned or sinusoidal positions, --norm layernorm and --mlp gelu or gelu_tanh"
-    return None
+FEATURES = holds(
+    "GPT2LMHeadModel",
+    pos_encoding=only("learned", "sinusoidal"),
+    norm=only("layernorm"),
+    mlp=GELU,
+    bias=ANY,
+    parallel_residual=only(False),
+    rotary_dim=only(None),
+    qk_norm=only(False),
+    **MHA,
+    **NO_GEMMA,
+    **NO_WINDOW,
+)
 
 
 def transpose(name: str, tensor, config: GPTConfig):
@@ -114,7 +134,8 @@ FAMILY = Family(
     prefix="transformer.h",
     config_in=config_in,
     config_out=config_out,
-    refuses=refuses,
+    features=FEATURES,
+    conv1d=True,
     to_ours=transpose,
     to_theirs=transpose,
     names=("GPT-2", "DistilGPT2"),

@@ -3,15 +3,17 @@ and a head_dim of its own; biases through attention_bias (q, k, v and o)."""
 
 from __future__ import annotations
 
-from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.config import ANY, GPTConfig, only
 from nanogpt_cli.interop.families.base import (
     LLAMA_BLOCK,
+    LLAMA_HOLDS,
     LLAMA_TOP,
+    NO_WINDOW,
     Biases,
     Family,
+    holds,
     llama_config_in,
     llama_config_out,
-    llama_shaped,
     no_sliding,
     require,
     rope_extra,
@@ -50,14 +52,7 @@ def config_out(c: GPTConfig, special: dict):
     return config, rope_extra(c)
 
 
-def refuses(c: GPTConfig) -> str | None:
-    if why := llama_shaped(c, "Qwen3ForCausalLM"):
-        return why
-    if not c.qk_norm:
-        return "Qwen3ForCausalLM always has QK-norm (--qk-norm)"
-    if c.bias or c.sliding_window is not None:
-        return "Qwen3ForCausalLM has no MLP biases and no sliding window here"
-    return None
+FEATURES = holds("Qwen3ForCausalLM", bias=only(False), qkv_bias=ANY, qk_norm=only(True), **LLAMA_HOLDS, **NO_WINDOW)
 
 
 def gguf_refuses(c: GPTConfig) -> str | None:
@@ -84,7 +79,7 @@ FAMILY = Family(
     prefix="model.layers",
     config_in=config_in,
     config_out=config_out,
-    refuses=refuses,
+    features=FEATURES,
     names=("Qwen3",),
     gguf=GGUF,
 )

@@ -2,12 +2,13 @@
 each primitive a cheaper call than its module's. Decoding a small model on a CPU is bound by per-call overhead: a
 token makes ~100 module calls and attribute lookups of about a microsecond or more each, and for one to a few
 rows MKL multiplies x @ W (W stored (in, out)) ~2x faster than F.linear's x @ W.T. bf16 and quantized weights on
-an x86 CPU go to our own kernels (model/native.py) in their tiled layout; without those, bf16 goes to oneDNN in
+an x86 CPU go to our own kernels (native.py) in their tiled layout; without those, bf16 goes to oneDNN in
 its own packed layout (packed_form), 1.4-2x faster than torch's bf16 matmuls at real sizes.
 
     ops = decode_ops(model)                                 # copies the small or bf16 matrices (form_cache.py)
     h = model.hidden_states(idx, cache, ops=ops)            # (B, T, C), in inference mode
     step = fused_step(model)                                # a Llama-shaped model's whole step in one call, or None
+                                                            # (for a config cpu.FUSED takes)
 
 Only for inference (no dropout, no gradients). A QuantizedLinear is its kernel bound once (decode_op); any other
 projection that is not a plain nn.Linear (a LoRA layer not merged) is called as the module it is.
@@ -22,11 +23,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from nanogpt_cli.model import native
+from nanogpt_cli.inference.backends import native
+from nanogpt_cli.inference.backends.quantize import PREFILL_ROWS, QuantizedLinear
 from nanogpt_cli.model.attention import AttentionOps, Op, norm_gain
 from nanogpt_cli.model.blocks import Block, BlockOps, Residual, activation, block_forward, post_normed
 from nanogpt_cli.model.gpt import GPT, ModelOps
-from nanogpt_cli.model.quantize import PREFILL_ROWS, QuantizedLinear
 
 
 def decode_ops(model: GPT, packs: dict | None = None) -> ModelOps:
@@ -138,7 +139,7 @@ def packed_linear(w: torch.Tensor, b: torch.Tensor | None) -> Op:
 
 
 def native_linear(module: nn.Module, packs: dict | None = None) -> native.Packed | None:
-    """Our kernel for the few rows of a decode step (model/native.py): a bf16 nn.Linear's weight packed in its
+    """Our kernel for the few rows of a decode step (native.py): a bf16 nn.Linear's weight packed in its
     tiled form (kept in packs, by module: a copy of the weight), or a QuantizedLinear's own; None where it does
     not run."""
     if type(module) is QuantizedLinear:
@@ -257,32 +258,18 @@ def eps_of(norm: nn.RMSNorm) -> float:
 
 
 def fused_step(model: GPT, packs: dict | None = None) -> FusedStep | None:
-    """The model's decode step in one call where native.cpp's block fits it: pre-norm RMSNorm blocks with full
-    RoPE, QK-norm or none, grouped-query attention over every held key (no window), a SwiGLU MLP, and every
-    projection one our kernels multiply (bf16, or int8 / int4 quantized), on a CPU. SmolLM2, Qwen2, 2.5 and 3,
-    Llama 2 and 3 and Mistral without a window are; the rest decode through decode_ops. None where it does not."""
-    cfg = model.config
-    fits = (
-        native.available()
-        and not model.training
-        and cfg.pos_encoding == "rope"
-        and cfg.rotary_size == cfg.head_size
-        and cfg.head_size % 16 == 0
-        and cfg.head_size <= 512
-        and cfg.sliding_window is None
-        and cfg.rope_local_theta is None
-        and cfg.norm == "rmsnorm"
-        and cfg.mlp == "swiglu"
-        and not cfg.parallel_residual
-        and not cfg.post_norms
-        and model.transformer.wte.weight.dtype in (torch.float32, torch.bfloat16)
-        and model.transformer.wte.weight.device.type == "cpu"
-    )
-    if not fits:
+    """The model's decode step in one call, for a config the cpu backend's FUSED declaration takes (its caller
+    checks that), where the model's own tensors fit native.cpp's block too: our kernels built here, not training,
+    float32 or bf16 activations on a CPU, RMSNorm modules, and every projection one our kernels multiply (bf16, or
+    int8 / int4 quantized). None where they do not."""
+    w = model.transformer.wte.weight
+    if not native.available() or model.training or w.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if w.device.type != "cpu":
         return None
     kernels = []
     for block in model.transformer.h:
-        norms = (block.ln_1, block.ln_2) + ((block.attn.q_norm, block.attn.k_norm) if cfg.qk_norm else ())
+        norms = (block.ln_1, block.ln_2) + ((block.attn.q_norm, block.attn.k_norm) if model.config.qk_norm else ())
         if not all(isinstance(n, nn.RMSNorm) for n in norms):
             return None
         mats = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
