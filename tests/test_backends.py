@@ -136,9 +136,12 @@ def test_the_fused_step_runs_where_its_declaration_holds_and_the_matrix_reaches_
 
 
 def test_every_consumer_of_a_config_classifies_every_field():
-    """A new GPTConfig field fails here until each backend, the fused step and each Hugging Face family says which
-    of its values it computes (the GGUF writer exports a family's layout, so the family's declaration covers it)."""
+    """A new GPTConfig field fails here until each backend, the fused step, each Hugging Face family and each
+    llama.cpp architecture the GGUF writer exports to (a family's layout, and the plain block's) says which of its
+    values it computes."""
     consumers = [b.features for b in BACKENDS] + [FUSED] + [f.features for f in FAMILIES.values()]
+    consumers += [f.gguf.features for f in FAMILIES.values() if f.gguf]
+    consumers += [f.gguf_plain[2].features for f in FAMILIES.values() if f.gguf_plain]
     missing = {c.consumer: c.unclassified() for c in consumers if c.unclassified()}
     assert not missing, missing
     stray = {c.consumer: set(c.takes) - {f.name for f in dataclasses.fields(GPTConfig)} for c in consumers}

@@ -467,6 +467,46 @@ def test_what_export_cannot_express_is_one_sentence_naming_the_setting(kw, messa
         gguf_file.gguf_arch(tiny(parallel_residual=True, mlp="gelu"))
 
 
+GEMMA = dict(norm="rmsnorm", mlp="geglu", qk_norm=True, embed_scale=True, norm_offset=True, post_norms=True)
+GEMMA_GGUF = dict(GEMMA, n_layer=6, sliding_window=4, window_pattern="LLLLLG", rope_local_theta=10000.0)
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (
+            dict(norm="rmsnorm", mlp="swiglu", bias=True),
+            "llama.cpp's llama does not compute --bias: it needs --no-bias",
+        ),
+        (
+            dict(norm="rmsnorm", mlp="swiglu", qk_norm=True, qkv_bias=True),
+            "llama.cpp's qwen3 does not compute --qkv-bias: it needs --no-qkv-bias",
+        ),
+        (
+            dict(GEMMA_GGUF, logit_softcap=30.0),
+            "llama.cpp's gemma3 does not compute --logit-softcap 30: it needs --logit-softcap none",
+        ),
+        (
+            dict(GEMMA_GGUF, rope_local_theta=10.0),
+            "llama.cpp's gemma3 does not compute --window-pattern LLLLLG with --rope-local-theta 10: it needs "
+            "--window-pattern LLLLLG and --rope-local-theta 10000 (llama.cpp's gemma3 makes every sixth layer global "
+            "and turns the others at RoPE base 10000)",
+        ),
+    ],
+)
+def test_gguf_export_refuses_what_llama_cpps_architecture_does_not_compute_by_its_declaration(kw, message):
+    """Each llama.cpp architecture declares what it computes (the family's declaration, narrowed): one sentence
+    naming the flag; the same config narrowed to what it takes exports."""
+    from nanogpt_cli.errors import NanoGPTError
+    from nanogpt_cli.interop import gguf_file
+
+    with pytest.raises(NanoGPTError) as e:
+        gguf_file.gguf_arch(tiny(**kw))
+    assert str(e.value) == message
+    assert gguf_file.gguf_arch(tiny(norm="rmsnorm", mlp="swiglu", qkv_bias=True)) == "llama"  # q, k, v biases only
+    assert gguf_file.gguf_arch(tiny(**GEMMA_GGUF)) == "gemma3"
+
+
 # --- end to end: train, resume, sample, serve ---------------------------------------------------------
 
 FLAGS = {

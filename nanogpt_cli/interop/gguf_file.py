@@ -56,7 +56,7 @@ def gguf_target(c: GPTConfig, family: str | None = None) -> tuple[str, GGUFLayou
     plain = FAMILIES[kind].gguf_plain
     if plain is not None and family != kind and plain[0](c):  # a model of ours that another architecture computes
         arch, layout = plain[1], plain[2]
-    why = layout.refuses(c)
+    why = layout.features.refusal(c)
     if why is not None:
         raise NanoGPTError(why)
     return arch, layout
@@ -330,7 +330,7 @@ def gguf_tensors(model: GPT, layout: GGUFLayout) -> dict[str, np.ndarray]:
             weight = sd.get(p + ours)
             if weight is None:
                 if ours in layout.optional or not ours.endswith(".bias"):
-                    continue  # a tensor llama.cpp can do without (refuses() checked the others)
+                    continue  # a tensor llama.cpp can do without (gguf_target checked the others)
                 weight = np.zeros(sd[p + ours.replace(".bias", ".weight")].shape[0], dtype=np.float32)
             for name, part in zip(parts, np.split(weight, _parts(c, ours, parts), axis=0)):
                 out[prefix + name] = layout.to_theirs(prefix + name, part, c)

@@ -17,12 +17,13 @@ from nanogpt_cli.interop.families.base import (
     unsupported,
 )
 from nanogpt_cli.interop.families.gguf_base import (
+    GELU_TANH,
     LAYERNORM_GGUF_BLOCK,
     LAYERNORM_GGUF_TOP,
     GGUFLayout,
     common_keys_out,
-    gelu_refuses,
     layernorm_gguf_config_in,
+    on_llama_cpp,
 )
 
 BLOCK = {
@@ -122,7 +123,7 @@ GGUF = GGUFLayout(
     block=LAYERNORM_GGUF_BLOCK,
     config_in=lambda keys, shapes: {**layernorm_gguf_config_in(keys, shapes), "pos_encoding": "learned"},
     keys_out=gguf_keys_out,
-    refuses=gelu_refuses,
+    features=on_llama_cpp("gpt2", FEATURES, mlp=GELU_TANH),
 )
 
 FAMILY = Family(

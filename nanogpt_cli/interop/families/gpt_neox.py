@@ -25,14 +25,15 @@ from nanogpt_cli.interop.families.base import (
     unsupported,
 )
 from nanogpt_cli.interop.families.gguf_base import (
+    GELU_TANH,
     LAYERNORM_GGUF_BLOCK,
     LAYERNORM_GGUF_TOP,
     GGUFLayout,
     Keys,
     Shapes,
     common_keys_out,
-    gelu_refuses,
     layernorm_gguf_config_in,
+    on_llama_cpp,
 )
 
 BLOCK = {
@@ -175,7 +176,7 @@ GGUF = GGUFLayout(
     block=LAYERNORM_GGUF_BLOCK,
     config_in=gguf_config_in,
     keys_out=gguf_keys_out,
-    refuses=gelu_refuses,
+    features=on_llama_cpp("gptneox", FEATURES, mlp=GELU_TANH),
 )
 
 
@@ -198,7 +199,7 @@ STARCODER2 = GGUFLayout(
         "attn.c_attn.bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
     },
     keys_out=starcoder2_keys,
-    refuses=gelu_refuses,
+    features=on_llama_cpp("starcoder2", FEATURES, mlp=GELU_TANH, parallel_residual=only(False), rotary_dim=only(None)),
 )
 
 

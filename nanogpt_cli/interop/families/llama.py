@@ -25,6 +25,7 @@ from nanogpt_cli.interop.families.gguf_base import (
     llama_gguf_keys_out,
     llama_to_ours,
     llama_to_theirs,
+    on_llama_cpp,
 )
 
 
@@ -49,19 +50,14 @@ def config_out(c: GPTConfig, special: dict):
 FEATURES = holds("LlamaForCausalLM", bias=ANY, qkv_bias=ANY, qk_norm=only(False), **LLAMA_HOLDS, **NO_WINDOW)
 
 
-def gguf_refuses(c: GPTConfig) -> str | None:
-    if c.bias:  # llama.cpp's llama has optional q, k, v biases (--qkv-bias), not the others
-        return "GGUF export of a Llama-shaped model needs --no-bias (--qkv-bias may stay)"
-    return None
-
-
-# llama.cpp's llama: the converter reorders q and k rows for its interleaved-pair RoPE
+# llama.cpp's llama: the converter reorders q and k rows for its interleaved-pair RoPE. It has optional q, k and v
+# biases (--qkv-bias), not the others
 GGUF = GGUFLayout(
     top=LLAMA_GGUF_TOP,
     block=LLAMA_GGUF_BLOCK,
     config_in=llama_gguf_config_in,
     keys_out=llama_gguf_keys_out,
-    refuses=gguf_refuses,
+    features=on_llama_cpp("llama", FEATURES, bias=only(False)),
     to_ours=llama_to_ours,
     to_theirs=llama_to_theirs,
     optional=("attn.c_attn.bias",),

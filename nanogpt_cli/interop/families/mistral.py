@@ -19,6 +19,7 @@ from nanogpt_cli.interop.families.base import (
     rope_extra,
     unsupported,
 )
+from nanogpt_cli.interop.families.gguf_base import on_llama_cpp
 from nanogpt_cli.interop.families.llama import GGUF as LLAMA_GGUF
 
 
@@ -45,16 +46,20 @@ FEATURES = holds(
 )
 
 
-def gguf_refuses(c: GPTConfig) -> str | None:
-    if c.sliding_window is not None and c.sliding_window < c.block_size:
-        return (
-            "llama.cpp's converter writes Mistral as llama, which has no sliding window: GGUF export needs a "
-            f"--sliding-window ({c.sliding_window}) of at least --block-size ({c.block_size})"
-        )
-    return None
-
-
-GGUF = dataclasses.replace(LLAMA_GGUF, refuses=gguf_refuses)
+# llama.cpp's converter writes Mistral as llama, which has no sliding window: one that holds the whole context is none
+GGUF = dataclasses.replace(
+    LLAMA_GGUF,
+    features=on_llama_cpp(
+        "llama",
+        FEATURES,
+        sliding_window=Takes(
+            lambda v, c: v is None or v >= c.block_size,
+            "a --sliding-window of at least --block-size, or none (llama.cpp's converter writes Mistral as llama, "
+            "which has no sliding window)",
+            shows=lambda c: f"--sliding-window {c.sliding_window} under --block-size {c.block_size}",
+        ),
+    ),
+)
 
 FAMILY = Family(
     model_type="mistral",

@@ -24,6 +24,7 @@ from nanogpt_cli.interop.families.gguf_base import (
     GGUFLayout,
     llama_gguf_config_in,
     llama_gguf_keys_out,
+    on_llama_cpp,
 )
 
 
@@ -44,7 +45,11 @@ FEATURES = holds("Qwen2ForCausalLM", bias=only(False), qkv_bias=ANY, qk_norm=onl
 
 # llama.cpp's qwen2: Llama's tensors in transformers' row order (NeoX-style RoPE), q, k and v biases required
 GGUF = GGUFLayout(
-    top=LLAMA_GGUF_TOP, block=LLAMA_GGUF_BLOCK, config_in=llama_gguf_config_in, keys_out=llama_gguf_keys_out
+    top=LLAMA_GGUF_TOP,
+    block=LLAMA_GGUF_BLOCK,
+    config_in=llama_gguf_config_in,
+    keys_out=llama_gguf_keys_out,
+    features=on_llama_cpp("qwen2", FEATURES),
 )
 
 FAMILY = Family(

@@ -3,7 +3,7 @@ and a head_dim of its own; biases through attention_bias (q, k, v and o)."""
 
 from __future__ import annotations
 
-from nanogpt_cli.config import ANY, GPTConfig, only
+from nanogpt_cli.config import ANY, GPTConfig, Takes, only
 from nanogpt_cli.interop.families.base import (
     LLAMA_BLOCK,
     LLAMA_HOLDS,
@@ -25,6 +25,7 @@ from nanogpt_cli.interop.families.gguf_base import (
     GGUFLayout,
     llama_gguf_config_in,
     llama_gguf_keys_out,
+    on_llama_cpp,
 )
 
 BLOCK = {
@@ -55,19 +56,15 @@ def config_out(c: GPTConfig, special: dict):
 FEATURES = holds("Qwen3ForCausalLM", bias=only(False), qkv_bias=ANY, qk_norm=only(True), **LLAMA_HOLDS, **NO_WINDOW)
 
 
-def gguf_refuses(c: GPTConfig) -> str | None:
-    if c.bias or c.attn_bias:
-        return "GGUF export of a Qwen3-shaped model needs --no-bias and no --qkv-bias (llama.cpp's qwen3 has none)"
-    return None
-
-
 # llama.cpp's qwen3: Llama's tensors plus attn_q_norm / attn_k_norm, in transformers' row order, without biases
 GGUF = GGUFLayout(
     top=LLAMA_GGUF_TOP,
     block={**{k: v for k, v in LLAMA_GGUF_BLOCK.items() if k != "attn.c_attn.bias"}, **QK_NORM},
     config_in=llama_gguf_config_in,
     keys_out=llama_gguf_keys_out,
-    refuses=gguf_refuses,
+    features=on_llama_cpp(
+        "qwen3", FEATURES, qkv_bias=Takes(lambda v, c: not c.attn_bias, "none or false (no biases)", (False,))
+    ),
 )
 
 FAMILY = Family(
