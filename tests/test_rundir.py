@@ -169,6 +169,25 @@ def test_a_run_killed_before_its_first_save_is_empty_and_the_same_command_starts
     assert evals == [0, 2, 4]  # the killed run's lines went with it
 
 
+def test_a_folder_with_someone_elses_config_json_is_not_an_empty_run_and_keeps_its_files(char_data, tmp_path):
+    # a Hugging Face model folder with sharded weights: config.json, but none of a run's checkpoint files
+    folder = tmp_path / "hf-model"
+    folder.mkdir()
+    files = {
+        "config.json": '{"architectures": ["LlamaForCausalLM"], "hidden_size": 64}',
+        "tokenizer.json": '{"model": {}}',
+        "model-00001-of-00002.safetensors": "weights",
+    }
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    assert not RunDir(folder).is_empty()
+    with pytest.raises(NanoGPTError, match="already holds a run"):
+        tiny_plan(*char_data, folder, max_iters=2)
+    assert {p.name: p.read_text() for p in folder.iterdir()} == files
+    (folder / "model-00001-of-00002.safetensors").unlink()  # our config.json only would be; this one is not ours
+    assert not RunDir(folder).is_empty()
+
+
 def test_a_refused_start_leaves_no_folder_and_a_stopped_lock_says_nothing(char_data, tmp_path):
     run = tmp_path / "new"
     plan = tiny_plan(*char_data, run, max_iters=2)
