@@ -26,7 +26,7 @@ from nanogpt_cli.inference.grammar import COMPACT, Constraint, bounded, compile_
 from nanogpt_cli.model import GPT  # noqa: E402
 from nanogpt_cli.runs import checkpoint as ckpt  # noqa: E402
 from nanogpt_cli.serve import ServeOptions  # noqa: E402
-from nanogpt_cli.serve.tools import ToolCallText  # noqa: E402
+from nanogpt_cli.serve.tools import ToolCallText, call_schema  # noqa: E402
 from nanogpt_cli.tokenizer import ByteTokenizer, build_tokenizer  # noqa: E402
 
 # nested objects, an array, enums, required fields; strings and arrays bounded, so a random model ends them
@@ -440,3 +440,27 @@ def test_bounded_keeps_what_a_schema_says_and_bounds_only_what_it_leaves_open():
     assert out["properties"]["kind"] == {"const": {"type": "integer"}}
     assert "additionalProperties" not in bounded(schema)  # open unless asked (response_format)
     assert schema["properties"]["type"] == {"type": "integer", "minimum": 3}  # a copy: the request's is unchanged
+
+
+def test_bounded_keeps_a_schema_that_bounds_past_16_digits_and_composed_objects_satisfiable():
+    tok = ByteTokenizer()
+    for schema in (
+        {"type": "integer", "minimum": 10**17},
+        {"type": "integer", "maximum": -(10**17)},
+        {"type": "number", "exclusiveMinimum": 1e17},
+    ):
+        out = bounded(schema)
+        assert all(out[k] == v for k, v in schema.items())  # the bound given is as given
+        Constraint(tok, compile_grammar("json_schema", schema, tok))  # satisfiable: it compiles
+    assert bounded({"type": "integer", "minimum": 10**17})["maximum"] == 2 * 10**17
+    # an object whose keys are in parts (allOf beside its own properties): no part may close it
+    parts = {
+        "type": "object",
+        "allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}],
+        "properties": {"b": {"type": "object", "properties": {"c": {"type": "integer"}}}},
+    }
+    out = bounded(parts, closed=True)
+    assert "additionalProperties" not in out and "additionalProperties" not in out["allOf"][0]
+    assert out["properties"]["b"]["additionalProperties"] is False  # a whole object inside is closed
+    tool = {"type": "function", "function": {"name": "f", "parameters": parts}}
+    Constraint(tok, compile_grammar("json_schema", call_schema([tool], "f"), tok))

@@ -14,6 +14,7 @@ model cannot pad it with spaces until it runs out of tokens.
 from __future__ import annotations
 
 import json
+import math
 import threading
 import weakref
 from typing import Any
@@ -128,15 +129,18 @@ _NOT_SCHEMAS = ("enum", "const", "default", "examples", "required")  # values, n
 _SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")  # name -> schema
 
 
-def bounded(schema: Any, closed: bool = False) -> Any:
+def bounded(schema: Any, closed: bool = False, _open: bool = False) -> Any:
     """A copy of a JSON schema whose integers and numbers without bounds get llama.cpp's (INTEGER_DIGITS and
-    FRACTION_DIGITS); closed: every object without `additionalProperties` is taken as `false` (OpenAI's strict
-    function calling asks for it on every object). Text that validates against the result validates against
-    the schema."""
+    FRACTION_DIGITS; a side left open beyond a bound the schema gives is held that far past it, so a bound of
+    1e17 stays satisfiable); closed: every object without `additionalProperties` is taken as `false` (OpenAI's
+    strict function calling asks for it on every object), except an object composed of parts (allOf, anyOf,
+    oneOf beside its own properties) and those parts, each of which names only some of its keys. Text that
+    validates against the result validates against the schema."""
     if isinstance(schema, list):
-        return [bounded(item, closed) for item in schema]
+        return [bounded(item, closed, _open) for item in schema]
     if not isinstance(schema, dict):
         return schema
+    composed = _kind(schema) == "object" and any(k in schema for k in _COMPOSERS)  # its keys are in several parts
     out = {}
     for key, value in schema.items():
         if key in _NOT_SCHEMAS:
@@ -144,18 +148,29 @@ def bounded(schema: Any, closed: bool = False) -> Any:
         elif key in _SCHEMA_MAPS and isinstance(value, dict):
             out[key] = {name: bounded(v, closed) for name, v in value.items()}
         else:
-            out[key] = bounded(value, closed)
+            out[key] = bounded(value, closed, composed and key in _COMPOSERS)
     kind = _kind(out)
     if kind in ("integer", "number"):
         for key, value in (_INTEGER_BOUNDS if kind == "integer" else _NUMBER_BOUNDS).items():
             side = key[-6:]  # "inimum" or "aximum": a side the schema bounds, either way, is left as it is
             if "m" + side not in out and "exclusiveM" + side not in out:
+                other = [out.get(k) for k in ("m" + _OTHER[side], "exclusiveM" + _OTHER[side])]
+                other = [v for v in other if isinstance(v, (int, float)) and not isinstance(v, bool)]
+                far = (max(other) if value > 0 else min(other)) if other else 0
+                if other and (far >= value if value > 0 else far <= value):
+                    value = 2 * far  # never on the wrong side of the bound given: twice as far instead
+                    if not math.isfinite(value):
+                        continue  # a bound near the largest double: that side is left as the schema leaves it
                 out[key] = value
         if kind == "number" and "multipleOf" not in out:
             out["multipleOf"] = float(f"1e-{FRACTION_DIGITS}")
-    if closed and kind == "object" and "additionalProperties" not in out:
+    if closed and not _open and not composed and kind == "object" and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+_COMPOSERS = ("allOf", "anyOf", "oneOf")
+_OTHER = {"inimum": "aximum", "aximum": "inimum"}
 
 
 def _kind(schema: dict) -> str | None:
