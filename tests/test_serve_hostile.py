@@ -365,3 +365,31 @@ def _idle(live) -> bool:
     while live.health()["active_rows"] and time.monotonic() < deadline:
         time.sleep(0.05)
     return live.health()["active_rows"] == 0
+
+
+def test_grammars_given_up_on_do_not_make_the_next_request_past_its_time_limit(client, live):
+    """A compile the time limit gave up on goes on in its thread for a while: many at once must not make an easy
+    grammar that waits behind them a 400 of its own (its limit counts from its own start)."""
+    limits = live.server.state.limits
+    saved, limits.grammar_seconds = limits.grammar_seconds, 0.1
+    statuses: list = []
+
+    def slow():
+        body = {"prompt": "a", "max_tokens": 1, "grammar": {"type": "regex", "value": "(a{1500}){1500}"}}
+        statuses.append(_post(live, "/v1/completions", body))
+
+    threads = [threading.Thread(target=slow, daemon=True) for _ in range(16)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.2)  # most are compiling or waiting for a thread now
+        easy = client.completions.create(
+            model="tiny", prompt="a", max_tokens=2, extra_body={"grammar": {"type": "regex", "value": "ab"}}
+        )
+        assert easy.choices[0].text == "ab"
+        deadline = time.monotonic() + 60
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        limits.grammar_seconds = saved
+    assert len(statuses) == 16 and set(statuses) <= {200, 400}

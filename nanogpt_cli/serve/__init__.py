@@ -198,6 +198,8 @@ def _server_class(uvicorn):
 
         async def shutdown(self, sockets=None):
             self.state.scheduler.stop()  # every open stream gets its end, so its connection can close
+            if self.state.grammars is not None:  # compiles not started never start; those running end by budget
+                self.state.grammars.shutdown(wait=False, cancel_futures=True)
             await super().shutdown(sockets)
 
         def handle_exit(self, sig, frame):

@@ -47,6 +47,11 @@ class Limits:
 
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")  # the Host names a server always answers to
+# Grammars compile in threads of their own, GRAMMAR_WORKERS at once: a compile the time limit gave up on goes on
+# until llguidance's budgets end it (seconds), holding its thread, so each request's limit counts from its own
+# start, and one that waits GRAMMAR_QUEUE_S for a thread is a 503 (the server is busy, not the grammar at fault)
+GRAMMAR_WORKERS = 2
+GRAMMAR_QUEUE_S = 30.0
 
 
 @dataclass
@@ -65,6 +70,7 @@ class ServerState:
     cors_origins: list[str] = field(default_factory=list)  # origins a browser page may call from ("*": any)
     created: int = field(default_factory=lambda: int(time.time()))
     handoff: _Handoff | None = None  # made by the first request, in the event loop's thread
+    grammars: Any = None  # the compile threads (a ThreadPoolExecutor), made by the first grammar, in that thread
 
     @property
     def block_size(self) -> int:
@@ -511,12 +517,30 @@ async def _constraint(state: ServerState, body, forced: str | None = None):
     if body.ignore_eos:
         raise APIError(400, "ignore_eos cannot be combined with a grammar: the grammar decides the end", param=param)
 
+    loop, started = asyncio.get_running_loop(), asyncio.Event()
+
     def build():
+        try:
+            loop.call_soon_threadsafe(started.set)
+        except RuntimeError:  # the server has stopped: nobody waits for this one
+            return None
         return Constraint(state.tokenizer, compile_grammar(kind, value, state.tokenizer))
 
+    if state.grammars is None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        state.grammars = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="nanogpt-grammar")
+    compiled = loop.run_in_executor(state.grammars, build)
+    try:  # a thread: others' compiles that their time limit gave up on may hold them all for a while
+        await asyncio.wait_for(started.wait(), GRAMMAR_QUEUE_S)
+    except asyncio.TimeoutError:
+        compiled.cancel()  # not started: it never will
+        raise APIError(
+            503, f"the server is busy compiling other grammars (over {GRAMMAR_QUEUE_S:g} s); retry later"
+        ) from None
     seconds = state.limits.grammar_seconds
     try:  # a thread left behind by the time limit ends within llguidance's budgets (inference/grammar.py)
-        return await asyncio.wait_for(asyncio.to_thread(build), seconds)
+        return await asyncio.wait_for(compiled, seconds)
     except NanoGPTError as e:
         raise APIError(400, f"invalid {param}: {e}", param=param, code="invalid_grammar") from None
     except asyncio.TimeoutError:
