@@ -20,6 +20,7 @@ pytest.importorskip("llguidance", reason="structured output needs llguidance (th
 from test_serve import Live  # noqa: E402
 
 from nanogpt_cli.config import GPTConfig  # noqa: E402
+from nanogpt_cli.errors import NanoGPTError  # noqa: E402
 from nanogpt_cli.inference.engine import Engine, SamplingParams  # noqa: E402
 from nanogpt_cli.inference.grammar import Constraint, compile_grammar  # noqa: E402
 from nanogpt_cli.model import GPT  # noqa: E402
@@ -393,3 +394,12 @@ def test_grammars_given_up_on_do_not_make_the_next_request_past_its_time_limit(c
     finally:
         limits.grammar_seconds = saved
     assert len(statuses) == 16 and set(statuses) <= {200, 400}
+
+
+@pytest.mark.parametrize("name", ["myhost:8000", "http://myhost", "[::1]:8000", ""])
+def test_an_allow_host_with_a_port_or_scheme_is_one_clear_error(tmp_path, name):
+    # the Host header's port is taken off before the names are compared: such a name could never match
+    with pytest.raises(NanoGPTError, match="--allow-host takes a host name or address without a scheme or port"):
+        ServeOptions(source=str(tmp_path / "m.safetensors"), allow_hosts=[name])
+    for fine in ("myhost.lan", "192.168.1.5", "fe80::1", "[fe80::1]", "*"):
+        ServeOptions(source=str(tmp_path / "m.safetensors"), allow_hosts=[fine])

@@ -71,6 +71,12 @@ class ServeOptions:
             raise NanoGPTError(f"--prompt-cache-mb must be at least 0 (0: no prompt cache), got {self.prompt_cache_mb}")
         if not self.grammar_seconds > 0:
             raise NanoGPTError(f"grammar_seconds must be more than 0, got {self.grammar_seconds}")
+        for name in self.allow_hosts:  # compared with the Host header's name, its port and brackets taken off
+            if name != "*" and not _host_name(name):
+                raise NanoGPTError(
+                    f"--allow-host takes a host name or address without a scheme or port, such as myhost.lan or "
+                    f"192.168.1.5 (any port is answered), got {name!r}"
+                )
         for origin in self.cors_origins:
             if origin != "*" and not origin.startswith(("http://", "https://")):
                 raise NanoGPTError(
@@ -235,3 +241,17 @@ def serve(options: ServeOptions, on_ready: Callable[[Started], None] | None = No
             server.state.scheduler.stop()
     finally:
         sock.close()
+
+
+def _host_name(name: str) -> bool:
+    """Whether --allow-host's value is a bare host name or address (an IPv6 one with or without brackets)."""
+    import ipaddress
+
+    bare = name[1:-1] if name.startswith("[") and name.endswith("]") else name
+    if ":" in bare:
+        try:
+            ipaddress.IPv6Address(bare)
+        except ValueError:
+            return False
+        return True
+    return bool(bare) and not any(c in bare for c in "/@[] ")
