@@ -63,10 +63,10 @@ class StopSignals:
         if not self.abandon or not self._old:
             yield
             return
-        if self.received is not None:
-            raise Interrupted(self.received)
-        self._raising = True
+        self._raising = True  # before the look at `received`: a signal between the two is never missed
         try:
+            if self.received is not None:
+                raise Interrupted(self.received)
             yield
         finally:
             self._raising = False
