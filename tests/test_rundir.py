@@ -184,7 +184,7 @@ def test_a_folder_with_someone_elses_config_json_is_not_an_empty_run_and_keeps_i
     with pytest.raises(NanoGPTError, match="already holds a run"):
         tiny_plan(*char_data, folder, max_iters=2)
     assert {p.name: p.read_text() for p in folder.iterdir()} == files
-    (folder / "model-00001-of-00002.safetensors").unlink()  # our config.json only would be; this one is not ours
+    (folder / "model-00001-of-00002.safetensors").unlink()  # config.json and tokenizer.json alone: not ours either
     assert not RunDir(folder).is_empty()
 
 

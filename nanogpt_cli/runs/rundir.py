@@ -123,16 +123,14 @@ class RunDir:
         return [p for p in (self.best_path, self.last_path) if p.is_file()]
 
     def is_empty(self) -> bool:
-        """A run stopped before its first save: our config.json (and progress lines) but not one checkpoint file,
-        and no file that is not a run's. A folder of other files with a config.json (a Hugging Face model's, with
-        sharded weights) is not one: starting a run there deletes nothing without --force."""
+        """A run stopped before its first save: our config.json (and progress lines) but not one checkpoint file. A
+        folder with another config.json (a Hugging Face model's, with sharded weights) is not one: starting a run
+        there deletes nothing without --force."""
         if not self.has_run() or any((self.path / n).exists() for n in SAVED):
             return False
         try:
-            if any(p.name not in self.FILES and not _leftover(p.name) for p in self.path.iterdir()):
-                return False
             self.read_config()  # ours: a model and a train config
-        except (OSError, NanoGPTError):
+        except NanoGPTError:
             return False
         return True
 
