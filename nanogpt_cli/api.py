@@ -130,6 +130,13 @@ class Model:
         return self.loaded.device
 
     @property
+    def backend(self) -> str:
+        """The decode backend its engines use: "cpu" (our kernels) or "torch" (the model's own forward)."""
+        from nanogpt_cli.inference.backends import choose
+
+        return choose(self.module, getattr(self.module, "decode_backend", None)).name
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.loaded.dtype
 

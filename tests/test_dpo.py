@@ -9,10 +9,12 @@ import math
 import pytest
 import torch
 
+from nanogpt_cli import device
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.lora import LoRAConfig, add_lora
 from nanogpt_cli.model import GPT
 from nanogpt_cli.training.dpo import DPO, dpo_loss
+from nanogpt_cli.training.events import NoDisplay
 from nanogpt_cli.training.finetune import plan_finetune
 from nanogpt_cli.training.policy import adapters_off
 from nanogpt_cli.training.trainer import Trainer
@@ -145,6 +147,27 @@ def test_dpo_resume_continues_exactly(dpo_data, tmp_path):
     assert [r["loss"] for r in part if r["kind"] == "train"] == losses
     with pytest.raises(NanoGPTError, match="--beta"):
         DPO(dpo_job(dpo_data, tmp_path / "b", resume=True, max_iters=10), {"beta": 0.9})
+
+
+def test_a_dpo_resume_keeps_the_thread_count_it_saved_over_an_automatic_choice(dpo_data, tmp_path):
+    before = torch.get_num_threads()
+    DPO(dpo_job(dpo_data, tmp_path / "run", stop_at=4), None).fit()
+    saved = json.loads((tmp_path / "run" / "trainer.json").read_text())["threads"]
+    assert saved == before
+    hints = []
+
+    class Hints(NoDisplay):
+        def on_hint(self, text):
+            hints.append(text)
+
+    try:  # the load chose another count this time, as set_threads(None) does on a busy machine
+        torch.set_num_threads(saved + 1)
+        device._chosen = device.ThreadChoice(saved + 1, saved + 1, None, None, "auto")
+        DPO(dpo_job(dpo_data, tmp_path / "run", resume=True), None, display=Hints()).fit()
+        assert torch.get_num_threads() == saved and hints and f"threads: {saved}, as this run last" in hints[0]
+    finally:
+        torch.set_num_threads(before)
+        device._chosen = None
 
 
 def test_a_signal_stops_dpo_after_its_step_with_a_save_and_the_resume_continues_exactly(dpo_data, tmp_path):

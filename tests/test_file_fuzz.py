@@ -696,6 +696,8 @@ def test_damaged_files_through_the_cli_end_in_one_error_line_and_exit_1(tmp_path
 def test_zz_report(pytestconfig):
     """Every format fuzzed met damage it refused, and every case ended one of the two ways; the table of what was
     tried is shown with pytest -s."""
+    if not RESULTS:
+        pytest.skip("it reads the tally of the fuzz tests above, none of which ran")
     for fmt, c in RESULTS.items():
         assert c["one line"] > 0 and c["one line"] + c["same model"] == c["inputs"], (fmt, c)
         if pytestconfig.getoption("capture") == "no":

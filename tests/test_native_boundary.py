@@ -21,6 +21,8 @@ from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step, head_lo
 from nanogpt_cli.inference.backends.quantize import QuantizedLinear, quantize_int4, quantize_int8, quantize_model
 from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams
 from nanogpt_cli.model import GPT
+from nanogpt_cli.runs import checkpoint as ckpt
+from nanogpt_cli.tokenizer import ByteTokenizer
 from conftest import int4_kernel_reference, tiny_config
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"our kernels do not run here: {native.status()}")
@@ -340,6 +342,12 @@ def test_the_first_build_is_one_note_and_a_failed_build_one_line_and_info_system
         assert done.returncode == 0, done.stderr
         return done.stdout, done.stderr
 
+    weights = tmp_path / "tiny.safetensors"  # a model decoded by --backend torch builds nothing and says nothing
+    ckpt.save_model(weights, GPT(tiny_config(vocab_size=256)), {"tokenizer": ByteTokenizer().describe(), "step": 0})
+    args = [sys.executable, "-m", "nanogpt_cli", "sample", "--checkpoint", str(weights), "--backend", "torch"]
+    done = subprocess.run([*args, "--max-new-tokens", "2"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "kernels" not in done.stderr, done.stderr
+    assert not (tmp_path / "nanogpt" / "native").exists()
     out, err = info()
     assert err.count("note:") == 1 and "note: built our decode kernels for " in err, err
     assert f"(kept in {tmp_path / 'nanogpt' / 'native'})" in err

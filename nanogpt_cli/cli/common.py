@@ -181,13 +181,14 @@ def note(message: str) -> None:
     err_console.print(f"note: {message}", highlight=False, soft_wrap=True, markup=False)
 
 
-def say_kernels(device=None) -> None:
+def say_kernels(model=None) -> None:
     """Our decode kernels' build in one note, once per process, where this process built them (its time and
-    instruction set) or failed to (the compiler's last error). device: a CPU that is about to decode, where the
-    build (made on first use anyway) is made now, so that the note comes before the output."""
+    instruction set) or failed to (the compiler's last error). model: an api.Model about to decode; where its
+    backend is our kernels' (`cpu`), the build (made on first use anyway) is made now, so that the note comes
+    before the output. A model decoded by `--backend torch` builds nothing."""
     import sys
 
-    if device is not None and getattr(device, "type", None) == "cpu":
+    if model is not None and model.backend == "cpu":
         from nanogpt_cli.inference.backends import native
 
         native.available()

@@ -151,7 +151,7 @@ def sample(
     model = api.load(
         checkpoint, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size, backend=backend
     )
-    say_kernels(model.device)
+    say_kernels(model)
     sampler = model.sampler
     run = functools.partial(
         print_samples, sampler, settings=settings, num_samples=num_samples, stream=stream, json_out=json_out
@@ -231,7 +231,7 @@ def chat(
     model = api.load(
         source, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size, backend=backend
     )
-    say_kernels(model.device)
+    say_kernels(model)
     session = model.conversation(system, max_new_tokens, **settings)
     if session.template.plain:
         note(f"{source} has no chat template (a base model): it gets a plain User:/Assistant: transcript")

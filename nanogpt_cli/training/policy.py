@@ -25,6 +25,7 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.lora import adapters
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
+from nanogpt_cli.training.clock import thread_tuner
 from nanogpt_cli.training.events import Display, NoDisplay, RunStarted, Scored, StepLogged
 from nanogpt_cli.training.optim import lr_at, make_optimizer, set_lr
 from nanogpt_cli.training.signals import StopSignals
@@ -167,6 +168,10 @@ class PolicyRun:
             self.state = saved.state
             if self.state.rng_torch is not None:
                 torch.set_rng_state(self.state.rng_torch)
+            # the threads it last trained with, kept: CPU sums differ by thread count (a given count wins, said)
+            tuner = thread_tuner(self.device, 1, plan.threads) if plan.threads is not None else None
+            if tuner is not None and tuner.note:
+                self.show.on_hint(tuner.note)
             self.run_dir.truncate_metrics(self.state.step)
         else:
             self.run_dir.start(plan.force)
@@ -288,6 +293,7 @@ class PolicyRun:
         state.elapsed_s += time.perf_counter() - self.started
         self.started = time.perf_counter()
         state.rng_torch = torch.get_rng_state()
+        state.threads = torch.get_num_threads() if self.device.type == "cpu" else None  # what a resume keeps
         self.run_dir.save(self.model, self.optimizer, state, self.weights_meta(val_loss), is_best)
 
     def weights_meta(self, val_loss: float) -> dict[str, Any]:
