@@ -1,0 +1,389 @@
+"""--preset auto: a run sized to a dataset, a time and this device. A short timed probe measures the device at a few
+candidate shapes; fixed rules (below, and in benchmarks/README.md, "How auto sizes a run") turn the dataset's
+figures, the time and the probe's speeds into the model's shape, the batch, the learning rates and the schedule.
+
+    choice = choose(DataFigures.of(meta), budget_s=1200, speeds=probe(...)); choice.values  # config values
+    choose(figures, 120, {2: 41_000.0, 4: 22_000.0})   # deterministic given the probe's figures (tokens/s by depth)
+
+The probe is the only part that measures anything; `choose` is a pure function of its inputs, so the rules are
+tested without timing. Values the user gives stay theirs: the rules read them (a given --n-layer sets the width
+that follows from it) and the table marks them "given".
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nanogpt_cli.errors import NanoGPTError
+
+AUTO = "auto"
+# the depths auto chooses among; width, heads and context follow from the depth (width_for, context_for)
+DEPTHS = (2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24)
+HEAD_DIM = 64
+# the block and optimizer choices of cpu-fast, tuned on this CPU (benchmarks/README.md, "How the CPU presets were
+# tuned"): Muon on the block matrices, QK-norm, squared ReLU, soft-capped logits, zero-initialised projections, an
+# untied embedding at its own rate, and a warmup-stable-decay schedule decaying over its last 70 %
+RECIPE: dict[str, Any] = dict(
+    qk_norm=True,
+    mlp="relu2",
+    logit_softcap=30.0,
+    zero_init_proj=True,
+    tie_embeddings=False,
+    optimizer="muon",
+    muon_lr=0.02,
+    muon_momentum=0.95,
+    lr_schedule="wsd",
+    wsd_decay_frac=0.7,
+    beta2=0.99,
+    eval_first=False,
+)
+# the share of --max-time left for training after the evaluations and the first, slow updates
+TRAINING_SHARE = 0.92
+# updates a run aims at: more are worth more than larger batches at these sizes, until the batch is too small to
+# keep the device busy (MIN_ROWS)
+TARGET_UPDATES = 1000
+MIN_ROWS = 4
+# the tokens of one micro-batch, at most (more are accumulated): memory, and no speed gained beyond on a CPU
+MICRO_TOKENS = {"cpu": 16_384, "cuda": 131_072, "mps": 32_768}
+PROBE_DEPTHS = {"cpu": (2, 4, 8), "cuda": (4, 8, 16), "mps": (2, 4, 8)}
+PROBE_SECONDS = 1.5  # at most, per shape, after one warm-up update
+
+
+def width_for(depth: int) -> int:
+    """The residual width of a depth: 32 per layer, rounded up to a multiple of the head size (nanochat keeps 64
+    per layer at GPT-2 scale; these small models do better a little deeper for their width)."""
+    return max(HEAD_DIM, -(-32 * depth // HEAD_DIM) * HEAD_DIM)
+
+
+def context_for(width: int, doc_tokens: float) -> int:
+    """The context: the power of two that holds a mean document, from 64 up to the width's power of two (a
+    narrow model gains little from long contexts, whose attention it pays for), at most 1,024."""
+    cap = min(1024, 1 << int(math.log2(width)))
+    want = 1 << max(6, math.ceil(math.log2(max(doc_tokens, 1))))
+    return max(64, min(want, cap))
+
+
+def tokens_per_parameter(budget_s: float) -> float:
+    """The tokens per parameter to aim at: short runs do better with a smaller model fed longer (20 at an hour, as
+    Chinchilla, rising to 40 at a minute)."""
+    minutes = max(budget_s / 60, 1.0)
+    return max(20.0, 40.0 - 5.0 * math.log2(minutes) * 20 / 30)  # 40 at 1 min, 20 at ~64 min
+
+
+def flops_per_token(depth: int, width: int, vocab: int, context: int) -> float:
+    """Training FLOPs per token of the recipe's model: 6 per weight of the blocks (12 width^2 a layer) and of the
+    untied head, plus attention's 12 * width * context a layer (GPT.flops_per_token's count)."""
+    return 6.0 * (12 * depth * width * width + vocab * width) + 12.0 * depth * width * context
+
+
+@dataclass
+class DataFigures:
+    """What auto reads of a prepared dataset."""
+
+    train_tokens: int
+    vocab_size: int
+    doc_tokens: float  # a document's mean length in tokens
+    name: str = ""
+
+    @classmethod
+    def of(cls, meta: dict[str, Any]) -> DataFigures:
+        tokens = meta["train_tokens"] + meta.get("val_tokens", 0)
+        docs = max(1, meta.get("documents") or 1)
+        return cls(meta["train_tokens"], meta["vocab_size"], tokens / docs, meta.get("name", ""))
+
+
+@dataclass
+class Row:
+    """One line of auto's table: a setting, its value and why."""
+
+    name: str  # the config field
+    value: Any
+    why: str
+    given: bool = False
+
+
+@dataclass
+class AutoChoice:
+    values: dict[str, Any]  # config values (the given ones are the user's, unchanged)
+    rows: list[Row]
+    notes: list[str] = field(default_factory=list)
+    expected_updates: int = 0
+    speeds: dict[int, float] = field(default_factory=dict)  # the probe's tokens/s by depth
+
+    def record(self) -> dict[str, Any]:
+        """What config.json keeps of it: which values auto chose, and the probe's figures."""
+        return {
+            "chosen": sorted(r.name for r in self.rows if not r.given),
+            "expected_updates": self.expected_updates,
+            "speeds": {str(k): v for k, v in self.speeds.items()},
+        }
+
+
+def speed_at(depth: int, speeds: dict[int, float], vocab: int, doc_tokens: float) -> float:
+    """Tokens/s of a depth: measured, or from the FLOP rate of the probed shapes nearest in size (the rate of a
+    shape between two probed ones interpolated in log-size, outside them the nearest one's)."""
+    if depth in speeds:
+        return speeds[depth]
+
+    def size(d: int) -> float:
+        w = width_for(d)
+        return flops_per_token(d, w, vocab, context_for(w, doc_tokens))
+
+    rates = sorted((size(d), speeds[d] * size(d)) for d in speeds)
+    x = size(depth)
+    if x <= rates[0][0]:
+        rate = rates[0][1]
+    elif x >= rates[-1][0]:
+        rate = rates[-1][1]
+    else:
+        for (x0, r0), (x1, r1) in zip(rates, rates[1:]):
+            if x0 <= x <= x1:
+                t = math.log(x / x0) / math.log(x1 / x0)
+                rate = math.exp(math.log(r0) * (1 - t) + math.log(r1) * t)
+                break
+    return rate / x
+
+
+def choose(
+    data: DataFigures,
+    budget_s: float,
+    speeds: dict[int, float],
+    given: dict[str, Any] | None = None,
+    device: str = "cpu",
+    world_size: int = 1,
+) -> AutoChoice:
+    """The run's values from the dataset's figures, the time (seconds of training), the probe's tokens/s by depth
+    (of one process: on CUDA each process has its GPU and the speeds add up; on a CPU they share the cores), the
+    values given (kept, and read by the rules) and the processes of the run (the batch counts them all)."""
+    if not speeds:
+        raise NanoGPTError("--preset auto needs the probe's speed of at least one shape")
+    given = dict(given or {})
+    processes = world_size if device == "cuda" else 1
+    usable = budget_s * TRAINING_SHARE
+    ratio = tokens_per_parameter(budget_s)
+    rows: list[Row] = []
+
+    def tokens_of(depth: int) -> float:
+        return speed_at(depth, speeds, data.vocab_size, data.doc_tokens) * processes * usable
+
+    def params_of(depth: int) -> int:
+        w = given.get("n_embd") or width_for(depth)
+        return 12 * depth * w * w + data.vocab_size * w
+
+    if "n_layer" in given:
+        depth = given["n_layer"]
+        rows.append(Row("n_layer", depth, "given", True))
+    else:
+        depth = min(DEPTHS, key=lambda d: abs(math.log(tokens_of(d) / params_of(d) / ratio)))
+        d_tokens = tokens_of(depth)
+        rows.append(
+            Row(
+                "n_layer",
+                depth,
+                f"~{d_tokens / 1e6:,.1f}M tokens in the time at {d_tokens / usable / processes:,.0f} tokens/s: "
+                f"{d_tokens / params_of(depth):,.0f} per parameter, nearest the {ratio:.0f} aimed at",
+            )
+        )
+    width = given.get("n_embd") or width_for(depth)
+    rows.append(
+        Row("n_embd", width, "given" if "n_embd" in given else "32 per layer, a multiple of 64", "n_embd" in given)
+    )
+    heads = given.get("n_head") or max(1, width // HEAD_DIM)
+    rows.append(Row("n_head", heads, "given" if "n_head" in given else f"heads of {width // heads}", "n_head" in given))
+    context = given.get("block_size") or context_for(width, data.doc_tokens)
+    rows.append(
+        Row(
+            "block_size",
+            context,
+            "given"
+            if "block_size" in given
+            else f"documents average {data.doc_tokens:,.0f} tokens; at most {min(1024, 1 << int(math.log2(width)))} "
+            "for this width",
+            "block_size" in given,
+        )
+    )
+    d_tokens = tokens_of(depth)
+    if given.get("n_embd") or given.get("block_size"):  # the speed of the shape as given
+        d_tokens *= flops_per_token(
+            depth, width_for(depth), data.vocab_size, context_for(width_for(depth), data.doc_tokens)
+        )
+        d_tokens /= flops_per_token(depth, width, data.vocab_size, context)
+
+    # the batch: tokens per update for about TARGET_UPDATES updates, a power of two, at least MIN_ROWS windows
+    want = max(MIN_ROWS * context, 2 ** round(math.log2(max(d_tokens / TARGET_UPDATES, 1))))
+    batch_rows = max(MIN_ROWS, want // context)
+    micro_cap = max(1, MICRO_TOKENS.get(device, MICRO_TOKENS["cpu"]) // context)
+    accumulation = given.get("gradient_accumulation_steps") or -(-batch_rows // micro_cap)
+    accumulation = -(-accumulation // world_size) * world_size  # every process runs the same share
+    micro = given.get("batch_size") or max(1, batch_rows // accumulation)
+    batch_tokens = micro * accumulation * context
+    updates = max(1, int(d_tokens / batch_tokens))
+    why_batch = f"{batch_tokens:,} tokens an update (all processes), for ~{updates:,} updates in the time"
+    rows.append(Row("batch_size", micro, "given" if "batch_size" in given else why_batch, "batch_size" in given))
+    rows.append(
+        Row(
+            "gradient_accumulation_steps",
+            accumulation,
+            "given"
+            if "gradient_accumulation_steps" in given
+            else f"micro-batches of at most {micro_cap * context:,} tokens"
+            + (f", a multiple of the {world_size} processes" if world_size > 1 else ""),
+            "gradient_accumulation_steps" in given,
+        )
+    )
+    # the rates of cpu-fast's sweep at width 128, scaled by 1/sqrt(width) for AdamW (as nanochat scales them);
+    # Muon's is width-free
+    scale = math.sqrt(128 / width)
+    chosen = dict(
+        learning_rate=(round(2e-3 * scale, 6), "AdamW (the head): 2e-3 at width 128, times sqrt(128 / width)"),
+        embedding_lr=(round(0.06 * scale, 5), "the embedding: 0.06 at width 128, times sqrt(128 / width)"),
+        min_lr=(round(1e-4 * scale, 7), "a twentieth of the peak"),
+        warmup_iters=(min(500, max(10, updates // 20)), "5 % of the updates"),
+        muon_momentum_warmup=(min(300, max(10, updates // 8)), "12 % of the updates"),
+        max_iters=(2 * updates, f"a cap: the clock ends the run near {updates:,} updates and the schedule follows it"),
+        eval_interval=(max(1, updates // 4), "four evaluations, the last at the end"),
+        eval_iters=(10 if device == "cpu" else 20, "batches per evaluation"),
+    )
+    epochs = d_tokens / max(1, data.train_tokens)
+    chosen["dropout"] = (
+        0.1 if epochs > 10 else 0.0,
+        f"the data is read ~{epochs:,.1f} times" + (" (dropout against overfitting)" if epochs > 10 else ""),
+    )
+    for name, (value, why) in chosen.items():
+        rows.append(Row(name, given.get(name, value), "given" if name in given else why, name in given))
+    for name in RECIPE:
+        if name in given:
+            rows.append(Row(name, given[name], "given", True))
+    values = {r.name: r.value for r in rows}
+    values.update({k: v for k, v in RECIPE.items() if k not in given})
+    values["n_embd"], values["n_head"] = width, heads
+    notes = vocabulary_notes(data.vocab_size, depth, width, budget_s)
+    return AutoChoice(values, rows, notes, updates, dict(speeds))
+
+
+def vocabulary_notes(vocab: int, depth: int, width: int, budget_s: float) -> list[str]:
+    """A note where the LM head takes most of each update's compute at the chosen size: a vocabulary too large for
+    the time (nothing is refused: the user may want that tokenizer)."""
+    head = vocab * width / (12 * depth * width * width + vocab * width)
+    if head < 0.5 or vocab < 8192:
+        return []
+    return [
+        f"the {vocab:,}-token vocabulary's head is {head:.0%} of each update's compute at this size "
+        f"({depth} layers of {width}); in {budget_s / 60:g} minutes a smaller tokenizer (prepare --tokenizer "
+        "bpe:4096, see `nanogpt prepare --compare`) leaves more of the time to the blocks"
+    ]
+
+
+# --- the probe: the device's speed at a few shapes ---
+
+
+@dataclass
+class Probed:
+    """One shape the probe timed (an event the display shows as it comes)."""
+
+    n_layer: int
+    n_embd: int
+    block_size: int
+    rows: int
+    tokens_per_s: float
+    seconds: float
+
+
+def probe(
+    data: DataFigures,
+    device_name: str = "auto",
+    dtype_name: str = "auto",
+    on_probe: Callable[[Probed], None] | None = None,
+    depths: tuple[int, ...] | None = None,
+    seconds: float = PROBE_SECONDS,
+    budget_s: float | None = None,
+) -> dict[int, float]:
+    """Tokens/s of training updates (forward, backward, the recipe's optimizer) on random tokens at a few depths,
+    smallest first, each timed for about `seconds` after a warm-up update. It stops early where the rules, given
+    the speeds so far and budget_s, would choose a depth below the next one (a larger shape would not be used)."""
+    import torch
+
+    from nanogpt_cli.config import build_configs
+    from nanogpt_cli.device import autocast_for, resolve_device, resolve_dtype
+    from nanogpt_cli.model import GPT
+    from nanogpt_cli.training.optim import make_optimizer
+    from nanogpt_cli.training.trainer import optimizer_step
+
+    device = resolve_device(device_name)
+    depths = depths or PROBE_DEPTHS.get(device.type, PROBE_DEPTHS["cpu"])
+    speeds: dict[int, float] = {}
+    generator = torch.Generator().manual_seed(0)
+    for depth in depths:
+        width = width_for(depth)
+        context = context_for(width, data.doc_tokens)
+        rows = max(MIN_ROWS, MICRO_TOKENS["cpu"] // 4 // context)
+        values = dict(RECIPE, n_layer=depth, n_embd=width, n_head=max(1, width // HEAD_DIM), block_size=context)
+        model_cfg, train_cfg = build_configs(dict(values, vocab_size=data.vocab_size, device=device_name))
+        torch.manual_seed(0)
+        model = GPT(model_cfg).to(device)
+        optimizer = make_optimizer(model, train_cfg, device)
+        dtype = resolve_dtype(train_cfg.dtype.__class__(dtype_name), device, model_cfg, rows, context)
+        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+        x = torch.randint(0, data.vocab_size, (rows, context + 1), generator=generator).to(device)
+        micro = [(x[:, :-1], x[:, 1:])]
+        ctx = autocast_for(device, dtype)
+        optimizer_step(model, optimizer, micro, ctx, scaler, 1.0)  # warm-up: allocations, kernels chosen
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        sync()
+        started, steps = time.perf_counter(), 0
+        while steps < 2 or (time.perf_counter() - started < seconds and steps < 50):
+            optimizer_step(model, optimizer, micro, ctx, scaler, 1.0)
+            sync()
+            steps += 1
+        spent = time.perf_counter() - started
+        speeds[depth] = rows * context * steps / spent
+        if on_probe is not None:
+            on_probe(Probed(depth, width, context, rows, speeds[depth], spent))
+        del model, optimizer
+        later = [d for d in depths if d > depth]
+        if budget_s is not None and later and choose(data, budget_s, speeds).values["n_layer"] < later[0]:
+            break
+    return speeds
+
+
+def wants_auto(preset: str | None, values: dict[str, Any], init_from: str | None, resume: bool) -> bool:
+    """--preset auto, or no preset with --max-time and no model shape (a fresh run from scratch)."""
+    if preset == AUTO:
+        return True
+    shape = {"n_layer", "n_embd", "n_head", "block_size"}
+    return (
+        preset is None
+        and not resume
+        and init_from is None
+        and values.get("max_time") is not None
+        and not (shape & set(values))
+    )
+
+
+def plan_auto(
+    meta: dict[str, Any],
+    values: dict[str, Any],
+    world_size: int,
+    on_probe: Callable[[Probed], None] | None = None,
+    speeds: dict[int, float] | None = None,
+) -> AutoChoice:
+    """auto's values for a fresh run on the dataset `meta` with the given `values` (parsed): the probe (unless its
+    speeds are given), then the rules."""
+    from nanogpt_cli.config import parse_value
+    from nanogpt_cli.device import resolve_device
+
+    if values.get("max_time") is None:
+        raise NanoGPTError("--preset auto sizes the run to a time: give --max-time too (e.g. --max-time 20m)")
+    given = {k: parse_value(k, v) for k, v in values.items()}
+    data = DataFigures.of(meta)
+    device = resolve_device(given.get("device", "auto"))
+    if speeds is None:
+        dtype = given.get("dtype", "auto")
+        speeds = probe(
+            data, given.get("device", "auto"), getattr(dtype, "value", dtype), on_probe, budget_s=given["max_time"]
+        )
+    return choose(data, float(given["max_time"]), speeds, given, device.type, world_size)
