@@ -273,8 +273,9 @@ def vocabulary_notes(vocab: int, depth: int, width: int, budget_s: float) -> lis
         return []
     return [
         f"the {vocab:,}-token vocabulary's head is {head:.0%} of each update's compute at this size "
-        f"({depth} layers of {width}); in {budget_s / 60:g} minutes a smaller tokenizer (prepare --tokenizer "
-        "bpe:4096, see `nanogpt prepare --compare`) leaves more of the time to the blocks"
+        f"({depth} layers of {width}); in {budget_s / 60:g} minutes a smaller vocabulary (a BPE of a few thousand "
+        "tokens from `nanogpt tokenizer train`; `nanogpt prepare SOURCE --compare` counts them) leaves more of the "
+        "time to the blocks"
     ]
 
 
