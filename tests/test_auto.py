@@ -10,11 +10,11 @@ import signal
 import pytest
 from typer.testing import CliRunner
 
-from conftest import tiny_plan
 from nanogpt_cli.cli import app
 from nanogpt_cli.config import build_configs, parse_duration
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.training.auto import DataFigures, choose, wants_auto
+from conftest import tiny_plan
 
 runner = CliRunner()
 # a probe's figures: tokens/s of one process at depths 2, 4 and 8 (a CPU's, roughly)
@@ -117,8 +117,8 @@ def test_train_with_a_time_probes_sizes_and_ends_by_the_clock_with_a_report(char
 
 @pytest.mark.slow
 def test_a_finished_run_and_a_stopped_one_have_reports_that_report_compares(char_data, tmp_path):
+    from nanogpt_cli.inspect.report import write_report
     from nanogpt_cli.runs.rundir import RunDir
-    from nanogpt_cli.training.report import write_report
     from nanogpt_cli.training.trainer import Trainer
 
     data_dir, name = char_data

@@ -12,7 +12,9 @@ from typing import Annotated
 import typer
 
 from nanogpt_cli.cli.common import DATA_DIR_HELP, note, one_line_errors, stopped
+from nanogpt_cli.cli.tokens import Compare, Name, say_tokenizer_counts, tokenizer_table
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.files import check_creatable
 
 # what prepare and tokenizer train both read
 Source = Annotated[
@@ -61,10 +63,7 @@ TokenizerName = Annotated[
 @one_line_errors
 def prepare(
     source: Source,
-    name: Annotated[
-        str | None,
-        typer.Option(help="Dataset name: the folder DATA_DIR/NAME that training reads.  [required unless --compare]"),
-    ] = None,
+    name: Name = None,
     tokenizer: TokenizerName = "gpt2",
     val_fraction: Annotated[
         float, typer.Option(help="Share held out for validation: the tail of one text, or every (1/f)-th document.")
@@ -92,14 +91,7 @@ def prepare(
     format: DataFormat = "text",
     chat_template: ChatTemplateFile = None,
     strict: Strict = False,
-    compare: Annotated[
-        bool,
-        typer.Option(
-            "--compare",
-            help="Only say how many tokens each tokenizer makes of the text (char, byte, gpt2, BPEs of 1k, 4k and 16k "
-            "tokens), counted on its first million characters; prepares nothing.",
-        ),
-    ] = False,
+    compare: Compare = False,
 ):
     """Tokenize text into DATA_DIR/NAME: train-00000.bin, ..., val-00000.bin, ... and meta.json.
 
@@ -108,13 +100,9 @@ def prepare(
     from nanogpt_cli.cli.ui import console, prepare_progress, prepare_table
     from nanogpt_cli.data import interrupted_prepare
     from nanogpt_cli.data import prepare as prepare_data
-    from nanogpt_cli.files import check_creatable
 
-    if compare:
-        return say_tokenizer_counts(source, text_column, encoding)
-    if name is None:
-        raise NanoGPTError("prepare needs --name: the dataset to write (or --compare, to count tokens only)")
-
+    if compare or name is None:  # counting only, or no dataset named
+        return say_tokenizer_counts(source, text_column, encoding, compare)
     check_creatable(data_dir, "--data-dir")
     from nanogpt_cli.tokenizer import trained_or_named
 
@@ -153,29 +141,6 @@ def prepare(
         console.print(
             f"replaced the dataset that was in {result.path}; runs trained on it continue on the new data when resumed"
         )
-
-
-def say_tokenizer_counts(source: str, text_column: str, encoding: str) -> None:
-    """prepare --compare: each tokenizer's tokens for the text, as a table."""
-    from rich.table import Table
-
-    from nanogpt_cli.cli.ui import console
-    from nanogpt_cli.data.tokenizer_compare import compare_tokenizers
-
-    found = compare_tokenizers(source, text_column=text_column, encoding=encoding)
-    counted = "all of it" if found.whole else f"its first {found.sample_chars:,} characters, scaled to the whole"
-    table = Table(title=f"tokens of {source} ({counted})", title_justify="left")
-    for column in ("tokenizer", "vocabulary", "tokens", "bytes per token"):
-        table.add_column(column, justify="left" if column == "tokenizer" else "right")
-    for row in found.rows:
-        table.add_row(row.name, f"{row.vocab_size:,}", f"{row.tokens:,}", f"{row.bytes_per_token:.2f}")
-    console.print(table)
-    console.print(
-        "bpe N: nanogpt tokenizer train SOURCE --vocab-size N --name NAME, then prepare --tokenizer NAME. Fewer "
-        "tokens carry more text per step, but a larger vocabulary costs a larger embedding and head: for a short "
-        "--max-time a BPE of a few thousand tokens is usually best (--preset auto notes a head too large)",
-        highlight=False,
-    )
 
 
 def prepare_chat(source, name, tokenizer, data_dir, chat_template, val_fraction, strict, shard_tokens, fmt) -> None:
@@ -243,29 +208,6 @@ tokenizer_app = typer.Typer(
     "--name shk2k",
     rich_markup_mode=None,
 )
-
-
-def tokenizer_table(result):
-    """What tokenizer train made, as a table."""
-    from nanogpt_cli.cli.ui import summary_table
-
-    tok = result.tokenizer
-    return summary_table(
-        f"trained {result.path}",
-        [
-            ("source", result.source),
-            (
-                "characters",
-                f"{result.characters:,} ({result.documents:,} document{'s' if result.documents != 1 else ''})",
-            ),
-            (
-                "vocabulary size",
-                f"{tok.vocab_size:,} (256 bytes, {len(tok.ranks) - 256:,} merges, {len(tok.special_tokens)} special)",
-            ),
-            ("pattern", tok.pattern_name),
-            ("time", f"{result.elapsed_s:.2f} s ({result.chars_per_s / 1e6:,.2f} M characters/s)"),
-        ],
-    )
 
 
 @tokenizer_app.command("train", short_help="Train a byte-level BPE tokenizer on text.")

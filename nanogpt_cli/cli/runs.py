@@ -99,8 +99,8 @@ def report(
     Example: nanogpt report checkpoints/a checkpoints/b
     """
     from nanogpt_cli.cli.ui import console
+    from nanogpt_cli.inspect.report import compare, report_of
     from nanogpt_cli.runs.rundir import RunDir
-    from nanogpt_cli.training.report import compare, report_of
 
     if len(runs) == 1:
         text, _ = report_of(RunDir(runs[0]))

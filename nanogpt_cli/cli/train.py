@@ -334,7 +334,7 @@ def report_training(plan, result, plot: bool = True) -> tuple[str | None, str | 
 def write_card(plan, result, drawn: tuple[str | None, str | None], eval_tasks: list[str] | None, quiet: bool) -> None:
     """The run's report card, report.md (with its samples and the --eval-tasks scores), and where it is."""
     from nanogpt_cli.cli.ui import err_console
-    from nanogpt_cli.training.report import write_report
+    from nanogpt_cli.inspect.report import write_report
 
     if not plan.run_dir.has_run() or plan.run_dir.is_empty():  # stopped before its first save: nothing to report
         return

@@ -148,6 +148,19 @@ def speed_at(depth: int, speeds: dict[int, float], vocab: int, doc_tokens: float
     return rate / x
 
 
+class _Rows(list):
+    """auto's table as it is built: each value the given one where the user gave it."""
+
+    def __init__(self, given: dict[str, Any]):
+        super().__init__()
+        self.given = given
+
+    def add(self, name: str, value: Any, why: str) -> Any:
+        mine = name in self.given
+        self.append(Row(name, self.given[name] if mine else value, "given" if mine else why, mine))
+        return self[-1].value
+
+
 def choose(
     data: DataFigures,
     budget_s: float,
@@ -161,108 +174,91 @@ def choose(
     values given (kept, and read by the rules) and the processes of the run (the batch counts them all)."""
     if not speeds:
         raise NanoGPTError("--preset auto needs the probe's speed of at least one shape")
-    given = dict(given or {})
+    rows = _Rows(dict(given or {}))
     processes = world_size if device == "cuda" else 1
     usable = budget_s * TRAINING_SHARE
+    depth, width, context = _shape(rows, data, budget_s, speeds, processes * usable)
+    # the tokens the time holds at the shape as given (a given width or context changes its speed)
+    d_tokens = speed_at(depth, speeds, data.vocab_size, data.doc_tokens) * processes * usable
+    plain = flops_per_token(depth, width_for(depth), data.vocab_size, context_for(width_for(depth), data.doc_tokens))
+    d_tokens *= plain / flops_per_token(depth, width, data.vocab_size, context)
+    updates = _batch(rows, d_tokens, context, device, world_size)
+    _schedule(rows, width, updates, device, d_tokens / max(1, data.train_tokens))
+    for name in RECIPE:
+        if name in rows.given:
+            rows.add(name, None, "")
+    values = {**{k: v for k, v in RECIPE.items() if k not in rows.given}, **{r.name: r.value for r in rows}}
+    notes = vocabulary_notes(data.vocab_size, depth, width, budget_s)
+    return AutoChoice(values, list(rows), notes, updates, dict(speeds))
+
+
+def _shape(
+    rows: _Rows, data: DataFigures, budget_s: float, speeds: dict[int, float], seconds: float
+) -> tuple[int, int, int]:
+    """Depth (the one whose tokens per parameter in the time come nearest the budget's ratio), width, heads and
+    context: (depth, width, context)."""
     ratio = tokens_per_parameter(budget_s)
-    rows: list[Row] = []
 
     def tokens_of(depth: int) -> float:
-        return speed_at(depth, speeds, data.vocab_size, data.doc_tokens) * processes * usable
+        return speed_at(depth, speeds, data.vocab_size, data.doc_tokens) * seconds
 
     def params_of(depth: int) -> int:
-        w = given.get("n_embd") or width_for(depth)
+        w = rows.given.get("n_embd") or width_for(depth)
         return 12 * depth * w * w + data.vocab_size * w
 
-    if "n_layer" in given:
-        depth = given["n_layer"]
-        rows.append(Row("n_layer", depth, "given", True))
-    else:
-        depth = min(DEPTHS, key=lambda d: abs(math.log(tokens_of(d) / params_of(d) / ratio)))
-        d_tokens = tokens_of(depth)
-        rows.append(
-            Row(
-                "n_layer",
-                depth,
-                f"~{d_tokens / 1e6:,.1f}M tokens in the time at {d_tokens / usable / processes:,.0f} tokens/s: "
-                f"{d_tokens / params_of(depth):,.0f} per parameter, nearest the {ratio:.0f} aimed at",
-            )
-        )
-    width = given.get("n_embd") or width_for(depth)
-    rows.append(
-        Row("n_embd", width, "given" if "n_embd" in given else "32 per layer, a multiple of 64", "n_embd" in given)
+    best = min(DEPTHS, key=lambda d: abs(math.log(tokens_of(d) / params_of(d) / ratio)))
+    depth = rows.add(
+        "n_layer",
+        best,
+        f"~{tokens_of(best) / 1e6:,.1f}M tokens in the time at {tokens_of(best) / seconds:,.0f} tokens/s: "
+        f"{tokens_of(best) / params_of(best):,.0f} per parameter, nearest the {ratio:.0f} aimed at",
     )
-    heads = given.get("n_head") or max(1, width // HEAD_DIM)
-    rows.append(Row("n_head", heads, "given" if "n_head" in given else f"heads of {width // heads}", "n_head" in given))
-    context = given.get("block_size") or context_for(width, data.doc_tokens)
-    rows.append(
-        Row(
-            "block_size",
-            context,
-            "given"
-            if "block_size" in given
-            else f"documents average {data.doc_tokens:,.0f} tokens; at most {min(1024, 1 << int(math.log2(width)))} "
-            "for this width",
-            "block_size" in given,
-        )
-    )
-    d_tokens = tokens_of(depth)
-    if given.get("n_embd") or given.get("block_size"):  # the speed of the shape as given
-        d_tokens *= flops_per_token(
-            depth, width_for(depth), data.vocab_size, context_for(width_for(depth), data.doc_tokens)
-        )
-        d_tokens /= flops_per_token(depth, width, data.vocab_size, context)
+    width = rows.add("n_embd", width_for(depth), "32 per layer, a multiple of 64")
+    heads = rows.add("n_head", max(1, width // HEAD_DIM), f"heads of {HEAD_DIM}")
+    cap = min(1024, 1 << int(math.log2(width)))
+    why = f"documents average {data.doc_tokens:,.0f} tokens; at most {cap} for this width"
+    context = rows.add("block_size", context_for(width, data.doc_tokens), why)
+    assert heads >= 1
+    return depth, width, context
 
-    # the batch: tokens per update for about TARGET_UPDATES updates, a power of two, at least MIN_ROWS windows
+
+def _batch(rows: _Rows, d_tokens: float, context: int, device: str, world_size: int) -> int:
+    """The batch: tokens per update for about TARGET_UPDATES updates, a power of two, at least MIN_ROWS windows, in
+    micro-batches of at most MICRO_TOKENS, a multiple of the processes. Returns the updates expected."""
     want = max(MIN_ROWS * context, 2 ** round(math.log2(max(d_tokens / TARGET_UPDATES, 1))))
     batch_rows = max(MIN_ROWS, want // context)
     micro_cap = max(1, MICRO_TOKENS.get(device, MICRO_TOKENS["cpu"]) // context)
-    accumulation = given.get("gradient_accumulation_steps") or -(-batch_rows // micro_cap)
+    accumulation = rows.given.get("gradient_accumulation_steps") or -(-batch_rows // micro_cap)
     accumulation = -(-accumulation // world_size) * world_size  # every process runs the same share
-    micro = given.get("batch_size") or max(1, batch_rows // accumulation)
+    micro = rows.given.get("batch_size") or max(1, batch_rows // accumulation)
     batch_tokens = micro * accumulation * context
     updates = max(1, int(d_tokens / batch_tokens))
-    why_batch = f"{batch_tokens:,} tokens an update (all processes), for ~{updates:,} updates in the time"
-    rows.append(Row("batch_size", micro, "given" if "batch_size" in given else why_batch, "batch_size" in given))
-    rows.append(
-        Row(
-            "gradient_accumulation_steps",
-            accumulation,
-            "given"
-            if "gradient_accumulation_steps" in given
-            else f"micro-batches of at most {micro_cap * context:,} tokens"
-            + (f", a multiple of the {world_size} processes" if world_size > 1 else ""),
-            "gradient_accumulation_steps" in given,
-        )
+    rows.add(
+        "batch_size", micro, f"{batch_tokens:,} tokens an update (all processes), ~{updates:,} updates in the time"
     )
-    # the rates of cpu-fast's sweep at width 128, scaled by 1/sqrt(width) for AdamW (as nanochat scales them);
-    # Muon's is width-free
+    processes = f", a multiple of the {world_size} processes" if world_size > 1 else ""
+    rows.add(
+        "gradient_accumulation_steps",
+        accumulation,
+        f"micro-batches of at most {micro_cap * context:,} tokens" + processes,
+    )
+    return updates
+
+
+def _schedule(rows: _Rows, width: int, updates: int, device: str, epochs: float) -> None:
+    """Learning rates (cpu-fast's sweep at width 128, scaled by 1/sqrt(width) for AdamW as nanochat scales them;
+    Muon's is width-free), warm-ups, evaluations and dropout."""
     scale = math.sqrt(128 / width)
-    chosen = dict(
-        learning_rate=(round(2e-3 * scale, 6), "AdamW (the head): 2e-3 at width 128, times sqrt(128 / width)"),
-        embedding_lr=(round(0.06 * scale, 5), "the embedding: 0.06 at width 128, times sqrt(128 / width)"),
-        min_lr=(round(1e-4 * scale, 7), "a twentieth of the peak"),
-        warmup_iters=(min(500, max(10, updates // 20)), "5 % of the updates"),
-        muon_momentum_warmup=(min(300, max(10, updates // 8)), "12 % of the updates"),
-        max_iters=(2 * updates, f"a cap: the clock ends the run near {updates:,} updates and the schedule follows it"),
-        eval_interval=(max(1, updates // 4), "four evaluations, the last at the end"),
-        eval_iters=(10 if device == "cpu" else 20, "batches per evaluation"),
-    )
-    epochs = d_tokens / max(1, data.train_tokens)
-    chosen["dropout"] = (
-        0.1 if epochs > 10 else 0.0,
-        f"the data is read ~{epochs:,.1f} times" + (" (dropout against overfitting)" if epochs > 10 else ""),
-    )
-    for name, (value, why) in chosen.items():
-        rows.append(Row(name, given.get(name, value), "given" if name in given else why, name in given))
-    for name in RECIPE:
-        if name in given:
-            rows.append(Row(name, given[name], "given", True))
-    values = {r.name: r.value for r in rows}
-    values.update({k: v for k, v in RECIPE.items() if k not in given})
-    values["n_embd"], values["n_head"] = width, heads
-    notes = vocabulary_notes(data.vocab_size, depth, width, budget_s)
-    return AutoChoice(values, rows, notes, updates, dict(speeds))
+    rows.add("learning_rate", round(2e-3 * scale, 6), "AdamW (the head): 2e-3 at width 128, times sqrt(128 / width)")
+    rows.add("embedding_lr", round(0.06 * scale, 5), "the embedding: 0.06 at width 128, times sqrt(128 / width)")
+    rows.add("min_lr", round(1e-4 * scale, 7), "a twentieth of the peak")
+    rows.add("warmup_iters", min(500, max(10, updates // 20)), "5 % of the updates")
+    rows.add("muon_momentum_warmup", min(300, max(10, updates // 8)), "12 % of the updates")
+    rows.add("max_iters", 2 * updates, f"a cap: the clock ends the run near {updates:,} updates, the schedule with it")
+    rows.add("eval_interval", max(1, updates // 4), "four evaluations, the last at the end")
+    rows.add("eval_iters", 10 if device == "cpu" else 20, "batches per evaluation")
+    why = f"the data is read ~{epochs:,.1f} times" + (" (dropout against overfitting)" if epochs > 10 else "")
+    rows.add("dropout", 0.1 if epochs > 10 else 0.0, why)
 
 
 def vocabulary_notes(vocab: int, depth: int, width: int, budget_s: float) -> list[str]:
@@ -306,49 +302,65 @@ def probe(
     """Tokens/s of training updates (forward, backward, the recipe's optimizer) on random tokens at a few depths,
     smallest first, each timed for about `seconds` after a warm-up update. It stops early where the rules, given
     the speeds so far and budget_s, would choose a depth below the next one (a larger shape would not be used)."""
-    import torch
-
-    from nanogpt_cli.config import build_configs
-    from nanogpt_cli.device import autocast_for, resolve_device, resolve_dtype
-    from nanogpt_cli.model import GPT
-    from nanogpt_cli.training.optim import make_optimizer
-    from nanogpt_cli.training.trainer import optimizer_step
+    from nanogpt_cli.device import resolve_device
 
     device = resolve_device(device_name)
     depths = depths or PROBE_DEPTHS.get(device.type, PROBE_DEPTHS["cpu"])
     speeds: dict[int, float] = {}
-    generator = torch.Generator().manual_seed(0)
     for depth in depths:
-        width = width_for(depth)
-        context = context_for(width, data.doc_tokens)
-        rows = max(MIN_ROWS, MICRO_TOKENS["cpu"] // 4 // context)
-        values = dict(RECIPE, n_layer=depth, n_embd=width, n_head=max(1, width // HEAD_DIM), block_size=context)
-        model_cfg, train_cfg = build_configs(dict(values, vocab_size=data.vocab_size, device=device_name))
-        torch.manual_seed(0)
-        model = GPT(model_cfg).to(device)
-        optimizer = make_optimizer(model, train_cfg, device)
-        dtype = resolve_dtype(train_cfg.dtype.__class__(dtype_name), device, model_cfg, rows, context)
-        scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-        x = torch.randint(0, data.vocab_size, (rows, context + 1), generator=generator).to(device)
-        micro = [(x[:, :-1], x[:, 1:])]
-        ctx = autocast_for(device, dtype)
-        optimizer_step(model, optimizer, micro, ctx, scaler, 1.0)  # warm-up: allocations, kernels chosen
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        sync()
-        started, steps = time.perf_counter(), 0
-        while steps < 2 or (time.perf_counter() - started < seconds and steps < 50):
-            optimizer_step(model, optimizer, micro, ctx, scaler, 1.0)
-            sync()
-            steps += 1
-        spent = time.perf_counter() - started
-        speeds[depth] = rows * context * steps / spent
+        probed = _time_shape(data, depth, device_name, dtype_name, seconds)
+        speeds[depth] = probed.tokens_per_s
         if on_probe is not None:
-            on_probe(Probed(depth, width, context, rows, speeds[depth], spent))
-        del model, optimizer
+            on_probe(probed)
         later = [d for d in depths if d > depth]
         if budget_s is not None and later and choose(data, budget_s, speeds).values["n_layer"] < later[0]:
             break
     return speeds
+
+
+def _time_shape(data: DataFigures, depth: int, device_name: str, dtype_name: str, seconds: float) -> Probed:
+    """The trainer's update (trainer.optimizer_step, one micro-batch) of the recipe's model of `depth`, timed."""
+    import torch
+
+    from nanogpt_cli.config import Dtype, build_configs
+    from nanogpt_cli.device import autocast_for, resolve_device, resolve_dtype
+    from nanogpt_cli.model import GPT
+    from nanogpt_cli.training.optim import make_optimizer
+
+    device = resolve_device(device_name)
+    width = width_for(depth)
+    context = context_for(width, data.doc_tokens)
+    rows = max(MIN_ROWS, MICRO_TOKENS["cpu"] // 4 // context)
+    values = dict(RECIPE, n_layer=depth, n_embd=width, n_head=max(1, width // HEAD_DIM), block_size=context)
+    model_cfg, train_cfg = build_configs(dict(values, vocab_size=data.vocab_size, device=device_name))
+    torch.manual_seed(0)
+    model = GPT(model_cfg).to(device)
+    optimizer = make_optimizer(model, train_cfg, device)
+    dtype = resolve_dtype(Dtype(dtype_name), device, model_cfg, rows, context)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    x = torch.randint(0, data.vocab_size, (rows, context + 1), generator=torch.Generator().manual_seed(0))
+    x = x.to(device)
+    ctx = autocast_for(device, dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def update():
+        with ctx:
+            _, loss = model(x[:, :-1], x[:, 1:], keep_logits=False)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        sync()
+
+    update()  # warm-up: allocations, kernels chosen
+    started, steps = time.perf_counter(), 0
+    while steps < 2 or (time.perf_counter() - started < seconds and steps < 50):
+        update()
+        steps += 1
+    spent = time.perf_counter() - started
+    return Probed(depth, width, context, rows, rows * context * steps / spent, spent)
 
 
 def wants_auto(preset: str | None, values: dict[str, Any], init_from: str | None, resume: bool) -> bool:

@@ -137,11 +137,13 @@ def bytes_per_token(tokenizer, data_dir: Path, name: str) -> float | None:
 
 def add_model_figures(figures: dict[str, Any], run: RunDir, samples: bool = True) -> None:
     """What needs the weights: bits per byte (the tokenizer), the model's size and FLOPs, and a few samples."""
-    from nanogpt_cli.api import load
+    from nanogpt_cli.config import Dtype
+    from nanogpt_cli.inference.sample import Sampler, SampleSettings
+    from nanogpt_cli.interop.loading import load_for_inference
 
     config = run.read_config()
     try:
-        model = load(run.path, last=True, device="cpu", dtype="float32")
+        model = load_for_inference(str(run.path), last=True, device="cpu", dtype=Dtype.float32)
     except NanoGPTError as e:
         figures["samples_note"] = f"no samples: {e}"
         return
@@ -150,7 +152,7 @@ def add_model_figures(figures: dict[str, Any], run: RunDir, samples: bool = True
     figures["bytes_per_token"] = per_token
     for key in ("val_loss", "best_val_loss", "train_loss"):
         figures[key.replace("loss", "bpb")] = bits_per_byte(figures.get(key), per_token)
-    module = model.module
+    module = model.model
     figures["params"] = module.num_params()
     figures["params_total"] = sum(p.numel() for p in module.parameters())
     seq_len = train.get("seq_len") or module.config.block_size
@@ -166,9 +168,10 @@ def add_model_figures(figures: dict[str, Any], run: RunDir, samples: bool = True
     except (NanoGPTError, OSError, ValueError):
         pass
     figures["samples"] = []
+    sampler, settings = Sampler(model), SampleSettings(max_new_tokens=SAMPLE_TOKENS, temperature=0.8, top_k=50)
     for prompt in prompts:
         try:
-            out = model.generate(prompt, max_new_tokens=SAMPLE_TOKENS, temperature=0.8, top_k=50, seed=1337)
+            out = sampler.generate(prompt, settings)
         except NanoGPTError:  # a prompt this tokenizer cannot write (a char vocabulary without "T")
             continue
         figures["samples"].append({"prompt": prompt, "text": out.text})
