@@ -105,7 +105,7 @@ def test_train_with_a_time_probes_sizes_and_ends_by_the_clock_with_a_report(char
     data_dir, name = char_data
     run = tmp_path / "auto"
     out = ok("train", "--data", name, "--data-dir", data_dir, "--max-time", "3s", "--device", "cpu", "--out", run)
-    assert "probe: 2 layers x 64" in out and "--preset auto" in out and "report: " in out
+    assert "probe: 2 layers x 128" in out and "--preset auto" in out and "report: " in out
     config = json.loads((run / "config.json").read_text())
     assert "n_layer" in config["auto"]["chosen"] and config["train"]["max_time"] == 3.0
     report = (run / "report.md").read_text()

@@ -54,9 +54,10 @@ PROBE_SECONDS = 1.5  # at most, per shape, after one warm-up update
 
 
 def width_for(depth: int) -> int:
-    """The residual width of a depth: 32 per layer, rounded up to a multiple of the head size (nanochat keeps 64
-    per layer at GPT-2 scale; these small models do better a little deeper for their width)."""
-    return max(HEAD_DIM, -(-32 * depth // HEAD_DIM) * HEAD_DIM)
+    """The residual width of a depth: 32 per layer, rounded up to a multiple of the head size, at least 128 (nanochat
+    keeps 64 per layer at GPT-2 scale; on the CPU, cpu-fast's sweep found 2 and 3 layers of 128 best in its time and
+    wider or deeper ones worse: benchmarks/README.md)."""
+    return max(2 * HEAD_DIM, -(-32 * depth // HEAD_DIM) * HEAD_DIM)
 
 
 def context_for(width: int, doc_tokens: float) -> int:
@@ -68,10 +69,11 @@ def context_for(width: int, doc_tokens: float) -> int:
 
 
 def tokens_per_parameter(budget_s: float) -> float:
-    """The tokens per parameter to aim at: short runs do better with a smaller model fed longer (20 at an hour, as
-    Chinchilla, rising to 40 at a minute)."""
-    minutes = max(budget_s / 60, 1.0)
-    return max(20.0, 40.0 - 5.0 * math.log2(minutes) * 20 / 30)  # 40 at 1 min, 20 at ~64 min
+    """The training tokens per non-embedding parameter to aim at. cpu-fast's sweep (about 2 minutes of this CPU) was
+    best at 3.4-7 (3 layers of 128 on 2M tokens, 2 layers on 2.7M; 6 layers at 0.8 were worse): 5 at 2 minutes,
+    rising with the time as (minutes / 2) ** 0.3 to Chinchilla's 20 at about 3.5 hours, and no further."""
+    minutes = max(budget_s / 60, 0.1)
+    return min(20.0, max(2.0, 5.0 * (minutes / 2) ** 0.3))
 
 
 def flops_per_token(depth: int, width: int, vocab: int, context: int) -> float:
@@ -202,18 +204,18 @@ def _shape(
     def tokens_of(depth: int) -> float:
         return speed_at(depth, speeds, data.vocab_size, data.doc_tokens) * seconds
 
-    def params_of(depth: int) -> int:
+    def params_of(depth: int) -> int:  # the blocks' (the head's cost is in the probe's speed)
         w = rows.given.get("n_embd") or width_for(depth)
-        return 12 * depth * w * w + data.vocab_size * w
+        return 12 * depth * w * w
 
     best = min(DEPTHS, key=lambda d: abs(math.log(tokens_of(d) / params_of(d) / ratio)))
     depth = rows.add(
         "n_layer",
         best,
         f"~{tokens_of(best) / 1e6:,.1f}M tokens in the time at {tokens_of(best) / seconds:,.0f} tokens/s: "
-        f"{tokens_of(best) / params_of(best):,.0f} per parameter, nearest the {ratio:.0f} aimed at",
+        f"{tokens_of(best) / params_of(best):,.1f} per block parameter, nearest the {ratio:.1f} aimed at",
     )
-    width = rows.add("n_embd", width_for(depth), "32 per layer, a multiple of 64")
+    width = rows.add("n_embd", width_for(depth), "32 per layer, a multiple of 64, at least 128")
     heads = rows.add("n_head", max(1, width // HEAD_DIM), f"heads of {HEAD_DIM}")
     cap = min(1024, 1 << int(math.log2(width)))
     why = f"documents average {data.doc_tokens:,.0f} tokens; at most {cap} for this width"
