@@ -324,7 +324,7 @@ def report_of(run: RunDir) -> tuple[str, dict[str, Any]]:
 def compare(runs: list[RunDir]) -> tuple[list[str], list[tuple[str, list[str]]]]:
     """Runs side by side: their names, and one row per figure (label, a value per run)."""
     figures = [report_of(r)[1] for r in runs]
-    names = [Path(f["run"]).name for f in figures]
+    names = [r.path.name for r in runs]
     rows: list[tuple[str, list[str]]] = []
 
     def row(label: str, get: Callable[[dict[str, Any]], str]) -> None:

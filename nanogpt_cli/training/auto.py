@@ -367,6 +367,11 @@ def _time_shape(data: DataFigures, depth: int, device_name: str, dtype_name: str
 
 def wants_auto(preset: str | None, values: dict[str, Any], init_from: str | None, resume: bool) -> bool:
     """--preset auto, or no preset with --max-time and no model shape (a fresh run from scratch)."""
+    if preset == AUTO and init_from is not None and not resume:
+        raise NanoGPTError(
+            f"--preset auto sizes a new model, and --init-from {init_from} brings its own; drop --preset auto (or "
+            "give the training values you want)"
+        )
     if preset == AUTO:
         return True
     shape = {"n_layer", "n_embd", "n_head", "block_size"}
@@ -393,6 +398,11 @@ def plan_auto(
 
     if values.get("max_time") is None:
         raise NanoGPTError("--preset auto sizes the run to a time: give --max-time too (e.g. --max-time 20m)")
+    if world_size > 1:  # before the probe: check_world would refuse it after
+        raise NanoGPTError(
+            "--preset auto sizes the run to --max-time, which runs in one process only (each process's clock would "
+            "set its own schedule); train in one process, or give the model and --max-iters"
+        )
     given = {k: parse_value(k, v) for k, v in values.items()}
     data = DataFigures.of(meta)
     device = resolve_device(given.get("device", "auto"))
