@@ -131,15 +131,19 @@ def test_train_with_a_time_probes_sizes_and_ends_by_the_clock_with_a_report(char
 
 @pytest.mark.slow
 def test_a_finished_run_and_a_stopped_one_have_reports_that_report_compares(char_data, tmp_path):
+    from test_eval_tasks import sum_docs, write_tasks
+
     from nanogpt_cli.inspect.report import write_report
     from nanogpt_cli.runs.rundir import RunDir
     from nanogpt_cli.training.trainer import Trainer
 
     data_dir, name = char_data
     done = tmp_path / "done"
+    task = write_tasks(tmp_path / "tasks", sum_docs()) / "sums_mc.yaml"  # a local lm-eval task: nothing downloaded
     ok("train", "--preset", "tiny", "--data", name, "--data-dir", data_dir, "--device", "cpu", "--dtype", "float32",
-       "--max-iters", "20", "--eval-interval", "10", "--out", done)  # fmt: skip
+       "--max-iters", "20", "--eval-interval", "10", "--out", done, "--eval-tasks", task)  # fmt: skip
     report = (done / "report.md").read_text()
+    assert "## Tasks" in report and "| sums_mc | acc | " in report  # scored at the end, as `eval tasks` does
     assert report.startswith("# Report: done\n\nfinished at step 20.")
     assert "| --n-layer | 2 |  |" in report and "## Samples" in report and "bits per byte" in report
     figures = json.loads((done / "report.json").read_text())
@@ -167,7 +171,7 @@ def test_a_finished_run_and_a_stopped_one_have_reports_that_report_compares(char
     assert "Report: done" in shown and "finished at step 20" in shown
     table = ok("report", done, stopped)
     assert "runs compared" in table and "stopped early (Ctrl-C)" in table and "finished, step 20" in table
-    assert "val bits/byte" in table
+    assert "val bits/byte" in table and "sums_mc acc" in table
     result = runner.invoke(app, ["report", str(tmp_path / "nothing")])
     assert result.exit_code == 1 and "is not a run folder" in result.output
 
