@@ -56,6 +56,7 @@ ENDINGS = {
     "stop_at": "stopped at --stop-at",
     "SIGINT": "stopped early (Ctrl-C)",
     "SIGTERM": "stopped early (SIGTERM)",
+    "running": "still training",
 }
 
 
@@ -315,6 +316,9 @@ def report_of(run: RunDir) -> tuple[str, dict[str, Any]]:
     if kept is not None:
         return kept
     figures = gather(run)
+    if run.running():
+        figures["ending"] = "running"
+        figures["status"] = ENDINGS["running"]
     add_model_figures(figures, run, samples=False)
     figures["plot"] = run.loss_plot_path.name if run.loss_plot_path.is_file() else None
     figures["plot_note"] = None if figures["plot"] else "the run has no loss.png"
