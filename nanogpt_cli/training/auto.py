@@ -256,7 +256,9 @@ def _schedule(rows: _Rows, width: int, updates: int, device: str, epochs: float)
     rows.add("min_lr", round(1e-4 * scale, 7), "a twentieth of the peak")
     rows.add("warmup_iters", min(500, max(10, updates // 20)), "5 % of the updates")
     rows.add("muon_momentum_warmup", min(300, max(10, updates // 8)), "12 % of the updates")
-    rows.add("max_iters", 2 * updates, f"a cap: the clock ends the run near {updates:,} updates, the schedule with it")
+    # a cap far above the estimate: a probe on a busy machine can read a half or a third of the speed the run gets,
+    # and a run that reached its --max-iters first would end before its time
+    rows.add("max_iters", 10 * updates, f"a cap: the clock ends the run near {updates:,} updates, the schedule with it")
     rows.add("eval_interval", max(1, updates // 4), "four evaluations, the last at the end")
     rows.add("eval_iters", 10 if device == "cpu" else 20, "batches per evaluation")
     why = f"the data is read ~{epochs:,.1f} times" + (" (dropout against overfitting)" if epochs > 10 else "")
