@@ -151,13 +151,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpora", default="prose,code,russian")
     ap.add_argument("--budgets", default="2,10,30", help="minutes of training, comma-separated")
-    ap.add_argument("--sweep", choices=["full", "reduced", "none"], default="full")
+    ap.add_argument("--sweep", default="full", help="full, reduced (REDUCED), none, or sweep labels, comma-separated")
     ap.add_argument("--presets", default=",".join(PRESETS), help="comma-separated, or none")
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench_auto"))
     ap.add_argument("--results", type=Path, default=None, help="append each run's JSON line to this file")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    sweep = [] if args.sweep == "none" else [s for s in SWEEP if args.sweep == "full" or s[0] in REDUCED]
+    chosen = {"full": [s[0] for s in SWEEP], "reduced": REDUCED, "none": []}.get(args.sweep, args.sweep.split(","))
+    sweep = [s for s in SWEEP if s[0] in chosen]
     presets = [] if args.presets == "none" else args.presets.split(",")
     rows = []
     for kind in args.corpora.split(","):
