@@ -55,7 +55,8 @@ def decode_run(window: int | None, tokens: int):
     import torch
 
     from nanogpt_cli.config import GPTConfig
-    from nanogpt_cli.inference.engine import KVCache, decode_plan, decode_step
+    from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
+    from nanogpt_cli.inference.engine import KVCache
     from nanogpt_cli.model import GPT
 
     torch.manual_seed(0)

@@ -118,8 +118,8 @@ print(json.dumps(out))
 """
 
 
-def ours(weights: Path, precision: str, args) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def ours(weights: Path, precision: str, args, root: Path = ROOT) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(root)}
     cmd = [sys.executable, "-c", OURS, str(weights), precision, str(args.threads), str(args.prompt), str(args.tokens)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0:
@@ -219,6 +219,37 @@ def speed(args) -> None:
         )
 
 
+def against(args) -> None:
+    """This checkout against another one (--against PATH: its package, e.g. the main branch's worktree) on the same
+    weights, in alternating rounds: prefill and decode at batch 1 and 8, before (PATH) / after (this checkout)."""
+    load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    other = Path(args.against).resolve()
+    for name in args.models:
+        rows = []
+        with tempfile.TemporaryDirectory() as tmp:
+            weights, _ = make_model(Path(tmp), name, [])
+            for precision in args.ours:
+                rounds = []
+                for _ in range(args.rounds):
+                    rounds.append((ours(weights, precision, args, other), ours(weights, precision, args)))
+                    print(name, precision, rounds[-1], flush=True)
+                out = [precision]
+                for key in ("prefill_ms", "decode1_ms", "decode8_ms"):
+                    before = statistics.median(r[0][key] for r in rounds)
+                    after = statistics.median(r[1][key] for r in rounds)
+                    ratio = statistics.median(r[0][key] / r[1][key] for r in rounds)
+                    out += [f"{before:.1f} / {after:.1f}", f"{ratio:.2f}x"]
+                rows.append(out)
+        load_after = " ".join(f"{x:.1f}" for x in os.getloadavg())
+        table(
+            f"{name} shape (random weights), before ({other}) / after ({ROOT}), {args.threads} thread(s), prefill "
+            f"{args.prompt} tokens, decode {args.tokens} tokens per row, medians of {args.rounds} alternating rounds, "
+            f"load average {load_before} before, {load_after} after; ratio: before / after per round (> 1: faster)",
+            ["ours", "prefill ms", "ratio", "decode b1 ms", "ratio", "decode b8 ms/step", "ratio"],
+            rows,
+        )
+
+
 def row(precision: str, quant: str | None, rounds: list) -> list:
     med = lambda key, side: statistics.median(r[side][key] for r in rounds)  # noqa: E731
     out = [precision, quant or "-"]
@@ -258,7 +289,7 @@ def profile(args) -> None:
                     engine.step()
                 plain_ms = (time.perf_counter() - t0) / args.tokens * 1000
                 if engine.plan.fused is not None:
-                    fused_timers(reset=True)
+                    engine.plan.fused.timers.zero_()  # the step's own profile clock
                 with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                     t0 = time.perf_counter()
                     for _ in range(args.tokens):
@@ -266,7 +297,7 @@ def profile(args) -> None:
                     step_ms = (time.perf_counter() - t0) / args.tokens * 1000
             groups = group_profile(prof, args.tokens)
             if engine.plan.fused is not None:  # inside the one call, by its own clock over the profiled steps
-                products, attention, total = (1000 * t / args.tokens for t in fused_timers())
+                products, attention, total = (1000 * t / args.tokens for t in engine.plan.fused.timers.tolist())
                 groups["  of which: matmuls"] = products
                 groups["  of which: attention over the cache"] = attention
                 groups["  of which: norms, RoPE, SwiGLU, cache writes"] = total - products - attention
@@ -389,8 +420,8 @@ def label_our_calls() -> None:
     step and the head puts them in the profile (benchmark only)."""
     from torch.profiler import record_function
 
-    from nanogpt_cli.inference import engine
-    from nanogpt_cli.model.decode import FusedStep
+    from nanogpt_cli.inference.backends import cpu
+    from nanogpt_cli.inference.backends.decode import FusedStep
 
     def labelled(fn, name):
         def call(*a, **kw):
@@ -400,19 +431,7 @@ def label_our_calls() -> None:
         return call
 
     FusedStep.__call__ = labelled(FusedStep.__call__, FUSED)
-    engine.head_logits = labelled(engine.head_logits, HEAD)
-
-
-def fused_timers(reset: bool = False) -> list[float]:
-    """Seconds the fused step spent so far in its products, its attention over the cache, and in all (its own
-    clock, native.cpp's ng_timers)."""
-    import ctypes
-
-    from nanogpt_cli.model import native
-
-    out = (ctypes.c_double * 3)()
-    native.library()[0].ng_timers(out, int(reset))
-    return list(out)
+    cpu.head_logits = labelled(cpu.head_logits, HEAD)
 
 
 def group_profile(prof, steps: int) -> dict[str, float]:
@@ -486,7 +505,8 @@ def decode_perplexity(model, ids: list[int], window: int) -> float:
     import torch
     from torch.nn import functional as F
 
-    from nanogpt_cli.inference.engine import KVCache, decode_plan, decode_step
+    from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
+    from nanogpt_cli.inference.engine import KVCache
 
     windows = [ids[i : i + window] for i in range(0, len(ids) - window + 1, window)]
     nll, count, plan = 0.0, 0, decode_plan(model)
@@ -512,6 +532,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     p.add_argument("--quality", action="store_true")
     p.add_argument("--memory", action="store_true", help="peak RSS of loading alone, against llama.cpp's")
+    p.add_argument("--against", help="another checkout's root: its speed before this one's, alternating (no llama.cpp)")
     p.add_argument("--train-iters", type=int, default=600)
     p.add_argument("--quality-shape", default="4x128x4", help="--quality's model: layers x width x heads")
     args = p.parse_args()
@@ -521,6 +542,8 @@ def main() -> None:
         return profile(args)
     if args.memory:
         return memory(args)
+    if args.against:
+        return against(args)
     speed(args)
 
 

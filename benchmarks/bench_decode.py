@@ -1,4 +1,4 @@
-"""The one-token decode step: the engine's step (engine.decode_step) against torch.compile of the same blocks driven
+"""The one-token decode step: the engine's step (cpu.decode_step) against torch.compile of the same blocks driven
 with a static cache shape (attention over the whole preallocated cache with a mask, the position a tensor, so one
 compiled graph serves every position).
 
@@ -22,7 +22,8 @@ from common import sync, table  # noqa: E402
 
 from nanogpt_cli.config import GPTConfig  # noqa: E402
 from nanogpt_cli.device import resolve_device  # noqa: E402
-from nanogpt_cli.inference.engine import DecodePlan, KVCache, decode_plan, decode_step, head_logits  # noqa: E402
+from nanogpt_cli.inference.backends.cpu import DecodePlan, decode_plan, decode_step, head_logits  # noqa: E402
+from nanogpt_cli.inference.engine import KVCache  # noqa: E402
 from nanogpt_cli.model import GPT, Context, softcap  # noqa: E402
 
 

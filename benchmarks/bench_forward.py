@@ -15,7 +15,7 @@ each ratio is the median of the rounds' ratios (the two chunks of a round ran se
     python benchmarks/bench_forward.py --kernels                         # each kernel against the path without it
 
 --kernels measures this checkout only: the training step with NormRopeQKV and with the norms and RoPE as separate
-ops; the decode step through the decoding form (model/decode.py) and through the modules; the forward that keeps
+ops; the decode step through the decoding form (backends/decode.py) and through the modules; the forward that keeps
 the attention probabilities (the explicit kernel) against the usual one.
 """
 
@@ -98,6 +98,10 @@ def decode_steps(pkg: str, shape: str, batch: int, staggered: bool, tokens: int)
 
     config = importlib.import_module(f"{pkg}.config")
     engine = importlib.import_module(f"{pkg}.inference.engine")
+    try:  # the decode step's plan lives with the cpu backend; a checkout from before it, in the engine
+        cpu = importlib.import_module(f"{pkg}.inference.backends.cpu")
+    except ModuleNotFoundError:
+        cpu = engine
     GPT = importlib.import_module(f"{pkg}.model").GPT
     torch.manual_seed(0)
     cfg = config.GPTConfig(vocab_size=65, **SHAPES[shape])
@@ -106,7 +110,7 @@ def decode_steps(pkg: str, shape: str, batch: int, staggered: bool, tokens: int)
     n = min(tokens, cfg.block_size - max(lengths))
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size))
     with torch.inference_mode():
-        plan = engine.decode_plan(model)
+        plan = cpu.decode_plan(model)
 
     @torch.inference_mode()
     def run() -> tuple[float, float]:
@@ -115,7 +119,7 @@ def decode_steps(pkg: str, shape: str, batch: int, staggered: bool, tokens: int)
             model(ids[r : r + 1, :length], cache=cache.view(r, r + 1))
         w0, c0 = time.perf_counter(), time.process_time()
         for t in range(n):
-            engine.decode_step(plan, ids[:, t], cache, batch)
+            cpu.decode_step(plan, ids[:, t], cache, batch)
         return (time.perf_counter() - w0) / n * 1000, (time.process_time() - c0) / n * 1000
 
     return run
@@ -170,7 +174,8 @@ def module_decoding(shape: str, batch: int, tokens: int):
     import torch
 
     from nanogpt_cli.config import GPTConfig
-    from nanogpt_cli.inference.engine import KVCache, decode_plan, head_logits
+    from nanogpt_cli.inference.backends.cpu import decode_plan, head_logits
+    from nanogpt_cli.inference.engine import KVCache
     from nanogpt_cli.model import GPT
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Our decode kernels (nanogpt_cli/model/native.py) against torch's own, product by product: one pass over every
+"""Our decode kernels (backends/native.py) against torch's own, product by product: one pass over every
 matrix of a model's blocks and its head, as a decode step makes them, at batch 1 and 8. Random weights in
 SmolLM2-135M's or Qwen2.5-0.5B's shape, each matrix its own tensor (a pass streams them from memory, as a real
 step does). torch's side: oneDNN's packed bf16 product, aten._weight_int8pack_mm and
@@ -28,9 +28,9 @@ SHAPES = {  # n_embd, MLP hidden, layers, vocabulary, q/k/v width
 
 def products(kind: str, shapes: list[tuple[int, int]]):
     """(ours, theirs): for each (K, N), a function of x (B, K) bf16."""
-    from nanogpt_cli.model import native
-    from nanogpt_cli.model.decode import packed_form
-    from nanogpt_cli.model.quantize import quantize_linear
+    from nanogpt_cli.inference.backends import native
+    from nanogpt_cli.inference.backends.decode import packed_form
+    from nanogpt_cli.inference.backends.quantize import quantize_linear
 
     ours, theirs = [], []
     for K, N in shapes:
@@ -57,7 +57,7 @@ def products(kind: str, shapes: list[tuple[int, int]]):
 
 
 def main() -> None:
-    from nanogpt_cli.model import native
+    from nanogpt_cli.inference.backends import native
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=list(SHAPES), default="smollm2-135m")

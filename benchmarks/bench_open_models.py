@@ -110,7 +110,8 @@ def theirs_prefill(model, prompt):
 def ours_decode(model, ids: torch.Tensor, start: int):
     """A callable that prefills ids[:, :start] and then decodes the rest one token at a time; returns the decode
     seconds."""
-    from nanogpt_cli.inference.engine import KVCache, decode_plan, decode_step
+    from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
+    from nanogpt_cli.inference.engine import KVCache
 
     plan = decode_plan(model)
 

@@ -25,7 +25,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.training.events import Evaluated, RunStarted, StepLogged, TrainResult  # dataclasses only
+from nanogpt_cli.training.events import (  # dataclasses only
+    EvalProgress,
+    Evaluated,
+    RunStarted,
+    StepLogged,
+    TrainResult,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -48,6 +54,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ChatReply",
+    "EvalProgress",
     "Evaluated",
     "Hint",
     "Model",
@@ -78,16 +85,18 @@ def load(
     dtype: Any = "auto",
     quantize: str | None = None,
     group_size: int = 32,
+    backend: str | None = None,
 ) -> Model:
     """A model ready to generate, chat and score, from any source the commands load: a run folder (its best
     weights; its last with last=True), a .safetensors file, a Hugging Face folder or hf:NAME, or a .gguf file
     that `export` wrote. device: auto, cpu, cuda, cuda:N or mps; dtype: auto, float32, bfloat16, float16 (or a
     torch.dtype); auto picks from the device and the size of the weights. quantize: None, "int8" (one scale per
-    output channel) or "int4" (a scale and zero per group_size inputs) for the blocks' weights, on a CPU."""
+    output channel) or "int4" (a scale and zero per group_size inputs) for the blocks' weights, on a CPU. backend:
+    "cpu" or "torch", how decode steps are computed (default: the first that supports the model)."""
     from nanogpt_cli.interop.loading import load_for_inference
 
     loaded = load_for_inference(
-        source, last=last, device=device, dtype=_dtype(dtype), quantize=quantize, group_size=group_size
+        source, last=last, device=device, dtype=_dtype(dtype), quantize=quantize, group_size=group_size, backend=backend
     )
     return Model(loaded, str(source))
 
@@ -265,7 +274,7 @@ class Model:
         *,
         limit: int | None = None,
         num_fewshot: int | None = None,
-        batch_size: int = 32,
+        batch_size: int | None = None,
         include_path: str | Path | None = None,
         apply_chat_template: bool = False,
         output_path: str | Path | None = None,
@@ -274,8 +283,8 @@ class Model:
         are lm-eval task, group or tag names, glob patterns or YAML files (a list, or one comma-separated string);
         limit: the first N documents of each; num_fewshot: examples before each question (default: the task's);
         include_path: a folder of task YAMLs of your own; output_path: where lm-eval writes its results JSON and
-        per-sample logs. The result holds the scores as rows, lm-eval's results object and each document's
-        sample."""
+        per-sample logs; batch_size: rows per forward (None: as many as about 2 GB holds, up to 32). The result
+        holds the scores as rows, lm-eval's results object and each document's sample."""
         from nanogpt_cli.inference.tasks import check_options, evaluate_tasks
 
         names = [tasks] if isinstance(tasks, str) else list(tasks)
@@ -395,9 +404,10 @@ class Saved:
 if TYPE_CHECKING:
     # what a training callback receives, in this order: Note and Change (a resume's changed values) from the
     # plan, Status while it sets up, RunStarted, then StepLogged and Evaluated as the run goes (Evaluated.saved:
-    # a checkpoint followed; it comes once that is on disk, maybe after StepLogged of later steps), Saved for
-    # the final checkpoint of a stopped run, and Hint when there is advice
-    Event = Note | Change | Status | RunStarted | StepLogged | Evaluated | Saved | Hint
+    # a checkpoint followed; it comes once that is on disk, maybe after StepLogged of later steps; EvalProgress
+    # before it while a slow one goes), Saved for the final checkpoint of a stopped run, and Hint when there is
+    # advice
+    Event = Note | Change | Status | RunStarted | StepLogged | EvalProgress | Evaluated | Saved | Hint
 
 
 class _Callback:
@@ -416,6 +426,9 @@ class _Callback:
         self.fn(event)
 
     def on_scored(self, event) -> None:  # DPO's and GRPO's evaluations (events.Scored)
+        self.fn(event)
+
+    def on_eval_progress(self, event: EvalProgress) -> None:
         self.fn(event)
 
     def on_save(self, step: int) -> None:

@@ -453,7 +453,9 @@ class TrainConfig:
         "--data, or train on it in a new run: nanogpt train --init-from {run_dir} --data {given} --out NEW_FOLDER",
     )
     data_dir: str = setting("data", "Folder of prepared datasets.", Resume.LOCAL, panel=MAIN)
-    batch_size: int = setting(12, "Sequences per micro-batch.", Resume.CHANGES)
+    batch_size: int = setting(
+        12, "Sequences per micro-batch (a converted model on a CPU: by its size, with a note).", Resume.CHANGES
+    )
     # the model keeps its context (positions, RoPE tables, what exports write); shorter windows cost less (attention
     # is quadratic in their length) and a chat dataset packs its conversations into them. A converted model's long
     # context gets a shorter default, with a note (plan.py, CONVERTED_SEQ_LEN)
@@ -505,7 +507,9 @@ class TrainConfig:
     # each step is three small matmuls per matrix: a small share of a CPU update (benchmarks/README.md)
     muon_ns_steps: int = setting(5, "Muon's Newton-Schulz steps.", Resume.CHANGES)
     eval_interval: int = setting(250, "Evaluate and checkpoint every N updates.", Resume.CHANGES)  # and at the end
-    eval_iters: int = setting(20, "Batches per split in an evaluation.", Resume.CHANGES)
+    eval_iters: int = setting(
+        20, "Batches per split in an evaluation (a converted model on a CPU: 2, with a note).", Resume.CHANGES
+    )
     # a speedrun under a short --max-time skips it: it costs about ten updates and trains nothing
     eval_first: bool = setting(True, "Evaluate before the first update (the loss at init).", Resume.CHANGES)
     log_interval: int = setting(10, "Progress every N updates.", Resume.CHANGES)
@@ -868,3 +872,82 @@ def build_configs(values: dict[str, Any]) -> tuple[GPTConfig, TrainConfig]:
         return GPTConfig(**model_kw), TrainConfig(**train_kw)
     except (ValueError, TypeError) as e:
         raise NanoGPTError(str(e)) from None
+
+
+# --- what a consumer of a GPTConfig computes ----------------------------------------------------------------
+
+
+class Takes(typing.NamedTuple):
+    """The values of one GPTConfig field that a consumer computes: ok(value, config) and, for the refusal, what
+    it takes in a few words (only() says it as the flags would)."""
+
+    ok: Callable[[Any, GPTConfig], bool]
+    says: str
+    values: tuple | None = None  # only()'s values
+    shows: Callable[[GPTConfig], str] | None = None  # the config in words where the field alone does not say it
+
+
+ANY = Takes(lambda value, config: True, "any value")
+
+
+def only(*values: Any) -> Takes:
+    """Exactly these values."""
+    return Takes(lambda value, config: value in values, " or ".join(show_value(v) for v in values), values)
+
+
+def flag_value(name: str, value: Any) -> str:
+    """A field's value as its flag is written: --qk-norm, --no-qk-norm, --norm rmsnorm."""
+    if isinstance(value, bool):
+        return f"--{flag(name)}" if value else f"--no-{flag(name)}"
+    return f"--{flag(name)} {show_value(value)}"
+
+
+@dataclass(frozen=True)
+class Features:
+    """What one consumer of a GPTConfig (a decode backend, a Hugging Face family) computes, declared for every
+    field, each either ANY or the values it takes. tests/test_backends.py fails when a field is missing from any
+    consumer's declaration, so a new field is looked at by each of them before it can reach one that would
+    compute something else. `refusal` is the one sentence for a config it does not compute."""
+
+    consumer: str  # who, for the sentence: "the cpu backend's fused step", "LlamaForCausalLM"
+    takes: dict[str, Takes]
+
+    def mismatches(self, c: GPTConfig) -> list[str]:
+        """The fields whose value in c the consumer does not take, in declaration order."""
+        return [name for name, takes in self.takes.items() if not takes.ok(getattr(c, name), c)]
+
+    def needs(self, c: GPTConfig) -> str:
+        """What c would have to change to, as flags: --norm rmsnorm --mlp swiglu."""
+        out = []
+        for name in self.mismatches(c):
+            takes = self.takes[name]
+            if takes.values is not None and len(takes.values) == 1:
+                out.append(flag_value(name, takes.values[0]))
+            elif takes.shows is not None:
+                out.append(takes.says)
+            else:
+                out.append(f"--{flag(name)} {takes.says}")
+        return out[0] if len(out) == 1 else ", ".join(out[:-1]) + " and " + out[-1]
+
+    def refusal(self, c: GPTConfig) -> str | None:
+        """Why the consumer does not compute c, naming every field it does not take, or None."""
+        wrong = self.mismatches(c)
+        if not wrong:
+            return None
+        shown = ", ".join(
+            self.takes[name].shows(c) if self.takes[name].shows else flag_value(name, getattr(c, name))
+            for name in wrong
+        )
+        return f"{self.consumer} does not compute {shown}: it needs {self.needs(c)}"
+
+    def unclassified(self) -> list[str]:
+        """GPTConfig's fields this declaration does not name."""
+        return [f.name for f in dataclasses.fields(GPTConfig) if f.name not in self.takes]
+
+
+def features(consumer: str, any_of: typing.Iterable[str], **takes: Takes) -> Features:
+    """A declaration: the fields named in any_of take any value, the others what their Takes says."""
+    return Features(consumer, {**dict.fromkeys(any_of, ANY), **takes})
+
+
+EVERY_FIELD = tuple(f.name for f in dataclasses.fields(GPTConfig))  # for a consumer that computes every config

@@ -130,12 +130,12 @@ def tiny_config(**overrides):
 
 
 def int4_kernel_reference(q, x):
-    """What our int4 kernel (model/native.cpp) computes for a QuantizedLinear q, from first principles, bias left
+    """What our int4 kernel (backends/native.cpp) computes for a QuantizedLinear q, from first principles, bias left
     out: x's blocks of 32 rounded to int8 at max |x| / 127 (xq), the weight against xq and its zeros against the
     rest of x: xq @ W.T + (x - xq) @ Z.T, Z being each group's zero over its inputs."""
     import torch
 
-    from nanogpt_cli.model import native
+    from nanogpt_cli.inference.backends import native
 
     rows = x.size(0)
     blocks = x.float().view(rows, -1, 32)
@@ -167,7 +167,8 @@ def check_rows_apart(model, steps: int, chunk: tuple[int, int] | None = None):
     then take those columns of their tokens as one chunk each, with the same check. Returns the cache."""
     import torch
 
-    from nanogpt_cli.inference.engine import KVCache, decode_plan, decode_step
+    from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
+    from nanogpt_cli.inference.engine import KVCache
 
     lengths = [3, 7, 1]
     idx = torch.randint(0, 61, (3, 16))

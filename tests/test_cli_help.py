@@ -28,6 +28,7 @@ PER_COMMAND = {
     "--resume": "continue an interrupted prepare, or a run",
     "--vocab-size": "a model's vocabulary, or the size of the tokenizer to train",
     "--last": "which of a run's weights: the ones a command loads, or (train, finetune) those of --init-from",
+    "--system": "chat's system prompt; info's description of this machine instead of a run",
 }
 
 

@@ -8,12 +8,11 @@ import pytest
 import torch
 
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
 from nanogpt_cli.inference.engine import (
     Engine,
     KVCache,
     SamplingParams,
-    decode_plan,
-    decode_step,
     generate,
     process_logits,
 )

@@ -211,6 +211,66 @@ def test_each_generation_request_keeps_its_own_stop_texts_and_limit(sums):
     assert answers[0].strip() != "" and len(sampler.tokenizer.encode(answers[3])) <= 3
 
 
+def test_a_generating_rows_memory_is_the_engines_cache_for_it():
+    """What row_bytes counts for a generating row, with no prompt, is what the engine's KV cache allocates for one
+    row, at the model's whole context; float32 and bfloat16 alike, a sliding window's ring included."""
+    from nanogpt_cli.inference.engine import Engine
+    from nanogpt_cli.inference.lm_eval_model import NanoGPTLM
+    from nanogpt_cli.interop.loading import InferenceModel
+    from nanogpt_cli.tokenizer import build_tokenizer
+
+    tok = build_tokenizer("char", ["abcdefgh"])
+    for flags, dtype in (({}, torch.float32), ({"n_kv_head": 1}, torch.bfloat16), ({"sliding_window": 8}, None)):
+        model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=3, n_head=2, n_embd=32, **flags))
+        model = model.to(dtype or torch.float32).eval()
+        lm = NanoGPTLM(InferenceModel(model, tok, {}, torch.device("cpu"), dtype or torch.float32), source="m")
+        cache = Engine(model, max_batch=1).cache
+        held = sum(t.numel() * t.element_size() for t in (*cache.k, *cache.v))
+        assert lm.row_bytes(0, "generate") == held
+
+
+def test_without_batch_size_the_rows_of_each_request_are_chosen_by_memory(sums, monkeypatch):
+    """BATCH_BYTES (here shrunk to 3 generating rows, 5 scored contexts) sets the rows of each forward, and the
+    answers are those of --batch-size 1 (to rounding); a given --batch-size stays the user's; "auto" is the
+    default."""
+    from lm_eval.api.instance import Instance
+
+    from nanogpt_cli.inference import lm_eval_model
+    from nanogpt_cli.inference.lm_eval_model import NanoGPTLM
+    from nanogpt_cli.inference.sample import Sampler
+
+    rows = []
+    generate_many, score = Sampler.generate_many, lm_eval_model.score_continuations
+    monkeypatch.setattr(
+        Sampler, "generate_many", lambda s, prompts, *a: rows.append(len(prompts)) or generate_many(s, prompts, *a)
+    )
+    monkeypatch.setattr(
+        lm_eval_model, "score_continuations", lambda m, pairs, n, v: rows.append(n) or score(m, pairs, n, v)
+    )
+    asks = [
+        Instance("generate_until", {}, (question(a, b), {"until": ["\n"], "max_gen_toks": 4}), a) for a, b in SUMS[:8]
+    ]
+    pairs = [Instance("loglikelihood", {}, (question(a, b), f" {a + b}"), a) for a, b in SUMS[:8]]
+    one = NanoGPTLM(str(sums["run"]), device="cpu", batch_size=1)
+    expected = one.generate_until(asks), one.loglikelihood(pairs)
+    lm = NanoGPTLM(str(sums["run"]), device="cpu", batch_size="auto")
+    assert lm.batch_size is None and NanoGPTLM(lm.loaded, source="m").batch_size is None
+    assert lm.rows(lm.row_bytes(64, "generate")) == lm_eval_model.MAX_ROWS  # a tiny model: the most rows
+    longest = max(len(lm.tok_encode(question(a, b) + f" {a + b}")) for a, b in SUMS[:8])
+    monkeypatch.setattr(lm_eval_model, "BATCH_BYTES", 5 * lm.row_bytes(longest, "context") + 1)
+    rows.clear()
+    got = lm.loglikelihood(pairs)  # padded beside longer contexts: equal to rounding
+    assert [g for _, g in got] == [g for _, g in expected[1]] and rows == [5]
+    assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in expected[1]], abs=1e-5)
+    longest = max(len(lm.tok_encode(a.args[0])) for a in asks)
+    monkeypatch.setattr(lm_eval_model, "BATCH_BYTES", 3 * lm.row_bytes(longest, "generate") + 1)
+    rows.clear()
+    assert lm.generate_until(asks) == expected[0] and rows == [3, 3, 2]
+    rows.clear()
+    NanoGPTLM(lm.loaded, source="m", batch_size=4).generate_until(asks)
+    assert rows == [4, 4]
+
+
 @pytest.mark.slow
 def test_the_command_scores_as_simple_evaluate_with_our_model_does(sums, tmp_path):
     import lm_eval
@@ -239,8 +299,8 @@ def test_quantize_scores_the_quantized_model_and_the_results_say_so(sums, tmp_pa
     import lm_eval
     from lm_eval.tasks import TaskManager
 
+    from nanogpt_cli.inference.backends.quantize import QuantizedLinear
     from nanogpt_cli.inference.lm_eval_model import NanoGPTLM
-    from nanogpt_cli.model.quantize import QuantizedLinear
 
     names = "sums_mc,sums_roll"
     base = ["eval", "tasks", str(sums["run"]), "--tasks", names, "--include-path", str(sums["tasks"])]

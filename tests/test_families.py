@@ -622,7 +622,12 @@ def test_gguf_export_writes_llama_cpps_architecture_and_converter_layout(name, t
 @pytest.mark.parametrize(
     "name,change,message",
     [
-        ("mistral", {}, r"writes Mistral as llama, which has no sliding window: .* --sliding-window \(6\)"),
+        (
+            "mistral",
+            {},
+            r"llama.cpp's llama does not compute --sliding-window 6 under --block-size \d+: it needs a "
+            "--sliding-window of at least --block-size",
+        ),
         ("gemma3", dict(layer_types=["sliding_attention"] * 6), "every sixth layer global"),
         ("pythia", dict(hidden_act="gelu"), "llama.cpp computes GELU with the tanh approximation"),
     ],

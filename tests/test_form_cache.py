@@ -6,9 +6,11 @@ import copy
 
 import torch
 
-from nanogpt_cli.inference.engine import Engine, SamplingParams, decode_plan
-from nanogpt_cli.model import GPT, native
-from nanogpt_cli.model.quantize import quantize_model
+from nanogpt_cli.inference.backends import native
+from nanogpt_cli.inference.backends.cpu import decode_plan
+from nanogpt_cli.inference.backends.quantize import quantize_model
+from nanogpt_cli.inference.engine import Engine, SamplingParams
+from nanogpt_cli.model import GPT
 from conftest import tiny_config as tiny
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -342,7 +342,7 @@ def test_serve_stops_at_the_end_of_turn(tmp_path):
     state = server.state
     state.scheduler.start()
     try:
-        with TestClient(server.config.app) as client:
+        with TestClient(server.config.app, base_url="http://127.0.0.1") as client:  # a name the server answers
             r = client.post(
                 "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}
             )

@@ -9,10 +9,10 @@ from torch import nn
 
 from nanogpt_cli.config import GPTConfig
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.inference.backends.quantize import QuantizedLinear, quantize_model
 from nanogpt_cli.interop.loading import lazy_model, load_for_inference
 from nanogpt_cli.interop.materialize import materialize
 from nanogpt_cli.model import GPT
-from nanogpt_cli.model.quantize import QuantizedLinear, quantize_model
 from nanogpt_cli.runs import checkpoint as ckpt
 from nanogpt_cli.tokenizer import build_tokenizer
 from conftest import tiny_config

@@ -11,7 +11,8 @@ import torch
 from torch.nn import functional as F
 
 from nanogpt_cli.config import GPTConfig
-from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams, decode_plan, decode_step
+from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
+from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams
 from nanogpt_cli.inspect.attention import attention_forward
 from nanogpt_cli.model import GPT, Block, Context, activation, apply_rope, rope_tables
 from conftest import check_rows_apart
@@ -448,10 +449,10 @@ def test_a_pythia_shaped_gpt_neox_loads_with_its_logits_and_exports_back():
 @pytest.mark.parametrize(
     "kw,message",
     [
-        (dict(sliding_window=8), "--sliding-window has one .* MistralForCausalLM needs --pos-encoding rope"),
-        (dict(norm="rmsnorm", norm_offset=True, post_norms=True), "--norm-offset --post-norms has one .* Gemma3"),
-        (dict(mlp="geglu"), "--mlp geglu has one Hugging Face counterpart, and Gemma3ForCausalLM needs"),
-        (dict(parallel_residual=True, norm="rmsnorm", mlp="swiglu"), "--parallel-residual export as GPTNeoXForCausal"),
+        (dict(sliding_window=8), "closest, MistralForCausalLM, which has --sliding-window 8, needs --norm rmsnorm"),
+        (dict(norm="rmsnorm", norm_offset=True, post_norms=True), "Gemma3ForCausalLM, which has .*--post-norms, needs"),
+        (dict(mlp="geglu"), "closest, Gemma3ForCausalLM, which has --mlp geglu, needs --norm rmsnorm, --qk-norm"),
+        (dict(parallel_residual=True, norm="rmsnorm", mlp="swiglu"), "LlamaForCausalLM, .* needs --no-parallel-resid"),
     ],
 )
 def test_what_export_cannot_express_is_one_sentence_naming_the_setting(kw, message):
@@ -464,6 +465,46 @@ def test_what_export_cannot_express_is_one_sentence_naming_the_setting(kw, messa
     assert gguf_file.gguf_arch(tiny(parallel_residual=True, mlp="gelu_tanh")) == "gptneox"  # llama.cpp's Pythia
     with pytest.raises(NanoGPTError, match="llama.cpp computes GELU with the tanh approximation"):
         gguf_file.gguf_arch(tiny(parallel_residual=True, mlp="gelu"))
+
+
+GEMMA = dict(norm="rmsnorm", mlp="geglu", qk_norm=True, embed_scale=True, norm_offset=True, post_norms=True)
+GEMMA_GGUF = dict(GEMMA, n_layer=6, sliding_window=4, window_pattern="LLLLLG", rope_local_theta=10000.0)
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (
+            dict(norm="rmsnorm", mlp="swiglu", bias=True),
+            "llama.cpp's llama does not compute --bias: it needs --no-bias",
+        ),
+        (
+            dict(norm="rmsnorm", mlp="swiglu", qk_norm=True, qkv_bias=True),
+            "llama.cpp's qwen3 does not compute --qkv-bias: it needs --no-qkv-bias",
+        ),
+        (
+            dict(GEMMA_GGUF, logit_softcap=30.0),
+            "llama.cpp's gemma3 does not compute --logit-softcap 30: it needs --logit-softcap none",
+        ),
+        (
+            dict(GEMMA_GGUF, rope_local_theta=10.0),
+            "llama.cpp's gemma3 does not compute --window-pattern LLLLLG with --rope-local-theta 10: it needs "
+            "--window-pattern LLLLLG and --rope-local-theta 10000 (llama.cpp's gemma3 makes every sixth layer global "
+            "and turns the others at RoPE base 10000)",
+        ),
+    ],
+)
+def test_gguf_export_refuses_what_llama_cpps_architecture_does_not_compute_by_its_declaration(kw, message):
+    """Each llama.cpp architecture declares what it computes (the family's declaration, narrowed): one sentence
+    naming the flag; the same config narrowed to what it takes exports."""
+    from nanogpt_cli.errors import NanoGPTError
+    from nanogpt_cli.interop import gguf_file
+
+    with pytest.raises(NanoGPTError) as e:
+        gguf_file.gguf_arch(tiny(**kw))
+    assert str(e.value) == message
+    assert gguf_file.gguf_arch(tiny(norm="rmsnorm", mlp="swiglu", qkv_bias=True)) == "llama"  # q, k, v biases only
+    assert gguf_file.gguf_arch(tiny(**GEMMA_GGUF)) == "gemma3"
 
 
 # --- end to end: train, resume, sample, serve ---------------------------------------------------------

@@ -16,7 +16,8 @@ from torch.nn import functional as F
 
 from nanogpt_cli.config import GPTConfig, build_configs
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.inference.engine import Engine, KVCache, decode_plan, decode_step
+from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
+from nanogpt_cli.inference.engine import Engine, KVCache
 from nanogpt_cli.inspect.attention import attention_forward
 from nanogpt_cli.lora import LoRAConfig, add_lora, merge_lora
 from nanogpt_cli.model import GPT, rope_inv_freq, rope_tables
@@ -266,7 +267,8 @@ def test_a_grouped_query_run_resumes_exactly_samples_and_serves(run, char_data, 
         assert started[0].cache_bytes_per_token == cfg.n_layer * 2 * cfg.kv_heads * cfg.head_size * 4
         host, port = started[0].url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "the", "max_tokens": 12, "temperature": 0}))
+        body = json.dumps({"prompt": "the", "max_tokens": 12, "temperature": 0})
+        conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
         reply = json.loads(conn.getresponse().read())
         assert reply["choices"][0]["text"] == text[len("the") :] or reply["choices"][0]["text"] in text
     finally:

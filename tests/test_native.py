@@ -1,4 +1,4 @@
-"""Our x86 kernels for the decode step (model/native.py, native.cpp): each product against its weight computed
+"""Our x86 kernels for the decode step (backends/native.py, native.cpp): each product against its weight computed
 by torch, rows alone against rows in a batch, the fused step of whole blocks against the step op by op, where
 the fused step applies, and torch's kernels when ours cannot run."""
 
@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanogpt_cli.inference.engine import KVCache, decode_plan, decode_step
-from nanogpt_cli.model import GPT, native
-from nanogpt_cli.model.quantize import QuantizedLinear, quantize_int4, quantize_int8, quantize_model
+from nanogpt_cli.inference.backends import native
+from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
+from nanogpt_cli.inference.backends.quantize import QuantizedLinear, quantize_int4, quantize_int8, quantize_model
+from nanogpt_cli.inference.engine import KVCache
+from nanogpt_cli.model import GPT
 from conftest import int4_kernel_reference, tiny_config
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"our kernels do not run here: {native.status()}")
@@ -140,7 +142,7 @@ def test_float16_rows_are_multiplied_in_float32_and_come_back_in_float16():
 def test_the_library_builds_once_per_machine_the_avx2_kernels_agree_and_a_failed_build_is_one_line(tmp_path):
     """A fresh cache, the kernels built for haswell (AVX2 only, no AVX-512): the product and fused-step tests pass
     on them, the library is built once and reused, and NANOGPT_NATIVE=0 or a failing compiler fall back."""
-    root = str(Path(native.__file__).resolve().parents[2])  # the subprocesses import this very package
+    root = str(Path(native.__file__).resolve().parents[3])  # the subprocesses import this very package
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "NANOGPT_NATIVE_MARCH": "haswell", "PYTHONPATH": path}
     select = "each_kernel or exactly or fused_step_equals"
@@ -152,7 +154,7 @@ def test_the_library_builds_once_per_machine_the_avx2_kernels_agree_and_a_failed
     assert len(built) == 1
 
     def status(**extra) -> str:
-        code = "from nanogpt_cli.model import native; print(native.status())"
+        code = "from nanogpt_cli.inference.backends import native; print(native.status())"
         run = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
         assert run.returncode == 0, run.stderr
         return run.stdout.strip()
@@ -165,7 +167,7 @@ def test_the_library_builds_once_per_machine_the_avx2_kernels_agree_and_a_failed
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_a_head_quantized_in_slices_of_rows_is_the_head_quantized_at_once(kind, monkeypatch):
-    from nanogpt_cli.model import quantize
+    from nanogpt_cli.inference.backends import quantize
 
     torch.manual_seed(0)
     head = torch.randn(50, 64).bfloat16()  # 50 rows: slices of 8, the last of 2 (a half tile)

@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 quantization (model/quantize.py) and GGUF Q8_0 / Q4_0 blocks loaded as they are
+"""Weight-only int8 / int4 quantization (inference/backends/quantize.py) and GGUF Q8_0 / Q4_0 blocks loaded as they are
 (interop/gguf_blocks.py): the packed kernels against the dequantized weights, logits near the float model's, the
 engine's cache and batch against the full forward, and --quantize on the command line."""
 
@@ -10,9 +10,11 @@ from torch import nn
 from typer.testing import CliRunner
 
 from nanogpt_cli.cli import app
-from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams, decode_plan, decode_step, head_logits
-from nanogpt_cli.model import GPT, native
-from nanogpt_cli.model.quantize import QuantizedLinear, quantize_linear, quantize_model
+from nanogpt_cli.inference.backends import native
+from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step, head_logits
+from nanogpt_cli.inference.backends.quantize import QuantizedLinear, quantize_linear, quantize_model
+from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams
+from nanogpt_cli.model import GPT
 from conftest import int4_kernel_reference, tiny_config
 
 KINDS = ["int8", "int4"]
@@ -131,7 +133,7 @@ def test_a_batch_gives_each_row_the_tokens_it_gets_alone(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_quantizing_in_slices_of_rows_gives_the_same_values(kind, monkeypatch):
-    from nanogpt_cli.model import quantize
+    from nanogpt_cli.inference.backends import quantize
 
     torch.manual_seed(0)
     w = torch.randn(37, 64).bfloat16()
@@ -143,7 +145,7 @@ def test_quantizing_in_slices_of_rows_gives_the_same_values(kind, monkeypatch):
 
 
 def test_int4_values_packed_in_slices_of_rows_compute_the_dequantized_weight(monkeypatch):
-    from nanogpt_cli.model import quantize
+    from nanogpt_cli.inference.backends import quantize
 
     torch.manual_seed(0)
     layer = nn.Linear(64, 176, bias=False)  # 176 rows: slices of 64, 64 and 48
@@ -216,7 +218,7 @@ def test_sample_refuses_an_unknown_quantize_in_one_line(trained_run):
 
 
 def test_a_bf16_quantized_model_decodes_with_a_head_of_its_bits_where_our_kernels_run():
-    from nanogpt_cli.model.decode import packed_form
+    from nanogpt_cli.inference.backends.decode import packed_form
 
     h = torch.randn(3, 64, dtype=torch.bfloat16)
     for kind in KINDS:

@@ -270,3 +270,21 @@ def test_an_unknown_tracker_is_one_sentence(char_data, tmp_path):
 def test_shell_completion_is_offered():
     out = ok("--help")
     assert "--install-completion" in out and "--show-completion" in out
+
+
+def test_info_system_describes_the_machine_and_info_needs_one_thing_to_describe(tmp_path):
+    import torch
+
+    from nanogpt_cli.inference.backends import native
+
+    out = runner.invoke(app, ["info", "--system", "--json"])
+    assert out.exit_code == 0, out.output
+    found = json.loads(out.stdout)
+    assert found["torch"] == torch.__version__ and found["threads"] == torch.get_num_threads()
+    assert found["kernels"] == native.status() and found["kernels_cache"] == str(native.cache_dir())
+    assert found["devices"][0] == "cpu" and isinstance(found["cpu_features"], list)
+    if native.available():
+        assert Path(found["kernels_library"]).is_file()
+    for args, message in ((["info"], "or --system"), (["info", str(tmp_path), "--system"], "not both")):
+        out = runner.invoke(app, args)
+        assert out.exit_code == 1 and message in out.output, out.output

@@ -36,8 +36,9 @@ EXPLODES = "(a{1000}){1000}"  # compiles, then its lexer runs out of budget at t
 def model_path(tmp_path_factory):
     torch.manual_seed(0)
     tok = ByteTokenizer()
-    # context 1,024: the tools' prompt alone is ~700 bytes
-    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=1024, n_layer=1, n_head=2, n_embd=32))
+    # context 8,192: the tools' prompt alone is ~700 bytes, and a stream beside a failing request must outlast it on
+    # busy cores (a grammar's compile can take seconds there)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=8192, n_layer=1, n_head=2, n_embd=32))
     path = tmp_path_factory.mktemp("hostile") / "tiny.safetensors"
     ckpt.save_model(path, model, {"tokenizer": tok.describe(), "step": 0})
     return path
@@ -50,6 +51,7 @@ def live(model_path):
             source=str(model_path),
             port=0,
             max_batch=4,
+            max_tokens=8000,
             api_key=KEY,
             device="cpu",
             dtype="float32",
@@ -77,7 +79,7 @@ def _beside(client, failing, live, streams: int = 1, length: int = 300) -> tuple
     that go on far longer, so that `failing()` runs from start to end while they decode (then they are closed),
     and what failing raised. Compare with `same`."""
     alone = "".join(c.choices[0].text for c in _stream(client, length))
-    running = [_stream(client, 4000) for _ in range(streams)]
+    running = [_stream(client, 8000) for _ in range(streams)]
     texts = [next(iter(s)).choices[0].text for s in running]  # each is decoding now
     try:
         failing()
@@ -197,11 +199,11 @@ def test_a_surrogate_request_beside_a_stream_leaves_it_alone(client, live):
     assert status == [400] and same(alone, beside)
 
 
-
 def test_a_stop_text_too_long_to_check_each_token_is_a_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="a", max_tokens=2, stop=["ab" * 501])
     assert e.value.body["param"] == "stop" and "1,000 characters" in e.value.body["message"]
+
 
 @pytest.mark.slow
 def test_a_tool_call_nested_too_deeply_to_parse_stays_text_beside_a_stream(client, live):

@@ -164,6 +164,14 @@ Quantize = Annotated[
         show_default=False,
     ),
 ]
+Backend = Annotated[
+    str | None,
+    typer.Option(
+        help="How decode steps are computed: cpu (our kernels, on a CPU) or torch (the model's own forward); "
+        "default: the first that supports the model.",
+        show_default=False,
+    ),
+]
 GroupSize = Annotated[
     int, typer.Option("--int4-group", help="Inputs per int4 scale with --quantize int4: 32, 64, 128 or 256.")
 ]
@@ -182,3 +190,19 @@ def note(message: str) -> None:
     from nanogpt_cli.cli.ui import err_console
 
     err_console.print(f"note: {message}", highlight=False, soft_wrap=True, markup=False)
+
+
+def say_kernels(device=None) -> None:
+    """Our decode kernels' build in one note, once per process, where this process built them (its time and
+    instruction set) or failed to (the compiler's last error). device: a CPU that is about to decode, where the
+    build (made on first use anyway) is made now, so that the note comes before the output."""
+    import sys
+
+    if device is not None and getattr(device, "type", None) == "cpu":
+        from nanogpt_cli.inference.backends import native
+
+        native.available()
+    native = sys.modules.get("nanogpt_cli.inference.backends.native")
+    text = native.take_note() if native is not None else None
+    if text:
+        note(text)

@@ -71,7 +71,10 @@ def perplexity(
 
     set_threads(threads)
     model = api.load(checkpoint, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size)
+    from nanogpt_cli.cli.common import say_kernels
     from nanogpt_cli.cli.ui import eval_progress
+
+    say_kernels()  # scoring runs whole forwards: the note only where loading built (or failed to build) them
 
     with eval_progress() as progress:  # a bar on a terminal: tokens scored, rate, time left
         what = dict(data=data, split=split, data_dir=data_dir) if data is not None else dict(files=input)
@@ -98,7 +101,10 @@ def tasks_command(
     num_fewshot: Annotated[
         int | None, typer.Option(help="Examples shown before each question (default: the task's own).")
     ] = None,
-    batch_size: Annotated[int, typer.Option(help="Rows per forward pass.")] = 32,
+    batch_size: Annotated[
+        int | None,
+        typer.Option(help="Rows per forward pass (default: as many as about 2 GB beside the weights holds, up to 32)."),
+    ] = None,
     apply_chat_template: Annotated[
         bool, typer.Option("--apply-chat-template", help="Render each prompt with the model's chat template.")
     ] = False,
@@ -120,11 +126,11 @@ def tasks_command(
     """
     from nanogpt_cli.cli.common import note
     from nanogpt_cli.device import set_threads
+    from nanogpt_cli.inference.backends.quantize import check_quantize
     from nanogpt_cli.inference.tasks import check_options, evaluate_tasks
-    from nanogpt_cli.model.quantize import check_quantize
 
     check_options(tasks, limit, num_fewshot, include_path)  # before loading anything
-    if batch_size < 1:
+    if batch_size is not None and batch_size < 1:
         raise NanoGPTError(f"--batch-size must be at least 1, got {batch_size}")
     try:
         check_quantize(quantize, group_size)

@@ -14,6 +14,7 @@ import typer
 
 from nanogpt_cli.cli.common import (
     SOURCE_HELP,
+    Backend,
     Checkpoint,
     Device,
     DtypeOption,
@@ -25,6 +26,7 @@ from nanogpt_cli.cli.common import (
     fail,
     note,
     one_line_errors,
+    say_kernels,
 )
 from nanogpt_cli.config import Dtype
 from nanogpt_cli.errors import NanoGPTError
@@ -114,6 +116,7 @@ def sample(
     dtype: DtypeOption = Dtype.auto,
     quantize: Quantize = None,
     group_size: GroupSize = 32,
+    backend: Backend = None,
     threads: Threads = None,
 ):
     """Generate text from a trained model, streamed as it is written.
@@ -145,9 +148,11 @@ def sample(
     )
     from nanogpt_cli import api
 
-    sampler = api.load(
-        checkpoint, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size
-    ).sampler
+    model = api.load(
+        checkpoint, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size, backend=backend
+    )
+    say_kernels(model.device)
+    sampler = model.sampler
     run = functools.partial(
         print_samples, sampler, settings=settings, num_samples=num_samples, stream=stream, json_out=json_out
     )
@@ -201,6 +206,7 @@ def chat(
     dtype: DtypeOption = Dtype.auto,
     quantize: Quantize = None,
     group_size: GroupSize = 32,
+    backend: Backend = None,
     threads: Threads = None,
 ):
     """Talk to a model in the terminal, formatted with its chat template; /reset, /exit, Ctrl-C stops a reply.
@@ -222,7 +228,10 @@ def chat(
         stop=stop or [],
     )
     set_threads(threads)
-    model = api.load(source, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size)
+    model = api.load(
+        source, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size, backend=backend
+    )
+    say_kernels(model.device)
     session = model.conversation(system, max_new_tokens, **settings)
     if session.template.plain:
         note(f"{source} has no chat template (a base model): it gets a plain User:/Assistant: transcript")

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import one_line_errors
+from nanogpt_cli.cli.common import one_line_errors, say_kernels
 
 
 @one_line_errors
@@ -42,19 +42,46 @@ def runs(
 @one_line_errors
 def info(
     path: Annotated[
-        Path, typer.Argument(help="A run folder or a run's name in checkpoints/, a .safetensors file or .gguf export.")
-    ],
+        Path | None,
+        typer.Argument(
+            help="A run folder or a run's name in checkpoints/, a .safetensors file or .gguf export.",
+            show_default=False,
+        ),
+    ] = None,
+    system: Annotated[
+        bool,
+        typer.Option(
+            "--system",
+            help="Describe this machine instead: torch, threads, CPU features, our decode kernels (built here if "
+            "they were not) and where they are kept, and the devices.",
+        ),
+    ] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ):
-    """Describe a run or weights file: config, parameters, FLOPs per token, tokenizer, losses, files.
+    """Describe a run or weights file: config, parameters, FLOPs per token, tokenizer, losses, files; or, with
+    --system, this machine.
 
-    Example: nanogpt info checkpoints/shk
+    Example: nanogpt info checkpoints/shk; nanogpt info --system
     """
     from nanogpt_cli.cli.ui import console, info_table
     from nanogpt_cli.errors import NanoGPTError
     from nanogpt_cli.inspect.catalog import inspect_path
     from nanogpt_cli.runs.rundir import find_run, missing_source
 
+    if system:
+        if path is not None:
+            raise NanoGPTError("give a run or file, or --system, not both")
+        from nanogpt_cli.inspect.catalog import system_info
+
+        found = system_info()
+        say_kernels()  # a build this made (or a failed one), as every command says it
+        if json_out:
+            print(json.dumps(found))
+        else:
+            console.print(system_table(found))
+        return
+    if path is None:
+        raise NanoGPTError("give a run folder, a run's name, a .safetensors or .gguf file, or --system")
     path = Path(find_run(path))
     if not path.exists():
         raise NanoGPTError(missing_source(path))
@@ -88,6 +115,31 @@ def plot(
         console.print(f"wrote {write_png(runs, out)}")
     else:
         print(terminal_plot(runs, width=min(console.width, 100), height=20, color=console.is_terminal))
+
+
+def system_table(found: dict):
+    """`nanogpt info --system` of inspect.catalog.system_info(): one row per fact."""
+    from rich.table import Table
+
+    threads = f"{found['threads']} of {found['cpus']} CPUs"
+    if found["omp_num_threads"] is not None:
+        threads += f" (OMP_NUM_THREADS={found['omp_num_threads']})"
+    rows = [
+        ("python", found["python"]),
+        ("torch", found["torch"]),
+        ("threads", threads),
+        ("cpu", found["cpu"]),
+        ("cpu features", ", ".join(found["cpu_features"]) or "none of those our kernels use"),
+        ("decode kernels", found["kernels"]),
+        ("kernels kept in", found["kernels_library"] or found["kernels_cache"]),
+        ("devices", ", ".join(found["devices"])),
+    ]
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column(overflow="fold")
+    for key, value in rows:
+        table.add_row(key, str(value))
+    return table
 
 
 @one_line_errors

@@ -5,12 +5,14 @@ nanogpt serve checkpoints/shk --port 8000
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated
 
 import typer
 
 from nanogpt_cli.cli.common import (
     SOURCE_HELP,
+    Backend,
     Device,
     DtypeOption,
     GroupSize,
@@ -19,6 +21,7 @@ from nanogpt_cli.cli.common import (
     Threads,
     note,
     one_line_errors,
+    say_kernels,
 )
 from nanogpt_cli.config import Dtype
 
@@ -59,6 +62,16 @@ def note_exposure(options) -> None:
         )
 
 
+def say_ready(name: str, started) -> None:
+    """The line that says the server listens, once it does."""
+    say_kernels()  # where loading built our decode kernels (or failed to), once
+    print(
+        f"serving {name} at {started.url} with a KV cache of {started.cache_bytes_per_token:,.0f} bytes per token "
+        "(Ctrl-C to stop)",
+        flush=True,
+    )
+
+
 @one_line_errors
 def serve(
     source: Annotated[str, typer.Argument(help=SOURCE_HELP)],
@@ -95,6 +108,7 @@ def serve(
     dtype: DtypeOption = Dtype.auto,
     quantize: Quantize = None,
     group_size: GroupSize = 32,
+    backend: Backend = None,
     threads: Threads = None,
 ):
     """Serve a model over the OpenAI API (completions, chat, streaming) with a chat page at /.
@@ -116,6 +130,7 @@ def serve(
         dtype=dtype,
         quantize=quantize,
         group_size=group_size,
+        backend=backend,
         last=last,
         ui=not no_ui,
         max_body=max_body,
@@ -129,12 +144,4 @@ def serve(
     )
     set_threads(threads)
     note_exposure(options)
-    name = options.model_name or default_model_name(source)
-    run_server(
-        options,
-        on_ready=lambda started: print(
-            f"serving {name} at {started.url} with a KV cache of {started.cache_bytes_per_token:,.0f} bytes per token "
-            "(Ctrl-C to stop)",
-            flush=True,
-        ),
-    )
+    run_server(options, on_ready=functools.partial(say_ready, options.model_name or default_model_name(source)))

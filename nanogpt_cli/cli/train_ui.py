@@ -9,6 +9,8 @@ from __future__ import annotations
 from nanogpt_cli.cli import ui  # ui.console, looked up at each use: tests swap it for one of a known width
 from nanogpt_cli.cli.ui import speed_rows, summary_table
 
+EVAL_LINE_S = 15.0  # in a pipe, a slow evaluation's progress line comes at most this often
+
 
 def _fmt_eta(seconds: float) -> str:
     """m:ss under an hour, h:mm:ss from there on."""
@@ -37,10 +39,11 @@ def start_lines(e) -> list[str]:
         micro = f"{accumulation} micro-batch{'es' if accumulation > 1 else ''}"
         seq_len = t.get("seq_len") or m.get("block_size") or 0
         batch = getattr(e, "batch", None)
+        rows = f"{t['batch_size']} row{'s' if t['batch_size'] > 1 else ''}"
         lines.append(
             f"batch: {batch}"
             if batch
-            else f"batch: {e.tokens_per_iter:,} tokens per step ({t['batch_size']} rows x {seq_len:,} tokens x {micro})"
+            else f"batch: {e.tokens_per_iter:,} tokens per step ({rows} x {seq_len:,} tokens x {micro})"
         )
         optimizer = f"muon (lr {t['muon_lr']:g}) + adamw" if t["optimizer"] == "muon" else str(t["optimizer"])
         if t.get("embedding_lr") is not None:
@@ -84,6 +87,8 @@ class TrainDisplay:
         self.max_iters = 0
         self.step_width = 6
         self.max_time: float | None = None
+        self.stats = ""  # the live bar's text of the last progress line, which an evaluation's progress borrows
+        self.eval_said = 0.0  # in a pipe: the seconds into the evaluation of its last progress line
 
     def __enter__(self):
         return self
@@ -158,22 +163,37 @@ class TrainDisplay:
         if self.progress is not None:
             # the bar's own columns: "train", a bar of at least 10, "1234/5000", "elapsed 0:00:00", and spaces
             room = ui.console.width - (6 + 11 + (2 * len(f"{self.max_iters}") + 2) + 16)
-            self.progress.update(self.task, completed=e.step, stats=fit_fields(parts, room))
+            self.stats = fit_fields(parts, room)
+            self.progress.update(self.task, completed=e.step, stats=self.stats)
         elif e.step > self.start_step:
             head = f"step {e.step:>{self.step_width},}/{self.max_iters:,} | "
             parts.append((5, f"elapsed {_fmt_eta(e.elapsed_s)}"))
             ui.console.print(head + fit_fields(parts, ui.console.width - len(head)))
 
+    def on_eval_progress(self, e) -> None:
+        """A slow evaluation: batches scored and the time left in the live bar; in a pipe, a line every
+        EVAL_LINE_S seconds."""
+        if self.quiet:
+            return
+        left = f"{_fmt_eta(e.elapsed_s / e.done * (e.total - e.done))} left" if e.done < e.total else "done"
+        text = f"evaluating: {e.done}/{e.total} batches, {left}"
+        if self.progress is not None:
+            self.progress.update(self.task, stats=text)
+        elif e.elapsed_s - self.eval_said >= EVAL_LINE_S and e.done < e.total:  # the last: its eval line
+            self.eval_said = e.elapsed_s
+            ui.console.print(f"step {e.step:>{self.step_width},}: {text} ({_fmt_eta(e.elapsed_s)} so far)")
+
     def on_eval(self, e) -> None:
         if self.quiet:
             return
         self.val = f"val {e.val_loss:.4f}"
+        self.eval_said = 0.0
         line = (
             f"step {e.step:>{self.step_width},}: train loss {e.train_loss:.4f}, val loss {e.val_loss:.4f}"
             f" (best {e.best_val_loss:.4f})" + (", checkpoint saved" if e.saved else "")
         )
-        if self.progress is not None:
-            self.progress.update(self.task, completed=e.step)  # the bar is at the step evaluated (and saved)
+        if self.progress is not None:  # the bar is at the step evaluated (and saved), with its last line's text
+            self.progress.update(self.task, completed=e.step, stats=self.stats)
         (self.progress.console if self.progress is not None else ui.console).print(line)
 
     def on_scored(self, e) -> None:

@@ -356,6 +356,8 @@ def info_table(info):
         rows.append(("parameters", f"{info.params:,}"))
     if info.kv_cache_bytes_per_token is not None:
         rows.append(("KV cache", f"{info.kv_cache_bytes_per_token:,.0f} bytes per token (float32)"))
+    if info.decode:
+        rows.append(("decode backend", info.decode))
     if info.finetune:
         rows.append(("fine-tune", info.finetune))
     rows += [("tokenizer", info.tokenizer or "-"), ("dataset", info.dataset or "-")]

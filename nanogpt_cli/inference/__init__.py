@@ -2,7 +2,9 @@
 
     sampler = Sampler.load("checkpoints/shk"); results = sampler.generate_many(["ROMEO:"], SampleSettings())
 
-- engine.py: the KV cache with a position per row, the decode step, logits processing, the token loop
+- engine.py: the KV cache with a position per row, logits processing, the token loop
+- backends/: how a prefill and a decode step are computed, behind one interface: torch (the model's own forward)
+  and cpu (our kernels); the engine takes the first that supports the model
 - sample.py: prompts -> text, one or many, streamed; chat.py: a conversation turned into prompts
 - evaluate.py: loss, perplexity and bits per byte of a split or of texts
 - loglikelihood.py: log-probabilities of continuations after contexts, each context run once for its choices

@@ -10,7 +10,8 @@ A row joins after its own prefill (`add`), takes one token per `step`, and leave
 (its length, one of its stop tokens, the end of its grammar) or is removed (`remove`). Each row keeps its own
 sampling settings, its own random generator and optionally a LogitsMask (a grammar: inference/grammar.py) that
 forbids tokens before the draw, so a seeded row draws the same tokens alone or among others. The model is only
-read: `model/` holds the architecture and its one forward, this module how to run it token by token.
+read: `model/` holds the architecture and its one forward, this module how to run it token by token, and a
+decode backend (inference/backends/: the model's own forward, or our CPU kernels) how each step is computed.
 
 Shape legend as in model/gpt.py: B rows, S tokens held in the cache, C n_embd, nh n_head, nkv key/value heads,
 hs head size, V vocab.
@@ -20,24 +21,20 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-from torch.nn import functional as F
 
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.inference.backends import DecodeBackend, choose
 from nanogpt_cli.inference.prefix import PrefixCache
-from nanogpt_cli.model import GPT, ModelOps, decode_ops, native, softcap
-from nanogpt_cli.model.decode import FusedStep, fused_step, packed_form
-from nanogpt_cli.model.form_cache import cached_form
-from nanogpt_cli.model.quantize import PREFILL_ROWS, QuantizedLinear, quantize_head
+from nanogpt_cli.model import GPT
 
 if TYPE_CHECKING:
     from nanogpt_cli.lora import RowAdapters
 
 __all__ = [
     "CacheView",
-    "DecodePlan",
     "Engine",
     "GrammarError",
     "KVCache",
@@ -45,8 +42,6 @@ __all__ = [
     "RowError",
     "SamplingParams",
     "StepToken",
-    "decode_plan",
-    "decode_step",
     "generate",
     "process_logits",
     "prompt_logprobs",
@@ -219,99 +214,6 @@ class CacheView:
         if T == 1:
             return ring
         return torch.cat([ring, held.unsqueeze(-1) + torch.arange(T, device=device)], dim=-1)
-
-
-# --- the decode step ------------------------------------------------------------------------------------
-
-
-class DecodePlan(NamedTuple):
-    """Everything decode_step reads, looked up once per model state (decode_plan)."""
-
-    model: GPT
-    ops: ModelOps  # the model's operations in their decoding form
-    head: torch.Tensor  # (V, C), V cut to the vocabulary decode_plan was given
-    head_t: torch.Tensor | None  # (C, V) contiguous on a CPU (head_logits)
-    head_packed: torch.Tensor | None  # a bf16 head on a CPU in oneDNN's layout (decode.packed_form), else None
-    head_q: QuantizedLinear | None  # the head in the blocks' int8 / int4 form, for a quantized model (head_logits)
-    logit_softcap: float | None
-    head_native: native.Packed | None = None  # a bf16 head in our kernel's tiled form (model/native.py)
-    fused: FusedStep | None = None  # the whole step's blocks in one call, where they fit (decode.fused_step)
-
-
-def decode_plan(model: GPT, vocab_size: int | None = None) -> DecodePlan:
-    """What decode_step reads, built once per model and reused by every engine on it while its weights, modules
-    and training mode are unchanged (model/form_cache.py): its packed and transposed copies cost the weights' bytes
-    once more and ~0.3 s per 100M bf16 parameters to build. vocab_size: logits for the first vocab_size tokens
-    only (a padded head has rows no tokenizer token reaches). Tensors are shared, not copied, except those forms."""
-    V = min(vocab_size or model.config.vocab_size, model.config.vocab_size)  # None and the full size: one plan
-    return cached_form(model, lambda: build_plan(model, V), V)
-
-
-def build_plan(model: GPT, vocab_size: int) -> DecodePlan:
-    """A new DecodePlan for the model as it is now (decode_plan)."""
-    cfg = model.config
-    head = model.lm_head.weight[:vocab_size]
-    cpu, kind = head.device.type == "cpu", getattr(model, "quantized", None)
-    head_t = head_packed = head_q = head_native = None  # one form of the head is built: each copies a large matrix
-    if kind is not None and cpu and (kind == "int4" or native.available()):
-        # a quantized model's head read in the same bits as its blocks: the float head (tied to the embedding)
-        # stays for the lookup and for PREFILL_ROWS rows or more. With our kernels int8 too, which read the 135M
-        # model's head in 1.3 against 1.7 ms for bf16 at batch 1
-        head_q = quantize_head(head, kind, model.quant_group_size)
-    elif (head_native := native.pack(head)) is None:
-        # bf16 on a CPU without our kernels: oneDNN's layout (model/decode.py), 3.2 against 9.6 ms for the 135M
-        # model's head at batch 1. An int8 model's bf16 head goes this way too: torch's int8 kernel reads the 135M
-        # model's head slower than oneDNN reads it in bf16 (3.9 against 3.5 ms at batch 1, 11.7 against 4.4 at
-        # batch 8)
-        head_packed = packed_form(head)
-        if head_packed is None and kind is not None and cpu:
-            head_q = quantize_head(head, kind, model.quant_group_size)
-        elif head_packed is None and cpu and head.size(0) >= 8 * head.size(1):
-            # MKL's kernel for h @ W.T with a tall, thin W (V x C, V in the tens of thousands) is much slower than
-            # for h @ W_t with the transpose stored contiguous (C x V): one copy of the head, once per model, for
-            # the biggest matmul of a small model's token; a GPU has no such gap
-            head_t = head.t().contiguous()
-    packs = {}  # bf16 weights packed for our kernels, shared by the two forms
-    fused = fused_step(model, packs)
-    ops = decode_ops(model, packs)
-    return DecodePlan(model, ops, head, head_t, head_packed, head_q, cfg.logit_softcap, head_native, fused)
-
-
-FUSED_CACHE = (torch.float32, torch.bfloat16)  # the cache dtypes the fused step reads and writes
-
-
-def decode_step(p: DecodePlan, idx: torch.Tensor, cache: KVCache, n: int | None = None) -> torch.Tensor:
-    """Logits (B, V) after one new token for each of the cache's first n rows (idx (B,) or (B, 1)), each at its
-    own position: GPT.hidden_states through the cache with the model's decoding form (model/decode.py), which
-    makes a small model's token ~1.5x cheaper than its modules do. When every row is at the same position (one
-    prompt, or prompts of one length) attention needs no mask; otherwise each row's keys past its own position
-    are masked. Call it under torch.inference_mode()."""
-    B = idx.size(0) if n is None else n
-    if p.fused is not None and B < PREFILL_ROWS and cache.ring is None and cache.dtype in FUSED_CACHE:
-        h = p.ops.ln_f(p.fused(idx, cache, B))  # (B, C)
-    else:
-        h = p.model.hidden_states(idx.view(B, 1), cache.view(0, B), ops=p.ops)  # (B, 1, C)
-    return softcap(head_logits(p, h.view(B, -1)), p.logit_softcap)  # (B, V)
-
-
-def head_logits(p: DecodePlan, h: torch.Tensor) -> torch.Tensor:
-    """h (B, C) @ head.T -> (B, V), contiguous. On a CPU with a large vocabulary, h @ the transposed copy: at
-    batch 5, 1.4 against 2.8 ms for F.linear (128 x 50,257, one thread, AVX-512); at batch 1 an engine step is
-    ~18% faster with it than with F.linear, though alone the two cost the same there. Its logits come out row by
-    row, which every pass after it (temperature, the draw, the pick) reads ~2x faster than the transposed view
-    that W @ h.T gives (that form is the fastest matmul from three rows on with AVX2). A quantized model's few rows
-    go through the packed kernel of its head_q instead, and a bf16 head on a CPU through oneDNN (head_packed)."""
-    if p.head_q is not None and h.size(0) < PREFILL_ROWS:
-        logits = p.head_q(h.contiguous())  # the kernel takes contiguous rows; a prefill hands h[:, -1]
-        V = p.head.size(0)
-        return logits if logits.size(1) == V else logits[:, :V].contiguous()  # int4's rows padded to 16
-    if p.head_native is not None and h.size(0) < PREFILL_ROWS:
-        return p.head_native(h)
-    if p.head_packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(h.contiguous(), p.head_packed, None, "none", [], "")
-    if p.head_t is None:
-        return F.linear(h, p.head)
-    return torch.mm(h, p.head_t)
 
 
 # --- logits processing ----------------------------------------------------------------------------------
@@ -517,7 +419,8 @@ class Engine:
     tokens every step instead (nanoGPT's way). vocab_size: never pick a token at or above it (a padded head
     has rows the tokenizer lacks). prefix_cache: where rows leave their keys and values and new prompts start
     from the longest stored prefix they share (inference/prefix.py). adapters: the model's per-row LoRA
-    adapters (lora.RowAdapters), which the engine tells each forward which rows it runs."""
+    adapters (lora.RowAdapters), which the engine tells each forward which rows it runs. backend: the decode
+    backend's name (inference/backends/), else the first that supports the model."""
 
     def __init__(
         self,
@@ -527,6 +430,7 @@ class Engine:
         use_cache: bool = True,
         prefix_cache: PrefixCache | None = None,
         adapters: RowAdapters | None = None,
+        backend: str | None = None,
     ):
         if max_batch < 1:
             raise NanoGPTError(f"an engine needs at least one row, got max_batch={max_batch}")
@@ -536,7 +440,9 @@ class Engine:
         self.device = model.transformer.wte.weight.device
         with torch.inference_mode():
             self.cache = KVCache(model, max_batch) if use_cache else None
-        self.plan = decode_plan(model, self.vocab_size)
+        # --backend's choice, or the one the loader was given (load_for_inference), else the first that fits
+        self.backend: DecodeBackend = choose(model, backend or getattr(model, "decode_backend", None))
+        self.plan = self.backend.prepare(model, self.vocab_size)  # the backend's own forms of the weights
         self.rows: list[_Row] = []  # slot order
         self.logits: torch.Tensor | None = None  # (active, vocab_size): each row's next-token logits
         self.behind = False  # pick() handed out tokens that advance() has not fed yet
@@ -647,8 +553,7 @@ class Engine:
             self.cache.pos[slot:end] = [h] * (end - slot)
             idx = torch.tensor([r.tokens[h:] for r in self.rows[slot:end]], dtype=torch.long, device=self.device)
             self._select(slot, end)
-            hs = self.model.hidden_states(idx, cache=self.cache.view(slot, end))  # (b, T, C)
-            out.append(self._head(hs[:, -1]))
+            out.append(self.backend.prefill(self.plan, idx, self.cache.view(slot, end)).float())  # (b, V)
             slot = end
         return out[0] if len(out) == 1 else torch.cat(out)
 
@@ -667,11 +572,6 @@ class Engine:
         if self.adapters is not None:
             self.adapters.select([r.adapter for r in self.rows[start:stop]])
 
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
-        """Next-token logits (b, vocab_size) from the last position's hidden states (b, C): a prefill runs the
-        head over one position, not every prompt token, through the decode step's faster form of it."""
-        return softcap(head_logits(self.plan, h), self.plan.logit_softcap).float()
-
     def _full_forward(self, rows: list[_Row]) -> torch.Tensor:
         """Logits (len(rows), V) from a forward over each row's last block_size tokens (no cache)."""
         windows = [r.tokens[-self.block_size :] for r in rows]
@@ -679,7 +579,7 @@ class Engine:
             idx = torch.tensor(windows, dtype=torch.long, device=self.device)
             if self.adapters is not None:
                 self.adapters.select([r.adapter for r in rows])
-            return self._head(self.model.hidden_states(idx)[:, -1])
+            return self.backend.prefill(self.plan, idx, None).float()
         return torch.cat([self._full_forward([r]) for r in rows])
 
     @torch.inference_mode()
@@ -771,10 +671,10 @@ class Engine:
                 if keep > 1:
                     idx = torch.tensor([row.tokens[-keep:-1]], dtype=torch.long, device=self.device)
                     self._select(slot, slot + 1)
-                    self.model.hidden_states(idx, cache=self.cache.view(slot, slot + 1))  # fills the cache
+                    self.backend.prefill(self.plan, idx, self.cache.view(slot, slot + 1))  # fills the cache
         idx = torch.tensor([r.tokens[-1] for r in self.rows], dtype=torch.long, device=self.device)
         self._select(0, len(self.rows))
-        return decode_step(self.plan, idx, self.cache, len(self.rows)).float()
+        return self.backend.step(self.plan, idx, self.cache, len(self.rows)).float()
 
     @staticmethod
     def _accept(row: _Row, token: int) -> str | None:

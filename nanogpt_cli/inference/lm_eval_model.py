@@ -36,6 +36,12 @@ _registry = require("lm_eval.api.registry", "eval", "scoring lm-eval tasks", pac
 # the task's generation settings this backend follows; lm-eval normalises max_new_tokens & co. to max_gen_toks
 GEN_KEYS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty"}
 DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's default, as its `hf` backend has it
+# batch_size None (or lm-eval's "auto"): each request's rows chosen so that what they hold stays within BATCH_BYTES
+# beside the weights, MAX_ROWS at most. A generating row holds keys and values for the model's whole context
+# (SmolLM2-135M's 8,192 tokens: 377 MB in float32, so 20 rows took 8.8 GB); a scored row, its activations and,
+# rolling, its logits over the vocabulary.
+BATCH_BYTES = 2 << 30
+MAX_ROWS = 32
 
 
 @_registry.register_model("nanogpt")
@@ -45,7 +51,7 @@ class NanoGPTLM(_model.TemplateLM):
     `source` says where from (the results record it; a Hugging Face folder's chat template is read there).
     batch_size: rows per forward; stride: tokens between the rolling windows (default: eval perplexity's, half the
     context); seed: sampling's, for tasks that sample; quantize, group_size: int8 or int4 weights for the blocks
-    (`--quantize`, `--int4-group`; load_for_inference)."""
+    (`--quantize`, `--int4-group`; load_for_inference). batch_size None or "auto": chosen by memory (BATCH_BYTES)."""
 
     def __init__(
         self,
@@ -53,7 +59,7 @@ class NanoGPTLM(_model.TemplateLM):
         last: bool = False,
         device: str | None = "auto",
         dtype: str = "float32",
-        batch_size: int | str | None = 32,
+        batch_size: int | str | None = None,
         stride: int | None = None,
         seed: int = 1234,
         source: str | None = None,
@@ -65,9 +71,9 @@ class NanoGPTLM(_model.TemplateLM):
         super().__init__()
         if unknown:
             raise NanoGPTError(f"the nanogpt model takes no argument {', '.join(sorted(unknown))}")
-        if batch_size is None:
-            batch_size = 32
-        if not str(batch_size).isdigit() or int(batch_size) < 1:
+        if batch_size == "auto":
+            batch_size = None
+        if batch_size is not None and (not str(batch_size).isdigit() or int(batch_size) < 1):
             raise NanoGPTError(f"--batch-size must be a whole number of rows, at least 1, got {batch_size!r}")
         if isinstance(pretrained, InferenceModel):
             self.loaded, self.source = pretrained, source
@@ -83,7 +89,8 @@ class NanoGPTLM(_model.TemplateLM):
                 quantize=quantize,
                 group_size=int(group_size),
             )
-        self.batch_size, self.stride, self.seed = int(batch_size), stride, int(seed)
+        self.batch_size = int(batch_size) if batch_size is not None else None  # None: rows chosen by memory
+        self.stride, self.seed = stride, int(seed)
         self.tokenizer = self.loaded.tokenizer
         self._device = self.loaded.device
         self._template: ChatTemplate | None = None
@@ -114,6 +121,28 @@ class NanoGPTLM(_model.TemplateLM):
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens)
 
+    # --- rows by memory ---
+
+    def rows(self, per_row: float) -> int:
+        """Rows of a forward: batch_size, else as many rows of per_row bytes as BATCH_BYTES holds (1 to MAX_ROWS)."""
+        if self.batch_size is not None:
+            return self.batch_size
+        return max(1, min(MAX_ROWS, int(BATCH_BYTES // max(per_row, 1))))
+
+    def row_bytes(self, tokens: int, kind: str) -> float:
+        """About what a row of `tokens` tokens holds while it runs: its activations (the widest of a block: the
+        MLP's hidden layer beside the residual; attention runs in torch's fused kernel), and for `generate` the keys
+        and values of the model's whole context (the engine's cache), for `context` those of its tokens in every
+        layer (the contexts' pass of loglikelihood), for `rolling` its logits (float32, and the loss's copy)."""
+        cfg = self.model.config
+        size = self.model.transformer.wte.weight.element_size()
+        held = 4 * cfg.n_embd + 3 * cfg.hidden_size
+        if kind == "generate":
+            return size * (tokens * held + cfg.kv_values_per_token * cfg.block_size)
+        if kind == "context":
+            return size * tokens * (held + 2 * cfg.kv_heads * cfg.head_size * cfg.n_layer)
+        return size * tokens * held + 4 * 2 * tokens * cfg.vocab_size  # rolling
+
     # --- the three requests ---
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -126,7 +155,8 @@ class NanoGPTLM(_model.TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         pairs = [(context, continuation) for _, context, continuation in requests]
-        out = score_continuations(self.model, pairs, self.batch_size, self.vocab_size)
+        longest = min(max((len(c) + len(k) for c, k in pairs), default=1), self.max_length + 1)
+        out = score_continuations(self.model, pairs, self.rows(self.row_bytes(longest, "context")), self.vocab_size)
         for (key, _, _), answer in zip(requests, out):
             self.cache_hook.add_partial("loglikelihood", key, answer)
         return out
@@ -137,14 +167,15 @@ class NanoGPTLM(_model.TemplateLM):
             (text,) = request.args
             ids = self.tok_encode(text)
             tokens = ids if self.eot_token_id is None else [self.eot_token_id, *ids]
-            nll, _ = score_tokens(self.model, tokens, self.stride, self.batch_size, vocab_size=self.vocab_size)
+            rows = self.rows(self.row_bytes(min(len(tokens), self.max_length), "rolling"))
+            nll, _ = score_tokens(self.model, tokens, self.stride, rows, vocab_size=self.vocab_size)
             out.append(-nll)
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), -nll)
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Requests with the same generation settings are decoded together, longest prompts first (prompts of
-        one length share their prefill), batch_size rows at a time."""
+        one length share their prefill), batch_size rows at a time (or as many as memory allows: rows)."""
         out: list[str | None] = [None] * len(requests)
         groups: dict[str, list[int]] = {}
         for i, request in enumerate(requests):
@@ -154,8 +185,9 @@ class NanoGPTLM(_model.TemplateLM):
             settings = self._settings(requests[members[0]].args[1])
             prompts = {i: self._prompt(requests[i].args[0], settings.max_new_tokens) for i in members}
             order = sorted(members, key=lambda i: len(prompts[i]), reverse=True)
-            for start in range(0, len(order), self.batch_size):
-                part = order[start : start + self.batch_size]
+            rows = self.rows(self.row_bytes(len(prompts[order[0]]), "generate"))
+            for start in range(0, len(order), rows):
+                part = order[start : start + rows]
                 for i, result in zip(part, sampler.generate_many([prompts[i] for i in part], settings)):
                     out[i] = result.text
                     self.cache_hook.add_partial("generate_until", requests[i].args, result.text)

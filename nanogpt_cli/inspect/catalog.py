@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -250,6 +251,7 @@ class Info:
     flops_per_token: int | None = None  # training FLOPs per token at the full context (6N + attention)
     seq_len: int | None = None  # a run's training sequences (--seq-len), where they are shorter than the context
     kv_cache_bytes_per_token: float | None = None  # the engine's KV cache per token of a row, in float32
+    decode: str | None = None  # which decode backend runs it on a CPU, in words (backends.decode_words)
     tokenizer: str | None = None  # name and vocabulary size, in words
     dataset: str | None = None
     step: int | None = None
@@ -406,12 +408,15 @@ def _blocks_agree(run: RunDir, config: Any) -> bool:
 
 
 def _fill_model(info: Info, config: dict[str, Any] | None, tokenizer: dict[str, Any] | None) -> None:
+    from nanogpt_cli.inference.backends import decode_words
+
     if config is not None:
         try:
             cfg = GPTConfig.from_dict(config)
             info.model = cfg.to_dict()
             info.params, info.params_non_embedding, info.flops_per_token = model_counts(cfg)
             info.kv_cache_bytes_per_token = cfg.kv_values_per_token * 4
+            info.decode = decode_words(cfg)
         except (TypeError, ValueError, RuntimeError):  # RuntimeError: sizes past what torch can hold
             pass
     if isinstance(tokenizer, dict):
@@ -448,3 +453,41 @@ def _file_info(path: Path) -> FileInfo:
         except (OSError, ValueError) as e:
             return FileInfo(path.name, size, False, f"not valid JSON: {first_line(e)}")
     return FileInfo(path.name, size, True)
+
+
+# the CPU features that decide our kernels' and torch's paths, in the order `info --system` lists them
+CPU_FEATURES = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx_vnni",
+                "amx_bf16", "amx_int8")  # fmt: skip
+
+
+def system_info() -> dict:
+    """What `nanogpt info --system` shows: torch, the threads, the CPU and its features, our decode kernels (built
+    here if they were not: their status is whether they build) and where they are kept, and the devices."""
+    import platform
+
+    from nanogpt_cli.device import cpu_cores
+    from nanogpt_cli.inference.backends import native
+
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+                    .split(":", 1)[1].split())  # fmt: skip
+    except (OSError, StopIteration):
+        flags = set()
+    devices = ["cpu"]
+    if torch.cuda.is_available():
+        devices += [f"cuda:{i} ({torch.cuda.get_device_name(i)})" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        devices.append("mps")
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": cpu_cores(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "cpu": f"{platform.machine()}, {native.cpu_name() or platform.processor() or 'unknown model'}",
+        "cpu_features": [f for f in CPU_FEATURES if f in flags],
+        "kernels": native.status(),
+        "kernels_cache": str(native.cache_dir()),
+        "kernels_library": str(native.build().path) if native.available() else None,
+        "devices": devices,
+    }

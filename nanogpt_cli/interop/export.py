@@ -300,7 +300,7 @@ def export_peft(path: Path, meta: dict[str, Any], base: str, out: Path, force: b
         "lora_alpha": cfg["alpha"],
         "lora_dropout": cfg["dropout"],
         "target_modules": targets,  # exact module paths: a suffix such as c_proj would match more than ours
-        "fan_in_fan_out": kind == "gpt2",  # GPT-2's Conv1D stores its weights (in, out)
+        "fan_in_fan_out": hf.FAMILIES[kind].conv1d,  # a Conv1D stores its weights (in, out)
         "bias": "none",
         "inference_mode": True,
         "init_lora_weights": True,

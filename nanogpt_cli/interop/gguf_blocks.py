@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanogpt_cli.model.quantize import QuantizedLinear
+from nanogpt_cli.inference.backends.quantize import QuantizedLinear
 
 # --quantize -> the GGUF block type that loads into it as it is (int4: at group size 32 only)
 GGUF_FORMS = {"int8": "Q8_0", "int4": "Q4_0"}

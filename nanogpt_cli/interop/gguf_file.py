@@ -32,11 +32,7 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop import hf
 from nanogpt_cli.interop.families import FAMILIES, GGUF_FAMILIES
 from nanogpt_cli.interop.families.gguf_base import (
-    LAYERNORM_GGUF_BLOCK,
-    LAYERNORM_GGUF_TOP,
     GGUFLayout,
-    common_keys_out,
-    gelu_refuses,
 )
 from nanogpt_cli.model import GPT, rope_inv_freq
 
@@ -57,9 +53,10 @@ def gguf_target(c: GPTConfig, family: str | None = None) -> tuple[str, GGUFLayou
     except NanoGPTError as e:
         raise NanoGPTError(f"GGUF export needs a model llama.cpp computes exactly: {e}") from None
     arch, layout = FAMILIES[kind].gguf_arch, FAMILIES[kind].gguf
-    if kind == "gpt_neox" and family != "gpt_neox" and not c.parallel_residual and c.rotary_dim is None:
-        arch, layout = "starcoder2", STARCODER2
-    why = layout.refuses(c)
+    plain = FAMILIES[kind].gguf_plain
+    if plain is not None and family != kind and plain[0](c):  # a model of ours that another architecture computes
+        arch, layout = plain[1], plain[2]
+    why = layout.features.refusal(c)
     if why is not None:
         raise NanoGPTError(why)
     return arch, layout
@@ -72,35 +69,14 @@ def gguf_arch(c: GPTConfig, family: str | None = None) -> str:
 
 def layout_of(arch: str, path) -> GGUFLayout:
     """How a file of llama.cpp's `arch` holds our model, or one sentence naming the architectures nanogpt reads."""
-    if arch == "starcoder2":
-        return STARCODER2
+    for f in FAMILIES.values():
+        if f.gguf_plain is not None and f.gguf_plain[1] == arch:
+            return f.gguf_plain[2]
     if arch not in GGUF_FAMILIES:
         raise NanoGPTError(
             f"{path} holds a {arch!r} model; nanogpt reads llama.cpp's {', '.join(GGUF_FAMILIES)} GGUF files"
         )
     return FAMILIES[GGUF_FAMILIES[arch]].gguf
-
-
-def _starcoder2_keys(writer, c: GPTConfig) -> None:
-    common_keys_out(writer, c)
-    writer.add_head_count_kv(c.kv_heads)
-    writer.add_rope_freq_base(c.rope_theta)
-    writer.add_rope_dimension_count(c.head_size)
-    writer.add_vocab_size(c.vocab_size)
-    writer.add_layer_norm_eps(c.norm_eps)
-
-
-# llama.cpp's starcoder2: RoPE on the whole head, LayerNorm, tanh GELU, q, k and v apart; every bias required
-STARCODER2 = GGUFLayout(
-    top=LAYERNORM_GGUF_TOP,
-    block={
-        **LAYERNORM_GGUF_BLOCK,
-        "attn.c_attn.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
-        "attn.c_attn.bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
-    },
-    keys_out=_starcoder2_keys,
-    refuses=gelu_refuses,
-)
 
 
 def gguf_vocabulary(
@@ -354,7 +330,7 @@ def gguf_tensors(model: GPT, layout: GGUFLayout) -> dict[str, np.ndarray]:
             weight = sd.get(p + ours)
             if weight is None:
                 if ours in layout.optional or not ours.endswith(".bias"):
-                    continue  # a tensor llama.cpp can do without (refuses() checked the others)
+                    continue  # a tensor llama.cpp can do without (gguf_target checked the others)
                 weight = np.zeros(sd[p + ours.replace(".bias", ".weight")].shape[0], dtype=np.float32)
             for name, part in zip(parts, np.split(weight, _parts(c, ours, parts), axis=0)):
                 out[prefix + name] = layout.to_theirs(prefix + name, part, c)

@@ -1,21 +1,20 @@
-"""The one name mapping between our weights and the Hugging Face families (families/: GPT-2, Llama, GPT-NeoX,
-Qwen2, Qwen3, Mistral, Gemma 3), their tokenizers, and loading a Hugging Face model (`hf:NAME` from the hub, or a
-local folder) as our GPT plus our tokenizer.
+"""The one name mapping between our weights and the Hugging Face families (families/, one record each), their
+tokenizers, and loading a Hugging Face model (`hf:NAME` from the hub, or a local folder) as our GPT plus our
+tokenizer.
 
     model = GPT.from_hf(GPT2LMHeadModel.from_pretrained("gpt2"));  hf_model = model.to_hf()
     model, tokenizer_desc = load_pretrained("path/to/hf_dir")  # any tokenizer.json: hf_tokenizer.py
 
-Which family computes which of our configs exactly (`hf_kind`): a setting only one family has picks it (QK-norm:
-Qwen3, or Gemma 3 with Gemma's set; a sliding window on every layer: Mistral); otherwise GPT-2 (learned or
-sinusoidal positions), Llama (RoPE, RMSNorm, SwiGLU) or GPT-NeoX (RoPE, LayerNorm, GELU). A model imported from a
-family exports back to it (`prefer`, e.g. Qwen2 rather than Llama with attention_bias). Importing: a model whose
-bias tensors are all zero becomes a model without biases, one whose only non-zero biases are on q, k and v
-(Qwen2's) a model with --qkv-bias.
+Which family computes which of our configs exactly (`hf_kind`): the first in FAMILIES whose record declares every
+field's value held; no family is named in this module. A model imported from a family exports back to it
+(`prefer`), where that family holds the config. Importing: a model whose bias tensors are all zero becomes a model
+without biases, one whose only non-zero biases are on q, k and v a model with --qkv-bias.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 
 from nanogpt_cli import errors
-from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.config import ANY, GPTConfig, flag_value
 from nanogpt_cli.errors import NanoGPTError, first_line
 from nanogpt_cli.interop.families import FAMILIES, Biases
 from nanogpt_cli.interop.families.base import rope_scaling_from_hf, rope_scaling_to_hf  # noqa: F401 (re-exported)
@@ -67,86 +66,36 @@ def require(module: str):
 
 
 def hf_kind(c: GPTConfig, prefer: str | None = None) -> str:
-    """The family (its model_type) that computes exactly what this config computes, or one sentence saying why
-    none does, naming the closest one and the flags to change. prefer: the family the model came from, kept
-    when it holds the config."""
+    """The family (its model_type) that computes exactly what this config computes: the first in FAMILIES whose
+    declaration holds it (families/: each says which fields and values it holds). prefer: the family the model
+    came from, kept when it holds the config. Otherwise one sentence naming the closest family and the flags it
+    needs: of the families that hold the most of the settings this config changes from the defaults (a model
+    trained with --qk-norm is closest to one that has QK-norm), the one with the fewest flags to change."""
     if prefer in FAMILIES and FAMILIES[prefer].refuses(c) is None:
         return prefer
-    gemma = [f"--{f.replace('_', '-')}" for f in ("embed_scale", "norm_offset", "post_norms") if getattr(c, f)]
-    gemma += ["--mlp geglu"] if c.mlp == "geglu" else []
-    for kind, flags in (
-        ("gemma3_text", gemma),
-        ("qwen3", ["--qk-norm"] if c.qk_norm else []),
-        ("mistral", ["--sliding-window"] if c.sliding_window is not None else []),
-    ):
-        if flags:
-            why = FAMILIES[kind].refuses(c)
-            if why is None:
-                return kind
-            raise NanoGPTError(f"a model trained with {' '.join(flags)} has one Hugging Face counterpart, and {why}")
-    if c.logit_softcap is not None:
-        raise NanoGPTError(
-            "no stock Hugging Face architecture has logit soft-capping without Gemma's set; a model trained "
-            "with --logit-softcap does not convert (train without it to export)"
-        )
-    gelu = c.mlp in ("gelu", "gelu_tanh")
-    neox_only = [f for f, on in (("--parallel-residual", c.parallel_residual), ("--rotary-dim", c.rotary_dim)) if on]
-    if neox_only and not (c.pos_encoding == "rope" and c.norm == "layernorm" and gelu):
-        raise NanoGPTError(
-            f"{' and '.join(neox_only)} export as GPTNeoXForCausalLM only, which needs --pos-encoding rope, "
-            "--norm layernorm and --mlp gelu or gelu_tanh"
-        )
-    kind = _stock_kind(c, gelu)
-    extra = [
-        flag
-        for flag, used in (
-            ("--n-kv-head", c.kv_heads != c.n_head),
-            ("--head-dim", c.head_size * c.n_head != c.n_embd),
-            ("--qkv-bias", c.attn_bias != c.bias),
-            ("--rope-scaling", c.rope_scaling != "none"),
-        )
-        if used
+    for kind, family in FAMILIES.items():
+        if family.refuses(c) is None:
+            return kind
+    default = GPTConfig()
+    chosen = [f.name for f in dataclasses.fields(GPTConfig) if getattr(c, f.name) != getattr(default, f.name)]
+
+    def distance(family) -> tuple[int, int]:
+        takes = family.features.takes
+        held = sum(takes[name].ok(getattr(c, name), c) for name in chosen)
+        return -held, len(family.features.mismatches(c))
+
+    closest = min(FAMILIES.values(), key=distance)  # the first in FAMILIES on a tie
+    # the settings that made it the closest: those it holds that not every family does
+    has = [
+        flag_value(name, getattr(c, name))
+        for name in chosen
+        if closest.features.takes[name].ok(getattr(c, name), c)
+        and not all(f.features.takes[name] is ANY for f in FAMILIES.values())
     ]
-    if extra and kind != "llama":
-        raise NanoGPTError(
-            f"{', '.join(extra)} export to LlamaForCausalLM only, which needs --pos-encoding rope --norm rmsnorm "
-            "--mlp swiglu"
-        )
-    return kind
-
-
-def _stock_kind(c: GPTConfig, gelu: bool) -> str:
-    """hf_kind for the block's position scheme, norm and MLP."""
-    if c.pos_encoding in ("learned", "sinusoidal"):
-        if c.norm == "layernorm" and gelu:
-            return "gpt2"
-        raise NanoGPTError(
-            f"no stock Hugging Face architecture computes --pos-encoding {c.pos_encoding} with --norm "
-            f"{c.norm} and --mlp {c.mlp}; the closest, GPT2LMHeadModel, needs --norm layernorm and "
-            "--mlp gelu or gelu_tanh"
-        )
-    if c.norm == "rmsnorm" and c.mlp == "swiglu":
-        return "llama"
-    if c.norm == "layernorm" and gelu:
-        return "gpt_neox"
-    # the closest: Llama when the MLP is SwiGLU or the norm RMSNorm, else GPT-NeoX; name only the flags that differ
-    if c.mlp == "swiglu" or (c.norm == "rmsnorm" and not gelu):
-        closest, needs = (
-            "LlamaForCausalLM",
-            [
-                f
-                for f in ("--norm rmsnorm" if c.norm != "rmsnorm" else "", "--mlp swiglu" if c.mlp != "swiglu" else "")
-                if f
-            ],
-        )
-    else:
-        closest, needs = (
-            "GPTNeoXForCausalLM",
-            [f for f in ("--norm layernorm" if c.norm != "layernorm" else "", "--mlp gelu" if not gelu else "") if f],
-        )
+    which = f"{closest.hf_class}, which has {' '.join(has)}," if has else f"{closest.hf_class},"
     raise NanoGPTError(
-        f"no stock Hugging Face architecture computes RoPE with --norm {c.norm} and --mlp {c.mlp}; "
-        f"the closest, {closest}, needs {' '.join(needs)}"
+        f"no stock Hugging Face architecture computes this model; the closest, {which} needs "
+        f"{closest.features.needs(c)}"
     )
 
 
@@ -190,12 +139,6 @@ def _mapping(config: GPTConfig, kind: str) -> dict[str, str | tuple[str, ...]]:
     return names
 
 
-def _neox_qkv(tensor: torch.Tensor, n_head: int, to_neox: bool) -> torch.Tensor:
-    from nanogpt_cli.interop.families.gpt_neox import neox_qkv
-
-    return neox_qkv(tensor, n_head, to_neox)
-
-
 def _to_ours(kind: str, name: str, tensor: torch.Tensor, config: GPTConfig) -> torch.Tensor:
     return FAMILIES[kind].to_ours(name, tensor, config)
 
@@ -209,17 +152,17 @@ def peft_tensors(
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Our LoRA adapters ({module name: (A (r, in), B (out, r))}) as a PEFT adapter's tensors for the `kind` model,
     and the exact paths of the modules they go on. A fused projection of ours that is several modules there
-    (Llama's q/k/v_proj, gate/up_proj) gives each its rows of B and the same A: B_q A is the q rows of B A.
-    GPT-NeoX's fused rows are ordered by head (_neox_qkv); GPT-2's Conv1D needs no transpose here, as PEFT keeps
-    lora_A and lora_B as linear layers there too (fan_in_fan_out applies to the merge)."""
+    (separate q/k/v_proj, gate/up_proj) gives each its rows of B and the same A: B_q A is the q rows of B A. The
+    family orders B's rows as its weights' (its peft_rows, for fused rows ordered by head); a Conv1D family needs
+    no transpose here, as PEFT keeps lora_A and lora_B as linear layers there too (fan_in_fan_out applies to the
+    merge)."""
     names = _mapping(config, kind)
     tensors: dict[str, torch.Tensor] = {}
     targets: list[str] = []
     for module, (a, b) in layers.items():
         theirs = names[f"{module}.weight"]
         theirs = theirs if isinstance(theirs, tuple) else (theirs,)
-        if kind == "gpt_neox" and module.endswith("attn.c_attn"):
-            b = _neox_qkv(b, config.n_head, to_neox=True)
+        b = FAMILIES[kind].peft_rows(f"{module}.weight", b, config)  # fused rows a family orders by head
         sizes = _fused_sizes(config, module, b.size(0), len(theirs))
         for name, part in zip(theirs, b.split(sizes, dim=0)):
             path = name.removesuffix(".weight")

@@ -114,19 +114,24 @@ def load_for_inference(
     dtype: Dtype = Dtype.auto,
     quantize: str | None = None,
     group_size: int = 32,
+    backend: str | None = None,
 ) -> InferenceModel:
     """The one loader that sample and eval share. Inference casts the weights once instead of autocasting
     every call; `auto` picks the dtype from the device and the size of the weights (device.py). quantize: int8
-    or int4 weights for the blocks' projections (model/quantize.py), group_size the int4 groups' width; a GGUF
+    or int4 weights for the blocks' projections (backends/quantize.py), group_size the int4 groups' width; a GGUF
     export's Q8_0 or Q4_0 blocks load straight into that form. Our weights files and GGUF exports are read tensor
-    by tensor into the finished form (materialize.py), never whole in float32."""
+    by tensor into the finished form (materialize.py), never whole in float32. backend: the decode backend every
+    engine on the model uses (inference/backends/), refused before the weights are read where it is not one."""
+    from nanogpt_cli.inference.backends import NAMES, choose
+    from nanogpt_cli.inference.backends.quantize import check_quantize, quantize_model
     from nanogpt_cli.interop.materialize import materialize
-    from nanogpt_cli.model.quantize import check_quantize, quantize_model
 
     try:
         check_quantize(quantize, group_size)
     except ValueError as e:
         raise NanoGPTError(str(e)) from None
+    if backend is not None and backend not in NAMES:
+        raise NanoGPTError(f"--backend must be one of {', '.join(NAMES)}, got {backend!r}")
     dev = resolve_device(device)
     if quantize is not None and dev.type != "cpu":
         raise NanoGPTError(f"--quantize runs on a CPU only (torch's packed kernels), not on {dev}; use --device cpu")
@@ -148,6 +153,8 @@ def load_for_inference(
             model = materialize(lazy, cast, quantize, group_size).to(dev).eval()
     except ValueError as e:
         raise NanoGPTError(str(e)) from None
+    if backend is not None:  # refused here in one sentence where it does not fit; the engines read it
+        model.decode_backend = choose(model, backend).name
     return InferenceModel(model, tokenizer, meta, dev, cast)
 
 

@@ -114,10 +114,10 @@ class LazyModel:
 
 
 def materialize(lazy: LazyModel, dtype: torch.dtype, quantize: str | None = None, group_size: int = 32) -> GPT:
-    """The model on the CPU in dtype, its blocks' projections quantized (model/quantize.py) as each block is read:
+    """The model on the CPU in dtype, its blocks' projections quantized (backends/quantize.py) as each block is read:
     the same tensors as building it in float32, loading the file, GPT.cast and quantize_model. Raises ValueError
     for a quantization the model's widths do not allow, before reading anything."""
-    from nanogpt_cli.model.quantize import check_widths, quantize_block
+    from nanogpt_cli.inference.backends.quantize import check_widths, quantize_block
 
     model = lazy.model
     if quantize is not None:

@@ -1,5 +1,5 @@
 """The model: the GPT (gpt.py), its blocks (blocks.py), its attention with RoPE and the KV cache's interface
-(attention.py), and the faster form of its operations that decoding runs (decode.py).
+(attention.py). How a decode step is computed fast lives in inference/backends/.
 
     from nanogpt_cli.model import GPT
     model = GPT(GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
@@ -22,7 +22,6 @@ from nanogpt_cli.model.attention import (
     yarn_attention_factor,
 )
 from nanogpt_cli.model.blocks import MLP, Block, BlockOps, activation, block_forward, softcap
-from nanogpt_cli.model.decode import decode_ops
 from nanogpt_cli.model.gpt import GPT, ModelOps, sinusoidal_table
 
 __all__ = [
@@ -42,7 +41,6 @@ __all__ = [
     "attention",
     "block_forward",
     "causal_mask",
-    "decode_ops",
     "rope_inv_freq",
     "rope_tables",
     "sinusoidal_table",

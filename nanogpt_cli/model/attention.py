@@ -227,7 +227,7 @@ class Context:
 
 class AttentionOps(NamedTuple):
     """One layer's attention as `attention` calls it: the modules themselves (CausalSelfAttention.ops) or faster
-    forms of the same operations (decode.py)."""
+    forms of the same operations (inference/backends/decode.py)."""
 
     c_attn: Op  # (N, C) -> (N, (nh + 2 nkv) hs): the queries of every head, then the keys and values
     q_norm: Op | None  # QK-norm over each head's hs dimensions; None without it

@@ -1,6 +1,6 @@
 """The Transformer block, written once (`block_forward`), and its parts: norms, the MLP's activations, dropout and
 the logits' soft-cap. The modules hold the weights; `Block.ops` hands them to block_forward as they are, and
-decode.py hands it faster forms of the same operations for decoding a few rows.
+inference/backends/decode.py hands it faster forms of the same operations for decoding a few rows.
 
     x = block(x, ctx, layer)   # x (N, C), the residual stream of N = B * T tokens
 """
@@ -80,7 +80,7 @@ def make_norm(config: GPTConfig) -> nn.Module:
 
 class BlockOps(NamedTuple):
     """One block's operations as block_forward calls them: its modules (Block.ops), or faster forms of the same
-    operations (decode.py), which fold each residual add into the projection's matmul."""
+    operations (inference/backends/decode.py), which fold each residual add into the projection's matmul."""
 
     ln_1: Op
     attn: AttentionOps

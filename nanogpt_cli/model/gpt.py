@@ -39,7 +39,8 @@ def sinusoidal_table(n_pos: int, dim: int, base: float = 10000.0) -> torch.Tenso
 
 class ModelOps(NamedTuple):
     """What GPT.hidden_states runs: the modules and tables as they are (GPT.ops), or their decoding form
-    (decode.py, built once per engine: the tables looked up once, the blocks' primitives faster for a few rows)."""
+    (inference/backends/decode.py, built once per model: the tables looked up once, the blocks' primitives faster
+    for a few rows)."""
 
     wte: torch.Tensor  # (V, C) token embeddings
     pos_table: torch.Tensor | None  # (block_size, C) learned or sinusoidal positions, added to the embeddings
@@ -223,7 +224,7 @@ class GPT(nn.Module):
         """The last block's output after the final norm (B, T, C): what lm_head turns into logits. A caller that
         needs some positions' logits only (a prefill needs the last one) applies the head to those. With a cache,
         idx holds each row's new tokens, which start at the cache's position (one for all rows, or one per row);
-        the cache advances by T. ops: the model's operations in another form (decode.decode_ops)."""
+        the cache advances by T. ops: the model's operations in another form (inference/backends/decode.py)."""
         ops = ops or self.ops()
         B, T = idx.size()
         x = torch.embedding(ops.wte, idx)  # (B, T, C)

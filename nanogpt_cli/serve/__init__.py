@@ -44,8 +44,9 @@ class ServeOptions:
     api_key: str | None = None  # default: $NANOGPT_API_KEY
     device: str = "auto"
     dtype: Dtype = Dtype.auto
-    quantize: str | None = None  # int8 or int4 weights (model/quantize.py)
+    quantize: str | None = None  # int8 or int4 weights (inference/backends/quantize.py)
     group_size: int = 32  # int4's group width
+    backend: str | None = None  # the decode backend (inference/backends/); default: the first that fits
     last: bool = False
     ui: bool = True
     max_body: int = 1_000_000
@@ -119,6 +120,7 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
         dtype=options.dtype,
         quantize=options.quantize,
         group_size=options.group_size,
+        backend=options.backend,
     )
     model_name = options.model_name or default_model_name(options.source)
     adapters = _adapters(options, loaded, model_name)

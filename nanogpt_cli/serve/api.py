@@ -103,6 +103,7 @@ def create_app(state: ServerState) -> FastAPI:
             "active_rows": s.active,
             "waiting": s.waiting,
             "max_batch": s.engine.max_batch,
+            "backend": s.engine.backend.describe(s.engine.plan),
         }
 
     @app.get("/metrics")

@@ -103,11 +103,23 @@ class Scored:
     saved: bool = True
 
 
+@dataclass
+class EvalProgress:
+    """An evaluation under way that has taken a few seconds already (trainer.EVAL_QUIET_S): batches scored of
+    this rank's batches of both splits."""
+
+    step: int
+    done: int
+    total: int
+    elapsed_s: float
+
+
 class Display(Protocol):
     def on_start(self, event: RunStarted) -> None: ...
     def on_step(self, event: StepLogged) -> None: ...
     def on_eval(self, event: Evaluated) -> None: ...
     def on_scored(self, event: Scored) -> None: ...  # DPO's and GRPO's evaluations
+    def on_eval_progress(self, event: EvalProgress) -> None: ...  # a slow evaluation, after each batch
     def on_save(self, step: int) -> None: ...
     def on_status(self, text: str) -> None: ...  # what happens before the first step (no long silences)
     def on_hint(self, text: str) -> None: ...  # advice while the run goes (a busy machine), at most once each
@@ -124,6 +136,9 @@ class NoDisplay:
         pass
 
     def on_scored(self, event: Scored) -> None:
+        pass
+
+    def on_eval_progress(self, event: EvalProgress) -> None:
         pass
 
     def on_save(self, step: int) -> None:

@@ -40,6 +40,14 @@ from nanogpt_cli.training.distributed import check_world, launched_size
 # whose context is longer: such contexts are long (SmolLM2's 8,192 tokens), a batch of them costs that many tokens a
 # row, and fine-tuning data rarely needs them (TRL's SFT also trains at 1,024 by default)
 CONVERTED_SEQ_LEN = 1024
+# A converted model fine-tuned on a CPU (a laptop's): TrainConfig's --batch-size 12 and --eval-iters 20 make an update
+# of 12 sequences and an evaluation of 480, which for SmolLM2-135M on 2 busy cores took 193 s an update, over 8
+# minutes for the first evaluation, and 12.7 GB. There an update works through about CPU_UPDATE_TOKENS tokens of a 135M
+# model (rows of --seq-len tokens, so a larger model gets fewer rows, never fewer than one), and an evaluation
+# scores CPU_EVAL_ITERS batches of them per split: a few updates' time, and memory a few times the weights'.
+CPU_UPDATE_TOKENS = 1024
+CPU_EVAL_ITERS = 2
+CPU_REFERENCE_WEIGHTS = 135_000_000  # the model whose update CPU_UPDATE_TOKENS tokens make (SmolLM2-135M's size)
 
 
 @dataclass
@@ -205,6 +213,8 @@ def _plan_fresh(
             f"converted model; it keeps its context of {model_cfg.block_size:,} (give --seq-len "
             f"{model_cfg.block_size} to train at all of it)"
         )
+    if converted and windows and resolve_device(train_cfg.device).type == "cpu":
+        train_cfg = _cpu_defaults(train_cfg, model_cfg, {**values_from(preset), **given}, notes)
     check_world(train_cfg, world_size)
     notes += _warnings(model_cfg, train_cfg)
     started = None if init_from is None else start_record(init_from, init_last)
@@ -255,6 +265,44 @@ def _weights_identity(source: str, last: bool) -> str | None:
         return str(path.resolve()) if path.exists() else None
     except (NanoGPTError, OSError):
         return None
+
+
+def matmul_weights(cfg: GPTConfig) -> int:
+    """The weights each token is multiplied by, from the config alone: every block's projections and the head."""
+    attention = cfg.n_embd * cfg.head_size * 2 * (cfg.n_head + cfg.kv_heads)
+    mlp = (3 if cfg.gated else 2) * cfg.n_embd * cfg.hidden_size
+    return cfg.n_layer * (attention + mlp) + cfg.vocab_size * cfg.n_embd
+
+
+def cpu_rows(cfg: GPTConfig, seq_len: int, most: int) -> int:
+    """A converted model's rows per micro-batch on a CPU: about CPU_UPDATE_TOKENS tokens of a
+    CPU_REFERENCE_WEIGHTS model's work, from 1 to `most` rows of seq_len tokens."""
+    tokens = CPU_UPDATE_TOKENS * CPU_REFERENCE_WEIGHTS // matmul_weights(cfg)
+    return max(1, min(most, tokens // seq_len))
+
+
+def _cpu_defaults(train_cfg: TrainConfig, model_cfg: GPTConfig, said: dict[str, Any], notes: list[str]) -> TrainConfig:
+    """A converted model on a CPU: --batch-size (cpu_rows) and --eval-iters (CPU_EVAL_ITERS) where neither the
+    command, its config file nor its preset says them, with one note saying what was chosen."""
+    seq_len = train_cfg.seq_len or model_cfg.block_size
+    chosen = {}
+    if "batch_size" not in said:
+        chosen["batch_size"] = cpu_rows(model_cfg, seq_len, train_cfg.batch_size)
+    if "eval_iters" not in said:
+        chosen["eval_iters"] = min(CPU_EVAL_ITERS, train_cfg.eval_iters)
+    chosen = {k: v for k, v in chosen.items() if v != getattr(train_cfg, k)}
+    if not chosen:
+        return train_cfg
+    train_cfg = dataclasses.replace(train_cfg, **chosen)
+    rows, batches = train_cfg.batch_size, train_cfg.eval_iters
+    notes.append(
+        ", ".join(f"--{flag(k)} {v}" for k, v in chosen.items())
+        + f": a converted model's defaults on a CPU, updates of {rows} row{'s' if rows > 1 else ''} of {seq_len:,} "
+        f"tokens and evaluations of {batches} such batch{'es' if batches > 1 else ''} a split (give "
+        + " or ".join(f"--{flag(k)}" for k in chosen)
+        + " to choose)"
+    )
+    return train_cfg
 
 
 def check_seq_len(train_cfg: TrainConfig, model_cfg: GPTConfig, meta: dict[str, Any], source: str | None) -> None:

@@ -43,7 +43,15 @@ from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
 from nanogpt_cli.runs.rundir import RunDir, SavePoint, Saver
 from nanogpt_cli.training.clock import Clock, busy_hint, cpu_cores, load_average, thread_tuner
 from nanogpt_cli.training.distributed import World, launched_size
-from nanogpt_cli.training.events import Display, Evaluated, NoDisplay, RunStarted, StepLogged, TrainResult
+from nanogpt_cli.training.events import (
+    Display,
+    EvalProgress,
+    Evaluated,
+    NoDisplay,
+    RunStarted,
+    StepLogged,
+    TrainResult,
+)
 from nanogpt_cli.training.optim import lr_at, make_optimizer, set_lr
 from nanogpt_cli.training.plan import RunPlan
 from nanogpt_cli.training.signals import Interrupted, StopSignals
@@ -60,9 +68,13 @@ def next_token_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch
 
 @torch.no_grad()
 def eval_losses(
-    model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]], ctx, loss_fn: LossFn = next_token_loss
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    ctx,
+    loss_fn: LossFn = next_token_loss,
+    after: Callable[[], None] | None = None,
 ) -> torch.Tensor:
-    """The mean loss of each batch. (n,)"""
+    """The mean loss of each batch. (n,) after: called after each batch (progress)."""
     was_training = model.training
     model.eval()
     losses = []
@@ -70,6 +82,8 @@ def eval_losses(
         with ctx:
             loss = loss_fn(model, x, y)
         losses.append(loss.float())
+        if after is not None:
+            after()
     model.train(was_training)
     return torch.stack(losses)
 
@@ -102,6 +116,7 @@ def scale_tensor(scaler: torch.amp.GradScaler, device: torch.device) -> torch.Te
     return scale.clone() if scale is not None else torch.tensor(scaler.get_scale(), device=device)
 
 
+EVAL_QUIET_S = 3.0  # an evaluation reports its progress (on_eval_progress) once it has taken this long
 STOP_CODES = {None: 0, "SIGINT": 1, "SIGTERM": 2}  # reduced with max: a signal to any rank stops them all
 
 
@@ -345,11 +360,21 @@ class Trainer:
         cfg, p = self.cfg, self.parts
         state = p.state
         started = time.perf_counter()
+        scored, total = [0], sum(len(p.eval_sets[s]) for s in ("train", "val"))
+
+        def progress() -> None:
+            scored[0] += 1
+            elapsed = time.perf_counter() - started
+            if elapsed >= EVAL_QUIET_S:
+                self.show.on_eval_progress(EvalProgress(state.step, scored[0], total, elapsed))
+
         try:
             with self.signals.interruptible():  # a signal drops the evaluation: it only reads the weights
                 losses = {
                     s: self.world.mean_loss(
-                        eval_losses(p.compiled, p.eval_sets[s], p.ctx, self.loss_fn), p.eval_counted, cfg.eval_iters
+                        eval_losses(p.compiled, p.eval_sets[s], p.ctx, self.loss_fn, progress),
+                        p.eval_counted,
+                        cfg.eval_iters,
                     )
                     for s in ("train", "val")
                 }

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from nanogpt_cli import errors
-from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.config import ANY, Features, GPTConfig, Takes, features, only
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.interop.families.gguf_base import GGUFLayout, Names, keep  # noqa: F401 (keep: re-exported)
 from nanogpt_cli.model import yarn_attention_factor
@@ -42,11 +42,20 @@ class Family:
     prefix: str  # their blocks' prefix, e.g. model.layers
     config_in: Callable[[Any, Biases], GPTConfig]  # our config for theirs; unsupported values are one sentence
     config_out: Callable[[GPTConfig, dict], tuple[Any, dict]]  # theirs for ours (+ extra config.json keys)
-    refuses: Callable[[GPTConfig], str | None]  # why this family cannot hold our config exactly, or None
+    features: Features  # the config fields and values it holds (hf.hf_kind walks these)
     to_ours: Callable[[str, torch.Tensor, GPTConfig], torch.Tensor] = keep  # their tensor as ours
     to_theirs: Callable[[str, torch.Tensor, GPTConfig], torch.Tensor] = keep  # ours as theirs
     names: tuple[str, ...] = field(default=())  # the model names it covers, for docs and `info`
     gguf: GGUFLayout | None = None  # how it sits in a GGUF file of gguf_arch (gguf_base.py)
+    conv1d: bool = False  # its linear layers store their weights (in, out): PEFT's fan_in_fan_out
+    peft_rows: Callable[[str, torch.Tensor, GPTConfig], torch.Tensor] = keep  # a LoRA B's rows in their order
+    # (whether a config of ours, not imported from this family, fits, the architecture, its layout): another llama.cpp
+    # architecture that computes such a model where gguf_arch would not fit it as well
+    gguf_plain: tuple[Callable[[GPTConfig], bool], str, GGUFLayout] | None = None
+
+    def refuses(self, c: GPTConfig) -> str | None:
+        """Why this family cannot hold our config exactly (one sentence naming the flags), or None."""
+        return self.features.refusal(c)
 
 
 def require(module: str):
@@ -133,17 +142,41 @@ def head_dim_of(c) -> int:
     return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
 
-def llama_shaped(c: GPTConfig, family: str) -> str | None:
-    """Why a RoPE + RMSNorm + SwiGLU family cannot hold our config, or None (the checks every such family shares)."""
-    if c.pos_encoding != "rope" or c.norm != "rmsnorm" or c.mlp != "swiglu":
-        return f"{family} needs --pos-encoding rope --norm rmsnorm --mlp swiglu"
-    if c.parallel_residual or c.rotary_dim is not None:
-        return f"{family} has neither --parallel-residual nor --rotary-dim"
-    if c.embed_scale or c.norm_offset or c.post_norms:
-        return f"{family} has none of Gemma's --embed-scale, --norm-offset and --post-norms"
-    if c.logit_softcap is not None:
-        return f"{family} has no --logit-softcap"
-    return None
+# --- what each family holds, declared (config.Features) ---------------------------------------------------------
+
+# fields every family holds at any value: sizes, and what only training reads
+ANY_SIZE = (
+    "vocab_size", "block_size", "n_layer", "n_head", "n_embd", "dropout", "rope_theta", "norm_eps", "mlp_hidden",
+    "tie_embeddings", "zero_init_proj", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+    "rope_original_context", "rope_beta_fast", "rope_beta_slow",
+)  # fmt: skip
+GELU = only("gelu", "gelu_tanh")
+# GPT-2's and GPT-NeoX's attention: every head its own keys, heads that split n_embd, biases all on or all off
+MHA = dict(
+    n_kv_head=Takes(lambda v, c: c.kv_heads == c.n_head, "none (one key/value head per query head)", (None,)),
+    head_dim=Takes(lambda v, c: c.head_size * c.n_head == c.n_embd, "none (--n-embd / --n-head)", (None,)),
+    qkv_bias=Takes(lambda v, c: c.attn_bias == c.bias, "none (as --bias)", (None,)),
+    rope_scaling=only("none"),
+)
+NO_GEMMA = dict(embed_scale=only(False), norm_offset=only(False), post_norms=only(False), logit_softcap=only(None))
+NO_WINDOW = dict(sliding_window=only(None), window_pattern=ANY, rope_local_theta=only(None))
+# a RoPE + RMSNorm + SwiGLU block, Llama's, which Qwen2, Qwen3 and Mistral share
+LLAMA_HOLDS = dict(
+    pos_encoding=only("rope"),
+    norm=only("rmsnorm"),
+    mlp=only("swiglu"),
+    parallel_residual=only(False),
+    rotary_dim=only(None),
+    n_kv_head=ANY,
+    head_dim=ANY,
+    rope_scaling=ANY,
+    **NO_GEMMA,
+)
+
+
+def holds(hf_class: str, **takes: Takes) -> Features:
+    """A family's declaration: ANY_SIZE at any value, the rest as given."""
+    return features(hf_class, ANY_SIZE, **takes)
 
 
 def shape_in(c) -> dict[str, Any]:

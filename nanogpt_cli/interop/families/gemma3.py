@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.config import ANY, GPTConfig, Takes, only, show_value
 from nanogpt_cli.interop.families.base import (
     LLAMA_ATTN,
     LLAMA_MLP,
@@ -13,6 +13,7 @@ from nanogpt_cli.interop.families.base import (
     Biases,
     Family,
     head_dim_of,
+    holds,
     require,
     rope_params,
     shape_in,
@@ -27,6 +28,7 @@ from nanogpt_cli.interop.families.gguf_base import (
     Shapes,
     llama_gguf_config_in,
     llama_gguf_keys_out,
+    on_llama_cpp,
 )
 
 BLOCK = {
@@ -135,16 +137,27 @@ def config_out(c: GPTConfig, special: dict):
     return config, {"rope_theta": c.rope_theta, "rope_local_base_freq": local_theta}
 
 
-def refuses(c: GPTConfig) -> str | None:
-    needs = ("qk_norm", "embed_scale", "norm_offset", "post_norms")
-    if c.pos_encoding != "rope" or c.norm != "rmsnorm" or c.mlp != "geglu" or not all(getattr(c, f) for f in needs):
-        return (
-            "Gemma3ForCausalLM needs --pos-encoding rope --norm rmsnorm --mlp geglu --qk-norm --embed-scale "
-            "--norm-offset --post-norms"
-        )
-    if c.bias or c.attn_bias or c.parallel_residual or c.rotary_dim is not None or c.rope_scaling != "none":
-        return "Gemma3ForCausalLM has no biases, no --parallel-residual, no --rotary-dim and no --rope-scaling here"
-    return None
+FEATURES = holds(
+    "Gemma3ForCausalLM",
+    pos_encoding=only("rope"),
+    norm=only("rmsnorm"),
+    mlp=only("geglu"),
+    qk_norm=only(True),
+    embed_scale=only(True),
+    norm_offset=only(True),
+    post_norms=only(True),
+    logit_softcap=ANY,
+    bias=only(False),
+    qkv_bias=Takes(lambda v, c: not c.attn_bias, "none or false (no biases)", (False,)),
+    parallel_residual=only(False),
+    rotary_dim=only(None),
+    rope_scaling=only("none"),
+    n_kv_head=ANY,
+    head_dim=ANY,
+    sliding_window=ANY,
+    window_pattern=ANY,
+    rope_local_theta=ANY,
+)
 
 
 # --- llama.cpp's gemma3 -------------------------------------------------------------------------------------------
@@ -173,24 +186,37 @@ def gguf_keys_out(writer, c: GPTConfig) -> None:
     writer.add_sliding_window(c.sliding_window or c.block_size)  # llama.cpp's loader requires one
 
 
-def gguf_refuses(c: GPTConfig) -> str | None:
+def gguf_layers_match(c: GPTConfig) -> bool:
     """llama.cpp's gemma3 makes every sixth layer global and turns the others at RoPE base 10000 in the window the
-    file gives: our layers must compute the same (a global layer of ours is a local one whose window holds the whole
-    context)."""
-    if c.logit_softcap is not None:
-        return "llama.cpp's gemma3 reads no final logit soft-capping: GGUF export needs no --logit-softcap"
-    if c.n_layer == 62 and c.n_embd // c.n_head != c.head_size:
-        return "llama.cpp scales a 62-layer gemma3's queries by n_embd / n_head, not by --head-dim"
+    file gives: whether our layers compute the same (a global layer of ours is a local one whose window holds the
+    whole context)."""
+    whole = c.sliding_window is None or c.sliding_window >= c.block_size
     for i in range(c.n_layer):
         local, theirs = c.is_local(i), i % len(GGUF_PATTERN) != len(GGUF_PATTERN) - 1
         theta = c.rope_local_theta if local and c.rope_local_theta is not None else c.rope_theta
-        whole = c.sliding_window is None or c.sliding_window >= c.block_size
         if (local and not theirs) or (theirs and (theta != GGUF_LOCAL_THETA or not (local or whole))):
-            return (
-                "llama.cpp's gemma3 makes every sixth layer global and turns the others at RoPE base 10000: GGUF "
-                f"export needs --window-pattern {GGUF_PATTERN} and --rope-local-theta 10000"
-            )
-    return None
+            return False
+    return True
+
+
+GGUF_FEATURES = on_llama_cpp(
+    "gemma3",
+    FEATURES,
+    logit_softcap=only(None),  # the file has no key for a final logit soft-capping
+    head_dim=Takes(  # llama.cpp scales a 62-layer gemma3's queries by n_embd / n_head, not by the head size
+        lambda v, c: c.n_layer != 62 or c.n_embd // c.n_head == c.head_size,
+        "--head-dim none (llama.cpp scales a 62-layer gemma3's queries by --n-embd / --n-head)",
+        shows=lambda c: f"--head-dim {c.head_size} in 62 layers",
+    ),
+    window_pattern=Takes(
+        lambda v, c: gguf_layers_match(c),
+        f"--window-pattern {GGUF_PATTERN} and --rope-local-theta 10000 (llama.cpp's gemma3 makes every sixth layer "
+        "global and turns the others at RoPE base 10000)",
+        shows=lambda c: (
+            f"--window-pattern {show_value(c.window_pattern)} with --rope-local-theta {show_value(c.rope_local_theta)}"
+        ),
+    ),
+)
 
 
 def _shift(name: str, tensor, c: GPTConfig, by: float):
@@ -207,7 +233,7 @@ GGUF = GGUFLayout(
     },
     config_in=gguf_config_in,
     keys_out=gguf_keys_out,
-    refuses=gguf_refuses,
+    features=GGUF_FEATURES,
     to_ours=lambda name, t, c: _shift(name, t, c, -1.0),  # the converter stores every norm gain as 1 + w
     to_theirs=lambda name, t, c: _shift(name, t, c, 1.0),
 )
@@ -221,7 +247,7 @@ FAMILY = Family(
     prefix="model.layers",
     config_in=config_in,
     config_out=config_out,
-    refuses=refuses,
+    features=FEATURES,
     names=("Gemma 3 270M", "Gemma 3 1B"),
     gguf=GGUF,
 )

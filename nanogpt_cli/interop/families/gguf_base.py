@@ -2,6 +2,7 @@
 the pieces several layouts share: the Llama-like tensor names, keys and row order, and GPT-2's LayerNorm block.
 
     layout = FAMILIES["qwen2"].gguf; fields = layout.config_in(Keys("qwen2", values), shapes)
+    layout.features.refusal(config)  # why llama.cpp's architecture does not compute our config, or None
 
 Tensor names: ours <- llama.cpp's (`blk.{i}.` before a block's), a tuple on the right concatenated along dim 0, as
 families' Hugging Face names are. Transforms take llama.cpp's tensor name; on a matrix they move whole rows only,
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.config import Features, GPTConfig, Takes
 from nanogpt_cli.errors import NanoGPTError
 
 Names = dict[str, "str | tuple[str, ...]"]  # ours <- theirs; a tuple on the right is concatenated along dim 0
@@ -45,24 +46,27 @@ def keep(name: str, tensor, config: GPTConfig):
     return tensor
 
 
-def never(config: GPTConfig) -> str | None:
-    return None
-
-
 @dataclass(frozen=True)
 class GGUFLayout:
-    """One llama.cpp architecture as our GPT: its tensors, its metadata keys, and what it cannot compute."""
+    """One llama.cpp architecture as our GPT: its tensors, its metadata keys, and what it computes."""
 
     top: Names  # tensors outside the blocks, ours <- llama.cpp's
     block: Names  # tensors of block {i}, ours <- llama.cpp's without the blk.{i}. prefix
     keys_out: Callable[[Any, GPTConfig], None]  # writes the ARCH.* keys llama.cpp's loader reads (a GGUFWriter)
+    features: Features  # the config fields and values llama.cpp's architecture computes (on_llama_cpp)
     config_in: Callable[[Keys, Shapes], dict[str, Any]] | None = None  # our GPTConfig fields from the keys and the
     # tensors' shapes (None: nanogpt reads this architecture from its own files only)
-    refuses: Callable[[GPTConfig], str | None] = never  # why llama.cpp's architecture cannot compute our config
     to_ours: Callable[[str, np.ndarray, GPTConfig], np.ndarray] = keep  # llama.cpp's tensor (by its name) as ours
     to_theirs: Callable[[str, np.ndarray, GPTConfig], np.ndarray] = keep  # ours as llama.cpp's
     optional: tuple[str, ...] = field(default=())  # our block tensors written only when the model has them; other
     # biases the model lacks are written as zeros, since llama.cpp's loader requires them
+
+
+def on_llama_cpp(arch: str, holds: Features, **takes: Takes) -> Features:
+    """What llama.cpp's `arch` computes: the family's declaration (what export's hf_kind already checked), with
+    the fields whose values llama.cpp's architecture narrows, such as a GELU it computes only with tanh."""
+    assert set(takes) <= set(holds.takes), f"{arch}: {set(takes) - set(holds.takes)} are not declared"
+    return Features(f"llama.cpp's {arch}", {**holds.takes, **takes})
 
 
 def common_keys_out(writer, c: GPTConfig) -> None:
@@ -221,10 +225,6 @@ def layernorm_gguf_config_in(keys: Keys, shapes: Shapes) -> dict[str, Any]:
     )
 
 
-def gelu_refuses(c: GPTConfig) -> str | None:
-    if c.mlp != "gelu_tanh":
-        return (
-            "llama.cpp computes GELU with the tanh approximation: GGUF export of a model with LayerNorm and GELU "
-            "needs --mlp gelu_tanh (or --norm rmsnorm --mlp swiglu --no-bias)"
-        )
-    return None
+# llama.cpp computes GELU with the tanh approximation only: a model trained with the exact one is refused, not run
+# slightly differently (values None, so the reason is part of what the refusal says it needs)
+GELU_TANH = Takes(lambda v, c: v == "gelu_tanh", "gelu_tanh (llama.cpp computes GELU with the tanh approximation only)")

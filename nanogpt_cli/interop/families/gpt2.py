@@ -3,15 +3,27 @@ LayerNorm, GELU (exact or tanh); a model without biases gets zero biases. Its li
 
 from __future__ import annotations
 
-from nanogpt_cli.config import GPTConfig
-from nanogpt_cli.interop.families.base import GELUS, Biases, Family, require, unsupported
+from nanogpt_cli.config import ANY, GPTConfig, only
+from nanogpt_cli.interop.families.base import (
+    GELU,
+    GELUS,
+    MHA,
+    NO_GEMMA,
+    NO_WINDOW,
+    Biases,
+    Family,
+    holds,
+    require,
+    unsupported,
+)
 from nanogpt_cli.interop.families.gguf_base import (
+    GELU_TANH,
     LAYERNORM_GGUF_BLOCK,
     LAYERNORM_GGUF_TOP,
     GGUFLayout,
     common_keys_out,
-    gelu_refuses,
     layernorm_gguf_config_in,
+    on_llama_cpp,
 )
 
 BLOCK = {
@@ -81,10 +93,19 @@ def config_out(c: GPTConfig, special: dict):
     return config, {"n_ctx": c.block_size}  # llama.cpp's GPT-2 converter wants n_ctx
 
 
-def refuses(c: GPTConfig) -> str | None:
-    if c.pos_encoding not in ("learned", "sinusoidal") or c.norm != "layernorm" or c.mlp not in ("gelu", "gelu_tanh"):
-        return "GPT2LMHeadModel needs learned or sinusoidal positions, --norm layernorm and --mlp gelu or gelu_tanh"
-    return None
+FEATURES = holds(
+    "GPT2LMHeadModel",
+    pos_encoding=only("learned", "sinusoidal"),
+    norm=only("layernorm"),
+    mlp=GELU,
+    bias=ANY,
+    parallel_residual=only(False),
+    rotary_dim=only(None),
+    qk_norm=only(False),
+    **MHA,
+    **NO_GEMMA,
+    **NO_WINDOW,
+)
 
 
 def transpose(name: str, tensor, config: GPTConfig):
@@ -102,7 +123,7 @@ GGUF = GGUFLayout(
     block=LAYERNORM_GGUF_BLOCK,
     config_in=lambda keys, shapes: {**layernorm_gguf_config_in(keys, shapes), "pos_encoding": "learned"},
     keys_out=gguf_keys_out,
-    refuses=gelu_refuses,
+    features=on_llama_cpp("gpt2", FEATURES, mlp=GELU_TANH),
 )
 
 FAMILY = Family(
@@ -114,7 +135,8 @@ FAMILY = Family(
     prefix="transformer.h",
     config_in=config_in,
     config_out=config_out,
-    refuses=refuses,
+    features=FEATURES,
+    conv1d=True,
     to_ours=transpose,
     to_theirs=transpose,
     names=("GPT-2", "DistilGPT2"),

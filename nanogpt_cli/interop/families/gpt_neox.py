@@ -8,18 +8,32 @@ import math
 
 import torch
 
-from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.config import ANY, GPTConfig, only
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.interop.families.base import GELUS, Biases, Family, require, rope_params, rope_theta, unsupported
+from nanogpt_cli.interop.families.base import (
+    GELU,
+    GELUS,
+    MHA,
+    NO_GEMMA,
+    NO_WINDOW,
+    Biases,
+    Family,
+    holds,
+    require,
+    rope_params,
+    rope_theta,
+    unsupported,
+)
 from nanogpt_cli.interop.families.gguf_base import (
+    GELU_TANH,
     LAYERNORM_GGUF_BLOCK,
     LAYERNORM_GGUF_TOP,
     GGUFLayout,
     Keys,
     Shapes,
     common_keys_out,
-    gelu_refuses,
     layernorm_gguf_config_in,
+    on_llama_cpp,
 )
 
 BLOCK = {
@@ -118,10 +132,19 @@ def config_out(c: GPTConfig, special: dict):
     return config, {"rope_theta": c.rope_theta, "rotary_emb_base": c.rope_theta, "rotary_pct": pct}
 
 
-def refuses(c: GPTConfig) -> str | None:
-    if c.pos_encoding != "rope" or c.norm != "layernorm" or c.mlp not in ("gelu", "gelu_tanh"):
-        return "GPTNeoXForCausalLM needs --pos-encoding rope, --norm layernorm and --mlp gelu or gelu_tanh"
-    return None
+FEATURES = holds(
+    "GPTNeoXForCausalLM",
+    pos_encoding=only("rope"),
+    norm=only("layernorm"),
+    mlp=GELU,
+    bias=ANY,
+    parallel_residual=ANY,
+    rotary_dim=ANY,
+    qk_norm=only(False),
+    **MHA,
+    **NO_GEMMA,
+    **NO_WINDOW,
+)
 
 
 # --- llama.cpp's gptneox: the converter reorders query_key_value into q of every head, then k, then v (ours) -------
@@ -153,8 +176,36 @@ GGUF = GGUFLayout(
     block=LAYERNORM_GGUF_BLOCK,
     config_in=gguf_config_in,
     keys_out=gguf_keys_out,
-    refuses=gelu_refuses,
+    features=on_llama_cpp("gptneox", FEATURES, mlp=GELU_TANH),
 )
+
+
+def starcoder2_keys(writer, c: GPTConfig) -> None:
+    common_keys_out(writer, c)
+    writer.add_head_count_kv(c.kv_heads)
+    writer.add_rope_freq_base(c.rope_theta)
+    writer.add_rope_dimension_count(c.head_size)
+    writer.add_vocab_size(c.vocab_size)
+    writer.add_layer_norm_eps(c.norm_eps)
+
+
+# llama.cpp's starcoder2: RoPE on the whole head, LayerNorm, tanh GELU, q, k and v apart; every bias required. Our
+# own default block (one residual after the other, every dimension rotated) goes out as it
+STARCODER2 = GGUFLayout(
+    top=LAYERNORM_GGUF_TOP,
+    block={
+        **LAYERNORM_GGUF_BLOCK,
+        "attn.c_attn.weight": ("attn_q.weight", "attn_k.weight", "attn_v.weight"),
+        "attn.c_attn.bias": ("attn_q.bias", "attn_k.bias", "attn_v.bias"),
+    },
+    keys_out=starcoder2_keys,
+    features=on_llama_cpp("starcoder2", FEATURES, mlp=GELU_TANH, parallel_residual=only(False), rotary_dim=only(None)),
+)
+
+
+def plain_block(c: GPTConfig) -> bool:
+    return not c.parallel_residual and c.rotary_dim is None
+
 
 FAMILY = Family(
     model_type="gpt_neox",
@@ -165,9 +216,15 @@ FAMILY = Family(
     prefix="gpt_neox.layers",
     config_in=config_in,
     config_out=config_out,
-    refuses=refuses,
+    features=FEATURES,
     to_ours=to_ours,
     to_theirs=to_theirs,
+    peft_rows=to_theirs,
+    gguf_plain=(
+        plain_block,
+        "starcoder2",
+        STARCODER2,
+    ),  # a fused q/k/v LoRA's B rows, ordered by head as the weight's are
     names=("Pythia", "GPT-NeoX"),
     gguf=GGUF,
 )

@@ -3,15 +3,17 @@ RMSNorm, SwiGLU, grouped-query attention, any head_dim; biases through attention
 
 from __future__ import annotations
 
-from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.config import ANY, GPTConfig, only
 from nanogpt_cli.interop.families.base import (
     LLAMA_BLOCK,
+    LLAMA_HOLDS,
     LLAMA_TOP,
+    NO_WINDOW,
     Biases,
     Family,
+    holds,
     llama_config_in,
     llama_config_out,
-    llama_shaped,
     require,
     rope_extra,
 )
@@ -23,6 +25,7 @@ from nanogpt_cli.interop.families.gguf_base import (
     llama_gguf_keys_out,
     llama_to_ours,
     llama_to_theirs,
+    on_llama_cpp,
 )
 
 
@@ -44,29 +47,17 @@ def config_out(c: GPTConfig, special: dict):
     return config, rope_extra(c)
 
 
-def refuses(c: GPTConfig) -> str | None:
-    if why := llama_shaped(c, "LlamaForCausalLM"):
-        return why
-    if c.qk_norm:
-        return "LlamaForCausalLM has no QK-norm (Qwen3 has)"
-    if c.sliding_window is not None:
-        return "LlamaForCausalLM has no sliding window (Mistral and Gemma 3 have)"
-    return None
+FEATURES = holds("LlamaForCausalLM", bias=ANY, qkv_bias=ANY, qk_norm=only(False), **LLAMA_HOLDS, **NO_WINDOW)
 
 
-def gguf_refuses(c: GPTConfig) -> str | None:
-    if c.bias:  # llama.cpp's llama has optional q, k, v biases (--qkv-bias), not the others
-        return "GGUF export of a Llama-shaped model needs --no-bias (--qkv-bias may stay)"
-    return None
-
-
-# llama.cpp's llama: the converter reorders q and k rows for its interleaved-pair RoPE
+# llama.cpp's llama: the converter reorders q and k rows for its interleaved-pair RoPE. It has optional q, k and v
+# biases (--qkv-bias), not the others
 GGUF = GGUFLayout(
     top=LLAMA_GGUF_TOP,
     block=LLAMA_GGUF_BLOCK,
     config_in=llama_gguf_config_in,
     keys_out=llama_gguf_keys_out,
-    refuses=gguf_refuses,
+    features=on_llama_cpp("llama", FEATURES, bias=only(False)),
     to_ours=llama_to_ours,
     to_theirs=llama_to_theirs,
     optional=("attn.c_attn.bias",),
@@ -81,7 +72,7 @@ FAMILY = Family(
     prefix="model.layers",
     config_in=config_in,
     config_out=config_out,
-    refuses=refuses,
+    features=FEATURES,
     names=("Llama 2", "Llama 3", "Llama 3.1", "Llama 3.2", "TinyLlama", "SmolLM2"),
     gguf=GGUF,
 )

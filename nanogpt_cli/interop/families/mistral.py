@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.config import ANY, GPTConfig, Takes, only
 from nanogpt_cli.interop.families.base import (
     LLAMA_BLOCK,
+    LLAMA_HOLDS,
     LLAMA_TOP,
     Biases,
     Family,
+    holds,
     llama_config_in,
     llama_config_out,
-    llama_shaped,
     require,
     rope_extra,
     unsupported,
 )
+from nanogpt_cli.interop.families.gguf_base import on_llama_cpp
 from nanogpt_cli.interop.families.llama import GGUF as LLAMA_GGUF
 
 
@@ -32,28 +34,32 @@ def config_out(c: GPTConfig, special: dict):
     return config, rope_extra(c)
 
 
-def refuses(c: GPTConfig) -> str | None:
-    if why := llama_shaped(c, "MistralForCausalLM"):
-        return why
-    if c.bias or c.attn_bias or c.qk_norm:
-        return "MistralForCausalLM has no biases and no QK-norm"
-    if c.window_pattern is not None and set(c.window_pattern) != {"L"}:
-        return "MistralForCausalLM's window is on every layer (no --window-pattern)"
-    if c.rope_local_theta is not None:
-        return "MistralForCausalLM has one RoPE base (no --rope-local-theta)"
-    return None
+FEATURES = holds(
+    "MistralForCausalLM",
+    bias=only(False),
+    qkv_bias=Takes(lambda v, c: not c.attn_bias, "none or false (no biases)", (False,)),
+    qk_norm=only(False),
+    sliding_window=ANY,
+    window_pattern=Takes(lambda v, c: v is None or set(v) == {"L"}, "none (the window on every layer)", (None,)),
+    rope_local_theta=only(None),
+    **LLAMA_HOLDS,
+)
 
 
-def gguf_refuses(c: GPTConfig) -> str | None:
-    if c.sliding_window is not None and c.sliding_window < c.block_size:
-        return (
-            "llama.cpp's converter writes Mistral as llama, which has no sliding window: GGUF export needs a "
-            f"--sliding-window ({c.sliding_window}) of at least --block-size ({c.block_size})"
-        )
-    return None
-
-
-GGUF = dataclasses.replace(LLAMA_GGUF, refuses=gguf_refuses)
+# llama.cpp's converter writes Mistral as llama, which has no sliding window: one that holds the whole context is none
+GGUF = dataclasses.replace(
+    LLAMA_GGUF,
+    features=on_llama_cpp(
+        "llama",
+        FEATURES,
+        sliding_window=Takes(
+            lambda v, c: v is None or v >= c.block_size,
+            "a --sliding-window of at least --block-size, or none (llama.cpp's converter writes Mistral as llama, "
+            "which has no sliding window)",
+            shows=lambda c: f"--sliding-window {c.sliding_window} under --block-size {c.block_size}",
+        ),
+    ),
+)
 
 FAMILY = Family(
     model_type="mistral",
@@ -64,7 +70,7 @@ FAMILY = Family(
     prefix="model.layers",
     config_in=config_in,
     config_out=config_out,
-    refuses=refuses,
+    features=FEATURES,
     names=("Mistral 7B v0.1-v0.3", "Ministral"),
     gguf=GGUF,
 )

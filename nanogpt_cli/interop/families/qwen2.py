@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.config import ANY, GPTConfig, only
 from nanogpt_cli.interop.families.base import (
     LLAMA_BLOCK,
+    LLAMA_HOLDS,
     LLAMA_TOP,
+    NO_WINDOW,
     Biases,
     Family,
+    holds,
     llama_config_in,
     llama_config_out,
-    llama_shaped,
     no_sliding,
     require,
     rope_extra,
@@ -22,6 +24,7 @@ from nanogpt_cli.interop.families.gguf_base import (
     GGUFLayout,
     llama_gguf_config_in,
     llama_gguf_keys_out,
+    on_llama_cpp,
 )
 
 
@@ -37,17 +40,16 @@ def config_out(c: GPTConfig, special: dict):
     return config, rope_extra(c)
 
 
-def refuses(c: GPTConfig) -> str | None:
-    if why := llama_shaped(c, "Qwen2ForCausalLM"):
-        return why
-    if c.bias or c.qk_norm or c.sliding_window is not None:
-        return "Qwen2ForCausalLM has biases on q, k and v only, no QK-norm and no sliding window here"
-    return None
+FEATURES = holds("Qwen2ForCausalLM", bias=only(False), qkv_bias=ANY, qk_norm=only(False), **LLAMA_HOLDS, **NO_WINDOW)
 
 
 # llama.cpp's qwen2: Llama's tensors in transformers' row order (NeoX-style RoPE), q, k and v biases required
 GGUF = GGUFLayout(
-    top=LLAMA_GGUF_TOP, block=LLAMA_GGUF_BLOCK, config_in=llama_gguf_config_in, keys_out=llama_gguf_keys_out
+    top=LLAMA_GGUF_TOP,
+    block=LLAMA_GGUF_BLOCK,
+    config_in=llama_gguf_config_in,
+    keys_out=llama_gguf_keys_out,
+    features=on_llama_cpp("qwen2", FEATURES),
 )
 
 FAMILY = Family(
@@ -59,7 +61,7 @@ FAMILY = Family(
     prefix="model.layers",
     config_in=config_in,
     config_out=config_out,
-    refuses=refuses,
+    features=FEATURES,
     names=("Qwen2", "Qwen2.5"),
     gguf=GGUF,
 )

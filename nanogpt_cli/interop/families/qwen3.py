@@ -3,15 +3,17 @@ and a head_dim of its own; biases through attention_bias (q, k, v and o)."""
 
 from __future__ import annotations
 
-from nanogpt_cli.config import GPTConfig
+from nanogpt_cli.config import ANY, GPTConfig, Takes, only
 from nanogpt_cli.interop.families.base import (
     LLAMA_BLOCK,
+    LLAMA_HOLDS,
     LLAMA_TOP,
+    NO_WINDOW,
     Biases,
     Family,
+    holds,
     llama_config_in,
     llama_config_out,
-    llama_shaped,
     no_sliding,
     require,
     rope_extra,
@@ -23,6 +25,7 @@ from nanogpt_cli.interop.families.gguf_base import (
     GGUFLayout,
     llama_gguf_config_in,
     llama_gguf_keys_out,
+    on_llama_cpp,
 )
 
 BLOCK = {
@@ -50,20 +53,7 @@ def config_out(c: GPTConfig, special: dict):
     return config, rope_extra(c)
 
 
-def refuses(c: GPTConfig) -> str | None:
-    if why := llama_shaped(c, "Qwen3ForCausalLM"):
-        return why
-    if not c.qk_norm:
-        return "Qwen3ForCausalLM always has QK-norm (--qk-norm)"
-    if c.bias or c.sliding_window is not None:
-        return "Qwen3ForCausalLM has no MLP biases and no sliding window here"
-    return None
-
-
-def gguf_refuses(c: GPTConfig) -> str | None:
-    if c.bias or c.attn_bias:
-        return "GGUF export of a Qwen3-shaped model needs --no-bias and no --qkv-bias (llama.cpp's qwen3 has none)"
-    return None
+FEATURES = holds("Qwen3ForCausalLM", bias=only(False), qkv_bias=ANY, qk_norm=only(True), **LLAMA_HOLDS, **NO_WINDOW)
 
 
 # llama.cpp's qwen3: Llama's tensors plus attn_q_norm / attn_k_norm, in transformers' row order, without biases
@@ -72,7 +62,9 @@ GGUF = GGUFLayout(
     block={**{k: v for k, v in LLAMA_GGUF_BLOCK.items() if k != "attn.c_attn.bias"}, **QK_NORM},
     config_in=llama_gguf_config_in,
     keys_out=llama_gguf_keys_out,
-    refuses=gguf_refuses,
+    features=on_llama_cpp(
+        "qwen3", FEATURES, qkv_bias=Takes(lambda v, c: not c.attn_bias, "none or false (no biases)", (False,))
+    ),
 )
 
 FAMILY = Family(
@@ -84,7 +76,7 @@ FAMILY = Family(
     prefix="model.layers",
     config_in=config_in,
     config_out=config_out,
-    refuses=refuses,
+    features=FEATURES,
     names=("Qwen3",),
     gguf=GGUF,
 )

@@ -1,5 +1,5 @@
 """Weight-only quantization for inference: the blocks' nn.Linear layers swapped for QuantizedLinear, per-channel
-int8 or grouped int4, whose few-row products run in our x86 kernels (model/native.py) or, where those cannot run,
+int8 or grouped int4, whose few-row products run in our x86 kernels (native.py) or, where those cannot run,
 torch's own packed CPU kernels (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu). Activations stay in
 the model's dtype (float32 or bfloat16), except that our int4 kernel rounds them to int8 in blocks of 32 inside
 the product, as llama.cpp's q4_0 does; the weights are stored in 8 or 4 bits, which is what a CPU decode step is
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from nanogpt_cli.model import native
+from nanogpt_cli.inference.backends import native
 
 QUANT_KINDS = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernel takes
@@ -35,7 +35,7 @@ ROWS_BYTES = 4 * 2**20  # float32 rows quantized at a time (_by_rows)
 
 class QuantizedLinear(nn.Module):
     """y = x @ W.T + b with W held as int8 per output channel (w = q * scale) or as int4 in groups of group_size
-    along the input (w = (q - 8) * scale + zero, q in 0..15). Where our kernels run (model/native.py) the values
+    along the input (w = (q - 8) * scale + zero, q in 0..15). Where our kernels run (native.py) the values
     are held in their tiled order, and int4's scales and zeros as fp16 bits (w = q * scale + (zero - 8 * scale),
     in `scales` and `zeros`); elsewhere in the layouts of torch's own kernels, whose float buffers follow the model's
     dtype on .to(dtype). `native` says which."""

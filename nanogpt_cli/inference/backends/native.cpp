@@ -6,6 +6,7 @@
 // Compiled on the machine that runs it (native.py), with -march=native; OpenMP splits the tiles over threads.
 #include <immintrin.h>
 #include <math.h>
+#include <stddef.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -230,10 +231,13 @@ static void tile_dots_int4(const Linear& L, int64_t tile, const Quantized& x, in
     }
 }
 
-// x's rows rounded to int8 in blocks of 32 (round to nearest, scale max |x| / 127), into one allocation
+// x's rows rounded to int8 in blocks of 32 (round to nearest, scale max |x| / 127), into one allocation (*own,
+// null where there is no memory)
 static Quantized quantize_rows(const void* x, int64_t B, int64_t K, int bf16, void** own) {
     const int64_t n = B * K, blocks = n / CHUNK;
     char* mem = (char*)malloc(n + 8 * blocks);
+    *own = mem;
+    if (!mem) return {nullptr, nullptr, nullptr};
     int8_t* q = (int8_t*)mem;
     float *d = (float*)(mem + n), *sum = d + blocks;
     for (int64_t j = 0; j < blocks; j++) {
@@ -248,7 +252,6 @@ static Quantized quantize_rows(const void* x, int64_t B, int64_t K, int bf16, vo
         for (int i = 0; i < CHUNK; i++) q[j * CHUNK + i] = (int8_t)nearbyintf(v[i] * inv);
         d[j] = amax / 127.f, sum[j] = s;
     }
-    *own = mem;
     return {q, d, sum};
 }
 
@@ -306,11 +309,12 @@ static void tile_rows(const Linear& L, int64_t tile, const float* xf, const uint
 }
 
 static bool takes(const Linear& L) {
-    return L.K % CHUNK == 0 && (L.kind != INT4 || (L.K % PAIR == 0 && L.group % CHUNK == 0 && L.K % L.group == 0));
+    if (L.N < 1 || L.K < 1 || L.K % CHUNK || (L.kind != BF16 && L.kind != INT8 && L.kind != INT4)) return false;
+    return L.kind != INT4 || (L.K % PAIR == 0 && L.group > 0 && L.group % CHUNK == 0 && L.K % L.group == 0);
 }
 
-// y = x @ W.T + bias + res for x (B, K) float32, or bf16 where x_bf16
-static void linear(const Linear& L, int64_t B, const void* x, int x_bf16, const Out& o, int threads) {
+// y = x @ W.T + bias + res for x (B, K) float32, or bf16 where x_bf16; 0, or 2 where memory ran out
+static int linear(const Linear& L, int64_t B, const void* x, int x_bf16, const Out& o, int threads) {
     const int64_t K = L.K;
     const float* xf = nullptr;
     const uint16_t* xh = nullptr;
@@ -318,12 +322,14 @@ static void linear(const Linear& L, int64_t B, const void* x, int x_bf16, const 
     Quantized xq = {nullptr, nullptr, nullptr};
     if (L.kind == INT4) {
         xq = quantize_rows(x, B, K, x_bf16, &own);
+        if (!own) return 2;
     } else {
 #ifdef __AVX512BF16__
         if (x_bf16) xh = (const uint16_t*)x;  // bf16 pairs straight into vdpbf16ps
 #endif
         if (!xh && x_bf16) {  // the rows in float32 once, for every tile
             float* f = (float*)malloc(sizeof(float) * B * K);
+            if (!f) return 2;
             for (int64_t i = 0; i < B * K; i++) f[i] = from_bf16(((const uint16_t*)x)[i]);
             own = f, xf = f;
         } else if (!xh) {
@@ -337,6 +343,7 @@ static void linear(const Linear& L, int64_t B, const void* x, int x_bf16, const 
 #pragma omp parallel for schedule(static) num_threads(threads) if (split)
     for (int64_t t = 0; t < tiles; t++) tile_rows(L, t, xf, xh, xq, B, o);
     free(own);
+    return 0;
 }
 
 // ---- a whole decode step of a pre-norm block ---------------------------------------------------------------
@@ -421,22 +428,24 @@ static void rope(float* x, const float* cos, const float* sin, int64_t hs) {
     for (int64_t i = 0; i < hs; i++) x[i] = t[i] * cos[i] + t[i < half ? i + half : i - half] * sin[i];
 }
 
-// seconds spent in ng_decode by part, for the benchmarks' profile (ng_timers): products, attention, all of it
-static double timers[3];
+// the profile clock: seconds spent in ng_decode by part (products, attention, all of it), added to the caller's
+// timers[0..2] where it passes them: each caller its own, so that steps decoding at once do not share one
 static inline double now() {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec + 1e-9 * t.tv_nsec;
 }
 
-static void timed_linear(const Linear& L, int64_t B, const void* x, int x_bf16, const Out& o, int threads) {
-    const double t0 = now();
-    linear(L, B, x, x_bf16, o, threads);
-    timers[0] += now() - t0;
+static int timed_linear(const Linear& L, int64_t B, const void* x, int x_bf16, const Out& o, int threads,
+                        double* timers) {
+    const double t0 = timers ? now() : 0;
+    const int rc = linear(L, B, x, x_bf16, o, threads);
+    if (timers) timers[0] += now() - t0;
+    return rc;
 }
 
-static void block_step(const Block& L, int64_t B, void* x, const int64_t* pos, void* kc, void* vc, int bf16,
-                       int kv_bf16, int threads, char* scratch) {
+static int block_step(const Block& L, int64_t B, void* x, const int64_t* pos, void* kc, void* vc, int bf16,
+                      int kv_bf16, int threads, char* scratch, double* timers) {
     const int64_t C = L.C, nh = L.nh, nkv = L.nkv, hs = L.hs, H = L.H, S = L.S, width = (nh + 2 * nkv) * hs;
     void* xn = scratch;                                                // (B, C) model dtype
     float* qkv = (float*)(scratch + B * C * 4);                        // (B, width)
@@ -446,7 +455,7 @@ static void block_step(const Block& L, int64_t B, void* x, const int64_t* pos, v
     void* h = gu + B * 2 * H;                                          // (B, H) model dtype
     float* scores = (float*)((char*)h + B * H * 4);                    // (threads, S)
     rms_norm(x, L.ln1, L.eps1, B, C, xn, bf16);
-    timed_linear(L.qkv, B, xn, bf16, {qkv, nullptr, 0}, threads);
+    if (timed_linear(L.qkv, B, xn, bf16, {qkv, nullptr, 0}, threads, timers)) return 2;
     for (int64_t b = 0; b < B; b++) {
         float* row = qkv + b * width;
         const float *c = L.cos + pos[b] * hs, *s = L.sin + pos[b] * hs;
@@ -464,7 +473,7 @@ static void block_step(const Block& L, int64_t B, void* x, const int64_t* pos, v
             }
         }
     }
-    const double t0 = now();
+    const double t0 = timers ? now() : 0;
     int64_t keys = 0;  // the attention's work: every row's held keys times the heads' widths
     for (int64_t b = 0; b < B; b++) keys += pos[b] + 1;
     const bool split = threads > 1 && B * nkv > 1 && keys * nh * hs >= PARALLEL_WORK;
@@ -480,18 +489,37 @@ static void block_step(const Block& L, int64_t B, void* x, const int64_t* pos, v
         attend(L, qkv + b * width + kh * group * hs, (const char*)kc + at * (kv_bf16 ? 2 : 4),
                (const char*)vc + at * (kv_bf16 ? 2 : 4), pos[b] + 1, kv_bf16, sc, att + (b * nh + kh * group) * hs);
     }
-    timers[1] += now() - t0;
+    if (timers) timers[1] += now() - t0;
     for (int64_t i = 0; i < B * nh * hs; i++) put(atto, i, att[i], bf16);
-    timed_linear(L.proj, B, atto, bf16, {x, x, bf16}, threads);
+    if (timed_linear(L.proj, B, atto, bf16, {x, x, bf16}, threads, timers)) return 2;
     rms_norm(x, L.ln2, L.eps2, B, C, xn, bf16);
-    timed_linear(L.fc, B, xn, bf16, {gu, nullptr, 0}, threads);
+    if (timed_linear(L.fc, B, xn, bf16, {gu, nullptr, 0}, threads, timers)) return 2;
     for (int64_t b = 0; b < B; b++)
         for (int64_t i = 0; i < H; i++) {
             const float g = gu[b * 2 * H + i], u = gu[b * 2 * H + H + i];
             put(h, b * H + i, g / (1.f + expf(-g)) * u, bf16);
         }
-    timed_linear(L.down, B, h, bf16, {x, x, bf16}, threads);
+    return timed_linear(L.down, B, h, bf16, {x, x, bf16}, threads, timers);
 }
+
+// The layout of every struct shared with Python (native.py's ctypes mirrors): one row per field, and one with
+// an empty field name for the struct's whole size. Loading checks each against the mirror.
+struct Field {
+    const char *type, *name;
+    int64_t offset, size;
+};
+#define FIELD(T, f) {#T, #f, (int64_t)offsetof(T, f), (int64_t)sizeof(((T*)nullptr)->f)}
+static const Field layout[] = {
+    {"Linear", "", 0, sizeof(Linear)},
+    FIELD(Linear, w), FIELD(Linear, scale), FIELD(Linear, scale4), FIELD(Linear, zero4), FIELD(Linear, bias),
+    FIELD(Linear, kind), FIELD(Linear, N), FIELD(Linear, K), FIELD(Linear, group),
+    {"Block", "", 0, sizeof(Block)},
+    FIELD(Block, qkv), FIELD(Block, proj), FIELD(Block, fc), FIELD(Block, down), FIELD(Block, ln1),
+    FIELD(Block, ln2), FIELD(Block, eps1), FIELD(Block, eps2), FIELD(Block, C), FIELD(Block, nh),
+    FIELD(Block, nkv), FIELD(Block, hs), FIELD(Block, H), FIELD(Block, S), FIELD(Block, cos), FIELD(Block, sin),
+    FIELD(Block, q_norm), FIELD(Block, k_norm), FIELD(Block, eps_q), FIELD(Block, eps_k),
+};
+#undef FIELD
 
 extern "C" {
 
@@ -507,21 +535,30 @@ const char* ng_isa() {
 }
 
 int ng_tile_rows() { return R; }
-int64_t ng_sizeof_block() { return sizeof(Block); }
+
+// Row i of the shared structs' layout (type, field, offset and size in bytes): 1, or 0 past the last row
+int ng_layout(int64_t i, const char** type, const char** name, int64_t* offset, int64_t* size) {
+    if (i < 0 || i >= (int64_t)(sizeof layout / sizeof layout[0])) return 0;
+    *type = layout[i].type, *name = layout[i].name, *offset = layout[i].offset, *size = layout[i].size;
+    return 1;
+}
 
 // y (B, N) = x (B, K) @ W.T (+ bias) (+ res): x, res and y float32, or bf16 where bf16 != 0, each contiguous.
-// Returns 0, or 1 for a shape the kernels do not take (K not a multiple of 32; int4: of 64, and groups of 32).
+// Returns 0, 1 for a shape the kernels do not take (K not a multiple of 32; int4: of 64, and groups of 32), or 2
+// where memory ran out.
 int ng_linear(const Linear* L, int64_t B, const void* x, const void* res, void* y, int bf16, int threads) {
-    if (!takes(*L)) return 1;
-    linear(*L, B, x, bf16, {y, res, bf16}, threads);
-    return 0;
+    if (!takes(*L) || B < 1 || threads < 1) return 1;
+    return linear(*L, B, x, bf16, {y, res, bf16}, threads);
 }
 
 // One decode step of n_layer blocks for B rows, each one new token at its position pos[b]: x (B, C), the
 // residual stream in the model's dtype (bf16 where bf16), in and out; ks[l] and vs[l] the layer's cache
-// (rows >= B, nkv, S, hs), bf16 where kv_bf16. Returns 0, or 1 for a shape the kernels do not take.
+// (rows >= B, nkv, S, hs), bf16 where kv_bf16; timers: the caller's profile clock (3 doubles, see now()) or
+// null. Returns 0, 1 for a shape the kernels do not take, 2 where memory ran out, 3 for a position outside the
+// cache.
 int ng_decode(const Block* blocks, int64_t n_layer, int64_t B, void* x, const int64_t* pos, void* const* ks,
-              void* const* vs, int bf16, int kv_bf16, int threads) {
+              void* const* vs, int bf16, int kv_bf16, int threads, double* timers) {
+    if (n_layer < 1 || B < 1 || threads < 1) return 1;
     for (int64_t l = 0; l < n_layer; l++) {
         const Block& L = blocks[l];
         if (!takes(L.qkv) || !takes(L.proj) || !takes(L.fc) || !takes(L.down) || L.hs % 16 || L.hs > 512) return 1;
@@ -533,23 +570,19 @@ int ng_decode(const Block* blocks, int64_t n_layer, int64_t B, void* x, const in
             L.nh * L.hs != blocks[0].nh * blocks[0].hs)
             return 1;
         for (int64_t b = 0; b < B; b++)
-            if (pos[b] < 0 || pos[b] >= L.S) return 1;
+            if (pos[b] < 0 || pos[b] >= L.S) return 3;
     }
     const Block& f = blocks[0];
     const int64_t width = (f.nh + 2 * f.nkv) * f.hs, heads = f.nh * f.hs;
     const int64_t n = B * (4 * f.C + 4 * width + 8 * heads + 8 * f.H + 4 * f.H) + 4 * (threads + 1) * f.S;
-    const double t0 = now();
+    const double t0 = timers ? now() : 0;
     char* scratch = (char*)malloc(n);
     if (!scratch) return 2;
-    for (int64_t l = 0; l < n_layer; l++) block_step(blocks[l], B, x, pos, ks[l], vs[l], bf16, kv_bf16, threads, scratch);
+    int rc = 0;
+    for (int64_t l = 0; l < n_layer && rc == 0; l++)
+        rc = block_step(blocks[l], B, x, pos, ks[l], vs[l], bf16, kv_bf16, threads, scratch, timers);
     free(scratch);
-    timers[2] += now() - t0;
-    return 0;
-}
-
-// the seconds ng_decode spent so far in its products, its attention and in all, into out[0..2]; reset: zero them
-void ng_timers(double* out, int reset) {
-    for (int i = 0; i < 3; i++) out[i] = timers[i];
-    if (reset) memset(timers, 0, sizeof timers);
+    if (timers) timers[2] += now() - t0;
+    return rc;
 }
 }

@@ -2,12 +2,13 @@
 each primitive a cheaper call than its module's. Decoding a small model on a CPU is bound by per-call overhead: a
 token makes ~100 module calls and attribute lookups of about a microsecond or more each, and for one to a few
 rows MKL multiplies x @ W (W stored (in, out)) ~2x faster than F.linear's x @ W.T. bf16 and quantized weights on
-an x86 CPU go to our own kernels (model/native.py) in their tiled layout; without those, bf16 goes to oneDNN in
+an x86 CPU go to our own kernels (native.py) in their tiled layout; without those, bf16 goes to oneDNN in
 its own packed layout (packed_form), 1.4-2x faster than torch's bf16 matmuls at real sizes.
 
     ops = decode_ops(model)                                 # copies the small or bf16 matrices (form_cache.py)
     h = model.hidden_states(idx, cache, ops=ops)            # (B, T, C), in inference mode
     step = fused_step(model)                                # a Llama-shaped model's whole step in one call, or None
+                                                            # (for a config cpu.FUSED takes)
 
 Only for inference (no dropout, no gradients). A QuantizedLinear is its kernel bound once (decode_op); any other
 projection that is not a plain nn.Linear (a LoRA layer not merged) is called as the module it is.
@@ -15,7 +16,6 @@ projection that is not a plain nn.Linear (a LoRA layer not merged) is called as 
 
 from __future__ import annotations
 
-import ctypes
 import math
 from functools import partial
 
@@ -23,11 +23,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from nanogpt_cli.model import native
+from nanogpt_cli.inference.backends import native
+from nanogpt_cli.inference.backends.quantize import PREFILL_ROWS, QuantizedLinear
 from nanogpt_cli.model.attention import AttentionOps, Op, norm_gain
 from nanogpt_cli.model.blocks import Block, BlockOps, Residual, activation, block_forward, post_normed
 from nanogpt_cli.model.gpt import GPT, ModelOps
-from nanogpt_cli.model.quantize import PREFILL_ROWS, QuantizedLinear
 
 
 def decode_ops(model: GPT, packs: dict | None = None) -> ModelOps:
@@ -139,7 +139,7 @@ def packed_linear(w: torch.Tensor, b: torch.Tensor | None) -> Op:
 
 
 def native_linear(module: nn.Module, packs: dict | None = None) -> native.Packed | None:
-    """Our kernel for the few rows of a decode step (model/native.py): a bf16 nn.Linear's weight packed in its
+    """Our kernel for the few rows of a decode step (native.py): a bf16 nn.Linear's weight packed in its
     tiled form (kept in packs, by module: a copy of the weight), or a QuantizedLinear's own; None where it does
     not run."""
     if type(module) is QuantizedLinear:
@@ -216,30 +216,22 @@ class FusedStep:
 
     def __init__(self, model: GPT, kernels: list[list[native.Packed]]):
         cfg = model.config
-        self.model, self.kernels = model, kernels  # the kernels' tensors stay alive with the structs
-        self.bf16 = model.transformer.wte.weight.dtype == torch.bfloat16
+        self.model = model
         S, hs = cfg.block_size, cfg.head_size
-        self.cos = model.rope_cos.float().reshape(S, hs).contiguous()
-        self.sin = model.rope_sin.float().reshape(S, hs).contiguous()
-        self.gains, blocks = [], (native.Block * cfg.n_layer)()
-        for b, block, (qkv, proj, fc, down) in zip(blocks, model.transformer.h, kernels):
+        cos = model.rope_cos.float().reshape(S, hs).contiguous()
+        sin = model.rope_sin.float().reshape(S, hs).contiguous()
+        self.blocks = native.Blocks(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.kv_heads, hs, cfg.hidden_size, S)
+        for i, (block, layer) in enumerate(zip(model.transformer.h, kernels)):
             g1, g2 = (norm_gain(n).detach().float().contiguous() for n in (block.ln_1, block.ln_2))
-            self.gains += [g1, g2]
-            b.qkv, b.proj, b.fc, b.down = qkv.struct, proj.struct, fc.struct, down.struct
-            b.ln1, b.ln2 = g1.data_ptr(), g2.data_ptr()
-            b.eps1, b.eps2 = (
-                torch.finfo(torch.float32).eps if n.eps is None else n.eps for n in (block.ln_1, block.ln_2)
-            )
-            b.C, b.nh, b.nkv, b.hs, b.H, b.S = cfg.n_embd, cfg.n_head, cfg.kv_heads, hs, cfg.hidden_size, S
-            b.cos, b.sin = self.cos.data_ptr(), self.sin.data_ptr()
+            qk = {}
             if block.attn.q_norm is not None:  # QK-norm (Qwen3)
-                qn, kn = (norm_gain(n).detach().float().contiguous() for n in (block.attn.q_norm, block.attn.k_norm))
-                self.gains += [qn, kn]
-                b.q_norm, b.k_norm = qn.data_ptr(), kn.data_ptr()
-                b.eps_q, b.eps_k = (eps_of(n) for n in (block.attn.q_norm, block.attn.k_norm))
-        self.blocks, self.n_layer = blocks, cfg.n_layer
+                norms = (block.attn.q_norm, block.attn.k_norm)
+                qn, kn = (norm_gain(n).detach().float().contiguous() for n in norms)
+                qk = dict(q_norm=qn, k_norm=kn, eps_q=eps_of(norms[0]), eps_k=eps_of(norms[1]))
+            self.blocks.layer(i, *layer, g1, g2, eps_of(block.ln_1), eps_of(block.ln_2), cos, sin, **qk)
         self.embed_scale = math.sqrt(cfg.n_embd) if cfg.embed_scale else None
-        self.call = native.library()[0].ng_decode
+        # this step's own profile clock (the benchmarks read it): seconds in the products, the attention, in all
+        self.timers = torch.zeros(3, dtype=torch.float64)
 
     def __call__(self, idx: torch.Tensor, cache, B: int) -> torch.Tensor:
         """The last block's output (B, C) after one new token for each of the cache's first B rows, idx (B,); the
@@ -250,19 +242,12 @@ class FusedStep:
         x = torch.embedding(self.model.transformer.wte.weight, idx.reshape(B)).contiguous()  # (B, C), a new tensor
         if self.embed_scale is not None:
             x = x * self.embed_scale
-        ptrs = cache.__dict__.get("native_ptrs")
-        if ptrs is None:  # the cache's tensors are its own for its lifetime
-            kinds = ctypes.c_void_p * self.n_layer
-            ptrs = cache.native_ptrs = (
-                kinds(*(k.data_ptr() for k in cache.k)),
-                kinds(*(v.data_ptr() for v in cache.v)),
-            )
-        at = torch.tensor(pos, dtype=torch.int64)
-        kv_bf16 = cache.dtype == torch.bfloat16
-        rc = self.call(self.blocks, self.n_layer, B, x.data_ptr(), at.data_ptr(), *ptrs, self.bf16, kv_bf16,
-                       torch.get_num_threads())  # fmt: skip
-        if rc != 0:
-            raise RuntimeError("the fused decode step refused a shape fused_step accepted")
+        caches = cache.__dict__.get("native_caches")
+        if caches is None or caches.blocks is not self.blocks:  # the cache's tensors are its own for its lifetime
+            caches = cache.native_caches = native.Caches(self.blocks, cache.k, cache.v)
+        native.decode(
+            self.blocks, caches, x, torch.tensor(pos, dtype=torch.int64), torch.get_num_threads(), self.timers
+        )
         cache.pos[:B] = [p + 1 for p in pos]
         return x
 
@@ -273,32 +258,18 @@ def eps_of(norm: nn.RMSNorm) -> float:
 
 
 def fused_step(model: GPT, packs: dict | None = None) -> FusedStep | None:
-    """The model's decode step in one call where native.cpp's block fits it: pre-norm RMSNorm blocks with full
-    RoPE, QK-norm or none, grouped-query attention over every held key (no window), a SwiGLU MLP, and every
-    projection one our kernels multiply (bf16, or int8 / int4 quantized), on a CPU. SmolLM2, Qwen2, 2.5 and 3,
-    Llama 2 and 3 and Mistral without a window are; the rest decode through decode_ops. None where it does not."""
-    cfg = model.config
-    fits = (
-        native.available()
-        and not model.training
-        and cfg.pos_encoding == "rope"
-        and cfg.rotary_size == cfg.head_size
-        and cfg.head_size % 16 == 0
-        and cfg.head_size <= 512
-        and cfg.sliding_window is None
-        and cfg.rope_local_theta is None
-        and cfg.norm == "rmsnorm"
-        and cfg.mlp == "swiglu"
-        and not cfg.parallel_residual
-        and not cfg.post_norms
-        and model.transformer.wte.weight.dtype in (torch.float32, torch.bfloat16)
-        and model.transformer.wte.weight.device.type == "cpu"
-    )
-    if not fits:
+    """The model's decode step in one call, for a config the cpu backend's FUSED declaration takes (its caller
+    checks that), where the model's own tensors fit native.cpp's block too: our kernels built here, not training,
+    float32 or bf16 activations on a CPU, RMSNorm modules, and every projection one our kernels multiply (bf16, or
+    int8 / int4 quantized). None where they do not."""
+    w = model.transformer.wte.weight
+    if not native.available() or model.training or w.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if w.device.type != "cpu":
         return None
     kernels = []
     for block in model.transformer.h:
-        norms = (block.ln_1, block.ln_2) + ((block.attn.q_norm, block.attn.k_norm) if cfg.qk_norm else ())
+        norms = (block.ln_1, block.ln_2) + ((block.attn.q_norm, block.attn.k_norm) if model.config.qk_norm else ())
         if not all(isinstance(n, nn.RMSNorm) for n in norms):
             return None
         mats = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)

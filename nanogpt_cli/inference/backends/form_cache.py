@@ -6,8 +6,9 @@ repack the weights nor hold a second copy of them per engine.
 
 A change is any of: a parameter, buffer or submodule replaced (quantization, LoRA layers merged or swapped), its
 data moved or cast (Module.to), an in-place write to a parameter or buffer (copy_, load_state_dict, foreach
-optimizers: each bumps the tensor's version counter), a step of any torch optimizer (counted by a global hook: the
-fused AdamW kernels write the parameters without bumping their counters), the training mode, or the extra values
+optimizers: each bumps the tensor's version counter), a step of any torch optimizer (counted by a hook on every
+optimizer, installed with the first form: the fused AdamW kernels write the parameters without bumping their
+counters; before any form exists no step needs counting), the training mode, or the extra values
 the caller keys on. In-place writes through `.data` or to inference tensors are not seen: a model holding
 inference tensors is never cached.
 """
@@ -23,7 +24,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 ATTRIBUTE = "_decode_form"  # where the model keeps its FormCache
-STEPS = [0]  # optimizer steps taken in this process since this module was imported (count_step)
+STEPS = [0]  # optimizer steps taken in this process since the first form was built (count_step)
+HOOK: list = []  # the optimizer hook's handle, once a form has been built
 
 
 def count_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
@@ -31,8 +33,11 @@ def count_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> N
     STEPS[0] += 1
 
 
-# forms exist only once this module is imported, so steps before it need no counting
-register_optimizer_step_post_hook(count_step)
+def count_steps() -> None:
+    """Count optimizer steps from now on: called before the first form is built, never on import, so a process
+    that only trains carries no hook of ours."""
+    if not HOOK:
+        HOOK.append(register_optimizer_step_post_hook(count_step))
 
 
 class FormCache:
@@ -75,6 +80,7 @@ def cached_form(model: nn.Module, build: Callable[[], Any], *extra: Any) -> Any:
     state = model_state(model)
     if state is None:
         return build()
+    count_steps()
     objects, versions = state
     quantized = getattr(model, "quantized", None), getattr(model, "quant_group_size", None)
     key = (STEPS[0], model.training, *quantized, *extra)
