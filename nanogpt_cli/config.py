@@ -11,6 +11,7 @@ import enum
 import functools
 import json
 import math
+import re
 import sys
 import types as types_module
 import typing
@@ -526,7 +527,9 @@ class TrainConfig:
     # evaluations included (the last one's length is kept free for the final one); the schedule runs on the share
     # of the time spent or of lr_decay_iters done, whichever is further. A resume that raises it trains on
     max_time: float | None = setting(
-        None, "End after this many seconds of training; the LR schedule then follows the time spent.", Resume.CHANGES
+        None,
+        "End after this much training time: seconds, or 90s, 20m, 2h; the LR schedule then follows the time spent.",
+        Resume.CHANGES,
     )
     parallel: Parallel = setting(
         Parallel.ddp, "Under torchrun: ddp (weights on every GPU) or fsdp (sharded).", Resume.CHANGES
@@ -828,6 +831,20 @@ def split_values(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
 _NAMES = {int: "a whole number", float: "a number", bool: "true or false", str: "text"}
 
 
+_SECONDS = {"s": 1, "m": 60, "h": 3600}
+
+
+def parse_duration(value: Any) -> float:
+    """A time as --max-time takes it: a number of seconds (600, 1.5) or a number with a unit, 90s, 20m, 2h."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    text = str(value).strip().lower()
+    match = re.fullmatch(r"(\d+(?:\.\d*)?|\.\d+)\s*([smh]?)", text)
+    if match is None:
+        raise NanoGPTError(f"--max-time takes seconds or a time like 90s, 20m or 2h, got {value!r}")
+    return float(match.group(1)) * _SECONDS[match.group(2) or "s"]
+
+
 def parse_value(key: str, value: Any) -> Any:
     """A config-file (or saved config.json) value in its field's type: a whole number where a number is
     asked for becomes a float, a choice's name its Choice; the wrong type is refused, named by its flag.
@@ -835,6 +852,8 @@ def parse_value(key: str, value: Any) -> Any:
     kind, optional = {**field_types(GPTConfig), **field_types(TrainConfig)}[key]
     if value is None and optional:
         return None
+    if key == "max_time" and isinstance(value, str):  # a config file's "20m"
+        return parse_duration(value)
     if issubclass(kind, Choice):
         if value not in [c.value for c in kind] or isinstance(value, bool):
             raise NanoGPTError(f"--{flag(key)} must be one of {', '.join(c.value for c in kind)}, got {value!r}")

@@ -183,7 +183,11 @@ def test_what_the_readme_writes_is_ignored_by_git_and_the_docs_pictures_are_not(
 
 def tiny(args: list[str]) -> list[str]:
     """A train command with the tiny preset in place of its own: the README's flags, a model that trains in
-    seconds."""
+    seconds. One that --preset auto sizes to its --max-time keeps auto, with 2 seconds."""
+    preset = args[args.index("--preset") + 1] if "--preset" in args else None
+    if "--max-time" in args and preset in (None, "auto"):
+        i = args.index("--max-time")
+        return [*args[: i + 1], "2s", *args[i + 2 :]]
     if "--preset" in args:
         i = args.index("--preset")
         return [*args[:i], "--preset", "tiny", *args[i + 2 :]]

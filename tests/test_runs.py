@@ -189,7 +189,9 @@ def test_loss_png_not_drawn_for_lack_of_matplotlib_is_said_once_at_the_end(char_
     assert not (run / "loss.png").exists()
     hint = 'note: loss.png not drawn: plotting to a file needs the matplotlib package: pip install -e ".[plot]"'
     assert result.stderr.count("loss.png") == 1 and hint in result.stderr
-    assert result.output.rstrip().endswith(hint)  # the last thing the run says
+    after = result.output.rstrip().split(hint)[-1].strip().splitlines()  # the last thing the run says, before its
+    assert [line.split(":")[0] for line in after] == ["writing the report", "report"]  # report card's lines
+    assert "Loss curves not drawn: plotting to a file needs the matplotlib package" in (run / "report.md").read_text()
 
 
 def test_no_plot_skips_loss_png(char_data, tmp_path):

@@ -71,6 +71,7 @@ app.command(short_help="Write a run as a Hugging Face folder or a GGUF file.")(e
 app.command(short_help="List the runs in a folder, with their progress and status.")(runs.runs)
 app.command(short_help="Describe a run or weights file: config, size, losses, files.")(runs.info)
 app.command(short_help="Draw the loss curves of one run or several.")(runs.plot)
+app.command(short_help="Print a run's report card, or compare runs side by side.")(runs.report)
 app.add_typer(
     inspect.inspect_app,
     name="inspect",

@@ -117,10 +117,21 @@ def config_option(cls, field):
         help=help,
         show_default=False,
         rich_help_panel=field.metadata.get("panel", cls.PANEL) or None,
+        **({"parser": _duration, "metavar": "TIME"} if field.name == "max_time" else {}),
     )
     return inspect.Parameter(
         field.name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[kind | None, option]
     )
+
+
+def _duration(text: str) -> float:
+    """--max-time's value: seconds, or 90s, 20m, 2h (a usage error, one line, where it is neither)."""
+    from nanogpt_cli.config import parse_duration
+
+    try:
+        return parse_duration(text)
+    except NanoGPTError as e:
+        raise typer.BadParameter(str(e)) from None
 
 
 # options that several commands share

@@ -12,7 +12,9 @@ from typing import Annotated
 import typer
 
 from nanogpt_cli.cli.common import DATA_DIR_HELP, note, one_line_errors, stopped
+from nanogpt_cli.cli.tokens import Compare, Name, say_tokenizer_counts, tokenizer_table
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.files import check_creatable
 
 # what prepare and tokenizer train both read
 Source = Annotated[
@@ -61,7 +63,7 @@ TokenizerName = Annotated[
 @one_line_errors
 def prepare(
     source: Source,
-    name: Annotated[str, typer.Option(help="Dataset name: the folder DATA_DIR/NAME that training reads.")],
+    name: Name = None,
     tokenizer: TokenizerName = "gpt2",
     val_fraction: Annotated[
         float, typer.Option(help="Share held out for validation: the tail of one text, or every (1/f)-th document.")
@@ -89,6 +91,7 @@ def prepare(
     format: DataFormat = "text",
     chat_template: ChatTemplateFile = None,
     strict: Strict = False,
+    compare: Compare = False,
 ):
     """Tokenize text into DATA_DIR/NAME: train-00000.bin, ..., val-00000.bin, ... and meta.json.
 
@@ -97,8 +100,9 @@ def prepare(
     from nanogpt_cli.cli.ui import console, prepare_progress, prepare_table
     from nanogpt_cli.data import interrupted_prepare
     from nanogpt_cli.data import prepare as prepare_data
-    from nanogpt_cli.files import check_creatable
 
+    if compare or name is None:  # counting only, or no dataset named
+        return say_tokenizer_counts(source, text_column, encoding, compare)
     check_creatable(data_dir, "--data-dir")
     from nanogpt_cli.tokenizer import trained_or_named
 
@@ -204,29 +208,6 @@ tokenizer_app = typer.Typer(
     "--name shk2k",
     rich_markup_mode=None,
 )
-
-
-def tokenizer_table(result):
-    """What tokenizer train made, as a table."""
-    from nanogpt_cli.cli.ui import summary_table
-
-    tok = result.tokenizer
-    return summary_table(
-        f"trained {result.path}",
-        [
-            ("source", result.source),
-            (
-                "characters",
-                f"{result.characters:,} ({result.documents:,} document{'s' if result.documents != 1 else ''})",
-            ),
-            (
-                "vocabulary size",
-                f"{tok.vocab_size:,} (256 bytes, {len(tok.ranks) - 256:,} merges, {len(tok.special_tokens)} special)",
-            ),
-            ("pattern", tok.pattern_name),
-            ("time", f"{result.elapsed_s:.2f} s ({result.chars_per_s / 1e6:,.2f} M characters/s)"),
-        ],
-    )
 
 
 @tokenizer_app.command("train", short_help="Train a byte-level BPE tokenizer on text.")

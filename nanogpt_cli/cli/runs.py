@@ -140,3 +140,36 @@ def system_table(found: dict):
     for key, value in rows:
         table.add_row(key, str(value))
     return table
+
+
+@one_line_errors
+def report(
+    runs: Annotated[list[Path], typer.Argument(help="Run folders: one prints its report card, several compare them.")],
+):
+    """Print a run's report card (report.md, written at the end of each run), or compare runs side by side.
+
+    Example: nanogpt report checkpoints/a checkpoints/b
+    """
+    from nanogpt_cli.cli.ui import console
+    from nanogpt_cli.inspect.report import compare, report_of
+    from nanogpt_cli.runs.rundir import RunDir
+
+    if len(runs) == 1:
+        text, _ = report_of(RunDir(runs[0]))
+        if console.is_terminal:
+            from rich.markdown import Markdown
+
+            console.print(Markdown(text))
+        else:
+            print(text)
+        return
+    from rich.table import Table
+
+    names, rows = compare([RunDir(r) for r in runs])
+    table = Table(title="runs compared", title_justify="left")
+    table.add_column("", style="bold")
+    for name in names:
+        table.add_column(name, justify="right")
+    for label, values in rows:
+        table.add_row(label, *values)
+    console.print(table)

@@ -48,6 +48,15 @@ Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final
 Plot = Annotated[
     bool, typer.Option("--plot/--no-plot", help="Draw loss.png in the run folder at the end (with matplotlib).")
 ]
+EvalTasks = Annotated[
+    str | None,
+    typer.Option(
+        "--eval-tasks",
+        help="lm-eval tasks to score at the end (as `nanogpt eval tasks` does), comma-separated; their scores go "
+        "into the run's report.md. Needs the eval extra.",
+        show_default=False,
+    ),
+]
 Tracker = Annotated[
     str | None,
     typer.Option(
@@ -63,7 +72,11 @@ Tracker = Annotated[
 def train(
     preset: Annotated[
         str | None,
-        typer.Option(help=f"Named config: {', '.join(PRESETS)}."),
+        typer.Option(
+            help=f"Named config: {', '.join(PRESETS)}, or auto: sized to the data, --max-time and this device by a "
+            "short probe (the default when --max-time is given without a model shape).",
+            show_default=False,
+        ),
     ] = None,
     config: RunConfig = None,
     out: RunOut = None,
@@ -75,6 +88,7 @@ def train(
     last: InitLast = False,
     threads: Threads = None,
     tracker: Tracker = None,
+    eval_tasks: EvalTasks = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the whole config at the start.")] = False,
     nproc: Annotated[
         int | None,
@@ -101,6 +115,7 @@ def train(
     from nanogpt_cli.training.trackers import open_tracker
 
     given = dict(flags or {})
+    tasks = check_eval_tasks(eval_tasks)
     set_threads(threads)
     if nproc is not None and tracker:  # the processes open it; an unknown one or a missing extra is refused here
         open_tracker(tracker).close()
@@ -116,22 +131,42 @@ def train(
         nproc=nproc,
         nnodes=nnodes,
         rdzv_endpoint=rdzv_endpoint,
+        on_probe=say_probe if prints() and not quiet else None,
     )
     job = while_planning(plan_train, request)
     if job.launch is not None:  # everything was checked here, before any process starts
         options = dict(preset=preset, config=config, init_from=init_from, threads=threads, tracker=tracker)
         switches = dict(resume=resume, force=force, quiet=quiet, last=last, verbose=verbose, no_plot=not plot)
         return launch_training(job.plan, job.launch, given, {**options, **switches})
-    run_planned(job.plan, quiet, sink, job.trainable, verbose, plot)
+    run_planned(job.plan, quiet, sink, job.trainable, verbose, plot, tasks)
 
 
-def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False, plot: bool = True) -> None:
+def check_eval_tasks(eval_tasks: str | None) -> list[str] | None:
+    """--eval-tasks: the names, checked before anything trains (and lm-eval installed)."""
+    if eval_tasks is None:
+        return None
+    from nanogpt_cli.errors import require
+    from nanogpt_cli.inference.tasks import check_options
+
+    names = check_options([eval_tasks], None, None, None)
+    require("lm_eval", "eval", "scoring lm-eval tasks", package="lm-eval")
+    return names
+
+
+def run_planned(
+    plan, quiet: bool, sink, trainable=None, verbose: bool = False, plot: bool = True, eval_tasks=None
+) -> None:
     """Train a planned run with the progress display (and a tracker's sink), then report it: train and finetune."""
     from nanogpt_cli.cli.train_ui import TrainDisplay
     from nanogpt_cli.training.distributed import open_world
     from nanogpt_cli.training.trackers import Tee
     from nanogpt_cli.training.trainer import Trainer
 
+    if prints() and plan.auto is not None and not quiet:
+        from nanogpt_cli.cli.train_ui import auto_table
+        from nanogpt_cli.cli.ui import console
+
+        console.print(auto_table(plan.auto))
     if prints():
         for message in plan.notes:
             note(message)
@@ -151,7 +186,8 @@ def run_planned(plan, quiet: bool, sink, trainable=None, verbose: bool = False, 
             if sink is not None:
                 sink.close()
         if prints():
-            report_training(plan, result, plot)
+            drawn = report_training(plan, result, plot)
+            write_card(plan, result, drawn, eval_tasks, quiet)
     if result.stopped in ("SIGINT", "SIGTERM"):
         from nanogpt_cli.training.launch import record_error
 
@@ -193,6 +229,7 @@ def finetune(
     threads: Threads = None,
     tracker: Tracker = None,
     plot: Plot = True,
+    eval_tasks: EvalTasks = None,
     method: Method = "sft",
     beta: Beta = None,
     loss_type: LossType = None,
@@ -217,6 +254,7 @@ def finetune(
     from nanogpt_cli.training.trackers import open_tracker
 
     flags = dict(flags or {}, **({"preset": preset} if preset is not None else {}))
+    tasks = check_eval_tasks(eval_tasks)
     set_threads(threads)
     sink = open_tracker(tracker) if tracker and prints() else None
     given = {"r": lora_r, "alpha": lora_alpha, "dropout": lora_dropout, "targets": lora_targets}
@@ -230,7 +268,7 @@ def finetune(
     file_values = load_toml(config) if config else {}
     job = while_planning(plan_finetune, flags, file_values, **where, lora=lora_cfg, lora_flags=lora_flags)
     if method == "sft" and sft_planned(job.plan):
-        return run_planned(job.plan, quiet, sink, job.trainable, plot=plot)
+        return run_planned(job.plan, quiet, sink, job.trainable, plot=plot, eval_tasks=tasks)
     settings = dict(beta=beta, loss_type=loss_type, rpo_alpha=rpo_alpha, group_size=group_size, kl=kl, reward=reward)
     settings |= dict(max_new_tokens=max_new_tokens, rollout_temperature=temperature, grpo_updates=grpo_updates)
     run_policy(job, method, settings, quiet, sink)
@@ -251,6 +289,13 @@ def launch_training(plan, how, given: dict, options: dict) -> None:
         raise typer.Exit(code)
 
 
+def say_probe(event) -> None:
+    """A shape --preset auto's probe timed, as it comes."""
+    from nanogpt_cli.cli.train_ui import probe_line
+
+    print(probe_line(event), flush=True)
+
+
 def say_complete(plan) -> None:
     """A run that has nothing left to train: why, and what to raise."""
     from nanogpt_cli.cli.ui import console
@@ -259,19 +304,23 @@ def say_complete(plan) -> None:
     console.print(complete_reason(plan))
 
 
-def report_training(plan, result, plot: bool = True) -> None:
-    """The summary table, the loss curves' picture (with the plot extra) and how the run ended."""
+def report_training(plan, result, plot: bool = True) -> tuple[str | None, str | None]:
+    """The summary table, the loss curves' picture (with the plot extra) and how the run ended; returns the
+    picture's file name (None: not drawn) and why not."""
     from nanogpt_cli.cli.train_ui import train_table
     from nanogpt_cli.cli.ui import console
 
     console.print(train_table(result))
+    drawn: tuple[str | None, str | None] = (None, "--no-plot was given")
     if plot:  # the plot extra: a picture of the curves (importing matplotlib and drawing take a moment: --no-plot)
         from nanogpt_cli.inspect.plot import write_png
 
         try:
             write_png([plan.run_dir.path], plan.run_dir.loss_plot_path)
+            drawn = (plan.run_dir.loss_plot_path.name, None)
         except NanoGPTError as e:  # said once, here at the end, where it is seen
             note(f"{plan.run_dir.loss_plot_path.name} not drawn: {e}")
+            drawn = (None, str(e))
     resume_with = resume_command(plan)
     if result.stopped in ("SIGINT", "SIGTERM"):  # a stop the user asked for, after a save: a note, not an error
         note(stopped_line(plan, result))
@@ -279,3 +328,16 @@ def report_training(plan, result, plot: bool = True) -> None:
         console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_with}")
     if result.stopped == "max_time":
         console.print(f"ended at step {result.step:,}: --max-time {plan.train.max_time:g} s was spent")
+    return drawn
+
+
+def write_card(plan, result, drawn: tuple[str | None, str | None], eval_tasks: list[str] | None, quiet: bool) -> None:
+    """The run's report card, report.md (with its samples and the --eval-tasks scores), and where it is."""
+    from nanogpt_cli.cli.ui import err_console
+    from nanogpt_cli.inspect.report import write_report
+
+    if not plan.run_dir.has_run() or plan.run_dir.is_empty():  # stopped before its first save: nothing to report
+        return
+    status = None if quiet else (lambda text: err_console.print(text, style="dim", highlight=False))
+    write_report(plan.run_dir, result, eval_tasks=eval_tasks, plot=drawn[0], plot_note=drawn[1], on_status=status)
+    print(f"report: {plan.run_dir.report_path} (nanogpt report {plan.run_dir})", flush=True)

@@ -278,3 +278,26 @@ def policy_table(result, objective: str):
         ("speed", f"{result.ms_per_iter:.1f} ms/iter, {result.tokens_per_s:,.0f} tokens/s"),
     ]
     return summary_table(f"{objective} run {result.run_dir}", rows)
+
+
+def probe_line(e) -> str:
+    """One shape auto's probe timed (a training.auto.Probed)."""
+    return (
+        f"probe: {e.n_layer} layers x {e.n_embd}, context {e.block_size}: {e.tokens_per_s:,.0f} tokens/s "
+        f"({e.seconds:.1f} s)"
+    )
+
+
+def auto_table(choice):
+    """What --preset auto chose and why (a training.auto.AutoChoice): one row per value; given ones say so."""
+    from rich.table import Table
+
+    from nanogpt_cli.config import flag, show_value
+
+    table = Table(title="--preset auto", title_justify="left")
+    table.add_column("setting", style="bold")
+    table.add_column("value", justify="right")
+    table.add_column("why")
+    for row in choice.rows:
+        table.add_row(f"--{flag(row.name)}", show_value(row.value), row.why, style="dim" if row.given else None)
+    return table

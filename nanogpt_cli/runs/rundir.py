@@ -16,6 +16,8 @@ Layout of a run folder:
     trainer.json           step, tokens, best val loss, RNG states, grad-scaler state
     metrics.jsonl          one JSON object per evaluation (kind "eval") and per --log-interval (kind "train")
     loss.png               the loss curves, when matplotlib is installed
+    report.md, report.json the report card written at the end of each training or fine-tuning invocation (finished,
+                           stopped or ended by the clock), and its figures, which `nanogpt report` compares
     tokenizer.json         a Hugging Face tokenizer's file, copied from the dataset (the metadata holds its sha256)
     .lock                  locked (flock) by the process training the run, for as long as it runs: `runs` says
                            "running", and another start in the folder is refused; the kernel lets go of it when the
@@ -72,6 +74,7 @@ LAST, BEST = "model.safetensors", "best.safetensors"
 OPTIMIZER, TRAINER, CONFIG, METRICS = "optimizer.safetensors", "trainer.json", "config.json", "metrics.jsonl"
 TOKENIZER = "tokenizer.json"  # hf_tokenizer.HF_FILE: the vocabulary of a Hugging Face tokenizer travels with the run
 LOSS_PLOT = "loss.png"  # drawn from metrics.jsonl at the end of `nanogpt train` when matplotlib is installed
+REPORT, REPORT_DATA = "report.md", "report.json"  # the report card (training/report.py) and its figures
 RUNS_DIR = Path("checkpoints")  # the folder of runs: `nanogpt runs` lists it; a bare run name is looked up in it
 LOCK = ".lock"  # held by the process training the run (see the module docstring)
 SAVED = (LAST, BEST, OPTIMIZER, TRAINER)  # a save's files: a run with none of them is empty
@@ -105,6 +108,22 @@ class RunDir:
     @property
     def loss_plot_path(self) -> Path:
         return self.path / LOSS_PLOT
+
+    @property
+    def report_path(self) -> Path:
+        return self.path / REPORT
+
+    def write_report(self, markdown: str, figures: dict[str, Any]) -> None:
+        """report.md and report.json, each replaced whole."""
+        with self._writing(REPORT):
+            atomic_write(self.report_path, lambda tmp: tmp.write_text(markdown, encoding="utf-8"))
+            write_json(self.path / REPORT_DATA, figures)
+
+    def read_report(self) -> tuple[str, dict[str, Any]] | None:
+        """The report card and its figures, or None where the run has none (yet)."""
+        if not self.report_path.is_file() or not (self.path / REPORT_DATA).is_file():
+            return None
+        return self.report_path.read_text(encoding="utf-8"), self._read_json(REPORT_DATA)
 
     def has_run(self) -> bool:
         return self.path.is_dir() and any((self.path / n).exists() for n in (LAST, TRAINER, CONFIG))

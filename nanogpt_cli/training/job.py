@@ -31,6 +31,7 @@ class TrainRequest:
     nproc: int | None = None  # processes on this machine (None: this one trains)
     nnodes: int = 1  # machines taking part, each running the same command
     rdzv_endpoint: str | None = None  # HOST:PORT where the machines meet
+    on_probe: Any = None  # --preset auto: called with each shape its probe times (training.auto.Probed)
 
 
 @dataclass
@@ -86,6 +87,7 @@ def plan_train(request: TrainRequest) -> TrainJob:
         init_from=r.init_from,
         init_last=r.init_last,
         world_size=launch.world_size if launch else None,
+        on_probe=r.on_probe,
     )
     if r.init_from is not None and plan.dataset.get("masks"):  # the same run as `finetune` without --lora
         record_full_finetune(plan, r.init_from)

@@ -7,6 +7,7 @@ a resume that must agree with the saved one, or a start from other weights).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -32,6 +33,7 @@ from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import read_metadata
 from nanogpt_cli.runs.rundir import RunDir, resolve_weights
 from nanogpt_cli.tokenizer import describe_difference, same_tokenizer
+from nanogpt_cli.training.auto import AUTO, AutoChoice, Probed, plan_auto, wants_auto
 from nanogpt_cli.training.distributed import check_world, launched_size
 
 # --seq-len's default for a converted model (hf:NAME, a Hugging Face folder, a GGUF file, or a run started from one)
@@ -72,6 +74,7 @@ class RunPlan:
     # --init-from as config.json records it, {"source", "last", "path"}: a resume given it again checks it is the same
     init_from: dict[str, Any] | None = None
     threads: int | None = None  # a resumed CPU run: the threads it last trained with (None: not known)
+    auto: AutoChoice | None = None  # --preset auto: what it chose and why (training/auto.py)
 
     @property
     def seq_len(self) -> int:
@@ -97,7 +100,12 @@ class RunPlan:
         return self.time_spent is not None and (self.train.max_time or 0) <= self.time_spent
 
 
-def values_from(preset: str | None) -> dict[str, Any]:
+def values_from(preset: str | None, auto: AutoChoice | None = None) -> dict[str, Any]:
+    """A preset's values; auto's (a resumed auto run: none, its values are saved)."""
+    if auto is not None:
+        return dict(auto.values)
+    if preset == AUTO:
+        return {}
     return preset_values(preset) if preset else {}
 
 
@@ -123,13 +131,16 @@ def plan_run(
     init_from: str | None = None,
     init_last: bool = False,
     world_size: int | None = None,
+    on_probe: Callable[[Probed], None] | None = None,
 ) -> RunPlan:
     """The effective configs of a run. Fresh: preset < config file < flags, with the vocabulary from the dataset.
     Resume: the saved run's configs; the same preset, file and flags may be given again, and each field's
     Resume rule (config.py) says what they may change. --init-from: the checkpoint's architecture (dropout may
     change; best weights unless init_last), training fields as for a fresh run. `preset` and `out` may come from
     the flags or the config file (flags win). world_size: the processes it trains in (default: torchrun's
-    WORLD_SIZE, or 1); a preset's (or the default) --gradient-accumulation-steps is raised to a multiple of it."""
+    WORLD_SIZE, or 1); a preset's (or the default) --gradient-accumulation-steps is raised to a multiple of it.
+    --preset auto (the default for a fresh run given --max-time and no model shape) probes the device first,
+    telling on_probe of each shape it times."""
     world_size = launched_size() if world_size is None else world_size
     values = {**(file_values or {}), **flags}
     preset = values.pop("preset", None)
@@ -144,7 +155,11 @@ def plan_run(
         if init_from is not None:  # the command that started the run, given again: accepted when it is the same
             check_same_start(run_dir, init_from, init_last)
         return _plan_resume(run_dir, preset, values, world_size)
-    return _plan_fresh(run_dir, preset, values, world_size, force, init_from, init_last)
+    auto = None
+    if wants_auto(preset, values, init_from, resume) and values.get("data"):
+        meta = load_meta(Path(parse_value("data_dir", values.get("data_dir", "data"))), values["data"])
+        preset, auto = AUTO, plan_auto(meta, values, world_size, on_probe)
+    return _plan_fresh(run_dir, preset, values, world_size, force, init_from, init_last, auto)
 
 
 def _plan_fresh(
@@ -155,16 +170,17 @@ def _plan_fresh(
     force: bool,
     init_from: str | None,
     init_last: bool,
+    auto: AutoChoice | None = None,
 ) -> RunPlan:
     """A new run (from scratch or from --init-from's weights): `given` holds the config file's and the flags'
-    values, which win over the preset's."""
+    values, which win over the preset's (or auto's)."""
     explicit_model, _ = split_values(given)
-    model_values, train_values = split_values({**values_from(preset), **given})
+    model_values, train_values = split_values({**values_from(preset, auto), **given})
     notes: list[str] = []
     adapted = _adapt_accumulation(train_values, given, world_size, TrainConfig.gradient_accumulation_steps)
     if adapted:
         n_micro, n = adapted
-        where = f"--preset {preset}'s" if "gradient_accumulation_steps" in values_from(preset) else "the default"
+        where = f"--preset {preset}'s" if "gradient_accumulation_steps" in values_from(preset, auto) else "the default"
         notes.append(
             f"--gradient-accumulation-steps {n} instead of {where} {n_micro}: a multiple of the "
             f"{world_size} processes ({n // world_size} micro-batch{'es' if n > world_size else ''} each per update)"
@@ -202,7 +218,9 @@ def _plan_fresh(
     check_world(train_cfg, world_size)
     notes += _warnings(model_cfg, train_cfg)
     started = None if init_from is None else start_record(init_from, init_last)
-    return RunPlan(model_cfg, train_cfg, run_dir, meta, force=force, notes=notes, init_from=started, **init)
+    if auto is not None:
+        notes += auto.notes
+    return RunPlan(model_cfg, train_cfg, run_dir, meta, force=force, notes=notes, init_from=started, auto=auto, **init)
 
 
 def start_record(init_from: str, last: bool) -> dict[str, Any]:

@@ -639,6 +639,10 @@ class Trainer:
             config["finetune"] = plan.finetune
         if plan.hf_family:
             config["hf_family"] = plan.hf_family
+        if plan.auto is not None:  # which values --preset auto chose (the report marks them)
+            config["auto"] = plan.auto.record()
+        elif plan.resume and "auto" in (saved := self.run_dir.read_config()):
+            config["auto"] = saved["auto"]
         self.run_dir.write_config(config, changed)
         self.run_dir.keep_tokenizer(Path(self.cfg.data_dir) / self.cfg.data)
 
