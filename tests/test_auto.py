@@ -164,8 +164,10 @@ def test_a_finished_run_and_a_stopped_one_have_reports_that_report_compares(char
     plan = tiny_plan(data_dir, name, stopped, max_iters=200, log_interval=2, eval_interval=100)
     result = Trainer(plan, CtrlCAt()).fit()
     assert result.stopped == "SIGINT" and result.step < 200
-    write_report(RunDir(stopped), result, samples=False)
-    assert f"stopped early (Ctrl-C) at step {result.step:,}." in (stopped / "report.md").read_text()
+    write_report(RunDir(stopped), result, eval_tasks=[str(task)])  # a stop ends within seconds: no samples, no tasks
+    card = (stopped / "report.md").read_text()
+    assert f"stopped early (Ctrl-C) at step {result.step:,}." in card
+    assert "no samples: the run was stopped by a signal" in card and "not scored: the run was stopped by SIGINT" in card
 
     shown = ok("report", done)
     assert "Report: done" in shown and "finished at step 20" in shown

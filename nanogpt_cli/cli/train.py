@@ -188,6 +188,7 @@ def run_planned(
         if prints():
             drawn = report_training(plan, result, plot)
             write_card(plan, result, drawn, eval_tasks, quiet)
+            say_ending(plan, result)
     if result.stopped in ("SIGINT", "SIGTERM"):
         from nanogpt_cli.training.launch import record_error
 
@@ -305,8 +306,8 @@ def say_complete(plan) -> None:
 
 
 def report_training(plan, result, plot: bool = True) -> tuple[str | None, str | None]:
-    """The summary table, the loss curves' picture (with the plot extra) and how the run ended; returns the
-    picture's file name (None: not drawn) and why not."""
+    """The summary table and the loss curves' picture (with the plot extra); returns the picture's file name
+    (None: not drawn) and why not."""
     from nanogpt_cli.cli.train_ui import train_table
     from nanogpt_cli.cli.ui import console
 
@@ -321,14 +322,19 @@ def report_training(plan, result, plot: bool = True) -> tuple[str | None, str | 
         except NanoGPTError as e:  # said once, here at the end, where it is seen
             note(f"{plan.run_dir.loss_plot_path.name} not drawn: {e}")
             drawn = (None, str(e))
-    resume_with = resume_command(plan)
+    return drawn
+
+
+def say_ending(plan, result) -> None:
+    """How the run ended, last: a stop's resume command, --stop-at's, or the clock's end."""
+    from nanogpt_cli.cli.ui import console
+
     if result.stopped in ("SIGINT", "SIGTERM"):  # a stop the user asked for, after a save: a note, not an error
         note(stopped_line(plan, result))
     if result.stopped == "stop_at":
-        console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_with}")
+        console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_command(plan)}")
     if result.stopped == "max_time":
         console.print(f"ended at step {result.step:,}: --max-time {plan.train.max_time:g} s was spent")
-    return drawn
 
 
 def write_card(plan, result, drawn: tuple[str | None, str | None], eval_tasks: list[str] | None, quiet: bool) -> None:

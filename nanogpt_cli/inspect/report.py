@@ -5,8 +5,8 @@ runs side by side.
     figures = write_report(RunDir("checkpoints/shk"), result)   # after Trainer.fit()
     rows = compare([RunDir("checkpoints/a"), RunDir("checkpoints/b")])
 
-Everything comes from the run folder (config.json, trainer.json, metrics.jsonl, the weights); the TrainResult of the
-invocation that just ended adds its speed and MFU, and how it ended.
+Everything comes from the run folder (its config, state, metrics and weights, read through RunDir); the TrainResult
+of the invocation that just ended adds its speed and MFU, and how it ended.
 """
 
 from __future__ import annotations
@@ -160,6 +160,11 @@ def add_model_figures(figures: dict[str, Any], run: RunDir, samples: bool = True
     if figures.get("tokens_per_s"):
         figures["flops_per_s"] = module.flops_per_token(seq_len) * figures["tokens_per_s"]
     if not samples:
+        figures["samples_note"] = figures.get("samples_note") or "no samples: " + (
+            "the run was stopped by a signal, which asks for an end within seconds"
+            if figures.get("ending") in ("SIGINT", "SIGTERM")
+            else "none were asked for"
+        )
         return
     prompts = list(PROMPTS)
     try:
@@ -278,11 +283,14 @@ def write_report(
     scored at the end (their failure is a line of the report, the run is kept). plot: the loss curves' file name
     beside it (None: not drawn, plot_note says why). Returns the figures."""
     figures = gather(run, result)
-    if on_status:
+    stopped = result is not None and result.stopped in ("SIGINT", "SIGTERM")  # it must end within seconds
+    if on_status and samples and not stopped:
         on_status("writing the report: samples")
-    add_model_figures(figures, run, samples=samples)
+    add_model_figures(figures, run, samples=samples and not stopped)
     figures["plot"], figures["plot_note"] = plot, plot_note
-    if eval_tasks:
+    if eval_tasks and stopped:
+        figures["tasks_note"] = f"The tasks were not scored: the run was stopped by {result.stopped}."
+    elif eval_tasks:
         if on_status:
             on_status(f"writing the report: scoring {', '.join(eval_tasks)}")
         try:
