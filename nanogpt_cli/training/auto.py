@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nanogpt_cli.config import PRESETS
 from nanogpt_cli.errors import NanoGPTError
 
 AUTO = "auto"
@@ -27,20 +28,23 @@ HEAD_DIM = 64
 # the block and optimizer choices of cpu-fast, tuned on this CPU (benchmarks/README.md, "How the CPU presets were
 # tuned"): Muon on the block matrices, QK-norm, squared ReLU, soft-capped logits, zero-initialised projections, an
 # untied embedding at its own rate, and a warmup-stable-decay schedule decaying over its last 70 %
-RECIPE: dict[str, Any] = dict(
-    qk_norm=True,
-    mlp="relu2",
-    logit_softcap=30.0,
-    zero_init_proj=True,
-    tie_embeddings=False,
-    optimizer="muon",
-    muon_lr=0.02,
-    muon_momentum=0.95,
-    lr_schedule="wsd",
-    wsd_decay_frac=0.7,
-    beta2=0.99,
-    eval_first=False,
-)
+RECIPE: dict[str, Any] = {
+    k: PRESETS["cpu-fast"][k]
+    for k in (
+        "qk_norm",
+        "mlp",
+        "logit_softcap",
+        "zero_init_proj",
+        "tie_embeddings",
+        "optimizer",
+        "muon_lr",
+        "muon_momentum",
+        "lr_schedule",
+        "wsd_decay_frac",
+        "beta2",
+        "eval_first",
+    )
+}
 # the share of --max-time left for training after the evaluations and the first, slow updates
 TRAINING_SHARE = 0.92
 # updates a run aims at: more are worth more than larger batches at these sizes, until the batch is too small to
