@@ -35,7 +35,6 @@ from nanogpt_cli.files import atomic_write
 from nanogpt_cli.lora import weights_hash
 from nanogpt_cli.training.events import Display
 from nanogpt_cli.training.policy import Log, PolicyRun, adapters_off, check_format, pad_batch, sequence_logprobs
-from nanogpt_cli.training.signals import Interrupted
 
 LOSS_TYPES = ("sigmoid", "ipo")
 DEFAULTS = {"beta": 0.1, "loss_type": "sigmoid", "rpo_alpha": 0.0}
@@ -240,13 +239,10 @@ class DPO:
         """An evaluation, its lines and (with save) a save; False when a signal dropped it."""
         run = self.run
         with run.untimed():
-            try:
-                with run.signals.interruptible():
-                    loss, accuracy = self.evaluate(self.run.model)
-            except Interrupted:
-                self.run.model.train()
+            scores = run.scored(self.evaluate)
+            if scores is None:
                 return False
-            self.val_loss, self.val_acc = loss, accuracy
+            self.val_loss, self.val_acc = loss, accuracy = scores
             if save:
                 run.save(loss)
             run.log_eval({"val_loss": loss, "val_accuracy": accuracy}, run.state.best_val_loss, saved=save)

@@ -303,11 +303,8 @@ class GRPO:
         """An evaluation, its lines and (with save) a save; False when a signal dropped it."""
         run = self.run
         with run.untimed():
-            try:
-                with run.signals.interruptible():
-                    val = self.evaluate(run.model)
-            except Interrupted:
-                run.model.train()
+            val = run.scored(self.evaluate)
+            if val is None:
                 return False
             self.val = val
             if save:

@@ -28,7 +28,7 @@ from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
 from nanogpt_cli.training.clock import thread_tuner
 from nanogpt_cli.training.events import Display, NoDisplay, RunStarted, Scored, StepLogged
 from nanogpt_cli.training.optim import lr_at, make_optimizer, set_lr
-from nanogpt_cli.training.signals import StopSignals
+from nanogpt_cli.training.signals import Interrupted, StopSignals
 
 Log = Callable[[dict[str, Any]], None]  # a metrics record: what the display shows and the run's metrics file keeps
 
@@ -268,6 +268,16 @@ class PolicyRun:
     def untimed(self) -> contextlib.AbstractContextManager:
         """Time that is not the updates' (an evaluation, a save): left out of the speed."""
         return self.timed.pause()
+
+    def scored(self, evaluate: Callable[[GPT], Any]) -> Any:
+        """evaluate(model), which only reads the weights, dropped at once by a signal: its result, or None then
+        (the model back in training mode)."""
+        try:
+            with self.signals.interruptible():
+                return evaluate(self.model)
+        except Interrupted:
+            self.model.train()
+            return None
 
     def save_on_stop(self) -> None:
         """After a signal: the updates since the last save, saved (none trained: the folder holds them)."""
