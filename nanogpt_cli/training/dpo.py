@@ -230,10 +230,7 @@ class DPO:
             if step % cfg.eval_interval == 0 or step == end:
                 if not self.evaluate_and_log(save=True):
                     break
-        if run.signals.received:
-            run.save_on_stop()
-            return run.signals.received
-        return "stop_at" if run.state.step == end < cfg.max_iters else None
+        return run.ended(end)
 
     def evaluate_and_log(self, save: bool) -> bool:
         """An evaluation, its lines and (with save) a save; False when a signal dropped it."""

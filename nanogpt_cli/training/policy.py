@@ -279,6 +279,14 @@ class PolicyRun:
             self.model.train()
             return None
 
+    def ended(self, end: int) -> str | None:
+        """How the loop that stopped at `end` ended: a signal ("SIGINT", "SIGTERM": the steps trained are saved
+        first), --stop-at ("stop_at"), or None (--max-iters reached)."""
+        if self.signals.received:
+            self.save_on_stop()
+            return self.signals.received
+        return "stop_at" if self.state.step == end < self.cfg.max_iters else None
+
     def save_on_stop(self) -> None:
         """After a signal: the updates since the last save, saved (none trained: the folder holds them)."""
         if self.state.step > self.start_step and self.saved_at != self.state.step:
