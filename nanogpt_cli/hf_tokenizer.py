@@ -356,7 +356,10 @@ def chat_template_of(folder: Path, config: dict[str, Any] | None = None) -> str 
     chat_template (a text, or a list of named templates of which "default" is taken)."""
     jinja = Path(folder) / TEMPLATE_FILE
     if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise NanoGPTError(f"{jinja} is not UTF-8 text ({first_line(e)})") from None
     template = (config if config is not None else _read_json(Path(folder) / CONFIG_FILE)).get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

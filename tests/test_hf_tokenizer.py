@@ -456,3 +456,10 @@ def test_prepare_in_worker_processes_gives_the_same_shards(tmp_path, text_file):
     for split in ("train", "val"):
         a = (tmp_path / "data" / "one" / f"{split}-00000.bin").read_bytes()
         assert a == (tmp_path / "data" / "two" / f"{split}-00000.bin").read_bytes()
+
+
+def test_a_chat_template_file_that_is_not_utf8_is_one_sentence(tmp_path):
+    folder = byte_level(tmp_path / "bl")
+    (folder / "chat_template.jinja").write_bytes(b"{{ messages }}\xff\xfe")
+    with pytest.raises(NanoGPTError, match=r"chat_template\.jinja is not UTF-8 text"):
+        build_tokenizer(str(folder))
