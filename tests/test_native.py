@@ -103,7 +103,7 @@ def test_the_fused_step_equals_the_step_op_by_op(dtype, kind, kw):
 def test_the_fused_step_is_built_only_for_the_blocks_it_computes():
     assert decode_plan(llama(torch.bfloat16, None)).fused is not None
     assert decode_plan(llama(torch.float32, None)).fused is None  # float32 weights: no kernel of ours
-    assert decode_plan(llama(torch.bfloat16, None, sliding_window=8)).fused is None
+    assert decode_plan(llama(torch.bfloat16, None, n_embd=96, n_head=4, n_kv_head=2)).fused is None  # heads of 24
     plan = decode_plan(llama(torch.bfloat16, "int8", n_embd=96, n_head=3, n_kv_head=1))  # 96: 3 chunks of 32
     assert plan.fused is not None and plan.head_q is not None
 

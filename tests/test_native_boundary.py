@@ -5,6 +5,7 @@ told in one note (the CLI's `info --system`)."""
 
 import copy
 import ctypes
+import dataclasses
 import os
 import random
 import subprocess
@@ -120,13 +121,22 @@ def test_a_wrong_fused_step_call_is_a_value_error_naming_the_argument():
         native.Caches(blocks, cache.k[:1], cache.v)
     unset = native.Blocks(2, 128, 4, 2, 32, blocks.H, 32)
     wrong("blocks", blocks=unset, caches=caches)
-    qkv, proj, fc, down, ln1, ln2, cos, sin, *_ = step.blocks.keep[0]
-    with pytest.raises(ValueError, match="^proj must map 128 inputs to 128 outputs, got 128 to 256"):
-        unset.layer(0, qkv, qkv, fc, down, ln1, ln2, 1e-5, 1e-5, cos, sin)  # the qkv product in proj's place
-    with pytest.raises(ValueError, match=r"^cos must have shape \(32, 32\), got \(31, 32\)"):
-        unset.layer(0, qkv, proj, fc, down, ln1, ln2, 1e-5, 1e-5, cos[:31], sin)
-    with pytest.raises(ValueError, match="^q_norm and k_norm must be given together"):
-        unset.layer(0, qkv, proj, fc, down, ln1, ln2, 1e-5, 1e-5, cos, sin, q_norm=torch.ones(32))
+    good = step.blocks.keep[0]
+
+    def wrong_layer(match: str, **change):
+        with pytest.raises(ValueError, match=match):
+            unset.layer(0, dataclasses.replace(good, **change))
+
+    wrong_layer("^proj must map 128 inputs to 128 outputs, got 128 to 256", proj=good.qkv)  # qkv in proj's place
+    wrong_layer(r"^cos must have shape \(32, 32\), got \(31, 32\)", cos=good.cos[:31])
+    wrong_layer("^cos must have an even number of columns from 2 to 32, got 33", cos=torch.zeros(32, 33))
+    wrong_layer("^q_norm and k_norm must be given together", q_norm=native.NormWeights(torch.ones(32), None, 1e-5))
+    wrong_layer(r"^ln2.gain must have shape \(128\)", ln2=native.NormWeights(torch.ones(32), None, 1e-5))
+    wrong_layer(r"^post1.bias must have shape \(128\)", post1=native.NormWeights(torch.ones(128), torch.ones(3), 1e-5))
+    wrong_layer("^ln1 must be a native.NormWeights, got NoneType", ln1=None)
+    wrong_layer("^act must be one of swiglu, geglu, gelu, gelu_tanh, relu2, got 'tanh'", act="tanh")
+    wrong_layer("^fc must map 128 inputs to 384 outputs", act="gelu")  # a gated product where a plain one goes
+    wrong_layer("^window must be an int from 0 to 32, got 33", window=33)
     with pytest.raises(ValueError, match="^hs"):
         native.Blocks(2, 128, 4, 2, 24, 64, 32)  # heads of 24: not whole registers of 16
 

@@ -1,6 +1,6 @@
 """The cpu backend: the model's operations in their decoding form (decode.py: transposed and packed weight copies,
 norms with their weights bound), our x86 kernels for bf16 and quantized projections (native.py), the whole step of
-a Llama-shaped model's blocks in one call where they fit (decode.FusedStep, FUSED), and one fast form of the head.
+the blocks in one call where the kernels take them (decode.FusedStep, FUSED), and one fast form of the head.
 Its forms are built once per model state and shared by every engine on it (form_cache.py).
 
     backend = CPU; plan = backend.prepare(model, vocab_size); logits = backend.step(plan, idx, cache, n)
@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from nanogpt_cli.config import Takes, features, only
+from nanogpt_cli.config import Takes, features
 from nanogpt_cli.inference.backends import native
 from nanogpt_cli.inference.backends.base import DecodeBackend, reason_for_device
 from nanogpt_cli.inference.backends.decode import FusedStep, decode_ops, fused_step, packed_form
@@ -65,10 +65,12 @@ FEATURES = features(
     ),  # fmt: skip
 )
 
-# What native.cpp's one-call step of whole blocks computes: pre-norm RMSNorm blocks with every dimension rotated by
-# RoPE, QK-norm or none, grouped-query attention over every held key (no window), a SwiGLU MLP. SmolLM2, Qwen2,
-# 2.5 and 3, Llama 2 and 3 and Mistral without a window are; the rest decode through decode_ops. The model's own
-# tensors say the rest (fused_step): every projection one our kernels multiply, bf16 or float32 activations, a CPU.
+# What native.cpp's one-call step of whole blocks computes: every block the model builds (RMSNorm or LayerNorm with
+# or without biases and 1 + w gains, every MLP activation, gated or not, the parallel residual, QK-norm, post-norms,
+# RoPE on all or part of each head with a base per kind of layer, learned or sinusoidal positions, sliding windows
+# on some layers or all), with heads our attention loop takes. The model's own tensors say the rest (fused_step):
+# every projection one our kernels multiply, bf16 or float32 activations, a CPU. A new field is added here by hand,
+# after checking that decode.fused_step and native.cpp's Block compute what it changes.
 FUSED = features(
     "the cpu backend's fused step",
     (
@@ -88,14 +90,22 @@ FUSED = features(
         "rope_beta_slow",
         "dropout",
         "bias",
+        "pos_encoding",
         "rope_theta",
+        "norm",
         "norm_eps",
+        "mlp",
         "mlp_hidden",
         "tie_embeddings",
         "qk_norm",
+        "rotary_dim",
+        "parallel_residual",
+        "sliding_window",
         "window_pattern",
+        "rope_local_theta",
         "embed_scale",
         "norm_offset",
+        "post_norms",
         "logit_softcap",
         "zero_init_proj",
     ),  # fmt: skip
@@ -104,14 +114,6 @@ FUSED = features(
         "a head size that is a multiple of 16, up to 512",
         shows=lambda c: f"a head size of {c.head_size}",
     ),
-    pos_encoding=only("rope"),
-    rotary_dim=Takes(lambda v, c: c.rotary_size == c.head_size, "none (every dimension rotates)"),
-    sliding_window=only(None),
-    rope_local_theta=only(None),
-    norm=only("rmsnorm"),
-    mlp=only("swiglu"),
-    parallel_residual=only(False),
-    post_norms=only(False),
 )
 FUSED_CACHE = (torch.float32, torch.bfloat16)  # the cache dtypes the fused step reads and writes
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -208,7 +210,7 @@ def decode_step(p: DecodePlan, idx: torch.Tensor, cache, n: int | None = None) -
     prompt, or prompts of one length) attention needs no mask; otherwise each row's keys past its own position
     are masked. Call it under torch.inference_mode()."""
     B = idx.size(0) if n is None else n
-    if p.fused is not None and B < PREFILL_ROWS and cache.ring is None and cache.dtype in FUSED_CACHE:
+    if p.fused is not None and B < PREFILL_ROWS and cache.dtype in FUSED_CACHE:
         h = p.ops.ln_f(p.fused(idx, cache, B))  # (B, C)
     else:
         h = p.model.hidden_states(idx.view(B, 1), cache.view(0, B), ops=p.ops)  # (B, 1, C)

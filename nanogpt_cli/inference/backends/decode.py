@@ -7,7 +7,7 @@ its own packed layout (packed_form), 1.4-2x faster than torch's bf16 matmuls at 
 
     ops = decode_ops(model)                                 # copies the small or bf16 matrices (form_cache.py)
     h = model.hidden_states(idx, cache, ops=ops)            # (B, T, C), in inference mode
-    step = fused_step(model)                                # a Llama-shaped model's whole step in one call, or None
+    step = fused_step(model)                                # the blocks' whole step in one call, or None
                                                             # (for a config cpu.FUSED takes)
 
 Only for inference (no dropout, no gradients). A QuantizedLinear is its kernel bound once (decode_op); any other
@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from nanogpt_cli.inference.backends import native
 from nanogpt_cli.inference.backends.quantize import PREFILL_ROWS, QuantizedLinear
-from nanogpt_cli.model.attention import AttentionOps, Op, norm_gain
+from nanogpt_cli.model.attention import AttentionOps, OffsetRMSNorm, Op, norm_gain
 from nanogpt_cli.model.blocks import Block, BlockOps, Residual, activation, block_forward, post_normed
 from nanogpt_cli.model.gpt import GPT, ModelOps
 
@@ -208,28 +208,23 @@ def residual_op(module: nn.Module, packs: dict | None = None) -> Residual:
 
 
 class FusedStep:
-    """A Llama-shaped model's blocks as native.cpp's Block structs: one decode step of every block in one call
-    (ng_decode), the norms, RoPE, the cache writes and attention included, for fewer than PREFILL_ROWS rows. A
+    """The model's blocks as native.cpp's Block structs: one decode step of every block in one call (ng_decode),
+    the norms, RoPE, the cache writes, attention and the activation included, for fewer than PREFILL_ROWS rows. A
     30-layer model's step makes ~600 torch calls of a few microseconds each otherwise, as much time as its int4
     weights take to read. Its values are those of the blocks' own forward up to rounding: the sub-blocks' inner
     values stay float32 where torch rounds each op's output to bf16."""
 
-    def __init__(self, model: GPT, kernels: list[list[native.Packed]]):
+    def __init__(self, model: GPT, layers: list[native.Layer]):
         cfg = model.config
         self.model = model
-        S, hs = cfg.block_size, cfg.head_size
-        cos = model.rope_cos.float().reshape(S, hs).contiguous()
-        sin = model.rope_sin.float().reshape(S, hs).contiguous()
-        self.blocks = native.Blocks(cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.kv_heads, hs, cfg.hidden_size, S)
-        for i, (block, layer) in enumerate(zip(model.transformer.h, kernels)):
-            g1, g2 = (norm_gain(n).detach().float().contiguous() for n in (block.ln_1, block.ln_2))
-            qk = {}
-            if block.attn.q_norm is not None:  # QK-norm (Qwen3)
-                norms = (block.attn.q_norm, block.attn.k_norm)
-                qn, kn = (norm_gain(n).detach().float().contiguous() for n in norms)
-                qk = dict(q_norm=qn, k_norm=kn, eps_q=eps_of(norms[0]), eps_k=eps_of(norms[1]))
-            self.blocks.layer(i, *layer, g1, g2, eps_of(block.ln_1), eps_of(block.ln_2), cos, sin, **qk)
+        self.blocks = native.Blocks(
+            cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.hidden_size, cfg.block_size
+        )
+        for i, layer in enumerate(layers):
+            self.blocks.layer(i, layer)
         self.embed_scale = math.sqrt(cfg.n_embd) if cfg.embed_scale else None
+        ops = model.ops()
+        self.pos_table = ops.pos_table  # learned or sinusoidal positions, added to the embeddings; RoPE: None
         # this step's own profile clock (the benchmarks read it): seconds in the products, the attention, in all
         self.timers = torch.zeros(3, dtype=torch.float64)
 
@@ -239,42 +234,76 @@ class FusedStep:
         pos = cache.pos[:B]
         if max(pos) >= cache.capacity:
             raise AssertionError(f"a row at position {max(pos)} overflows a cache of {cache.capacity}")
-        x = torch.embedding(self.model.transformer.wte.weight, idx.reshape(B)).contiguous()  # (B, C), a new tensor
+        at = torch.tensor(pos, dtype=torch.int64)
+        x = torch.embedding(self.model.transformer.wte.weight, idx.reshape(B))  # (B, C), a new tensor
         if self.embed_scale is not None:
             x = x * self.embed_scale
+        if self.pos_table is not None:
+            x = x + self.pos_table[at]  # as hidden_states adds them, in the dtypes it does
+        x = x.contiguous()
         caches = cache.__dict__.get("native_caches")
         if caches is None or caches.blocks is not self.blocks:  # the cache's tensors are its own for its lifetime
             caches = cache.native_caches = native.Caches(self.blocks, cache.k, cache.v)
-        native.decode(
-            self.blocks, caches, x, torch.tensor(pos, dtype=torch.int64), torch.get_num_threads(), self.timers
-        )
+        native.decode(self.blocks, caches, x, at, torch.get_num_threads(), self.timers)
         cache.pos[:B] = [p + 1 for p in pos]
         return x
 
 
-def eps_of(norm: nn.RMSNorm) -> float:
-    """An RMSNorm's epsilon as the decoding form's norms take it (norm_function): float32's when it has none."""
-    return torch.finfo(torch.float32).eps if norm.eps is None else norm.eps
+def eps_of(norm: nn.Module) -> float:
+    """A norm's epsilon as the decoding form's norms take it (norm_function): float32's for an RMSNorm with none."""
+    return float(torch.finfo(torch.float32).eps if norm.eps is None else norm.eps)
+
+
+def norm_weights(norm: nn.Module | None) -> native.NormWeights | None:
+    """An RMSNorm or LayerNorm module as ng_decode reads it (None stays None; a norm without a gain is not one it
+    takes: ValueError)."""
+    if norm is None:
+        return None
+    if norm.weight is None:
+        raise ValueError("the fused step needs norms with a gain")
+    layer = isinstance(norm, nn.LayerNorm)
+    gain = (norm.weight if layer else norm_gain(norm)).detach().float().contiguous()
+    bias = None if getattr(norm, "bias", None) is None else norm.bias.detach().float().contiguous()
+    return native.NormWeights(gain, bias, eps_of(norm), layer)
+
+
+def rope_of(model: GPT, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A layer's RoPE tables (S, rd) float32: a local layer's own base where it has one; None without RoPE."""
+    cfg = model.config
+    if cfg.pos_encoding != "rope":
+        return None, None
+    local = cfg.rope_local_theta is not None and cfg.is_local(layer)
+    cos, sin = (model.rope_local_cos, model.rope_local_sin) if local else (model.rope_cos, model.rope_sin)
+    S, rd = cfg.block_size, cfg.rotary_size
+    return cos.float().reshape(S, rd).contiguous(), sin.float().reshape(S, rd).contiguous()
 
 
 def fused_step(model: GPT, packs: dict | None = None) -> FusedStep | None:
     """The model's decode step in one call, for a config the cpu backend's FUSED declaration takes (its caller
     checks that), where the model's own tensors fit native.cpp's block too: our kernels built here, not training,
-    float32 or bf16 activations on a CPU, RMSNorm modules, and every projection one our kernels multiply (bf16, or
-    int8 / int4 quantized). None where they do not."""
-    w = model.transformer.wte.weight
+    float32 or bf16 activations on a CPU, RMSNorm or LayerNorm modules with gains, and every projection one our
+    kernels multiply (bf16, or int8 / int4 quantized). None where they do not."""
+    w, cfg = model.transformer.wte.weight, model.config
     if not native.available() or model.training or w.dtype not in (torch.float32, torch.bfloat16):
         return None
     if w.device.type != "cpu":
         return None
-    kernels = []
-    for block in model.transformer.h:
-        norms = (block.ln_1, block.ln_2) + ((block.attn.q_norm, block.attn.k_norm) if model.config.qk_norm else ())
-        if not all(isinstance(n, nn.RMSNorm) for n in norms):
+    ring = cfg.sliding_window if cfg.sliding_window is not None and cfg.sliding_window < cfg.block_size else 0
+    layers = []
+    for i, block in enumerate(model.transformer.h):
+        a = block.attn
+        norms = [block.ln_1, block.ln_2, a.q_norm, a.k_norm, block.post_ln_1, block.post_ln_2]
+        if any(n is not None and (type(n) not in NORMS or n.weight is None) for n in norms):
             return None
-        mats = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
-        layer = [native_linear(m, packs) for m in mats]
-        if any(k is None for k in layer):
+        kernels = [native_linear(m, packs) for m in (a.c_attn, a.c_proj, block.mlp.c_fc, block.mlp.c_proj)]
+        if any(k is None for k in kernels):
             return None
-        kernels.append(layer)
-    return FusedStep(model, kernels)
+        ln1, ln2, q_norm, k_norm, post1, post2 = map(norm_weights, norms)
+        cos, sin = rope_of(model, i)
+        window = ring if a.local else 0  # KVCache's ring for the layer, where it keeps one
+        extra = dict(q_norm=q_norm, k_norm=k_norm, post1=post1, post2=post2, window=window)
+        layers.append(native.Layer(*kernels, ln1, ln2, block.mlp.kind, block.parallel, cos, sin, **extra))
+    return FusedStep(model, layers)
+
+
+NORMS = (nn.RMSNorm, OffsetRMSNorm, nn.LayerNorm)  # the norm modules native.cpp computes, by exact type

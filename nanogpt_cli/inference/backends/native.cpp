@@ -346,23 +346,37 @@ static int linear(const Linear& L, int64_t B, const void* x, int x_bf16, const O
     return 0;
 }
 
-// ---- a whole decode step of a pre-norm block ---------------------------------------------------------------
-// RMSNorm, the fused q, k, v projection, RoPE (half-split pairs), the new key and value into the cache,
-// grouped-query attention over each row's keys up to its position, the output projection and its residual add;
-// RMSNorm, SwiGLU's fused gate and up projection, the down projection and its residual add. The residual stream
-// stays in the model's dtype between the sub-blocks, as in the model's own forward; the rest is float32.
+// ---- a whole decode step of a block --------------------------------------------------------------------------
+// Every block we load, as block_forward computes it: the input norm (RMSNorm or LayerNorm, with or without a
+// bias), the fused q, k, v projection, QK-norm, RoPE on the first rd dimensions of each head (half-split pairs,
+// the layer's own tables), the new key and value into the cache (a sliding-window layer's ring: slot pos % window),
+// grouped-query attention over each row's visible keys, the output projection, its post-norm (Gemma 3) and the
+// residual add; then the MLP's norm, its first product (gated: gate half, then up half), the activation, the down
+// projection, its post-norm and add. With the parallel residual (GPT-NeoX) the MLP reads the block's input. The
+// residual stream stays in the model's dtype between the sub-blocks, as in the model's own forward; the rest is
+// float32.
+
+enum { ACT_SWIGLU = 0, ACT_GEGLU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3, ACT_RELU2 = 4, ACTS = 5 };
+
+struct Norm {
+    const float* gain;  // (n,) float32, an offset norm's 1 + w already added; null: no norm here
+    const float* bias;  // LayerNorm's (n,) float32, or null
+    float eps;
+    int32_t layer;      // 1: LayerNorm (the mean taken out first), 0: RMSNorm
+};
 
 struct Block {
-    Linear qkv, proj, fc, down;  // attn.c_attn, attn.c_proj, mlp.c_fc (gate half, then up half), mlp.c_proj
-    const float* ln1;            // RMSNorm gains (C,), float32
-    const float* ln2;
-    float eps1, eps2;
-    int64_t C, nh, nkv, hs, H, S;  // S: the cache's positions per row
-    const float* cos;              // RoPE (S, hs) float32: cos, and sin with its first half negated
+    Linear qkv, proj, fc, down;  // attn.c_attn, attn.c_proj, mlp.c_fc (gated: gate half, then up half), mlp.c_proj
+    Norm ln1, ln2;               // (C,)
+    Norm q_norm, k_norm;         // QK-norm's (hs,), shared by the heads, before RoPE (Qwen3, Gemma 3); or no gain
+    Norm post1, post2;           // each sub-block's output normed before its add (Gemma 3); or no gain
+    int64_t C, nh, nkv, hs, H, S;  // S: the positions of the context (the tables' rows)
+    int64_t act;                 // ACT_*
+    int64_t parallel;            // 1: the MLP reads the block's input, not attention's sum
+    int64_t rd;                  // dimensions of each head RoPE rotates, 0: none (learned or sinusoidal positions)
+    int64_t window;              // a ring's slots (the sliding window, shorter than S), else 0: S slots
+    const float* cos;            // RoPE (S, rd) float32: cos, and sin with its first half negated; this layer's
     const float* sin;
-    const float* q_norm;           // QK-norm's gains (hs,) float32, before RoPE (Qwen3, OLMo 2), or null
-    const float* k_norm;
-    float eps_q, eps_k;
 };
 
 static inline float value(const void* p, int64_t i, int bf16) {
@@ -373,17 +387,49 @@ static inline void put(void* p, int64_t i, float v, int bf16) {
     else ((float*)p)[i] = v;
 }
 
-static void rms_norm(const void* x, const float* g, float eps, int64_t B, int64_t C, void* out, int bf16) {
-    for (int64_t b = 0; b < B; b++) {
-        float ss = 0.f;
-        for (int64_t c = 0; c < C; c++) {
-            const float v = value(x, b * C + c, bf16);
-            ss += v * v;
-        }
-        const float inv = 1.f / sqrtf(ss / C + eps);
-        for (int64_t c = 0; c < C; c++) put(out, b * C + c, value(x, b * C + c, bf16) * inv * g[c], bf16);
+// one row of n values normed: out may be x itself
+static void norm_row(const Norm& N, const void* x, int x_bf16, int64_t n, void* out, int out_bf16) {
+    float mean = 0.f, ss = 0.f;
+    if (N.layer) {
+        for (int64_t c = 0; c < n; c++) mean += value(x, c, x_bf16);
+        mean /= n;
+    }
+    for (int64_t c = 0; c < n; c++) {
+        const float d = value(x, c, x_bf16) - mean;
+        ss += d * d;
+    }
+    const float inv = 1.f / sqrtf(ss / n + N.eps);
+    for (int64_t c = 0; c < n; c++) {
+        const float v = (value(x, c, x_bf16) - mean) * inv * N.gain[c];
+        put(out, c, N.bias ? v + N.bias[c] : v, out_bf16);
     }
 }
+
+static void norm_rows(const Norm& N, const void* x, int64_t B, int64_t C, void* out, int bf16) {
+    const int64_t size = bf16 ? 2 : 4;
+    for (int64_t b = 0; b < B; b++) norm_row(N, (const char*)x + b * C * size, bf16, C, (char*)out + b * C * size, bf16);
+}
+
+// x += post(y) for y (B, C) float32, normed in place
+static void add_normed(const Norm& post, float* y, int64_t B, int64_t C, void* x, int bf16) {
+    for (int64_t b = 0; b < B; b++) {
+        norm_row(post, y + b * C, 0, C, y + b * C, 0);
+        for (int64_t c = 0; c < C; c++) put(x, b * C + c, value(x, b * C + c, bf16) + y[b * C + c], bf16);
+    }
+}
+
+static inline float activate(int64_t act, const float* fc, int64_t i, int64_t H) {
+    const float g = fc[i];
+    switch (act) {
+        case ACT_SWIGLU: return g / (1.f + expf(-g)) * fc[H + i];
+        case ACT_GEGLU: return 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g))) * fc[H + i];
+        case ACT_GELU: return 0.5f * g * (1.f + erff(g * 0.7071067812f));
+        case ACT_GELU_TANH: return 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+        default: return g > 0.f ? g * g : 0.f;  // ACT_RELU2
+    }
+}
+
+static inline bool gated(int64_t act) { return act == ACT_SWIGLU || act == ACT_GEGLU; }
 
 static inline vf cache_row(const void* p, int64_t i, int bf16) {
     return bf16 ? bf16s((const uint16_t*)p + i) : loadf((const float*)p + i);
@@ -421,11 +467,12 @@ static void attend(const Block& L, const float* q, const void* kc, const void* v
     }
 }
 
-static void rope(float* x, const float* cos, const float* sin, int64_t hs) {
-    const int64_t half = hs / 2;
+// the first rd values of a head rotated in pairs (i, i + rd / 2); the rest carry no position
+static void rope(float* x, const float* cos, const float* sin, int64_t rd) {
+    const int64_t half = rd / 2;
     float t[512];
-    memcpy(t, x, sizeof(float) * hs);
-    for (int64_t i = 0; i < hs; i++) x[i] = t[i] * cos[i] + t[i < half ? i + half : i - half] * sin[i];
+    memcpy(t, x, sizeof(float) * rd);
+    for (int64_t i = 0; i < rd; i++) x[i] = t[i] * cos[i] + t[i < half ? i + half : i - half] * sin[i];
 }
 
 // the profile clock: seconds spent in ng_decode by part (products, attention, all of it), added to the caller's
@@ -444,62 +491,125 @@ static int timed_linear(const Linear& L, int64_t B, const void* x, int x_bf16, c
     return rc;
 }
 
-static int block_step(const Block& L, int64_t B, void* x, const int64_t* pos, void* kc, void* vc, int bf16,
-                      int kv_bf16, int threads, char* scratch, double* timers) {
-    const int64_t C = L.C, nh = L.nh, nkv = L.nkv, hs = L.hs, H = L.H, S = L.S, width = (nh + 2 * nkv) * hs;
-    void* xn = scratch;                                                // (B, C) model dtype
-    float* qkv = (float*)(scratch + B * C * 4);                        // (B, width)
-    float* att = qkv + B * width;                                      // (B, nh * hs) float32
-    void* atto = att + B * nh * hs;                                    // (B, nh * hs) model dtype
-    float* gu = (float*)((char*)atto + B * nh * hs * 4);               // (B, 2H)
-    void* h = gu + B * 2 * H;                                          // (B, H) model dtype
-    float* scores = (float*)((char*)h + B * H * 4);                    // (threads, S)
-    rms_norm(x, L.ln1, L.eps1, B, C, xn, bf16);
-    if (timed_linear(L.qkv, B, xn, bf16, {qkv, nullptr, 0}, threads, timers)) return 2;
+// a sub-block's output product added to the residual stream x: in the product where there is no post-norm
+static int project_add(const Linear& W, const Norm& post, int64_t B, const void* in, void* x, int bf16, float* tmp,
+                       int threads, double* timers) {
+    if (!post.gain) return timed_linear(W, B, in, bf16, {x, x, bf16}, threads, timers);
+    if (timed_linear(W, B, in, bf16, {tmp, nullptr, 0}, threads, timers)) return 2;
+    add_normed(post, tmp, B, W.N, x, bf16);
+    return 0;
+}
+
+// each row's new query, key and value (B, width): QK-norm, RoPE, and the key and value into the cache
+static void place_keys(const Block& L, int64_t B, float* qkv, const int64_t* pos, void* kc, void* vc, int kv_bf16) {
+    const int64_t nh = L.nh, nkv = L.nkv, hs = L.hs, width = (nh + 2 * nkv) * hs;
+    const int64_t slots = L.window ? L.window : L.S;
     for (int64_t b = 0; b < B; b++) {
         float* row = qkv + b * width;
-        const float *c = L.cos + pos[b] * hs, *s = L.sin + pos[b] * hs;
-        if (L.q_norm) {  // QK-norm: each query and key head's hs values RMS-normed with the shared gains
-            for (int64_t head = 0; head < nh; head++) rms_norm(row + head * hs, L.q_norm, L.eps_q, 1, hs, row + head * hs, 0);
-            for (int64_t head = nh; head < nh + nkv; head++)
-                rms_norm(row + head * hs, L.k_norm, L.eps_k, 1, hs, row + head * hs, 0);
+        if (L.q_norm.gain) {  // each query and key head's hs values normed with the shared gains
+            for (int64_t head = 0; head < nh + nkv; head++)
+                norm_row(head < nh ? L.q_norm : L.k_norm, row + head * hs, 0, hs, row + head * hs, 0);
         }
-        for (int64_t head = 0; head < nh + nkv; head++) rope(row + head * hs, c, s, hs);
-        for (int64_t kh = 0; kh < nkv; kh++) {  // the new key and value into the cache
-            const int64_t at = ((b * nkv + kh) * S + pos[b]) * hs;
+        if (L.rd) {
+            const float *c = L.cos + pos[b] * L.rd, *s = L.sin + pos[b] * L.rd;
+            for (int64_t head = 0; head < nh + nkv; head++) rope(row + head * hs, c, s, L.rd);
+        }
+        const int64_t slot = L.window ? pos[b] % L.window : pos[b];
+        for (int64_t kh = 0; kh < nkv; kh++) {
+            const int64_t at = ((b * nkv + kh) * slots + slot) * hs;
             for (int64_t d = 0; d < hs; d++) {
                 put(kc, at + d, row[(nh + kh) * hs + d], kv_bf16);
                 put(vc, at + d, row[(nh + nkv + kh) * hs + d], kv_bf16);
             }
         }
     }
-    const double t0 = timers ? now() : 0;
-    int64_t keys = 0;  // the attention's work: every row's held keys times the heads' widths
-    for (int64_t b = 0; b < B; b++) keys += pos[b] + 1;
+}
+
+// attention of each row's queries over its visible keys: every held one, or a ring's, which are exactly the
+// window once it is full (softmax does not care in which order the slots hold them)
+static void attend_rows(const Block& L, int64_t B, const float* qkv, const int64_t* pos, const void* kc,
+                        const void* vc, int kv_bf16, float* scores, float* att, int threads) {
+    const int64_t nh = L.nh, nkv = L.nkv, hs = L.hs, width = (nh + 2 * nkv) * hs;
+    const int64_t slots = L.window ? L.window : L.S;
+    int64_t keys = 0;  // the attention's work: every row's visible keys times the heads' widths
+    for (int64_t b = 0; b < B; b++) keys += L.window && pos[b] >= L.window ? L.window : pos[b] + 1;
     const bool split = threads > 1 && B * nkv > 1 && keys * nh * hs >= PARALLEL_WORK;
 #pragma omp parallel for schedule(static) num_threads(threads) if (split)
     for (int64_t t = 0; t < B * nkv; t++) {
         const int64_t b = t / nkv, kh = t % nkv, group = nh / nkv;
 #ifdef _OPENMP
-        float* sc = scores + omp_get_thread_num() * S;
+        float* sc = scores + omp_get_thread_num() * L.S;
 #else
         float* sc = scores;
 #endif
-        const int64_t at = (b * nkv + kh) * S * hs;
+        const int64_t at = (b * nkv + kh) * slots * hs, n = L.window && pos[b] >= L.window ? L.window : pos[b] + 1;
         attend(L, qkv + b * width + kh * group * hs, (const char*)kc + at * (kv_bf16 ? 2 : 4),
-               (const char*)vc + at * (kv_bf16 ? 2 : 4), pos[b] + 1, kv_bf16, sc, att + (b * nh + kh * group) * hs);
+               (const char*)vc + at * (kv_bf16 ? 2 : 4), n, kv_bf16, sc, att + (b * nh + kh * group) * hs);
     }
+}
+
+// one step's scratch, carved from one allocation for B rows (Scratch::carve)
+struct Scratch {
+    void *xn, *xn2;  // (B, C) model dtype: the attention's and the MLP's normed inputs
+    float *qkv, *att, *fc, *out;  // (B, width), (B, nh * hs), (B, 2H), (B, C): a post-normed product's output
+    void *atto, *h;  // (B, nh * hs), (B, H) model dtype
+    float* scores;   // (threads, S)
+    static int64_t bytes(const Block& f, int64_t B, int threads) {
+        const int64_t width = (f.nh + 2 * f.nkv) * f.hs, heads = f.nh * f.hs;
+        return 4 * (B * (3 * f.C + width + 2 * heads + 3 * f.H) + (threads + 1) * f.S);
+    }
+    static Scratch carve(char* p, const Block& f, int64_t B) {
+        const int64_t width = (f.nh + 2 * f.nkv) * f.hs, heads = f.nh * f.hs;
+        Scratch s;
+        float* at = (float*)p;
+        s.xn = at, at += B * f.C;
+        s.xn2 = at, at += B * f.C;
+        s.out = at, at += B * f.C;
+        s.qkv = at, at += B * width;
+        s.att = at, at += B * heads;
+        s.atto = at, at += B * heads;
+        s.fc = at, at += B * 2 * f.H;
+        s.h = at, at += B * f.H;
+        s.scores = at;
+        return s;
+    }
+};
+
+static int block_step(const Block& L, int64_t B, void* x, const int64_t* pos, void* kc, void* vc, int bf16,
+                      int kv_bf16, int threads, const Scratch& s, double* timers) {
+    const int64_t C = L.C, H = L.H, heads = L.nh * L.hs;
+    norm_rows(L.ln1, x, B, C, s.xn, bf16);
+    if (L.parallel) norm_rows(L.ln2, x, B, C, s.xn2, bf16);  // the MLP's input: the block's, before attention
+    if (timed_linear(L.qkv, B, s.xn, bf16, {s.qkv, nullptr, 0}, threads, timers)) return 2;
+    place_keys(L, B, s.qkv, pos, kc, vc, kv_bf16);
+    const double t0 = timers ? now() : 0;
+    attend_rows(L, B, s.qkv, pos, kc, vc, kv_bf16, s.scores, s.att, threads);
     if (timers) timers[1] += now() - t0;
-    for (int64_t i = 0; i < B * nh * hs; i++) put(atto, i, att[i], bf16);
-    if (timed_linear(L.proj, B, atto, bf16, {x, x, bf16}, threads, timers)) return 2;
-    rms_norm(x, L.ln2, L.eps2, B, C, xn, bf16);
-    if (timed_linear(L.fc, B, xn, bf16, {gu, nullptr, 0}, threads, timers)) return 2;
+    for (int64_t i = 0; i < B * heads; i++) put(s.atto, i, s.att[i], bf16);
+    if (project_add(L.proj, L.post1, B, s.atto, x, bf16, s.out, threads, timers)) return 2;
+    if (!L.parallel) norm_rows(L.ln2, x, B, C, s.xn2, bf16);
+    if (timed_linear(L.fc, B, s.xn2, bf16, {s.fc, nullptr, 0}, threads, timers)) return 2;
+    const int64_t fcN = L.fc.N;
     for (int64_t b = 0; b < B; b++)
-        for (int64_t i = 0; i < H; i++) {
-            const float g = gu[b * 2 * H + i], u = gu[b * 2 * H + H + i];
-            put(h, b * H + i, g / (1.f + expf(-g)) * u, bf16);
-        }
-    return timed_linear(L.down, B, h, bf16, {x, x, bf16}, threads, timers);
+        for (int64_t i = 0; i < H; i++) put(s.h, b * H + i, activate(L.act, s.fc + b * fcN, i, H), bf16);
+    return project_add(L.down, L.post2, B, s.h, x, bf16, s.out, threads, timers);
+}
+
+// whether ng_decode takes a layer: its products' shapes those of the first layer's scratch, its choices known
+static bool takes_block(const Block& L, const Block& f) {
+    if (!takes(L.qkv) || !takes(L.proj) || !takes(L.fc) || !takes(L.down) || L.hs % 16 || L.hs > 512) return false;
+    const int64_t width = (L.nh + 2 * L.nkv) * L.hs;
+    if (L.nkv <= 0 || L.nh % L.nkv || L.qkv.K != L.C || L.qkv.N != width || L.proj.K != L.nh * L.hs ||
+        L.proj.N != L.C || L.fc.K != L.C || L.fc.N != (gated(L.act) ? 2 : 1) * L.H || L.down.K != L.H ||
+        L.down.N != L.C)
+        return false;
+    if (L.C != f.C || L.H != f.H || L.S != f.S || width != (f.nh + 2 * f.nkv) * f.hs || L.nh * L.hs != f.nh * f.hs)
+        return false;
+    if (L.act < 0 || L.act >= ACTS || L.rd < 0 || L.rd > L.hs || L.rd % 2 || (L.rd && (!L.cos || !L.sin)))
+        return false;
+    if (L.window < 0 || L.window > L.S || !L.ln1.gain || !L.ln2.gain || !L.q_norm.gain != !L.k_norm.gain)
+        return false;
+    return true;
 }
 
 // The layout of every struct shared with Python (native.py's ctypes mirrors): one row per field, and one with
@@ -513,11 +623,14 @@ static const Field layout[] = {
     {"Linear", "", 0, sizeof(Linear)},
     FIELD(Linear, w), FIELD(Linear, scale), FIELD(Linear, scale4), FIELD(Linear, zero4), FIELD(Linear, bias),
     FIELD(Linear, kind), FIELD(Linear, N), FIELD(Linear, K), FIELD(Linear, group),
+    {"Norm", "", 0, sizeof(Norm)},
+    FIELD(Norm, gain), FIELD(Norm, bias), FIELD(Norm, eps), FIELD(Norm, layer),
     {"Block", "", 0, sizeof(Block)},
     FIELD(Block, qkv), FIELD(Block, proj), FIELD(Block, fc), FIELD(Block, down), FIELD(Block, ln1),
-    FIELD(Block, ln2), FIELD(Block, eps1), FIELD(Block, eps2), FIELD(Block, C), FIELD(Block, nh),
-    FIELD(Block, nkv), FIELD(Block, hs), FIELD(Block, H), FIELD(Block, S), FIELD(Block, cos), FIELD(Block, sin),
-    FIELD(Block, q_norm), FIELD(Block, k_norm), FIELD(Block, eps_q), FIELD(Block, eps_k),
+    FIELD(Block, ln2), FIELD(Block, q_norm), FIELD(Block, k_norm), FIELD(Block, post1), FIELD(Block, post2),
+    FIELD(Block, C), FIELD(Block, nh), FIELD(Block, nkv), FIELD(Block, hs), FIELD(Block, H), FIELD(Block, S),
+    FIELD(Block, act), FIELD(Block, parallel), FIELD(Block, rd), FIELD(Block, window), FIELD(Block, cos),
+    FIELD(Block, sin),
 };
 #undef FIELD
 
@@ -553,35 +666,25 @@ int ng_linear(const Linear* L, int64_t B, const void* x, const void* res, void* 
 
 // One decode step of n_layer blocks for B rows, each one new token at its position pos[b]: x (B, C), the
 // residual stream in the model's dtype (bf16 where bf16), in and out; ks[l] and vs[l] the layer's cache
-// (rows >= B, nkv, S, hs), bf16 where kv_bf16; timers: the caller's profile clock (3 doubles, see now()) or
-// null. Returns 0, 1 for a shape the kernels do not take, 2 where memory ran out, 3 for a position outside the
-// cache.
+// (rows >= B, nkv, slots, hs), slots its window where it has one, else S; bf16 where kv_bf16; timers: the
+// caller's profile clock (3 doubles, see now()) or null. Returns 0, 1 for a shape or choice the step does not
+// take, 2 where memory ran out, 3 for a position outside the context.
 int ng_decode(const Block* blocks, int64_t n_layer, int64_t B, void* x, const int64_t* pos, void* const* ks,
               void* const* vs, int bf16, int kv_bf16, int threads, double* timers) {
     if (n_layer < 1 || B < 1 || threads < 1) return 1;
     for (int64_t l = 0; l < n_layer; l++) {
-        const Block& L = blocks[l];
-        if (!takes(L.qkv) || !takes(L.proj) || !takes(L.fc) || !takes(L.down) || L.hs % 16 || L.hs > 512) return 1;
-        const int64_t width = (L.nh + 2 * L.nkv) * L.hs;  // the products' shapes the scratch is sized for
-        if (L.nkv <= 0 || L.nh % L.nkv || L.qkv.K != L.C || L.qkv.N != width || L.proj.K != L.nh * L.hs ||
-            L.proj.N != L.C || L.fc.K != L.C || L.fc.N != 2 * L.H || L.down.K != L.H || L.down.N != L.C)
-            return 1;
-        if (L.C != blocks[0].C || L.H != blocks[0].H || L.S != blocks[0].S || width != (blocks[0].nh + 2 * blocks[0].nkv) * blocks[0].hs ||
-            L.nh * L.hs != blocks[0].nh * blocks[0].hs)
-            return 1;
+        if (!takes_block(blocks[l], blocks[0])) return 1;
         for (int64_t b = 0; b < B; b++)
-            if (pos[b] < 0 || pos[b] >= L.S) return 3;
+            if (pos[b] < 0 || pos[b] >= blocks[l].S) return 3;
     }
-    const Block& f = blocks[0];
-    const int64_t width = (f.nh + 2 * f.nkv) * f.hs, heads = f.nh * f.hs;
-    const int64_t n = B * (4 * f.C + 4 * width + 8 * heads + 8 * f.H + 4 * f.H) + 4 * (threads + 1) * f.S;
     const double t0 = timers ? now() : 0;
-    char* scratch = (char*)malloc(n);
-    if (!scratch) return 2;
+    char* mem = (char*)malloc(Scratch::bytes(blocks[0], B, threads));
+    if (!mem) return 2;
+    const Scratch scratch = Scratch::carve(mem, blocks[0], B);
     int rc = 0;
     for (int64_t l = 0; l < n_layer && rc == 0; l++)
         rc = block_step(blocks[l], B, x, pos, ks[l], vs[l], bf16, kv_bf16, threads, scratch, timers);
-    free(scratch);
+    free(mem);
     if (timers) timers[2] += now() - t0;
     return rc;
 }

@@ -7,8 +7,9 @@ weight once per token, so its speed is the weights' bytes over the memory's band
   q4_0 does, in VNNI's integer dot products;
 - each weight is laid out in tiles of TILE_ROWS rows (pack), so that one product reads it as one stream: the
   hardware prefetchers follow one stream well and four short ones (four rows side by side) poorly;
-- decode runs a whole step of a Llama-shaped model's blocks in one call (DecodeBlocks), norms, RoPE, the cache
-  write and attention included, where torch would make ~20 calls a layer of a few microseconds each.
+- decode runs a whole step of every block in one call (ng_decode): norms, RoPE, the cache write, attention and the
+  MLP's activation included, for each block we load (pre-norm or parallel residual, RMSNorm or LayerNorm, gated
+  or plain MLPs, post-norms, sliding windows), where torch would make ~20 calls a layer of a few microseconds each.
 
 torch's kernels stay the fallback: no x86 (AVX2, FMA, F16C), no compiler, NANOGPT_NATIVE=0, or a shape the
 kernels do not take. `status()` says which, in one line; `take_note()` the build's one note for the CLI (its time
@@ -75,29 +76,45 @@ class Linear(ctypes.Structure):
     ]
 
 
+class Norm(ctypes.Structure):
+    _fields_ = [
+        ("gain", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+        ("eps", ctypes.c_float),
+        ("layer", ctypes.c_int32),
+    ]
+
+
 class Block(ctypes.Structure):
     _fields_ = [
         ("qkv", Linear),
         ("proj", Linear),
         ("fc", Linear),
         ("down", Linear),
-        ("ln1", ctypes.c_void_p),
-        ("ln2", ctypes.c_void_p),
-        ("eps1", ctypes.c_float),
-        ("eps2", ctypes.c_float),
+        ("ln1", Norm),
+        ("ln2", Norm),
+        ("q_norm", Norm),
+        ("k_norm", Norm),
+        ("post1", Norm),
+        ("post2", Norm),
         ("C", ctypes.c_int64),
         ("nh", ctypes.c_int64),
         ("nkv", ctypes.c_int64),
         ("hs", ctypes.c_int64),
         ("H", ctypes.c_int64),
         ("S", ctypes.c_int64),
+        ("act", ctypes.c_int64),
+        ("parallel", ctypes.c_int64),
+        ("rd", ctypes.c_int64),
+        ("window", ctypes.c_int64),
         ("cos", ctypes.c_void_p),
         ("sin", ctypes.c_void_p),
-        ("q_norm", ctypes.c_void_p),
-        ("k_norm", ctypes.c_void_p),
-        ("eps_q", ctypes.c_float),
-        ("eps_k", ctypes.c_float),
     ]
+
+
+# the MLP activations the fused step computes, by config.MLP's names, as native.cpp's ACT_* numbers them
+ACTIVATIONS = {"swiglu": 0, "geglu": 1, "gelu": 2, "gelu_tanh": 3, "relu2": 4}
+GATED = ("swiglu", "geglu")  # c_fc's output: the gate half, then the up half
 
 
 def cache_dir() -> Path:
@@ -125,7 +142,7 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-MIRRORS = {"Linear": Linear, "Block": Block}  # the structs native.cpp shares, by its names
+MIRRORS = {"Linear": Linear, "Norm": Norm, "Block": Block}  # the structs native.cpp shares, by its names
 
 
 @dataclass
@@ -387,10 +404,45 @@ def linear(weight: Packed, x: torch.Tensor, res: torch.Tensor | None, y: torch.T
     assert rc == 0, f"ng_linear refused a checked call ({rc})"
 
 
+@dataclass
+class NormWeights:
+    """One norm as ng_decode computes it: gain (n,) float32 (an offset norm's 1 + w added already), LayerNorm's
+    bias (n,) float32 or None, its epsilon, and whether it is a LayerNorm (else an RMSNorm)."""
+
+    gain: torch.Tensor
+    bias: torch.Tensor | None
+    eps: float
+    layer: bool = False
+
+
+@dataclass
+class Layer:
+    """One block for ng_decode: its four products, its norms, its MLP's activation (one of ACTIVATIONS) and its
+    attention's choices. cos, sin: RoPE's tables (S, rd) float32 for the first rd dimensions of each head, this
+    layer's own (a local layer's base), or None for no RoPE; window: a sliding-window layer's ring of that many
+    slots in the cache (KVCache's), 0 for a cache of S positions."""
+
+    qkv: Packed
+    proj: Packed
+    fc: Packed
+    down: Packed
+    ln1: NormWeights
+    ln2: NormWeights
+    act: str = "swiglu"
+    parallel: bool = False  # the MLP reads the block's input (GPT-NeoX)
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+    q_norm: NormWeights | None = None  # QK-norm, (hs,) each
+    k_norm: NormWeights | None = None
+    post1: NormWeights | None = None  # each sub-block's output normed before its add (Gemma 3), (C,) each
+    post2: NormWeights | None = None
+    window: int = 0
+
+
 class Blocks:
-    """n_layer Block structs for ng_decode (one decode step of Llama-shaped pre-norm blocks), each layer's
-    weights and tables checked as they are set, and the tensors they point at kept alive here. C: the width, H:
-    the MLP's hidden size, S: the cache's positions per row."""
+    """n_layer Block structs for ng_decode (one decode step of the blocks), each layer checked as it is set and
+    the tensors it points at kept alive here. C: the width, H: the MLP's hidden size, S: the context's positions,
+    the cache's per row (a ring layer's window fewer)."""
 
     def __init__(self, n_layer: int, C: int, nh: int, nkv: int, hs: int, H: int, S: int):
         for name, n in dict(n_layer=n_layer, C=C, nh=nh, nkv=nkv, hs=hs, H=H, S=S).items():
@@ -401,54 +453,83 @@ class Blocks:
             raise ValueError(f"hs ({hs}) must be a multiple of 16 of at most 512")
         self.n_layer, self.C, self.nh, self.nkv, self.hs, self.H, self.S = n_layer, C, nh, nkv, hs, H, S
         self.structs = (Block * n_layer)()
-        self.keep: list[list] = [[] for _ in range(n_layer)]
+        self.keep: list[Layer | None] = [None] * n_layer
         self.set = [False] * n_layer
+        self.slots = [S] * n_layer  # each layer's cache positions per row
 
-    def layer(self, i: int, qkv: Packed, proj: Packed, fc: Packed, down: Packed, ln1, ln2, eps1: float, eps2: float,
-              cos, sin, q_norm=None, k_norm=None, eps_q: float = 0.0, eps_k: float = 0.0) -> None:  # fmt: skip
-        """Layer i: its four products, RMSNorm gains ln1, ln2 (C,) float32, RoPE tables cos, sin (S, hs)
-        float32, and QK-norm's gains (hs,) float32 or None."""
+    def layer(self, i: int, layer: Layer) -> None:
+        """Set layer i, each of its tensors checked against the shape ng_decode reads."""
         if not 0 <= i < self.n_layer:
             raise ValueError(f"i must be a layer in 0..{self.n_layer - 1}, got {i}")
-        C, nh, nkv, hs, H = self.C, self.nh, self.nkv, self.hs, self.H
-        shapes = dict(qkv=(qkv, (nh + 2 * nkv) * hs, C), proj=(proj, C, nh * hs), fc=(fc, 2 * H, C), down=(down, C, H))
-        for name, (p, N, K) in shapes.items():
+        if not isinstance(layer, Layer):
+            raise ValueError(f"layer must be a native.Layer, got {type(layer).__name__}")
+        C, nh, nkv, hs, H, S, L = self.C, self.nh, self.nkv, self.hs, self.H, self.S, layer
+        if L.act not in ACTIVATIONS:
+            raise ValueError(f"act must be one of {', '.join(ACTIVATIONS)}, got {L.act!r}")
+        fc_out = 2 * H if L.act in GATED else H
+        shapes = dict(qkv=((nh + 2 * nkv) * hs, C), proj=(C, nh * hs), fc=(fc_out, C), down=(C, H))
+        for name, (N, K) in shapes.items():
+            p = getattr(L, name)
             if not isinstance(p, Packed):
                 raise ValueError(f"{name} must be a native.Packed, got {type(p).__name__}")
             if (p.N, p.K) != (N, K):
                 raise ValueError(f"{name} must map {K} inputs to {N} outputs, got {p.K} to {p.N}")
-        check("ln1", ln1, (torch.float32,), (C,))
-        check("ln2", ln2, (torch.float32,), (C,))
-        check("cos", cos, (torch.float32,), (self.S, hs))
-        check("sin", sin, (torch.float32,), (self.S, hs))
-        if (q_norm is None) != (k_norm is None):
-            raise ValueError("q_norm and k_norm must be given together")
-        if q_norm is not None:
-            check("q_norm", q_norm, (torch.float32,), (hs,))
-            check("k_norm", k_norm, (torch.float32,), (hs,))
+        norms = dict(ln1=C, ln2=C, q_norm=hs, k_norm=hs, post1=C, post2=C)
+        for name, n in norms.items():
+            check_norm(name, getattr(L, name), n, required=name in ("ln1", "ln2"))
+        for a, b in (("q_norm", "k_norm"), ("post1", "post2"), ("cos", "sin")):
+            if (getattr(L, a) is None) != (getattr(L, b) is None):
+                raise ValueError(f"{a} and {b} must be given together")
+        rd = 0 if L.cos is None else L.cos.size(-1) if isinstance(L.cos, torch.Tensor) else -1
+        if L.cos is not None:
+            if not 2 <= rd <= hs or rd % 2:
+                raise ValueError(f"cos must have an even number of columns from 2 to {hs}, got {rd}")
+            check("cos", L.cos, (torch.float32,), (S, rd))
+            check("sin", L.sin, (torch.float32,), (S, rd))
+        if not isinstance(L.window, int) or not 0 <= L.window <= S:
+            raise ValueError(f"window must be an int from 0 to {S}, got {L.window!r}")
         b = self.structs[i]
-        b.qkv, b.proj, b.fc, b.down = qkv.struct, proj.struct, fc.struct, down.struct
-        b.ln1, b.ln2, b.eps1, b.eps2 = ln1.data_ptr(), ln2.data_ptr(), eps1, eps2
-        b.C, b.nh, b.nkv, b.hs, b.H, b.S = C, nh, nkv, hs, H, self.S
-        b.cos, b.sin = cos.data_ptr(), sin.data_ptr()
-        if q_norm is not None:
-            b.q_norm, b.k_norm, b.eps_q, b.eps_k = q_norm.data_ptr(), k_norm.data_ptr(), eps_q, eps_k
-        self.keep[i] = [qkv, proj, fc, down, ln1, ln2, cos, sin, q_norm, k_norm]
-        self.set[i] = True
+        b.qkv, b.proj, b.fc, b.down = L.qkv.struct, L.proj.struct, L.fc.struct, L.down.struct
+        for name in norms:
+            setattr(b, name, norm_struct(getattr(L, name)))
+        b.C, b.nh, b.nkv, b.hs, b.H, b.S = C, nh, nkv, hs, H, S
+        b.act, b.parallel, b.rd, b.window = ACTIVATIONS[L.act], int(bool(L.parallel)), rd, L.window
+        b.cos, b.sin = (None, None) if L.cos is None else (L.cos.data_ptr(), L.sin.data_ptr())
+        self.keep[i], self.set[i], self.slots[i] = L, True, L.window or S
+
+
+def check_norm(name: str, norm: NormWeights | None, n: int, required: bool) -> None:
+    if norm is None and not required:
+        return
+    if not isinstance(norm, NormWeights):
+        raise ValueError(f"{name} must be a native.NormWeights, got {type(norm).__name__}")
+    check(f"{name}.gain", norm.gain, (torch.float32,), (n,))
+    if norm.bias is not None:
+        check(f"{name}.bias", norm.bias, (torch.float32,), (n,))
+    if not isinstance(norm.eps, float) or not norm.eps > 0:
+        raise ValueError(f"{name}.eps must be a positive float, got {norm.eps!r}")
+
+
+def norm_struct(norm: NormWeights | None) -> Norm:
+    if norm is None:
+        return Norm()  # a null gain: no norm there
+    bias = None if norm.bias is None else norm.bias.data_ptr()
+    return Norm(norm.gain.data_ptr(), bias, norm.eps, int(norm.layer))
 
 
 class Caches:
-    """A cache's keys and values for ng_decode: ks[l] and vs[l] (rows, nkv, S, hs) for each of the blocks'
-    layers, float32 or bf16, checked once and their pointers kept (a cache holds its tensors for its lifetime)."""
+    """A cache's keys and values for ng_decode: ks[l] and vs[l] (rows, nkv, slots, hs) for each of the blocks'
+    layers (slots: the layer's, Blocks.slots), float32 or bf16, checked once and their pointers kept (a cache
+    holds its tensors for its lifetime)."""
 
     def __init__(self, blocks: Blocks, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]):
         if len(ks) != blocks.n_layer or len(vs) != blocks.n_layer:
             raise ValueError(f"ks and vs must hold {blocks.n_layer} layers, got {len(ks)} and {len(vs)}")
         self.dtype = ks[0].dtype if isinstance(ks[0], torch.Tensor) else None
         self.rows = ks[0].size(0) if isinstance(ks[0], torch.Tensor) else 0
-        shape = (self.rows, blocks.nkv, blocks.S, blocks.hs)
         for name, ts in (("ks", ks), ("vs", vs)):
             for i, t in enumerate(ts):
+                shape = (self.rows, blocks.nkv, blocks.slots[i], blocks.hs)
                 check(f"{name}[{i}]", t, (self.dtype,) if self.dtype in FLOATS else FLOATS, shape)
         self.blocks, self.keep = blocks, (list(ks), list(vs))
         kinds = ctypes.c_void_p * blocks.n_layer
