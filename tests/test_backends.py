@@ -1,12 +1,13 @@
 """Decode backends (inference/backends/): every backend held to the torch backend, the model's own forward, by one
 conformance matrix; what each consumer of a GPTConfig declares it computes; choosing a backend and refusing one.
 
-The matrix: every backend x float32, bf16, int8, int4 x five blocks (Llama with grouped-query attention, Qwen3's
+The matrix: every backend x float32, bf16, int8, int4 x six blocks (Llama with grouped-query attention, Qwen3's
 QK-norm, Gemma 3's sliding windows, post-norms and soft-capped logits, GPT-NeoX's parallel residual and partial
-rotary, our default block) x batches of 1, 3 and 8 rows, each row at its own position. The rows' prompts end
-exactly at the sliding window's ring (8 tokens), just across it, and at the context's end (32), where the engine's
-cache restarts. float32: the greedy tokens equal torch's; bf16, int8, int4: every step's logits within TOLERANCE of
-torch's on the same weights (torch then runs the same quantized modules, through their forward).
+rotary, our default block, GPT-2's learned positions and biases) x batches of 1, 3 and 8 rows, each row at its
+own position. The rows' prompts end exactly at the sliding window's ring (8 tokens), just across it, and at the
+context's end (32), where the engine's cache restarts. float32: the greedy tokens equal torch's; bf16, int8, int4:
+every step's logits within TOLERANCE of torch's on the same weights (torch then runs the same quantized modules,
+through their forward). In bf16, int8 and int4 the cpu backend runs every block through its fused step.
 """
 
 import dataclasses
@@ -44,6 +45,7 @@ ARCHS = {
     ),
     "gpt-neox": dict(norm="layernorm", mlp="gelu", parallel_residual=True, rotary_dim=8, bias=True),
     "default": dict(),
+    "gpt2": dict(norm="layernorm", mlp="gelu_tanh", pos_encoding="learned", bias=True),
 }
 # largest |logit - torch's| allowed, as a fraction of the logits' spread (their std, ~1.3-2.5 here): bf16 rounds
 # every op's output where our fused step keeps float32 inside a block (measured up to 0.09), int8 the same (0.09).
