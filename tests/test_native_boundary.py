@@ -253,10 +253,29 @@ def prefilled(model: GPT, idx: torch.Tensor, pos: list[int]) -> KVCache:
     return cache
 
 
+def block_choices(rng: random.Random, hs: int, S: int) -> dict:
+    """A block's features drawn at random: its norm, activation, residual, positions, rotary share, windows."""
+    kw = dict(
+        norm=rng.choice(["rmsnorm", "layernorm"]), mlp=rng.choice(["swiglu", "geglu", "gelu", "gelu_tanh", "relu2"])
+    )
+    kw |= dict(qk_norm=rng.random() < 0.3, bias=rng.random() < 0.4, parallel_residual=rng.random() < 0.3)
+    kw |= dict(post_norms=rng.random() < 0.3, pos_encoding=rng.choice(["rope", "rope", "learned", "sinusoidal"]))
+    kw["norm_offset"] = kw["norm"] == "rmsnorm" and rng.random() < 0.3
+    if kw["pos_encoding"] == "rope" and rng.random() < 0.4:
+        kw["rotary_dim"] = 2 * rng.randint(1, hs // 2)
+    if rng.random() < 0.4:
+        kw["sliding_window"] = rng.randint(1, S)
+        kw["window_pattern"] = rng.choice([None, "LG", "GL"])
+        if kw["pos_encoding"] == "rope" and rng.random() < 0.5:
+            kw["rope_local_theta"] = 1000.0
+    return kw
+
+
 def test_a_seeded_fuzz_of_fused_step_shapes_against_torch_and_the_step_op_by_op():
     """Widths, heads and groups of query heads per key head, batch 1-9, positions up to the context, int4
-    groups: the fused step's last hidden state against the model's own forward in torch (quantized weights
-    dequantized), and its logits against the decoding form's step op by op."""
+    groups, and the blocks' features (norms, activations, residuals, positions, rotary shares, windows): the
+    fused step's last hidden state against the model's own forward in torch (quantized weights dequantized), and
+    its logits against the decoding form's step op by op."""
     rng, start, cases = random.Random(7), time.perf_counter(), 0
     while cases < 12 and time.perf_counter() - start < 5:
         hs, nkv, group = rng.choice([16, 32, 48, 64]), rng.choice([1, 2]), rng.choice([1, 2, 3])
@@ -266,9 +285,9 @@ def test_a_seeded_fuzz_of_fused_step_shapes_against_torch_and_the_step_op_by_op(
         dtype, kind = rng.choice([(torch.bfloat16, None), (torch.float32, "int8"), (torch.bfloat16, "int4")])
         S, B = rng.randint(8, 40), rng.randint(1, 9)
         kw = dict(n_embd=nh * hs, n_head=nh, n_kv_head=nkv, block_size=S, n_layer=rng.randint(1, 2))
-        kw["qk_norm"] = rng.random() < 0.3
+        kw |= block_choices(rng, hs, S)
         torch.manual_seed(cases)
-        model = GPT(tiny_config(norm="rmsnorm", mlp="swiglu", **kw)).eval().cast(dtype)
+        model = GPT(tiny_config(**kw)).eval().cast(dtype)
         if kind:
             model = quantize_model(model, kind, rng.choice([32, 64]))
         plan = decode_plan(model)
@@ -286,8 +305,10 @@ def test_a_seeded_fuzz_of_fused_step_shapes_against_torch_and_the_step_op_by_op(
             ref = in_torch(model)
             own = ref.hidden_states(token.view(B, 1), prefilled(ref, idx, pos).view(0, B))[:, 0].float()
         # float32 int8: the same sums in another order; bf16: torch rounds each op's output to bf16 where the
-        # fused step keeps float32; int4: the activations rounded to int8 in blocks of 32 as well
-        tol = 1e-4 if kind == "int8" else 0.03
+        # fused step keeps float32; int4: the activations rounded to int8 in blocks of 32 as well, from values
+        # that differ by those roundings (up to 0.058 measured over 40 seeds, most with post-norms, which bring a
+        # small projection's rounding to the residual stream's scale)
+        tol = {"int8": 1e-4, "int4": 0.08}.get(kind, 0.03)
         assert (fused - own).abs().max().item() <= tol * own.abs().max().item(), (kw, kind, pos)
         assert (fused_logits - by_op).abs().max().item() <= tol * by_op.abs().max().item(), (kw, kind, pos)
         cases += 1
