@@ -171,6 +171,38 @@ def test_an_unsupported_config_value_is_one_sentence_naming_it(name, change, mes
     assert "\n" not in str(e.value)
 
 
+# heads of 16 where the family's test shape has 8: the fused step's attention reads heads in whole registers of 16
+FUSED_SHAPES = {"gpt2": dict(n_embd=64), "pythia": dict(hidden_size=64), "gemma3": {}}
+
+
+@pytest.mark.parametrize("name", list(FUSED_SHAPES))
+def test_a_familys_decode_steps_through_the_fused_step_equal_its_steps_op_by_op(name, tmp_path):
+    """A family loaded from its folder (whose forward equals transformers', above), its projections int8 under
+    float32 activations: 14 decode steps of 3 rows, each at its own position and past the sliding window, give the
+    same logits through the fused step as op by op."""
+    from nanogpt_cli.inference.backends import native
+    from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
+    from nanogpt_cli.inference.backends.quantize import quantize_model
+    from nanogpt_cli.inference.engine import KVCache
+
+    if not native.available():
+        pytest.skip(f"our kernels do not run here: {native.status()}")
+    random_model(name, tmp_path, **FUSED_SHAPES[name])
+    model, _ = load_model(tmp_path)
+    plan = decode_plan(quantize_model(model.eval(), "int8", 32))
+    assert plan.fused is not None
+    idx = torch.randint(0, V, (3, 24))
+    outs = []
+    with torch.inference_mode():
+        for p in (plan, plan._replace(fused=None)):
+            cache = KVCache(model, 3)
+            model.hidden_states(idx[:, :9], cache=cache.view(0, 3))
+            cache.pos = [9, 5, 2]
+            outs.append(torch.stack([decode_step(p, idx[:, t], cache) for t in range(9, 23)]))
+    fused, by_op = outs
+    assert (fused - by_op).abs().max().item() <= 1e-5 * by_op.abs().max().item()
+
+
 # --- GGUF files as llama.cpp's converter writes them ----------------------------------------------------------
 
 GGUF_ARCHS = {"llama2": "llama", "llama3.2": "llama", "smollm2": "llama", "qwen2.5": "qwen2", "qwen3": "qwen3"}

@@ -418,14 +418,55 @@ static void add_normed(const Norm& post, float* y, int64_t B, int64_t C, void* x
     }
 }
 
-static inline float activate(int64_t act, const float* fc, int64_t i, int64_t H) {
-    const float g = fc[i];
+// e^x within a few float32 ulps, branch-free so that the loops below vectorize (expf, tanhf and erff are calls, a
+// third of a small model's step once its products are fast): x = n ln 2 + r, |r| <= ln 2 / 2, e^r by Cephes'
+// polynomial, 2^n into the exponent bits. x is clamped to where e^x is a normal float.
+static inline float exp_approx(float x) {
+    x = x < -87.f ? -87.f : x > 88.f ? 88.f : x;
+    const float n = (x * 1.44269504f + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23
+    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;     // ln 2 in two parts (Cody and Waite)
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.f;
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+// GELU's tanh form as 0.5 g (1 + tanh(u)) = g / (1 + e^(-2u)), u = sqrt(2 / pi) (g + 0.044715 g^3)
+static inline float gelu_tanh(float g) { return g / (1.f + exp_approx(-1.5957691216f * (g + 0.044715f * g * g * g))); }
+
+// exact GELU, 0.5 g (1 + erf(g / sqrt 2)), erf by Abramowitz and Stegun's 7.1.26 (absolute error under 1.5e-7)
+static inline float gelu_erf(float g) {
+    const float x = g * 0.7071067812f, a = x < 0.f ? -x : x, t = 1.f / (1.f + 0.3275911f * a);
+    const float poly = ((((1.061405429f * t - 1.453152027f) * t + 1.421413741f) * t - 0.284496736f) * t + 0.254829592f) * t;
+    const float e = 1.f - poly * exp_approx(-x * x);
+    return 0.5f * g * (1.f + (x < 0.f ? -e : e));
+}
+
+// one row's hidden layer (H,) float32 from its first product fc (2H gated: gate half, then up half; else H)
+static void activate(int64_t act, const float* fc, int64_t H, float* out) {
+    const float* up = fc + H;
     switch (act) {
-        case ACT_SWIGLU: return g / (1.f + expf(-g)) * fc[H + i];
-        case ACT_GEGLU: return 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g))) * fc[H + i];
-        case ACT_GELU: return 0.5f * g * (1.f + erff(g * 0.7071067812f));
-        case ACT_GELU_TANH: return 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
-        default: return g > 0.f ? g * g : 0.f;  // ACT_RELU2
+        case ACT_SWIGLU:
+            for (int64_t i = 0; i < H; i++) out[i] = fc[i] / (1.f + exp_approx(-fc[i])) * up[i];
+            break;
+        case ACT_GEGLU:
+            for (int64_t i = 0; i < H; i++) out[i] = gelu_tanh(fc[i]) * up[i];
+            break;
+        case ACT_GELU:
+            for (int64_t i = 0; i < H; i++) out[i] = gelu_erf(fc[i]);
+            break;
+        case ACT_GELU_TANH:
+            for (int64_t i = 0; i < H; i++) out[i] = gelu_tanh(fc[i]);
+            break;
+        default:  // ACT_RELU2
+            for (int64_t i = 0; i < H; i++) out[i] = fc[i] > 0.f ? fc[i] * fc[i] : 0.f;
     }
 }
 
@@ -553,10 +594,11 @@ struct Scratch {
     void *xn, *xn2;  // (B, C) model dtype: the attention's and the MLP's normed inputs
     float *qkv, *att, *fc, *out;  // (B, width), (B, nh * hs), (B, 2H), (B, C): a post-normed product's output
     void *atto, *h;  // (B, nh * hs), (B, H) model dtype
+    float* hidden;   // (H,): one row's hidden layer in float32
     float* scores;   // (threads, S)
     static int64_t bytes(const Block& f, int64_t B, int threads) {
         const int64_t width = (f.nh + 2 * f.nkv) * f.hs, heads = f.nh * f.hs;
-        return 4 * (B * (3 * f.C + width + 2 * heads + 3 * f.H) + (threads + 1) * f.S);
+        return 4 * (B * (3 * f.C + width + 2 * heads + 3 * f.H) + f.H + (threads + 1) * f.S);
     }
     static Scratch carve(char* p, const Block& f, int64_t B) {
         const int64_t width = (f.nh + 2 * f.nkv) * f.hs, heads = f.nh * f.hs;
@@ -570,6 +612,7 @@ struct Scratch {
         s.atto = at, at += B * heads;
         s.fc = at, at += B * 2 * f.H;
         s.h = at, at += B * f.H;
+        s.hidden = at, at += f.H;
         s.scores = at;
         return s;
     }
@@ -589,9 +632,10 @@ static int block_step(const Block& L, int64_t B, void* x, const int64_t* pos, vo
     if (project_add(L.proj, L.post1, B, s.atto, x, bf16, s.out, threads, timers)) return 2;
     if (!L.parallel) norm_rows(L.ln2, x, B, C, s.xn2, bf16);
     if (timed_linear(L.fc, B, s.xn2, bf16, {s.fc, nullptr, 0}, threads, timers)) return 2;
-    const int64_t fcN = L.fc.N;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t i = 0; i < H; i++) put(s.h, b * H + i, activate(L.act, s.fc + b * fcN, i, H), bf16);
+    for (int64_t b = 0; b < B; b++) {
+        activate(L.act, s.fc + b * L.fc.N, H, s.hidden);
+        for (int64_t i = 0; i < H; i++) put(s.h, b * H + i, s.hidden[i], bf16);
+    }
     return project_add(L.down, L.post2, B, s.h, x, bf16, s.out, threads, timers);
 }
 
