@@ -1,14 +1,16 @@
 """The cpu backend's fused decode step (every block in one call, decode.FusedStep) against the same backend's step op
-by op (the decoding form, what these families ran before the step took them), at batch 1, in one process, in
-alternating rounds on the same engine, the same weights and the same cache. Random weights (speed does not depend
-on them) in real models' shapes: Pythia-160M (parallel residual, partial rotary, LayerNorm with biases), Gemma 3
+by op (the decoding form, what these families ran before the step took them), in one process, in alternating
+rounds on the same engine, the same weights and the same cache. Random weights (speed does not depend on them) in
+real models' shapes: Pythia-160M (parallel residual, partial rotary, LayerNorm with biases), Gemma 3
 270M (gated GELU, post-norms, QK-norm, 1 + w gains, local and global layers), GPT-2 124M (learned positions) and
 our default block at GPT-2's size.
 
     python benchmarks/bench_fused_step.py --models pythia-160m gemma3-270m --rounds 3 --threads 1
+    python benchmarks/bench_fused_step.py --batch 8 --precisions int8
 
-Each figure is one engine step (the blocks, the final norm, the head and the greedy pick) at batch 1, as a token
-of `sample` or a single chat costs; the ratio is fused / op by op in tokens per second, per round, then the median.
+Each figure is engine steps (the blocks, the final norm, the head and the greedy pick) at --batch rows (1: as a
+token of `sample` or a single chat costs), in tokens per second of all rows; the ratio is fused / op by op, per
+round, then the median.
 """
 
 from __future__ import annotations
@@ -75,13 +77,14 @@ def build(name: str, precision: str) -> GPT:
 
 
 def measure(model: GPT, args) -> list[tuple[float, float]]:
-    """(op by op, fused) tokens per second for each round, on one engine at batch 1 past a prompt."""
-    engine = Engine(model, max_batch=1)
+    """(op by op, fused) tokens per second, every row's together, for each round, on one engine of --batch rows
+    past their prompts."""
+    engine = Engine(model, max_batch=args.batch)
     fused = engine.plan
     assert fused.fused is not None, "the fused step does not run here (our kernels?)"
     by_op = fused._replace(fused=None)
-    prompt = torch.randint(0, 256, (args.prompt,)).tolist()
-    engine.add(prompt, SamplingParams(temperature=0.0), 4 + 2 * args.rounds * args.tokens)
+    prompts = torch.randint(0, 256, (args.batch, args.prompt)).tolist()
+    engine.add_many(prompts, SamplingParams(temperature=0.0), 4 + 2 * args.rounds * args.tokens)
     with torch.inference_mode():
         for _ in range(4):  # the prefill and warm steps
             engine.step()
@@ -93,7 +96,7 @@ def measure(model: GPT, args) -> list[tuple[float, float]]:
                 t0 = time.perf_counter()
                 for _ in range(args.tokens):
                     engine.step()
-                speeds.append(args.tokens / (time.perf_counter() - t0))
+                speeds.append(args.batch * args.tokens / (time.perf_counter() - t0))
             rounds.append(tuple(speeds))
     return rounds
 
@@ -103,6 +106,7 @@ def main() -> None:
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--precisions", nargs="+", choices=["bf16", "int8", "int4"], default=["bf16", "int8", "int4"])
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch", type=int, default=1, help="rows decoded together")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt", type=int, default=128, help="tokens held before the timed steps")
     p.add_argument("--tokens", type=int, default=32, help="decode steps timed per round and side")
@@ -119,9 +123,9 @@ def main() -> None:
             rows.append([name, precision, f"{before:.1f}", f"{after:.1f}", f"{ratio:.2f}x"])
     load_after = " ".join(f"{x:.1f}" for x in os.getloadavg())
     table(
-        f"batch-1 decode, tokens/s, op by op / fused step, {args.threads} thread(s), after a {args.prompt}-token "
-        f"prompt, {args.tokens} steps a side, medians of {args.rounds} alternating rounds, load average "
-        f"{load_before} before, {load_after} after; ratio: fused / op by op per round",
+        f"batch-{args.batch} decode, tokens/s, op by op / fused step, {args.threads} thread(s), after "
+        f"{args.prompt}-token prompts, {args.tokens} steps a side, medians of {args.rounds} alternating rounds, "
+        f"load average {load_before} before, {load_after} after; ratio: fused / op by op per round",
         ["model shape", "weights", "op by op tok/s", "fused tok/s", "ratio"],
         rows,
     )
