@@ -30,6 +30,7 @@ mutable state of its own: the profile clock is the caller's buffer.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -495,7 +496,8 @@ class Blocks:
         b.C, b.nh, b.nkv, b.hs, b.H, b.S = C, nh, nkv, hs, H, S
         b.act, b.parallel, b.rd, b.window = ACTIVATIONS[L.act], int(bool(L.parallel)), rd, L.window
         b.cos, b.sin = (None, None) if L.cos is None else (L.cos.data_ptr(), L.sin.data_ptr())
-        self.keep[i], self.set[i], self.slots[i] = L, True, L.window or S
+        # a copy of the layer: its tensors stay alive here even if the caller's Layer is changed after
+        self.keep[i], self.set[i], self.slots[i] = dataclasses.replace(L), True, L.window or S
 
 
 def check_norm(name: str, norm: NormWeights | None, n: int, required: bool) -> None:
