@@ -300,7 +300,7 @@ def test_bad_input_is_one_sentence(model):
         model.generate([1, 2])
     with pytest.raises(NanoGPTError, match="message 0 must be"):
         model.chat([{"role": "user"}])
-    with pytest.raises(NanoGPTError, match="last=True picks the last weights of init_from"):
+    with pytest.raises(NanoGPTError, match="--last picks the weights of --init-from RUN"):
         api.plan_training("tiny", last=True)
     with pytest.raises(NanoGPTError, match="ignore_eot is for generate"):
         model.chat([{"role": "user", "content": "hi"}], ignore_eot=True)

@@ -182,9 +182,11 @@ class DPO:
         model.train()
         return sum(losses) / len(val), right / len(val)
 
-    def fit(self) -> DPOResult:
+    def fit(self, display: Display | None = None) -> DPOResult:
         """Train to the end, or to a signal (the steps trained are saved; an evaluation in progress is dropped)."""
         run = self.run
+        if display is not None:  # what shows this run's events (given here, or when it was made)
+            run.show = display
         with run.signals:
             stopped = self._fit()
         elapsed, ms, speed = run.speed()

@@ -253,10 +253,12 @@ class GRPO:
             total += sum(d["reward"] for d in done)
         return total / len(val)
 
-    def fit(self) -> GRPOResult:
+    def fit(self, display: Display | None = None) -> GRPOResult:
         """Train to the end, or to a signal (the steps trained are saved; a rollout or an evaluation in progress
         is dropped)."""
         run = self.run
+        if display is not None:  # what shows this run's events (given here, or when it was made)
+            run.show = display
         with run.signals:
             stopped = self._fit()
         best = -run.state.best_val_loss if run.state.best_val_loss is not None else None
