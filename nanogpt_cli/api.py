@@ -74,12 +74,12 @@ __all__ = [
     "compare",
     "export",
     "finetune",
+    "list_runs",
     "load",
     "plan_finetuning",
     "plan_training",
     "prepare",
     "report",
-    "runs",
     "train",
 ]
 
@@ -910,12 +910,12 @@ def export(
 # --- looking at runs ---
 
 
-def runs(folder: str | Path = "checkpoints") -> list[RunSummary]:
+def list_runs(folder: str | Path = "checkpoints") -> list[RunSummary]:
     """The runs in a folder (or the one run it is), newest first, as `nanogpt runs` lists them: each a RunSummary
     (name, dataset, size, progress, best val loss, last update, status; to_dict() for JSON)."""
-    from nanogpt_cli.inspect.catalog import list_runs
+    from nanogpt_cli.inspect.catalog import list_runs as listed
 
-    return list_runs(Path(folder))
+    return listed(Path(folder))
 
 
 def report(run: str | Path) -> str:

@@ -64,9 +64,17 @@ def test_the_python_docs_examples_run_as_written(tmp_path):
     outputs = run_doc(tmp_path)
     for (code, shown), printed in zip(blocks, outputs):
         assert bool(printed.strip()) == shown, f"this block printed {printed!r}, and the doc shows otherwise:\n{code}"
-    assert (tmp_path / "checkpoints" / "shk" / "best.safetensors").is_file()
+    runs = tmp_path / "checkpoints"
+    assert (runs / "shk" / "best.safetensors").is_file() and (runs / "shk" / "report.md").is_file()
     assert (tmp_path / "exports" / "shk.gguf").is_file()
-    assert "lora" in api.load(tmp_path / "checkpoints" / "shk-lora", device="cpu").meta  # adapters on their base
+    assert "lora" in api.load(runs / "shk-lora", device="cpu").meta  # adapters on their base
+    for run, method in (("shk-full", "full"), ("chat", "full"), ("dpo", "lora")):  # every method, each as asked
+        assert json.loads((runs / run / "config.json").read_text())["finetune"]["method"] == method
+    for run, objective in (("dpo", "dpo"), ("grpo", "grpo")):
+        assert json.loads((runs / run / "config.json").read_text())["finetune"]["objective"] == objective
+    listed = {r.name: r.step for r in api.list_runs(runs)}
+    assert listed == {"shk": 220, "shk-full": 20, "shk-lora": 20, "bytes": 30, "chat": 10, "dpo": 6, "grpo": 4}
+    assert outputs[-2].splitlines()[-2] == "# Report: shk"  # the report card, as `nanogpt report` prints it
     assert outputs[-1].strip().startswith("unknown sampling setting(s) temprature")
 
 

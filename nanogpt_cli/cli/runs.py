@@ -26,7 +26,7 @@ def runs(
     """
     from nanogpt_cli.cli.ui import console, runs_table
 
-    found = api.runs(folder)
+    found = api.list_runs(folder)
     if json_out:
         for run in found:
             print(json.dumps(run.to_dict()))
