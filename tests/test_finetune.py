@@ -469,3 +469,19 @@ def test_a_run_at_the_whole_context_is_unchanged_by_naming_it(chat_data, base_ru
     values = {"data": name, "data_dir": str(data_dir), "max_iters": 3, "seq_len": 32}
     again = plan_finetune(RunRequest(values, out=tmp_path / "a", resume=True))
     assert [str(c) for c in again.plan.changes] == ["--max-iters 2 -> 3 from step 2"]
+
+
+def test_a_setting_of_another_method_is_refused_before_anything_loads(tmp_path):
+    """finetune --method sft with a DPO or GRPO setting: one sentence naming it, nothing written (the settings of
+    each method are declared once, api.METHOD_SETTINGS)."""
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    for method, flag in (("sft", "--beta"), ("dpo", "--group-size"), ("grpo", "--rpo-alpha")):
+        result = CliRunner().invoke(
+            app, ["finetune", "--init-from", "missing", "--data", "x", "--method", method, flag, "2"]
+            + ["--out", str(tmp_path / "run")],
+        )  # fmt: skip
+        assert result.exit_code == 1 and f"{flag} has no effect with --method {method}; drop it" in result.output
+    assert not (tmp_path / "run").exists()
