@@ -1,6 +1,6 @@
 """Direct preference optimisation: learn from pairs of a better (chosen) and a worse (rejected) completion.
 
-    result = train_dpo(plan_finetune({"data": "pairs", ...}, out=..., init_from="checkpoints/sft"), beta=0.1)
+    result = DPO(plan_finetune(RunRequest({"data": "pairs", ...}, init_from="checkpoints/sft")), {"beta": 0.1}).fit()
 
 The loss of Rafailov et al. (2023), "Direct Preference Optimization", eq. 7, with h the difference of the
 policy's and the reference's log-ratios of the two completions (summed log-probabilities, nats):

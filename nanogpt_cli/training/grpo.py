@@ -1,6 +1,6 @@
 """Group relative policy optimisation: learn from rewards on the model's own completions.
 
-    GRPO(plan_finetune({"data": "count-prompts", ...}, ...), rollout=engine_rollout).fit()
+    GRPO(plan_finetune(RunRequest({"data": "count-prompts", ...}, init_from=...)), rollout=engine_rollout).fit()
 
 Shao et al. (2024), "DeepSeekMath", section 4.1. Each update draws --batch-size prompts, decodes --group-size
 completions of each (rollout: a callable that decodes in batches; the engine's in api.engine_rollout, passed in
