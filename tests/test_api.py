@@ -295,7 +295,7 @@ def test_prepare_returns_what_it_wrote(tmp_path, sample_text):
     assert chat.conversations == 10 and chat.bad == [] and 0 < chat.trained_tokens < chat.train_tokens + chat.val_tokens
     with pytest.raises(NanoGPTError, match="unknown option\\(s\\) max_docs; these exist: tokenizer, data_dir"):
         api.prepare(chats, "chats", data_dir=tmp_path / "data", format="chat", max_docs=3)
-    with pytest.raises(NanoGPTError, match="unknown format 'csv'"):
+    with pytest.raises(NanoGPTError, match="unknown --format 'csv'; use text, chat, preference or prompts"):
         api.prepare(tmp_path / "play.txt", "x", data_dir=tmp_path / "data", format="csv")
 
 
