@@ -21,6 +21,7 @@ _API = (
     "list_runs",
     "report",
     "compare",
+    "plot",
 )  # from nanogpt_cli.api, imported on first use
 
 __all__ = ["__version__", *_API]

@@ -78,6 +78,7 @@ __all__ = [
     "load",
     "plan_finetuning",
     "plan_training",
+    "plot",
     "prepare",
     "report",
     "train",
@@ -925,6 +926,29 @@ def report(run: str | Path) -> str:
     from nanogpt_cli.runs.rundir import RunDir
 
     return report_of(RunDir(run))[0]
+
+
+def plot(
+    runs: str | Path | list[str | Path],
+    out: str | Path | None = None,
+    *,
+    width: int | None = None,
+    height: int | None = None,
+    color: bool = True,
+) -> Path | str:
+    """The train and val loss curves of one run or several (folders, or run names in checkpoints/), as `nanogpt
+    plot` draws them: into `out` (.png, .svg or .pdf, with matplotlib) -> its path, or without `out` as text for
+    a terminal (with plotext; width and height in characters) -> the text. Both need the `plot` extra."""
+    from nanogpt_cli.files import check_creatable
+    from nanogpt_cli.inspect.plot import terminal_plot, write_png
+    from nanogpt_cli.runs.rundir import find_run
+
+    folders = [Path(find_run(r)) for r in ([runs] if isinstance(runs, (str, Path)) else runs)]
+    if out is None:
+        return terminal_plot(folders, width=width, height=height, color=color)
+    out = Path(out)
+    check_creatable(out.parent if str(out.parent) else Path("."), "the folder of --out")
+    return write_png(folders, out)
 
 
 @dataclass

@@ -104,17 +104,11 @@ def plot(
     Example: nanogpt plot checkpoints/shk checkpoints/shk-wsd --out loss.png
     """
     from nanogpt_cli.cli.ui import console
-    from nanogpt_cli.inspect.plot import terminal_plot, write_png
-    from nanogpt_cli.runs.rundir import find_run
 
-    runs = [Path(find_run(run)) for run in runs]
     if out is not None:
-        from nanogpt_cli.files import check_creatable
-
-        check_creatable(out.parent if str(out.parent) else Path("."), "the folder of --out")
-        console.print(f"wrote {write_png(runs, out)}")
+        console.print(f"wrote {api.plot(runs, out)}")
     else:
-        print(terminal_plot(runs, width=min(console.width, 100), height=20, color=console.is_terminal))
+        print(api.plot(runs, width=min(console.width, 100), height=20, color=console.is_terminal))
 
 
 def system_table(found: dict):
