@@ -86,7 +86,7 @@ def test_the_python_docs_examples_run_as_written(tmp_path):
     listed = {r.name: r.step for r in api.list_runs(runs)}
     assert listed == {"shk": 220, "shk-full": 20, "shk-lora": 20, "bytes": 30, "chat": 10, "dpo": 6, "grpo": 4}
     report = next(o for o in outputs if o and "# Report: shk" in o)  # the report card, as `nanogpt report` prints it
-    assert report.splitlines()[-2] == "# Report: shk"
+    assert "# Report: shk" in report.splitlines() and (tmp_path / "loss.png").stat().st_size > 0
     assert outputs[-1].strip().startswith("unknown sampling setting(s) temprature")
 
 
