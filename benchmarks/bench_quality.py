@@ -27,6 +27,7 @@ from common import ROOT, shakespeare_path, table  # noqa: E402
 from nanogpt_cli.data import prepare  # noqa: E402
 from nanogpt_cli.training.events import NoDisplay  # noqa: E402
 from nanogpt_cli.training.plan import plan_run  # noqa: E402
+from nanogpt_cli.training.request import RunRequest  # noqa: E402
 from nanogpt_cli.training.trainer import train  # noqa: E402
 
 
@@ -42,7 +43,9 @@ class Curve(NoDisplay):
 
 def run(preset: str, data_dir: Path, out: Path, **over):
     curve = Curve()
-    plan = plan_run({"preset": preset, "data": "shakespeare-char", "data_dir": str(data_dir), **over}, out=out)
+    plan = plan_run(
+        RunRequest({"preset": preset, "data": "shakespeare-char", "data_dir": str(data_dir), **over}, out=out)
+    )
     result = train(plan, curve)
     return result, curve, plan
 

@@ -31,8 +31,9 @@ def mark(name): marks.setdefault(name, time.time() - t_launch)
 mark("python up")
 import torch; mark("import torch")
 from nanogpt_cli.training.events import NoDisplay; from nanogpt_cli.training.plan import plan_run
+from nanogpt_cli.training.request import RunRequest
 from nanogpt_cli.training.trainer import train; mark("import nanogpt_cli")
-plan = plan_run(json.loads(sys.argv[2]), out=sys.argv[3]); mark("plan the run")
+plan = plan_run(RunRequest(json.loads(sys.argv[2]), out=sys.argv[3])); mark("plan the run")
 class Marks(NoDisplay):
     def on_start(self, e): mark("model and optimizer built")
     def on_eval(self, e):

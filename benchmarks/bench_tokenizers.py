@@ -34,6 +34,7 @@ from nanogpt_cli.interop.loading import load_for_inference  # noqa: E402
 from nanogpt_cli.tokenizer import build_tokenizer  # noqa: E402
 from nanogpt_cli.training.events import NoDisplay  # noqa: E402
 from nanogpt_cli.training.plan import plan_run  # noqa: E402
+from nanogpt_cli.training.request import RunRequest  # noqa: E402
 from nanogpt_cli.training.trainer import train  # noqa: E402
 
 TRAINED = (512, 2048, 8192)
@@ -56,17 +57,19 @@ def quality(train_path: Path, val_path: Path, work: Path, seconds: float, tokeni
         spec = str(work / "tokenizers" / name) if name.startswith("bpe") else name
         prepared = prepare(str(train_path), name, tokenizer=spec, data_dir=data_dir)
         plan = plan_run(
-            {
-                "preset": "tiny",
-                "data": name,
-                "data_dir": str(data_dir),
-                "device": "cpu",
-                "dtype": "float32",
-                "max_iters": 1_000_000,
-                "eval_interval": 1_000_000,
-                "max_time": seconds,
-            },
-            out=work / "runs" / name,
+            RunRequest(
+                {
+                    "preset": "tiny",
+                    "data": name,
+                    "data_dir": str(data_dir),
+                    "device": "cpu",
+                    "dtype": "float32",
+                    "max_iters": 1_000_000,
+                    "eval_interval": 1_000_000,
+                    "max_time": seconds,
+                },
+                out=work / "runs" / name,
+            )
         )
         result = train(plan, NoDisplay())
         loaded = load_for_inference(work / "runs" / name, last=True, device="cpu", dtype="float32")

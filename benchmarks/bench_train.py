@@ -26,6 +26,7 @@ from nanogpt_cli.data import prepare  # noqa: E402
 from nanogpt_cli.device import resolve_device, resolve_dtype  # noqa: E402
 from nanogpt_cli.training.events import NoDisplay  # noqa: E402
 from nanogpt_cli.training.plan import plan_run  # noqa: E402
+from nanogpt_cli.training.request import RunRequest  # noqa: E402
 from nanogpt_cli.training.trainer import train  # noqa: E402
 
 NANOGPT = {"ms_per_iter": (40, 52), "tokens_per_s": (15_000, 19_000), "val_loss_2000": 1.886, "val_loss_300": 2.396}
@@ -110,7 +111,7 @@ def main():
                 compile=args.compile,
                 log_interval=args.max_iters,
             )
-            plan = plan_run({"preset": preset, **values}, out=run)
+            plan = plan_run(RunRequest({"preset": preset, **values}, out=run))
             model_cfg, cfg = plan.model, plan.train
             evals: list = []
 

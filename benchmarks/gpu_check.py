@@ -126,6 +126,7 @@ def stopped_and_resumed(device: torch.device, data_dir: Path, run_dir: Path, arg
     """A cpu-fast-style run (Muon, fp16 with the scaler, --compile) stopped halfway, resumed, and compared
     with the same run uninterrupted."""
     from nanogpt_cli.training.plan import plan_run
+    from nanogpt_cli.training.request import RunRequest
     from nanogpt_cli.training.trainer import train
 
     flags = dict(
@@ -147,9 +148,9 @@ def stopped_and_resumed(device: torch.device, data_dir: Path, run_dir: Path, arg
         warmup_iters=2,
         lr_schedule="wsd",
     )
-    whole = train(plan_run(flags, out=run_dir / "whole"))
-    train(plan_run({**flags, "stop_at": args.run_steps // 2}, out=run_dir / "run"))
-    resumed = train(plan_run({**flags}, out=run_dir / "run", resume=True))
+    whole = train(plan_run(RunRequest(flags, out=run_dir / "whole")))
+    train(plan_run(RunRequest({**flags, "stop_at": args.run_steps // 2}, out=run_dir / "run")))
+    resumed = train(plan_run(RunRequest({**flags}, out=run_dir / "run", resume=True)))
     ok = (
         resumed.step == whole.step == args.run_steps
         and math.isfinite(resumed.val_loss)

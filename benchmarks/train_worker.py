@@ -14,12 +14,13 @@ import torch
 
 from nanogpt_cli.training.distributed import open_world
 from nanogpt_cli.training.plan import plan_run
+from nanogpt_cli.training.request import RunRequest
 from nanogpt_cli.training.trainer import train
 
 
 def main() -> None:
     flags, run_dir, result_path = json.loads(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
-    plan = plan_run(flags, out=run_dir)
+    plan = plan_run(RunRequest(flags, out=run_dir))
     with open_world(plan.train) as world:  # under torchrun: this process's place in the group
         result = train(plan, world=world)
     if world.main:

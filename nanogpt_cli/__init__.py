@@ -10,7 +10,19 @@ From Python (api.py; docs/python.md):
 
 __version__ = "0.1.0"
 
-_API = ("load", "train", "plan_training", "prepare", "export")  # from nanogpt_cli.api, imported on first use
+_API = (
+    "load",
+    "train",
+    "plan_training",
+    "finetune",
+    "plan_finetuning",
+    "prepare",
+    "export",
+    "list_runs",
+    "report",
+    "compare",
+    "plot",
+)  # from nanogpt_cli.api, imported on first use
 
 __all__ = ["__version__", *_API]
 

@@ -32,6 +32,7 @@ from nanogpt_cli.training.events import (  # dataclasses only
     StepLogged,
     TrainResult,
 )
+from nanogpt_cli.training.request import RunRequest  # a dataclass only: the CLI generates its options
 
 if TYPE_CHECKING:
     import torch
@@ -40,16 +41,19 @@ if TYPE_CHECKING:
     from nanogpt_cli.data.chat import ChatPrepareResult
     from nanogpt_cli.data.chat_template import ChatTemplate
     from nanogpt_cli.data.pipeline import PrepareResult
+    from nanogpt_cli.data.preference import RowsPrepareResult
     from nanogpt_cli.inference.chat import ChatSession
     from nanogpt_cli.inference.evaluate import EvalResult
     from nanogpt_cli.inference.sample import Piece, SampleResult, SampleSettings
     from nanogpt_cli.inference.tasks import TaskResults
+    from nanogpt_cli.inspect.catalog import RunSummary
     from nanogpt_cli.interop.export import ExportResult
     from nanogpt_cli.interop.loading import InferenceModel
     from nanogpt_cli.lora import LoRAConfig
     from nanogpt_cli.model import GPT
     from nanogpt_cli.tokenizer import Tokenizer
     from nanogpt_cli.training.events import Display
+    from nanogpt_cli.training.launch import Launch
     from nanogpt_cli.training.plan import Change, RunPlan
 
 __all__ = [
@@ -59,6 +63,7 @@ __all__ = [
     "Hint",
     "Model",
     "Note",
+    "RunRequest",
     "RunStarted",
     "Saved",
     "Status",
@@ -66,10 +71,16 @@ __all__ = [
     "Stream",
     "TrainResult",
     "Training",
+    "compare",
     "export",
+    "finetune",
+    "list_runs",
     "load",
+    "plan_finetuning",
     "plan_training",
+    "plot",
     "prepare",
+    "report",
     "train",
 ]
 
@@ -454,6 +465,11 @@ class Training:
 
     plan: RunPlan  # the configs, the run folder, the dataset, where the weights start from
     trainable: Any = None  # LoRA's hook for the trainer (None: every parameter trains)
+    launch: Launch | None = None  # nproc: the processes that train it (None: this one)
+    policy: Any = None  # method "dpo" or "grpo": its run, data read and settings checked (None: the trainer's loop)
+    request: RunRequest | None = None  # what was asked, which launched processes are given again
+    sink: Any = None  # the tracker's (training.trackers), closed when the run ends
+    eval_tasks: list[str] | None = None  # lm-eval tasks that write_report scores
 
     @property
     def notes(self) -> list[str]:
@@ -464,70 +480,179 @@ class Training:
     def run_dir(self) -> Path:
         return self.plan.run_dir.path
 
-    def run(self, callback: Callable[[Event], None] | Display | None = None) -> TrainResult:
-        """Train (or resume) the run in this process, or under torchrun in its process group. callback: a function
-        that receives every event (see Event), or a Display. Ctrl-C and SIGTERM stop it after the step under way,
-        with a checkpoint: TrainResult.stopped says so, and the same call with resume=True continues it."""
-        from nanogpt_cli.training.distributed import open_world
+    @property
+    def complete_reason(self) -> str | None:
+        """Why a resumed run trains no further and what to raise (as flags), or None when it has steps to go."""
         from nanogpt_cli.training.job import complete_reason
+
+        return complete_reason(self.plan) if self.plan.complete else None
+
+    def run(
+        self, callback: Callable[[Event], None] | Display | None = None, then: Callable[[Any], None] | None = None
+    ) -> TrainResult | Any:
+        """Train (or resume) the run in this process, under torchrun in its process group, or with nproc in that
+        many processes (None once they end). callback: a function that receives every event (see Event), or a
+        Display. then(result): called once it has trained, while the process group is still up (every process
+        waits for it). Ctrl-C and SIGTERM stop it after the step under way, with a checkpoint: the result's
+        `stopped` says so, and the same call with resume=True continues it. DPO and GRPO runs give their own
+        results (training.dpo.DPOResult, training.grpo.GRPOResult)."""
+        from nanogpt_cli.training.distributed import open_world
+        from nanogpt_cli.training.trackers import Tee
         from nanogpt_cli.training.trainer import Trainer
 
-        display = callback
-        if callback is not None and not hasattr(callback, "on_start"):
-            display = _Callback(callback)
-            for text in self.plan.notes + ([complete_reason(self.plan, flags=False)] if self.plan.complete else []):
-                callback(Note(text))
-            for change in self.plan.changes:
-                callback(change)
-        with open_world(self.plan.train) as world:
-            return Trainer(self.plan, display, world, trainable=self.trainable).fit()
+        if self.launch is not None:
+            code = self.spawn()
+            if code:
+                raise NanoGPTError(f"the training processes ended with exit code {code}")
+            return None
+        display = self._display(callback)
+        display = Tee(display, self.sink) if self.sink is not None else display
+        try:
+            if self.policy is not None:
+                with self.plan.run_dir.hold():  # `runs` says "running" while it trains; another start is refused
+                    result = self.policy.fit(display)
+                if then is not None:
+                    then(result)
+                return result
+            with open_world(self.plan.train) as world:
+                result = Trainer(self.plan, display, world, trainable=self.trainable).fit()
+                if then is not None:  # before this process leaves the group, so that no rank ends the others first
+                    then(result)
+            return result
+        finally:
+            if self.sink is not None:
+                self.sink.close()
+
+    def _display(self, callback: Any) -> Any:
+        """A Display as it is, or a function wrapped as one (given the plan's notes and changes first)."""
+        from nanogpt_cli.training.job import complete_reason
+
+        if callback is None or hasattr(callback, "on_start"):
+            return callback
+        for text in self.plan.notes + ([complete_reason(self.plan, flags=False)] if self.plan.complete else []):
+            callback(Note(text))
+        for change in self.plan.changes:
+            callback(change)
+        return _Callback(callback)
+
+    def spawn(self, options: dict[str, Any] | None = None) -> int:
+        """nproc: the planned run in launch.world_size processes, each running `nanogpt train` with this request
+        (options: more of train's own options, by name; None or False: not given) and the run folder planned
+        here. Their exit code: 0, 130 or 143 after a signal, 1 after an error (which they said)."""
+        from nanogpt_cli.training.distributed import rank_device
+        from nanogpt_cli.training.launch import launch, train_args
+
+        r = self.request
+        rank_device(self.plan.train.device, self.launch.nproc - 1)  # cuda:N, or more processes than GPUs: here
+        own = dict(config=r.config, init_from=r.init_from, resume=r.resume, force=r.force, last=r.last)
+        return launch(train_args(r.flags, {**own, **(options or {})}, self.plan.run_dir.path), self.launch)
+
+    def draw_plot(self) -> tuple[Path | None, str | None]:
+        """loss.png in the run folder (needs the plot extra): its path, or None and why it was not drawn."""
+        from nanogpt_cli.inspect.plot import write_png
+
+        try:
+            write_png([self.plan.run_dir.path], self.plan.run_dir.loss_plot_path)
+        except NanoGPTError as e:
+            return None, str(e)
+        return self.plan.run_dir.loss_plot_path, None
+
+    def write_report(
+        self,
+        result: TrainResult,
+        plot: Path | None = None,
+        plot_note: str | None = None,
+        on_status: Callable[[str], None] | None = None,
+    ) -> Path | None:
+        """The run's report card, report.md (with samples, and the eval_tasks' scores): its path, or None for a
+        run stopped before its first save. plot: the loss picture it shows (draw_plot's), or why there is none."""
+        from nanogpt_cli.inspect.report import write_report
+
+        run = self.plan.run_dir
+        if not run.has_run() or run.is_empty():
+            return None
+        name = None if plot is None else Path(plot).name
+        write_report(run, result, eval_tasks=self.eval_tasks, plot=name, plot_note=plot_note, on_status=on_status)
+        return run.report_path
 
 
 def plan_training(
     config: str | Path | dict[str, Any] | TrainConfig | None = None,
     *,
     model: GPTConfig | None = None,
-    out: str | Path | None = None,
-    resume: bool = False,
-    force: bool = False,
-    init_from: str | Path | None = None,
-    last: bool = False,
-    lora: LoRAConfig | bool | None = None,
-    **flags: Any,
+    request: RunRequest | None = None,
+    lora: LoRAConfig | dict[str, Any] | bool | None = None,
+    nproc: int | None = None,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
+    tracker: str | None = None,
+    eval_tasks: str | list[str] | None = None,
+    threads: int | None = None,
+    on_probe: Callable[[Any], None] | None = None,
+    **options: Any,
 ) -> Training:
-    """A checked run from a config: a preset name ("tiny", "cpu-char", ...), a .toml file, a dict of the config
-    fields (the flags' names with underscores; "preset" and "out" among them), or a TrainConfig (with model=
-    a GPTConfig; a GPTConfig's vocab_size left at its default becomes the dataset's). Keyword flags override
-    it (data="shk", max_iters=100). resume: continue the run in `out` (a fine-tuning run, on its base);
-    init_from: start from these weights (last: its last), as `train --init-from`; lora: train LoRA adapters
-    on frozen init_from weights (True: the default adapters), as `finetune --lora`."""
-    from nanogpt_cli.training import finetune
-    from nanogpt_cli.training.job import TrainRequest, plan_train
+    """A checked run, as `nanogpt train` plans it, from a config: a preset name ("tiny", "cpu-char", ...), a .toml
+    file, a dict of the config fields (the flags' names with underscores; "preset" and "out" among them), or a
+    TrainConfig (with model= a GPTConfig; a GPTConfig's vocab_size left at its default becomes the dataset's).
+    options: RunRequest's fields (out, resume, force, init_from, last: see training/request.py) and config flags
+    that override the config (data="shk", max_iters=100); request: a RunRequest to start from (the CLI's).
+    lora: train LoRA adapters on frozen init_from weights, as `finetune --lora` (see plan_finetuning).
+    nproc (nnodes, rdzv_endpoint): train in that many processes, as --nproc. tracker: "tensorboard" or "wandb";
+    eval_tasks: lm-eval tasks write_report scores; threads: CPU threads; on_probe: --preset auto's shapes."""
+    from nanogpt_cli.training.job import launch_of, plan_train
 
-    if last and init_from is None:
-        raise NanoGPTError("last=True picks the last weights of init_from; give init_from or drop last")
-    values, file_values = _config_values(config, model)
-    values.update(flags)
-    init = None if init_from is None else str(init_from)
+    names = _eval_task_names(eval_tasks)
     if lora:
-        from nanogpt_cli.lora import LoRAConfig
+        more = dict(lora=lora, tracker=tracker, eval_tasks=names, threads=threads)
+        return plan_finetuning(config, model=model, request=request, **more, **options)
+    r = _run_request(config, model, request, options)
+    _set_threads(threads)
+    launch = launch_of(nproc, nnodes, rdzv_endpoint)
+    sink = _open_tracker(tracker, launch is None)
+    try:
+        job = plan_train(r, launch, on_probe)  # a fine-tuning run resumes on its base; a chat dataset is a fine-tune
+    except BaseException:
+        if sink is not None:
+            sink.close()
+        raise
+    return Training(job.plan, job.trainable, job.launch, request=r, sink=sink, eval_tasks=names)
 
-        cfg = LoRAConfig() if lora is True else lora
-        job = finetune.plan_finetune(
-            values, file_values, out=out, resume=resume, force=force, init_from=init, init_last=last, lora=cfg
-        )
-        return Training(job.plan, job.trainable)
-    request = TrainRequest(
-        flags=values,
-        file_values=file_values,
-        out=None if out is None else Path(out),
-        resume=resume,
-        force=force,
-        init_from=init,
-        init_last=last,
-    )
-    job = plan_train(request)  # a fine-tuning run resumes on its base; a chat dataset records a full fine-tune
-    return Training(job.plan, job.trainable)
+
+def plan_finetuning(
+    config: str | Path | dict[str, Any] | TrainConfig | None = None,
+    *,
+    model: GPTConfig | None = None,
+    request: RunRequest | None = None,
+    method: str = "sft",
+    lora: LoRAConfig | dict[str, Any] | bool | None = None,
+    settings: dict[str, Any] | None = None,
+    tracker: str | None = None,
+    eval_tasks: str | list[str] | None = None,
+    threads: int | None = None,
+    **options: Any,
+) -> Training:
+    """A checked fine-tuning run, as `nanogpt finetune` plans it: init_from's weights (required unless resume)
+    trained in full, or with lora (True: the default adapters; a LoRAConfig; or a dict of the LoRA values given,
+    r, alpha, dropout, targets, which a resume checks against the run's). method: "sft" (the trainer's loop),
+    "dpo" (a preference dataset) or "grpo" (a prompts dataset), with settings: METHOD_SETTINGS' names (beta=0.1,
+    group_size=8, reward="exact", ...). The rest as plan_training."""
+    from nanogpt_cli.training.finetune import plan_finetune
+
+    names = _eval_task_names(eval_tasks)
+    r = _run_request(config, model, request, options)
+    _set_threads(threads)
+    cfg, lora_flags = _lora_config(lora, r.resume)
+    given = {k: v for k, v in (settings or {}).items() if v is not None}
+    _check_method(method, given, tracker)
+    sink = _open_tracker(tracker, True)
+    try:
+        job = plan_finetune(r, lora=cfg, lora_flags=lora_flags)
+        policy = _policy(job, method, given)
+    except BaseException:
+        if sink is not None:
+            sink.close()
+        raise
+    return Training(job.plan, job.trainable, policy=policy, request=r, sink=sink, eval_tasks=names)
 
 
 def train(
@@ -540,14 +665,141 @@ def train(
     return plan_training(config, **options).run(callback)
 
 
-def _config_values(config: Any, model: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(flags, config-file values) from what plan_training was given as its config."""
-    from nanogpt_cli.config import GPTConfig, TrainConfig, load_toml
+def finetune(
+    config: str | Path | dict[str, Any] | TrainConfig | None = None,
+    *,
+    callback: Callable[[Event], None] | Display | None = None,
+    **options: Any,
+) -> Any:
+    """Plan a fine-tuning run and train it: plan_finetuning(config, **options).run(callback)."""
+    return plan_finetuning(config, **options).run(callback)
+
+
+# finetune's methods beyond sft, each with the settings it takes (the CLI's options of the same names)
+METHOD_SETTINGS = {
+    "dpo": ("beta", "loss_type", "rpo_alpha"),
+    "grpo": ("group_size", "kl", "reward", "max_new_tokens", "rollout_temperature", "grpo_updates"),
+}
+
+
+def _check_method(method: str, given: dict[str, Any], tracker: str | None) -> None:
+    """The method known, its settings its own, and no tracker where it logs nothing."""
+    if method != "sft" and method not in METHOD_SETTINGS:
+        raise NanoGPTError(f"unknown --method {method!r}; use sft, {', '.join(METHOD_SETTINGS)}")
+    stray = [k for k in given if k not in METHOD_SETTINGS.get(method, ())]
+    if stray:
+        raise NanoGPTError(f"--{stray[0].replace('_', '-')} has no effect with --method {method}; drop it")
+    if method != "sft" and tracker:
+        raise NanoGPTError(
+            f"--tracker does not log --method {method} runs; drop it (the run folder's metrics file has every value)"
+        )
+
+
+def _policy(job: Any, method: str, given: dict[str, Any]) -> Any:
+    """method's run over the planned job (its data read and its settings checked), or None for sft, whose plan
+    is checked to be one sft can train."""
+    if method == "sft":
+        objective = (job.plan.finetune or {}).get("objective")
+        if objective is not None:
+            raise NanoGPTError(f"{job.plan.run_dir} is a --method {objective} run; resume it with --method {objective}")
+        wanted = {"preference": "dpo", "prompts": "grpo"}.get(job.plan.dataset.get("format"))
+        if wanted:
+            raise NanoGPTError(
+                f"{job.plan.train.data} is a {job.plan.dataset['format']} dataset; train on it with --method {wanted}"
+            )
+        return None
+    if method == "dpo":
+        from nanogpt_cli.training.dpo import DPO
+
+        return DPO(job, given)
+    from functools import partial
+
+    from nanogpt_cli.training.grpo import GRPO
+
+    return GRPO(job, partial(engine_rollout, vocab_size=job.plan.dataset.get("vocab_size")), given)
+
+
+def _lora_config(lora: Any, resume: bool) -> tuple[LoRAConfig | None, set[str] | None]:
+    """(the LoRA config, the fields given) from plan_finetuning's lora; on a resume, True is the run's own."""
+    from nanogpt_cli.lora import DEFAULT_TARGETS, LoRAConfig
+
+    if not lora:
+        return None, None
+    if lora is True:
+        return (None if resume else LoRAConfig()), None
+    if isinstance(lora, LoRAConfig):
+        return lora, None
+    if not isinstance(lora, dict):
+        raise NanoGPTError(f"lora must be True, a LoRAConfig or a dict of its values, got {lora!r}")
+    values = dict(lora)
+    targets = values.pop("targets", None)
+    targets = DEFAULT_TARGETS if targets is None else ((targets,) if isinstance(targets, str) else tuple(targets))
+    try:
+        return LoRAConfig(**values, targets=targets), set(lora)
+    except TypeError:
+        raise NanoGPTError(f"lora takes r, alpha, dropout and targets, got {', '.join(sorted(lora))}") from None
+
+
+def _run_request(config: Any, model: Any, request: RunRequest | None, options: dict[str, Any]) -> RunRequest:
+    """The RunRequest of a call: request (or an empty one) with the config's values and the options' flags
+    merged into its flags, and the options that are its own fields set."""
+    from nanogpt_cli.training.request import OPTIONS
+
+    values, config_file = _config_values(config, model)
+    own = {f.name: options.pop(f.name) for f in OPTIONS if f.name in options}
+    if own.get("out") is not None:
+        own["out"] = Path(own["out"])
+    if own.get("init_from") is not None:
+        own["init_from"] = str(own["init_from"])
+    if config_file is not None:
+        own["config"] = config_file
+    return (request or RunRequest()).but(flags={**values, **options}, **own)
+
+
+def _eval_task_names(eval_tasks: str | list[str] | None) -> list[str] | None:
+    """eval_tasks' names, checked before anything trains (and lm-eval installed)."""
+    if eval_tasks is None:
+        return None
+    from nanogpt_cli.errors import require
+    from nanogpt_cli.inference.tasks import check_options
+
+    names = check_options([eval_tasks] if isinstance(eval_tasks, str) else list(eval_tasks), None, None, None)
+    require("lm_eval", "eval", "scoring lm-eval tasks", package="lm-eval")
+    return names
+
+
+def _set_threads(threads: int | None) -> None:
+    from nanogpt_cli.device import set_threads
+
+    set_threads(threads)
+
+
+def _open_tracker(tracker: str | None, here: bool) -> Any:
+    """The tracker's sink where this process trains and speaks for the run (rank 0); elsewhere only checked, so
+    that an unknown one or a missing extra is refused before anything starts. here: this process trains."""
+    import os
+
+    from nanogpt_cli.training.trackers import open_tracker
+
+    if not tracker:
+        return None
+    if os.environ.get("RANK", "0") != "0":
+        return None
+    sink = open_tracker(tracker)
+    if here:
+        return sink
+    sink.close()
+    return None
+
+
+def _config_values(config: Any, model: Any) -> tuple[dict[str, Any], Path | None]:
+    """(flags, the config file) from what plan_training was given as its config."""
+    from nanogpt_cli.config import GPTConfig, TrainConfig
 
     values: dict[str, Any] = {}
-    file_values: dict[str, Any] = {}
+    config_file = None
     if isinstance(config, Path) or (isinstance(config, str) and config.endswith(".toml")):
-        file_values = load_toml(Path(config))
+        config_file = Path(config)
     elif isinstance(config, str):
         values["preset"] = config
     elif isinstance(config, dict):
@@ -563,7 +815,7 @@ def _config_values(config: Any, model: Any) -> tuple[dict[str, Any], dict[str, A
         if given["vocab_size"] == GPTConfig.vocab_size:  # the default: the dataset's vocabulary, as for a flag
             del given["vocab_size"]
         values.update(given)
-    return values, file_values
+    return values, config_file
 
 
 # --- data and export ---
@@ -579,34 +831,56 @@ def prepare(
     format: str = "text",
     progress: Callable[[Any], None] | None = None,
     **options: Any,
-) -> PrepareResult | ChatPrepareResult:
+) -> PrepareResult | ChatPrepareResult | RowsPrepareResult:
     """Tokenize a source into DATA_DIR/NAME, as `nanogpt prepare` does -> PrepareResult. source: a text file,
     folder or glob, .jsonl/.json/.parquet/.csv, hf:OWNER/NAME or "shakespeare"; tokenizer: gpt2, char, byte, a
     tiktoken name or a trained tokenizer's NAME (in tokenizers_dir). options: PrepareOptions' fields
     (val_fraction, max_docs, max_tokens, num_proc, resume, ...); progress(PrepareProgress) now and then.
     format="chat": a .jsonl of conversations with loss masks -> ChatPrepareResult (options: val_fraction,
-    chat_template, strict, shard_tokens)."""
+    chat_template, strict, shard_tokens); "preference" (prompt/chosen/rejected rows, for DPO) or "prompts" (prompt
+    rows with an answer, for GRPO) -> RowsPrepareResult (options: val_fraction, chat_template, strict). Ctrl-C
+    during a text prepare raises PrepareStopped, whose `kept` says what was kept and how to continue it."""
     from nanogpt_cli.files import check_creatable
     from nanogpt_cli.tokenizer import trained_or_named
 
     check_creatable(data_dir, "--data-dir")
     tokenizer = trained_or_named(tokenizer, Path(tokenizers_dir))  # a trained tokenizer's NAME is its folder
+    if format in ("chat", "preference", "prompts"):
+        if progress is not None:
+            raise NanoGPTError('progress is reported for format="text" only')
+        if options.get("chat_template") is not None:
+            options["chat_template"] = str(options["chat_template"])
     if format == "chat":
         from nanogpt_cli.data.chat import prepare_chat
 
-        if progress is not None:
-            raise NanoGPTError('progress is reported for format="text" only')
         _check_options(options, [p for p in inspect.signature(prepare_chat).parameters if p not in ("source", "name")])
-        if options.get("chat_template") is not None:
-            options["chat_template"] = str(options["chat_template"])
         return prepare_chat(str(source), name, tokenizer=tokenizer, data_dir=str(data_dir), **options)
+    if format in ("preference", "prompts"):
+        from nanogpt_cli.data.preference import prepare_rows
+
+        known = [p for p in inspect.signature(prepare_rows).parameters if p not in ("source", "name", "kind")]
+        _check_options(options, known)
+        return prepare_rows(str(source), name, kind=format, tokenizer=tokenizer, data_dir=str(data_dir), **options)
     if format != "text":
-        raise NanoGPTError(f"unknown format {format!r}; use text or chat")
-    from nanogpt_cli.data.pipeline import PrepareOptions
+        raise NanoGPTError(f"unknown --format {format!r}; use text, chat, preference or prompts")
+    from nanogpt_cli.data.pipeline import PrepareOptions, interrupted_prepare
     from nanogpt_cli.data.pipeline import prepare as prepare_data
 
     _check_options(options, [f.name for f in dataclasses.fields(PrepareOptions) if f.name not in ("source", "name")])
-    return prepare_data(str(source), name, tokenizer=tokenizer, data_dir=Path(data_dir), progress=progress, **options)
+    try:
+        return prepare_data(
+            str(source), name, tokenizer=tokenizer, data_dir=Path(data_dir), progress=progress, **options
+        )
+    except KeyboardInterrupt:  # the partial prepare is kept: say where and how to continue it
+        raise PrepareStopped(interrupted_prepare(Path(data_dir), name)) from None
+
+
+class PrepareStopped(KeyboardInterrupt):
+    """Ctrl-C stopped a prepare; `kept` says what it kept and how to continue it (None: nothing was kept)."""
+
+    def __init__(self, kept: str | None):
+        super().__init__(kept or "interrupted")
+        self.kept = kept
 
 
 def _check_options(options: dict[str, Any], known: list[str]) -> None:
@@ -632,6 +906,65 @@ def export(
     from nanogpt_cli.interop.export import export as export_run
 
     return export_run(source, format, out, last=last, force=force, quant=quant, merge=merge, base=base)
+
+
+# --- looking at runs ---
+
+
+def list_runs(folder: str | Path = "checkpoints") -> list[RunSummary]:
+    """The runs in a folder (or the one run it is), newest first, as `nanogpt runs` lists them: each a RunSummary
+    (name, dataset, size, progress, best val loss, last update, status; to_dict() for JSON)."""
+    from nanogpt_cli.inspect.catalog import list_runs as listed
+
+    return listed(Path(folder))
+
+
+def report(run: str | Path) -> str:
+    """A run's report card as Markdown, as `nanogpt report RUN` prints it: the one written at its end (report.md),
+    or one made now from its folder (without samples) for a run that has none yet."""
+    from nanogpt_cli.inspect.report import report_of
+    from nanogpt_cli.runs.rundir import RunDir
+
+    return report_of(RunDir(run))[0]
+
+
+def plot(
+    runs: str | Path | list[str | Path],
+    out: str | Path | None = None,
+    *,
+    width: int | None = None,
+    height: int | None = None,
+    color: bool = True,
+) -> Path | str:
+    """The train and val loss curves of one run or several (folders, or run names in checkpoints/), as `nanogpt
+    plot` draws them: into `out` (.png, .svg or .pdf, with matplotlib) -> its path, or without `out` as text for
+    a terminal (with plotext; width and height in characters) -> the text. Both need the `plot` extra."""
+    from nanogpt_cli.files import check_creatable
+    from nanogpt_cli.inspect.plot import terminal_plot, write_png
+    from nanogpt_cli.runs.rundir import find_run
+
+    folders = [Path(find_run(r)) for r in ([runs] if isinstance(runs, (str, Path)) else runs)]
+    if out is None:
+        return terminal_plot(folders, width=width, height=height, color=color)
+    out = Path(out)
+    check_creatable(out.parent if str(out.parent) else Path("."), "the folder of --out")
+    return write_png(folders, out)
+
+
+@dataclass
+class Comparison:
+    """Runs side by side, as `nanogpt report A B` prints them."""
+
+    names: list[str]  # the runs' folder names, one column each
+    rows: list[tuple[str, list[str]]]  # (a figure's label, its value for each run)
+
+
+def compare(runs: list[str | Path]) -> Comparison:
+    """Several runs' report cards side by side: one row per figure, one column per run."""
+    from nanogpt_cli.inspect.report import compare as compare_runs
+    from nanogpt_cli.runs.rundir import RunDir
+
+    return Comparison(*compare_runs([RunDir(r) for r in runs]))
 
 
 # --- rollouts for reinforcement learning ---

@@ -149,6 +149,7 @@ def int4_kernel_reference(q, x):
 def tiny_plan(data_dir: Path, name: str, run_dir: Path, **overrides):
     """A run plan of the `tiny` preset on a prepared dataset, in float32 on the CPU (deterministic)."""
     from nanogpt_cli.training.plan import plan_run
+    from nanogpt_cli.training.request import RunRequest
 
     flags = {
         "preset": "tiny",
@@ -158,7 +159,7 @@ def tiny_plan(data_dir: Path, name: str, run_dir: Path, **overrides):
         "device": "cpu",
         **overrides,
     }
-    return plan_run(flags, out=run_dir)
+    return plan_run(RunRequest(flags, out=run_dir))
 
 
 def check_rows_apart(model, steps: int, chunk: tuple[int, int] | None = None):

@@ -17,6 +17,7 @@ from nanogpt_cli.runs import checkpoint as ckpt
 from nanogpt_cli.runs.rundir import resolve_weights
 from nanogpt_cli.training.optim import adamw_groups
 from nanogpt_cli.training.plan import plan_run
+from nanogpt_cli.training.request import RunRequest
 from nanogpt_cli.training.trainer import train
 from conftest import tiny_config, tiny_plan
 
@@ -103,12 +104,12 @@ def test_a_save_cut_short_between_its_renames_resumes_from_the_previous_one(char
     train(tiny_plan(data_dir, name, tmp_path / "ahead", max_iters=6, eval_interval=2, stop_at=4))
     for fname in ("model.safetensors", "optimizer.safetensors"):
         os.replace(tmp_path / "ahead" / fname, run / fname)
-    result = train(plan_run({}, out=run, resume=True))
+    result = train(plan_run(RunRequest({}, out=run, resume=True)))
     assert result.step == 6
     assert metrics(run) == [dict(m, elapsed_s=p["elapsed_s"]) for m, p in zip(metrics(whole), metrics(run))]
     (run / "trainer.json").write_text(json.dumps(dict(json.loads((run / "trainer.json").read_text()), step=3)))
     with pytest.raises(NanoGPTError, match="model.safetensors is from step 6, not the trainer's step 3"):
-        train(plan_run({}, out=run, resume=True))
+        train(plan_run(RunRequest({}, out=run, resume=True)))
 
 
 # --- damaged run folders are one sentence with a way forward (issue 12) ---
@@ -148,7 +149,7 @@ def test_a_truncated_last_weights_file_points_to_best(stopped_run):
         match=r"cannot resume .*model.safetensors is truncated or damaged.*"
         r"best.safetensors \(step \d\) is intact.*--init-from",
     ):
-        plan_run({}, out=stopped_run, resume=True)
+        plan_run(RunRequest({}, out=stopped_run, resume=True))
     code, output = cli("sample", "--checkpoint", stopped_run, "--last", "--max-new-tokens", "2")
     assert code == 1 and "model.safetensors is truncated or damaged" in output
     assert "its best.safetensors (step" in output and "use it without --last" in output
@@ -174,7 +175,9 @@ def test_a_truncated_best_points_to_last(stopped_run, char_data):
         "1",
     )
     assert code == 1 and "best.safetensors is truncated or damaged" in output and "use it with --last" in output
-    assert plan_run({}, out=stopped_run, resume=True).step == 4  # resuming needs only last, optimizer, trainer
+    assert (
+        plan_run(RunRequest({}, out=stopped_run, resume=True)).step == 4
+    )  # resuming needs only last, optimizer, trainer
 
 
 @pytest.mark.parametrize(
@@ -209,7 +212,7 @@ def test_damaged_resume_files_are_one_sentence_naming_the_way_on(stopped_run, na
 def test_a_torn_last_metrics_line_is_skipped_with_a_note(stopped_run):
     with open(stopped_run / "metrics.jsonl", "a") as f:
         f.write('{"kind": "eval", "step": 6, "train_lo')  # a crash mid-line
-    plan = plan_run({}, out=stopped_run, resume=True)
+    plan = plan_run(RunRequest({}, out=stopped_run, resume=True))
     assert any("skipped 1 damaged line" in n for n in plan.notes)
     train(plan)
     lines = [json.loads(x) for x in (stopped_run / "metrics.jsonl").read_text().splitlines()]
@@ -251,7 +254,7 @@ def test_best_weights_saved_last_are_one_file_on_disk_and_resume_exactly(char_da
     train(tiny_plan(data_dir, name, run, max_iters=6, eval_interval=3, stop_at=3))
     best, last = (run / "best.safetensors").stat(), (run / "model.safetensors").stat()
     assert best.st_ino == last.st_ino and last.st_nlink == 2  # the step-3 save was the best: one copy
-    resumed = train(plan_run({}, out=run, resume=True))
+    resumed = train(plan_run(RunRequest({}, out=run, resume=True)))
     assert resumed.val_loss == whole.val_loss and resumed.train_loss == whole.train_loss
     best, last = (run / "best.safetensors").stat(), (run / "model.safetensors").stat()
     if resumed.best_val_loss == resumed.val_loss:  # the final save was the best again
@@ -406,7 +409,7 @@ def test_kill_9_during_a_background_save_resumes_from_the_previous_complete_one(
     finally:
         proc.kill()
         proc.communicate()
-    result = train(plan_run({}, out=run, resume=True))
+    result = train(plan_run(RunRequest({}, out=run, resume=True)))
     assert result.step == 8
     assert metrics(run) == [dict(m, elapsed_s=p["elapsed_s"]) for m, p in zip(metrics(whole), metrics(run))]
     assert not list(run.glob(".*.staged"))
@@ -436,5 +439,5 @@ def test_sigint_during_a_background_save_waits_for_it_and_leaves_a_resumable_run
     assert step >= 3  # the final save, written after the one in progress
     assert ckpt.file_step(run / "model.safetensors") == ckpt.file_step(run / "optimizer.safetensors") == step
     assert not list(run.glob(".*.staged")) and not list(run.glob(".*.prev"))
-    result = train(plan_run({"max_iters": step + 2}, out=run, resume=True))
+    result = train(plan_run(RunRequest({"max_iters": step + 2}, out=run, resume=True)))
     assert result.step == step + 2

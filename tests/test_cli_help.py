@@ -159,3 +159,19 @@ def test_every_command_that_loads_a_model_lists_every_source_the_loader_takes(he
     for command in loading:
         text = source_help(helps[command])
         assert all(k.lower() in text.lower() for k in kinds) and "hf:NAME" in text, (command, text)
+
+
+def test_train_and_finetune_take_every_run_request_field_as_its_declared_option(helps):
+    """--out, --resume, --init-from, ... are generated from RunRequest: a field added there is an option of both,
+    with the help declared beside it."""
+    import dataclasses
+
+    from nanogpt_cli.api import RunRequest
+
+    fields = [f for f in dataclasses.fields(RunRequest) if f.name != "flags"]
+    assert {f.name for f in fields} >= {"config", "out", "resume", "force", "init_from", "last"}
+    for command in ("train", "finetune"):
+        shown = options(helps[command])
+        for f in fields:
+            name = "--" + f.name.replace("_", "-")
+            assert shown.get(name) == " ".join(f.metadata["help"].split()), (command, name)

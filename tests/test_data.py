@@ -597,6 +597,7 @@ def train_metrics(data_dir: Path, name: str, run: Path, **over) -> list[dict]:
 
 def test_training_on_shards_resumes_exactly(tmp_path, data_dir):
     from nanogpt_cli.training.plan import plan_run
+    from nanogpt_cli.training.request import RunRequest
     from nanogpt_cli.training.trainer import train
 
     source = tmp_path / "play.txt"
@@ -606,7 +607,7 @@ def test_training_on_shards_resumes_exactly(tmp_path, data_dir):
     whole = train_metrics(data_dir, "shards", tmp_path / "whole")
     parts = tmp_path / "parts"
     train_metrics(data_dir, "shards", parts, stop_at=4)
-    train(plan_run({}, out=parts, resume=True))
+    train(plan_run(RunRequest({}, out=parts, resume=True)))
     assert metrics_of(parts) == whole
 
 

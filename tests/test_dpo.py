@@ -17,6 +17,7 @@ from nanogpt_cli.training.dpo import DPO, dpo_loss
 from nanogpt_cli.training.events import NoDisplay
 from nanogpt_cli.training.finetune import plan_finetune
 from nanogpt_cli.training.policy import adapters_off
+from nanogpt_cli.training.request import RunRequest
 from nanogpt_cli.training.trainer import Trainer
 from conftest import tiny_config, tiny_plan
 
@@ -116,7 +117,7 @@ def dpo_job(root, out, lora=None, resume=False, **flags):
     values = dict(data="pairs", data_dir=str(root / "data"), dtype="float32", device="cpu", max_iters=8)
     values.update(eval_interval=4, batch_size=8, warmup_iters=0, learning_rate=3e-3, log_interval=1, **flags)
     init = None if resume else str(root / "base")
-    return plan_finetune(values, out=out, init_from=init, lora=lora, resume=resume)
+    return plan_finetune(RunRequest(values, out=out, init_from=init, resume=resume), lora=lora)
 
 
 @pytest.mark.parametrize("lora", [None, LoRAConfig(r=4)], ids=["full", "lora"])
@@ -195,9 +196,11 @@ def test_a_signal_stops_dpo_after_its_step_with_a_save_and_the_resume_continues_
 
 def test_dpo_refuses_a_chat_dataset(dpo_data, tmp_path):
     job = plan_finetune(
-        dict(data="chats", data_dir=str(dpo_data / "data"), dtype="float32", device="cpu"),
-        out=tmp_path / "x",
-        init_from=str(dpo_data / "base"),
+        RunRequest(
+            dict(data="chats", data_dir=str(dpo_data / "data"), dtype="float32", device="cpu"),
+            out=tmp_path / "x",
+            init_from=str(dpo_data / "base"),
+        )
     )
     with pytest.raises(NanoGPTError, match="--format preference"):
         DPO(job)
@@ -259,7 +262,9 @@ def test_dpo_starts_from_a_hugging_face_folder(dpo_data, tmp_path):
     save_random_gpt2(tmp_path / "gpt2", load_meta(dpo_data / "data", "pairs")["tokenizer"])
     values = dict(data="pairs", data_dir=str(dpo_data / "data"), dtype="float32", device="cpu", max_iters=4)
     values.update(eval_interval=4, batch_size=4, warmup_iters=0, learning_rate=3e-3)
-    job = plan_finetune(values, out=tmp_path / "run", init_from=str(tmp_path / "gpt2"), lora=LoRAConfig(r=4))
+    job = plan_finetune(
+        RunRequest(values, out=tmp_path / "run", init_from=str(tmp_path / "gpt2")), lora=LoRAConfig(r=4)
+    )
     records = []
     result = DPO(job, None, records.append).fit()
     assert result.step == 4 and records[0]["val_loss"] == pytest.approx(math.log(2), abs=1e-5)
@@ -280,11 +285,11 @@ def test_dpo_from_a_long_context_converted_base_plans_no_seq_len_and_resumes(dpo
     save_model(base, model, {"tokenizer": meta["tokenizer"], "hf_family": "llama"})
     values = dict(data="pairs", data_dir=str(dpo_data / "data"), dtype="float32", device="cpu", max_iters=2)
     values.update(eval_interval=1, eval_iters=1, batch_size=4, warmup_iters=0)
-    job = plan_finetune({**values, "stop_at": 1}, out=tmp_path / "run", init_from=str(base))
+    job = plan_finetune(RunRequest({**values, "stop_at": 1}, out=tmp_path / "run", init_from=str(base)))
     assert job.plan.train.seq_len is None and not [n for n in job.plan.notes if "--seq-len" in n]
     DPO(job).fit()
     config = tmp_path / "run" / "config.json"
     saved = json.loads(config.read_text())
     saved["train"]["seq_len"] = 1024  # as an earlier planner saved it: not the user's, so not refused
     config.write_text(json.dumps(saved))
-    assert DPO(plan_finetune(values, out=tmp_path / "run", resume=True)).fit().step == 2
+    assert DPO(plan_finetune(RunRequest(values, out=tmp_path / "run", resume=True))).fit().step == 2

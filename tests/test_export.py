@@ -381,6 +381,7 @@ def save_random_gpt2(folder: Path, desc: dict, n_embd: int = 32) -> None:
 def test_init_from_a_hugging_face_folder_trains_and_saves_our_run(char_data, tmp_path):
     from nanogpt_cli.data import load_meta
     from nanogpt_cli.training.plan import plan_run
+    from nanogpt_cli.training.request import RunRequest
     from nanogpt_cli.training.trainer import train
 
     data_dir, name = char_data
@@ -397,7 +398,7 @@ def test_init_from_a_hugging_face_folder_trains_and_saves_our_run(char_data, tmp
         "warmup_iters": 0,
         "learning_rate": 3e-3,
     }
-    plan = plan_run(flags, out=tmp_path / "run", init_from=str(tmp_path / "gpt2"))
+    plan = plan_run(RunRequest(flags, out=tmp_path / "run", init_from=str(tmp_path / "gpt2")))
     assert plan.model.pos_encoding == "learned" and plan.model.mlp == "gelu_tanh" and plan.model.n_embd == 32
     train(plan)
     losses = [

@@ -728,6 +728,7 @@ def test_a_lora_run_on_an_imported_model_loads_onto_the_original_with_peft(name,
     from nanogpt_cli.lora import LoRAConfig
     from nanogpt_cli.runs.checkpoint import read_metadata
     from nanogpt_cli.training.finetune import plan_finetune
+    from nanogpt_cli.training.request import RunRequest
     from nanogpt_cli.training.trainer import Trainer
 
     folder = tmp_path / "hf"
@@ -743,7 +744,7 @@ def test_a_lora_run_on_an_imported_model_loads_onto_the_original_with_peft(name,
     values = dict(data="chats", data_dir=str(tmp_path / "data"), dtype="float32", device="cpu", max_iters=4)
     values.update(eval_interval=4, eval_iters=1, batch_size=4, warmup_iters=0, learning_rate=3e-2)
     lora = LoRAConfig(r=4, alpha=8, dropout=0.1, targets=("all",))
-    job = plan_finetune(values, out=tmp_path / "lora", init_from=str(folder), lora=lora)
+    job = plan_finetune(RunRequest(values, out=tmp_path / "lora", init_from=str(folder)), lora=lora)
     Trainer(job.plan, trainable=job.trainable).fit()
     run = tmp_path / "lora"
     export(run, "peft", tmp_path / "adapter", base=folder)
@@ -768,6 +769,7 @@ def test_a_converted_models_long_context_trains_at_seq_len_1024_unless_given_and
     from nanogpt_cli.data.chat import prepare_chat
     from nanogpt_cli.lora import LoRAConfig
     from nanogpt_cli.training.finetune import plan_finetune
+    from nanogpt_cli.training.request import RunRequest
     from nanogpt_cli.training.trainer import Trainer
 
     folder = tmp_path / "hf"
@@ -779,15 +781,15 @@ def test_a_converted_models_long_context_trains_at_seq_len_1024_unless_given_and
     values = dict(data="chats", data_dir=str(tmp_path / "data"), dtype="float32", device="cpu", max_iters=2)
     values.update(eval_interval=2, eval_iters=1, batch_size=2, warmup_iters=0)
     run, lora = tmp_path / "run", LoRAConfig(r=2)
-    default = plan_finetune(values, out=run, init_from=str(folder), lora=lora).plan
+    default = plan_finetune(RunRequest(values, out=run, init_from=str(folder)), lora=lora).plan
     assert default.seq_len == 1024 and default.model.block_size == 2048
     assert [n for n in default.notes if n.startswith("--seq-len")] == [
         "--seq-len 1024: training sequences of 1,024 tokens, the default for a converted model; it keeps its context "
         "of 2,048 (give --seq-len 2048 to train at all of it)"
     ]
-    whole = plan_finetune({**values, "seq_len": 2048}, out=run, init_from=str(folder), lora=lora).plan
+    whole = plan_finetune(RunRequest({**values, "seq_len": 2048}, out=run, init_from=str(folder)), lora=lora).plan
     assert whole.seq_len == 2048 and not [n for n in whole.notes if "--seq-len" in n]
-    short = plan_finetune({**values, "seq_len": 16}, out=run, init_from=str(folder), lora=lora)
+    short = plan_finetune(RunRequest({**values, "seq_len": 16}, out=run, init_from=str(folder)), lora=lora)
     trainer = Trainer(short.plan, trainable=short.trainable)
     trainer.fit()
     assert trainer.parts.batches.get_batch("train")[0].shape == (2, 16)

@@ -15,6 +15,7 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.lora import LoRAConfig, adapters, add_lora, merge_lora, parse_targets
 from nanogpt_cli.model import GPT
 from nanogpt_cli.training.finetune import plan_finetune
+from nanogpt_cli.training.request import RunRequest
 from nanogpt_cli.training.trainer import Trainer
 from conftest import tiny_config, tiny_plan
 
@@ -53,7 +54,7 @@ def finetune_run(chat_data, base_run, out, lora=None, **flags):
     data_dir, name = chat_data
     values = dict(data=name, data_dir=str(data_dir), dtype="float32", device="cpu", max_iters=6, eval_interval=3)
     values.update(eval_iters=1, batch_size=4, warmup_iters=0, learning_rate=1e-2, log_interval=1, **flags)
-    job = plan_finetune(values, out=out, init_from=str(base_run), lora=lora)
+    job = plan_finetune(RunRequest(values, out=out, init_from=str(base_run)), lora=lora)
     return job, Trainer(job.plan, trainable=job.trainable)
 
 
@@ -142,12 +143,14 @@ def test_lora_sets_a_presets_muon_and_embedding_lr_aside(chat_data, tmp_path):
     base = tmp_path / "untied"
     Trainer(tiny_plan(data_dir, name, base, max_iters=2, eval_iters=1, block_size=32, tie_embeddings=False)).fit()
     values = dict(preset="cpu-fast", data=name, data_dir=str(data_dir))
-    job = plan_finetune(values, out=tmp_path / "a", init_from=str(base), lora=LoRAConfig(r=2))
+    job = plan_finetune(RunRequest(values, out=tmp_path / "a", init_from=str(base)), lora=LoRAConfig(r=2))
     assert job.plan.train.optimizer == "adamw" and job.plan.train.embedding_lr is None
     assert "the preset's --optimizer muon and --embedding-lr 0.06 set aside" in job.plan.notes[-1]
     with pytest.raises(NanoGPTError, match="LoRA keeps the token embedding frozen"):
-        plan_finetune({**values, "embedding_lr": 0.01}, out=tmp_path / "b", init_from=str(base), lora=LoRAConfig(r=2))
-    full = plan_finetune({**values, "embedding_lr": 0.01}, out=tmp_path / "c", init_from=str(base))
+        plan_finetune(
+            RunRequest({**values, "embedding_lr": 0.01}, out=tmp_path / "b", init_from=str(base)), lora=LoRAConfig(r=2)
+        )
+    full = plan_finetune(RunRequest({**values, "embedding_lr": 0.01}, out=tmp_path / "c", init_from=str(base)))
     assert full.plan.train.optimizer == "muon" and full.plan.train.embedding_lr == 0.01  # full fine-tuning keeps both
 
 
@@ -213,14 +216,14 @@ def test_lora_resume_is_exact(chat_data, base_run, tmp_path):
     finetune_run(chat_data, base_run, tmp_path / "once", lora)[1].fit()
     finetune_run(chat_data, base_run, tmp_path / "twice", lora, stop_at=3)[1].fit()
     data_dir, name = chat_data
-    job = plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "twice", resume=True)
+    job = plan_finetune(RunRequest({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "twice", resume=True))
     assert job.lora == lora and job.plan.init_weights is not None
     Trainer(job.plan, trainable=job.trainable).fit()
     a, b = (load_file(str(tmp_path / r / "model.safetensors")) for r in ("once", "twice"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(NanoGPTError, match="--lora-r"):
         again = {"data": name, "data_dir": str(data_dir)}
-        plan_finetune(again, out=tmp_path / "twice", resume=True, lora=LoRAConfig(r=3))
+        plan_finetune(RunRequest(again, out=tmp_path / "twice", resume=True), lora=LoRAConfig(r=3))
 
 
 def test_lora_refuses_a_changed_base(chat_data, base_run, tmp_path):
@@ -332,7 +335,7 @@ def test_hf_base_offline_is_one_sentence(chat_data, tmp_path, no_network, monkey
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     data_dir, name = chat_data
     with pytest.raises(NanoGPTError, match="hf:gpt2 is not in the Hugging Face cache .* HF_HUB_OFFLINE") as e:
-        plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "x", init_from="hf:gpt2")
+        plan_finetune(RunRequest({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "x", init_from="hf:gpt2"))
     assert "\n" not in str(e.value)
 
 
@@ -386,7 +389,7 @@ def test_a_lora_run_is_a_base_too(chat_data, base_run, tmp_path):
     trainer.fit()
     assert job.plan.init_model is None  # copied into the run's model, then let go: not held twice
     data_dir, name = chat_data
-    again = plan_finetune({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "second", resume=True)
+    again = plan_finetune(RunRequest({"data": name, "data_dir": str(data_dir)}, out=tmp_path / "second", resume=True))
     Trainer(again.plan, trainable=again.trainable).fit()  # its base (the first run, merged) loads and checks out
     assert load_model(tmp_path / "second")[1]["step"] == 6
 
@@ -445,15 +448,15 @@ def test_resume_keeps_the_seq_len_and_announces_a_change(chat_data, base_run, tm
     finetune_run(chat_data, base_run, out, LoRAConfig(r=2), seq_len=16, stop_at=2)[1].fit()
     data_dir, name = chat_data
     values = {"data": name, "data_dir": str(data_dir)}
-    job = plan_finetune(values, out=out, resume=True)
+    job = plan_finetune(RunRequest(values, out=out, resume=True))
     assert job.plan.seq_len == 16 and not job.plan.changes  # the run's own, unless given
     trainer = Trainer(job.plan, trainable=job.trainable)
     result = trainer.fit()
     assert trainer.parts.batches.get_batch("train")[0].shape[1] == 16 and result.tokens == 6 * 4 * 16
-    longer = plan_finetune({**values, "max_iters": 8, "seq_len": 32}, out=out, resume=True)
+    longer = plan_finetune(RunRequest({**values, "max_iters": 8, "seq_len": 32}, out=out, resume=True))
     assert longer.plan.seq_len == 32 and "--seq-len 16 -> 32 from step 6" in map(str, longer.plan.changes)
     with pytest.raises(NanoGPTError, match=r"--seq-len 40 is longer than the context of .* \(--block-size 32\)"):
-        plan_finetune({**values, "max_iters": 8, "seq_len": 40}, out=out, resume=True)
+        plan_finetune(RunRequest({**values, "max_iters": 8, "seq_len": 40}, out=out, resume=True))
 
 
 def test_a_run_at_the_whole_context_is_unchanged_by_naming_it(chat_data, base_run, tmp_path):
@@ -463,6 +466,22 @@ def test_a_run_at_the_whole_context_is_unchanged_by_naming_it(chat_data, base_ru
     assert job.plan.train.seq_len is None and job.plan.seq_len == named.plan.seq_len == 32
     Trainer(job.plan).fit()
     data_dir, name = chat_data
-    again = plan_finetune({"data": name, "data_dir": str(data_dir), "max_iters": 3, "seq_len": 32}, out=tmp_path / "a",
-                          resume=True)  # fmt: skip
+    values = {"data": name, "data_dir": str(data_dir), "max_iters": 3, "seq_len": 32}
+    again = plan_finetune(RunRequest(values, out=tmp_path / "a", resume=True))
     assert [str(c) for c in again.plan.changes] == ["--max-iters 2 -> 3 from step 2"]
+
+
+def test_a_setting_of_another_method_is_refused_before_anything_loads(tmp_path):
+    """finetune --method sft with a DPO or GRPO setting: one sentence naming it, nothing written (the settings of
+    each method are declared once, api.METHOD_SETTINGS)."""
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli import app
+
+    for method, flag in (("sft", "--beta"), ("dpo", "--group-size"), ("grpo", "--rpo-alpha")):
+        result = CliRunner().invoke(
+            app, ["finetune", "--init-from", "missing", "--data", "x", "--method", method, flag, "2"]
+            + ["--out", str(tmp_path / "run")],
+        )  # fmt: skip
+        assert result.exit_code == 1 and f"{flag} has no effect with --method {method}; drop it" in result.output
+    assert not (tmp_path / "run").exists()

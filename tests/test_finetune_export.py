@@ -16,6 +16,7 @@ from nanogpt_cli.interop.export import export
 from nanogpt_cli.lora import LoRAConfig
 from nanogpt_cli.tokenizer import build_tokenizer
 from nanogpt_cli.training.finetune import plan_finetune
+from nanogpt_cli.training.request import RunRequest
 from nanogpt_cli.training.trainer import Trainer
 from conftest import tiny_plan
 
@@ -55,7 +56,7 @@ def lora_run(chat_data, root, shape: str):
     values = dict(data=name, data_dir=str(data_dir), dtype="float32", device="cpu", max_iters=4, eval_interval=4)
     values.update(eval_iters=1, batch_size=4, warmup_iters=0, learning_rate=3e-2)
     lora = LoRAConfig(r=4, alpha=8, dropout=0.1, targets=("all",))
-    job = plan_finetune(values, out=root / "lora", init_from=str(base), lora=lora)
+    job = plan_finetune(RunRequest(values, out=root / "lora", init_from=str(base)), lora=lora)
     Trainer(job.plan, trainable=job.trainable).fit()
     return base, root / "lora"
 

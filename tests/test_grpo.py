@@ -22,6 +22,7 @@ from nanogpt_cli.training.grpo import (
     grpo_loss,
     load_reward,
 )
+from nanogpt_cli.training.request import RunRequest
 from nanogpt_cli.training.trainer import Trainer
 from conftest import tiny_config, tiny_plan
 
@@ -121,7 +122,9 @@ def grpo_job(root, out, lora=None, resume=False, **flags):
     values = dict(data="prompts", data_dir=str(root / "data"), dtype="float32", device="cpu", max_iters=6)
     values.update(eval_interval=3, batch_size=4, warmup_iters=0, learning_rate=1e-2, log_interval=1)
     values.update(flags)
-    return plan_finetune(values, out=out, init_from=None if resume else str(root / "base"), lora=lora, resume=resume)
+    return plan_finetune(
+        RunRequest(values, out=out, init_from=None if resume else str(root / "base"), resume=resume), lora=lora
+    )
 
 
 def x_share(model, rows, n=256) -> float:

@@ -17,6 +17,7 @@ from nanogpt_cli.config import GPTConfig  # noqa: E402
 from nanogpt_cli.lora import LoRAConfig  # noqa: E402
 from nanogpt_cli.training import plan as planning  # noqa: E402
 from nanogpt_cli.training.finetune import plan_finetune  # noqa: E402
+from nanogpt_cli.training.request import RunRequest  # noqa: E402
 
 pytestmark = pytest.mark.slow  # transformers builds the random model
 
@@ -43,7 +44,9 @@ def smol(tmp_path_factory):
 
 def plan(smol, tmp_path, **flags):
     values = dict(data="chats", data_dir=str(smol / "data"), dtype="float32", device="cpu", **flags)
-    return plan_finetune(values, out=tmp_path / "run", init_from=str(smol / "hf"), lora=LoRAConfig(r=2)).plan
+    return plan_finetune(
+        RunRequest(values, out=tmp_path / "run", init_from=str(smol / "hf")), lora=LoRAConfig(r=2)
+    ).plan
 
 
 def cpu_notes(p) -> list[str]:
@@ -99,13 +102,14 @@ def test_every_value_the_user_gives_stays_theirs(smol, tmp_path, monkeypatch):
 
 def test_the_chosen_defaults_train_and_evaluate_on_batches_of_their_size(smol, tmp_path, monkeypatch):
     from nanogpt_cli.training.finetune import plan_finetune
+    from nanogpt_cli.training.request import RunRequest
     from nanogpt_cli.training.trainer import Trainer
 
     weights = planning.matmul_weights(plan(smol, tmp_path, eval_iters=1, batch_size=1).model)
     monkeypatch.setattr(planning, "CPU_REFERENCE_WEIGHTS", weights * 2)
     values = dict(data="chats", data_dir=str(smol / "data"), dtype="float32", device="cpu", seq_len=64)
     values.update(max_iters=1, warmup_iters=0)
-    job = plan_finetune(values, out=tmp_path / "run", init_from=str(smol / "hf"), lora=LoRAConfig(r=2))
+    job = plan_finetune(RunRequest(values, out=tmp_path / "run", init_from=str(smol / "hf")), lora=LoRAConfig(r=2))
     assert (job.plan.train.batch_size, job.plan.train.eval_iters) == (12, 2)  # 2,048 tokens: the default's 12 at most
     trainer = Trainer(job.plan, trainable=job.trainable)
     trainer.fit()

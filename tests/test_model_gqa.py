@@ -229,6 +229,7 @@ def test_a_grouped_query_run_resumes_exactly_samples_and_serves(run, char_data, 
     from nanogpt_cli.inference.sample import Sampler, SampleSettings
     from nanogpt_cli.interop.loading import load_model
     from nanogpt_cli.training.plan import plan_run
+    from nanogpt_cli.training.request import RunRequest
     from nanogpt_cli.training.trainer import train
 
     data_dir, name = char_data
@@ -237,8 +238,8 @@ def test_a_grouped_query_run_resumes_exactly_samples_and_serves(run, char_data, 
     train(tiny_plan(data_dir, name, whole, **over))
     assert train(tiny_plan(data_dir, name, parts, stop_at=7, **over)).step == 7
     with pytest.raises(NanoGPTError, match="n-kv-head"):  # the architecture is the run's
-        plan_run({"n_kv_head": 4}, out=parts, resume=True)
-    assert train(plan_run({}, out=parts, resume=True)).step == 12
+        plan_run(RunRequest({"n_kv_head": 4}, out=parts, resume=True))
+    assert train(plan_run(RunRequest({}, out=parts, resume=True))).step == 12
     a, _ = load_model(whole, last=True)
     b, _ = load_model(parts, last=True)
     assert b.config.kv_heads == RUNS[run]["n_kv_head"] and b.config.rope_scaling == RUNS[run]["rope_scaling"]

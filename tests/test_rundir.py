@@ -25,6 +25,7 @@ from nanogpt_cli.inspect.catalog import list_runs
 from nanogpt_cli.runs.rundir import RunDir
 from nanogpt_cli.training.clock import thread_tuner
 from nanogpt_cli.training.plan import plan_run
+from nanogpt_cli.training.request import RunRequest
 from nanogpt_cli.training.trainer import train
 from conftest import tiny_plan
 
@@ -113,7 +114,7 @@ def test_a_save_that_cannot_be_written_is_one_line_and_keeps_the_previous_checkp
     assert {n: (run / n).read_bytes() for n in before} == before
     assert not [p.name for p in run.iterdir() if p.name.endswith(".staged") or ".tmp-" in p.name]
     assert status(run) == "resumable"
-    assert train(plan_run({"max_iters": 4}, out=run, resume=True)).step == 4
+    assert train(plan_run(RunRequest({"max_iters": 4}, out=run, resume=True))).step == 4
 
 
 @pytest.mark.slow
@@ -215,7 +216,7 @@ def test_leftovers_of_a_save_cut_short_are_cleared_and_a_needed_predecessor_is_k
     with RunDir(run).hold():
         hidden = sorted(p.name for p in run.iterdir() if p.name.startswith("."))
     assert hidden == [".lock", ".model.safetensors.prev"]
-    assert train(plan_run({}, out=run, resume=True)).step == 4
+    assert train(plan_run(RunRequest({}, out=run, resume=True))).step == 4
 
 
 # --- the start command plus --resume ---
@@ -247,18 +248,20 @@ def test_resume_accepts_the_init_from_the_run_started_with_and_refuses_another(
     data_dir, name = char_data
     run = tmp_path / "ft"
     flags = dict(preset="tiny", data=name, data_dir=str(data_dir), device="cpu", dtype="float32")
-    train(plan_run(dict(flags, max_iters=4, eval_interval=2, stop_at=2), out=run, init_from=str(trained_run)))
+    train(
+        plan_run(RunRequest(dict(flags, max_iters=4, eval_interval=2, stop_at=2), out=run, init_from=str(trained_run)))
+    )
     best = str((trained_run / "best.safetensors").resolve())
     assert json.loads((run / "config.json").read_text())["init_from"] == {
         "source": str(trained_run), "last": False, "path": best
     }  # fmt: skip
-    assert plan_run(flags, out=run, resume=True, init_from=str(trained_run)).step == 2
+    assert plan_run(RunRequest(flags, out=run, resume=True, init_from=str(trained_run))).step == 2
     monkeypatch.chdir(trained_run.parent)  # the same weights, spelled another way
-    assert plan_run(flags, out=run, resume=True, init_from=trained_run.name).step == 2
+    assert plan_run(RunRequest(flags, out=run, resume=True, init_from=trained_run.name)).step == 2
     with pytest.raises(NanoGPTError, match=r"--init-from \S+ --last is not what \S+ was started from \(--init-from "):
-        plan_run(flags, out=run, resume=True, init_from=str(trained_run), init_last=True)
+        plan_run(RunRequest(flags, out=run, resume=True, init_from=str(trained_run), last=True))
     with pytest.raises(NanoGPTError, match=r"was not started from other weights.*drop --init-from"):
-        plan_run({}, out=trained_run, resume=True, init_from=str(trained_run))
+        plan_run(RunRequest({}, out=trained_run, resume=True, init_from=str(trained_run)))
 
 
 # --- threads ---

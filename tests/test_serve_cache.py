@@ -29,6 +29,7 @@ from nanogpt_cli.runs import checkpoint as ckpt  # noqa: E402
 from nanogpt_cli.serve import ServeOptions, build_server  # noqa: E402
 from nanogpt_cli.tokenizer import build_tokenizer  # noqa: E402
 from nanogpt_cli.training.finetune import plan_finetune  # noqa: E402
+from nanogpt_cli.training.request import RunRequest  # noqa: E402
 from nanogpt_cli.training.trainer import Trainer  # noqa: E402
 from conftest import tiny_plan  # noqa: E402
 
@@ -211,7 +212,7 @@ def runs(tmp_path_factory):
     def lora(name: str, base: str, cfg: LoRAConfig):
         values = dict(data="chats", data_dir=str(root / "data"), dtype="float32", device="cpu", max_iters=4)
         values.update(eval_interval=4, eval_iters=1, batch_size=4, warmup_iters=0, learning_rate=5e-2)
-        job = plan_finetune(values, out=root / name, init_from=str(bases[base]), lora=cfg)
+        job = plan_finetune(RunRequest(values, out=root / name, init_from=str(bases[base])), lora=cfg)
         Trainer(job.plan, trainable=job.trainable).fit()
         return root / name
 

@@ -16,6 +16,7 @@ import pytest
 from nanogpt_cli.interop.loading import load_model
 from nanogpt_cli.runs import checkpoint as ckpt
 from nanogpt_cli.training.plan import plan_run
+from nanogpt_cli.training.request import RunRequest
 from nanogpt_cli.training.trainer import train
 
 
@@ -72,7 +73,7 @@ def test_a_signal_during_an_evaluation_stops_at_once_saves_and_the_resume_evalua
     assert ckpt.file_step(run / "model.safetensors") == 2
     load_model(run, last=True)
     # the resume evaluates step 2 first (with fewer batches now), so the metrics are those of an unbroken run
-    result = train(plan_run({"max_iters": 3, "eval_iters": 2}, out=run, resume=True))
+    result = train(plan_run(RunRequest({"max_iters": 3, "eval_iters": 2}, out=run, resume=True)))
     assert result.step == 3
     assert [r["step"] for r in records(run) if r["kind"] == "eval"] == [2, 3]
 
@@ -95,7 +96,7 @@ def test_a_second_sigint_stops_at_once_and_says_what_is_on_disk(char_data, tmp_p
     assert f"note: stopped at once by a second SIGINT; the checkpoint of step {step:,} is in {run}; " in line
     assert f"resume with: nanogpt train --out {run} --resume" in line
     assert not list(run.glob(".*.staged"))
-    result = train(plan_run({"max_iters": step + 1}, out=run, resume=True))
+    result = train(plan_run(RunRequest({"max_iters": step + 1}, out=run, resume=True)))
     assert result.step == step + 1
 
 

@@ -22,6 +22,7 @@ from nanogpt_cli.model import GPT
 from nanogpt_cli.runs import checkpoint as ckpt
 from nanogpt_cli.training.optim import lr_at
 from nanogpt_cli.training.plan import plan_run
+from nanogpt_cli.training.request import RunRequest
 from nanogpt_cli.training.trainer import optimizer_step, train
 from conftest import tiny_config, tiny_plan
 
@@ -29,7 +30,7 @@ runner = CliRunner()
 
 
 def resumed(run_dir, **flags):
-    return plan_run(flags, out=run_dir, resume=True)
+    return plan_run(RunRequest(flags, out=run_dir, resume=True))
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -184,8 +185,7 @@ def test_toml_and_flags_merge_with_flags_winning(char_data, tmp_path):
     )
     from nanogpt_cli.config import load_toml
 
-    values = load_toml(toml)
-    plan = plan_run({"preset": "tiny", "learning_rate": 5e-4}, values, out=tmp_path / "r")
+    plan = plan_run(RunRequest({"preset": "tiny", "learning_rate": 5e-4}, config=toml, out=tmp_path / "r"))
     model_cfg, cfg = plan.model, plan.train
     assert (model_cfg.n_layer, model_cfg.n_embd, model_cfg.n_head) == (3, 48, 2)  # toml over preset
     assert cfg.learning_rate == 5e-4 and cfg.batch_size == 4  # flag over toml
@@ -210,7 +210,7 @@ def test_fine_tuning_starts_from_the_given_weights(char_data, tmp_path):
         "eval_iters": 4,
         "batch_size": 8,
     }
-    train(plan_run(flags, out=tuned, init_from=str(base)))
+    train(plan_run(RunRequest(flags, out=tuned, init_from=str(base))))
     assert metrics(tuned)[0]["val_loss"] == pytest.approx(result.val_loss, abs=1e-6)
     other = tmp_path / "other.txt"
     other.write_text("abc" * 200)
@@ -218,7 +218,11 @@ def test_fine_tuning_starts_from_the_given_weights(char_data, tmp_path):
 
     prepare(str(other), "abc", tokenizer="char", data_dir=data_dir)
     with pytest.raises(NanoGPTError, match="another tokenizer.*3 characters in dataset 'abc' vs"):
-        plan_run({"preset": "tiny", "data": "abc", "data_dir": str(data_dir)}, out=tmp_path / "x", init_from=str(base))
+        plan_run(
+            RunRequest(
+                {"preset": "tiny", "data": "abc", "data_dir": str(data_dir)}, out=tmp_path / "x", init_from=str(base)
+            )
+        )
 
 
 def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(char_data, tmp_path):
@@ -240,7 +244,7 @@ def test_a_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(char_data, t
     train(tiny_plan(data_dir, name, run, max_iters=50, eval_interval=5, stop_at=10, log_interval=1))
     kept = (run / "model.safetensors").read_bytes()
     with pytest.raises(NanoGPTError, match="non-finite at step 1[1-9]; the last good checkpoint .* is kept"):
-        train(plan_run({"learning_rate": 1e12, "grad_clip": 0.0}, out=run, resume=True))
+        train(plan_run(RunRequest({"learning_rate": 1e12, "grad_clip": 0.0}, out=run, resume=True)))
     assert (run / "model.safetensors").read_bytes() == kept
     assert math.isfinite(ckpt.read_metadata(run / "model.safetensors")["val_loss"])
 
@@ -751,15 +755,17 @@ def test_resume_applies_each_fields_declared_rule(char_data, tmp_path):
 def test_a_preset_accumulation_adapts_to_the_processes_and_a_given_one_must_divide(char_data, tmp_path):
     data_dir, name = char_data
     flags = {"preset": "tiny", "data": name, "data_dir": str(data_dir), "device": "cpu"}
-    plan = plan_run(flags, out=tmp_path / "a", world_size=3)
+    plan = plan_run(RunRequest(flags, out=tmp_path / "a"), world_size=3)
     assert plan.train.gradient_accumulation_steps == 3
     assert plan.notes == [
         "--gradient-accumulation-steps 3 instead of the default 1: a multiple of the 3 processes "
         "(1 micro-batch each per update)"
     ]
     with pytest.raises(NanoGPTError, match=r"--gradient-accumulation-steps \(4\) .* divisible by the number of "):
-        plan_run({**flags, "gradient_accumulation_steps": 4}, out=tmp_path / "b", world_size=3)
-    assert plan_run({**flags, "gradient_accumulation_steps": 4}, out=tmp_path / "c", world_size=2).notes == []
+        plan_run(RunRequest({**flags, "gradient_accumulation_steps": 4}, out=tmp_path / "b"), world_size=3)
+    assert (
+        plan_run(RunRequest({**flags, "gradient_accumulation_steps": 4}, out=tmp_path / "c"), world_size=2).notes == []
+    )
 
 
 def test_warnings_and_notes_before_a_run(char_data, tmp_path):
@@ -777,10 +783,10 @@ def test_init_from_takes_best_unless_last_and_says_which(char_data, tmp_path):
     # make the last weights differ from the best by hand: best is step 2's copy
     best_step = ckpt.read_metadata(base / "best.safetensors")["step"]
     flags = {"data": name, "data_dir": str(data_dir), "dtype": "float32", "device": "cpu"}
-    plan = plan_run(flags, out=tmp_path / "t1", init_from=str(base))
+    plan = plan_run(RunRequest(flags, out=tmp_path / "t1", init_from=str(base)))
     assert plan.init_weights == base / "best.safetensors"
     assert any(f"best.safetensors (step {best_step}" in n for n in plan.notes)
-    plan = plan_run(flags, out=tmp_path / "t2", init_from=str(base), init_last=True)
+    plan = plan_run(RunRequest(flags, out=tmp_path / "t2", init_from=str(base), last=True))
     assert plan.init_weights == base / "model.safetensors"
     assert any("model.safetensors (step 4" in n for n in plan.notes)
 
@@ -842,7 +848,7 @@ def test_fp16_trains_skips_an_overflow_step_and_resumes_the_scaler_exactly(char_
     state["scaler"]["scale"] = 2.0**100
     (forced / "trainer.json").write_text(json.dumps(state))
     weights_before = (forced / "model.safetensors").read_bytes()
-    train(plan_run({"stop_at": 3}, out=forced, resume=True))
+    train(plan_run(RunRequest({"stop_at": 3}, out=forced, resume=True)))
     after = trainer(forced)
     assert after["step"] == 3 and after["scaler"]["scale"] == 2.0**99  # backed off once
     lines = [json.loads(x) for x in (forced / "metrics.jsonl").read_text().splitlines()]

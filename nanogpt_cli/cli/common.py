@@ -60,22 +60,24 @@ def prints() -> bool:
 
 
 def config_options(command):
-    """`command`'s own options plus one option per field of GPTConfig and TrainConfig, generated from each
-    field's type (a Choice offers its choices), help text, panel and default, as config.py declares them. The
-    options given reach `command` as one dict, `flags`; the others stay unset, so a preset or config file can
-    fill them, and their help shows the value they stand for when nothing does."""
+    """`command`'s own options plus one option per field of GPTConfig and TrainConfig and one per field of the
+    RunRequest (--config, --out, --resume, --force, --init-from, --last), generated from each field's type (a
+    Choice offers its choices), help text, panel and default, as config.py and training/request.py declare them.
+    They reach `command` as one RunRequest, `request` (placed where the command declares that parameter), whose
+    flags are the config options given; the others stay unset, so a preset or config file can fill them, and
+    their help shows the value they stand for when nothing does."""
     import dataclasses
     import inspect
     import typing
 
+    from nanogpt_cli.api import RunRequest
     from nanogpt_cli.config import MAIN, GPTConfig, TrainConfig
 
     hints = typing.get_type_hints(command, include_extras=True)
-    own = [
-        p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
-        for p in inspect.signature(command).parameters.values()
-        if p.name != "flags"
-    ]
+    asked = [request_option(f) for f in dataclasses.fields(RunRequest) if f.name != "flags"]
+    own = []
+    for p in inspect.signature(command).parameters.values():
+        own += asked if p.name == "request" else [p.replace(annotation=hints[p.name], kind=p.KEYWORD_ONLY)]
     generated = [(cls, f) for cls in (GPTConfig, TrainConfig) for f in dataclasses.fields(cls)]
     options = {f.name: config_option(cls, f) for cls, f in generated}
     first = [options[f.name] for cls, f in generated if f.metadata.get("panel") == MAIN]  # beside the command's own
@@ -83,12 +85,28 @@ def config_options(command):
     @functools.wraps(command)
     def run(**kwargs):
         given = {name: kwargs.pop(name) for name in options}
-        return command(**kwargs, flags={k: v for k, v in given.items() if v is not None})
+        chosen = {p.name: kwargs.pop(p.name) for p in asked}
+        flags = {k: v for k, v in given.items() if v is not None}
+        return command(**kwargs, request=RunRequest(flags, **chosen))
 
     params = first + own + [p for p in options.values() if p not in first]
     run.__signature__ = inspect.Signature(params)
     run.__annotations__ = {p.name: p.annotation for p in params}
     return run
+
+
+def request_option(field):
+    """The CLI option of one RunRequest field: --name, of the field's type, with the help declared beside it."""
+    import inspect
+    import typing
+
+    from nanogpt_cli.api import RunRequest
+
+    kind = typing.get_type_hints(RunRequest)[field.name]
+    option = typer.Option(f"--{flag(field.name)}", help=field.metadata["help"], **field.metadata["cli"])
+    return inspect.Parameter(
+        field.name, inspect.Parameter.KEYWORD_ONLY, default=field.default, annotation=Annotated[kind, option]
+    )
 
 
 # what a field's declaration cannot say: --data has no default, yet training needs it unless a resumed run or a

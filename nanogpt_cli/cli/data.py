@@ -11,10 +11,10 @@ from typing import Annotated
 
 import typer
 
+from nanogpt_cli import api
 from nanogpt_cli.cli.common import DATA_DIR_HELP, note, one_line_errors, stopped
 from nanogpt_cli.cli.tokens import Compare, Name, say_tokenizer_counts, tokenizer_table
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.files import check_creatable
 
 # what prepare and tokenizer train both read
 Source = Annotated[
@@ -98,28 +98,24 @@ def prepare(
     Example: nanogpt prepare shakespeare --name shakespeare-char --tokenizer char
     """
     from nanogpt_cli.cli.ui import console, prepare_progress, prepare_table
-    from nanogpt_cli.data import interrupted_prepare
-    from nanogpt_cli.data import prepare as prepare_data
 
     if compare or name is None:  # counting only, or no dataset named
         return say_tokenizer_counts(source, text_column, encoding, compare)
-    check_creatable(data_dir, "--data-dir")
-    from nanogpt_cli.tokenizer import trained_or_named
-
-    tokenizer = trained_or_named(tokenizer, tokenizers_dir)
     replacing = (data_dir / name / "meta.json").is_file() and not resume  # --resume continues, not replaces
+    where = dict(tokenizer=tokenizer, data_dir=data_dir, tokenizers_dir=tokenizers_dir, format=format)
     if format != "text":
-        return prepare_chat(
-            source, name, tokenizer, data_dir, chat_template, val_fraction, strict, shard_tokens, format
+        rows = dict(chat_template=chat_template, val_fraction=val_fraction, strict=strict)
+        result = api.prepare(
+            source, name, **where, **rows, **({"shard_tokens": shard_tokens} if format == "chat" else {})
         )
+        return say_rows(result, format)
     try:
         with prepare_progress() as progress:
-            result = prepare_data(
+            result = api.prepare(
                 source,
                 name,
-                tokenizer=tokenizer,
+                **where,
                 val_fraction=val_fraction,
-                data_dir=data_dir,
                 text_column=text_column,
                 subset=subset,
                 split=split,
@@ -133,8 +129,8 @@ def prepare(
                 encoding=encoding,
                 progress=progress,
             )
-    except KeyboardInterrupt:  # the partial prepare is kept: say where and how to continue it
-        kept = interrupted_prepare(data_dir, name)
+    except KeyboardInterrupt as stop:  # the partial prepare is kept (api.PrepareStopped says where)
+        kept = getattr(stop, "kept", None)
         raise stopped(f"interrupted; {kept}" if kept else "interrupted") from None
     console.print(prepare_table(result))
     if replacing:  # said after the table, where it is seen: runs trained on the old data see the new
@@ -143,63 +139,23 @@ def prepare(
         )
 
 
-def prepare_chat(source, name, tokenizer, data_dir, chat_template, val_fraction, strict, shard_tokens, fmt) -> None:
-    """prepare --format chat: conversations rendered with a template, a loss mask beside each token shard."""
+def say_rows(result, fmt: str) -> None:
+    """prepare --format chat, preference or prompts: the rows skipped, and what was written."""
     from nanogpt_cli.cli.ui import console
 
-    if fmt in ("preference", "prompts"):
-        return prepare_rows(source, name, tokenizer, data_dir, chat_template, val_fraction, strict, fmt)
-    if fmt != "chat":
-        raise NanoGPTError(f"unknown --format {fmt!r}; use text, chat, preference or prompts")
-    from nanogpt_cli.data.chat import prepare_chat as prepare_chat_data
-
-    result = prepare_chat_data(
-        source,
-        name,
-        tokenizer=tokenizer,
-        data_dir=str(data_dir),
-        val_fraction=val_fraction,
-        chat_template=str(chat_template) if chat_template else None,
-        strict=strict,
-        shard_tokens=shard_tokens,
-    )
     for line, why in result.bad[:20]:
         console.print(f"skipped line {line}: {why}", highlight=False, soft_wrap=True)
     if result.bad:
         console.print(f"skipped {len(result.bad):,} bad rows (--strict stops at the first)", highlight=False)
-    console.print(
-        f"{result.path}: {result.conversations:,} conversations, {result.train_tokens:,} train and "
-        f"{result.val_tokens:,} val tokens, {result.trained_tokens:,} of them in the loss mask",
-        highlight=False,
-        soft_wrap=True,
-    )
-
-
-def prepare_rows(source, name, tokenizer, data_dir, chat_template, val_fraction, strict, fmt) -> None:
-    """prepare --format preference or prompts: rows tokenised for DPO or GRPO."""
-    from nanogpt_cli.cli.ui import console
-    from nanogpt_cli.data.preference import prepare_rows as prepare_rows_data
-
-    result = prepare_rows_data(
-        source,
-        name,
-        kind=fmt,
-        tokenizer=tokenizer,
-        data_dir=str(data_dir),
-        chat_template=str(chat_template) if chat_template else None,
-        val_fraction=val_fraction,
-        strict=strict,
-    )
-    for line, why in result.bad[:20]:
-        console.print(f"skipped line {line}: {why}", highlight=False, soft_wrap=True)
-    if result.bad:
-        console.print(f"skipped {len(result.bad):,} bad rows (--strict stops at the first)", highlight=False)
-    what = "pairs" if fmt == "preference" else "prompts"
-    console.print(
-        f"{result.path}: {result.rows:,} {what}, {result.train_rows:,} train and {result.val_rows:,} val",
-        highlight=False,
-        soft_wrap=True,
-    )
+    if fmt == "chat":
+        said = (
+            f"{result.conversations:,} conversations, {result.train_tokens:,} train and {result.val_tokens:,} val "
+            f"tokens, {result.trained_tokens:,} of them in the loss mask"
+        )
+    else:
+        what = "pairs" if fmt == "preference" else "prompts"
+        said = f"{result.rows:,} {what}, {result.train_rows:,} train and {result.val_rows:,} val"
+    console.print(f"{result.path}: {said}", highlight=False, soft_wrap=True)
 
 
 tokenizer_app = typer.Typer(

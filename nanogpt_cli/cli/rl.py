@@ -1,4 +1,4 @@
-"""finetune --method dpo and --method grpo: their options, and the run with the training display.
+"""finetune --method dpo and --method grpo: their options, and the run with the training display (api.py plans it).
 
 nanogpt finetune --method grpo --init-from checkpoints/sft --data count-prompts --group-size 8 --kl 0.02
 """
@@ -39,65 +39,22 @@ Updates = Annotated[
 ]
 
 
-def sft_planned(plan) -> bool:
-    """True when the planned run can train with --method sft; a refusal naming the method it needs otherwise."""
-    from nanogpt_cli.errors import NanoGPTError
-
-    objective = (plan.finetune or {}).get("objective")
-    if objective is not None:
-        raise NanoGPTError(f"{plan.run_dir} is a --method {objective} run; resume it with --method {objective}")
-    wanted = {"preference": "dpo", "prompts": "grpo"}.get(plan.dataset.get("format"))
-    if wanted:
-        raise NanoGPTError(
-            f"{plan.train.data} is a {plan.dataset['format']} dataset; train on it with --method {wanted}"
-        )
-    return True
-
-
-def run_policy(job, method: str, given: dict, quiet: bool, sink=None) -> None:
-    """Train a planned DPO or GRPO run with train's display (start lines, progress, evaluations; unless quiet)
-    and a summary table. sink: the --tracker's, which these methods do not feed yet (refused)."""
+def run_policy(training, method: str, quiet: bool) -> None:
+    """Train a planned DPO or GRPO run (api.plan_finetuning's) with train's display (start lines, progress,
+    evaluations; unless quiet) and a summary table."""
     from nanogpt_cli.cli.common import note
-    from nanogpt_cli.cli.ui import console
-    from nanogpt_cli.errors import NanoGPTError
-
-    if method not in ("dpo", "grpo"):
-        raise NanoGPTError(f"unknown --method {method!r}; use sft, dpo or grpo")
-    if sink is not None:
-        sink.close()
-        raise NanoGPTError(
-            f"--tracker does not log --method {method} runs; drop it (the run folder's metrics file has every value)"
-        )
-    own = ("beta", "loss_type", "rpo_alpha") if method == "dpo" else ("group_size", "kl", "reward", "max_new_tokens")
-    own += () if method == "dpo" else ("rollout_temperature", "grpo_updates")
-    stray = [k for k, v in given.items() if v is not None and k not in own]
-    if stray:
-        raise NanoGPTError(f"--{stray[0].replace('_', '-')} has no effect with --method {method}; drop it")
-    given = {k: v for k, v in given.items() if v is not None}
-    for message in job.plan.notes:
-        note(message)
-    from nanogpt_cli.cli.stops import cut_short, resume_command, stop_code, stopped_line, while_planning
+    from nanogpt_cli.cli.stops import cut_short, resume_command, stop_code, stopped_line
     from nanogpt_cli.cli.train_ui import TrainDisplay, policy_table
+    from nanogpt_cli.cli.ui import console
 
-    with TrainDisplay(quiet) as display:
-        if method == "dpo":
-            from nanogpt_cli.training.dpo import DPO
-
-            run = while_planning(DPO, job, given, display=display)  # reads the pairs
-        else:
-            from functools import partial
-
-            from nanogpt_cli.api import engine_rollout
-            from nanogpt_cli.training.grpo import GRPO
-
-            rollout = partial(engine_rollout, vocab_size=job.plan.dataset.get("vocab_size"))
-            run = while_planning(GRPO, job, rollout, given, display=display)  # reads the prompts and the reward
-        # `runs` says "running" while it trains; another start there is refused
-        with cut_short(job.plan), job.plan.run_dir.hold():
-            result = run.fit()
+    plan = training.plan
+    for message in plan.notes:
+        note(message)
+    with TrainDisplay(quiet) as display, cut_short(plan):
+        result = training.run(display)
     console.print(policy_table(result, method))
     if result.stopped in ("SIGINT", "SIGTERM"):  # a stop asked for, after a save: a note, not an error
-        note(stopped_line(job.plan, result))
+        note(stopped_line(plan, result))
         raise typer.Exit(stop_code(result.stopped))
     if result.stopped == "stop_at":
-        console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_command(job.plan)}")
+        console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_command(plan)}")

@@ -11,6 +11,7 @@ from typing import Annotated
 
 import typer
 
+from nanogpt_cli import api
 from nanogpt_cli.cli.common import one_line_errors, say_kernels
 
 
@@ -24,9 +25,8 @@ def runs(
     Example: nanogpt runs checkpoints
     """
     from nanogpt_cli.cli.ui import console, runs_table
-    from nanogpt_cli.inspect.catalog import list_runs
 
-    found = list_runs(folder)
+    found = api.list_runs(folder)
     if json_out:
         for run in found:
             print(json.dumps(run.to_dict()))
@@ -104,17 +104,11 @@ def plot(
     Example: nanogpt plot checkpoints/shk checkpoints/shk-wsd --out loss.png
     """
     from nanogpt_cli.cli.ui import console
-    from nanogpt_cli.inspect.plot import terminal_plot, write_png
-    from nanogpt_cli.runs.rundir import find_run
 
-    runs = [Path(find_run(run)) for run in runs]
     if out is not None:
-        from nanogpt_cli.files import check_creatable
-
-        check_creatable(out.parent if str(out.parent) else Path("."), "the folder of --out")
-        console.print(f"wrote {write_png(runs, out)}")
+        console.print(f"wrote {api.plot(runs, out)}")
     else:
-        print(terminal_plot(runs, width=min(console.width, 100), height=20, color=console.is_terminal))
+        print(api.plot(runs, width=min(console.width, 100), height=20, color=console.is_terminal))
 
 
 def system_table(found: dict):
@@ -151,11 +145,9 @@ def report(
     Example: nanogpt report checkpoints/a checkpoints/b
     """
     from nanogpt_cli.cli.ui import console
-    from nanogpt_cli.inspect.report import compare, report_of
-    from nanogpt_cli.runs.rundir import RunDir
 
     if len(runs) == 1:
-        text, _ = report_of(RunDir(runs[0]))
+        text = api.report(runs[0])
         if console.is_terminal:
             from rich.markdown import Markdown
 
@@ -165,11 +157,11 @@ def report(
         return
     from rich.table import Table
 
-    names, rows = compare([RunDir(r) for r in runs])
+    compared = api.compare(runs)
     table = Table(title="runs compared", title_justify="left")
     table.add_column("", style="bold")
-    for name in names:
+    for name in compared.names:
         table.add_column(name, justify="right")
-    for label, values in rows:
+    for label, values in compared.rows:
         table.add_row(label, *values)
     console.print(table)

@@ -1,4 +1,4 @@
-"""train and finetune: thin commands over training/ (planning, the loop, --nproc), with the progress display.
+"""train and finetune: thin commands over the API's plan_training and plan_finetuning, with the progress display.
 
 nanogpt train --data shakespeare-char --preset cpu-char --out checkpoints/shk
 """
@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from nanogpt_cli import api
+from nanogpt_cli.api import RunRequest
 from nanogpt_cli.cli.common import Threads, config_options, note, one_line_errors, prints
 from nanogpt_cli.cli.rl import (
     KL,
@@ -23,27 +25,11 @@ from nanogpt_cli.cli.rl import (
     Temperature,
     Updates,
     run_policy,
-    sft_planned,
 )
 from nanogpt_cli.cli.stops import cut_short, resume_command, stop_code, stopped_line, while_planning
 from nanogpt_cli.config import PRESETS
-from nanogpt_cli.errors import NanoGPTError
 
-# options that train and finetune share, declared once
-RunConfig = Annotated[Path | None, typer.Option("--config", help="TOML file of config keys; flags override it.")]
-RunOut = Annotated[Path | None, typer.Option("--out", help="Run folder (default checkpoints/DATA-TIMESTAMP).")]
-Resume = Annotated[bool, typer.Option("--resume", help="Continue the run in --out where it stopped.")]
-Force = Annotated[bool, typer.Option("--force", help="Start over in an --out that holds a run (deletes it).")]
-InitFrom = Annotated[
-    str | None,
-    typer.Option(
-        help="The weights to start from, with a fresh optimizer: a run folder or a run's name in checkpoints/ (a "
-        "LoRA run merged on its base), a .safetensors file, a .gguf file (ours or llama.cpp's), a Hugging Face "
-        "folder or hf:NAME (not needed with --resume).",
-        show_default=False,
-    ),
-]
-InitLast = Annotated[bool, typer.Option("--last", help="With --init-from RUN: its last weights, not its best.")]
+# options that train and finetune share (the run's own, --out, --resume, ..., are RunRequest's: config_options)
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print only the final summary.")]
 Plot = Annotated[
     bool, typer.Option("--plot/--no-plot", help="Draw loss.png in the run folder at the end (with matplotlib).")
@@ -78,14 +64,9 @@ def train(
             show_default=False,
         ),
     ] = None,
-    config: RunConfig = None,
-    out: RunOut = None,
-    resume: Resume = False,
-    force: Force = False,
-    init_from: InitFrom = None,
+    request: RunRequest = None,  # --config, --out, --resume, --force, --init-from, --last (config_options)
     quiet: Quiet = False,
     plot: Plot = True,
-    last: InitLast = False,
     threads: Threads = None,
     tracker: Tracker = None,
     eval_tasks: EvalTasks = None,
@@ -103,65 +84,39 @@ def train(
         str | None,
         typer.Option(help="With --nnodes: HOST:PORT where the machines meet (the same on each).", show_default=False),
     ] = None,
-    flags: dict | None = None,  # the config options given (config_options)
 ):
     """Train a GPT on a prepared dataset, with checkpoints you can resume.
 
     Example: nanogpt train --data shakespeare-char --preset cpu-char --out checkpoints/shk
     """
-    from nanogpt_cli.config import load_toml
-    from nanogpt_cli.device import set_threads
-    from nanogpt_cli.training.job import TrainRequest, plan_train
-    from nanogpt_cli.training.trackers import open_tracker
-
-    given = dict(flags or {})
-    tasks = check_eval_tasks(eval_tasks)
-    set_threads(threads)
-    if nproc is not None and tracker:  # the processes open it; an unknown one or a missing extra is refused here
-        open_tracker(tracker).close()
-    sink = open_tracker(tracker) if tracker and prints() and nproc is None else None  # refused first, too
-    request = TrainRequest(
-        flags=dict(given, **({"preset": preset} if preset is not None else {})),
-        file_values=load_toml(config) if config else {},
-        out=out,
-        resume=resume,
-        force=force,
-        init_from=init_from,
-        init_last=last,
-        nproc=nproc,
-        nnodes=nnodes,
-        rdzv_endpoint=rdzv_endpoint,
-        on_probe=say_probe if prints() and not quiet else None,
+    request = request.but(flags={"preset": preset} if preset is not None else {})
+    launched = dict(nproc=nproc, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint)
+    probe = say_probe if prints() and not quiet else None
+    training = while_planning(
+        api.plan_training,
+        request=request,
+        threads=threads,
+        tracker=tracker,
+        eval_tasks=eval_tasks,
+        on_probe=probe,
+        **launched,
     )
-    job = while_planning(plan_train, request)
-    if job.launch is not None:  # everything was checked here, before any process starts
-        options = dict(preset=preset, config=config, init_from=init_from, threads=threads, tracker=tracker)
-        switches = dict(resume=resume, force=force, quiet=quiet, last=last, verbose=verbose, no_plot=not plot)
-        return launch_training(job.plan, job.launch, given, {**options, **switches})
-    run_planned(job.plan, quiet, sink, job.trainable, verbose, plot, tasks)
+    if training.launch is not None:  # everything was checked here, before any process starts
+        if training.plan.complete:
+            return say_complete(training)
+        own = dict(threads=threads, tracker=tracker, eval_tasks=eval_tasks, quiet=quiet, verbose=verbose)
+        code = training.spawn({**own, "no_plot": not plot})
+        if code:
+            raise typer.Exit(code)
+        return
+    run_planned(training, quiet, verbose, plot)
 
 
-def check_eval_tasks(eval_tasks: str | None) -> list[str] | None:
-    """--eval-tasks: the names, checked before anything trains (and lm-eval installed)."""
-    if eval_tasks is None:
-        return None
-    from nanogpt_cli.errors import require
-    from nanogpt_cli.inference.tasks import check_options
-
-    names = check_options([eval_tasks], None, None, None)
-    require("lm_eval", "eval", "scoring lm-eval tasks", package="lm-eval")
-    return names
-
-
-def run_planned(
-    plan, quiet: bool, sink, trainable=None, verbose: bool = False, plot: bool = True, eval_tasks=None
-) -> None:
-    """Train a planned run with the progress display (and a tracker's sink), then report it: train and finetune."""
+def run_planned(training, quiet: bool, verbose: bool = False, plot: bool = True) -> None:
+    """Train a planned run with the progress display, then report it: train and finetune."""
     from nanogpt_cli.cli.train_ui import TrainDisplay
-    from nanogpt_cli.training.distributed import open_world
-    from nanogpt_cli.training.trackers import Tee
-    from nanogpt_cli.training.trainer import Trainer
 
+    plan = training.plan
     if prints() and plan.auto is not None and not quiet:
         from nanogpt_cli.cli.train_ui import auto_table
         from nanogpt_cli.cli.ui import console
@@ -174,21 +129,18 @@ def run_planned(
             print(change, flush=True)
     if plan.complete:
         if prints():
-            say_complete(plan)
+            say_complete(training)
         return
-    # under torchrun the process group is left only after rank 0 has printed, so no rank ends (and has
-    # torchrun stop the others) before
-    with open_world(plan.train) as world:
-        try:
-            with TrainDisplay(quiet or not prints(), verbose) as display, cut_short(plan):
-                result = Trainer(plan, Tee(display, sink) if sink else display, world, trainable=trainable).fit()
-        finally:
-            if sink is not None:
-                sink.close()
+
+    def report(result) -> None:  # under torchrun: while every rank waits, so that none ends the others first
+        display.close()
         if prints():
-            drawn = report_training(plan, result, plot)
-            write_card(plan, result, drawn, eval_tasks, quiet)
+            drawn = report_training(training, result, plot)
+            write_card(training, result, drawn, quiet)
             say_ending(plan, result)
+
+    with TrainDisplay(quiet or not prints(), verbose) as display, cut_short(plan):
+        result = training.run(display, then=report)
     if result.stopped in ("SIGINT", "SIGTERM"):
         from nanogpt_cli.training.launch import record_error
 
@@ -199,7 +151,6 @@ def run_planned(
 @config_options
 @one_line_errors
 def finetune(
-    init_from: InitFrom = None,
     lora: Annotated[
         bool, typer.Option("--lora", help="Train LoRA adapters on the frozen weights (any --lora-* flag implies it).")
     ] = False,
@@ -221,11 +172,7 @@ def finetune(
     preset: Annotated[
         str | None, typer.Option(help="Named training config (the architecture stays the checkpoint's).")
     ] = None,
-    config: RunConfig = None,
-    out: RunOut = None,
-    resume: Resume = False,
-    force: Force = False,
-    last: InitLast = False,
+    request: RunRequest = None,  # --config, --out, --resume, --force, --init-from, --last (config_options)
     quiet: Quiet = False,
     threads: Threads = None,
     tracker: Tracker = None,
@@ -241,53 +188,30 @@ def finetune(
     max_new_tokens: MaxNew = None,
     temperature: Temperature = None,
     grpo_updates: Updates = None,
-    flags: dict | None = None,  # the config options given (config_options)
 ):
     """Fine-tune trained weights: all of them, or LoRA adapters (--lora). sft trains on a chat dataset's replies
     (keeping its template), dpo on preference pairs, grpo on rewarded completions of its own.
 
     Example: nanogpt finetune --init-from checkpoints/base --data chats --lora --max-iters 300 --out checkpoints/chat
     """
-    from nanogpt_cli.config import load_toml
-    from nanogpt_cli.device import set_threads
-    from nanogpt_cli.lora import DEFAULT_TARGETS, LoRAConfig
-    from nanogpt_cli.training.finetune import plan_finetune
-    from nanogpt_cli.training.trackers import open_tracker
-
-    flags = dict(flags or {}, **({"preset": preset} if preset is not None else {}))
-    tasks = check_eval_tasks(eval_tasks)
-    set_threads(threads)
-    sink = open_tracker(tracker) if tracker and prints() else None
+    request = request.but(flags={"preset": preset} if preset is not None else {})
     given = {"r": lora_r, "alpha": lora_alpha, "dropout": lora_dropout, "targets": lora_targets}
     given = {k: v for k, v in given.items() if v is not None}
-    lora_cfg = None  # on --resume without --lora-* values: the run's own
-    if given or (lora and not resume):
-        targets = given.pop("targets", None)
-        lora_cfg = LoRAConfig(**given, targets=(targets,) if targets is not None else DEFAULT_TARGETS)
-    where = dict(out=out, resume=resume, force=force, init_from=init_from, init_last=last)
-    lora_flags = set(given) | ({"targets"} if lora_targets is not None else set())
-    file_values = load_toml(config) if config else {}
-    job = while_planning(plan_finetune, flags, file_values, **where, lora=lora_cfg, lora_flags=lora_flags)
-    if method == "sft" and sft_planned(job.plan):
-        return run_planned(job.plan, quiet, sink, job.trainable, plot=plot, eval_tasks=tasks)
     settings = dict(beta=beta, loss_type=loss_type, rpo_alpha=rpo_alpha, group_size=group_size, kl=kl, reward=reward)
     settings |= dict(max_new_tokens=max_new_tokens, rollout_temperature=temperature, grpo_updates=grpo_updates)
-    run_policy(job, method, settings, quiet, sink)
-
-
-def launch_training(plan, how, given: dict, options: dict) -> None:
-    """train --nproc: the planned run (its refusals already said) in how.world_size processes, each running this
-    command without the launch flags (given: the config options given; options: train's own) and with the run
-    folder planned here."""
-    from nanogpt_cli.training.distributed import rank_device
-    from nanogpt_cli.training.launch import launch, train_args
-
-    if plan.complete:
-        return say_complete(plan)
-    rank_device(plan.train.device, how.nproc - 1)  # --device cuda:N, or more processes than GPUs: one line here
-    code = launch(train_args(given, options, plan.run_dir.path), how)
-    if code:
-        raise typer.Exit(code)
+    training = while_planning(
+        api.plan_finetuning,
+        request=request,
+        method=method,
+        lora=given or lora,  # on --resume with --lora alone: the run's own adapters
+        settings=settings,
+        tracker=tracker,
+        eval_tasks=eval_tasks,
+        threads=threads,
+    )
+    if training.policy is None:
+        return run_planned(training, quiet, plot=plot)
+    run_policy(training, method, quiet)
 
 
 def say_probe(event) -> None:
@@ -297,32 +221,26 @@ def say_probe(event) -> None:
     print(probe_line(event), flush=True)
 
 
-def say_complete(plan) -> None:
+def say_complete(training) -> None:
     """A run that has nothing left to train: why, and what to raise."""
     from nanogpt_cli.cli.ui import console
-    from nanogpt_cli.training.job import complete_reason
 
-    console.print(complete_reason(plan))
+    console.print(training.complete_reason)
 
 
-def report_training(plan, result, plot: bool = True) -> tuple[str | None, str | None]:
-    """The summary table and the loss curves' picture (with the plot extra); returns the picture's file name
-    (None: not drawn) and why not."""
+def report_training(training, result, plot: bool = True) -> tuple[Path | None, str | None]:
+    """The summary table and the loss curves' picture (with the plot extra); returns the picture (None: not
+    drawn) and why not."""
     from nanogpt_cli.cli.train_ui import train_table
     from nanogpt_cli.cli.ui import console
 
     console.print(train_table(result))
-    drawn: tuple[str | None, str | None] = (None, "--no-plot was given")
-    if plot:  # the plot extra: a picture of the curves (importing matplotlib and drawing take a moment: --no-plot)
-        from nanogpt_cli.inspect.plot import write_png
-
-        try:
-            write_png([plan.run_dir.path], plan.run_dir.loss_plot_path)
-            drawn = (plan.run_dir.loss_plot_path.name, None)
-        except NanoGPTError as e:  # said once, here at the end, where it is seen
-            note(f"{plan.run_dir.loss_plot_path.name} not drawn: {e}")
-            drawn = (None, str(e))
-    return drawn
+    if not plot:
+        return None, "--no-plot was given"
+    drawn, why = training.draw_plot()  # the plot extra (importing matplotlib and drawing take a moment: --no-plot)
+    if drawn is None:  # said once, here at the end, where it is seen
+        note(f"{training.plan.run_dir.loss_plot_path.name} not drawn: {why}")
+    return drawn, why
 
 
 def say_ending(plan, result) -> None:
@@ -337,13 +255,11 @@ def say_ending(plan, result) -> None:
         console.print(f"ended at step {result.step:,}: --max-time {plan.train.max_time:g} s was spent")
 
 
-def write_card(plan, result, drawn: tuple[str | None, str | None], eval_tasks: list[str] | None, quiet: bool) -> None:
+def write_card(training, result, drawn: tuple[Path | None, str | None], quiet: bool) -> None:
     """The run's report card, report.md (with its samples and the --eval-tasks scores), and where it is."""
     from nanogpt_cli.cli.ui import err_console
-    from nanogpt_cli.inspect.report import write_report
 
-    if not plan.run_dir.has_run() or plan.run_dir.is_empty():  # stopped before its first save: nothing to report
-        return
     status = None if quiet else (lambda text: err_console.print(text, style="dim", highlight=False))
-    write_report(plan.run_dir, result, eval_tasks=eval_tasks, plot=drawn[0], plot_note=drawn[1], on_status=status)
-    print(f"report: {plan.run_dir.report_path} (nanogpt report {plan.run_dir})", flush=True)
+    written = training.write_report(result, plot=drawn[0], plot_note=drawn[1], on_status=status)
+    if written is not None:  # None: stopped before its first save, nothing to report
+        print(f"report: {written} (nanogpt report {training.plan.run_dir})", flush=True)

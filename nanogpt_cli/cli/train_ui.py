@@ -94,8 +94,13 @@ class TrainDisplay:
         return self
 
     def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        """The live bar ends (the summary prints below it); again, nothing."""
         if self.progress is not None:
             self.progress.stop()
+            self.progress = None
 
     def on_start(self, e) -> None:
         if self.quiet:

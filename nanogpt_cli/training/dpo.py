@@ -1,6 +1,6 @@
 """Direct preference optimisation: learn from pairs of a better (chosen) and a worse (rejected) completion.
 
-    result = train_dpo(plan_finetune({"data": "pairs", ...}, out=..., init_from="checkpoints/sft"), beta=0.1)
+    result = DPO(plan_finetune(RunRequest({"data": "pairs", ...}, init_from="checkpoints/sft")), {"beta": 0.1}).fit()
 
 The loss of Rafailov et al. (2023), "Direct Preference Optimization", eq. 7, with h the difference of the
 policy's and the reference's log-ratios of the two completions (summed log-probabilities, nats):
@@ -182,9 +182,11 @@ class DPO:
         model.train()
         return sum(losses) / len(val), right / len(val)
 
-    def fit(self) -> DPOResult:
+    def fit(self, display: Display | None = None) -> DPOResult:
         """Train to the end, or to a signal (the steps trained are saved; an evaluation in progress is dropped)."""
         run = self.run
+        if display is not None:  # what shows this run's events (given here, or when it was made)
+            run.show = display
         with run.signals:
             stopped = self._fit()
         elapsed, ms, speed = run.speed()

@@ -2,8 +2,8 @@
 adapters. On a chat dataset only the assistant's tokens are in the loss (the trainer reads the masks). The loop
 is the trainer's; this module plans the start and hands the trainer its `trainable` hook.
 
-    job = plan_finetune({"data": "chats", "max_iters": 200}, out="checkpoints/chat", init_from="hf:gpt2",
-                        lora=LoRAConfig(r=8))
+    request = RunRequest({"data": "chats", "max_iters": 200}, out=Path("checkpoints/chat"), init_from="hf:gpt2")
+    job = plan_finetune(request, lora=LoRAConfig(r=8))
     Trainer(job.plan, trainable=job.trainable).fit()
 
 A LoRA run saves its adapters only, with a reference to its base: where it came from and the sha256 of its
@@ -25,6 +25,7 @@ from nanogpt_cli.lora import LoRAConfig, add_lora, weights_hash
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.rundir import resolve_weights
 from nanogpt_cli.training.plan import RunPlan, plan_run
+from nanogpt_cli.training.request import RunRequest
 
 # what LoRA trains its adapters with, whatever a preset says, and the refusal of another given value: AdamW at
 # --learning-rate, and a frozen token embedding, which no --embedding-lr reaches
@@ -71,29 +72,22 @@ def base_source(plan: RunPlan, init_from: str, last: bool = False) -> str:
 
 
 def plan_finetune(
-    flags: dict[str, Any],
-    file_values: dict[str, Any] | None = None,
-    out: str | Path | None = None,
-    resume: bool = False,
-    force: bool = False,
-    init_from: str | None = None,
-    init_last: bool = False,
-    lora: LoRAConfig | None = None,
-    lora_flags: set[str] | None = None,
+    request: RunRequest, lora: LoRAConfig | None = None, lora_flags: set[str] | None = None
 ) -> FinetunePlan:
     """A fine-tuning run's plan. Fresh: --init-from is required, the architecture is its checkpoint's, and
     `lora` (None: full fine-tuning) says what trains. Resume: the run's own record says both; LoRA flags given
     again must agree with it (lora_flags: the fields the user gave, r, alpha, dropout, targets; None: all)."""
+    resume, init_from, init_last = request.resume, request.init_from, request.last
     if not resume and init_from is None:
         raise NanoGPTError(
             "finetune needs --init-from: the weights to start from (a run folder, a .safetensors file, a "
             "Hugging Face folder or hf:NAME)"
         )
-    values = {**(file_values or {}), **flags}
+    values = request.values()
     for name, (value, refusal) in LORA_TRAINS_WITH.items():
         if lora is not None and name in values and parse_value(name, values[name]) != value:
             raise NanoGPTError(refusal)
-    plan = plan_run(flags, file_values, out=out, resume=resume, force=force, init_from=init_from, init_last=init_last)
+    plan = plan_run(request)
     if resume:
         return _resume(plan, lora, lora_flags)
     if lora is not None:

@@ -1,6 +1,6 @@
 """Group relative policy optimisation: learn from rewards on the model's own completions.
 
-    GRPO(plan_finetune({"data": "count-prompts", ...}, ...), rollout=engine_rollout).fit()
+    GRPO(plan_finetune(RunRequest({"data": "count-prompts", ...}, init_from=...)), rollout=engine_rollout).fit()
 
 Shao et al. (2024), "DeepSeekMath", section 4.1. Each update draws --batch-size prompts, decodes --group-size
 completions of each (rollout: a callable that decodes in batches; the engine's in api.engine_rollout, passed in
@@ -253,10 +253,12 @@ class GRPO:
             total += sum(d["reward"] for d in done)
         return total / len(val)
 
-    def fit(self) -> GRPOResult:
+    def fit(self, display: Display | None = None) -> GRPOResult:
         """Train to the end, or to a signal (the steps trained are saved; a rollout or an evaluation in progress
         is dropped)."""
         run = self.run
+        if display is not None:  # what shows this run's events (given here, or when it was made)
+            run.show = display
         with run.signals:
             stopped = self._fit()
         best = -run.state.best_val_loss if run.state.best_val_loss is not None else None

@@ -1,7 +1,7 @@
 """Planning a run: every input of a run resolved and checked once, before anything is written (a fresh run,
 a resume that must agree with the saved one, or a start from other weights).
 
-    plan = plan_run({"preset": "cpu-char", "data": "shk"}, out="checkpoints/shk"); print(plan.notes)
+    plan = plan_run(RunRequest({"preset": "cpu-char", "data": "shk"}, out=Path("checkpoints/shk"))); print(plan.notes)
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from nanogpt_cli.runs.rundir import RunDir, resolve_weights
 from nanogpt_cli.tokenizer import describe_difference, same_tokenizer
 from nanogpt_cli.training.auto import AUTO, AutoChoice, Probed, plan_auto, wants_auto
 from nanogpt_cli.training.distributed import check_world, launched_size
+from nanogpt_cli.training.request import RunRequest
 
 # --seq-len's default for a converted model (hf:NAME, a Hugging Face folder, a GGUF file, or a run started from one)
 # whose context is longer: such contexts are long (SmolLM2's 8,192 tokens), a batch of them costs that many tokens a
@@ -123,43 +124,36 @@ def padded_vocab_size(meta: dict) -> int:
 
 
 def plan_run(
-    flags: dict[str, Any],
-    file_values: dict[str, Any] | None = None,
-    out: str | Path | None = None,
-    resume: bool = False,
-    force: bool = False,
-    init_from: str | None = None,
-    init_last: bool = False,
-    world_size: int | None = None,
-    on_probe: Callable[[Probed], None] | None = None,
+    request: RunRequest, world_size: int | None = None, on_probe: Callable[[Probed], None] | None = None
 ) -> RunPlan:
     """The effective configs of a run. Fresh: preset < config file < flags, with the vocabulary from the dataset.
     Resume: the saved run's configs; the same preset, file and flags may be given again, and each field's
     Resume rule (config.py) says what they may change. --init-from: the checkpoint's architecture (dropout may
-    change; best weights unless init_last), training fields as for a fresh run. `preset` and `out` may come from
+    change; best weights unless request.last), training fields as for a fresh run. `preset` and `out` may come from
     the flags or the config file (flags win). world_size: the processes it trains in (default: torchrun's
     WORLD_SIZE, or 1); a preset's (or the default) --gradient-accumulation-steps is raised to a multiple of it.
     --preset auto (the default for a fresh run given --max-time and no model shape) probes the device first,
     telling on_probe of each shape it times."""
+    r = request
     world_size = launched_size() if world_size is None else world_size
-    values = {**(file_values or {}), **flags}
+    values = r.values()
     preset = values.pop("preset", None)
-    out = out or values.pop("out", None)
+    out = r.out or values.pop("out", None)
     values.pop("out", None)
-    if resume and out is None:
+    if r.resume and out is None:
         raise NanoGPTError("--resume needs --out: the run folder to continue")
     run_dir = RunDir(out or default_run_dir(values.get("data") or "run"))
-    run_dir.check(resume, force)
+    run_dir.check(r.resume, r.force)
     split_values(values)  # unknown keys are refused first
-    if resume:
-        if init_from is not None:  # the command that started the run, given again: accepted when it is the same
-            check_same_start(run_dir, init_from, init_last)
+    if r.resume:
+        if r.init_from is not None:  # the command that started the run, given again: accepted when it is the same
+            check_same_start(run_dir, r.init_from, r.last)
         return _plan_resume(run_dir, preset, values, world_size)
     auto = None
-    if wants_auto(preset, values, init_from, resume) and values.get("data"):
+    if wants_auto(preset, values, r.init_from, r.resume) and values.get("data"):
         meta = load_meta(Path(parse_value("data_dir", values.get("data_dir", "data"))), values["data"])
         preset, auto = AUTO, plan_auto(meta, values, world_size, on_probe)
-    return _plan_fresh(run_dir, preset, values, world_size, force, init_from, init_last, auto)
+    return _plan_fresh(run_dir, preset, values, world_size, r, auto)
 
 
 def _plan_fresh(
@@ -167,13 +161,12 @@ def _plan_fresh(
     preset: str | None,
     given: dict[str, Any],
     world_size: int,
-    force: bool,
-    init_from: str | None,
-    init_last: bool,
+    request: RunRequest,
     auto: AutoChoice | None = None,
 ) -> RunPlan:
     """A new run (from scratch or from --init-from's weights): `given` holds the config file's and the flags'
     values, which win over the preset's (or auto's)."""
+    init_from, init_last = request.init_from, request.last
     explicit_model, _ = split_values(given)
     model_values, train_values = split_values({**values_from(preset, auto), **given})
     notes: list[str] = []
@@ -220,6 +213,7 @@ def _plan_fresh(
     started = None if init_from is None else start_record(init_from, init_last)
     if auto is not None:
         notes += auto.notes
+    force = request.force
     return RunPlan(model_cfg, train_cfg, run_dir, meta, force=force, notes=notes, init_from=started, auto=auto, **init)
 
 

@@ -1,7 +1,7 @@
 """Training: one loop for every world size and every loss, over random windows of a prepared dataset, with
 exact resume.
 
-    result = Trainer(plan_run({"preset": "cpu-char", "data": "shk"}, out="checkpoints/shk")).fit()
+    result = Trainer(plan_run(RunRequest({"preset": "cpu-char", "data": "shk"}, out=Path("checkpoints/shk")))).fit()
     Trainer(plan, loss=masked_loss, trainable=lora_parameters).fit()   # fine-tuning reuses the same loop
 
 Reproducibility: the training batches come from their own seeded generator, dropout from torch's global
