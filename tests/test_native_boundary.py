@@ -141,6 +141,17 @@ def test_a_wrong_fused_step_call_is_a_value_error_naming_the_argument():
         native.Blocks(2, 128, 4, 2, 24, 64, 32)  # heads of 24: not whole registers of 16
 
 
+def test_a_wrong_fused_step_call_with_caches_made_before_a_layers_window_changed():
+    """A ring layer's cache holds its window's slots: with the layer set again as a whole-context one, the step
+    would index the ring as if it held the context (past its end from position 8 on)."""
+    model = llama(torch.bfloat16, None, n_layer=2, sliding_window=8)
+    step, cache = fused(model), KVCache(model, 1)
+    caches = native.Caches(step.blocks, cache.k, cache.v)
+    step.blocks.layer(0, dataclasses.replace(step.blocks.keep[0], window=0))
+    with pytest.raises(ValueError, match="^caches must be a native.Caches made for these blocks as they are now"):
+        native.decode(step.blocks, caches, torch.randn(1, 128).bfloat16(), torch.tensor([0]), 1)
+
+
 def test_the_shared_structs_are_checked_field_by_field():
     lib = native.library()[0]
     assert native.check_library(lib) is None

@@ -534,6 +534,7 @@ class Caches:
                 shape = (self.rows, blocks.nkv, blocks.slots[i], blocks.hs)
                 check(f"{name}[{i}]", t, (self.dtype,) if self.dtype in FLOATS else FLOATS, shape)
         self.blocks, self.keep = blocks, (list(ks), list(vs))
+        self.slots = list(blocks.slots)  # what the tensors were checked against: a layer set again may change it
         kinds = ctypes.c_void_p * blocks.n_layer
         self.ks, self.vs = kinds(*(k.data_ptr() for k in ks)), kinds(*(v.data_ptr() for v in vs))
 
@@ -547,8 +548,8 @@ def decode(blocks: Blocks, caches: Caches, x: torch.Tensor, pos: torch.Tensor, t
         raise ValueError(f"blocks must be a native.Blocks, got {type(blocks).__name__}")
     if not all(blocks.set):
         raise ValueError(f"blocks must have every layer set; layer {blocks.set.index(False)} is not")
-    if not isinstance(caches, Caches) or caches.blocks is not blocks:
-        raise ValueError("caches must be a native.Caches made for these blocks")
+    if not isinstance(caches, Caches) or caches.blocks is not blocks or caches.slots != blocks.slots:
+        raise ValueError("caches must be a native.Caches made for these blocks as they are now")
     check("x", x, FLOATS, (None, blocks.C))
     B = x.size(0)
     if not 1 <= B <= caches.rows:
