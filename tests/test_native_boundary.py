@@ -141,6 +141,16 @@ def test_a_wrong_fused_step_call_is_a_value_error_naming_the_argument():
         native.Blocks(2, 128, 4, 2, 24, 64, 32)  # heads of 24: not whole registers of 16
 
 
+def test_a_layers_tensors_cannot_be_swapped_under_the_structs_that_point_at_them():
+    """The Block structs hold the raw pointers of a Layer's tensors, its norms' included: a norm's gain replaced
+    after the layer is set would free the memory the next step reads."""
+    blocks = fused(llama(torch.bfloat16, None, n_layer=1, qk_norm=True)).blocks
+    layer = blocks.keep[0]
+    for obj, name in ((layer, "cos"), (layer.ln1, "gain"), (layer.q_norm, "gain"), (layer.ln2, "bias")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, torch.ones(1))
+
+
 def test_a_wrong_fused_step_call_with_caches_made_before_a_layers_window_changed():
     """A ring layer's cache holds its window's slots: with the layer set again as a whole-context one, the step
     would index the ring as if it held the context (past its end from position 8 on)."""

@@ -30,7 +30,6 @@ mutable state of its own: the profile clock is the caller's buffer.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import hashlib
 import os
@@ -405,10 +404,11 @@ def linear(weight: Packed, x: torch.Tensor, res: torch.Tensor | None, y: torch.T
     assert rc == 0, f"ng_linear refused a checked call ({rc})"
 
 
-@dataclass
+@dataclass(frozen=True)
 class NormWeights:
     """One norm as ng_decode computes it: gain (n,) float32 (an offset norm's 1 + w added already), LayerNorm's
-    bias (n,) float32 or None, its epsilon, and whether it is a LayerNorm (else an RMSNorm)."""
+    bias (n,) float32 or None, its epsilon, and whether it is a LayerNorm (else an RMSNorm). Frozen, as Layer is:
+    the Block structs hold its tensors' pointers."""
 
     gain: torch.Tensor
     bias: torch.Tensor | None
@@ -416,7 +416,7 @@ class NormWeights:
     layer: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class Layer:
     """One block for ng_decode: its four products, its norms, its MLP's activation (one of ACTIVATIONS) and its
     attention's choices. cos, sin: RoPE's tables (S, rd) float32 for the first rd dimensions of each head, this
@@ -496,8 +496,7 @@ class Blocks:
         b.C, b.nh, b.nkv, b.hs, b.H, b.S = C, nh, nkv, hs, H, S
         b.act, b.parallel, b.rd, b.window = ACTIVATIONS[L.act], int(bool(L.parallel)), rd, L.window
         b.cos, b.sin = (None, None) if L.cos is None else (L.cos.data_ptr(), L.sin.data_ptr())
-        # a copy of the layer: its tensors stay alive here even if the caller's Layer is changed after
-        self.keep[i], self.set[i], self.slots[i] = dataclasses.replace(L), True, L.window or S
+        self.keep[i], self.set[i], self.slots[i] = L, True, L.window or S  # L is frozen: its tensors stay alive
 
 
 def check_norm(name: str, norm: NormWeights | None, n: int, required: bool) -> None:
