@@ -128,8 +128,9 @@ def test_a_wrong_fused_step_call_is_a_value_error_naming_the_argument():
             unset.layer(0, dataclasses.replace(good, **change))
 
     wrong_layer("^proj must map 128 inputs to 128 outputs, got 128 to 256", proj=good.qkv)  # qkv in proj's place
-    wrong_layer(r"^cos must have shape \(32, 32\), got \(31, 32\)", cos=good.cos[:31])
+    wrong_layer(r"^cos must have shape \(32, any\), got \(31, 32\)", cos=good.cos[:31])
     wrong_layer("^cos must have an even number of columns from 2 to 32, got 33", cos=torch.zeros(32, 33))
+    wrong_layer("^cos must be a tensor, got list", cos=good.cos.tolist())
     wrong_layer("^q_norm and k_norm must be given together", q_norm=native.NormWeights(torch.ones(32), None, 1e-5))
     wrong_layer(r"^ln2.gain must have shape \(128\)", ln2=native.NormWeights(torch.ones(32), None, 1e-5))
     wrong_layer(r"^post1.bias must have shape \(128\)", post1=native.NormWeights(torch.ones(128), torch.ones(3), 1e-5))

@@ -481,8 +481,10 @@ class Blocks:
         for a, b in (("q_norm", "k_norm"), ("post1", "post2"), ("cos", "sin")):
             if (getattr(L, a) is None) != (getattr(L, b) is None):
                 raise ValueError(f"{a} and {b} must be given together")
-        rd = 0 if L.cos is None else L.cos.size(-1) if isinstance(L.cos, torch.Tensor) else -1
+        rd = 0
         if L.cos is not None:
+            check("cos", L.cos, (torch.float32,), (S, None))  # a tensor of S rows, whose columns say rd
+            rd = L.cos.size(-1)
             if not 2 <= rd <= hs or rd % 2:
                 raise ValueError(f"cos must have an even number of columns from 2 to {hs}, got {rd}")
             check("cos", L.cos, (torch.float32,), (S, rd))
