@@ -224,6 +224,25 @@ def test_two_engines_decoding_in_two_threads_each_get_the_tokens_they_get_alone(
 # --- fuzz -------------------------------------------------------------------------------------------------------
 
 
+def test_the_fused_steps_attention_split_over_threads_gets_what_one_thread_gets():
+    """Enough held keys that ng_decode splits the attention's rows and key heads over two threads, each with its
+    own scores, on a ring layer and a whole-context one: the same residual stream and caches, bit for bit, as one
+    thread (the suite's one thread never splits)."""
+    model = llama(torch.float32, "int8", n_layer=2, block_size=512, sliding_window=400, window_pattern="LG")
+    step, idx = fused(model), torch.randint(0, 61, (3, 500))
+    x, pos = torch.randn(3, 128), torch.tensor([499, 450, 420])
+    outs = []
+    with torch.inference_mode():
+        for threads in (1, 2):
+            cache = KVCache(model, 3)
+            model.hidden_states(idx, cache=cache.view(0, 3))
+            y = x.clone()
+            native.decode(step.blocks, native.Caches(step.blocks, cache.k, cache.v), y, pos, threads)
+            outs.append([y, *cache.k, *cache.v])
+    for one, two in zip(*outs):
+        assert torch.equal(one, two)
+
+
 def test_a_seeded_fuzz_of_product_shapes_against_torch():
     rng, start, cases = random.Random(47), time.perf_counter(), 0
     while cases < 60 and time.perf_counter() - start < 3:
