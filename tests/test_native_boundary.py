@@ -128,8 +128,9 @@ def test_a_wrong_fused_step_call_is_a_value_error_naming_the_argument():
             unset.layer(0, dataclasses.replace(good, **change))
 
     wrong_layer("^proj must map 128 inputs to 128 outputs, got 128 to 256", proj=good.qkv)  # qkv in proj's place
-    wrong_layer(r"^cos must have shape \(32, 32\), got \(31, 32\)", cos=good.cos[:31])
+    wrong_layer(r"^cos must have shape \(32, any\), got \(31, 32\)", cos=good.cos[:31])
     wrong_layer("^cos must have an even number of columns from 2 to 32, got 33", cos=torch.zeros(32, 33))
+    wrong_layer("^cos must be a tensor, got list", cos=good.cos.tolist())
     wrong_layer("^q_norm and k_norm must be given together", q_norm=native.NormWeights(torch.ones(32), None, 1e-5))
     wrong_layer(r"^ln2.gain must have shape \(128\)", ln2=native.NormWeights(torch.ones(32), None, 1e-5))
     wrong_layer(r"^post1.bias must have shape \(128\)", post1=native.NormWeights(torch.ones(128), torch.ones(3), 1e-5))
@@ -139,6 +140,27 @@ def test_a_wrong_fused_step_call_is_a_value_error_naming_the_argument():
     wrong_layer("^window must be an int from 0 to 32, got 33", window=33)
     with pytest.raises(ValueError, match="^hs"):
         native.Blocks(2, 128, 4, 2, 24, 64, 32)  # heads of 24: not whole registers of 16
+
+
+def test_a_layers_tensors_cannot_be_swapped_under_the_structs_that_point_at_them():
+    """The Block structs hold the raw pointers of a Layer's tensors, its norms' included: a norm's gain replaced
+    after the layer is set would free the memory the next step reads."""
+    blocks = fused(llama(torch.bfloat16, None, n_layer=1, qk_norm=True)).blocks
+    layer = blocks.keep[0]
+    for obj, name in ((layer, "cos"), (layer.ln1, "gain"), (layer.q_norm, "gain"), (layer.ln2, "bias")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, torch.ones(1))
+
+
+def test_a_wrong_fused_step_call_with_caches_made_before_a_layers_window_changed():
+    """A ring layer's cache holds its window's slots: with the layer set again as a whole-context one, the step
+    would index the ring as if it held the context (past its end from position 8 on)."""
+    model = llama(torch.bfloat16, None, n_layer=2, sliding_window=8)
+    step, cache = fused(model), KVCache(model, 1)
+    caches = native.Caches(step.blocks, cache.k, cache.v)
+    step.blocks.layer(0, dataclasses.replace(step.blocks.keep[0], window=0))
+    with pytest.raises(ValueError, match="^caches must be a native.Caches made for these blocks as they are now"):
+        native.decode(step.blocks, caches, torch.randn(1, 128).bfloat16(), torch.tensor([0]), 1)
 
 
 def test_the_shared_structs_are_checked_field_by_field():
@@ -200,6 +222,25 @@ def test_two_engines_decoding_in_two_threads_each_get_the_tokens_they_get_alone(
 
 
 # --- fuzz -------------------------------------------------------------------------------------------------------
+
+
+def test_the_fused_steps_attention_split_over_threads_gets_what_one_thread_gets():
+    """Enough held keys that ng_decode splits the attention's rows and key heads over two threads, each with its
+    own scores, on a ring layer and a whole-context one: the same residual stream and caches, bit for bit, as one
+    thread (the suite's one thread never splits)."""
+    model = llama(torch.float32, "int8", n_layer=2, block_size=512, sliding_window=400, window_pattern="LG")
+    step, idx = fused(model), torch.randint(0, 61, (3, 500))
+    x, pos = torch.randn(3, 128), torch.tensor([499, 450, 420])
+    outs = []
+    with torch.inference_mode():
+        for threads in (1, 2):
+            cache = KVCache(model, 3)
+            model.hidden_states(idx, cache=cache.view(0, 3))
+            y = x.clone()
+            native.decode(step.blocks, native.Caches(step.blocks, cache.k, cache.v), y, pos, threads)
+            outs.append([y, *cache.k, *cache.v])
+    for one, two in zip(*outs):
+        assert torch.equal(one, two)
 
 
 def test_a_seeded_fuzz_of_product_shapes_against_torch():

@@ -30,7 +30,6 @@ mutable state of its own: the profile clock is the caller's buffer.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import hashlib
 import os
@@ -405,10 +404,11 @@ def linear(weight: Packed, x: torch.Tensor, res: torch.Tensor | None, y: torch.T
     assert rc == 0, f"ng_linear refused a checked call ({rc})"
 
 
-@dataclass
+@dataclass(frozen=True)
 class NormWeights:
     """One norm as ng_decode computes it: gain (n,) float32 (an offset norm's 1 + w added already), LayerNorm's
-    bias (n,) float32 or None, its epsilon, and whether it is a LayerNorm (else an RMSNorm)."""
+    bias (n,) float32 or None, its epsilon, and whether it is a LayerNorm (else an RMSNorm). Frozen, as Layer is:
+    the Block structs hold its tensors' pointers."""
 
     gain: torch.Tensor
     bias: torch.Tensor | None
@@ -416,7 +416,7 @@ class NormWeights:
     layer: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class Layer:
     """One block for ng_decode: its four products, its norms, its MLP's activation (one of ACTIVATIONS) and its
     attention's choices. cos, sin: RoPE's tables (S, rd) float32 for the first rd dimensions of each head, this
@@ -481,8 +481,10 @@ class Blocks:
         for a, b in (("q_norm", "k_norm"), ("post1", "post2"), ("cos", "sin")):
             if (getattr(L, a) is None) != (getattr(L, b) is None):
                 raise ValueError(f"{a} and {b} must be given together")
-        rd = 0 if L.cos is None else L.cos.size(-1) if isinstance(L.cos, torch.Tensor) else -1
+        rd = 0
         if L.cos is not None:
+            check("cos", L.cos, (torch.float32,), (S, None))  # a tensor of S rows, whose columns say rd
+            rd = L.cos.size(-1)
             if not 2 <= rd <= hs or rd % 2:
                 raise ValueError(f"cos must have an even number of columns from 2 to {hs}, got {rd}")
             check("cos", L.cos, (torch.float32,), (S, rd))
@@ -496,8 +498,7 @@ class Blocks:
         b.C, b.nh, b.nkv, b.hs, b.H, b.S = C, nh, nkv, hs, H, S
         b.act, b.parallel, b.rd, b.window = ACTIVATIONS[L.act], int(bool(L.parallel)), rd, L.window
         b.cos, b.sin = (None, None) if L.cos is None else (L.cos.data_ptr(), L.sin.data_ptr())
-        # a copy of the layer: its tensors stay alive here even if the caller's Layer is changed after
-        self.keep[i], self.set[i], self.slots[i] = dataclasses.replace(L), True, L.window or S
+        self.keep[i], self.set[i], self.slots[i] = L, True, L.window or S  # L is frozen: its tensors stay alive
 
 
 def check_norm(name: str, norm: NormWeights | None, n: int, required: bool) -> None:
@@ -534,6 +535,7 @@ class Caches:
                 shape = (self.rows, blocks.nkv, blocks.slots[i], blocks.hs)
                 check(f"{name}[{i}]", t, (self.dtype,) if self.dtype in FLOATS else FLOATS, shape)
         self.blocks, self.keep = blocks, (list(ks), list(vs))
+        self.slots = list(blocks.slots)  # what the tensors were checked against: a layer set again may change it
         kinds = ctypes.c_void_p * blocks.n_layer
         self.ks, self.vs = kinds(*(k.data_ptr() for k in ks)), kinds(*(v.data_ptr() for v in vs))
 
@@ -547,8 +549,8 @@ def decode(blocks: Blocks, caches: Caches, x: torch.Tensor, pos: torch.Tensor, t
         raise ValueError(f"blocks must be a native.Blocks, got {type(blocks).__name__}")
     if not all(blocks.set):
         raise ValueError(f"blocks must have every layer set; layer {blocks.set.index(False)} is not")
-    if not isinstance(caches, Caches) or caches.blocks is not blocks:
-        raise ValueError("caches must be a native.Caches made for these blocks")
+    if not isinstance(caches, Caches) or caches.blocks is not blocks or caches.slots != blocks.slots:
+        raise ValueError("caches must be a native.Caches made for these blocks as they are now")
     check("x", x, FLOATS, (None, blocks.C))
     B = x.size(0)
     if not 1 <= B <= caches.rows:
