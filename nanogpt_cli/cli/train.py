@@ -285,7 +285,8 @@ def launch_training(plan, how, given: dict, options: dict) -> None:
     if plan.complete:
         return say_complete(plan)
     rank_device(plan.train.device, how.nproc - 1)  # --device cuda:N, or more processes than GPUs: one line here
-    code = launch(train_args(given, options, plan.run_dir.path), how)
+    env = plan.auto.launch_env() if plan.auto is not None else None  # the probe, run once here
+    code = launch(train_args(given, options, plan.run_dir.path), how, env=env)
     if code:
         raise typer.Exit(code)
 
