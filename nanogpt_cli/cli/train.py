@@ -272,7 +272,7 @@ def finetune(
         return run_planned(job.plan, quiet, sink, job.trainable, plot=plot, eval_tasks=tasks)
     settings = dict(beta=beta, loss_type=loss_type, rpo_alpha=rpo_alpha, group_size=group_size, kl=kl, reward=reward)
     settings |= dict(max_new_tokens=max_new_tokens, rollout_temperature=temperature, grpo_updates=grpo_updates)
-    run_policy(job, method, settings, quiet, sink)
+    run_policy(job, method, settings, quiet, sink, plot=plot, eval_tasks=tasks)
 
 
 def launch_training(plan, how, given: dict, options: dict) -> None:
@@ -313,6 +313,11 @@ def report_training(plan, result, plot: bool = True) -> tuple[str | None, str | 
     from nanogpt_cli.cli.ui import console
 
     console.print(train_table(result))
+    return draw_loss(plan, plot)
+
+
+def draw_loss(plan, plot: bool = True) -> tuple[str | None, str | None]:
+    """loss.png beside the report (the plot extra): its file name (None: not drawn) and why not."""
     drawn: tuple[str | None, str | None] = (None, "--no-plot was given")
     if plot:  # the plot extra: a picture of the curves (importing matplotlib and drawing take a moment: --no-plot)
         from nanogpt_cli.inspect.plot import write_png
