@@ -54,10 +54,10 @@ def sft_planned(plan) -> bool:
     return True
 
 
-def run_policy(job, method: str, given: dict, quiet: bool, sink=None, plot: bool = True, eval_tasks=None) -> None:
+def run_policy(job, method: str, given: dict, quiet: bool, sink=None, write_card=None) -> None:
     """Train a planned DPO or GRPO run with train's display (start lines, progress, evaluations; unless quiet),
-    a summary table and the report card (loss.png unless not plot; eval_tasks scored at the end). sink: the
-    --tracker's, which these methods do not feed yet (refused)."""
+    a summary table and the report card (write_card(plan, result): train's). sink: the --tracker's, which these
+    methods do not feed yet (refused)."""
     from nanogpt_cli.cli.common import note
     from nanogpt_cli.cli.ui import console
     from nanogpt_cli.errors import NanoGPTError
@@ -97,9 +97,8 @@ def run_policy(job, method: str, given: dict, quiet: bool, sink=None, plot: bool
         with cut_short(job.plan), job.plan.run_dir.hold():
             result = run.fit()
     console.print(policy_table(result, method))
-    from nanogpt_cli.cli.train import draw_loss, write_card
-
-    write_card(job.plan, result, draw_loss(job.plan, plot), eval_tasks, quiet)
+    if write_card is not None:
+        write_card(job.plan, result)
     if result.stopped in ("SIGINT", "SIGTERM"):  # a stop asked for, after a save: a note, not an error
         note(stopped_line(job.plan, result))
         raise typer.Exit(stop_code(result.stopped))

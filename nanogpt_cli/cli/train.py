@@ -272,7 +272,10 @@ def finetune(
         return run_planned(job.plan, quiet, sink, job.trainable, plot=plot, eval_tasks=tasks)
     settings = dict(beta=beta, loss_type=loss_type, rpo_alpha=rpo_alpha, group_size=group_size, kl=kl, reward=reward)
     settings |= dict(max_new_tokens=max_new_tokens, rollout_temperature=temperature, grpo_updates=grpo_updates)
-    run_policy(job, method, settings, quiet, sink, plot=plot, eval_tasks=tasks)
+    from functools import partial
+
+    card = partial(policy_card, plot=plot, eval_tasks=tasks, quiet=quiet)
+    run_policy(job, method, settings, quiet, sink, write_card=card)
 
 
 def launch_training(plan, how, given: dict, options: dict) -> None:
@@ -341,6 +344,11 @@ def say_ending(plan, result) -> None:
         console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_command(plan)}")
     if result.stopped == "max_time":
         console.print(f"ended at step {result.step:,}: --max-time {plan.train.max_time:g} s was spent")
+
+
+def policy_card(plan, result, plot: bool, eval_tasks: list[str] | None, quiet: bool) -> None:
+    """A DPO or GRPO run's loss.png and report card."""
+    write_card(plan, result, draw_loss(plan, plot), eval_tasks, quiet)
 
 
 def write_card(plan, result, drawn: tuple[str | None, str | None], eval_tasks: list[str] | None, quiet: bool) -> None:
