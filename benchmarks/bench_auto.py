@@ -50,13 +50,22 @@ SWEEP = [
 REDUCED = ["2x128", "4x128", "6x192", "4x128 rates*2"]
 PRESETS = ["tiny", "cpu-char", "cpu-fast", "cpu-speedrun", "shakespeare-char", "gpt2-124m", "gpt2-350m"]
 VOCAB = 4096
+LIMIT = 3  # a run (or its scoring) that takes this many times its budget is stopped and reported as failed
 
 
-def nanogpt(*args: str, capture: bool = True) -> str:
+def nanogpt(*args: str, capture: bool = True, timeout: float | None = None) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, "-m", "nanogpt_cli", *args], env=env, capture_output=capture, text=True, check=False
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "nanogpt_cli", *args],
+            env=env,
+            capture_output=capture,
+            text=True,
+            check=False,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"nanogpt {' '.join(args[:2])} ran past {timeout:g} s and was stopped") from None
     if done.returncode != 0:
         raise RuntimeError(f"nanogpt {' '.join(args)} failed:\n{(done.stderr or '')[-2000:]}")
     return done.stdout
@@ -107,7 +116,9 @@ def prepare(kind: str, work: Path) -> str:
 
 
 def run(label: str, flags: list[str], data: str, minutes: float, work: Path, threads: list[str]) -> dict:
-    """One run, or its failure as a row scoring inf (a preset too large to take one update in the time)."""
+    """One run, or its failure as a row scoring inf: a preset too large for the time (on a 2-core CPU,
+    shakespeare-char's first evaluation of 200 batches, or one update of gpt2-124m's 491,520 tokens, takes longer
+    than 2 minutes), stopped at LIMIT times its budget."""
     try:
         return score(label, flags, data, minutes, work, threads)
     except RuntimeError as e:
@@ -122,7 +133,7 @@ def score(label: str, flags: list[str], data: str, minutes: float, work: Path, t
     t0 = time.perf_counter()
     nanogpt(
         "train", "--data", data, "--data-dir", str(work / "data"), "--max-time", f"{minutes * 60:g}",
-        "--out", str(out), "--force", "--no-plot", "--quiet", *threads, *flags,
+        "--out", str(out), "--force", "--no-plot", "--quiet", *threads, *flags, timeout=LIMIT * minutes * 60,
     )  # fmt: skip
     wall = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -141,6 +152,7 @@ def score(label: str, flags: list[str], data: str, minutes: float, work: Path, t
             "--dtype",
             "float32",
             *threads,
+            timeout=LIMIT * minutes * 60,
         )  # fmt: skip
     )
     config = json.loads((out / "config.json").read_text())
