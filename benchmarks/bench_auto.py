@@ -50,13 +50,22 @@ SWEEP = [
 REDUCED = ["2x128", "4x128", "6x192", "4x128 rates*2"]
 PRESETS = ["tiny", "cpu-char", "cpu-fast", "cpu-speedrun", "shakespeare-char", "gpt2-124m", "gpt2-350m"]
 VOCAB = 4096
+LIMIT = 3  # a run (or its scoring) that takes this many times its budget is stopped and reported as failed
 
 
-def nanogpt(*args: str, capture: bool = True) -> str:
+def nanogpt(*args: str, capture: bool = True, timeout: float | None = None) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, "-m", "nanogpt_cli", *args], env=env, capture_output=capture, text=True, check=False
-    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "nanogpt_cli", *args],
+            env=env,
+            capture_output=capture,
+            text=True,
+            check=False,
+            timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"nanogpt {' '.join(args[:2])} ran past {timeout:g} s and was stopped") from None
     if done.returncode != 0:
         raise RuntimeError(f"nanogpt {' '.join(args)} failed:\n{(done.stderr or '')[-2000:]}")
     return done.stdout
@@ -106,15 +115,28 @@ def prepare(kind: str, work: Path) -> str:
     return name
 
 
-def run(label: str, flags: list[str], data: str, minutes: float, work: Path) -> dict:
+def run(label: str, flags: list[str], data: str, minutes: float, work: Path, threads: list[str]) -> dict:
+    """One run, or its failure as a row scoring inf: a preset too large for the time (on a 2-core CPU,
+    shakespeare-char's first evaluation of 200 batches, or one update of gpt2-124m's 491,520 tokens, takes longer
+    than 2 minutes), stopped at LIMIT times its budget."""
+    try:
+        return score(label, flags, data, minutes, work, threads)
+    except RuntimeError as e:
+        result = {"label": label, "data": data, "minutes": minutes, "bpb": float("inf"), "error": str(e)[-400:]}
+        print(json.dumps(result), flush=True)
+        return result
+
+
+def score(label: str, flags: list[str], data: str, minutes: float, work: Path, threads: list[str]) -> dict:
     """One training run of `minutes`, then its final weights' bits per byte on the val split."""
     out = work / "runs" / f"{data}-{minutes:g}m-{label.replace(' ', '_').replace('/', 'd').replace('*', 'x')}"
     t0 = time.perf_counter()
     nanogpt(
         "train", "--data", data, "--data-dir", str(work / "data"), "--max-time", f"{minutes * 60:g}",
-        "--out", str(out), "--force", "--no-plot", "--quiet", *flags,
+        "--out", str(out), "--force", "--no-plot", "--quiet", *threads, *flags, timeout=LIMIT * minutes * 60,
     )  # fmt: skip
     wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
     scored = json.loads(
         nanogpt(
             "eval",
@@ -129,6 +151,8 @@ def run(label: str, flags: list[str], data: str, minutes: float, work: Path) -> 
             "--json",
             "--dtype",
             "float32",
+            *threads,
+            timeout=LIMIT * minutes * 60,
         )  # fmt: skip
     )
     config = json.loads((out / "config.json").read_text())
@@ -141,6 +165,7 @@ def run(label: str, flags: list[str], data: str, minutes: float, work: Path) -> 
         "loss": scored["loss"],
         "shape": f"{shape['n_layer']}x{shape['n_embd']} ctx {shape['block_size']}",
         "wall_s": round(wall, 1),
+        "eval_s": round(time.perf_counter() - t0, 1),
         "load": os.getloadavg()[0],
     }
     print(json.dumps(result), flush=True)
@@ -155,18 +180,20 @@ def main() -> None:
     ap.add_argument("--presets", default=",".join(PRESETS), help="comma-separated, or none")
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench_auto"))
     ap.add_argument("--results", type=Path, default=None, help="append each run's JSON line to this file")
+    ap.add_argument("--threads", type=int, default=None, help="CPU threads for every run (default: each run picks)")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     chosen = {"full": [s[0] for s in SWEEP], "reduced": REDUCED, "none": []}.get(args.sweep, args.sweep.split(","))
     sweep = [s for s in SWEEP if s[0] in chosen]
     presets = [] if args.presets == "none" else args.presets.split(",")
+    threads = ["--threads", str(args.threads)] if args.threads else []
     rows = []
     for kind in args.corpora.split(","):
         data = prepare(kind, args.work)
         for minutes in [float(b) for b in args.budgets.split(",")]:
-            runs = [run("auto", ["--preset", "auto"], data, minutes, args.work)]
-            runs += [run(label, ["--preset", "auto", *flags], data, minutes, args.work) for label, flags in sweep]
-            runs += [run(f"preset {p}", ["--preset", p], data, minutes, args.work) for p in presets]
+            runs = [run("auto", ["--preset", "auto"], data, minutes, args.work, threads)]
+            runs += [run(label, ["--preset", "auto", *f], data, minutes, args.work, threads) for label, f in sweep]
+            runs += [run(f"preset {p}", ["--preset", p], data, minutes, args.work, threads) for p in presets]
             if args.results:
                 with args.results.open("a") as f:
                     f.writelines(json.dumps(r) + "\n" for r in runs)

@@ -545,7 +545,8 @@ class Training:
         r = self.request
         rank_device(self.plan.train.device, self.launch.nproc - 1)  # cuda:N, or more processes than GPUs: here
         own = dict(config=r.config, init_from=r.init_from, resume=r.resume, force=r.force, last=r.last)
-        return launch(train_args(r.flags, {**own, **(options or {})}, self.plan.run_dir.path), self.launch)
+        env = self.plan.auto.launch_env() if self.plan.auto is not None else None  # auto's probe, run once here
+        return launch(train_args(r.flags, {**own, **(options or {})}, self.plan.run_dir.path), self.launch, env=env)
 
     def draw_plot(self) -> tuple[Path | None, str | None]:
         """loss.png in the run folder (needs the plot extra): its path, or None and why it was not drawn."""

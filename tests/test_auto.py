@@ -102,7 +102,7 @@ def test_auto_is_the_default_for_a_time_without_a_model_shape():
         wants_auto("auto", {"max_time": 60}, "base", False)
 
 
-def test_auto_is_refused_in_one_sentence_without_a_time_or_with_several_processes(char_data, tmp_path):
+def test_auto_is_refused_in_one_sentence_without_a_time(char_data, tmp_path):
     from nanogpt_cli.training.plan import plan_run
     from nanogpt_cli.training.request import RunRequest
 
@@ -110,9 +110,7 @@ def test_auto_is_refused_in_one_sentence_without_a_time_or_with_several_processe
     flags = {"preset": "auto", "data": name, "data_dir": str(data_dir)}
     with pytest.raises(NanoGPTError, match="give --max-time too"):
         plan_run(RunRequest(flags, out=tmp_path / "a"))
-    with pytest.raises(NanoGPTError, match="which runs in one process only"):
-        plan_run(RunRequest({**flags, "max_time": "1m"}, out=tmp_path / "b"), world_size=2)
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert not (tmp_path / "a").exists()
 
 
 @pytest.mark.slow

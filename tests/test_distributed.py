@@ -270,7 +270,6 @@ def test_nproc_refusals_are_one_line_before_any_process_starts(char_data, tmp_pa
     for extra, said in (
         ([ACCUM, "3"], "--gradient-accumulation-steps (3) counts micro-batches over all processes"),
         (["--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
-        (["--max-time", "60"], "--max-time runs in one process only"),
         (["--device", "cuda:1"], "--device cuda:1: with several processes each takes the GPU of its local rank"),
     ):
         result = runner.invoke(app, [*base, *extra])
@@ -324,6 +323,25 @@ def test_nproc_trains_and_ctrl_c_stops_every_process_with_one_resume_line(char_d
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resuming at step {step:,}" in proc.stdout and "2 x cpu, ddp" in proc.stdout
     assert json.loads((run / "trainer.json").read_text())["step"] == step + 2
+
+
+def test_auto_in_two_processes_plans_one_run_and_rank_0s_clock_ends_both(char_data, tmp_path):
+    """--preset auto under --nproc 2 (the launcher probes once and hands its figures down) and under plain torchrun
+    (rank 0 probes for both): both processes plan the same run, with accumulation a multiple of 2, and --max-time
+    ends both after the same update (a rank that went on alone would wait for the other until the timeout)."""
+    data_dir, name = char_data
+    args = ["--data", name, "--data-dir", str(data_dir), "--max-time", "3s", "--device", "cpu", "--dtype", "float32"]
+    nanogpt = [sys.executable, "-m", "nanogpt_cli", "train", "--nproc", "2"]
+    for run in (tmp_path / "nproc", tmp_path / "torchrun"):
+        command = nanogpt if run.name == "nproc" else launch(2)
+        proc = subprocess.run(
+            [*command, *args, "--out", str(run), "--no-plot"], env=env(), capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.count("probe: 2 layers") == 1 and "--preset auto" in proc.stdout
+        config = json.loads((run / "config.json").read_text())
+        assert "n_layer" in config["auto"]["chosen"] and config["train"]["gradient_accumulation_steps"] % 2 == 0
+        assert json.loads((run / "report.json").read_text())["ending"] == "max_time"
 
 
 def test_a_failing_process_under_plain_torchrun_reports_our_sentence(char_data, tmp_path):

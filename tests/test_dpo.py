@@ -244,6 +244,11 @@ def test_cli_prepare_preference_and_finetune_dpo(dpo_data, tmp_path, monkeypatch
     assert any(line.startswith("step 2: val loss ") and "val accuracy" in line for line in lines)
     assert "dpo run run" in r.output and "val preference accuracy" in r.output and "ms/iter" in r.output
     assert json.loads((tmp_path / "run" / "config.json").read_text())["finetune"]["settings"]["rpo_alpha"] == 0.5
+    # the report card: DPO's own figures, not a language model's bits per byte
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "report: run/report.md" in r.output and report.startswith("# Report: run\n\nfinished at step 2.")
+    assert "## Scores (val: step 2)" in report and "| val preference accuracy | " in report
+    assert "| train reward margin (chosen - rejected) | " in report and "bits per byte" not in report
     r = runner.invoke(app, [*args[:-2], "--out", "run2", "--group-size", "4"])
     assert r.exit_code == 1 and "--group-size has no effect with --method dpo" in r.output
     r = runner.invoke(app, [*args[:-2], "--out", "run3", "--gradient-accumulation-steps", "4"])
@@ -252,6 +257,30 @@ def test_cli_prepare_preference_and_finetune_dpo(dpo_data, tmp_path, monkeypatch
     assert r.exit_code == 1 and "drop --compile" in r.output
     r = runner.invoke(app, ["finetune", "--method", "ppo", "--init-from", str(dpo_data / "base"), "--data", "p"])
     assert r.exit_code == 1 and "--method" in r.output
+
+
+def test_a_dpo_run_ended_by_the_clock_saves_and_has_a_report_that_compares(dpo_data, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from nanogpt_cli.cli.app import app
+
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    args = ["finetune", "--method", "dpo", "--init-from", str(dpo_data / "base"), "--data", "pairs", "--data-dir"]
+    args += [str(dpo_data / "data"), "--lora", "--batch-size", "2", "--dtype", "float32", "--no-plot"]
+    r = runner.invoke(app, [*args, "--max-iters", "2", "--out", "done"])
+    assert r.exit_code == 0, r.output
+    clock = ["--max-iters", "2000", "--max-time", "2", "--eval-interval", "5", "--out", "clock"]  # 2000: a minute
+    r = runner.invoke(app, [*args, *clock])
+    assert r.exit_code == 0, r.output
+    step = json.loads((tmp_path / "clock" / "trainer.json").read_text())["step"]  # saved at the clock's end
+    assert 2 < step < 2000 and f"ended at step {step:,}: --max-time 2 s was spent" in r.output
+    report = (tmp_path / "clock" / "report.md").read_text()
+    assert f"ended by the clock (--max-time 2 s spent) at step {step:,}." in report and "## Samples" in report
+    r = runner.invoke(app, ["report", "done", "clock"])
+    assert r.exit_code == 0, r.output
+    row = next(line for line in r.output.splitlines() if "val preference accuracy" in line)
+    assert row.count("0.") + row.count("1.0") >= 2, row  # a value for each run
 
 
 def test_dpo_starts_from_a_hugging_face_folder(dpo_data, tmp_path):

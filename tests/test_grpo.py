@@ -212,6 +212,9 @@ def test_cli_prepare_prompts_and_finetune_grpo(prompt_data, tmp_path, monkeypatc
     assert any(line.startswith("step 2: val reward ") and "checkpoint saved" in line for line in lines)
     assert "grpo run run" in r.output and "best val reward" in r.output and "ms/iter" in r.output
     assert "reward_std" not in r.output  # the metrics file's raw records stay in the file
+    report = (tmp_path / "run" / "report.md").read_text()
+    assert "finished at step 2." in report and "| val reward (greedy) | " in report and "| best val reward | " in report
+    assert "| train KL to the reference | " in report and "bits per byte" not in report
 
 
 def test_a_chat_rows_reply_is_its_answer():
@@ -277,6 +280,8 @@ def test_sigterm_during_a_rollout_stops_at_once_saves_the_steps_trained_and_resu
     )
     assert "step 1: checkpoint saved" in " ".join(out.split()) and "grpo run" in out
     assert json.loads((run / "trainer.json").read_text())["step"] == 1
+    report = (run / "report.md").read_text()  # written at once: no samples after a signal
+    assert "stopped early (SIGTERM) at step 1." in report and "the run was stopped by a signal" in report
     monkeypatch.chdir(tmp_path)
     result = GRPO(grpo_job(prompt_data, run, resume=True, max_iters=2), engine_rollout).fit()
     assert result.step == 2 and result.stopped is None

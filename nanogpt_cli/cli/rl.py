@@ -39,9 +39,9 @@ Updates = Annotated[
 ]
 
 
-def run_policy(training, method: str, quiet: bool) -> None:
+def run_policy(training, method: str, quiet: bool, write_card=None) -> None:
     """Train a planned DPO or GRPO run (api.plan_finetuning's) with train's display (start lines, progress,
-    evaluations; unless quiet) and a summary table."""
+    evaluations; unless quiet), a summary table and the report card (write_card(training, result): train's)."""
     from nanogpt_cli.cli.common import note
     from nanogpt_cli.cli.stops import cut_short, resume_command, stop_code, stopped_line
     from nanogpt_cli.cli.train_ui import TrainDisplay, policy_table
@@ -53,8 +53,12 @@ def run_policy(training, method: str, quiet: bool) -> None:
     with TrainDisplay(quiet) as display, cut_short(plan):
         result = training.run(display)
     console.print(policy_table(result, method))
+    if write_card is not None:
+        write_card(training, result)
     if result.stopped in ("SIGINT", "SIGTERM"):  # a stop asked for, after a save: a note, not an error
         note(stopped_line(plan, result))
         raise typer.Exit(stop_code(result.stopped))
     if result.stopped == "stop_at":
         console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_command(plan)}")
+    if result.stopped == "max_time":
+        console.print(f"ended at step {result.step:,}: --max-time {plan.train.max_time:g} s was spent")

@@ -211,7 +211,9 @@ def finetune(
     )
     if training.policy is None:
         return run_planned(training, quiet, plot=plot)
-    run_policy(training, method, quiet)
+    from functools import partial
+
+    run_policy(training, method, quiet, write_card=partial(policy_card, plot=plot, quiet=quiet))
 
 
 def say_probe(event) -> None:
@@ -235,6 +237,11 @@ def report_training(training, result, plot: bool = True) -> tuple[Path | None, s
     from nanogpt_cli.cli.ui import console
 
     console.print(train_table(result))
+    return draw_loss(training, plot)
+
+
+def draw_loss(training, plot: bool = True) -> tuple[Path | None, str | None]:
+    """loss.png beside the report (the plot extra): its path (None: not drawn) and why not."""
     if not plot:
         return None, "--no-plot was given"
     drawn, why = training.draw_plot()  # the plot extra (importing matplotlib and drawing take a moment: --no-plot)
@@ -253,6 +260,11 @@ def say_ending(plan, result) -> None:
         console.print(f"stopped at step {result.step:,} (--stop-at); resume with: {resume_command(plan)}")
     if result.stopped == "max_time":
         console.print(f"ended at step {result.step:,}: --max-time {plan.train.max_time:g} s was spent")
+
+
+def policy_card(training, result, plot: bool, quiet: bool) -> None:
+    """A DPO or GRPO run's loss.png and report card."""
+    write_card(training, result, draw_loss(training, plot), quiet)
 
 
 def write_card(training, result, drawn: tuple[Path | None, str | None], quiet: bool) -> None:

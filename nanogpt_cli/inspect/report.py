@@ -50,6 +50,24 @@ PROMPTS = ("The ", "\n")
 SAMPLE_TOKENS = 48
 BYTES_SAMPLE_TOKENS = 100_000  # the val tokens decoded to count bytes per token (bits per byte)
 
+# DPO's and GRPO's own figures: (label, where: "val" the last evaluation's, "train" the last progress line's, key)
+POLICY_SCORES = {
+    "dpo": (
+        ("val DPO loss", "val", "val_loss"),
+        ("val preference accuracy", "val", "val_accuracy"),
+        ("train DPO loss (last step logged)", "train", "loss"),
+        ("train reward margin (chosen - rejected)", "train", "margin"),
+        ("train reward, chosen", "train", "reward_chosen"),
+        ("train reward, rejected", "train", "reward_rejected"),
+    ),
+    "grpo": (
+        ("val reward (greedy)", "val", "val_reward"),
+        ("train reward (sampled, last step logged)", "train", "reward"),
+        ("train KL to the reference", "train", "kl"),
+        ("train completion length (tokens)", "train", "length"),
+    ),
+}
+
 ENDINGS = {
     None: "finished",
     "max_time": "ended by the clock",
@@ -67,7 +85,9 @@ def gather(run: RunDir, result=None, tasks: list[dict[str, Any]] | None = None) 
     model, train, dataset = config["model"], config["train"], config.get("dataset") or {}
     state = run.read_trainer() if run.has_trainer_state() else None
     records, _ = run.read_metrics()
-    evals = [r for r in records if r.get("kind", "eval") == "eval" and "val_loss" in r]
+    objective = (config.get("finetune") or {}).get("objective")
+    scored = "val_reward" if objective == "grpo" else "val_loss"
+    evals = [r for r in records if r.get("kind", "eval") == "eval" and scored in r]
     steps_logged = [r for r in records if r.get("kind") == "train"]
     chosen = set((config.get("auto") or {}).get("chosen") or [])
     settings = {
@@ -93,18 +113,37 @@ def gather(run: RunDir, result=None, tasks: list[dict[str, Any]] | None = None) 
         "documents": dataset.get("documents"),
         "finetune": (config.get("finetune") or {}).get("method"),
         "settings": settings,
-        "tokens": result.tokens if result is not None else (state.tokens if state else 0),
-        "time_s": result.elapsed_s if result is not None else (state.elapsed_s if state else None),
+        "objective": objective,
+        "tokens": getattr(result, "tokens", None) or (state.tokens if state else 0),
+        "time_s": result.elapsed_s if result is not None and objective not in POLICY_SCORES else _state_time(state),
         "tokens_per_s": speed,
         "ms_per_iter": result.ms_per_iter if result is not None else None,
-        "mfu": result.mfu if result is not None else None,
-        "val_loss": last["val_loss"] if last else None,
-        "train_loss": last["train_loss"] if last else None,
+        "mfu": getattr(result, "mfu", None),
+        "val_loss": last.get("val_loss") if last else None,
+        "train_loss": last.get("train_loss") if last else None,
         "eval_step": last["step"] if last else None,
         "best_val_loss": state.best_val_loss if state else None,
         "tasks": tasks or [],
     }
+    if objective in POLICY_SCORES:  # DPO's loss is not a language model's, GRPO's best is a reward: their own table
+        logged = steps_logged[-1] if steps_logged else {}
+        figures["scores"] = [
+            {"label": label, "value": ((last or {}) if where == "val" else logged).get(key)}
+            for label, where, key in POLICY_SCORES[objective]
+        ]
+        best = state.best_val_loss if state else None
+        if best is not None:
+            label = "best val DPO loss" if objective == "dpo" else "best val reward"
+            figures["scores"].append({"label": label, "value": best if objective == "dpo" else -best})
+        figures["best_val_loss"] = figures["train_loss"] = None
+        if objective == "grpo":
+            figures["val_loss"] = None
     return figures
+
+
+def _state_time(state) -> float | None:
+    """The run's time as its folder has it (every invocation's training, evaluations and saves)."""
+    return state.elapsed_s if state else None
 
 
 def _ending_from_folder(state, train: dict[str, Any]) -> str | None:
@@ -149,10 +188,12 @@ def add_model_figures(figures: dict[str, Any], run: RunDir, samples: bool = True
         figures["samples_note"] = f"no samples: {e}"
         return
     train = config["train"]
-    per_token = bytes_per_token(model.tokenizer, Path(train.get("data_dir", "data")), train.get("data", ""))
-    figures["bytes_per_token"] = per_token
-    for key in ("val_loss", "best_val_loss", "train_loss"):
-        figures[key.replace("loss", "bpb")] = bits_per_byte(figures.get(key), per_token)
+    text = not figures.get("scores")  # DPO's pairs and GRPO's prompts are no token stream to count bytes over
+    if text:
+        per_token = bytes_per_token(model.tokenizer, Path(train.get("data_dir", "data")), train.get("data", ""))
+        figures["bytes_per_token"] = per_token
+        for key in ("val_loss", "best_val_loss", "train_loss"):
+            figures[key.replace("loss", "bpb")] = bits_per_byte(figures.get(key), per_token)
     module = model.model
     figures["params"] = module.num_params()
     figures["params_total"] = sum(p.numel() for p in module.parameters())
@@ -168,7 +209,7 @@ def add_model_figures(figures: dict[str, Any], run: RunDir, samples: bool = True
         return
     prompts = list(PROMPTS)
     try:
-        first = model.tokenizer.decode(open_val_head(train, 8))
+        first = model.tokenizer.decode(open_val_head(train, 8) if text else first_val_prompt(train))
         if first.strip():
             prompts.insert(0, first)
     except (NanoGPTError, OSError, ValueError):
@@ -181,6 +222,17 @@ def add_model_figures(figures: dict[str, Any], run: RunDir, samples: bool = True
         except NanoGPTError:  # a prompt this tokenizer cannot write (a char vocabulary without "T")
             continue
         figures["samples"].append({"prompt": prompt, "text": out.text})
+
+
+def first_val_prompt(train: dict[str, Any]) -> list[int]:
+    """The first val row's prompt of a preference dataset (the chosen reply's unmasked start) or a prompts one."""
+    from nanogpt_cli.data.preference import read_split
+
+    rows = read_split(train.get("data_dir", "data"), train["data"], "val")
+    if not rows:
+        return []
+    row = rows[0]
+    return row["ids"] if "ids" in row else [t for t, m in zip(row["chosen"], row["chosen_mask"]) if not m]
 
 
 def open_val_head(train: dict[str, Any], n: int) -> list[int]:
@@ -230,15 +282,7 @@ def render(f: dict[str, Any]) -> str:
         lines.append(f"| model FLOPs | {f['flops_per_s'] / 1e9:,.2f} GFLOP/s |")
     mfu = f"{f['mfu']:.1%}" if f.get("mfu") is not None else "not known (no peak FLOP/s known for this device)"
     lines.append(f"| MFU | {mfu} |")
-    lines += ["", "## Loss", "", "| | loss (nats/token) | bits per byte |", "|---|---|---|"]
-    for label, key in (
-        (f"val, step {f['eval_step']:,}" if f.get("eval_step") is not None else "val", "val_loss"),
-        ("best val", "best_val_loss"),
-        ("train (last evaluation)", "train_loss"),
-    ):
-        loss, bpb = f.get(key), f.get(key.replace("loss", "bpb"))
-        lines.append(f"| {label} | {_num(loss)} | {_num(bpb)} |")
-    lines.append("")
+    lines += _losses(f)
     lines.append(f"![loss curves]({f['plot']})" if f.get("plot") else f"Loss curves not drawn: {f.get('plot_note')}.")
     lines.append("")
     if f.get("samples"):
@@ -257,6 +301,23 @@ def render(f: dict[str, Any]) -> str:
             lines.append(f["tasks_note"])
         lines.append("")
     return "\n".join(lines)
+
+
+def _losses(f: dict[str, Any]) -> list[str]:
+    """The loss section: a language model's losses in nats and bits per byte, or DPO's and GRPO's own figures."""
+    at = f" (val: step {f['eval_step']:,})" if f.get("eval_step") is not None else ""
+    if f.get("scores"):
+        lines = ["", f"## Scores{at}", "", "| | |", "|---|---|"]
+        return lines + [f"| {s['label']} | {_num(s['value'])} |" for s in f["scores"]] + [""]
+    lines = ["", "## Loss", "", "| | loss (nats/token) | bits per byte |", "|---|---|---|"]
+    for label, key in (
+        (f"val, step {f['eval_step']:,}" if f.get("eval_step") is not None else "val", "val_loss"),
+        ("best val", "best_val_loss"),
+        ("train (last evaluation)", "train_loss"),
+    ):
+        loss, bpb = f.get(key), f.get(key.replace("loss", "bpb"))
+        lines.append(f"| {label} | {_num(loss)} | {_num(bpb)} |")
+    return lines + [""]
 
 
 def _num(value: float | None) -> str:
@@ -364,6 +425,9 @@ def compare(runs: list[RunDir]) -> tuple[list[str], list[tuple[str, list[str]]]]
         row(label, lambda f, k=key: _num(f.get(k)))
     for label, key in (("val bits/byte", "val_bpb"), ("best val bits/byte", "best_val_bpb")):
         row(label, lambda f, k=key: _num(f.get(k)))
+    labels = list(dict.fromkeys(s["label"] for f in figures for s in f.get("scores") or []))
+    for label in labels:
+        row(label, lambda f, k=label: next((_num(s["value"]) for s in f.get("scores") or [] if s["label"] == k), "-"))
     scored = sorted({(t["task"], t["metric"]) for f in figures for t in f.get("tasks") or []})
     for task, metric in scored:
         row(

@@ -12,7 +12,9 @@ that follows from it) and the table marks them "given".
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +57,7 @@ MIN_ROWS = 4
 MICRO_TOKENS = {"cpu": 16_384, "cuda": 131_072, "mps": 32_768}
 PROBE_DEPTHS = {"cpu": (2, 4, 8), "cuda": (4, 8, 16), "mps": (2, 4, 8)}
 PROBE_SECONDS = 1.5  # at most, per shape, after one warm-up update
+SPEEDS_ENV = "NANOGPT_AUTO_SPEEDS"  # `train --nproc`: the launcher's probe, for the processes it starts
 
 
 def width_for(depth: int) -> int:
@@ -127,6 +130,11 @@ class AutoChoice:
             "expected_updates": self.expected_updates,
             "speeds": {str(k): v for k, v in self.speeds.items()},
         }
+
+    def launch_env(self) -> dict[str, str]:
+        """What the processes that `train --nproc` starts need in their environment to plan this very run: the
+        probe's figures, measured once here (choose is a pure function of them and of what every process reads)."""
+        return {SPEEDS_ENV: json.dumps({str(k): v for k, v in self.speeds.items()})}
 
 
 def speed_at(depth: int, speeds: dict[int, float], vocab: int, doc_tokens: float) -> float:
@@ -398,23 +406,40 @@ def plan_auto(
     speeds: dict[int, float] | None = None,
 ) -> AutoChoice:
     """auto's values for a fresh run on the dataset `meta` with the given `values` (parsed): the probe (unless its
-    speeds are given), then the rules."""
+    speeds are given, or the launcher handed them down, or under torchrun rank 0 runs it), then the rules."""
     from nanogpt_cli.config import parse_value
     from nanogpt_cli.device import resolve_device
+    from nanogpt_cli.training.distributed import launched_size
 
     if values.get("max_time") is None:
         raise NanoGPTError("--preset auto sizes the run to a time: give --max-time too (e.g. --max-time 20m)")
-    if world_size > 1:  # before the probe: check_world would refuse it after
-        raise NanoGPTError(
-            "--preset auto sizes the run to --max-time, which runs in one process only (each process's clock would "
-            "set its own schedule); train in one process, or give the model and --max-iters"
-        )
     given = {k: parse_value(k, v) for k, v in values.items()}
     data = DataFigures.of(meta)
     device = resolve_device(given.get("device", "auto"))
     if speeds is None:
         dtype = given.get("dtype", "auto")
-        speeds = probe(
-            data, given.get("device", "auto"), getattr(dtype, "value", dtype), on_probe, budget_s=given["max_time"]
-        )
+
+        def measure() -> dict[int, float]:
+            return probe(
+                data, given.get("device", "auto"), getattr(dtype, "value", dtype), on_probe, budget_s=given["max_time"]
+            )
+
+        speeds = handed_speeds() or (measure() if launched_size() <= 1 else main_rank_speeds(measure, device.type))
     return choose(data, float(given["max_time"]), speeds, given, device.type, world_size)
+
+
+def handed_speeds() -> dict[int, float] | None:
+    """In a process that `train --nproc` started: the probe its launcher ran (every process plans the same run)."""
+    handed = os.environ.get(SPEEDS_ENV)
+    return {int(k): float(v) for k, v in json.loads(handed).items()} if handed else None
+
+
+def main_rank_speeds(measure: Callable[[], dict[int, float]], device: str) -> dict[int, float]:
+    """Under torchrun: rank 0 probes and every rank plans from its figures. They are one process's; on a CPU the
+    others share the cores out (torchrun gives each its share of threads), so the machine's speed is theirs summed,
+    as it is on CUDA, where choose counts each process's GPU."""
+    from nanogpt_cli.training.distributed import from_main_before_joining, launched_size
+
+    speeds = json.loads(from_main_before_joining("auto-speeds", lambda: json.dumps(measure())))
+    scale = launched_size() if device != "cuda" else 1
+    return {int(k): float(v) * scale for k, v in speeds.items()}

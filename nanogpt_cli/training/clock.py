@@ -36,6 +36,9 @@ class Clock:
         self.save_s = 0.0  # the saving part of it
         self.step_s = self.first_s = 0.0  # the last update's length; the first one's
         self.sync: Callable[[], None] | None = None  # waits for the device (CUDA with --max-time)
+        # several processes: rank 0's reading of the clock, sent to every rank (World.from_main), so that each one
+        # sets the same learning rate and all stop after the same update; one process: its own reading
+        self.agree: Callable[[list[float]], list[float]] = lambda values: values
         self.steps: list[float] = []  # every update's length in this invocation
 
     def elapsed(self, at: float | None = None) -> float:
@@ -46,7 +49,7 @@ class Clock:
         """--max-time: the share of it spent, out of the time left once the final evaluation is set aside."""
         if self.max_time is None:
             return None
-        return self.elapsed() / max(self.max_time - self.eval_s(), 1e-9)
+        return self.agree([self.elapsed() / max(self.max_time - self.eval_s(), 1e-9)])[0]
 
     def eval_s(self) -> float:
         """The final evaluation's expected length: the last one's, or (when none has run: --no-eval-first) a
@@ -58,10 +61,10 @@ class Clock:
 
     def out_of_time(self, due: bool) -> bool:
         """Whether another update and the final evaluation (after the one due now) would not fit."""
-        return (
-            self.max_time is not None
-            and self.elapsed() + self.step_s + self.eval_s() * (2 if due else 1) >= self.max_time
-        )
+        if self.max_time is None:
+            return False
+        over = self.elapsed() + self.step_s + self.eval_s() * (2 if due else 1) >= self.max_time
+        return self.agree([float(over)])[0] > 0
 
     def stepped(self, started: float, first: bool) -> None:
         if self.sync is not None:

@@ -18,7 +18,7 @@ import contextlib
 import gc
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -84,6 +84,10 @@ class World:
     def max_int(self, value: int) -> int:
         return value
 
+    def from_main(self, values: list[float]) -> list[float]:
+        """Rank 0's values, on every rank."""
+        return values
+
     def barrier(self) -> None:
         pass
 
@@ -132,6 +136,11 @@ class ProcessGroup(World):
     def max_int(self, value: int) -> int:
         return max_int(value, self)
 
+    def from_main(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.broadcast(t, src=0)
+        return t.tolist()
+
     def barrier(self) -> None:
         dist.barrier()
 
@@ -164,16 +173,28 @@ def open_world(cfg: TrainConfig) -> Iterator[World]:
         yield world
 
 
+def from_main_before_joining(key: str, make: Callable[[], str]) -> str:
+    """Under torchrun or --nproc, while planning (before the process group is joined): rank 0's make(), which the
+    other ranks wait for, through the key-value store the launcher keeps for its processes."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        raise NanoGPTError(
+            "this launcher keeps no store for its processes (torchrun and --nproc do): start them with torchrun, "
+            "or give the values that need one process's figures"
+        )
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.TCPStore(host, port, is_master=False, timeout=TIMEOUT)
+    run = f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    key = f"nanogpt/{run}/{key}"  # the store outlives a restart: each attempt its own key
+    if int(os.environ.get("RANK", "0")) == 0:
+        store.set(key, make())
+    return store.get(key).decode()  # a rank 0 that fails ends the launch, and this wait with it
+
+
 def check_world(cfg: TrainConfig, size: int) -> None:
     """What a run of `size` processes cannot do, refused in one sentence (by the launcher, before any starts)."""
     if size <= 1:
         return
     per_rank(cfg.gradient_accumulation_steps, size)
-    if cfg.max_time is not None:
-        raise NanoGPTError(
-            "--max-time runs in one process only: with several processes each one's clock would set its "
-            "own learning rate; use --max-iters"
-        )
 
 
 def rank_device(name: str, local_rank: int) -> torch.device:

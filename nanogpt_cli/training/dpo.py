@@ -82,7 +82,7 @@ class DPOResult:
     step: int
     val_loss: float | None  # the val pairs' DPO loss at the last evaluation
     val_accuracy: float | None  # the share of val pairs whose chosen reward beats the rejected one
-    stopped: str | None = None  # None: finished; "stop_at", "SIGINT", "SIGTERM"
+    stopped: str | None = None  # None: finished; "max_time" (the clock), "stop_at", "SIGINT", "SIGTERM"
     best_val_loss: float | None = None
     elapsed_s: float = 0.0  # this invocation's wall time, evaluations and saves included
     ms_per_iter: float = 0.0  # the updates' own time, evaluations and saves left out
@@ -225,13 +225,16 @@ class DPO:
             run.state.tokens += tokens
             run.stepped(tokens)
             step = run.state.step
-            if step % cfg.log_interval == 0 or step == end:
+            out_of_time = run.out_of_time()
+            if step % cfg.log_interval == 0 or step == end or out_of_time:
                 values = {"loss": loss.item(), "lr": lr, "reward_chosen": chosen.mean().item()}
                 values |= {"reward_rejected": rejected.mean().item(), "margin": (chosen - rejected).mean().item()}
                 run.log_step(values, shown=("margin",))
-            if step % cfg.eval_interval == 0 or step == end:
+            if step % cfg.eval_interval == 0 or step == end or out_of_time:
                 if not self.evaluate_and_log(save=True):
                     break
+            if out_of_time:
+                break
         return run.ended(end)
 
     def evaluate_and_log(self, save: bool) -> bool:

@@ -149,7 +149,7 @@ class GRPOResult:
     run_dir: Path
     step: int
     val_reward: float | None  # the val prompts' mean reward of the greedy completion, at the last evaluation
-    stopped: str | None = None  # None: finished; "stop_at", "SIGINT", "SIGTERM"
+    stopped: str | None = None  # None: finished; "max_time" (the clock), "stop_at", "SIGINT", "SIGTERM"
     best_val_reward: float | None = None
     elapsed_s: float = 0.0  # this invocation's wall time, evaluations and saves included
     ms_per_iter: float = 0.0  # the updates' own time (rollouts included), evaluations and saves left out
@@ -291,11 +291,14 @@ class GRPO:
             step = run.state.step
             if not all(map(math.isfinite, values.values())):
                 raise NanoGPTError(f"the loss became non-finite at step {step}; try a lower --learning-rate")
-            if step % cfg.log_interval == 0 or step == end:
+            out_of_time = run.out_of_time()
+            if step % cfg.log_interval == 0 or step == end or out_of_time:
                 run.log_step(values, shown=("reward", "kl"))
-            if step % cfg.eval_interval == 0 or step == end:
+            if step % cfg.eval_interval == 0 or step == end or out_of_time:
                 if not self.evaluate_and_log(save=True):
                     break
+            if out_of_time:
+                break
         return run.ended(end)
 
     def evaluate_and_log(self, save: bool) -> bool:

@@ -84,10 +84,11 @@ def launch_flags() -> str:
     return f"{flags} " if flags else ""
 
 
-def launch(args: list[str], how: Launch, run_id: str = "nanogpt") -> int:
+def launch(args: list[str], how: Launch, run_id: str = "nanogpt", env: dict[str, str] | None = None) -> int:
     """Run `nanogpt train ARGS` in how.world_size processes and wait for them; the exit code to leave with: 0,
     130 / 143 after Ctrl-C or SIGTERM (every process stopped after a save, rank 0 printed how to resume), 1
-    after an error (rank 0 printed it, or this prints the failed process's one line)."""
+    after an error (rank 0 printed it, or this prints the failed process's one line). env: more for each
+    process's environment (what planning here measured: --preset auto's probe)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -98,8 +99,9 @@ def launch(args: list[str], how: Launch, run_id: str = "nanogpt") -> int:
         logger = logging.getLogger(name)
         logger.addHandler(logging.NullHandler())
         logger.propagate = False
-    saved_env = {name: os.environ.get(name) for name in (LAUNCH_ENV, "OMP_NUM_THREADS")}
-    os.environ.update(worker_env(how))  # the processes inherit it; this process gets its own back at the end
+    saved_env = {name: os.environ.get(name) for name in (LAUNCH_ENV, "OMP_NUM_THREADS", *(env or {}))}
+    # the processes inherit it; this process gets its own back at the end
+    os.environ.update(worker_env(how), **(env or {}))
     config = LaunchConfig(
         min_nodes=how.nnodes,
         max_nodes=how.nnodes,

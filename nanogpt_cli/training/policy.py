@@ -137,6 +137,9 @@ class PolicyRun:
         self.train_s = 0.0  # the time of every update of this invocation
         self.trained_tokens = 0
         self.invoked = time.perf_counter()
+        # --max-time: the last update's length and the last evaluation's (with its save), kept free at the end
+        self.step_s = self.eval_s = 0.0
+        self.step_mark = self.invoked
 
     @property
     def lora(self) -> bool:
@@ -166,6 +169,7 @@ class PolicyRun:
                 saved.load_optimizer(self.optimizer)
         if saved is not None:
             self.state = saved.state
+            self.state.max_time_spent = None  # a resume with a larger --max-time trains on; the clock says again
             if self.state.rng_torch is not None:
                 torch.set_rng_state(self.state.rng_torch)
             # the threads it last trained with, kept: CPU sums differ by thread count (a given count wins, said)
@@ -177,7 +181,7 @@ class PolicyRun:
             self.run_dir.start(plan.force)
         self.write_config_again()
         self.start_step = self.state.step
-        self.started = time.perf_counter()
+        self.started = self.step_mark = time.perf_counter()
         return self.model
 
     def begin(self, batch: str) -> None:
@@ -210,8 +214,26 @@ class PolicyRun:
         config = {"model": plan.model.to_dict(), "train": self.cfg.to_dict(), "dataset": plan.dataset}
         self.run_dir.write_config({**config, "finetune": plan.finetune})
 
+    def elapsed(self) -> float:
+        """Wall time of every invocation so far."""
+        return self.state.elapsed_s + time.perf_counter() - self.started
+
+    def share(self) -> float | None:
+        """--max-time: the share of it spent, out of the time left once the final evaluation is set aside."""
+        if self.cfg.max_time is None:
+            return None
+        return self.elapsed() / max(self.cfg.max_time - self.eval_s, 1e-9)
+
+    def out_of_time(self) -> bool:
+        """--max-time: whether one more update and the final evaluation (the last ones' lengths) would not fit; the
+        loop then evaluates, saves and ends, and the run records the time as spent."""
+        if self.cfg.max_time is None or self.elapsed() + self.step_s + self.eval_s < self.cfg.max_time:
+            return False
+        self.state.max_time_spent = self.cfg.max_time
+        return True
+
     def step_lr(self) -> float:
-        lr = lr_at(self.state.step, self.cfg)
+        lr = lr_at(self.state.step, self.cfg, self.share())
         set_lr(self.optimizer, lr, self.state.step, self.cfg)
         return lr
 
@@ -229,7 +251,7 @@ class PolicyRun:
         self.state.step += 1
 
     def record(self, kind: str, values: dict[str, Any]) -> None:
-        record = {"kind": kind, "step": self.state.step, **values}
+        record = {"kind": kind, "step": self.state.step, "tokens": self.state.tokens, **values}  # loss.png's x
         self.run_dir.append_metrics(record)
         self.log(record)
 
@@ -237,6 +259,8 @@ class PolicyRun:
         """An update is done: its tokens (the completions' and prompts' the loss read) count to the speed."""
         self.timed.tokens += tokens
         self.trained_tokens += tokens
+        now = time.perf_counter()
+        self.step_s, self.step_mark = now - self.step_mark, now
 
     def log_step(self, values: dict[str, float], shown: Sequence[str]) -> None:
         """A metrics line (kind "train") and a progress line: loss, lr, speed and the values named in shown."""
@@ -265,9 +289,15 @@ class PolicyRun:
         shown = {k.replace("_", " "): v for k, v in values.items()}
         self.show.on_scored(Scored(step=self.state.step, values=shown, best=best, saved=saved))
 
-    def untimed(self) -> contextlib.AbstractContextManager:
-        """Time that is not the updates' (an evaluation, a save): left out of the speed."""
-        return self.timed.pause()
+    @contextlib.contextmanager
+    def untimed(self):
+        """Time that is not the updates' (an evaluation and its save): left out of the speed, and kept free for the
+        final one under --max-time."""
+        started = time.perf_counter()
+        with self.timed.pause():
+            yield
+        self.step_mark = time.perf_counter()
+        self.eval_s = self.step_mark - started
 
     def scored(self, evaluate: Callable[[GPT], Any]) -> Any:
         """evaluate(model), which only reads the weights, dropped at once by a signal: its result, or None then
@@ -281,10 +311,12 @@ class PolicyRun:
 
     def ended(self, end: int) -> str | None:
         """How the loop that stopped at `end` ended: a signal ("SIGINT", "SIGTERM": the steps trained are saved
-        first), --stop-at ("stop_at"), or None (--max-iters reached)."""
+        first), the clock ("max_time"), --stop-at ("stop_at"), or None (--max-iters reached)."""
         if self.signals.received:
             self.save_on_stop()
             return self.signals.received
+        if self.state.max_time_spent is not None:
+            return "max_time"
         return "stop_at" if self.state.step == end < self.cfg.max_iters else None
 
     def save_on_stop(self) -> None:

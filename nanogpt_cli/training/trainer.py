@@ -665,6 +665,7 @@ class Trainer:
         # 2 * eval_iters / 3 updates of one micro-batch each (here, this rank's share of them)
         eval_steps = 2 * len(eval_sets["val"]) / 3 / len(world.micro_share(cfg.gradient_accumulation_steps))
         clock = Clock(state.elapsed_s, cfg.max_time, state.eval_s, state.step, eval_steps)
+        clock.agree = world.from_main  # every rank follows rank 0's clock: one schedule, one last update
         if cfg.max_time is not None and world.device.type == "cuda":  # the clock must see the GPU's work, not its queue
             clock.sync = functools.partial(torch.cuda.synchronize, world.device)
         return clock
