@@ -36,7 +36,7 @@ from nanogpt_cli.training.events import (  # dataclasses only
 if TYPE_CHECKING:
     import torch
 
-    from nanogpt_cli.config import GPTConfig, TrainConfig
+    from nanogpt_cli.config import GPTConfig, LoadSpec, TrainConfig
     from nanogpt_cli.data.chat import ChatPrepareResult
     from nanogpt_cli.data.chat_template import ChatTemplate
     from nanogpt_cli.data.pipeline import PrepareResult
@@ -44,10 +44,14 @@ if TYPE_CHECKING:
     from nanogpt_cli.inference.evaluate import EvalResult
     from nanogpt_cli.inference.sample import Piece, SampleResult, SampleSettings
     from nanogpt_cli.inference.tasks import TaskResults
+    from nanogpt_cli.inspect.attention import AttentionMaps
+    from nanogpt_cli.inspect.heads import HeadReport
+    from nanogpt_cli.inspect.positions import PositionViews
     from nanogpt_cli.interop.export import ExportResult
     from nanogpt_cli.interop.loading import InferenceModel
     from nanogpt_cli.lora import LoRAConfig
     from nanogpt_cli.model import GPT
+    from nanogpt_cli.serve import ServeOptions, Started
     from nanogpt_cli.tokenizer import Tokenizer
     from nanogpt_cli.training.events import Display
     from nanogpt_cli.training.plan import Change, RunPlan
@@ -77,28 +81,32 @@ __all__ = [
 # --- loading and using a model ---
 
 
-def load(
-    source: str | Path,
-    *,
-    last: bool = False,
-    device: str = "auto",
-    dtype: Any = "auto",
-    quantize: str | None = None,
-    group_size: int = 32,
-    backend: str | None = None,
-) -> Model:
-    """A model ready to generate, chat and score, from any source the commands load: a run folder (its best
-    weights; its last with last=True), a .safetensors file, a Hugging Face folder or hf:NAME, or a .gguf file
-    that `export` wrote. device: auto, cpu, cuda, cuda:N or mps; dtype: auto, float32, bfloat16, float16 (or a
+def load(source: str | Path | LoadSpec, **options: Any) -> Model:
+    """A model ready to generate, chat and score, from a LoadSpec (what the commands load, config.py) or a source
+    and the spec's fields as keywords. source: a run folder (its best weights; its last with last=True) or a run's
+    name in checkpoints/, a .safetensors file, a LoRA run (on its base), a Hugging Face folder or hf:NAME, or a
+    .gguf file. device: auto, cpu, cuda, cuda:N or mps; dtype: auto, float32, bfloat16, float16 (or a
     torch.dtype); auto picks from the device and the size of the weights. quantize: None, "int8" (one scale per
     output channel) or "int4" (a scale and zero per group_size inputs) for the blocks' weights, on a CPU. backend:
-    "cpu" or "torch", how decode steps are computed (default: the first that supports the model)."""
+    "cpu" or "torch", how decode steps are computed (default: the first that supports the model). threads: torch's
+    CPU threads (None: as they are; "auto": chosen from the load, as the commands do)."""
     from nanogpt_cli.interop.loading import load_for_inference
+    from nanogpt_cli.interop.source import parse_source
 
-    loaded = load_for_inference(
-        source, last=last, device=device, dtype=_dtype(dtype), quantize=quantize, group_size=group_size, backend=backend
-    )
-    return Model(loaded, str(source))
+    spec = load_spec(source, **options)
+    parsed = parse_source(spec.source, spec.last)  # the one reading of the source: the loaders dispatch on it
+    return Model(load_for_inference(spec, parsed), spec.source)
+
+
+def load_spec(source: str | Path | LoadSpec, **options: Any) -> LoadSpec:
+    """A LoadSpec from a spec (options replace its fields) or a source with the fields as keywords; an unknown
+    keyword is refused with the names there are."""
+    from nanogpt_cli.config import LoadSpec
+
+    _check_options(options, [f.name for f in dataclasses.fields(LoadSpec) if f.name != "source"])
+    if isinstance(source, LoadSpec):
+        return dataclasses.replace(source, **options)
+    return LoadSpec(str(source), **options)
 
 
 class Model:
@@ -151,8 +159,38 @@ class Model:
         if self._template is None:
             from nanogpt_cli.data.chat_template import ChatTemplate
 
-            self._template = ChatTemplate.for_model(self.meta, self.tokenizer, self.source)
+            where = self.loaded.source.location if self.loaded.source is not None else self.source
+            self._template = ChatTemplate.for_model(self.meta, self.tokenizer, where)
         return self._template
+
+    @property
+    def name(self) -> str:
+        """A short name for the model: its run's (or file's, or hub model's), with its training step if known."""
+        from nanogpt_cli.inspect import display_name
+
+        return display_name(self.loaded.source.location if self.loaded.source else self.source, self.meta)
+
+    def attention(self, prompt: str) -> AttentionMaps:
+        """Every layer's and head's attention over the prompt's tokens (its last block_size if longer), what `nanogpt
+        inspect attention` draws."""
+        from nanogpt_cli.inspect.attention import attention_maps
+
+        return attention_maps(self.loaded, prompt, source=self.source, name=self.name)
+
+    def heads(self, *, length: int | None = None, seed: int = 0, prompt: str | None = None) -> HeadReport:
+        """Every head scored on the standard probes and named (previous-token, induction, sink, local, mixed), what
+        `nanogpt inspect heads` prints: a repeated random sequence of `length` tokens (default the smaller of 64
+        and half the context), drawn with `seed`; prompt: measure previous-token, first-token and distance on it."""
+        from nanogpt_cli.inspect import score_heads
+
+        return score_heads(self.loaded, source=self.source, name=self.name, length=length, seed=seed, prompt=prompt)
+
+    def positions(self) -> PositionViews:
+        """The model's position scheme (the sinusoidal or learned table, or RoPE's frequencies) as `nanogpt inspect
+        positions` draws it."""
+        from nanogpt_cli.inspect import position_views
+
+        return position_views(self.module)
 
     def __repr__(self) -> str:
         cfg = self.module.config
@@ -308,6 +346,31 @@ class Model:
             apply_chat_template=apply_chat_template,
             output_path=output_path,
         )
+
+
+def evaluate_tasks(
+    source: str | Path | LoadSpec,
+    tasks: str | list[str],
+    *,
+    callback: Callable[[Note], None] | None = None,
+    batch_size: int | None = None,
+    **options: Any,
+) -> TaskResults:
+    """What `nanogpt eval tasks` does: the tasks and options checked, the model loaded (source: a LoadSpec or a
+    source, as for load()), then Model.evaluate_tasks(tasks, **options). callback gets a Note where
+    apply_chat_template meets a model without a chat template (its prompts get a plain transcript)."""
+    from nanogpt_cli.inference.tasks import check_options
+
+    names = [tasks] if isinstance(tasks, str) else list(tasks)
+    _check_options(options, ["limit", "num_fewshot", "include_path", "apply_chat_template", "output_path"])
+    check_options(names, options.get("limit"), options.get("num_fewshot"), options.get("include_path"))
+    if batch_size is not None and batch_size < 1:
+        raise NanoGPTError(f"--batch-size must be at least 1, got {batch_size}")
+    model = load(source)
+    if options.get("apply_chat_template") and model.template.plain and callback is not None:
+        plain = "has no chat template (a base model): its prompts get a plain User:/Assistant: transcript"
+        callback(Note(f"{model.source} {plain}"))
+    return model.evaluate_tasks(names, batch_size=batch_size, **options)
 
 
 @dataclass
@@ -616,7 +679,7 @@ def _check_options(options: dict[str, Any], known: list[str]) -> None:
 
 
 def export(
-    source: str | Path,
+    source: str | Path | LoadSpec,
     out: str | Path,
     format: str = "hf",
     *,
@@ -626,12 +689,27 @@ def export(
     merge: bool = False,
     base: str | Path | None = None,
 ) -> ExportResult:
-    """Write a run (or weights file, or Hugging Face model) as a Hugging Face folder (format="hf"), one GGUF file
-    (format="gguf", quant: f32, f16, bf16, q8_0, ...) or a LoRA run's PEFT adapter (format="peft", for `base`),
-    as `nanogpt export` does."""
+    """Write a run (or weights file, or Hugging Face model; a LoadSpec's source and last) as a Hugging Face folder
+    (format="hf"), one GGUF file (format="gguf", quant: f32, f16, bf16, q8_0, ...) or a LoRA run's PEFT adapter
+    (format="peft", for `base`), as `nanogpt export` does."""
     from nanogpt_cli.interop.export import export as export_run
 
-    return export_run(source, format, out, last=last, force=force, quant=quant, merge=merge, base=base)
+    spec = load_spec(source, **({"last": True} if last else {}))
+    return export_run(spec.source, format, out, last=spec.last, force=force, quant=quant, merge=merge, base=base)
+
+
+# --- serving, describing, inspecting ---
+
+
+def serve(options: ServeOptions, on_ready: Callable[[Started], None] | None = None) -> None:
+    """What `nanogpt serve` does: the OpenAI-compatible server for options.load's model (a LoadSpec) until Ctrl-C or
+    SIGTERM; on_ready(Started) once it listens (its URL, the KV cache's bytes per token). Needs the `serve` extra.
+
+        nanogpt.serve(ServeOptions(LoadSpec("checkpoints/shk", device="cpu"), port=0), on_ready=print)
+    """
+    from nanogpt_cli.serve import serve as run_server
+
+    run_server(options, on_ready)
 
 
 # --- rollouts for reinforcement learning ---
