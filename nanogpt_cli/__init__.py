@@ -10,7 +10,19 @@ From Python (api.py; docs/python.md):
 
 __version__ = "0.1.0"
 
-_API = ("load", "train", "plan_training", "prepare", "export")  # from nanogpt_cli.api, imported on first use
+# from nanogpt_cli.api, imported on first use (not api.serve: nanogpt_cli.serve is the server's package)
+_API = (
+    "LoadSpec",
+    "ServeOptions",
+    "load",
+    "train",
+    "plan_training",
+    "prepare",
+    "export",
+    "evaluate_tasks",
+    "info",
+    "system_info",
+)
 
 __all__ = ["__version__", *_API]
 

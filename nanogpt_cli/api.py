@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nanogpt_cli.config import LoadSpec
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.serve import ServeOptions, Started
 from nanogpt_cli.training.events import (  # dataclasses only
     EvalProgress,
     Evaluated,
@@ -36,7 +38,7 @@ from nanogpt_cli.training.events import (  # dataclasses only
 if TYPE_CHECKING:
     import torch
 
-    from nanogpt_cli.config import GPTConfig, LoadSpec, TrainConfig
+    from nanogpt_cli.config import GPTConfig, TrainConfig
     from nanogpt_cli.data.chat import ChatPrepareResult
     from nanogpt_cli.data.chat_template import ChatTemplate
     from nanogpt_cli.data.pipeline import PrepareResult
@@ -45,18 +47,25 @@ if TYPE_CHECKING:
     from nanogpt_cli.inference.sample import Piece, SampleResult, SampleSettings
     from nanogpt_cli.inference.tasks import TaskResults
     from nanogpt_cli.inspect.attention import AttentionMaps
+    from nanogpt_cli.inspect.catalog import Info
     from nanogpt_cli.inspect.heads import HeadReport
     from nanogpt_cli.inspect.positions import PositionViews
     from nanogpt_cli.interop.export import ExportResult
     from nanogpt_cli.interop.loading import InferenceModel
     from nanogpt_cli.lora import LoRAConfig
     from nanogpt_cli.model import GPT
-    from nanogpt_cli.serve import ServeOptions, Started
     from nanogpt_cli.tokenizer import Tokenizer
     from nanogpt_cli.training.events import Display
     from nanogpt_cli.training.plan import Change, RunPlan
 
 __all__ = [
+    "LoadSpec",
+    "ServeOptions",
+    "evaluate_tasks",
+    "info",
+    "load_spec",
+    "serve",
+    "system_info",
     "ChatReply",
     "EvalProgress",
     "Evaluated",
@@ -101,8 +110,6 @@ def load(source: str | Path | LoadSpec, **options: Any) -> Model:
 def load_spec(source: str | Path | LoadSpec, **options: Any) -> LoadSpec:
     """A LoadSpec from a spec (options replace its fields) or a source with the fields as keywords; an unknown
     keyword is refused with the names there are."""
-    from nanogpt_cli.config import LoadSpec
-
     _check_options(options, [f.name for f in dataclasses.fields(LoadSpec) if f.name != "source"])
     if isinstance(source, LoadSpec):
         return dataclasses.replace(source, **options)
@@ -710,6 +717,28 @@ def serve(options: ServeOptions, on_ready: Callable[[Started], None] | None = No
     from nanogpt_cli.serve import serve as run_server
 
     run_server(options, on_ready)
+
+
+def info(source: str | Path) -> Info:
+    """What `nanogpt info SOURCE` shows: a run folder (or a run's name in checkpoints/), a weights file, a GGUF file
+    or a Hugging Face folder described: config, parameters, FLOPs per token, tokenizer, losses, files. A run whose
+    weights are damaged or not written yet is described too (that is what info is for), so the source is not
+    loaded."""
+    from nanogpt_cli.inspect.catalog import inspect_path
+    from nanogpt_cli.runs.rundir import find_run, missing_source
+
+    path = Path(find_run(source))
+    if not path.exists():
+        raise NanoGPTError(missing_source(path))
+    return inspect_path(path)
+
+
+def system_info() -> dict[str, Any]:
+    """What `nanogpt info --system` shows: torch, the threads, the CPU and its features, our decode kernels (built
+    here if they were not) and where they are kept, and the devices."""
+    from nanogpt_cli.inspect.catalog import system_info as describe
+
+    return describe()
 
 
 # --- rollouts for reinforcement learning ---

@@ -72,7 +72,7 @@ def export(
             raise NanoGPTError("--merge folds the adapters in, and --format peft writes them apart; give one")
         if base is None:
             raise NanoGPTError(f"--format peft needs --base: {_base_hint(lora.meta['base']['source'])}")
-        return export_peft(lora.weights, lora.meta, str(base), Path(out), force)
+        return export_peft(lora, str(base), Path(out), force)
     if lora is not None and not merge:
         raise NanoGPTError(
             f"{source.location} is a LoRA run (adapters on {lora.meta['base']['source']}); export it with --merge "
@@ -254,7 +254,7 @@ def _reply_stops(template: str, tok, eot_id: int | None) -> dict[str, Any]:
 # --- PEFT -----------------------------------------------------------------------------------------------
 
 
-def export_peft(path: Path, meta: dict[str, Any], base: str, out: Path, force: bool = False) -> ExportResult:
+def export_peft(lora: LoRARun, base: str, out: Path, force: bool = False) -> ExportResult:
     """Write a LoRA run's adapters as a PEFT adapter folder for `base`: hf:NAME (the hub model the run started
     from, from the cache or the hub) or a Hugging Face folder such as the run base's export (checked: its weights
     must be that base's). `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(NAME or base), out)`
@@ -265,7 +265,8 @@ def export_peft(path: Path, meta: dict[str, Any], base: str, out: Path, force: b
     from nanogpt_cli.lora import adapters
 
     transformers = hf.require("transformers")
-    model, plain = load_lora(path, meta, merge=False)
+    model, plain = load_lora(lora, merge=False)
+    meta = lora.meta
     family = meta.get(hf.FAMILY_KEY)  # a run started from a Qwen2 folder compares with a Qwen2, not a Llama
     kind = hf.hf_kind(model.config, family)
     theirs = _base_weights(transformers, base)
