@@ -64,6 +64,7 @@ __all__ = [
     "evaluate_tasks",
     "info",
     "load_spec",
+    "sample_settings",
     "serve",
     "system_info",
     "ChatReply",
@@ -99,12 +100,13 @@ def load(source: str | Path | LoadSpec, **options: Any) -> Model:
     output channel) or "int4" (a scale and zero per group_size inputs) for the blocks' weights, on a CPU. backend:
     "cpu" or "torch", how decode steps are computed (default: the first that supports the model). threads: torch's
     CPU threads (None: as they are; "auto": chosen from the load, as the commands do)."""
-    from nanogpt_cli.interop.loading import load_for_inference
+    from nanogpt_cli.interop.loading import load_parsed
     from nanogpt_cli.interop.source import parse_source
 
     spec = load_spec(source, **options)
     parsed = parse_source(spec.source, spec.last)  # the one reading of the source: the loaders dispatch on it
-    return Model(load_for_inference(spec, parsed), spec.source)
+    loaded = load_parsed(parsed, spec)
+    return Model(loaded, spec.source)
 
 
 def load_spec(source: str | Path | LoadSpec, **options: Any) -> LoadSpec:
@@ -406,6 +408,11 @@ class Stream:
     def __iter__(self) -> Iterator[str]:
         result = yield from self._pieces  # None when read a second time: the first reading's result stays
         self.result = result if result is not None else self.result
+
+
+def sample_settings(**settings: Any) -> SampleSettings:
+    """SampleSettings (what generate() and chat() take as keywords) checked once, for a loop that reuses them."""
+    return _sample_settings(settings)
 
 
 def _sample_settings(settings: dict[str, Any]) -> SampleSettings:

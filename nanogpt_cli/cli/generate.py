@@ -103,7 +103,7 @@ def sample(
 
     Example: nanogpt sample --checkpoint checkpoints/shk --prompt "ROMEO:" --max-new-tokens 200
     """
-    from nanogpt_cli.inference.sample import SampleSettings
+    from nanogpt_cli import api
 
     if prompt is not None and prompt_file is not None:
         raise NanoGPTError("give --prompt or --prompt-file, not both")
@@ -111,7 +111,7 @@ def sample(
         from nanogpt_cli.files import read_text_file
 
         prompt = read_text_file(prompt_file, "--prompt-file")
-    settings = SampleSettings(
+    settings = api.sample_settings(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k or None,
@@ -123,8 +123,6 @@ def sample(
         ignore_eot=ignore_eot,
         use_cache=not no_cache,
     )
-    from nanogpt_cli import api
-
     model = api.load(spec)
     say_kernels(model)
     sampler = model.sampler

@@ -35,10 +35,8 @@ CorsOrigin = Annotated[
 
 def note_exposure(options) -> None:
     """The notes for a server other machines can reach: no key, or host names it will not answer under."""
-    from nanogpt_cli.serve import is_loopback
-
     host = options.host
-    if not is_loopback(host) and options.api_key is None:
+    if options.reachable and options.api_key is None:
         note(
             f"--host {host} is reachable from other machines and no --api-key is set: anyone who can reach it "
             "can use the model"
@@ -99,9 +97,8 @@ def serve(
     Example: nanogpt serve checkpoints/shk --port 8000
     """
     from nanogpt_cli import api
-    from nanogpt_cli.serve import ServeOptions, default_model_name
 
-    options = ServeOptions(
+    options = api.ServeOptions(
         spec,
         host=host,
         port=port,
@@ -119,4 +116,4 @@ def serve(
         cors_origins=cors_origin or [],
     )
     note_exposure(options)
-    api.serve(options, on_ready=functools.partial(say_ready, options.model_name or default_model_name(spec.source)))
+    api.serve(options, on_ready=functools.partial(say_ready, options.served_name))

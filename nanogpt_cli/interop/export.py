@@ -25,7 +25,7 @@ from typing import Any
 from nanogpt_cli.errors import NanoGPTError, first_line
 from nanogpt_cli.interop import hf
 from nanogpt_cli.interop.gguf_pre import PRE_KEY
-from nanogpt_cli.interop.loading import load_model, tokenizer_of
+from nanogpt_cli.interop.loading import build_model, tokenizer_of
 from nanogpt_cli.interop.source import LoRARun, Source, parse_source
 from nanogpt_cli.model import GPT
 
@@ -95,7 +95,7 @@ def export(
 def load_source(source: Source) -> tuple[GPT, dict[str, Any]]:
     """Our model and its metadata (the tokenizer's description in it) from one of our checkpoints or a Hugging
     Face model; a LoRA run comes merged."""
-    model, meta = load_model(source)
+    model, meta = build_model(source)
     if "tokenizer" not in meta:
         raise NanoGPTError(f"{source} has no tokenizer in its metadata, so it cannot be exported with one")
     return model, meta

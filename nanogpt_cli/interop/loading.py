@@ -31,26 +31,31 @@ def load_model(
     quantize: str | None = None,
     group_size=32,
 ) -> tuple[GPT, dict]:
-    """The model rebuilt from a source alone (a string is parsed first, interop/source.py), and its metadata. A
-    Hugging Face model is converted, and its metadata holds the config and our description of its tokenizer (see
-    hf.py); a LoRA run comes merged into its base."""
+    """The model rebuilt from a source alone, and its metadata: build_model on the source parsed (a Source passes
+    through as it is)."""
+    model, meta = build_model(parse_source(source, last), quantize, group_size)
+    return model.to(device), meta
+
+
+def build_model(source: Source, quantize: str | None = None, group_size: int = 32) -> tuple[GPT, dict]:
+    """The model of a parsed source in float32 on the CPU, and its metadata. A Hugging Face model is converted, and
+    its metadata holds the config and our description of its tokenizer (see hf.py); a LoRA run comes merged into
+    its base; a GGUF file's Q8_0 / Q4_0 blocks load as they are (quantize, group_size: the form they take)."""
     from nanogpt_cli.interop import gguf_in
 
-    source = parse_source(source, last)
     match source:
         case HFFolder() | HFHub():
             model, meta = hf.load_pretrained_meta(_hf_name(source))
-            return model.to(device), {"config": model.config.to_dict(), **meta, "source": _hf_name(source)}
-        case GGUFFile():  # our Q8_0 / Q4_0 blocks load as they are
-            model, meta = gguf_in.read_any_gguf(source.path, quantize, group_size)
-            return model.to(device), meta
+            return model, {"config": model.config.to_dict(), **meta, "source": _hf_name(source)}
+        case GGUFFile():
+            return gguf_in.read_any_gguf(source.path, quantize, group_size)
         case LoRARun():
-            return load_lora(source, merge=True)[0].to(device), _ours_meta(source)
+            return load_lora(source, merge=True)[0], _ours_meta(source)
         case WeightsFile():
             lazy = checked_weights(source.weights, _ours_meta(source))
             model = GPT(lazy.model.config)
             load_weights(model, source.weights)
-            return model.to(device), lazy.meta
+            return model, lazy.meta
     raise AssertionError(f"unhandled source {source!r}")
 
 
@@ -89,7 +94,7 @@ def load_lora(source: LoRARun, merge: bool) -> tuple[GPT, GPT | None]:
 
     path = source.weights
     try:
-        model, _ = load_model(source.base)
+        model, _ = build_model(source.base)
     except NanoGPTError as e:
         raise NanoGPTError(f"{path} holds LoRA adapters, and their base could not be loaded: {e}") from None
     digest = weights_hash(model)
@@ -121,25 +126,31 @@ class InferenceModel:
         return self.model.config.block_size
 
 
-def load_for_inference(spec: LoadSpec | str | Path, source: Source | None = None, **options: Any) -> InferenceModel:
-    """The one loader that sample, chat, eval, serve and inspect share, from a LoadSpec (or a source and the spec's
-    fields as keywords: device="cpu", dtype="float32", ...); source: the spec's source parsed already (else it is
-    parsed here). The spec's threads are set first. Inference casts the weights once instead of autocasting every
-    call; `auto` picks the dtype from the device and the size of the weights (device.py). quantize: int8 or int4
-    weights for the blocks' projections (backends/quantize.py), group_size the int4 groups' width; a GGUF export's
-    Q8_0 or Q4_0 blocks load straight into that form. Our weights files and GGUF exports are read tensor by tensor
-    into the finished form (materialize.py), never whole in float32. backend: the decode backend every engine on
-    the model uses (inference/backends/), refused before the weights are read where it is not one."""
+def load_for_inference(spec: LoadSpec | str | Path, **options: Any) -> InferenceModel:
+    """load_parsed from a LoadSpec, or a source and the spec's fields as keywords (device="cpu", dtype="float32",
+    ...): the source parsed here, where it enters."""
     import dataclasses
-
-    from nanogpt_cli.inference.backends import NAMES, choose
-    from nanogpt_cli.inference.backends.quantize import check_quantize, quantize_model
-    from nanogpt_cli.interop.materialize import materialize
 
     if not isinstance(spec, LoadSpec):
         spec = LoadSpec(str(spec), **options)
     elif options:
         spec = dataclasses.replace(spec, **options)
+    return load_parsed(parse_source(spec.source, spec.last), spec)
+
+
+def load_parsed(source: Source, spec: LoadSpec) -> InferenceModel:
+    """The one loader that sample, chat, eval, serve and inspect share: a parsed source, loaded as the spec says (its
+    source and last already read into `source`). The spec's threads are set first. Inference casts the weights once
+    instead of autocasting every call; `auto` picks the dtype from the device and the size of the weights
+    (device.py). quantize: int8 or int4 weights for the blocks' projections (backends/quantize.py), group_size the
+    int4 groups' width; a GGUF export's Q8_0 or Q4_0 blocks load straight into that form. Our weights files and
+    GGUF exports are read tensor by tensor into the finished form (materialize.py), never whole in float32.
+    backend: the decode backend every engine on the model uses (inference/backends/), refused before the weights
+    are read where it is not one."""
+    from nanogpt_cli.inference.backends import NAMES, choose
+    from nanogpt_cli.inference.backends.quantize import check_quantize, quantize_model
+    from nanogpt_cli.interop.materialize import materialize
+
     try:
         check_quantize(spec.quantize, spec.group_size)
     except ValueError as e:
@@ -151,10 +162,9 @@ def load_for_inference(spec: LoadSpec | str | Path, source: Source | None = None
     dev = resolve_device(spec.device)
     if spec.quantize is not None and dev.type != "cpu":
         raise NanoGPTError(f"--quantize runs on a CPU only (torch's packed kernels), not on {dev}; use --device cpu")
-    source = parse_source(spec.source if source is None else source, spec.last)
     lazy = lazy_model(source, spec.quantize, spec.group_size)
     if lazy is None:  # a Hugging Face model or LoRA adapters: built whole, then cast
-        model, meta = load_model(source, quantize=spec.quantize, group_size=spec.group_size)
+        model, meta = build_model(source, spec.quantize, spec.group_size)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     else:
         meta, weight_bytes = lazy.meta, lazy.weight_bytes

@@ -81,6 +81,16 @@ class ServeOptions:
             raise NanoGPTError(f"--port must be between 0 and 65535, got {self.port}")
         self.api_key = self.api_key or os.environ.get("NANOGPT_API_KEY") or None  # an empty key is no key
 
+    @property
+    def served_name(self) -> str:
+        """The name /v1/models reports: model_name, else the run's."""
+        return self.model_name or default_model_name(self.load.source)
+
+    @property
+    def reachable(self) -> bool:
+        """Whether other machines can reach the server: its host is not a loopback name or address."""
+        return not is_loopback(self.host)
+
 
 def default_model_name(source: str) -> str:
     """The run's name: a run folder's or a file's name, or hf:NAME's NAME."""
@@ -105,7 +115,7 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
     uvicorn = require("uvicorn", "serve", "nanogpt serve")
     require("prometheus_client", "serve", "nanogpt serve")
     from nanogpt_cli.inference.prefix import PrefixCache
-    from nanogpt_cli.interop.loading import load_for_inference
+    from nanogpt_cli.interop.loading import load_parsed
     from nanogpt_cli.interop.source import parse_source
     from nanogpt_cli.serve.api import Limits, ServerState, create_app
     from nanogpt_cli.serve.chat import ChatTemplate
@@ -115,8 +125,8 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
     if options.adapters and options.load.quantize is not None:
         raise NanoGPTError("--adapter adds LoRA to full-precision weights; drop --quantize to serve adapters")
     source = parse_source(options.load.source, options.load.last)
-    loaded = load_for_inference(options.load, source)
-    model_name = options.model_name or default_model_name(options.load.source)
+    loaded = load_parsed(source, options.load)
+    model_name = options.served_name
     adapters = _adapters(options, source, loaded, model_name)
     prefix = PrefixCache(options.prompt_cache_mb << 20) if options.prompt_cache_mb else None
     metrics = Metrics()
@@ -163,11 +173,11 @@ def _adapters(options: ServeOptions, source, loaded, model_name: str):
         return None
     import torch
 
-    from nanogpt_cli.interop.loading import load_model
+    from nanogpt_cli.interop.loading import build_model
     from nanogpt_cli.lora import weights_hash
     from nanogpt_cli.serve.adapters import load_adapters
 
-    stored = loaded.model if loaded.dtype == torch.float32 else load_model(source)[0]
+    stored = loaded.model if loaded.dtype == torch.float32 else build_model(source)[0]
     return load_adapters(loaded.model, options.adapters, weights_hash(stored), model_name)
 
 
