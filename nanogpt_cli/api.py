@@ -100,11 +100,10 @@ def load(source: str | Path | LoadSpec, **options: Any) -> Model:
     output channel) or "int4" (a scale and zero per group_size inputs) for the blocks' weights, on a CPU. backend:
     "cpu" or "torch", how decode steps are computed (default: the first that supports the model). threads: torch's
     CPU threads (None: as they are; "auto": chosen from the load, as the commands do)."""
-    from nanogpt_cli.interop.loading import load_parsed
-    from nanogpt_cli.interop.source import parse_source
+    from nanogpt_cli.interop.loading import load_parsed, parse_spec
 
     spec = load_spec(source, **options)
-    parsed = parse_source(spec.source, spec.last)  # the one reading of the source: the loaders dispatch on it
+    parsed = parse_spec(spec)  # the one reading of the source: the loaders dispatch on its type
     loaded = load_parsed(parsed, spec)
     return Model(loaded, spec.source)
 

@@ -135,21 +135,14 @@ def load_for_inference(spec: LoadSpec | str | Path, **options: Any) -> Inference
         spec = LoadSpec(str(spec), **options)
     elif options:
         spec = dataclasses.replace(spec, **options)
-    return load_parsed(parse_source(spec.source, spec.last), spec)
+    return load_parsed(parse_spec(spec), spec)
 
 
-def load_parsed(source: Source, spec: LoadSpec) -> InferenceModel:
-    """The one loader that sample, chat, eval, serve and inspect share: a parsed source, loaded as the spec says (its
-    source and last already read into `source`). The spec's threads are set first. Inference casts the weights once
-    instead of autocasting every call; `auto` picks the dtype from the device and the size of the weights
-    (device.py). quantize: int8 or int4 weights for the blocks' projections (backends/quantize.py), group_size the
-    int4 groups' width; a GGUF export's Q8_0 or Q4_0 blocks load straight into that form. Our weights files and
-    GGUF exports are read tensor by tensor into the finished form (materialize.py), never whole in float32.
-    backend: the decode backend every engine on the model uses (inference/backends/), refused before the weights
-    are read where it is not one."""
-    from nanogpt_cli.inference.backends import NAMES, choose
-    from nanogpt_cli.inference.backends.quantize import check_quantize, quantize_model
-    from nanogpt_cli.interop.materialize import materialize
+def parse_spec(spec: LoadSpec) -> Source:
+    """The spec's options checked before anything is read (a --quantize, --int4-group or --backend that is none is
+    one sentence, whatever the source), then its source parsed: what load_parsed takes."""
+    from nanogpt_cli.inference.backends import NAMES
+    from nanogpt_cli.inference.backends.quantize import check_quantize
 
     try:
         check_quantize(spec.quantize, spec.group_size)
@@ -157,6 +150,22 @@ def load_parsed(source: Source, spec: LoadSpec) -> InferenceModel:
         raise NanoGPTError(str(e)) from None
     if spec.backend is not None and spec.backend not in NAMES:
         raise NanoGPTError(f"--backend must be one of {', '.join(NAMES)}, got {spec.backend!r}")
+    return parse_source(spec.source, spec.last)
+
+
+def load_parsed(source: Source, spec: LoadSpec) -> InferenceModel:
+    """The one loader that sample, chat, eval, serve and inspect share: a parsed source, loaded as the spec says
+    (parse_spec read its source and last into `source` and checked its options). The spec's threads are set first.
+    Inference casts the weights once instead of autocasting every call; `auto` picks the dtype from the device and
+    the size of the weights (device.py). quantize: int8 or int4 weights for the blocks' projections
+    (backends/quantize.py), group_size the int4 groups' width; a GGUF export's Q8_0 or Q4_0 blocks load straight
+    into that form. Our weights files and GGUF exports are read tensor by tensor into the finished form
+    (materialize.py), never whole in float32. backend: the decode backend every engine on the model uses
+    (inference/backends/)."""
+    from nanogpt_cli.inference.backends import choose
+    from nanogpt_cli.inference.backends.quantize import quantize_model
+    from nanogpt_cli.interop.materialize import materialize
+
     if spec.threads is not None:  # the one place a command's threads are set; None keeps torch's
         set_threads(None if spec.threads == "auto" else spec.threads)
     dev = resolve_device(spec.device)

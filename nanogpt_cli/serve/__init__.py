@@ -115,8 +115,7 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
     uvicorn = require("uvicorn", "serve", "nanogpt serve")
     require("prometheus_client", "serve", "nanogpt serve")
     from nanogpt_cli.inference.prefix import PrefixCache
-    from nanogpt_cli.interop.loading import load_parsed
-    from nanogpt_cli.interop.source import parse_source
+    from nanogpt_cli.interop.loading import load_parsed, parse_spec
     from nanogpt_cli.serve.api import Limits, ServerState, create_app
     from nanogpt_cli.serve.chat import ChatTemplate
     from nanogpt_cli.serve.metrics import Metrics
@@ -124,7 +123,7 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
 
     if options.adapters and options.load.quantize is not None:
         raise NanoGPTError("--adapter adds LoRA to full-precision weights; drop --quantize to serve adapters")
-    source = parse_source(options.load.source, options.load.last)
+    source = parse_spec(options.load)
     loaded = load_parsed(source, options.load)
     model_name = options.served_name
     adapters = _adapters(options, source, loaded, model_name)
