@@ -444,15 +444,6 @@ def _check_messages(messages: Any) -> None:
             raise NanoGPTError(f'message {i} must be {{"role": str, "content": str}}, got {m!r}')
 
 
-def _dtype(value: Any):
-    from nanogpt_cli.config import Dtype
-
-    name = str(value).removeprefix("torch.")
-    if name not in [d.value for d in Dtype]:
-        raise NanoGPTError(f"dtype must be one of {', '.join(d.value for d in Dtype)}, got {value!r}")
-    return Dtype(name)
-
-
 # --- training ---
 
 

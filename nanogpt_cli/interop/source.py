@@ -6,6 +6,7 @@ base, a Hugging Face folder, hf:NAME or a GGUF file. The loaders dispatch on the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,17 @@ class RunFolder(WeightsFile):
 class LoRARun(WeightsFile):
     """A weights file (or run folder's) of LoRA adapters, loaded on the base it records."""
 
-    base: Source  # parsed with the base's own --last, as the run recorded it
     base_sha256: str  # the base weights' hash when the adapters were trained (lora.weights_hash)
+
+    @functools.cached_property
+    def base(self) -> Source:
+        """The base the run records, parsed with its own --last when it is first needed (serving adapters on a base
+        compares hashes only, and needs no base on disk); one that names nothing is this run's sentence."""
+        base = self.meta["base"]
+        try:
+            return parse_source(base["source"], base.get("last", False))
+        except NanoGPTError as e:
+            raise NanoGPTError(f"{self.weights} holds LoRA adapters, and their base could not be loaded: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -109,20 +119,10 @@ def parse_source(given: str | Path | Source, last: bool = False) -> Source:
     meta = read_metadata(weights)
     folder = path if path.is_dir() else None
     if "lora" in meta:
-        return _lora(text, weights, meta)
+        return LoRARun(text, weights, meta, meta["base"]["sha256"])
     if folder is not None:
         return RunFolder(text, weights, meta, folder)
     return WeightsFile(text, weights, meta)
-
-
-def _lora(text: str, weights: Path, meta: dict[str, Any]) -> LoRARun:
-    """A LoRA run, its base parsed as the run recorded it; a base that names nothing is this run's sentence."""
-    base = meta["base"]
-    try:
-        parsed = parse_source(base["source"], base.get("last", False))
-    except NanoGPTError as e:
-        raise NanoGPTError(f"{weights} holds LoRA adapters, and their base could not be loaded: {e}") from None
-    return LoRARun(text, weights, meta, parsed, base["sha256"])
 
 
 def _is_safetensors(path: Path) -> bool:
