@@ -166,18 +166,18 @@ def test_a_field_added_to_loadspec_is_an_option_of_every_load_command(monkeypatc
     assert got[1][1].threads == "auto" and got[1][1].draft is None  # a command unset: threads chosen from the load
 
 
-def test_threads_are_set_once_by_the_loader_from_the_spec(trained_run, monkeypatch):
+def test_threads_are_set_once_by_the_loader_from_the_spec(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    run = tmp_path / "tiny"
+    save_weights(run / "model.safetensors")
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
-        api.load(trained_run, device="cpu")  # the library's default keeps them
+        api.load(run, device="cpu")  # the library's default keeps them
         assert torch.get_num_threads() == 3
-        api.load(LoadSpec(str(trained_run), device="cpu", threads=1))
+        api.load(LoadSpec(str(run), device="cpu", threads=1))
         assert torch.get_num_threads() == 1
-        out = runner.invoke(
-            app, ["sample", "--checkpoint", str(trained_run), "--max-new-tokens", "2", "--threads", "2"]
-        )
+        out = runner.invoke(app, ["sample", "--checkpoint", str(run), "--max-new-tokens", "2", "--threads", "2"])
         assert out.exit_code == 0 and torch.get_num_threads() == 2
         with pytest.raises(NanoGPTError, match="--threads must be at least 1, got 0"):
             LoadSpec("x", threads=0)
@@ -189,26 +189,31 @@ def test_threads_are_set_once_by_the_loader_from_the_spec(trained_run, monkeypat
     assert not [path for path, n in calls.items() if n and path.startswith("cli/") and path != "cli/train.py"]
 
 
-def test_the_api_does_what_info_export_and_inspect_print(trained_run, tmp_path):
-    described = api.info(trained_run)
-    assert described.path == str(trained_run) and described.kind == "run" and described.params > 0
+@pytest.mark.slow  # the export imports transformers
+def test_the_api_does_what_info_export_and_inspect_print(tmp_path):
+    run = tmp_path / "tiny"
+    save_weights(run / "model.safetensors", step=3)
+    described = api.info(run)
+    assert described.path == str(run) and described.kind == "run" and described.params > 0
     with pytest.raises(NanoGPTError, match="does not exist"):
         api.info(tmp_path / "nothing")
-    result = api.export(LoadSpec(str(trained_run), last=True), tmp_path / "hf", "hf")
-    assert result.format == "hf" and (tmp_path / "hf" / "config.json").is_file()
-    model = api.load(trained_run, device="cpu", dtype="float32")
+    result = api.export(LoadSpec(str(run), last=True), tmp_path / "hf", "hf")
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert result.format == "hf" and exported["architectures"] == [result.architecture]
+    model = api.load(run, device="cpu", dtype="float32")
     maps = model.attention("abc")
     config = model.module.config
-    assert maps.to_dict()["ids"] == model.tokenizer.encode("abc")
-    assert len(maps.to_dict()["attention"]) == config.n_layer
-    heads = model.heads(seed=1)
-    assert len(heads.to_dict()["heads"]) == config.n_layer * config.n_head
-    assert model.positions().summary and model.name.startswith(trained_run.name)
+    assert maps.to_dict()["ids"] == TOKENIZER.encode("abc") and len(maps.to_dict()["attention"]) == config.n_layer
+    assert len(model.heads(seed=1).to_dict()["heads"]) == config.n_layer * config.n_head
+    assert model.positions().summary and model.name.startswith("tiny")
 
 
-def test_serve_from_python_answers_until_sigterm(trained_run):
+@pytest.mark.slow  # a process that serves
+def test_serve_from_python_answers_until_sigterm(tmp_path):
     """api.serve blocks while it serves and returns on SIGTERM; on_ready gets the URL."""
     pytest.importorskip("fastapi")
+    run = tmp_path / "tiny"
+    save_weights(run / "model.safetensors")
     code = (
         "import sys\nfrom nanogpt_cli import api\n"
         "spec = api.LoadSpec(sys.argv[1], device='cpu', dtype='float32', threads=1)\n"
@@ -216,12 +221,12 @@ def test_serve_from_python_answers_until_sigterm(trained_run):
         "print('stopped', flush=True)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-c", code, str(trained_run)], env=env, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code, str(run)], env=env, stdout=subprocess.PIPE, text=True)
     try:
         url = proc.stdout.readline().strip()
         assert url.startswith("http://127.0.0.1:"), url
         with urllib.request.urlopen(url + "/v1/models", timeout=30) as response:
-            assert json.loads(response.read())["data"][0]["id"] == trained_run.name
+            assert json.loads(response.read())["data"][0]["id"] == "tiny"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0 and proc.stdout.read().strip() == "stopped"
     finally:
