@@ -749,7 +749,7 @@ class LoadSpec:
 
     source: str = load_setting(dataclasses.MISSING, SOURCE_HELP)
     last: bool = load_setting(False, "Use a run's last weights instead of its best.")
-    device: str = load_setting("auto", "auto, cpu, cuda, cuda:N or mps.")
+    device: str = load_setting("auto", field_help(TrainConfig, "device"))
     dtype: Dtype = load_setting(Dtype.auto, "Precision the weights are cast to (auto: from the device and their size).")
     quantize: str | None = load_setting(
         None,

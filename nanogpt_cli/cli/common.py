@@ -1,8 +1,9 @@
-"""What every command shares: one-line errors and notes, the options generated from the config dataclasses, and
-the options several families declare alike (the weights to load, device, dtype, threads).
+"""What every command shares: one-line errors and notes, and the options generated from dataclasses: the config's
+(train, finetune) and LoadSpec's (every command that loads a model, which gets them as one `spec`).
 
     @one_line_errors
-    def sample(checkpoint: Checkpoint, last: Last = False, device: Device = "auto"): ...
+    @load_options(source="--checkpoint")
+    def sample(prompt: str = "", *, spec: LoadSpec): ...
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def load_options(source: str = ARGUMENT, leaves: dict[str, str] | None = None, *
     field's type, help and default; the values given reach the command as one LoadSpec, `spec`. source: ARGUMENT
     (the command's first argument) or the option that takes it ("--checkpoint"); leaves: the fields the command
     does not offer, each with why (the spec keeps their defaults); overrides: a field's (default, help) for this
-    command. `tests/test_cli_help.py` holds every load command to one option per field it does not leave."""
+    command. `tests/test_source.py` holds every load command to one option per field it does not leave."""
     leaves = leaves or {}
 
     def wrap(command):
