@@ -105,7 +105,7 @@ def load(source: str | Path | LoadSpec, **options: Any) -> Model:
     spec = load_spec(source, **options)
     parsed = parse_spec(spec)  # the one reading of the source: the loaders dispatch on its type
     loaded = load_parsed(parsed, spec)
-    return Model(loaded, spec.source)
+    return Model(loaded, spec.source, spec)
 
 
 def load_spec(source: str | Path | LoadSpec, **options: Any) -> LoadSpec:
@@ -120,10 +120,11 @@ def load_spec(source: str | Path | LoadSpec, **options: Any) -> LoadSpec:
 class Model:
     """A loaded model, its tokenizer and its chat template, kept for many calls."""
 
-    def __init__(self, loaded: InferenceModel, source: str):
+    def __init__(self, loaded: InferenceModel, source: str, spec: LoadSpec | None = None):
         from nanogpt_cli.inference.sample import Sampler
 
         self.loaded, self.source = loaded, source
+        self.spec = spec or LoadSpec(source)  # how it was loaded: another model loads alike with replace(source=...)
         self.sampler = Sampler(loaded)  # the one generation path the commands use too
         self._template = None
 

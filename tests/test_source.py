@@ -201,6 +201,7 @@ def test_the_api_does_what_info_export_and_inspect_print(tmp_path):
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert result.format == "hf" and exported["architectures"] == [result.architecture]
     model = api.load(run, device="cpu", dtype="float32")
+    assert model.spec == LoadSpec(str(run), device="cpu", dtype="float32")  # what loads another model alike
     maps = model.attention("abc")
     config = model.module.config
     assert maps.to_dict()["ids"] == TOKENIZER.encode("abc") and len(maps.to_dict()["attention"]) == config.n_layer
