@@ -10,7 +10,11 @@ From Python (api.py; docs/python.md):
 
 __version__ = "0.1.0"
 
+# from nanogpt_cli.api, imported on first use (not api.serve: nanogpt_cli.serve is the server's package)
 _API = (
+    "LoadSpec",
+    "ServeOptions",
+    "RunRequest",
     "load",
     "train",
     "plan_training",
@@ -18,11 +22,14 @@ _API = (
     "plan_finetuning",
     "prepare",
     "export",
+    "evaluate_tasks",
+    "info",
+    "system_info",
     "list_runs",
     "report",
     "compare",
     "plot",
-)  # from nanogpt_cli.api, imported on first use
+)
 
 __all__ = ["__version__", *_API]
 

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nanogpt_cli.config import LoadSpec
 from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.serve import ServeOptions, Started
 from nanogpt_cli.training.events import (  # dataclasses only
     EvalProgress,
     Evaluated,
@@ -46,7 +48,10 @@ if TYPE_CHECKING:
     from nanogpt_cli.inference.evaluate import EvalResult
     from nanogpt_cli.inference.sample import Piece, SampleResult, SampleSettings
     from nanogpt_cli.inference.tasks import TaskResults
-    from nanogpt_cli.inspect.catalog import RunSummary
+    from nanogpt_cli.inspect.attention import AttentionMaps
+    from nanogpt_cli.inspect.catalog import Info, RunSummary
+    from nanogpt_cli.inspect.heads import HeadReport
+    from nanogpt_cli.inspect.positions import PositionViews
     from nanogpt_cli.interop.export import ExportResult
     from nanogpt_cli.interop.loading import InferenceModel
     from nanogpt_cli.lora import LoRAConfig
@@ -61,26 +66,34 @@ __all__ = [
     "EvalProgress",
     "Evaluated",
     "Hint",
+    "LoadSpec",
     "Model",
     "Note",
     "RunRequest",
     "RunStarted",
     "Saved",
+    "ServeOptions",
     "Status",
     "StepLogged",
     "Stream",
     "TrainResult",
     "Training",
     "compare",
+    "evaluate_tasks",
     "export",
     "finetune",
+    "info",
     "list_runs",
     "load",
+    "load_spec",
     "plan_finetuning",
     "plan_training",
     "plot",
     "prepare",
     "report",
+    "sample_settings",
+    "serve",
+    "system_info",
     "train",
 ]
 
@@ -88,37 +101,40 @@ __all__ = [
 # --- loading and using a model ---
 
 
-def load(
-    source: str | Path,
-    *,
-    last: bool = False,
-    device: str = "auto",
-    dtype: Any = "auto",
-    quantize: str | None = None,
-    group_size: int = 32,
-    backend: str | None = None,
-) -> Model:
-    """A model ready to generate, chat and score, from any source the commands load: a run folder (its best
-    weights; its last with last=True), a .safetensors file, a Hugging Face folder or hf:NAME, or a .gguf file
-    that `export` wrote. device: auto, cpu, cuda, cuda:N or mps; dtype: auto, float32, bfloat16, float16 (or a
+def load(source: str | Path | LoadSpec, **options: Any) -> Model:
+    """A model ready to generate, chat and score, from a LoadSpec (what the commands load, config.py) or a source
+    and the spec's fields as keywords. source: a run folder (its best weights; its last with last=True) or a run's
+    name in checkpoints/, a .safetensors file, a LoRA run (on its base), a Hugging Face folder or hf:NAME, or a
+    .gguf file. device: auto, cpu, cuda, cuda:N or mps; dtype: auto, float32, bfloat16, float16 (or a
     torch.dtype); auto picks from the device and the size of the weights. quantize: None, "int8" (one scale per
     output channel) or "int4" (a scale and zero per group_size inputs) for the blocks' weights, on a CPU. backend:
-    "cpu" or "torch", how decode steps are computed (default: the first that supports the model)."""
-    from nanogpt_cli.interop.loading import load_for_inference
+    "cpu" or "torch", how decode steps are computed (default: the first that supports the model). threads: torch's
+    CPU threads (None: as they are; "auto": chosen from the load, as the commands do)."""
+    from nanogpt_cli.interop.loading import load_parsed, parse_spec
 
-    loaded = load_for_inference(
-        source, last=last, device=device, dtype=_dtype(dtype), quantize=quantize, group_size=group_size, backend=backend
-    )
-    return Model(loaded, str(source))
+    spec = load_spec(source, **options)
+    parsed = parse_spec(spec)  # the one reading of the source: the loaders dispatch on its type
+    loaded = load_parsed(parsed, spec)
+    return Model(loaded, spec.source, spec)
+
+
+def load_spec(source: str | Path | LoadSpec, **options: Any) -> LoadSpec:
+    """A LoadSpec from a spec (options replace its fields) or a source with the fields as keywords; an unknown
+    keyword is refused with the names there are."""
+    _check_options(options, [f.name for f in dataclasses.fields(LoadSpec) if f.name != "source"])
+    if isinstance(source, LoadSpec):
+        return dataclasses.replace(source, **options)
+    return LoadSpec(str(source), **options)
 
 
 class Model:
     """A loaded model, its tokenizer and its chat template, kept for many calls."""
 
-    def __init__(self, loaded: InferenceModel, source: str):
+    def __init__(self, loaded: InferenceModel, source: str, spec: LoadSpec | None = None):
         from nanogpt_cli.inference.sample import Sampler
 
         self.loaded, self.source = loaded, source
+        self.spec = spec or LoadSpec(source)  # how it was loaded: another model loads alike with replace(source=...)
         self.sampler = Sampler(loaded)  # the one generation path the commands use too
         self._template = None
 
@@ -162,8 +178,38 @@ class Model:
         if self._template is None:
             from nanogpt_cli.data.chat_template import ChatTemplate
 
-            self._template = ChatTemplate.for_model(self.meta, self.tokenizer, self.source)
+            where = self.loaded.source.location if self.loaded.source is not None else self.source
+            self._template = ChatTemplate.for_model(self.meta, self.tokenizer, where)
         return self._template
+
+    @property
+    def name(self) -> str:
+        """A short name for the model: its run's (or file's, or hub model's), with its training step if known."""
+        from nanogpt_cli.inspect import display_name
+
+        return display_name(self.loaded.source.location if self.loaded.source else self.source, self.meta)
+
+    def attention(self, prompt: str) -> AttentionMaps:
+        """Every layer's and head's attention over the prompt's tokens (its last block_size if longer), what `nanogpt
+        inspect attention` draws."""
+        from nanogpt_cli.inspect.attention import attention_maps
+
+        return attention_maps(self.loaded, prompt, source=self.source, name=self.name)
+
+    def heads(self, *, length: int | None = None, seed: int = 0, prompt: str | None = None) -> HeadReport:
+        """Every head scored on the standard probes and named (previous-token, induction, sink, local, mixed), what
+        `nanogpt inspect heads` prints: a repeated random sequence of `length` tokens (default the smaller of 64
+        and half the context), drawn with `seed`; prompt: measure previous-token, first-token and distance on it."""
+        from nanogpt_cli.inspect import score_heads
+
+        return score_heads(self.loaded, source=self.source, name=self.name, length=length, seed=seed, prompt=prompt)
+
+    def positions(self) -> PositionViews:
+        """The model's position scheme (the sinusoidal or learned table, or RoPE's frequencies) as `nanogpt inspect
+        positions` draws it."""
+        from nanogpt_cli.inspect import position_views
+
+        return position_views(self.module)
 
     def __repr__(self) -> str:
         cfg = self.module.config
@@ -321,6 +367,31 @@ class Model:
         )
 
 
+def evaluate_tasks(
+    source: str | Path | LoadSpec,
+    tasks: str | list[str],
+    *,
+    callback: Callable[[Note], None] | None = None,
+    batch_size: int | None = None,
+    **options: Any,
+) -> TaskResults:
+    """What `nanogpt eval tasks` does: the tasks and options checked, the model loaded (source: a LoadSpec or a
+    source, as for load()), then Model.evaluate_tasks(tasks, **options). callback gets a Note where
+    apply_chat_template meets a model without a chat template (its prompts get a plain transcript)."""
+    from nanogpt_cli.inference.tasks import check_options
+
+    names = [tasks] if isinstance(tasks, str) else list(tasks)
+    _check_options(options, ["limit", "num_fewshot", "include_path", "apply_chat_template", "output_path"])
+    check_options(names, options.get("limit"), options.get("num_fewshot"), options.get("include_path"))
+    if batch_size is not None and batch_size < 1:
+        raise NanoGPTError(f"--batch-size must be at least 1, got {batch_size}")
+    model = load(source)
+    if options.get("apply_chat_template") and model.template.plain and callback is not None:
+        plain = "has no chat template (a base model): its prompts get a plain User:/Assistant: transcript"
+        callback(Note(f"{model.source} {plain}"))
+    return model.evaluate_tasks(names, batch_size=batch_size, **options)
+
+
 @dataclass
 class ChatReply:
     """The assistant's reply to a conversation."""
@@ -347,6 +418,11 @@ class Stream:
     def __iter__(self) -> Iterator[str]:
         result = yield from self._pieces  # None when read a second time: the first reading's result stays
         self.result = result if result is not None else self.result
+
+
+def sample_settings(**settings: Any) -> SampleSettings:
+    """SampleSettings (what generate() and chat() take as keywords) checked once, for a loop that reuses them."""
+    return _sample_settings(settings)
 
 
 def _sample_settings(settings: dict[str, Any]) -> SampleSettings:
@@ -377,15 +453,6 @@ def _check_messages(messages: Any) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise NanoGPTError(f'message {i} must be {{"role": str, "content": str}}, got {m!r}')
-
-
-def _dtype(value: Any):
-    from nanogpt_cli.config import Dtype
-
-    name = str(value).removeprefix("torch.")
-    if name not in [d.value for d in Dtype]:
-        raise NanoGPTError(f"dtype must be one of {', '.join(d.value for d in Dtype)}, got {value!r}")
-    return Dtype(name)
 
 
 # --- training ---
@@ -891,7 +958,7 @@ def _check_options(options: dict[str, Any], known: list[str]) -> None:
 
 
 def export(
-    source: str | Path,
+    source: str | Path | LoadSpec,
     out: str | Path,
     format: str = "hf",
     *,
@@ -901,12 +968,49 @@ def export(
     merge: bool = False,
     base: str | Path | None = None,
 ) -> ExportResult:
-    """Write a run (or weights file, or Hugging Face model) as a Hugging Face folder (format="hf"), one GGUF file
-    (format="gguf", quant: f32, f16, bf16, q8_0, ...) or a LoRA run's PEFT adapter (format="peft", for `base`),
-    as `nanogpt export` does."""
+    """Write a run (or weights file, or Hugging Face model; a LoadSpec's source and last) as a Hugging Face folder
+    (format="hf"), one GGUF file (format="gguf", quant: f32, f16, bf16, q8_0, ...) or a LoRA run's PEFT adapter
+    (format="peft", for `base`), as `nanogpt export` does."""
     from nanogpt_cli.interop.export import export as export_run
 
-    return export_run(source, format, out, last=last, force=force, quant=quant, merge=merge, base=base)
+    spec = load_spec(source, **({"last": True} if last else {}))
+    return export_run(spec.source, format, out, last=spec.last, force=force, quant=quant, merge=merge, base=base)
+
+
+# --- serving, describing, inspecting ---
+
+
+def serve(options: ServeOptions, on_ready: Callable[[Started], None] | None = None) -> None:
+    """What `nanogpt serve` does: the OpenAI-compatible server for options.load's model (a LoadSpec) until Ctrl-C or
+    SIGTERM; on_ready(Started) once it listens (its URL, the KV cache's bytes per token). Needs the `serve` extra.
+
+        nanogpt.serve(ServeOptions(LoadSpec("checkpoints/shk", device="cpu"), port=0), on_ready=print)
+    """
+    from nanogpt_cli.serve import serve as run_server
+
+    run_server(options, on_ready)
+
+
+def info(source: str | Path) -> Info:
+    """What `nanogpt info SOURCE` shows: a run folder (or a run's name in checkpoints/), a weights file, a GGUF file
+    or a Hugging Face folder described: config, parameters, FLOPs per token, tokenizer, losses, files. A run whose
+    weights are damaged or not written yet is described too (that is what info is for), so the source is not
+    loaded."""
+    from nanogpt_cli.inspect.catalog import inspect_path
+    from nanogpt_cli.runs.rundir import find_run, missing_source
+
+    path = Path(find_run(source))
+    if not path.exists():
+        raise NanoGPTError(missing_source(path))
+    return inspect_path(path)
+
+
+def system_info() -> dict[str, Any]:
+    """What `nanogpt info --system` shows: torch, the threads, the CPU and its features, our decode kernels (built
+    here if they were not) and where they are kept, and the devices."""
+    from nanogpt_cli.inspect.catalog import system_info as describe
+
+    return describe()
 
 
 # --- looking at runs ---

@@ -725,6 +725,66 @@ MODEL_FIELDS = frozenset(f.name for f in dataclasses.fields(GPTConfig))
 TRAIN_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainConfig))
 
 
+def load_setting(default: Any, help: str, option: str | None = None, unset: Any = None) -> Any:
+    """A LoadSpec field with its CLI option's help text; option: the flag where it is not the field's name
+    (group_size is --int4-group); unset: the value a command passes where the option is not given, where that is
+    not the field's default (the library keeps torch's threads, a command chooses them from the load)."""
+    metadata: dict[str, Any] = {"help": help, "option": option, "unset": unset if unset is not None else default}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+# every source a model loads from (interop/source.py parses it): a bare name is a run in checkpoints/, as `nanogpt
+# runs` lists it; a LoRA run's weights file holds its adapters, loaded on the base it names
+SOURCE_HELP = (
+    "Run folder (its best weights) or a run's name in checkpoints/ (a LoRA run loads on its base), a .safetensors "
+    "file, a .gguf file (ours or llama.cpp's), a Hugging Face folder or hf:NAME."
+)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """What a command loads and how: the source and the options that sample, chat, eval, serve, inspect and export
+    take, declared once. Each command's options are generated from these fields (cli/common.py `load_options`);
+    api.load and interop.loading.load_for_inference take the spec whole. A new load option is one field here."""
+
+    source: str = load_setting(dataclasses.MISSING, SOURCE_HELP)
+    last: bool = load_setting(False, "Use a run's last weights instead of its best.")
+    device: str = load_setting("auto", field_help(TrainConfig, "device"))
+    dtype: Dtype = load_setting(Dtype.auto, "Precision the weights are cast to (auto: from the device and their size).")
+    quantize: str | None = load_setting(
+        None,
+        "Weights of the blocks in int8 (a scale per output channel) or int4 (a scale and zero per --int4-group "
+        "inputs), on a CPU; the embedding and head keep --dtype.",
+    )
+    group_size: int = load_setting(32, "Inputs per int4 scale with --quantize int4: 32, 64, 128 or 256.", "int4-group")
+    # None keeps torch's threads as they are (the library's default, so two loads compute the same bits); "auto"
+    # chooses them from the load now (device.set_threads), what a command does unless --threads is given
+    threads: int | str | None = load_setting(
+        None,
+        "CPU threads (default: one per core that other running work leaves free, adapted while a CPU run trains; "
+        "OMP_NUM_THREADS, if set, is kept).",
+        unset="auto",
+    )
+    backend: str | None = load_setting(
+        None,
+        "How decode steps are computed: cpu (our kernels, on a CPU) or torch (the model's own forward); default: "
+        "the first that supports the model.",
+    )
+
+    def __post_init__(self):
+        object.__setattr__(self, "source", str(self.source))
+        name = str(self.dtype).removeprefix("torch.")  # a torch.dtype or its name
+        if name not in [d.value for d in Dtype]:
+            raise NanoGPTError(f"dtype must be one of {', '.join(d.value for d in Dtype)}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", Dtype(name))
+        if (
+            self.threads is not None
+            and self.threads != "auto"
+            and (not isinstance(self.threads, int) or self.threads < 1)
+        ):
+            raise NanoGPTError(f"--threads must be at least 1, got {self.threads!r}")
+
+
 @functools.cache
 def field_types(cls: type) -> dict[str, tuple[type, bool]]:
     """Each field's type, as (int | float | bool | str | a Choice, whether None is allowed)."""

@@ -725,8 +725,8 @@ def test_a_lora_run_on_an_imported_model_loads_onto_the_original_with_peft(name,
     peft = pytest.importorskip("peft")
     from nanogpt_cli.data.chat import prepare_chat
     from nanogpt_cli.interop.loading import load_lora
+    from nanogpt_cli.interop.source import parse_source
     from nanogpt_cli.lora import LoRAConfig
-    from nanogpt_cli.runs.checkpoint import read_metadata
     from nanogpt_cli.training.finetune import plan_finetune
     from nanogpt_cli.training.request import RunRequest
     from nanogpt_cli.training.trainer import Trainer
@@ -751,7 +751,7 @@ def test_a_lora_run_on_an_imported_model_loads_onto_the_original_with_peft(name,
 
     original = transformers.AutoModelForCausalLM.from_pretrained(folder)
     tuned = peft.PeftModel.from_pretrained(original, tmp_path / "adapter").eval()
-    ours, _ = load_lora(run / "model.safetensors", read_metadata(run / "model.safetensors"), merge=False)
+    ours, _ = load_lora(parse_source(run / "model.safetensors"), merge=False)
     idx = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         theirs = tuned(idx).logits
@@ -821,9 +821,10 @@ def served_completion(source: Path, prompt: str, n: int) -> str:
     pytest.importorskip("fastapi")
     from test_serve import Live
 
+    from nanogpt_cli.config import LoadSpec
     from nanogpt_cli.serve import ServeOptions
 
-    live = Live(ServeOptions(source=str(source), port=0, device="cpu", dtype="float32"))
+    live = Live(ServeOptions(LoadSpec(str(source), device="cpu", dtype="float32"), port=0))
     try:
         client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         name = client.models.list().data[0].id

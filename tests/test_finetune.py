@@ -156,6 +156,7 @@ def test_lora_sets_a_presets_muon_and_embedding_lr_aside(chat_data, tmp_path):
 
 def test_lora_run_trains_only_adapters_and_saves_them_with_its_base(chat_data, base_run, tmp_path):
     from nanogpt_cli.interop.loading import load_lora, load_model
+    from nanogpt_cli.interop.source import parse_source
     from nanogpt_cli.runs.checkpoint import read_metadata
 
     job, trainer = finetune_run(chat_data, base_run, tmp_path / "lora", LoRAConfig(r=4, targets=("attn", "mlp")))
@@ -168,7 +169,7 @@ def test_lora_run_trains_only_adapters_and_saves_them_with_its_base(chat_data, b
     base, _ = load_model(base_run)
     assert meta["base"]["sha256"] == job.plan.finetune["weights"]["base"]["sha256"]
     assert meta["chat_template"].startswith("{% set eos_token = '<|endoftext|>' %}")  # byte: no end token
-    model, plain = load_lora(tmp_path / "lora" / "model.safetensors", meta, merge=False)
+    model, plain = load_lora(parse_source(tmp_path / "lora" / "model.safetensors"), merge=False)
     for name, t in base.state_dict().items():  # the base did not move
         assert torch.equal(model.state_dict()[name], t) and torch.equal(plain.state_dict()[name], t)
     assert all(layer.lora_B.abs().sum() > 0 for layer in adapters(model).values())  # the adapters did
@@ -181,7 +182,7 @@ def test_lora_run_trains_only_adapters_and_saves_them_with_its_base(chat_data, b
 
 def test_a_bf16_lora_run_holds_its_base_in_bf16_trains_and_merges(chat_data, base_run, tmp_path):
     from nanogpt_cli.interop.loading import load_lora, load_model
-    from nanogpt_cli.runs.checkpoint import read_metadata
+    from nanogpt_cli.interop.source import parse_source
     from nanogpt_cli.training.events import NoDisplay
 
     class Losses(NoDisplay):
@@ -202,8 +203,7 @@ def test_a_bf16_lora_run_holds_its_base_in_bf16_trains_and_merges(chat_data, bas
     assert len(shown.losses) > 2 and shown.losses[-1] < shown.losses[0] - 0.05  # it trains: on fixed batches
     saved = load_file(str(tmp_path / "bf16" / "model.safetensors"))
     assert saved and all(t.dtype == torch.float32 for t in saved.values())  # the adapters as they trained
-    meta = read_metadata(tmp_path / "bf16" / "model.safetensors")
-    adapted, _ = load_lora(tmp_path / "bf16" / "model.safetensors", meta, merge=False)
+    adapted, _ = load_lora(parse_source(tmp_path / "bf16" / "model.safetensors"), merge=False)
     merged, _ = load_model(tmp_path / "bf16")  # on the float32 base the run recorded
     assert all(p.dtype == torch.float32 for p in merged.parameters())
     idx = torch.randint(0, 256, (2, 32))

@@ -66,7 +66,7 @@ def test_peft_adapter_equals_our_lora_model_and_the_merged_export(chat_data, tmp
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     from nanogpt_cli.interop.loading import load_lora
-    from nanogpt_cli.runs.checkpoint import read_metadata
+    from nanogpt_cli.interop.source import parse_source
 
     base, run = lora_run(chat_data, tmp_path, shape)
     export(base, "hf", tmp_path / "base-hf")
@@ -81,7 +81,7 @@ def test_peft_adapter_equals_our_lora_model_and_the_merged_export(chat_data, tmp
         hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base-hf")
         tuned = peft.PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()
     assert not [w for w in caught if "missing" in str(w.message).lower() or "unexpected" in str(w.message).lower()]
-    ours, _ = load_lora(run / "model.safetensors", read_metadata(run / "model.safetensors"), merge=False)
+    ours, _ = load_lora(parse_source(run / "model.safetensors"), merge=False)
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     idx = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -332,13 +332,14 @@ def test_serve_stops_at_the_end_of_turn(tmp_path):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
+    from nanogpt_cli.config import LoadSpec
     from nanogpt_cli.interop.export import export_hf
     from nanogpt_cli.serve import ServeOptions, build_server
 
     folder = byte_level(tmp_path / "bl")
     tok = read_hf_tokenizer(str(folder))
     export_hf(forced_model(tok, tok.token_id("<|im_end|>")), tok.describe(), tmp_path / "m", tokenizer=tok)
-    server = build_server(ServeOptions(source=str(tmp_path / "m"), port=0, device="cpu", dtype="float32"))
+    server = build_server(ServeOptions(LoadSpec(str(tmp_path / "m"), device="cpu", dtype="float32"), port=0))
     state = server.state
     state.scheduler.start()
     try:

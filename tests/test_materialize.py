@@ -12,6 +12,7 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inference.backends.quantize import QuantizedLinear, quantize_model
 from nanogpt_cli.interop.loading import lazy_model, load_for_inference
 from nanogpt_cli.interop.materialize import materialize
+from nanogpt_cli.interop.source import parse_source
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs import checkpoint as ckpt
 from nanogpt_cli.tokenizer import build_tokenizer
@@ -73,7 +74,7 @@ def test_other_architectures_load_the_same_too(tmp_path, kw):
 
 
 def test_each_block_is_quantized_before_the_next_one_is_read(tmp_path):
-    lazy = lazy_model(saved(tmp_path, n_layer=3), False, "int8", 32)
+    lazy = lazy_model(parse_source(saved(tmp_path, n_layer=3)), "int8", 32)
     read, floats_seen = lazy.read, []
 
     def watch(name, dtype):  # how many float projections the model holds at each read

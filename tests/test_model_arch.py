@@ -580,11 +580,12 @@ def serve_completion(run, prompt: str, n: int) -> str:
     import http.client
     import threading
 
+    from nanogpt_cli.config import LoadSpec
     from nanogpt_cli.serve import ServeOptions, build_server
 
     ready = threading.Event()
     server = build_server(
-        ServeOptions(source=str(run), port=0, device="cpu", dtype="float32"), on_ready=lambda u: ready.set()
+        ServeOptions(LoadSpec(str(run), device="cpu", dtype="float32"), port=0), on_ready=lambda u: ready.set()
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

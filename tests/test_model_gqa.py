@@ -252,12 +252,13 @@ def test_a_grouped_query_run_resumes_exactly_samples_and_serves(run, char_data, 
     assert text == again and len(text) > 0
 
     pytest.importorskip("fastapi")
+    from nanogpt_cli.config import LoadSpec
     from nanogpt_cli.serve import ServeOptions, build_server
 
     ready = threading.Event()
     started = []
     server = build_server(
-        ServeOptions(source=str(parts), port=0, device="cpu", dtype="float32"),
+        ServeOptions(LoadSpec(str(parts), device="cpu", dtype="float32"), port=0),
         on_ready=lambda s: (started.append(s), ready.set()),
     )
     thread = threading.Thread(target=server.run, daemon=True)

@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai", reason="the serve tests need the openai p
 pytest.importorskip("fastapi", reason="nanogpt serve needs the serve extra")
 
 from nanogpt_cli.cli import app  # noqa: E402
-from nanogpt_cli.config import GPTConfig  # noqa: E402
+from nanogpt_cli.config import GPTConfig, LoadSpec  # noqa: E402
 from nanogpt_cli.inference.sample import Sampler, SampleSettings  # noqa: E402
 from nanogpt_cli.model import GPT  # noqa: E402
 from nanogpt_cli.runs import checkpoint as ckpt  # noqa: E402
@@ -88,15 +88,13 @@ def get_json(url: str, path: str, method: str = "GET", body: bytes | None = None
 def live(model_path):
     server = Live(
         ServeOptions(
-            source=str(model_path),
+            LoadSpec(str(model_path), device="cpu", dtype="float32"),
             port=0,
             max_batch=16,
             api_key=KEY,
             max_tokens=100_000,
             max_n=4,
             max_body=50_000,
-            device="cpu",
-            dtype="float32",
         )
     )
     yield server
@@ -391,7 +389,9 @@ def _wait_idle(live) -> None:
 
 
 def test_a_full_queue_answers_503_and_stopping_ends_open_streams(model_path):
-    small = Live(ServeOptions(source=str(model_path), port=0, max_batch=1, max_queue=1, device="cpu", dtype="float32"))
+    small = Live(
+        ServeOptions(LoadSpec(str(model_path), device="cpu", dtype="float32"), port=0, max_batch=1, max_queue=1)
+    )
     c = openai.OpenAI(base_url=small.url + "/v1", api_key="none", max_retries=0, timeout=60)
     try:
         first = c.completions.create(model="tiny", prompt="a", max_tokens=2000, temperature=0, stream=True)

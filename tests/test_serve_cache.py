@@ -18,7 +18,7 @@ from test_serve import Live, get_json  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from nanogpt_cli.cli import app  # noqa: E402
-from nanogpt_cli.config import GPTConfig  # noqa: E402
+from nanogpt_cli.config import GPTConfig, LoadSpec  # noqa: E402
 from nanogpt_cli.errors import NanoGPTError  # noqa: E402
 from nanogpt_cli.inference.engine import Engine, SamplingParams  # noqa: E402
 from nanogpt_cli.inference.prefix import PrefixCache  # noqa: E402
@@ -57,7 +57,7 @@ def metrics(url: str) -> dict[str, float]:
 
 
 def serve(source, **flags) -> Live:
-    return Live(ServeOptions(source=str(source), port=0, device="cpu", dtype="float32", max_tokens=1000, **flags))
+    return Live(ServeOptions(LoadSpec(str(source), device="cpu", dtype="float32"), port=0, max_tokens=1000, **flags))
 
 
 # --- the prompt cache -------------------------------------------------------------------------------------
@@ -302,11 +302,13 @@ def test_serve_with_adapters_lists_them_and_each_answers_as_its_merged_model(run
 
 def test_an_adapter_of_another_base_or_a_bad_flag_is_one_sentence(runs):
     with pytest.raises(NanoGPTError, match="was trained on other base weights"):
-        build_server(ServeOptions(source=str(runs["base"]), port=0, device="cpu", adapters=[f"s={runs['stranger']}"]))
+        build_server(
+            ServeOptions(LoadSpec(str(runs["base"]), device="cpu"), port=0, adapters=[f"s={runs['stranger']}"])
+        )
     with pytest.raises(NanoGPTError, match="is not a LoRA run"):
-        build_server(ServeOptions(source=str(runs["base"]), port=0, device="cpu", adapters=[f"s={runs['other']}"]))
+        build_server(ServeOptions(LoadSpec(str(runs["base"]), device="cpu"), port=0, adapters=[f"s={runs['other']}"]))
     with pytest.raises(NanoGPTError, match="--adapter 'base' names the model twice"):
-        build_server(ServeOptions(source=str(runs["base"]), port=0, device="cpu", adapters=[f"base={runs['a']}"]))
+        build_server(ServeOptions(LoadSpec(str(runs["base"]), device="cpu"), port=0, adapters=[f"base={runs['a']}"]))
     runner = CliRunner()
     for flags, message in (
         (["--adapter", "nameless"], "--adapter takes NAME=LORA_RUN (a name and a LoRA run), got 'nameless'"),

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from test_serve import Live, get_json  # noqa: E402
 
-from nanogpt_cli.config import GPTConfig  # noqa: E402
+from nanogpt_cli.config import GPTConfig, LoadSpec  # noqa: E402
 from nanogpt_cli.model import GPT  # noqa: E402
 from nanogpt_cli.runs import checkpoint as ckpt  # noqa: E402
 from nanogpt_cli.serve import ServeOptions  # noqa: E402
@@ -51,14 +51,12 @@ def model_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def live(model_path):
     options = ServeOptions(
-        source=str(model_path),
+        LoadSpec(str(model_path), device="cpu", dtype="float32"),
         port=0,
         max_batch=4,
         max_tokens=4,
         max_n=2,
         max_body=20_000,
-        device="cpu",
-        dtype="float32",
     )
     server = Live(options)
     yield server
@@ -373,7 +371,7 @@ FORCED = st.fixed_dictionaries(
 @pytest.fixture(scope="module")
 def roomy(model_path):
     """The same model with room for a whole tool call (40 tokens a choice)."""
-    options = ServeOptions(source=str(model_path), port=0, max_batch=4, max_tokens=40, device="cpu", dtype="float32")
+    options = ServeOptions(LoadSpec(str(model_path), device="cpu", dtype="float32"), port=0, max_batch=4, max_tokens=40)
     server = Live(options)
     yield server
     server.stop()

@@ -19,7 +19,7 @@ pytest.importorskip("llguidance", reason="structured output needs llguidance (th
 
 from test_serve import Live  # noqa: E402
 
-from nanogpt_cli.config import GPTConfig  # noqa: E402
+from nanogpt_cli.config import GPTConfig, LoadSpec  # noqa: E402
 from nanogpt_cli.errors import NanoGPTError  # noqa: E402
 from nanogpt_cli.inference.engine import Engine, SamplingParams  # noqa: E402
 from nanogpt_cli.inference.grammar import Constraint, compile_grammar  # noqa: E402
@@ -49,13 +49,11 @@ def model_path(tmp_path_factory):
 def live(model_path):
     server = Live(
         ServeOptions(
-            source=str(model_path),
+            LoadSpec(str(model_path), device="cpu", dtype="float32"),
             port=0,
             max_batch=4,
             max_tokens=8000,
             api_key=KEY,
-            device="cpu",
-            dtype="float32",
             allow_hosts=["nanogpt.test"],
             cors_origins=["http://localhost:3000"],
         )
@@ -309,7 +307,7 @@ def test_cors_answers_only_the_origins_given(live, model_path):
     assert status == 200 and headers.get("access-control-allow-origin") == "http://localhost:3000"
     status, headers, _ = _raw(live, "OPTIONS", "/v1/chat/completions", {**preflight, "Origin": "https://evil.example"})
     assert "access-control-allow-origin" not in {k.lower() for k in headers}
-    plain = Live(ServeOptions(source=str(model_path), port=0, device="cpu", dtype="float32"))  # the default: off
+    plain = Live(ServeOptions(LoadSpec(str(model_path), device="cpu", dtype="float32"), port=0))  # the default: off
     try:
         status, headers, _ = _raw(plain, "GET", "/health", {"Host": "127.0.0.1", "Origin": "http://localhost:3000"})
         assert status == 200 and "access-control-allow-origin" not in {k.lower() for k in headers}
@@ -400,6 +398,6 @@ def test_grammars_given_up_on_do_not_make_the_next_request_past_its_time_limit(c
 def test_an_allow_host_with_a_port_or_scheme_is_one_clear_error(tmp_path, name):
     # the Host header's port is taken off before the names are compared: such a name could never match
     with pytest.raises(NanoGPTError, match="--allow-host takes a host name or address without a scheme or port"):
-        ServeOptions(source=str(tmp_path / "m.safetensors"), allow_hosts=[name])
+        ServeOptions(LoadSpec(str(tmp_path / "m.safetensors")), allow_hosts=[name])
     for fine in ("myhost.lan", "192.168.1.5", "fe80::1", "[fe80::1]", "*"):
-        ServeOptions(source=str(tmp_path / "m.safetensors"), allow_hosts=[fine])
+        ServeOptions(LoadSpec(str(tmp_path / "m.safetensors")), allow_hosts=[fine])

@@ -19,7 +19,7 @@ jsonschema = pytest.importorskip("jsonschema", reason="the schema checks need js
 from pydantic import BaseModel, Field  # noqa: E402
 from test_serve import Live, get_json  # noqa: E402
 
-from nanogpt_cli.config import GPTConfig  # noqa: E402
+from nanogpt_cli.config import GPTConfig, LoadSpec  # noqa: E402
 from nanogpt_cli.errors import NanoGPTError  # noqa: E402
 from nanogpt_cli.inference.engine import Engine, SamplingParams  # noqa: E402
 from nanogpt_cli.inference.grammar import COMPACT, Constraint, bounded, compile_grammar  # noqa: E402
@@ -84,7 +84,7 @@ def live(tmp_path_factory):
     model = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=512, n_layer=2, n_head=2, n_embd=32))
     path = tmp_path_factory.mktemp("structured") / "tiny.safetensors"
     ckpt.save_model(path, model, {"tokenizer": tok.describe(), "step": 0})
-    server = Live(ServeOptions(source=str(path), port=0, max_batch=16, device="cpu", dtype="float32"))
+    server = Live(ServeOptions(LoadSpec(str(path), device="cpu", dtype="float32"), port=0, max_batch=16))
     yield server
     server.stop()
 

@@ -1,20 +1,24 @@
-"""What every command shares: one-line errors and notes, the options generated from the config dataclasses, and
-the options several families declare alike (the weights to load, device, dtype, threads).
+"""What every command shares: one-line errors and notes, and the options generated from dataclasses: the config's
+(train, finetune) and LoadSpec's (every command that loads a model, which gets them as one `spec`).
 
     @one_line_errors
-    def sample(checkpoint: Checkpoint, last: Last = False, device: Device = "auto"): ...
+    @load_options(source="--checkpoint")
+    def sample(prompt: str = "", *, spec: LoadSpec): ...
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import os
+import typing
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from nanogpt_cli.config import Dtype, TrainConfig, field_help, flag
+from nanogpt_cli.config import Dtype, LoadSpec, TrainConfig, field_help, field_types, flag
 from nanogpt_cli.errors import NanoGPTError
 
 
@@ -66,12 +70,8 @@ def config_options(command):
     They reach `command` as one RunRequest, `request` (placed where the command declares that parameter), whose
     flags are the config options given; the others stay unset, so a preset or config file can fill them, and
     their help shows the value they stand for when nothing does."""
-    import dataclasses
-    import inspect
-    import typing
-
     from nanogpt_cli.api import RunRequest
-    from nanogpt_cli.config import MAIN, GPTConfig, TrainConfig
+    from nanogpt_cli.config import MAIN, GPTConfig
 
     hints = typing.get_type_hints(command, include_extras=True)
     asked = [request_option(f) for f in dataclasses.fields(RunRequest) if f.name != "flags"]
@@ -117,10 +117,6 @@ REQUIRED_UNLESS = {"data": "[required unless --resume or --config gives it]"}
 def config_option(cls, field):
     """The CLI option of one config field: --name (--name/--no-name for a bool), of the field's type. The default
     its help shows is the field's, written into the help text: the option's own default is None (unset)."""
-    import inspect
-
-    from nanogpt_cli.config import field_types
-
     kind, _ = field_types(cls)[field.name]
     name, default = flag(field.name), field.default
     help = field.metadata["help"]
@@ -153,54 +149,66 @@ def _duration(text: str) -> float:
 
 
 # options that several commands share
-# the weights a command loads (interop/loading.py, every source it takes): a bare name is a run in checkpoints/, as
-# `nanogpt runs` lists it; a LoRA run's weights file holds its adapters, loaded on the base it names
-SOURCE_HELP = (
-    "Run folder (its best weights) or a run's name in checkpoints/ (a LoRA run loads on its base), a .safetensors "
-    "file, a .gguf file (ours or llama.cpp's), a Hugging Face folder or hf:NAME."
+ARGUMENT = "argument"  # load_options(source=ARGUMENT): the source is the command's argument, not an option
+# eval and inspect measure: their default dtype is float32, and their help says so (LoadSpec's explains auto)
+SCORE_DTYPE = (
+    Dtype.float32,
+    "Precision the weights are cast to; the default float32 scores in full precision, comparable between runs "
+    "(auto: from the device and the weights' size).",
 )
-Checkpoint = Annotated[str, typer.Option(help=SOURCE_HELP)]
-Last = Annotated[bool, typer.Option("--last", help="Use a run's last weights instead of its best.")]
-Device = Annotated[str, typer.Option(help=field_help(TrainConfig, "device"))]
-DtypeOption = Annotated[
-    Dtype, typer.Option(help="Precision the weights are cast to (auto: from the device and their size).")
-]
-# eval and inspect measure: their default is float32, and their help says so (DtypeOption's explains auto)
-ScoreDtype = Annotated[
-    Dtype,
-    typer.Option(
-        help="Precision the weights are cast to; the default float32 scores in full precision, comparable between "
-        "runs (auto: from the device and the weights' size)."
-    ),
-]
+
+
+def load_options(source: str = ARGUMENT, leaves: dict[str, str] | None = None, **overrides: tuple[Any, str]):
+    """A command that loads a model: its own options plus one per LoadSpec field (config.py), generated from each
+    field's type, help and default; the values given reach the command as one LoadSpec, `spec`. source: ARGUMENT
+    (the command's first argument) or the option that takes it ("--checkpoint"); leaves: the fields the command
+    does not offer, each with why (the spec keeps their defaults); overrides: a field's (default, help) for this
+    command. `tests/test_source.py` holds every load command to one option per field it does not leave."""
+    leaves = leaves or {}
+
+    def wrap(command):
+        hints = typing.get_type_hints(command, include_extras=True)
+        own = [
+            p.replace(annotation=hints[p.name], kind=inspect.Parameter.KEYWORD_ONLY)
+            for p in inspect.signature(command).parameters.values()
+            if p.name != "spec"
+        ]
+        fields = [f for f in dataclasses.fields(LoadSpec) if f.name not in leaves]
+        options = [load_option(f, source, overrides.get(f.name)) for f in fields]
+
+        @functools.wraps(command)
+        def run(**kwargs):
+            given = {f.name: kwargs.pop(f.name) for f in fields}
+            unset = {f.name: f.metadata["unset"] for f in fields if given[f.name] is None}
+            return command(**kwargs, spec=LoadSpec(**{**given, **unset}))
+
+        params = options[:1] + own + options[1:]
+        run.__signature__ = inspect.Signature(params)
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        run.leaves = leaves
+        return run
+
+    return wrap
+
+
+def load_option(field, source: str, override: tuple[Any, str] | None) -> inspect.Parameter:
+    """The CLI parameter of one LoadSpec field: the source as an argument or an option (required); a bool as a
+    flag; an optional value (None) unset unless given, its help saying what applies then."""
+    kind, optional = field_types(LoadSpec)[field.name]
+    default, help = override or (field.default, field.metadata["help"])
+    if field.name == "source":
+        declared = typer.Argument(help=help) if source == ARGUMENT else typer.Option(source, help=help)
+        return inspect.Parameter("source", inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[str, declared])
+    name = f"--{field.metadata['option'] or flag(field.name)}"
+    quiet = default is None or kind is bool  # a flag, or an option whose help says what applies unset
+    option = typer.Option(name, help=help, show_default=not quiet)
+    annotation = Annotated[kind | None if optional else kind, option]
+    return inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
 DATA_DIR_HELP = field_help(TrainConfig, "data_dir")
-Quantize = Annotated[
-    str | None,
-    typer.Option(
-        help="Weights of the blocks in int8 (a scale per output channel) or int4 (a scale and zero per "
-        "--int4-group inputs), on a CPU; the embedding and head keep --dtype.",
-        show_default=False,
-    ),
-]
-Backend = Annotated[
-    str | None,
-    typer.Option(
-        help="How decode steps are computed: cpu (our kernels, on a CPU) or torch (the model's own forward); "
-        "default: the first that supports the model.",
-        show_default=False,
-    ),
-]
-GroupSize = Annotated[
-    int, typer.Option("--int4-group", help="Inputs per int4 scale with --quantize int4: 32, 64, 128 or 256.")
-]
-Threads = Annotated[
-    int | None,
-    typer.Option(
-        help="CPU threads (default: one per core that other running work leaves free, adapted while a CPU run "
-        "trains; OMP_NUM_THREADS, if set, is kept).",
-        show_default=False,
-    ),
-]
+# --threads for the commands that train (train, finetune): the help LoadSpec declares
+Threads = Annotated[int | None, typer.Option(help=field_help(LoadSpec, "threads"), show_default=False)]
 PromptFile = Annotated[Path | None, typer.Option(help="Read the prompt from this file.")]
 
 

@@ -12,20 +12,12 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import (
-    DATA_DIR_HELP,
-    SOURCE_HELP,
-    Checkpoint,
-    Device,
-    GroupSize,
-    Last,
-    Quantize,
-    ScoreDtype,
-    Threads,
-    one_line_errors,
-)
-from nanogpt_cli.config import Dtype
+from nanogpt_cli.cli.common import DATA_DIR_HELP, SCORE_DTYPE, load_options, one_line_errors
+from nanogpt_cli.config import LoadSpec
 from nanogpt_cli.errors import NanoGPTError
+
+# scoring runs whole windows through the model's forward: no decode step, so no decode backend
+SCORES = {"backend": "scoring runs the model's own forward over whole windows, never a decode step"}
 
 eval_app = typer.Typer(
     help="Evaluate a trained model: perplexity, or scores on standard tasks.\n\n"
@@ -36,8 +28,8 @@ eval_app = typer.Typer(
 
 @eval_app.command(short_help="Score a dataset split or text files: loss, perplexity.")
 @one_line_errors
+@load_options(source="--checkpoint", leaves=SCORES, dtype=SCORE_DTYPE)
 def perplexity(
-    checkpoint: Checkpoint,
     data: Annotated[str | None, typer.Option(help="A prepared dataset to score.")] = None,
     data_dir: Annotated[Path, typer.Option(help=DATA_DIR_HELP)] = Path("data"),
     split: Annotated[str, typer.Option(help="train or val.")] = "val",
@@ -46,13 +38,9 @@ def perplexity(
     ] = None,
     stride: Annotated[int | None, typer.Option(help="Tokens between window starts (default half the context).")] = None,
     batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = 32,
-    last: Last = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
-    device: Device = "auto",
-    dtype: ScoreDtype = Dtype.float32,
-    quantize: Quantize = None,
-    group_size: GroupSize = 32,
-    threads: Threads = None,
+    *,
+    spec: LoadSpec,  # the model and how it loads (load_options)
 ):
     """Score every token of a dataset split or text files once: loss, perplexity, bits per byte.
 
@@ -67,10 +55,7 @@ def perplexity(
         raise NanoGPTError(f"--split must be train or val, got {split!r}")
     if batch_size < 1:
         raise NanoGPTError(f"--batch-size must be at least 1, got {batch_size}")
-    from nanogpt_cli.device import set_threads
-
-    set_threads(threads)
-    model = api.load(checkpoint, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size)
+    model = api.load(spec)
     from nanogpt_cli.cli.common import say_kernels
     from nanogpt_cli.cli.ui import eval_progress
 
@@ -87,8 +72,8 @@ def perplexity(
 
 @eval_app.command("tasks", short_help="Score a model on lm-evaluation-harness tasks: HellaSwag, MMLU.")
 @one_line_errors
+@load_options(leaves=SCORES, dtype=SCORE_DTYPE)
 def tasks_command(
-    source: Annotated[str, typer.Argument(help=SOURCE_HELP)],
     tasks: Annotated[
         list[str],
         typer.Option(
@@ -112,52 +97,33 @@ def tasks_command(
     output_path: Annotated[
         Path | None, typer.Option(help="Write lm-eval's results JSON and per-sample logs under this folder.")
     ] = None,
-    last: Last = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print lm-eval's results JSON instead of a table.")] = False,
-    device: Device = "auto",
-    dtype: ScoreDtype = Dtype.float32,
-    quantize: Quantize = None,
-    group_size: GroupSize = 32,
-    threads: Threads = None,
+    *,
+    spec: LoadSpec,  # the model and how it loads (load_options)
 ):
     """Score a model on lm-evaluation-harness tasks (HellaSwag, ARC, MMLU, GSM8K, ... or your own YAMLs).
 
     Example: nanogpt eval tasks checkpoints/shk --tasks hellaswag,arc_easy --limit 100
     """
+    from nanogpt_cli import api
     from nanogpt_cli.cli.common import note
-    from nanogpt_cli.device import set_threads
-    from nanogpt_cli.inference.backends.quantize import check_quantize
-    from nanogpt_cli.inference.tasks import check_options, evaluate_tasks
 
-    check_options(tasks, limit, num_fewshot, include_path)  # before loading anything
-    if batch_size is not None and batch_size < 1:
-        raise NanoGPTError(f"--batch-size must be at least 1, got {batch_size}")
-    try:
-        check_quantize(quantize, group_size)
-    except ValueError as e:
-        raise NanoGPTError(str(e)) from None
-    set_threads(threads)
-    from nanogpt_cli.inference.lm_eval_model import NanoGPTLM
-
-    lm = NanoGPTLM(
-        source, last=last, device=device, dtype=dtype, batch_size=batch_size, quantize=quantize, group_size=group_size
-    )
-    if apply_chat_template and lm.template.plain:
-        note(f"{source} has no chat template (a base model): its prompts get a plain User:/Assistant: transcript")
-    results = evaluate_tasks(
-        lm,
+    results = api.evaluate_tasks(
+        spec,
         tasks,
         limit=limit,
         num_fewshot=num_fewshot,
+        batch_size=batch_size,
         include_path=include_path,
         apply_chat_template=apply_chat_template,
         output_path=output_path,
+        callback=lambda event: note(event.text),
     )
     if json_out:
         print(results.to_json())
         return
     from nanogpt_cli.cli.ui import console, tasks_table
 
-    console.print(tasks_table(results, source))
+    console.print(tasks_table(results, spec.source))
     if output_path is not None:
         note(f"lm-eval's results JSON and per-sample logs are under {output_path}")

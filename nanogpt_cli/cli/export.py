@@ -10,15 +10,17 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import SOURCE_HELP, Last, one_line_errors
+from nanogpt_cli.cli.common import load_options, one_line_errors
+from nanogpt_cli.config import LoadSpec
+
+# an export writes the weights as they are stored: read in float32 on the CPU, neither cast nor quantized for a run
+AS_STORED = "an export writes the weights as stored (float32, on the CPU); --quant sets a GGUF file's types"
+EXPORTS = {name: AS_STORED for name in ("device", "dtype", "quantize", "group_size", "threads", "backend")}
 
 
 @one_line_errors
+@load_options(leaves=EXPORTS)
 def export(
-    run: Annotated[
-        str,
-        typer.Argument(help=SOURCE_HELP),
-    ],
     out: Annotated[Path, typer.Option(help="Folder to write (hf, peft) or FILE.gguf (gguf).")],
     format: Annotated[
         str,
@@ -26,7 +28,6 @@ def export(
             "--format", help="hf (transformers folder), gguf (llama.cpp file) or peft (a LoRA run's adapter folder)."
         ),
     ] = "hf",
-    last: Last = False,
     force: Annotated[bool, typer.Option("--force", help="Replace --out if it exists.")] = False,
     quant: Annotated[
         str | None,
@@ -44,15 +45,17 @@ def export(
             "base's export)."
         ),
     ] = None,
+    *,
+    spec: LoadSpec,  # the run or model to write (load_options)
 ):
     """Write a run as a Hugging Face folder or a GGUF file that other tools load.
 
     Example: nanogpt export checkpoints/shk --format hf --out exports/shk
     """
+    from nanogpt_cli import api
     from nanogpt_cli.cli.ui import console
-    from nanogpt_cli.interop.export import export as export_run
 
-    result = export_run(run, format, out, last=last, force=force, quant=quant, merge=merge, base=base)
+    result = api.export(spec, out, format, force=force, quant=quant, merge=merge, base=base)
     if result.format == "peft":
         console.print(
             f"wrote {result.path} (PEFT LoRA adapter for the {result.architecture} in {base}); load it with "

@@ -12,23 +12,8 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import (
-    SOURCE_HELP,
-    Backend,
-    Checkpoint,
-    Device,
-    DtypeOption,
-    GroupSize,
-    Last,
-    PromptFile,
-    Quantize,
-    Threads,
-    fail,
-    note,
-    one_line_errors,
-    say_kernels,
-)
-from nanogpt_cli.config import Dtype
+from nanogpt_cli.cli.common import PromptFile, fail, load_options, note, one_line_errors, say_kernels
+from nanogpt_cli.config import LoadSpec
 from nanogpt_cli.errors import NanoGPTError
 
 STOP_WORDS = {"eot": "end of text", "stop": "stop text", "length": "--max-new-tokens reached"}  # why a sample ended
@@ -88,8 +73,8 @@ Stop = Annotated[list[str] | None, typer.Option(help="End a sample at this text 
 
 
 @one_line_errors
+@load_options(source="--checkpoint")
 def sample(
-    checkpoint: Checkpoint,
     prompt: Annotated[str | None, typer.Option(help="Text to continue (empty: start a new text).")] = None,
     prompt_file: PromptFile = None,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per sample.")] = 256,
@@ -107,23 +92,18 @@ def sample(
         bool,
         typer.Option("--json", help="One JSON object per sample: text, tokens, stop_reason, tokens_per_s."),
     ] = False,
-    last: Last = False,
     interactive: Annotated[
         bool, typer.Option("--interactive", "-i", help="Ask for prompts in a loop (--prompt is the first).")
     ] = False,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Recompute the whole context every token.")] = False,
-    device: Device = "auto",
-    dtype: DtypeOption = Dtype.auto,
-    quantize: Quantize = None,
-    group_size: GroupSize = 32,
-    backend: Backend = None,
-    threads: Threads = None,
+    *,
+    spec: LoadSpec,  # the model and how it loads (load_options)
 ):
     """Generate text from a trained model, streamed as it is written.
 
     Example: nanogpt sample --checkpoint checkpoints/shk --prompt "ROMEO:" --max-new-tokens 200
     """
-    from nanogpt_cli.inference.sample import SampleSettings
+    from nanogpt_cli import api
 
     if prompt is not None and prompt_file is not None:
         raise NanoGPTError("give --prompt or --prompt-file, not both")
@@ -131,10 +111,7 @@ def sample(
         from nanogpt_cli.files import read_text_file
 
         prompt = read_text_file(prompt_file, "--prompt-file")
-    from nanogpt_cli.device import set_threads
-
-    set_threads(threads)
-    settings = SampleSettings(
+    settings = api.sample_settings(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k or None,
@@ -146,11 +123,7 @@ def sample(
         ignore_eot=ignore_eot,
         use_cache=not no_cache,
     )
-    from nanogpt_cli import api
-
-    model = api.load(
-        checkpoint, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size, backend=backend
-    )
+    model = api.load(spec)
     say_kernels(model)
     sampler = model.sampler
     run = functools.partial(
@@ -186,8 +159,8 @@ def interactive_loop(run, first: str | None) -> None:
 
 
 @one_line_errors
+@load_options()
 def chat(
-    source: Annotated[str, typer.Argument(help=SOURCE_HELP)],
     system: Annotated[
         str | None, typer.Option(help="A system prompt at the start of the conversation.", show_default=False)
     ] = None,
@@ -201,20 +174,14 @@ def chat(
     repetition_penalty: RepetitionPenalty = 1.0,
     seed: Seed = 1337,
     stop: Stop = None,
-    last: Last = False,
-    device: Device = "auto",
-    dtype: DtypeOption = Dtype.auto,
-    quantize: Quantize = None,
-    group_size: GroupSize = 32,
-    backend: Backend = None,
-    threads: Threads = None,
+    *,
+    spec: LoadSpec,  # the model and how it loads (load_options)
 ):
     """Talk to a model in the terminal, formatted with its chat template; /reset, /exit, Ctrl-C stops a reply.
 
     Example: nanogpt chat checkpoints/count --temperature 0
     """
     from nanogpt_cli import api
-    from nanogpt_cli.device import set_threads
 
     if max_new_tokens is not None and max_new_tokens < 1:
         raise NanoGPTError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
@@ -227,14 +194,11 @@ def chat(
         seed=seed,
         stop=stop or [],
     )
-    set_threads(threads)
-    model = api.load(
-        source, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size, backend=backend
-    )
+    model = api.load(spec)
     say_kernels(model)
     session = model.conversation(system, max_new_tokens, **settings)
     if session.template.plain:
-        note(f"{source} has no chat template (a base model): it gets a plain User:/Assistant: transcript")
+        note(f"{spec.source} has no chat template (a base model): it gets a plain User:/Assistant: transcript")
     converse(session)
 
 

@@ -11,8 +11,8 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import SOURCE_HELP, Device, Last, PromptFile, ScoreDtype, Threads, note, one_line_errors
-from nanogpt_cli.config import Dtype
+from nanogpt_cli.cli.common import SCORE_DTYPE, PromptFile, load_options, note, one_line_errors
+from nanogpt_cli.config import LoadSpec
 from nanogpt_cli.errors import NanoGPTError
 
 inspect_app = typer.Typer(
@@ -20,24 +20,16 @@ inspect_app = typer.Typer(
     "Example: nanogpt inspect heads checkpoints/shk",
     rich_markup_mode=None,
 )
-InspectSource = Annotated[
-    str,
-    typer.Argument(help=SOURCE_HELP),
-]
+# what the pictures are of: the float weights' attention through the model's own forward, never a decode step
+FLOAT_WEIGHTS = "the maps are of the weights as trained, through the model's own forward"
+MEASURES = {name: FLOAT_WEIGHTS for name in ("quantize", "group_size", "backend")}
+# the position scheme is the config's and the position table's: read on the CPU in float32, on any machine
+TABLES = "the position scheme is drawn from the config and the table, read on the CPU in float32"
+DRAWS = {name: TABLES for name in ("device", "dtype", "quantize", "group_size", "threads", "backend")}
 Size = Annotated[
     str | None,
     typer.Option(help="Picture size in pixels, WIDTHxHEIGHT (default: fits the labels).", show_default=False),
 ]
-
-
-def _inspect_load(source: str, last: bool, device: str, dtype: Dtype, threads: int | None):
-    from nanogpt_cli.device import set_threads
-    from nanogpt_cli.inspect import display_name
-    from nanogpt_cli.interop.loading import load_for_inference
-
-    set_threads(threads)
-    loaded = load_for_inference(source, last=last, device=device, dtype=dtype)
-    return loaded, display_name(source, loaded.meta)
 
 
 def _inspect_target(out: Path) -> Path:
@@ -62,8 +54,8 @@ def _inspect_prompt(prompt: str | None, prompt_file: Path | None) -> str | None:
 
 @inspect_app.command("attention", short_help="Draw the attention of every head over a prompt.")
 @one_line_errors
+@load_options(leaves=MEASURES, dtype=SCORE_DTYPE)
 def inspect_attention(
-    source: InspectSource,
     prompt: Annotated[str | None, typer.Option(help="Text whose attention to draw.")] = None,
     prompt_file: PromptFile = None,
     out: Annotated[
@@ -79,17 +71,16 @@ def inspect_attention(
     max_tokens: Annotated[int, typer.Option(help="Draw the last N tokens of a longer prompt.")] = 64,
     size: Size = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the attention weights as JSON.")] = False,
-    last: Last = False,
-    device: Device = "auto",
-    dtype: ScoreDtype = Dtype.float32,
-    threads: Threads = None,
+    *,
+    spec: LoadSpec,  # the model and how it loads (load_options)
 ):
     """Draw every layer's and head's attention over a prompt's tokens as a grid of heatmaps.
 
     Example: nanogpt inspect attention checkpoints/shk --prompt "ROMEO: But soft" --out attention.png
     """
+    from nanogpt_cli import api
     from nanogpt_cli.cli.ui import console, err_console
-    from nanogpt_cli.inspect.attention import attention_maps, check_selection
+    from nanogpt_cli.inspect.attention import check_selection
     from nanogpt_cli.inspect.draw import draw_attention, parse_size
 
     text = _inspect_prompt(prompt, prompt_file)
@@ -102,13 +93,13 @@ def inspect_attention(
         out = Path("attention.png")
     if out is not None:
         _inspect_target(out)
-    loaded, name = _inspect_load(source, last, device, dtype, threads)
-    check_selection(loaded.model.config.n_layer, loaded.model.config.n_head, layer, head)
-    maps = attention_maps(loaded, text, source=source, name=name)
+    model = api.load(spec)
+    check_selection(model.module.config.n_layer, model.module.config.n_head, layer, head)  # what to draw
+    maps = model.attention(text)
     if maps.cut:
         note(
             f"the prompt is {len(maps.ids) + maps.cut:,} tokens; its first {maps.cut:,} are cut to fit the context "
-            f"of {loaded.block_size:,}"
+            f"of {model.block_size:,}"
         )
     if out is not None:
         written = draw_attention(maps, out, layer=layer, head=head, size=pixels, max_tokens=max_tokens)
@@ -119,8 +110,8 @@ def inspect_attention(
 
 @inspect_app.command("heads", short_help="Score every head on probes and name what it does.")
 @one_line_errors
+@load_options(leaves=MEASURES, dtype=SCORE_DTYPE)
 def inspect_heads(
-    source: InspectSource,
     out: Annotated[
         Path | None,
         typer.Option(help="Also draw the scores as layers x heads grids in this picture (.png, .svg or .pdf)."),
@@ -141,17 +132,16 @@ def inspect_heads(
     seed: Annotated[int, typer.Option(help="Seed of the random sequences.")] = 0,
     size: Size = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print the scores as JSON instead of a table.")] = False,
-    last: Last = False,
-    device: Device = "auto",
-    dtype: ScoreDtype = Dtype.float32,
-    threads: Threads = None,
+    *,
+    spec: LoadSpec,  # the model and how it loads (load_options)
 ):
     """Score every head on standard probes and name what it does: previous-token, induction, sink, local, mixed.
 
     Example: nanogpt inspect heads checkpoints/shk --out heads.png
     """
+    from nanogpt_cli import api
     from nanogpt_cli.cli.ui import console, err_console
-    from nanogpt_cli.inspect import heads_table, score_heads
+    from nanogpt_cli.inspect import heads_table
     from nanogpt_cli.inspect.draw import draw_heads, parse_size
 
     if plot is not None:  # the picture's old name, kept working (hidden) so scripts that use it do not break
@@ -163,8 +153,7 @@ def inspect_heads(
     pixels = parse_size(size) if size is not None else None
     if out is not None:
         _inspect_target(out)
-    loaded, name = _inspect_load(source, last, device, dtype, threads)
-    report = score_heads(loaded, source=source, name=name, length=length, seed=seed, prompt=text)
+    report = api.load(spec).heads(length=length, seed=seed, prompt=text)
     if json_out:
         print(json.dumps(report.to_dict()))
     else:
@@ -176,23 +165,24 @@ def inspect_heads(
 
 @inspect_app.command("positions", short_help="Draw the model's position scheme.")
 @one_line_errors
+@load_options(leaves=DRAWS)
 def inspect_positions(
-    source: InspectSource,
     out: Annotated[Path, typer.Option(help="Picture to write (.png, .svg or .pdf).")] = Path("positions.png"),
     size: Size = None,
-    last: Last = False,
+    *,
+    spec: LoadSpec,  # the model (load_options)
 ):
     """Draw the model's position scheme: the sinusoidal or learned table, or RoPE's rotation frequencies.
 
     Example: nanogpt inspect positions checkpoints/shk --out positions.png
     """
+    from nanogpt_cli import api
     from nanogpt_cli.cli.ui import console
-    from nanogpt_cli.inspect import position_views
     from nanogpt_cli.inspect.draw import draw_positions, parse_size
 
     pixels = parse_size(size) if size is not None else None
     _inspect_target(out)
-    loaded, name = _inspect_load(source, last, "cpu", "float32", None)
-    views = position_views(loaded.model)
+    model = api.load(spec, device="cpu", dtype="float32")
+    views = model.positions()
     console.print(views.summary, highlight=False, soft_wrap=True)
-    console.print(f"wrote {draw_positions(views, name, out, size=pixels)}", highlight=False, soft_wrap=True)
+    console.print(f"wrote {draw_positions(views, model.name, out, size=pixels)}", highlight=False, soft_wrap=True)

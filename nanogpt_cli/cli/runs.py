@@ -63,17 +63,14 @@ def info(
 
     Example: nanogpt info checkpoints/shk; nanogpt info --system
     """
+    from nanogpt_cli import api
     from nanogpt_cli.cli.ui import console, info_table
     from nanogpt_cli.errors import NanoGPTError
-    from nanogpt_cli.inspect.catalog import inspect_path
-    from nanogpt_cli.runs.rundir import find_run, missing_source
 
     if system:
         if path is not None:
             raise NanoGPTError("give a run or file, or --system, not both")
-        from nanogpt_cli.inspect.catalog import system_info
-
-        found = system_info()
+        found = api.system_info()
         say_kernels()  # a build this made (or a failed one), as every command says it
         if json_out:
             print(json.dumps(found))
@@ -82,10 +79,7 @@ def info(
         return
     if path is None:
         raise NanoGPTError("give a run folder, a run's name, a .safetensors or .gguf file, or --system")
-    path = Path(find_run(path))
-    if not path.exists():
-        raise NanoGPTError(missing_source(path))
-    result = inspect_path(path)
+    result = api.info(path)
     if json_out:
         print(json.dumps(result.to_dict()))
     else:

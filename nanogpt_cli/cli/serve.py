@@ -10,20 +10,8 @@ from typing import Annotated
 
 import typer
 
-from nanogpt_cli.cli.common import (
-    SOURCE_HELP,
-    Backend,
-    Device,
-    DtypeOption,
-    GroupSize,
-    Last,
-    Quantize,
-    Threads,
-    note,
-    one_line_errors,
-    say_kernels,
-)
-from nanogpt_cli.config import Dtype
+from nanogpt_cli.cli.common import load_options, note, one_line_errors, say_kernels
+from nanogpt_cli.config import LoadSpec
 
 AllowHost = Annotated[
     list[str] | None,
@@ -47,10 +35,8 @@ CorsOrigin = Annotated[
 
 def note_exposure(options) -> None:
     """The notes for a server other machines can reach: no key, or host names it will not answer under."""
-    from nanogpt_cli.serve import is_loopback
-
     host = options.host
-    if not is_loopback(host) and options.api_key is None:
+    if options.reachable and options.api_key is None:
         note(
             f"--host {host} is reachable from other machines and no --api-key is set: anyone who can reach it "
             "can use the model"
@@ -73,8 +59,8 @@ def say_ready(name: str, started) -> None:
 
 
 @one_line_errors
+@load_options()
 def serve(
-    source: Annotated[str, typer.Argument(help=SOURCE_HELP)],
     host: Annotated[
         str, typer.Option(help="Address to listen on; anything but loopback wants --api-key.")
     ] = "127.0.0.1",
@@ -103,35 +89,22 @@ def serve(
     allow_host: AllowHost = None,
     cors_origin: CorsOrigin = None,
     no_ui: Annotated[bool, typer.Option("--no-ui", help="Do not serve the chat page at /.")] = False,
-    last: Last = False,
-    device: Device = "auto",
-    dtype: DtypeOption = Dtype.auto,
-    quantize: Quantize = None,
-    group_size: GroupSize = 32,
-    backend: Backend = None,
-    threads: Threads = None,
+    *,
+    spec: LoadSpec,  # the model and how it loads (load_options)
 ):
     """Serve a model over the OpenAI API (completions, chat, streaming) with a chat page at /.
 
     Example: nanogpt serve checkpoints/shk --port 8000
     """
-    from nanogpt_cli.device import set_threads
-    from nanogpt_cli.serve import ServeOptions, default_model_name
-    from nanogpt_cli.serve import serve as run_server
+    from nanogpt_cli import api
 
-    options = ServeOptions(
-        source=source,
+    options = api.ServeOptions(
+        spec,
         host=host,
         port=port,
         max_batch=max_batch,
         model_name=model_name,
         api_key=api_key,
-        device=device,
-        dtype=dtype,
-        quantize=quantize,
-        group_size=group_size,
-        backend=backend,
-        last=last,
         ui=not no_ui,
         max_body=max_body,
         max_tokens=max_tokens,
@@ -142,6 +115,5 @@ def serve(
         allow_hosts=allow_host or [],
         cors_origins=cors_origin or [],
     )
-    set_threads(threads)
     note_exposure(options)
-    run_server(options, on_ready=functools.partial(say_ready, options.model_name or default_model_name(source)))
+    api.serve(options, on_ready=functools.partial(say_ready, options.served_name))

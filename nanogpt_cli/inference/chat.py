@@ -59,7 +59,7 @@ class ChatSession:
         dtype: str = "auto",
     ) -> ChatSession:
         loaded = load_for_inference(source, last=last, device=device, dtype=dtype)
-        template = ChatTemplate.for_model(loaded.meta, loaded.tokenizer, source)
+        template = ChatTemplate.for_model(loaded.meta, loaded.tokenizer, loaded.source.location)
         return cls(loaded, template, settings, system, max_new_tokens)
 
     @property

@@ -246,7 +246,8 @@ class NanoGPTLM(_model.TemplateLM):
                 eos = EOT if tokenizer.eot_id is not None else None
                 self._template = ChatTemplate.for_meta(meta, eos, special=specials(tokenizer) or None)
             else:
-                self._template = ChatTemplate.for_model(meta, tokenizer, self.source)
+                where = self.loaded.source.location if self.loaded.source is not None else self.source
+                self._template = ChatTemplate.for_model(meta, tokenizer, where)
         return self._template
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:

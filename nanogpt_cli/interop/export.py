@@ -25,7 +25,8 @@ from typing import Any
 from nanogpt_cli.errors import NanoGPTError, first_line
 from nanogpt_cli.interop import hf
 from nanogpt_cli.interop.gguf_pre import PRE_KEY
-from nanogpt_cli.interop.loading import load_model, tokenizer_of
+from nanogpt_cli.interop.loading import build_model, tokenizer_of
+from nanogpt_cli.interop.source import LoRARun, Source, parse_source
 from nanogpt_cli.model import GPT
 
 FORMATS = ("hf", "gguf", "peft")
@@ -44,7 +45,7 @@ class ExportResult:
 
 
 def export(
-    source: str | Path,
+    source: str | Path | Source,
     fmt: str,
     out: str | Path,
     last: bool = False,
@@ -62,26 +63,24 @@ def export(
         raise NanoGPTError("--quant applies to --format gguf only")
     if base is not None and fmt != "peft":
         raise NanoGPTError("--base applies to --format peft only")
-    from nanogpt_cli.runs.rundir import find_run
-
-    source = find_run(source)  # a bare run name: the run under checkpoints/, which the export's origin names
-    lora = lora_weights(source, last)
+    source = parse_source(source, last)  # a bare run name: the run under checkpoints/, which the origin names
+    lora = source if isinstance(source, LoRARun) else None
     if fmt == "peft":
         if lora is None:
-            raise NanoGPTError(f"{source} is not a LoRA run; --format peft writes a LoRA run's adapters")
+            raise NanoGPTError(f"{source.location} is not a LoRA run; --format peft writes a LoRA run's adapters")
         if merge:
             raise NanoGPTError("--merge folds the adapters in, and --format peft writes them apart; give one")
         if base is None:
-            raise NanoGPTError(f"--format peft needs --base: {_base_hint(lora[1]['base']['source'])}")
-        return export_peft(lora[0], lora[1], str(base), Path(out), force)
+            raise NanoGPTError(f"--format peft needs --base: {_base_hint(lora.meta['base']['source'])}")
+        return export_peft(lora, str(base), Path(out), force)
     if lora is not None and not merge:
         raise NanoGPTError(
-            f"{source} is a LoRA run (adapters on {lora[1]['base']['source']}); export it with --merge (the "
-            "adapters folded into the base) or as an adapter with --format peft --base BASE"
+            f"{source.location} is a LoRA run (adapters on {lora.meta['base']['source']}); export it with --merge "
+            "(the adapters folded into the base) or as an adapter with --format peft --base BASE"
         )
     if lora is None and merge:
-        raise NanoGPTError(f"--merge folds a LoRA run's adapters into its base; {source} holds whole weights")
-    model, meta = load_source(source, last)
+        raise NanoGPTError(f"--merge folds a LoRA run's adapters into its base; {source.location} holds whole weights")
+    model, meta = load_source(source)
     template = meta.get("chat_template") if isinstance(meta.get("chat_template"), str) else None
     # a Hugging Face tokenizer is its tokenizer.json, which came with the source: the export gets a copy
     tokenizer = tokenizer_of(meta, source) if meta["tokenizer"].get("kind") == "hf" else None
@@ -93,34 +92,22 @@ def export(
     return export_gguf(model, meta["tokenizer"], Path(out), force, quant or "f32", template, tokenizer, family, pre)
 
 
-def load_source(source: str | Path, last: bool = False) -> tuple[GPT, dict[str, Any]]:
+def load_source(source: Source) -> tuple[GPT, dict[str, Any]]:
     """Our model and its metadata (the tokenizer's description in it) from one of our checkpoints or a Hugging
     Face model; a LoRA run comes merged."""
-    model, meta = load_model(source, last=last)
+    model, meta = build_model(source)
     if "tokenizer" not in meta:
         raise NanoGPTError(f"{source} has no tokenizer in its metadata, so it cannot be exported with one")
     return model, meta
 
 
-def lora_weights(source: str | Path, last: bool) -> tuple[Path, dict[str, Any]] | None:
-    """(weights file, metadata) when the source is a LoRA run of ours, else None."""
-    from nanogpt_cli.runs.checkpoint import read_metadata
-    from nanogpt_cli.runs.rundir import resolve_weights
-
-    if hf.is_hf_source(source) or str(source).endswith(".gguf"):
-        return None
-    path = resolve_weights(source, last)
-    meta = read_metadata(path)
-    return (path, meta) if "lora" in meta else None
-
-
-def origin_of(source: str | Path, meta: dict[str, Any]) -> dict[str, Any]:
+def origin_of(source: Source, meta: dict[str, Any]) -> dict[str, Any]:
     """Where exported weights came from (ORIGIN_KEY's value): the run, the source named, step, tokens, dataset."""
     from nanogpt_cli import __version__
 
-    path = Path(source)
+    path = Path(source.location)  # a run's name: its folder under checkpoints/
     run = path if path.is_dir() else path.parent  # a weights file names its run folder
-    origin = {"run": str(run), "source": str(source), "version": __version__}
+    origin = {"run": str(run), "source": str(path), "version": __version__}
     origin.update({k: meta[k] for k in ("step", "tokens", "dataset", "val_loss") if meta.get(k) is not None})
     return origin
 
@@ -267,7 +254,7 @@ def _reply_stops(template: str, tok, eot_id: int | None) -> dict[str, Any]:
 # --- PEFT -----------------------------------------------------------------------------------------------
 
 
-def export_peft(path: Path, meta: dict[str, Any], base: str, out: Path, force: bool = False) -> ExportResult:
+def export_peft(lora: LoRARun, base: str, out: Path, force: bool = False) -> ExportResult:
     """Write a LoRA run's adapters as a PEFT adapter folder for `base`: hf:NAME (the hub model the run started
     from, from the cache or the hub) or a Hugging Face folder such as the run base's export (checked: its weights
     must be that base's). `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(NAME or base), out)`
@@ -278,7 +265,8 @@ def export_peft(path: Path, meta: dict[str, Any], base: str, out: Path, force: b
     from nanogpt_cli.lora import adapters
 
     transformers = hf.require("transformers")
-    model, plain = load_lora(path, meta, merge=False)
+    model, plain = load_lora(lora, merge=False)
+    meta = lora.meta
     family = meta.get(hf.FAMILY_KEY)  # a run started from a Qwen2 folder compares with a Qwen2, not a Llama
     kind = hf.hf_kind(model.config, family)
     theirs = _base_weights(transformers, base)

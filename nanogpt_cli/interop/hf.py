@@ -501,9 +501,11 @@ def describe_hf_tokenizer(backend) -> dict[str, Any]:
 
 def is_hf_source(source: str | Path) -> bool:
     """hf:NAME, or a folder holding a transformers config.json (not one of our run folders)."""
-    if str(source).startswith("hf:"):
-        return True
-    path = Path(source)
+    return str(source).startswith("hf:") or is_hf_folder(Path(source))
+
+
+def is_hf_folder(path: Path) -> bool:
+    """A folder holding a transformers config.json (with a model_type), not one of our run folders."""
     if not (path / "config.json").is_file() or ((path / "model.safetensors").is_file() and _is_ours(path)):
         return False
     try:

@@ -13,51 +13,70 @@ from typing import Any
 
 import torch
 
-from nanogpt_cli.config import Dtype, GPTConfig
-from nanogpt_cli.device import resolve_device, resolve_inference_dtype, say_threads
+from nanogpt_cli.config import GPTConfig, LoadSpec
+from nanogpt_cli.device import resolve_device, resolve_inference_dtype, say_threads, set_threads
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.hf_tokenizer import TOKENIZER_DIR, TOKENIZER_TEXT
 from nanogpt_cli.interop import hf
+from nanogpt_cli.interop.source import GGUFFile, HFFolder, HFHub, LoRARun, Source, WeightsFile, parse_source
 from nanogpt_cli.model import GPT
-from nanogpt_cli.runs.checkpoint import load_weights, read_metadata
-from nanogpt_cli.runs.rundir import find_run, resolve_weights
+from nanogpt_cli.runs.checkpoint import load_weights
 from nanogpt_cli.tokenizer import Tokenizer, tokenizer_from_description
 
 
 def load_model(
-    path: str | Path, last: bool = False, device: str | torch.device = "cpu", quantize: str | None = None, group_size=32
+    source: str | Path | Source,
+    last: bool = False,
+    device: str | torch.device = "cpu",
+    quantize: str | None = None,
+    group_size=32,
 ) -> tuple[GPT, dict]:
-    """The model rebuilt from a checkpoint alone (its config is in the metadata), and that metadata. A Hugging
-    Face model (hf:NAME, or a folder holding a transformers config.json) is converted, and its metadata holds
-    the config and our description of its tokenizer (see hf.py). A bare run name is a run under checkpoints/."""
-    path = find_run(path)
-    if hf.is_hf_source(path):
-        model, meta = hf.load_pretrained_meta(path)
-        return model.to(device), {"config": model.config.to_dict(), **meta, "source": str(path)}
-    from nanogpt_cli.interop import gguf_file, gguf_in
-
-    if gguf_file.is_gguf(path):  # a GGUF file that nanogpt exported, or llama.cpp's converter wrote
-        model, meta = gguf_in.read_any_gguf(path, quantize, group_size)  # our Q8_0 / Q4_0 blocks load as they are
-        return model.to(device), meta
-    path = resolve_weights(path, last)
-    meta = read_metadata(path)
-    meta[TOKENIZER_DIR] = str(path.parent)  # a Hugging Face tokenizer's tokenizer.json is beside the weights
-    if "lora" in meta:
-        return load_lora(path, meta, merge=True)[0].to(device), meta
-    config = checked_weights(path, meta).model.config
-    model = GPT(config)
-    load_weights(model, path)
+    """The model rebuilt from a source alone, and its metadata: build_model on the source parsed (a Source passes
+    through as it is)."""
+    model, meta = build_model(parse_source(source, last), quantize, group_size)
     return model.to(device), meta
 
 
-def is_converted(source: str | Path) -> bool:
+def build_model(source: Source, quantize: str | None = None, group_size: int = 32) -> tuple[GPT, dict]:
+    """The model of a parsed source in float32 on the CPU, and its metadata. A Hugging Face model is converted, and
+    its metadata holds the config and our description of its tokenizer (see hf.py); a LoRA run comes merged into
+    its base; a GGUF file's Q8_0 / Q4_0 blocks load as they are (quantize, group_size: the form they take)."""
+    from nanogpt_cli.interop import gguf_in
+
+    match source:
+        case HFFolder() | HFHub():
+            model, meta = hf.load_pretrained_meta(_hf_name(source))
+            return model, {"config": model.config.to_dict(), **meta, "source": _hf_name(source)}
+        case GGUFFile():
+            return gguf_in.read_any_gguf(source.path, quantize, group_size)
+        case LoRARun():
+            return load_lora(source, merge=True)[0], _ours_meta(source)
+        case WeightsFile():
+            lazy = checked_weights(source.weights, _ours_meta(source))
+            model = GPT(lazy.model.config)
+            load_weights(model, source.weights)
+            return model, lazy.meta
+    raise AssertionError(f"unhandled source {source!r}")
+
+
+def _hf_name(source: HFFolder | HFHub) -> str:
+    """What hf.load_pretrained_meta reads: hf:NAME, or the folder."""
+    return f"hf:{source.name}" if isinstance(source, HFHub) else str(source.folder)
+
+
+def _ours_meta(source: WeightsFile) -> dict[str, Any]:
+    """A weights file's metadata, with the folder a Hugging Face tokenizer's tokenizer.json sits in (beside it)."""
+    return {**source.meta, TOKENIZER_DIR: str(source.weights.parent)}
+
+
+def is_converted(source: str | Path | Source) -> bool:
     """hf:NAME, a Hugging Face folder or a GGUF file: a model that load_model converts (not one of our runs)."""
-    from nanogpt_cli.interop import gguf_file
+    if not isinstance(source, Source) and not str(source).startswith("hf:") and not Path(source).exists():
+        return False  # names nothing: the loader's own error follows
+    return isinstance(parse_source(source), HFFolder | HFHub | GGUFFile)
 
-    return hf.is_hf_source(source) or gguf_file.is_gguf(source)
 
-
-def tokenizer_of(meta: dict[str, Any], source: str | Path = "") -> Tokenizer:
+def tokenizer_of(meta: dict[str, Any], source: str | Path | Source = "") -> Tokenizer:
     """The tokenizer `load_model`'s metadata describes; a Hugging Face tokenizer from the tokenizer.json that came
     with it (beside the weights, in the model's folder, or inside a GGUF file)."""
     if "tokenizer" not in meta:
@@ -66,27 +85,26 @@ def tokenizer_of(meta: dict[str, Any], source: str | Path = "") -> Tokenizer:
     return tokenizer_from_description(meta["tokenizer"], Path(folder) if folder else None, meta.get(TOKENIZER_TEXT))
 
 
-def load_lora(path: Path, meta: dict, merge: bool) -> tuple[GPT, GPT | None]:
-    """A LoRA run's weights file (adapters only) on its base, which is loaded from where the run recorded it and
-    checked against the recorded hash: (the model with adapters, merged into plain layers when `merge`, and,
-    unmerged, the base alone as loaded)."""
+def load_lora(source: LoRARun, merge: bool) -> tuple[GPT, GPT | None]:
+    """A LoRA run's adapters on its base, checked against the base's recorded hash: (the model with adapters,
+    merged into plain layers when `merge`, and, unmerged, the base alone as loaded)."""
     import copy
 
     from nanogpt_cli.lora import LoRAConfig, add_lora, merge_lora, weights_hash
 
-    base = meta["base"]
+    path = source.weights
     try:
-        model, _ = load_model(base["source"], last=base.get("last", False))
+        model, _ = build_model(source.base)
     except NanoGPTError as e:
         raise NanoGPTError(f"{path} holds LoRA adapters, and their base could not be loaded: {e}") from None
     digest = weights_hash(model)
-    if digest != base["sha256"]:
+    if digest != source.base_sha256:
         raise NanoGPTError(
-            f"{path} holds LoRA adapters for other base weights than {base['source']} holds now (sha256 "
-            f"{base['sha256'][:12]}..., found {digest[:12]}...); it was changed since the adapters were trained"
+            f"{path} holds LoRA adapters for other base weights than {source.base} holds now (sha256 "
+            f"{source.base_sha256[:12]}..., found {digest[:12]}...); it was changed since the adapters were trained"
         )
     plain = None if merge else copy.deepcopy(model)
-    add_lora(model, LoRAConfig.from_dict(meta["lora"]))
+    add_lora(model, LoRAConfig.from_dict(source.meta["lora"]))
     load_weights(model, path)
     model.requires_grad_(False)
     return (merge_lora(model) if merge else model), plain
@@ -101,79 +119,94 @@ class InferenceModel:
     meta: dict[str, Any]  # the weights file's metadata (config, tokenizer, step, ...)
     device: torch.device
     dtype: torch.dtype
+    source: Source | None = None  # where it was loaded from (None: a model built in memory)
 
     @property
     def block_size(self) -> int:
         return self.model.config.block_size
 
 
-def load_for_inference(
-    checkpoint: str | Path,
-    last: bool = False,
-    device: str = "auto",
-    dtype: Dtype = Dtype.auto,
-    quantize: str | None = None,
-    group_size: int = 32,
-    backend: str | None = None,
-) -> InferenceModel:
-    """The one loader that sample and eval share. Inference casts the weights once instead of autocasting
-    every call; `auto` picks the dtype from the device and the size of the weights (device.py). quantize: int8
-    or int4 weights for the blocks' projections (backends/quantize.py), group_size the int4 groups' width; a GGUF
-    export's Q8_0 or Q4_0 blocks load straight into that form. Our weights files and GGUF exports are read tensor
-    by tensor into the finished form (materialize.py), never whole in float32. backend: the decode backend every
-    engine on the model uses (inference/backends/), refused before the weights are read where it is not one."""
-    from nanogpt_cli.inference.backends import NAMES, choose
-    from nanogpt_cli.inference.backends.quantize import check_quantize, quantize_model
-    from nanogpt_cli.interop.materialize import materialize
+def load_for_inference(spec: LoadSpec | str | Path, **options: Any) -> InferenceModel:
+    """load_parsed from a LoadSpec, or a source and the spec's fields as keywords (device="cpu", dtype="float32",
+    ...): the source parsed here, where it enters."""
+    import dataclasses
+
+    if not isinstance(spec, LoadSpec):
+        spec = LoadSpec(str(spec), **options)
+    elif options:
+        spec = dataclasses.replace(spec, **options)
+    return load_parsed(parse_spec(spec), spec)
+
+
+def parse_spec(spec: LoadSpec) -> Source:
+    """The spec's options checked before anything is read (a --quantize, --int4-group or --backend that is none is
+    one sentence, whatever the source), then its source parsed: what load_parsed takes."""
+    from nanogpt_cli.inference.backends import NAMES
+    from nanogpt_cli.inference.backends.quantize import check_quantize
 
     try:
-        check_quantize(quantize, group_size)
+        check_quantize(spec.quantize, spec.group_size)
     except ValueError as e:
         raise NanoGPTError(str(e)) from None
-    if backend is not None and backend not in NAMES:
-        raise NanoGPTError(f"--backend must be one of {', '.join(NAMES)}, got {backend!r}")
-    dev = resolve_device(device)
-    if quantize is not None and dev.type != "cpu":
+    if spec.backend is not None and spec.backend not in NAMES:
+        raise NanoGPTError(f"--backend must be one of {', '.join(NAMES)}, got {spec.backend!r}")
+    return parse_source(spec.source, spec.last)
+
+
+def load_parsed(source: Source, spec: LoadSpec) -> InferenceModel:
+    """The one loader that sample, chat, eval, serve and inspect share: a parsed source, loaded as the spec says
+    (parse_spec read its source and last into `source` and checked its options). The spec's threads are set first.
+    Inference casts the weights once instead of autocasting every call; `auto` picks the dtype from the device and
+    the size of the weights (device.py). quantize: int8 or int4 weights for the blocks' projections
+    (backends/quantize.py), group_size the int4 groups' width; a GGUF export's Q8_0 or Q4_0 blocks load straight
+    into that form. Our weights files and GGUF exports are read tensor by tensor into the finished form
+    (materialize.py), never whole in float32. backend: the decode backend every engine on the model uses
+    (inference/backends/)."""
+    from nanogpt_cli.inference.backends import choose
+    from nanogpt_cli.inference.backends.quantize import quantize_model
+    from nanogpt_cli.interop.materialize import materialize
+
+    if spec.threads is not None:  # the one place a command's threads are set; None keeps torch's
+        set_threads(None if spec.threads == "auto" else spec.threads)
+    dev = resolve_device(spec.device)
+    if spec.quantize is not None and dev.type != "cpu":
         raise NanoGPTError(f"--quantize runs on a CPU only (torch's packed kernels), not on {dev}; use --device cpu")
-    lazy = lazy_model(checkpoint, last, quantize, group_size)
+    lazy = lazy_model(source, spec.quantize, spec.group_size)
     if lazy is None:  # a Hugging Face model or LoRA adapters: built whole, then cast
-        model, meta = load_model(checkpoint, last=last, quantize=quantize, group_size=group_size)
+        model, meta = build_model(source, spec.quantize, spec.group_size)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     else:
         meta, weight_bytes = lazy.meta, lazy.weight_bytes
-    tokenizer = tokenizer_of(meta, checkpoint)
+    tokenizer = tokenizer_of(meta, source)
     say_threads(dev)  # set_threads' automatic choice, once the model is there: it stays as it is
-    cast = resolve_inference_dtype(dtype, dev, weight_bytes)
+    cast = resolve_inference_dtype(spec.dtype, dev, weight_bytes)
     try:
         if lazy is None:
             model = model.to(dev).cast(cast).eval()
-            if quantize is not None:
-                quantize_model(model, quantize, group_size)
+            if spec.quantize is not None:
+                quantize_model(model, spec.quantize, spec.group_size)
         else:
-            model = materialize(lazy, cast, quantize, group_size).to(dev).eval()
+            model = materialize(lazy, cast, spec.quantize, spec.group_size).to(dev).eval()
     except ValueError as e:
         raise NanoGPTError(str(e)) from None
-    if backend is not None:  # refused here in one sentence where it does not fit; the engines read it
-        model.decode_backend = choose(model, backend).name
-    return InferenceModel(model, tokenizer, meta, dev, cast)
+    if spec.backend is not None:  # refused here in one sentence where it does not fit; the engines read it
+        model.decode_backend = choose(model, spec.backend).name
+    return InferenceModel(model, tokenizer, meta, dev, cast, source)
 
 
-def lazy_model(checkpoint: str | Path, last: bool, quantize: str | None, group_size: int):
+def lazy_model(source: Source, quantize: str | None, group_size: int):
     """A LazyModel (materialize.py) for a weights file of ours or a GGUF file; None for what load_model builds
     whole (a Hugging Face model, LoRA adapters on their base)."""
-    from nanogpt_cli.interop import gguf_file, gguf_in
+    from nanogpt_cli.interop import gguf_in
 
-    path = find_run(checkpoint)
-    if hf.is_hf_source(path):
-        return None
-    if gguf_file.is_gguf(path):
-        return gguf_in.lazy_any_gguf(path, quantize, group_size)
-    path = resolve_weights(path, last)
-    meta = read_metadata(path)
-    meta[TOKENIZER_DIR] = str(path.parent)
-    if "lora" in meta:
-        return None
-    return checked_weights(path, meta)
+    match source:
+        case GGUFFile():
+            return gguf_in.lazy_any_gguf(source.path, quantize, group_size)
+        case LoRARun() | HFFolder() | HFHub():
+            return None
+        case WeightsFile():
+            return checked_weights(source.weights, _ours_meta(source))
+    raise AssertionError(f"unhandled source {source!r}")
 
 
 def checked_weights(path: Path, meta: dict):

@@ -1,6 +1,6 @@
 """`nanogpt serve`: an OpenAI-compatible HTTP server with continuous batching, and a chat page.
 
-    options = ServeOptions(source="checkpoints/shk", port=0)
+    options = ServeOptions(LoadSpec("checkpoints/shk"), port=0)
     serve(options, on_ready=print)   # blocks; Ctrl-C or SIGTERM ends in-flight streams and returns
                                      # on_ready gets a Started: the URL and the KV cache's bytes per token
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nanogpt_cli.config import Dtype
+from nanogpt_cli.config import LoadSpec
 from nanogpt_cli.errors import NanoGPTError, require
 
 __all__ = ["ServeOptions", "Started", "build_server", "serve"]
@@ -36,18 +36,12 @@ class Started:
 
 @dataclass
 class ServeOptions:
-    source: str
+    load: LoadSpec  # the model and how it loads
     host: str = "127.0.0.1"
     port: int = 8000
     max_batch: int = 8  # rows decoded together
     model_name: str | None = None  # default: the run's name
     api_key: str | None = None  # default: $NANOGPT_API_KEY
-    device: str = "auto"
-    dtype: Dtype = Dtype.auto
-    quantize: str | None = None  # int8 or int4 weights (inference/backends/quantize.py)
-    group_size: int = 32  # int4's group width
-    backend: str | None = None  # the decode backend (inference/backends/); default: the first that fits
-    last: bool = False
     ui: bool = True
     max_body: int = 1_000_000
     max_tokens: int = 4096
@@ -87,6 +81,16 @@ class ServeOptions:
             raise NanoGPTError(f"--port must be between 0 and 65535, got {self.port}")
         self.api_key = self.api_key or os.environ.get("NANOGPT_API_KEY") or None  # an empty key is no key
 
+    @property
+    def served_name(self) -> str:
+        """The name /v1/models reports: model_name, else the run's."""
+        return self.model_name or default_model_name(self.load.source)
+
+    @property
+    def reachable(self) -> bool:
+        """Whether other machines can reach the server: its host is not a loopback name or address."""
+        return not is_loopback(self.host)
+
 
 def default_model_name(source: str) -> str:
     """The run's name: a run folder's or a file's name, or hf:NAME's NAME."""
@@ -111,25 +115,18 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
     uvicorn = require("uvicorn", "serve", "nanogpt serve")
     require("prometheus_client", "serve", "nanogpt serve")
     from nanogpt_cli.inference.prefix import PrefixCache
-    from nanogpt_cli.interop.loading import load_for_inference
+    from nanogpt_cli.interop.loading import load_parsed, parse_spec
     from nanogpt_cli.serve.api import Limits, ServerState, create_app
     from nanogpt_cli.serve.chat import ChatTemplate
     from nanogpt_cli.serve.metrics import Metrics
     from nanogpt_cli.serve.scheduler import Scheduler
 
-    if options.adapters and options.quantize is not None:
+    if options.adapters and options.load.quantize is not None:
         raise NanoGPTError("--adapter adds LoRA to full-precision weights; drop --quantize to serve adapters")
-    loaded = load_for_inference(
-        options.source,
-        last=options.last,
-        device=options.device,
-        dtype=options.dtype,
-        quantize=options.quantize,
-        group_size=options.group_size,
-        backend=options.backend,
-    )
-    model_name = options.model_name or default_model_name(options.source)
-    adapters = _adapters(options, loaded, model_name)
+    source = parse_spec(options.load)
+    loaded = load_parsed(source, options.load)
+    model_name = options.served_name
+    adapters = _adapters(options, source, loaded, model_name)
     prefix = PrefixCache(options.prompt_cache_mb << 20) if options.prompt_cache_mb else None
     metrics = Metrics()
     scheduler = Scheduler(
@@ -150,7 +147,7 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
         model_name=model_name,
         adapter_names=[] if adapters is None else adapters.names,
         metrics=metrics,
-        template=ChatTemplate.for_model(loaded.meta, loaded.tokenizer, options.source),
+        template=ChatTemplate.for_model(loaded.meta, loaded.tokenizer, source.location),
         api_key=options.api_key,
         limits=Limits(options.max_body, options.max_tokens, options.max_n, options.grammar_seconds),
         ui=options.ui,
@@ -168,18 +165,18 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
     return _server_class(uvicorn)(config, state, on_ready)
 
 
-def _adapters(options: ServeOptions, loaded, model_name: str):
+def _adapters(options: ServeOptions, source, loaded, model_name: str):
     """The --adapter runs on the served weights (lora.RowAdapters), or None. The base's hash is taken of the
     weights as stored: a model cast for inference (bfloat16) hashes differently."""
     if not options.adapters:
         return None
     import torch
 
-    from nanogpt_cli.interop.loading import load_model
+    from nanogpt_cli.interop.loading import build_model
     from nanogpt_cli.lora import weights_hash
     from nanogpt_cli.serve.adapters import load_adapters
 
-    stored = loaded.model if loaded.dtype == torch.float32 else load_model(options.source, last=options.last)[0]
+    stored = loaded.model if loaded.dtype == torch.float32 else build_model(source)[0]
     return load_adapters(loaded.model, options.adapters, weights_hash(stored), model_name)
 
 

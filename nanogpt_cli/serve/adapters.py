@@ -6,8 +6,6 @@ chosen per request by `model`.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from nanogpt_cli.errors import NanoGPTError
 
 
@@ -25,24 +23,23 @@ def load_adapters(model, specs: list[str], base_digest: str, base_name: str):
     import torch
     from safetensors.torch import load_file
 
+    from nanogpt_cli.interop.source import LoRARun, parse_source
     from nanogpt_cli.lora import LoRAConfig, add_row_adapters, is_adapter_key
-    from nanogpt_cli.runs.checkpoint import read_metadata
-    from nanogpt_cli.runs.rundir import resolve_weights
 
     named: dict[str, tuple[LoRAConfig, dict[str, torch.Tensor]]] = {}
     for spec in specs:
         name, source = parse_adapter(spec)
         if name in named or name == base_name:
             raise NanoGPTError(f"--adapter {name!r} names the model twice; give each adapter its own name")
-        path = Path(resolve_weights(source))
-        meta = read_metadata(path)
-        if "lora" not in meta:
+        run = parse_source(source)
+        if not isinstance(run, LoRARun):
             raise NanoGPTError(f"--adapter {name}={source} is not a LoRA run (nanogpt finetune --lora makes one)")
-        if meta["base"]["sha256"] != base_digest:
+        meta = run.meta
+        if run.base_sha256 != base_digest:
             raise NanoGPTError(
                 f"--adapter {name}={source} was trained on other base weights ({meta['base']['source']}) than "
                 "the served model's"
             )
-        tensors = {k: t for k, t in load_file(str(path)).items() if is_adapter_key(k)}
+        tensors = {k: t for k, t in load_file(str(run.weights)).items() if is_adapter_key(k)}
         named[name] = (LoRAConfig.from_dict(meta["lora"]), tensors)
     return add_row_adapters(model, named) if named else None
