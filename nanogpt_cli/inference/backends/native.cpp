@@ -3,7 +3,7 @@
 // once, as one stream, in the tiled order pack() lays it out in, and turned into floats (bf16 pairs with
 // AVX512-BF16) in registers, where it meets every row of x: the arithmetic is the float model's, with the
 // weights' values rounded, and every row's result is the same alone as in a batch.
-// Compiled on the machine that runs it (native.py), with -march=native; a small pool of threads (pool_run) splits
+// Compiled on the machine that runs it (native.py), with -march=native; a small pool of threads (pool::run) splits
 // the tiles and the attention's heads over threads.
 #include <immintrin.h>
 #include <math.h>
@@ -279,6 +279,26 @@ static Quantized quantize_rows(const void* x, int64_t B, int64_t K, int bf16, vo
     if (!mem) return {nullptr, nullptr, nullptr};
     int8_t* q = (int8_t*)mem;
     float *d = (float*)(mem + n), *sum = d + blocks;
+#ifdef __AVX512F__
+    // 32 values in two registers: at batch 1 the scalar loop below took ~8 % of an int4 step
+    for (int64_t j = 0; j < blocks; j++) {
+        __m512 v0, v1;
+        if (bf16) {
+            const uint16_t* p = (const uint16_t*)x + j * CHUNK;
+            v0 = bf16s(p).v, v1 = bf16s(p + 16).v;
+        } else {
+            v0 = _mm512_loadu_ps((const float*)x + j * CHUNK), v1 = _mm512_loadu_ps((const float*)x + j * CHUNK + 16);
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        // cvtps rounds to nearest even, as nearbyintf does; |v * inv| <= 127 fits a byte
+        _mm_storeu_si128((__m128i*)(q + j * CHUNK), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+        _mm_storeu_si128((__m128i*)(q + j * CHUNK + 16),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+        d[j] = amax / 127.f, sum[j] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    }
+    return {q, d, sum};
+#endif
     for (int64_t j = 0; j < blocks; j++) {
         float v[CHUNK], amax = 0.f, s = 0.f;
         for (int i = 0; i < CHUNK; i++) {

@@ -7,6 +7,10 @@ weight once per token, so its speed is the weights' bytes over the memory's band
   q4_0 does, in VNNI's integer dot products, 16 weight rows at once, one in each lane (int4_tiles);
 - each weight is laid out in tiles of TILE_ROWS rows (pack), so that one product reads it as one stream: the
   hardware prefetchers follow one stream well and four short ones (four rows side by side) poorly;
+- with more than one thread, a product's tiles and the attention's (row, key/value head) pairs are split over a
+  small pool of threads (native.cpp's pool::run) in which the caller never waits for a worker that has not started
+  on its share: where another process holds the other core, a step runs at one thread's speed rather than waiting
+  a time slice at every product, as OpenMP's barriers did;
 - decode runs a whole step of a Llama-shaped model's blocks in one call (DecodeBlocks), norms, RoPE, the cache
   write and attention included, where torch would make ~20 calls a layer of a few microseconds each.
 
