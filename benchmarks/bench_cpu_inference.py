@@ -1,9 +1,9 @@
 """CPU inference of real-sized models: ours at float32, bf16, int8 and int4 (--quantize) against llama.cpp (PyPI's
 xllamacpp, used only here) on our own GGUF exports at f16, q8_0 and q4_0, with the same threads, in alternating
-rounds: prefill of 512 tokens, decode at batch 1 and 8, peak memory. Random weights (speed does not depend on
-them) in SmolLM2-135M's and Qwen2.5-0.5B's shapes.
+rounds: prefill of 512 tokens, decode at batch 1 and 8, peak memory, at 1 and 2 threads. Random weights (speed does
+not depend on them) in SmolLM2-135M's, Qwen2.5-0.5B's and Gemma-3-270M's shapes.
 
-    python benchmarks/bench_cpu_inference.py --models smollm2-135m --rounds 3 --threads 2
+    python benchmarks/bench_cpu_inference.py --models smollm2-135m --rounds 3 --threads 1 2
     python benchmarks/bench_cpu_inference.py --profile        # torch.profiler of the 135M model's decode step
     python benchmarks/bench_cpu_inference.py --quality        # perplexity and greedy agreement of a trained model
     python benchmarks/bench_cpu_inference.py --memory --models smollm2-135m   # peak RSS of a load
@@ -13,6 +13,11 @@ getrusage's ru_maxrss over from the parent); llama.cpp runs as its own server, o
 from /proc too, with slots of the model's whole context, so that its KV cache holds as many tokens as our 8 rows.
 The ratio column is ours / llama.cpp in tokens per second, per round, then the median: rounds alternate the two so
 that the load other jobs put on a shared machine hits both alike.
+
+Every decode figure is also given as its memory-bandwidth utilisation (MBU): the bytes a step reads (each side's
+weights in the form its step reads them, the head included, and the KV cache of every row up to its position) /
+the step's time / the bandwidth a STREAM-like probe reads at the same thread count (the best of 5 sums of a 1 GiB
+float32 buffer, far larger than the caches, in a fresh process, measured before and after each table).
 """
 
 from __future__ import annotations
@@ -56,6 +61,26 @@ MODELS = {
         rope_theta=1e6,
         block_size=2048,
     ),
+    # Gemma 3 270M: five sliding-window layers to one global, QK-norm, post-norms, tanh-GELU gate, a 262k vocabulary
+    "gemma-3-270m": dict(
+        n_layer=18,
+        n_embd=640,
+        n_head=4,
+        n_kv_head=1,
+        head_dim=256,
+        mlp_hidden=2048,
+        vocab_size=262144,
+        rope_theta=1e6,
+        rope_local_theta=1e4,
+        sliding_window=512,
+        window_pattern="LLLLLG",
+        mlp="geglu",
+        qk_norm=True,
+        embed_scale=True,
+        norm_offset=True,
+        post_norms=True,
+        block_size=2048,
+    ),
 }
 PAIRS = [("bfloat16", "f16"), ("int8", "q8_0"), ("int4", "q4_0"), ("float32", None)]
 
@@ -71,7 +96,7 @@ def make_model(folder: Path, name: str, quants: list[str]) -> tuple[Path, dict[s
 
     torch.manual_seed(0)
     tok = build_tokenizer("byte")  # the vocabulary is padded to the model's: speed does not depend on the tokenizer
-    cfg = GPTConfig(**MODELS[name], norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=True)
+    cfg = GPTConfig(**{"norm": "rmsnorm", "mlp": "swiglu", "bias": False, "tie_embeddings": True, **MODELS[name]})
     weights = folder / f"{name}.safetensors"
     ckpt.save_model(weights, GPT(cfg), {"tokenizer": tok.describe(), "step": 0})
     ggufs = {}
@@ -84,6 +109,8 @@ def make_model(folder: Path, name: str, quants: list[str]) -> tuple[Path, dict[s
 OURS = """
 import json, sys, time, torch
 from nanogpt_cli.interop.loading import load_for_inference
+from nanogpt_cli.inference.backends.cpu import decode_plan
+from nanogpt_cli.inference.backends.quantize import QuantizedLinear
 from nanogpt_cli.inference.engine import Engine, SamplingParams
 path, precision = sys.argv[1], sys.argv[2]
 threads, prompt, tokens = (int(a) for a in sys.argv[3:6])
@@ -114,13 +141,48 @@ with torch.inference_mode():
 # VmHWM, not ru_maxrss: Linux carries ru_maxrss across exec, so a child would report its parent's peak
 status = open("/proc/self/status").read()
 out["peak_mb"] = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM")) / 1024
+# the bytes a decode step reads: the blocks' projections in the form the step multiplies (a QuantizedLinear's values,
+# scales and zeros; a float weight's own bytes) and the head's decoding form; norms' gains are a rounding error
+plan, nbytes = decode_plan(m.model), lambda ts: sum(t.numel() * t.element_size() for t in ts if t is not None)
+mats = [x for x in m.model.transformer.h.modules() if isinstance(x, (torch.nn.Linear, QuantizedLinear))]
+mats += [plan.head_q] if plan.head_q is not None else []
+read = lambda x: [t for n, t in [*x.named_parameters(), *x.named_buffers()] if n != "nibbles"]  # nibbles: prefill's
+out["weight_bytes"] = sum(nbytes(read(x)) for x in mats) + (0 if plan.head_q is not None else nbytes([plan.head]))
+c = m.model.config
+out["kv_bytes"] = 2 * c.n_layer * c.kv_heads * c.head_size * m.model.transformer.wte.weight.element_size()
+print(json.dumps(out))
+"""
+
+PROBE = """
+import json, sys, time, torch
+buf = torch.ones(2**28)  # 1 GiB of float32: 32x the L3 cache
+out = {}
+for threads in map(int, sys.argv[1:]):
+    torch.set_num_threads(threads)
+    buf.sum()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    out[threads] = buf.numel() * 4 / best / 1e9
 print(json.dumps(out))
 """
 
 
-def ours(weights: Path, precision: str, args, root: Path = ROOT) -> dict:
+def probe(threads: list[int]) -> dict[int, float]:
+    """GB/s read by a STREAM-like sum of a 1 GiB buffer at each thread count, in a fresh process."""
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, *map(str, threads)], capture_output=True, text=True, timeout=600
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"the bandwidth probe failed:\n{done.stderr[-2000:]}")
+    return {int(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
+def ours(weights: Path, precision: str, threads: int, args, root: Path = ROOT) -> dict:
     env = {**os.environ, "PYTHONPATH": str(root)}
-    cmd = [sys.executable, "-c", OURS, str(weights), precision, str(args.threads), str(args.prompt), str(args.tokens)]
+    cmd = [sys.executable, "-c", OURS, str(weights), precision, str(threads), str(args.prompt), str(args.tokens)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"ours at {precision} failed:\n{done.stderr[-2000:]}")
@@ -171,52 +233,86 @@ def theirs(url: str, pid: int, args) -> dict:
 
 
 def speed(args) -> None:
-    load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
     for name in args.models:
-        rows = []
         with tempfile.TemporaryDirectory() as tmp:
             pairs = [(o, t) for o, t in PAIRS if o in args.ours]
             weights, ggufs = make_model(Path(tmp), name, [t for _, t in pairs if t])
-            for precision, quant in pairs:
-                server = None
-                if quant is not None:
-                    # XLLAMACPP_PATH: a `pip install --target` folder of xllamacpp, when it is not installed
-                    path = ":".join(filter(None, [str(ROOT), os.environ.get("XLLAMACPP_PATH")]))
-                    # each slot holds the model's whole context, as each row of our cache does (the same KV bytes)
-                    ctx = MODELS[name]["block_size"]
-                    server = start("llama.cpp", weights, ggufs[quant], 8, ctx, args.threads, root=path)
-                try:
-                    if server:
-                        theirs(server[1], server[0].pid, args)  # warm up
-                    rounds = []
-                    for _ in range(args.rounds):
-                        t = theirs(server[1], server[0].pid, args) if server else None
-                        rounds.append((ours(weights, precision, args), t))
-                        print(name, precision, quant, rounds[-1], flush=True)
-                finally:
-                    if server:
-                        server[0].stdin.close()
-                        server[0].terminate()
-                        server[0].wait(30)
-                rows.append(row(precision, quant, rounds))
-        load_after = " ".join(f"{x:.1f}" for x in os.getloadavg())
-        table(
-            f"{name} shape (random weights), {args.threads} thread(s), prefill {args.prompt} tokens, decode "
-            f"{args.tokens} tokens per row, medians of {args.rounds} alternating rounds, load average {load_before} "
-            f"before, {load_after} after",
-            [
-                "ours",
-                "llama.cpp",
-                "prefill ms",
-                "ratio",
-                "decode b1 ms",
-                "ratio",
-                "decode b8 ms/step",
-                "ratio",
-                "peak MB",
-            ],
-            rows,
-        )
+            for threads in args.threads:
+                load_before = " ".join(f"{x:.1f}" for x in os.getloadavg())
+                bw_before = probe([threads])[threads]
+                rows = [
+                    one_precision(name, weights, ggufs, precision, quant, threads, args) for precision, quant in pairs
+                ]
+                bw_after = probe([threads])[threads]
+                bandwidth = (bw_before + bw_after) / 2
+                load_after = " ".join(f"{x:.1f}" for x in os.getloadavg())
+                table(
+                    f"{name} shape (random weights), {threads} thread(s), prefill {args.prompt} tokens, decode "
+                    f"{args.tokens} tokens per row, medians of {args.rounds} alternating rounds, load average "
+                    f"{load_before} before, {load_after} after; probe {bw_before:.1f} GB/s before, {bw_after:.1f} "
+                    f"after (MBU against their mean); the default's thread count on a quiet machine: {quiet_default()}",
+                    HEADER,
+                    [row(precision, quant, rounds, bandwidth, args) for precision, quant, rounds in rows],
+                )
+
+
+HEADER = ["ours", "llama.cpp", "prefill ms", "ratio", "decode b1 ms", "ratio", "MBU b1", "decode b8 ms/step"]
+HEADER += ["ratio", "MBU b8", "peak MB"]
+
+
+def one_precision(name: str, weights: Path, ggufs: dict, precision: str, quant: str | None, threads: int, args):
+    """(precision, quant, rounds): each round ours in a fresh process and llama.cpp's server on the matching GGUF,
+    alternating."""
+    server = None
+    if quant is not None:
+        # XLLAMACPP_PATH: a `pip install --target` folder of xllamacpp, when it is not installed
+        path = ":".join(filter(None, [str(ROOT), os.environ.get("XLLAMACPP_PATH")]))
+        # each slot holds the model's whole context, as each row of our cache does (the same KV bytes)
+        server = start("llama.cpp", weights, ggufs[quant], 8, MODELS[name]["block_size"], threads, root=path)
+    try:
+        if server:
+            theirs(server[1], server[0].pid, args)  # warm up
+        rounds = []
+        for _ in range(args.rounds):
+            t = theirs(server[1], server[0].pid, args) if server else None
+            if t is not None:  # f16 keys and values, llama.cpp's default
+                c = MODELS[name]
+                hs = c.get("head_dim", c["n_embd"] // c["n_head"])
+                t.update(
+                    weight_bytes=gguf_step_bytes(ggufs[quant]), kv_bytes=2 * c["n_layer"] * c["n_kv_head"] * hs * 2
+                )
+            rounds.append((ours(weights, precision, threads, args), t))
+            print(name, threads, precision, quant, rounds[-1], flush=True)
+    finally:
+        if server:
+            server[0].stdin.close()
+            server[0].terminate()
+            server[0].wait(30)
+    return precision, quant, rounds
+
+
+def gguf_step_bytes(path: Path) -> int:
+    """The bytes of a GGUF's tensors that llama.cpp's decode step reads: all of them, but the token embedding where
+    the file has an output matrix of its own (the embedding is then only looked up)."""
+    from nanogpt_cli.interop.gguf_header import read_header
+
+    tensors = {t.name: t.n_bytes for t in read_header(path).tensors}
+    return sum(tensors.values()) - (tensors.get("token_embd.weight", 0) if "output.weight" in tensors else 0)
+
+
+def quiet_default() -> int:
+    """The threads `nanogpt` chooses on this machine when nothing else runs (device.choose_threads)."""
+    from nanogpt_cli.device import TORCH_THREADS, choose_threads, cpu_cores
+
+    cpus = cpu_cores()
+    return choose_threads(cpus, max(1, min(TORCH_THREADS, cpus)), 0.0)
+
+
+def mbu(side: dict, batch: int, keys: float, bandwidth: float) -> float:
+    """The share of the probe's bandwidth (GB/s) one decode step at `batch` rows reads at: its weights once and each
+    row's KV cache over `keys` positions, in the step's time."""
+    step_bytes = side["weight_bytes"] + batch * keys * side["kv_bytes"]
+    return step_bytes / (side[f"decode{batch}_ms"] / 1000) / (bandwidth * 1e9)
 
 
 def against(args) -> None:
@@ -231,7 +327,10 @@ def against(args) -> None:
             for precision in args.ours:
                 rounds = []
                 for _ in range(args.rounds):
-                    rounds.append((ours(weights, precision, args, other), ours(weights, precision, args)))
+                    threads = args.threads[0]
+                    rounds.append(
+                        (ours(weights, precision, threads, args, other), ours(weights, precision, threads, args))
+                    )
                     print(name, precision, rounds[-1], flush=True)
                 out = [precision]
                 for key in ("prefill_ms", "decode1_ms", "decode8_ms"):
@@ -242,7 +341,7 @@ def against(args) -> None:
                 rows.append(out)
         load_after = " ".join(f"{x:.1f}" for x in os.getloadavg())
         table(
-            f"{name} shape (random weights), before ({other}) / after ({ROOT}), {args.threads} thread(s), prefill "
+            f"{name} shape (random weights), before ({other}) / after ({ROOT}), {args.threads[0]} thread(s), prefill "
             f"{args.prompt} tokens, decode {args.tokens} tokens per row, medians of {args.rounds} alternating rounds, "
             f"load average {load_before} before, {load_after} after; ratio: before / after per round (> 1: faster)",
             ["ours", "prefill ms", "ratio", "decode b1 ms", "ratio", "decode b8 ms/step", "ratio"],
@@ -250,13 +349,23 @@ def against(args) -> None:
         )
 
 
-def row(precision: str, quant: str | None, rounds: list) -> list:
+def row(precision: str, quant: str | None, rounds: list, bandwidth: float, args) -> list:
     med = lambda key, side: statistics.median(r[side][key] for r in rounds)  # noqa: E731
+    # the keys a timed step reads, on average: ours after an 8-token prompt and 4 untimed steps, llama.cpp's from
+    # its first generated token on
+    keys = (8 + 4 + (args.tokens + 1) / 2, 8 + (args.tokens + 1) / 2)
     out = [precision, quant or "-"]
     for key in ("prefill_ms", "decode1_ms", "decode8_ms"):
         ratio = statistics.median(r[1][key] / r[0][key] for r in rounds) if quant else None  # their ms / ours
         theirs_ms = f" / {med(key, 1):.1f}" if quant else ""
         out += [f"{med(key, 0):.1f}{theirs_ms}", f"{ratio:.2f}x" if ratio else "-"]
+        if key != "prefill_ms":
+            batch = int(key[6])
+            shares = [
+                statistics.median(mbu(r[s], batch, keys[s], bandwidth) for r in rounds)
+                for s in (0, 1)[: 1 + bool(quant)]
+            ]
+            out.append(" / ".join(f"{100 * x:.0f}%" for x in shares))
     out.append(f"{med('peak_mb', 0):,.0f}" + (f" / {med('peak_mb', 1):,.0f}" if quant else ""))
     return out
 
@@ -270,7 +379,7 @@ def profile(args) -> None:
     from nanogpt_cli.inference.engine import Engine, SamplingParams
     from nanogpt_cli.interop.loading import load_for_inference
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads[0])
     label_our_calls()
     with tempfile.TemporaryDirectory() as tmp:
         weights, _ = make_model(Path(tmp), "smollm2-135m", [])
@@ -305,7 +414,7 @@ def profile(args) -> None:
             rows.append(["step (wall, profiled)", f"{step_ms:.2f}", "100%"])
             rows.append(["step (wall, not profiled)", f"{plain_ms:.2f}", ""])
             table(
-                f"smollm2-135m decode step at batch 1, {precision}, {args.threads} thread(s)",
+                f"smollm2-135m decode step at batch 1, {precision}, {args.threads[0]} thread(s)",
                 ["part", "ms", "share"],
                 rows,
             )
@@ -525,7 +634,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     p.add_argument("--ours", nargs="+", default=[o for o, _ in PAIRS], choices=[o for o, _ in PAIRS])
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="one table per count (--profile: the first)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--tokens", type=int, default=16, help="decode steps timed per batch")

@@ -60,6 +60,49 @@ def test_a_row_in_a_batch_gets_exactly_what_it_gets_alone(kind):
         assert torch.equal(kernel(x[r : r + 1]), batch[r : r + 1])
 
 
+@pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
+def test_a_product_split_over_threads_gets_exactly_what_one_thread_gets(kind):
+    torch.manual_seed(0)
+    big_n = 520  # 520 x 256 inputs: past native.cpp's PARALLEL_WORK, so 2 and 3 threads split the tiles
+    w = torch.randn(big_n, 256) * 0.05
+    if kind == "bf16":
+        kernel = native.pack(w.bfloat16())
+    elif kind == "int8":
+        kernel = QuantizedLinear.int8(*quantize_int8(w)).kernel()
+    else:
+        kernel = QuantizedLinear.int4(*quantize_int4(w, 32), 32).kernel()
+    for rows in (1, 8, 9):  # 8: int4's whole batch against one read of each tile
+        x = torch.randn(rows, 256).bfloat16()
+        one, split = torch.empty(rows, big_n, dtype=torch.bfloat16), torch.empty(rows, big_n, dtype=torch.bfloat16)
+        native.linear(kernel, x, None, one, 1)
+        # again and again: the first call wakes the workers, which may only join the later ones on a busy machine
+        for threads in (2, 3) * 10:
+            native.linear(kernel, x, None, split.fill_(0), threads)
+            assert torch.equal(one, split), threads
+
+
+@pytest.mark.parametrize("kind", [None, "int4"])
+def test_the_fused_step_at_two_threads_gets_exactly_what_one_thread_gets(kind):
+    # wide enough that the products split, and rows far enough in that their attention splits too
+    model = llama(torch.bfloat16, kind, n_embd=256, n_head=8, n_kv_head=2, mlp_hidden=512, block_size=256)
+    plan = decode_plan(model)
+    assert plan.fused is not None
+    idx = torch.randint(0, 61, (3, 208))
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                cache = KVCache(model, 3)
+                model.hidden_states(idx[:, :200], cache=cache.view(0, 3))
+                cache.pos = [200, 180, 150]
+                outs.append(torch.stack([decode_step(plan, idx[:, t], cache) for t in range(200, 208)]))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1])
+
+
 def llama(dtype: torch.dtype, kind: str | None, **kw) -> GPT:
     torch.manual_seed(0)
     shape = dict(n_embd=128, n_head=4, n_kv_head=2, norm="rmsnorm", mlp="swiglu", block_size=32, qkv_bias=True)
@@ -170,9 +213,9 @@ def test_a_head_quantized_in_slices_of_rows_is_the_head_quantized_at_once(kind, 
     from nanogpt_cli.inference.backends import quantize
 
     torch.manual_seed(0)
-    head = torch.randn(50, 64).bfloat16()  # 50 rows: slices of 8, the last of 2 (a half tile)
+    head = torch.randn(50, 64).bfloat16()  # 50 rows: slices of 16 (an int4 tile), the last of 2 (part of a tile)
     whole = quantize.quantize_head(head, kind, 32)
-    monkeypatch.setattr(quantize, "PACK_ROWS", 8)
+    monkeypatch.setattr(quantize, "PACK_ROWS", 16)
     sliced = quantize.quantize_head(head, kind, 32)
     assert sliced.out_features == 50 and whole.state_dict().keys() == sliced.state_dict().keys()
     for name, t in whole.state_dict().items():

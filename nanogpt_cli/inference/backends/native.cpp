@@ -3,31 +3,36 @@
 // once, as one stream, in the tiled order pack() lays it out in, and turned into floats (bf16 pairs with
 // AVX512-BF16) in registers, where it meets every row of x: the arithmetic is the float model's, with the
 // weights' values rounded, and every row's result is the same alone as in a batch.
-// Compiled on the machine that runs it (native.py), with -march=native; OpenMP splits the tiles over threads.
+// Compiled on the machine that runs it (native.py), with -march=native; a small pool of threads (pool::run) splits
+// the tiles and the attention's heads over threads.
 #include <immintrin.h>
 #include <math.h>
 #include <stddef.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "these kernels need AVX2, FMA and F16C; elsewhere torch's own kernels run"
 #endif
 
 enum { BF16 = 0, INT8 = 1, INT4 = 2 };
-enum { R = 4, CHUNK = 32, PAIR = 64 };  // weight rows per tile, values per row of a tile's chunk; int4: two chunks
+enum { R = 4, CHUNK = 32, PAIR = 64 };  // weight rows per tile, values per row of a tile's chunk; int4's K: 64s
+enum { R4 = 16 };                       // int4's rows per tile: one a 32-bit lane of 512 bits
 enum { PARALLEL_WORK = 1 << 17 };     // multiply-adds from which a product or the attention is split over threads
 
 // One packed weight, laid out by tiles of R rows (N padded to a multiple of R with zero rows): tile t holds, for
-// each chunk c of 32 inputs, rows 4t..4t+3's values there, one after another. int4 goes by pairs of chunks (64
-// inputs): 32 bytes a row, input j of the pair's first 32 in byte j's low nibble and input j of its next 32 in
-// the high one (native.int4_nibbles); its scales and zeros fp16, (N / R, K / group, R). The same fields in
-// native.py.
+// each chunk c of 32 inputs, rows 4t..4t+3's values there, one after another. int4 goes by tiles of R4 = 16 rows
+// (N padded to a multiple of 16) with a row in each 32-bit lane of a 512-bit register: for each block c of 32
+// inputs, four runs j of 64 bytes, 4 bytes a row, byte m of row i holding input 32c + 8j + m in its low nibble
+// and input 32c + 8j + 4 + m in its high one (native.int4_tiles); its scales and zeros fp16, (N / R4, K / group,
+// R4). The same fields in native.py.
 struct Linear {
     const void* w;
     const float* scale;      // int8: (N padded,) float32
@@ -155,80 +160,114 @@ static void tile_dots(const Linear& L, int64_t tile, const float* xf, const uint
         for (int r = 0; r < R; r++) dots[b][r] = hsum(acc[b][r]);
 }
 
-// int4 against x rounded to int8 in blocks of 32, each with a scale d (x ~ q * d) and its exact sum: the
-// nibbles' integer dot products with a block of x (vpdpbusd, or vpmaddubsw where VNNI is missing) scaled once per
-// block, the zeros times the block's sum. Nibble unpacking is the costly part of int4 in floats; here it is two
-// byte operations per 32 values.
+// int4 against x rounded to int8 in blocks of 32, each with a scale d (x ~ q * d) and its exact sum. A tile's 16
+// rows sit in the 16 lanes of one register, 4 bytes (8 nibbles) a lane: VNNI's vpdpbusd multiplies each lane's 4
+// nibbles by the same 4 bytes of x (broadcast) and adds them into that lane, so that after 8 of them a lane holds
+// its row's integer dot product with the block, with no horizontal sums. Each block then takes one conversion and
+// two multiply-adds for all 16 rows: its scales times d, its zeros times the block's sum. The unpacked nibbles stay
+// in registers for every row of x (up to NB4_MAX), so that a weight is read once for a batch of 8.
 struct Quantized {
     const int8_t* q;    // (B, K)
     const float* d;     // (B, K / 32)
     const float* sum;   // (B, K / 32)
 };
 
-static inline __m256i dot_u8s8(__m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#else  // u is a nibble here: the pairs' int16 sums cannot saturate
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#ifdef __AVX512F__
+#define NB4_MAX 8  // 8 registers of nibbles, 2 of scales and zeros, 2 accumulators a row of x: 28 of 32
+struct vi {
+    __m512i v;
+};
+static inline vi load64(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
+static inline vi low4(vi a) { return {_mm512_and_si512(a.v, _mm512_set1_epi8(15))}; }
+static inline vi high4(vi a) { return {_mm512_and_si512(_mm512_srli_epi16(a.v, 4), _mm512_set1_epi8(15))}; }
+static inline vi izeros() { return {_mm512_setzero_si512()}; }
+static inline vi iadd(vi a, vi b) { return {_mm512_add_epi32(a.v, b.v)}; }
+// acc + the sums of 4 products of u's bytes (0..15) with s's 4 bytes, in each 32-bit lane
+static inline vi dot4(vi acc, vi u, const int8_t* s) {
+    int32_t four;
+    memcpy(&four, s, 4);
+#ifdef __AVX512VNNI__
+    return {_mm512_dpbusd_epi32(acc.v, u.v, _mm512_set1_epi32(four))};
+#else  // u is a nibble: the pairs' int16 sums cannot saturate
+    const __m512i p = _mm512_maddubs_epi16(u.v, _mm512_set1_epi32(four));
+    return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(p, _mm512_set1_epi16(1)))};
 #endif
 }
-
-static inline float hsum8(__m256 s) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
+static inline vf tofloat(vi a) { return {_mm512_cvtepi32_ps(a.v)}; }
+static inline vf halfs(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
+static inline vf mul(vf a, vf b) { return {_mm512_mul_ps(a.v, b.v)}; }
+static inline void storef(float* p, vf a) { _mm512_storeu_ps(p, a.v); }
+#else
+#define NB4_MAX 2
+struct vi {
+    __m256i a, b;
+};
+static inline vi load64(const uint8_t* p) {
+    return {_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)(p + 32))};
 }
+static inline vi low4(vi x) {
+    const __m256i m = _mm256_set1_epi8(15);
+    return {_mm256_and_si256(x.a, m), _mm256_and_si256(x.b, m)};
+}
+static inline vi high4(vi x) {
+    const __m256i m = _mm256_set1_epi8(15);
+    return {_mm256_and_si256(_mm256_srli_epi16(x.a, 4), m), _mm256_and_si256(_mm256_srli_epi16(x.b, 4), m)};
+}
+static inline vi izeros() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline vi iadd(vi x, vi y) { return {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; }
+static inline __m256i dot4x8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else  // u is a nibble: the pairs' int16 sums cannot saturate
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+static inline vi dot4(vi acc, vi u, const int8_t* s) {
+    int32_t four;
+    memcpy(&four, s, 4);
+    const __m256i x = _mm256_set1_epi32(four);
+    return {dot4x8(acc.a, u.a, x), dot4x8(acc.b, u.b, x)};
+}
+static inline vf tofloat(vi x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
+static inline vf halfs(const uint16_t* p) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8)))};
+}
+static inline vf mul(vf x, vf y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
+static inline void storef(float* p, vf x) { _mm256_storeu_ps(p, x.a), _mm256_storeu_ps(p + 8, x.b); }
+#endif
 
+// dots[b][r] = x[b] . w[tile rows r] for NB rows of x from b0
 template <int NB>
-static void tile_dots_int4(const Linear& L, int64_t tile, const Quantized& x, int64_t b0, float dots[][R]) {
-    const int64_t K = L.K, pairs = K / PAIR, blocks = K / CHUNK, G = K / L.group;
-    const uint8_t* w = (const uint8_t*)L.w + tile * pairs * R * CHUNK;
-    const __m256i low = _mm256_set1_epi8(15);
-    __m256i lane[R];
-    for (int r = 0; r < R; r++) lane[r] = _mm256_set1_epi32(r);
-    __m256 acc[NB][R];
-    __m128 zacc[NB];  // the zeros times the blocks' sums, one lane a row of the tile
-    for (int b = 0; b < NB; b++) {
-        zacc[b] = _mm_setzero_ps();
-        for (int r = 0; r < R; r++) acc[b][r] = _mm256_setzero_ps();
-    }
-    for (int64_t p = 0; p < pairs; p++) {
-        const int64_t ga = 2 * p * CHUNK / L.group, gb = (2 * p + 1) * CHUNK / L.group;
-        const uint16_t *sa = L.scale4 + (tile * G + ga) * R, *sb = L.scale4 + (tile * G + gb) * R;
-        const __m128 SA = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)sa));  // the tile's 4 rows' scales
-        const __m128 SB = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)sb));
-        const __m128 ZA = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(L.zero4 + (tile * G + ga) * R)));
-        const __m128 ZB = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(L.zero4 + (tile * G + gb) * R)));
-        __m256i lo[R], hi[R];
-        for (int r = 0; r < R; r++) {  // 32 bytes: block a's values in the low nibbles, block b's in the high
-            const __m256i v = _mm256_loadu_si256((const __m256i*)(w + (p * R + r) * CHUNK));
-            lo[r] = _mm256_and_si256(v, low);
-            hi[r] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        }
-        for (int b = 0; b < NB; b++) {
-            const int64_t row = b0 + b, blk = row * blocks + 2 * p;
-            const __m256i xa = _mm256_loadu_si256((const __m256i*)(x.q + row * K + p * PAIR));
-            const __m256i xb = _mm256_loadu_si256((const __m256i*)(x.q + row * K + p * PAIR + CHUNK));
-            const __m256 CA = _mm256_castps128_ps256(_mm_mul_ps(SA, _mm_broadcast_ss(x.d + blk)));
-            const __m256 CB = _mm256_castps128_ps256(_mm_mul_ps(SB, _mm_broadcast_ss(x.d + blk + 1)));
-            zacc[b] = _mm_fmadd_ps(ZA, _mm_broadcast_ss(x.sum + blk), zacc[b]);
-            zacc[b] = _mm_fmadd_ps(ZB, _mm_broadcast_ss(x.sum + blk + 1), zacc[b]);
-            for (int r = 0; r < R; r++) {
-                const __m256 pa = _mm256_cvtepi32_ps(dot_u8s8(lo[r], xa));
-                const __m256 pb = _mm256_cvtepi32_ps(dot_u8s8(hi[r], xb));
-                acc[b][r] = _mm256_fmadd_ps(pa, _mm256_permutevar8x32_ps(CA, lane[r]), acc[b][r]);
-                acc[b][r] = _mm256_fmadd_ps(pb, _mm256_permutevar8x32_ps(CB, lane[r]), acc[b][r]);
+static void tile_dots_int4(const Linear& L, int64_t tile, const Quantized& x, int64_t b0, float dots[][R4]) {
+    const int64_t K = L.K, blocks = K / CHUNK, G = K / L.group, per_group = L.group / CHUNK;
+    const uint8_t* w = (const uint8_t*)L.w + tile * blocks * 4 * 64;
+    const uint16_t *scales = L.scale4 + tile * G * R4, *zeros4 = L.zero4 + tile * G * R4;
+    vf acc[NB];
+    for (int b = 0; b < NB; b++) acc[b] = zeros();
+    for (int64_t g = 0; g < G; g++) {
+        const vf S = halfs(scales + g * R4), Z = halfs(zeros4 + g * R4);  // the 16 rows' scales and zeros
+        for (int64_t c = g * per_group; c < (g + 1) * per_group; c++) {
+            vi lo[4], hi[4];
+            for (int j = 0; j < 4; j++) {
+                const vi v = load64(w + (c * 4 + j) * 64);
+                lo[j] = low4(v), hi[j] = high4(v);
+            }
+            for (int b = 0; b < NB; b++) {
+                const int64_t row = b0 + b, blk = row * blocks + c;
+                const int8_t* xq = x.q + row * K + c * CHUNK;
+                vi s0 = izeros(), s1 = izeros();  // two chains, for the adds' latency
+                s0 = dot4(s0, lo[0], xq), s1 = dot4(s1, hi[0], xq + 4);
+                s0 = dot4(s0, lo[1], xq + 8), s1 = dot4(s1, hi[1], xq + 12);
+                s0 = dot4(s0, lo[2], xq + 16), s1 = dot4(s1, hi[2], xq + 20);
+                s0 = dot4(s0, lo[3], xq + 24), s1 = dot4(s1, hi[3], xq + 28);
+                acc[b] = fma(tofloat(iadd(s0, s1)), mul(S, set1(x.d[blk])), acc[b]);
+                acc[b] = fma(Z, set1(x.sum[blk]), acc[b]);
             }
         }
     }
-    for (int b = 0; b < NB; b++) {
-        float z[4];
-        _mm_storeu_ps(z, zacc[b]);
-        for (int r = 0; r < R; r++) dots[b][r] = hsum8(acc[b][r]) + z[r];
-    }
+    for (int b = 0; b < NB; b++) storef(dots[b], acc[b]);
 }
 
 // x's rows rounded to int8 in blocks of 32 (round to nearest, scale max |x| / 127), into one allocation (*own,
@@ -240,6 +279,26 @@ static Quantized quantize_rows(const void* x, int64_t B, int64_t K, int bf16, vo
     if (!mem) return {nullptr, nullptr, nullptr};
     int8_t* q = (int8_t*)mem;
     float *d = (float*)(mem + n), *sum = d + blocks;
+#ifdef __AVX512F__
+    // 32 values in two registers: at batch 1 the scalar loop below took ~8 % of an int4 step
+    for (int64_t j = 0; j < blocks; j++) {
+        __m512 v0, v1;
+        if (bf16) {
+            const uint16_t* p = (const uint16_t*)x + j * CHUNK;
+            v0 = bf16s(p).v, v1 = bf16s(p + 16).v;
+        } else {
+            v0 = _mm512_loadu_ps((const float*)x + j * CHUNK), v1 = _mm512_loadu_ps((const float*)x + j * CHUNK + 16);
+        }
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        // cvtps rounds to nearest even, as nearbyintf does; |v * inv| <= 127 fits a byte
+        _mm_storeu_si128((__m128i*)(q + j * CHUNK), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
+        _mm_storeu_si128((__m128i*)(q + j * CHUNK + 16),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+        d[j] = amax / 127.f, sum[j] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+    }
+    return {q, d, sum};
+#endif
     for (int64_t j = 0; j < blocks; j++) {
         float v[CHUNK], amax = 0.f, s = 0.f;
         for (int i = 0; i < CHUNK; i++) {
@@ -262,12 +321,14 @@ struct Out {
     int bf16;
 };
 
-static void store(const Linear& L, int64_t tile, const float dots[][R], int64_t b0, int nb, const Out& o) {
+// rows n0..n0 + rows - 1 of y for nb rows of x from b0, from dots (nb, stride)
+static void store(const Linear& L, int64_t n0, int rows, const float* dots, int stride, int64_t b0, int nb,
+                  const Out& o) {
     for (int b = 0; b < nb; b++)
-        for (int r = 0; r < R; r++) {
-            const int64_t n = tile * R + r, i = (b0 + b) * L.N + n;
+        for (int r = 0; r < rows; r++) {
+            const int64_t n = n0 + r, i = (b0 + b) * L.N + n;
             if (n >= L.N) break;  // a padding row
-            float v = dots[b][r];
+            float v = dots[b * stride + r];
             if (L.kind == INT8) v *= L.scale[n];
             if (L.bias) v += L.bias[n];
             if (o.bf16) {
@@ -280,37 +341,149 @@ static void store(const Linear& L, int64_t tile, const float dots[][R], int64_t 
         }
 }
 
-static void tile_rows(const Linear& L, int64_t tile, const float* xf, const uint16_t* xh, const Quantized& xq,
-                      int64_t B, const Out& o) {
+static void tile_rows(const Linear& L, int64_t tile, const float* xf, const uint16_t* xh, int64_t B, const Out& o) {
     float dots[NB_MAX][R];
     for (int64_t b = 0; b < B; b += NB_MAX) {  // the tile's weights stay in L1 between these passes
         const int nb = (int)(B - b < NB_MAX ? B - b : NB_MAX);
-        if (L.kind == INT4) {
-            switch (nb) {
+        switch (nb) {
 #if NB_MAX == 4
-                case 4: tile_dots_int4<4>(L, tile, xq, b, dots); break;
-                case 3: tile_dots_int4<3>(L, tile, xq, b, dots); break;
+            case 4: tile_dots<4>(L, tile, xf, xh, b, dots); break;
+            case 3: tile_dots<3>(L, tile, xf, xh, b, dots); break;
 #endif
-                case 2: tile_dots_int4<2>(L, tile, xq, b, dots); break;
-                default: tile_dots_int4<1>(L, tile, xq, b, dots); break;
-            }
-        } else {
-            switch (nb) {
-#if NB_MAX == 4
-                case 4: tile_dots<4>(L, tile, xf, xh, b, dots); break;
-                case 3: tile_dots<3>(L, tile, xf, xh, b, dots); break;
-#endif
-                case 2: tile_dots<2>(L, tile, xf, xh, b, dots); break;
-                default: tile_dots<1>(L, tile, xf, xh, b, dots); break;
-            }
+            case 2: tile_dots<2>(L, tile, xf, xh, b, dots); break;
+            default: tile_dots<1>(L, tile, xf, xh, b, dots); break;
         }
-        store(L, tile, dots, b, nb, o);
+        store(L, tile * R, R, dots[0], R, b, nb, o);
+    }
+}
+
+static void tile_rows_int4(const Linear& L, int64_t tile, const Quantized& xq, int64_t B, const Out& o) {
+    float dots[NB4_MAX][R4];
+    for (int64_t b = 0; b < B; b += NB4_MAX) {
+        const int nb = (int)(B - b < NB4_MAX ? B - b : NB4_MAX);
+        switch (nb) {
+#if NB4_MAX == 8
+            case 8: tile_dots_int4<8>(L, tile, xq, b, dots); break;
+            case 7: tile_dots_int4<7>(L, tile, xq, b, dots); break;
+            case 6: tile_dots_int4<6>(L, tile, xq, b, dots); break;
+            case 5: tile_dots_int4<5>(L, tile, xq, b, dots); break;
+            case 4: tile_dots_int4<4>(L, tile, xq, b, dots); break;
+            case 3: tile_dots_int4<3>(L, tile, xq, b, dots); break;
+#endif
+            case 2: tile_dots_int4<2>(L, tile, xq, b, dots); break;
+            default: tile_dots_int4<1>(L, tile, xq, b, dots); break;
+        }
+        store(L, tile * R4, R4, dots[0], R4, b, nb, o);
     }
 }
 
 static bool takes(const Linear& L) {
     if (L.N < 1 || L.K < 1 || L.K % CHUNK || (L.kind != BF16 && L.kind != INT8 && L.kind != INT4)) return false;
     return L.kind != INT4 || (L.K % PAIR == 0 && L.group > 0 && L.group % CHUNK == 0 && L.K % L.group == 0);
+}
+
+// ---- threads without a barrier that a busy core holds up ------------------------------------------------------
+// A job is n items, which the caller and the pool's workers claim one at a time from a shared counter. The caller
+// waits only for items a worker has claimed: where another process holds the other core, a worker that has not
+// woken claims nothing and the caller does the whole job alone, at one thread's speed. OpenMP's join barrier
+// waited for it instead, a scheduler's time slice a product: decode at 2 threads on a loaded 2-core machine took
+// 35x as long as at 1 (benchmarks/README.md). Workers spin a while between jobs (a decode step's products follow
+// each other within microseconds), then sleep. One job at a time: a caller that finds the pool busy (another
+// thread's step) runs its job alone. The workers are started on first use and live as long as the process.
+struct Job {
+    void (*fn)(const void* ctx, int64_t item, int worker);  // worker: 0 the caller, 1.. the pool's
+    const void* ctx;
+};
+
+namespace pool {
+enum { MAX = 64, GEN = 40 };               // workers at most; the ticket's generation sits above bit GEN
+static std::atomic<uint64_t> ticket{0};    // (generation << GEN) | the next item to claim
+static std::atomic<int64_t> items{0}, done{0};
+static std::atomic<int> active{0};         // workers 1..active - 1 take part in the current job
+static std::atomic<const Job*> job{nullptr};
+static std::atomic<uint64_t> posted{0};    // the last job's generation
+// never destroyed: at exit, a condition variable's destructor would wait for the sleeping workers forever
+static std::mutex &busy = *new std::mutex, &sleep_lock = *new std::mutex;
+static std::condition_variable& wake = *new std::condition_variable;
+static int started = 0;                    // workers running (under busy)
+static uint64_t generation = 0;            // under busy
+
+// claim and run the current job's items while there are any of generation g; how many this thread ran
+static int64_t work(uint64_t g, int worker) {
+    int64_t ran = 0;
+    for (;;) {
+        uint64_t t = ticket.load(std::memory_order_acquire);
+        if (t >> GEN != g || (int64_t)(t & ((1ull << GEN) - 1)) >= items.load(std::memory_order_acquire)) break;
+        if (!ticket.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel)) continue;
+        const Job* j = job.load(std::memory_order_acquire);  // the caller is inside run() until this item is done
+        j->fn(j->ctx, (int64_t)(t & ((1ull << GEN) - 1)), worker);
+        done.fetch_add(1, std::memory_order_release);
+        ran++;
+    }
+    return ran;
+}
+
+static void worker_loop(int worker) {
+    uint64_t seen = 0;
+    for (;;) {
+        uint64_t g = posted.load(std::memory_order_acquire);
+        for (int spin = 0; g == seen && spin < 200000; spin++) {  // ~0.1-1 ms of spinning
+            _mm_pause();
+            g = posted.load(std::memory_order_acquire);
+        }
+        if (g == seen) {
+            std::unique_lock<std::mutex> lock(sleep_lock);
+            wake.wait(lock, [&] { return (g = posted.load(std::memory_order_acquire)) != seen; });
+        }
+        seen = g;
+        if (worker < active.load(std::memory_order_acquire)) work(g, worker);
+    }
+}
+
+// fn(ctx, i, worker) for i in 0..n-1 on up to `threads` threads, the caller one of them
+static void run(const Job& j, int64_t n, int threads) {
+    if (threads > MAX) threads = MAX;
+    if (threads <= 1 || n <= 1 || !busy.try_lock()) {
+        for (int64_t i = 0; i < n; i++) j.fn(j.ctx, i, 0);
+        return;
+    }
+    for (; started < threads - 1; started++) std::thread(worker_loop, started + 1).detach();
+    const uint64_t g = ++generation;
+    job.store(&j, std::memory_order_release);
+    items.store(n, std::memory_order_release);
+    done.store(0, std::memory_order_release);
+    active.store(threads, std::memory_order_release);
+    ticket.store(g << GEN, std::memory_order_release);
+    {
+        std::lock_guard<std::mutex> lock(sleep_lock);  // a worker about to sleep sees it, or is woken
+        posted.store(g, std::memory_order_release);
+    }
+    wake.notify_all();
+    work(g, 0);
+    for (int spin = 0; done.load(std::memory_order_acquire) < n; spin++) {  // only items a worker holds
+        if (spin < 4096) _mm_pause();
+        else std::this_thread::yield();
+    }
+    busy.unlock();
+}
+}  // namespace pool
+
+struct LinearJob {
+    const Linear* L;
+    const float* xf;
+    const uint16_t* xh;
+    const Quantized* xq;
+    int64_t B, tiles, per;  // per: tiles an item
+    const Out* o;
+};
+
+static void linear_item(const void* ctx, int64_t item, int) {
+    const LinearJob& j = *(const LinearJob*)ctx;
+    const int64_t end = (item + 1) * j.per < j.tiles ? (item + 1) * j.per : j.tiles;
+    for (int64_t t = item * j.per; t < end; t++) {
+        if (j.L->kind == INT4) tile_rows_int4(*j.L, t, *j.xq, j.B, *j.o);
+        else tile_rows(*j.L, t, j.xf, j.xh, j.B, *j.o);
+    }
 }
 
 // y = x @ W.T + bias + res for x (B, K) float32, or bf16 where x_bf16; 0, or 2 where memory ran out
@@ -336,12 +509,13 @@ static int linear(const Linear& L, int64_t B, const void* x, int x_bf16, const O
             xf = (const float*)x;
         }
     }
-    const int64_t tiles = (L.N + R - 1) / R;
-    // threads only for a weight worth it: waking them costs more than a small product, and on busy cores
-    // OpenMP's barriers make it far more
-    const bool split = threads > 1 && L.N * L.K >= PARALLEL_WORK;
-#pragma omp parallel for schedule(static) num_threads(threads) if (split)
-    for (int64_t t = 0; t < tiles; t++) tile_rows(L, t, xf, xh, xq, B, o);
+    const int64_t rows = L.kind == INT4 ? (int64_t)R4 : (int64_t)R, tiles = (L.N + rows - 1) / rows;
+    // threads only for a weight worth it: handing out a small product costs more than it saves. Items of a few
+    // tiles, 4 for each thread: a worker that wakes late still finds some
+    const int use = threads > 1 && L.N * L.K >= PARALLEL_WORK ? threads : 1;
+    const int64_t per = (tiles + 4 * use - 1) / (4 * use);
+    const LinearJob job = {&L, xf, xh, &xq, B, tiles, per, &o};
+    pool::run({linear_item, &job}, (tiles + per - 1) / per, use);
     free(own);
     return 0;
 }
@@ -566,27 +740,39 @@ static void place_keys(const Block& L, int64_t B, float* qkv, const int64_t* pos
     }
 }
 
+// attention over the cache for every (row, key/value head) of a step, an item each: the threads' items
+struct AttendJob {
+    const Block* L;
+    const float* qkv;  // (B, width)
+    const int64_t* pos;
+    const void *kc, *vc;
+    int kv_bf16;
+    float* scores;  // (threads, S): each thread its own row
+    float* att;     // (B, nh * hs)
+};
+
+static void attend_item(const void* ctx, int64_t t, int worker) {
+    const AttendJob& j = *(const AttendJob*)ctx;
+    const Block& L = *j.L;
+    const int64_t nh = L.nh, nkv = L.nkv, hs = L.hs, width = (nh + 2 * nkv) * hs;
+    const int64_t slots = L.window ? L.window : L.S;
+    const int64_t b = t / nkv, kh = t % nkv, group = nh / nkv, at = (b * nkv + kh) * slots * hs;
+    const int64_t n = L.window && j.pos[b] >= L.window ? L.window : j.pos[b] + 1;
+    attend(L, j.qkv + b * width + kh * group * hs, (const char*)j.kc + at * (j.kv_bf16 ? 2 : 4),
+           (const char*)j.vc + at * (j.kv_bf16 ? 2 : 4), n, j.kv_bf16, j.scores + worker * L.S,
+           j.att + (b * nh + kh * group) * hs);
+}
+
 // attention of each row's queries over its visible keys: every held one, or a ring's, which are exactly the
 // window once it is full (softmax does not care in which order the slots hold them)
 static void attend_rows(const Block& L, int64_t B, const float* qkv, const int64_t* pos, const void* kc,
                         const void* vc, int kv_bf16, float* scores, float* att, int threads) {
-    const int64_t nh = L.nh, nkv = L.nkv, hs = L.hs, width = (nh + 2 * nkv) * hs;
-    const int64_t slots = L.window ? L.window : L.S;
+    const int64_t nh = L.nh, nkv = L.nkv, hs = L.hs;
     int64_t keys = 0;  // the attention's work: every row's visible keys times the heads' widths
     for (int64_t b = 0; b < B; b++) keys += L.window && pos[b] >= L.window ? L.window : pos[b] + 1;
     const bool split = threads > 1 && B * nkv > 1 && keys * nh * hs >= PARALLEL_WORK;
-#pragma omp parallel for schedule(static) num_threads(threads) if (split)
-    for (int64_t t = 0; t < B * nkv; t++) {
-        const int64_t b = t / nkv, kh = t % nkv, group = nh / nkv;
-#ifdef _OPENMP
-        float* sc = scores + omp_get_thread_num() * L.S;
-#else
-        float* sc = scores;
-#endif
-        const int64_t at = (b * nkv + kh) * slots * hs, n = L.window && pos[b] >= L.window ? L.window : pos[b] + 1;
-        attend(L, qkv + b * width + kh * group * hs, (const char*)kc + at * (kv_bf16 ? 2 : 4),
-               (const char*)vc + at * (kv_bf16 ? 2 : 4), n, kv_bf16, sc, att + (b * nh + kh * group) * hs);
-    }
+    const AttendJob job = {&L, qkv, pos, kc, vc, kv_bf16, scores, att};
+    pool::run({attend_item, &job}, B * nkv, split ? threads : 1);
 }
 
 // one step's scratch, carved from one allocation for B rows (Scratch::carve)
@@ -692,6 +878,7 @@ const char* ng_isa() {
 }
 
 int ng_tile_rows() { return R; }
+int ng_int4_rows() { return R4; }
 
 // Row i of the shared structs' layout (type, field, offset and size in bytes): 1, or 0 past the last row
 int ng_layout(int64_t i, const char** type, const char** name, int64_t* offset, int64_t* size) {

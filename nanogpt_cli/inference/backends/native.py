@@ -4,9 +4,13 @@ weight once per token, so its speed is the weights' bytes over the memory's band
 
 - bf16 weights meet bf16 rows in AVX512-BF16's dot products; int8 (a scale per row) turn into bf16 or float32 in
   registers; int4 (a scale and zero per group) meet the rows rounded to int8 in blocks of 32, as llama.cpp's
-  q4_0 does, in VNNI's integer dot products;
+  q4_0 does, in VNNI's integer dot products, 16 weight rows at once, one in each lane (int4_tiles);
 - each weight is laid out in tiles of TILE_ROWS rows (pack), so that one product reads it as one stream: the
   hardware prefetchers follow one stream well and four short ones (four rows side by side) poorly;
+- with more than one thread, a product's tiles and the attention's (row, key/value head) pairs are split over a
+  small pool of threads (native.cpp's pool::run) in which the caller never waits for a worker that has not started
+  on its share: where another process holds the other core, a step runs at one thread's speed rather than waiting
+  a time slice at every product, as OpenMP's barriers did;
 - decode runs a whole step of every block in one call (ng_decode): norms, RoPE, the cache write, attention and the
   MLP's activation included, for each block we load (pre-norm or parallel residual, RMSNorm or LayerNorm, gated
   or plain MLPs, post-norms, sliding windows), where torch would make ~20 calls a layer of a few microseconds each.
@@ -48,6 +52,7 @@ import torch
 SOURCE = Path(__file__).with_name("native.cpp")
 BF16, INT8, INT4 = 0, 1, 2
 TILE_ROWS = 4  # weight rows per tile (native.cpp's R)
+INT4_ROWS = 16  # int4's rows per tile, one a 32-bit lane of a 512-bit register (native.cpp's R4)
 CHUNK = 32  # inputs per chunk of a tile; int4 pairs two chunks in one byte each
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
@@ -208,14 +213,15 @@ def check_library(lib: ctypes.CDLL) -> str | None:
     ptr, i64, cint = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.ng_isa.restype = ctypes.c_char_p
     lib.ng_tile_rows.restype = cint
+    lib.ng_int4_rows.restype = cint
     lib.ng_layout.argtypes = [i64, *[ctypes.POINTER(ctypes.c_char_p)] * 2, *[ctypes.POINTER(i64)] * 2]
     lib.ng_layout.restype = cint
     lib.ng_linear.argtypes = [ptr, i64, ptr, ptr, ptr, cint, cint]
     lib.ng_linear.restype = cint
     lib.ng_decode.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, cint, cint, cint, ptr]
     lib.ng_decode.restype = cint
-    if lib.ng_tile_rows() != TILE_ROWS:
-        return f"tiles of {lib.ng_tile_rows()} rows, not {TILE_ROWS}"
+    if lib.ng_tile_rows() != TILE_ROWS or lib.ng_int4_rows() != INT4_ROWS:
+        return f"tiles of {lib.ng_tile_rows()} and {lib.ng_int4_rows()} rows, not {TILE_ROWS} and {INT4_ROWS}"
     seen = set()
     for kind, name, offset, size in layout(lib):
         mirror = MIRRORS.get(kind)
@@ -278,14 +284,15 @@ def status() -> str:
     return f"ours ({why})" if lib is not None else why
 
 
-def tiles(t: torch.Tensor, width: int) -> torch.Tensor:
-    """(N, W) -> the tiled order native.cpp reads: N padded to whole tiles with zero rows, then for each tile and
-    each run of `width` columns the tile's rows' runs one after another, (N / R, W / width, R, width)."""
+def tiles(t: torch.Tensor, width: int, rows: int = TILE_ROWS) -> torch.Tensor:
+    """(N, W) -> the tiled order native.cpp reads: N padded to whole tiles of `rows` with zero rows, then for each
+    tile and each run of `width` columns the tile's rows' runs one after another, (N / rows, W / width, rows,
+    width)."""
     N, W = t.shape
-    pad = -N % TILE_ROWS
+    pad = -N % rows
     if pad:
         t = torch.cat([t, t.new_zeros(pad, W)])
-    return t.reshape(-1, TILE_ROWS, W // width, width).permute(0, 2, 1, 3).contiguous()
+    return t.reshape(-1, rows, W // width, width).permute(0, 2, 1, 3).contiguous()
 
 
 def untile(t: torch.Tensor, N: int) -> torch.Tensor:
@@ -339,7 +346,7 @@ FLOATS = (torch.float32, torch.bfloat16)
 class Packed:
     """One weight in the kernels' tiled form with what goes with it, and the product: x (B, K) -> (B, N) in x's
     dtype (float32 or bf16), plus res (B, N) when given. The tensors it holds stay alive with it; each is checked
-    here against the layout the kernel reads (tiles: N padded to whole tiles of TILE_ROWS)."""
+    here against the layout the kernel reads (tiles: N padded to whole tiles of TILE_ROWS, or INT4_ROWS for int4)."""
 
     def __init__(self, kind: int, w: torch.Tensor, N: int, K: int, bias=None, scale=None, zero=None, group=0):
         check_count("N", N)
@@ -350,7 +357,7 @@ class Packed:
         if not takes(kind, K, group):
             raise ValueError(f"K ({K}) and group ({group}) are not a shape the kernels take")
         self.kind, self.N, self.K = kind, N, K
-        rows = N + -N % TILE_ROWS
+        rows = N + -N % (INT4_ROWS if kind == INT4 else TILE_ROWS)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         if self.bias is not None:
             check("bias", self.bias, (torch.float32,), (N,))
@@ -593,16 +600,24 @@ def pack_int4(nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, N:
     )
 
 
-def int4_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """4-bit values (N, K) in 0..15 -> the kernels' bytes (N, K / 2): per 64 inputs, 32 bytes, input j of the first
-    32 in byte j's low nibble and input j of the next 32 in its high one."""
+def int4_tiles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values (N, K) in 0..15 -> the int4 kernel's bytes (N / 16, K / 32, 4, 16, 4), N padded to whole tiles
+    of INT4_ROWS with zero rows: for each tile and block of 32 inputs, four runs j of 16 rows x 4 bytes, byte m of
+    row i holding input 8j + m of the block in its low nibble and input 8j + 4 + m in its high one."""
     N, K = q.shape
-    pairs = q.to(torch.uint8).view(N, K // 64, 2, 32)
-    return (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(N, K // 2)
+    q = q.to(torch.uint8)
+    if N % INT4_ROWS:
+        q = torch.cat([q, q.new_zeros(-N % INT4_ROWS, K)])
+    v = q.view(-1, INT4_ROWS, K // 32, 4, 2, 4)  # (tile, row i, block, run j, low/high, byte m)
+    v = v.permute(0, 2, 3, 1, 5, 4)  # (tile, block, j, i, m, low/high)
+    return (v[..., 0] | (v[..., 1] << 4)).contiguous()
 
 
-def int4_values(nibbles: torch.Tensor) -> torch.Tensor:
-    """int4_nibbles' inverse: (N, K / 2) bytes -> (N, K) values in 0..15."""
-    N, half = nibbles.shape
-    b = nibbles.view(N, half // 32, 1, 32)
-    return torch.cat([b & 15, b >> 4], dim=2).reshape(N, 2 * half)
+def int4_untiled(t: torch.Tensor, N: int) -> torch.Tensor:
+    """int4_tiles' inverse: its bytes -> (N, K) values in 0..15."""
+    T, blocks = t.shape[:2]
+    # a row's 4 bytes of a run as one int32, moved as one (a permute of single nibbles is ~15x slower, and a
+    # prefill dequantizes every weight): (N, K / 8), then its low nibbles (inputs 8j..8j+3) and its high ones
+    u = t.view(torch.int32).view(T, blocks, 4, INT4_ROWS).permute(0, 3, 1, 2).reshape(T * INT4_ROWS, blocks * 4)[:N]
+    low, high = u & 0x0F0F0F0F, (u >> 4) & 0x0F0F0F0F
+    return torch.stack([low, high], dim=-1).view(torch.uint8).reshape(u.size(0), -1)

@@ -65,11 +65,12 @@ class QuantizedLinear(nn.Module):
         w = (q - 8) * scale + zero."""
         m = cls(q.size(1), q.size(0), "int4", group_size, bias)
         if m.native:
-            m.register_buffer("weight_q", native.tiles(native.int4_nibbles(q), native.CHUNK))
-            # fp16 bits held as int16, (out / R, in / group_size, R): a model's .to(dtype) leaves them as they are
-            s = scale.float()
-            m.register_buffer("scales", native.tiles(s.half(), 1).squeeze(-1).view(torch.int16))
-            m.register_buffer("zeros", native.tiles((zero.float() - 8 * s).half(), 1).squeeze(-1).view(torch.int16))
+            m.register_buffer("weight_q", native.int4_tiles(q))
+            # fp16 bits held as int16, (out / 16, in / group_size, 16): a model's .to(dtype) leaves them as they are
+            s, rows = scale.float(), native.INT4_ROWS
+            m.register_buffer("scales", native.tiles(s.half(), 1, rows).squeeze(-1).view(torch.int16))
+            zeros = native.tiles((zero.float() - 8 * s).half(), 1, rows).squeeze(-1)
+            m.register_buffer("zeros", zeros.view(torch.int16))
             return m
         m.register_buffer("weight_q", _int4_pack(q))
         # (in / group_size, out, 2): the kernel's layout of scales and zeros
@@ -86,7 +87,8 @@ class QuantizedLinear(nn.Module):
         number of tiles, without biases."""
         first = parts[0]
         assert all(p.native and p.bias is None for p in parts), "joined takes bias-free layers in our layout"
-        assert all(p.out_features % native.TILE_ROWS == 0 for p in parts[:-1]), "joined parts end on whole tiles"
+        rows = native.INT4_ROWS if first.kind == "int4" else native.TILE_ROWS
+        assert all(p.out_features % rows == 0 for p in parts[:-1]), "joined parts end on whole tiles"
         m = cls(first.in_features, sum(p.out_features for p in parts), first.kind, first.group_size, None)
         for name in ("weight_q", "scales", "zeros"):
             if hasattr(first, name):  # tiles (and int8's scale per row) join along their first dimension
@@ -101,7 +103,7 @@ class QuantizedLinear(nn.Module):
             return (q.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
         G = K // self.group_size
         if self.native:
-            q = native.int4_values(native.untile(self.weight_q, N)).view(N, G, self.group_size)
+            q = native.int4_untiled(self.weight_q, N).view(N, G, self.group_size)
             halves = (t.view(torch.float16).unsqueeze(-1) for t in (self.scales, self.zeros))
             scale, zero = (native.untile(t, N).float() for t in halves)  # (N, G)
             return torch.addcmul(zero[..., None], q.float(), scale[..., None]).reshape(N, K).to(dtype)
