@@ -21,6 +21,8 @@ _API = (
     "finetune",
     "plan_finetuning",
     "prepare",
+    "train_tokenizer",
+    "compare_tokenizers",
     "export",
     "evaluate_tasks",
     "info",

@@ -34,7 +34,9 @@ from nanogpt_cli.training.events import (  # dataclasses only
     StepLogged,
     TrainResult,
 )
+from nanogpt_cli.training.launch import launch_flags, record_error  # the standard library's os and json only
 from nanogpt_cli.training.request import RunRequest  # a dataclass only: the CLI generates its options
+from nanogpt_cli.training.signals import Interrupted, StopSignals  # the standard library's signal only
 
 if TYPE_CHECKING:
     import torch
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
     from nanogpt_cli.data.chat_template import ChatTemplate
     from nanogpt_cli.data.pipeline import PrepareResult
     from nanogpt_cli.data.preference import RowsPrepareResult
+    from nanogpt_cli.data.tokenizer_compare import TokenizerComparison
+    from nanogpt_cli.data.tokenizer_train import TokenizerTrainResult
     from nanogpt_cli.inference.chat import ChatSession
     from nanogpt_cli.inference.evaluate import EvalResult
     from nanogpt_cli.inference.sample import Piece, SampleResult, SampleSettings
@@ -66,6 +70,7 @@ __all__ = [
     "EvalProgress",
     "Evaluated",
     "Hint",
+    "Interrupted",
     "LoadSpec",
     "Model",
     "Note",
@@ -75,14 +80,18 @@ __all__ = [
     "ServeOptions",
     "Status",
     "StepLogged",
+    "StopSignals",
     "Stream",
     "TrainResult",
     "Training",
     "compare",
+    "compare_tokenizers",
     "evaluate_tasks",
     "export",
     "finetune",
     "info",
+    "kernel_note",
+    "launch_flags",
     "list_runs",
     "load",
     "load_spec",
@@ -90,11 +99,13 @@ __all__ = [
     "plan_training",
     "plot",
     "prepare",
+    "record_error",
     "report",
     "sample_settings",
     "serve",
     "system_info",
     "train",
+    "train_tokenizer",
 ]
 
 
@@ -189,11 +200,13 @@ class Model:
 
         return display_name(self.loaded.source.location if self.loaded.source else self.source, self.meta)
 
-    def attention(self, prompt: str) -> AttentionMaps:
+    def attention(self, prompt: str, *, layer: int | None = None, head: int | None = None) -> AttentionMaps:
         """Every layer's and head's attention over the prompt's tokens (its last block_size if longer), what `nanogpt
-        inspect attention` draws."""
-        from nanogpt_cli.inspect.attention import attention_maps
+        inspect attention` draws. layer, head: the ones about to be looked at (from 0), checked to exist before
+        anything is computed; the maps hold every layer and head all the same."""
+        from nanogpt_cli.inspect.attention import attention_maps, check_selection
 
+        check_selection(self.module.config.n_layer, self.module.config.n_head, layer, head)
         return attention_maps(self.loaded, prompt, source=self.source, name=self.name)
 
     def heads(self, *, length: int | None = None, seed: int = 0, prompt: str | None = None) -> HeadReport:
@@ -951,6 +964,68 @@ class PrepareStopped(KeyboardInterrupt):
         self.kept = kept
 
 
+def train_tokenizer(
+    source: str | Path,
+    name: str,
+    *,
+    vocab_size: int = 8192,
+    pattern: str = "gpt4",
+    special_tokens: list[str] | None = None,
+    max_chars: int | None = None,
+    tokenizers_dir: str | Path = "tokenizers",
+    text_column: str = "text",
+    subset: str | None = None,
+    split: str = "train",
+    streaming: bool = False,
+    force: bool = False,
+    progress: Callable[[Any], None] | None = None,
+) -> TokenizerTrainResult:
+    """Train a byte-level BPE tokenizer on a source into TOKENIZERS_DIR/NAME, as `nanogpt tokenizer train` does;
+    prepare(..., tokenizer=NAME) then encodes with it. pattern: the pre-tokenization regex (gpt2, gpt4, gpt4o,
+    nanochat); special_tokens: more besides <|endoftext|>, which always comes first; max_chars: train on the first
+    N characters only; progress(PrepareProgress) now and then. The result's vocabulary may be smaller than
+    vocab_size where the text runs out of pairs to merge (its requested_vocab_size says what was asked)."""
+    from nanogpt_cli.data.tokenizer_train import train_tokenizer as train
+    from nanogpt_cli.tokenizer import EOT
+
+    specials = [EOT] + [s for s in (special_tokens or []) if s != EOT]
+    return train(
+        str(source),
+        name,
+        vocab_size,
+        pattern,
+        specials,
+        max_chars,
+        Path(tokenizers_dir),
+        text_column=text_column,
+        subset=subset,
+        split=split,
+        streaming=streaming,
+        force=force,
+        progress=progress,
+    )
+
+
+def compare_tokenizers(
+    source: str | Path,
+    *,
+    sizes: tuple[int, ...] | None = None,
+    sample_chars: int | None = None,
+    text_column: str = "text",
+    encoding: str = "utf-8",
+) -> TokenizerComparison:
+    """How many tokens each tokenizer makes of a local source, as `nanogpt prepare SOURCE --compare` says: char,
+    byte, gpt2 and BPEs of `sizes` tokens (default 1024, 4096 and 16384), counted on its first `sample_chars`
+    characters (default a million; each BPE is trained on the sample's first half and counted on its second) and
+    scaled to the whole. Its rows: name, vocab_size, tokens, bytes_per_token."""
+    from nanogpt_cli.data.tokenizer_compare import BPE_SIZES, SAMPLE_CHARS
+    from nanogpt_cli.data.tokenizer_compare import compare_tokenizers as count
+
+    sizes = BPE_SIZES if sizes is None else tuple(sizes)
+    sample_chars = SAMPLE_CHARS if sample_chars is None else sample_chars
+    return count(str(source), sizes, sample_chars, text_column=text_column, encoding=encoding)
+
+
 def _check_options(options: dict[str, Any], known: list[str]) -> None:
     unknown = sorted(set(options) - set(known))
     if unknown:
@@ -1011,6 +1086,21 @@ def system_info() -> dict[str, Any]:
     from nanogpt_cli.inspect.catalog import system_info as describe
 
     return describe()
+
+
+def kernel_note(model: Model | None = None) -> str | None:
+    """Our decode kernels' build in one sentence, once per process, where this process built them (its time and
+    instruction set) or failed to (the compiler's last error); None where it built nothing or the note was taken.
+    model: one about to decode; where its backend is our kernels' (`cpu`), they are built now (the first decode
+    would anyway), so that the note can come before its output. A model on `backend="torch"` builds nothing."""
+    import sys
+
+    if model is not None and model.backend == "cpu":
+        from nanogpt_cli.inference.backends import native
+
+        native.available()
+    native = sys.modules.get("nanogpt_cli.inference.backends.native")
+    return native.take_note() if native is not None else None
 
 
 # --- looking at runs ---

@@ -113,6 +113,16 @@ def test_load_takes_a_run_its_last_weights_or_a_file(trained_run, model):
         api.load(trained_run, dtype="fp8")
 
 
+def test_attention_checks_the_layer_and_head_asked_for_before_computing(model):
+    n_layer, n_head = model.module.config.n_layer, model.module.config.n_head
+    maps = model.attention("ROMEO:", layer=n_layer - 1, head=n_head - 1)  # the maps hold every layer all the same
+    assert tuple(maps.probs.shape[:2]) == (n_layer, n_head)
+    with pytest.raises(NanoGPTError, match=f"--layer must be between 0 and {n_layer - 1}"):
+        model.attention("ROMEO:", layer=n_layer)
+    with pytest.raises(NanoGPTError, match=f"--head must be between 0 and {n_head - 1}"):
+        model.attention("ROMEO:", head=-1)
+
+
 def test_the_same_seed_gives_the_same_text_and_the_stream_joins_to_it(model):
     one = model.generate("ROMEO:", max_new_tokens=40, seed=5)
     assert one.prompt == "ROMEO:" and one.tokens == 40 and one.stop_reason == "length"

@@ -149,3 +149,31 @@ def test_every_module_of_the_package_is_named_on_the_architecture_page():
         if f"`{path.name}`" not in bullets.get(parts[0] if len(parts) > 1 else "", ""):
             missing.append(str(path.relative_to(PACKAGE)))
     assert not missing, missing
+
+
+# what a command module may take from the library below the API: pictures and tables, which are rendering
+DRAWING = {"nanogpt_cli.inspect.draw": None, "nanogpt_cli.inspect": {"heads_table"}}  # None: any of its names
+BELOW_THE_API = ("training", "data", "runs", "interop", "inference", "inspect")
+
+
+def test_command_modules_call_the_library_through_the_api_only():
+    """cli/ renders what api returns: the layers below it are reached through api, except their drawing."""
+    found = []
+    for path in sorted((PACKAGE / "cli").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [(node.module, a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [(a.name, "*") for a in node.names]
+            else:
+                continue
+            for module, name in names:
+                if module == "nanogpt_cli":  # from nanogpt_cli import training
+                    module, name = f"{module}.{name}", "*"
+                parts = module.split(".")
+                if parts[0] != "nanogpt_cli" or len(parts) < 2 or parts[1] not in BELOW_THE_API:
+                    continue
+                allowed = DRAWING.get(module, set())
+                if allowed is not None and name not in allowed:
+                    found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {module} {name}")
+    assert not found, found

@@ -41,9 +41,9 @@ def one_line_errors(command):
         try:
             return command(*args, **kwargs)
         except NanoGPTError as e:
-            from nanogpt_cli.training.launch import record_error
+            from nanogpt_cli import api
 
-            record_error(str(e))  # under a torch launcher: the sentence its report of the failure shows
+            api.record_error(str(e))  # under a torch launcher: the sentence its report of the failure shows
             raise (fail(str(e)) if prints() else typer.Exit(1)) from None
 
     return run
@@ -223,13 +223,8 @@ def say_kernels(model=None) -> None:
     instruction set) or failed to (the compiler's last error). model: an api.Model about to decode; where its
     backend is our kernels' (`cpu`), the build (made on first use anyway) is made now, so that the note comes
     before the output. A model decoded by `--backend torch` builds nothing."""
-    import sys
+    from nanogpt_cli import api
 
-    if model is not None and model.backend == "cpu":
-        from nanogpt_cli.inference.backends import native
-
-        native.available()
-    native = sys.modules.get("nanogpt_cli.inference.backends.native")
-    text = native.take_note() if native is not None else None
+    text = api.kernel_note(model)
     if text:
         note(text)

@@ -199,20 +199,18 @@ def tokenizer_train(
 
     Example: nanogpt tokenizer train examples/tinyshakespeare.txt --vocab-size 2048 --name shk2k
     """
+    from nanogpt_cli import api
     from nanogpt_cli.cli.ui import console, prepare_progress
-    from nanogpt_cli.data.tokenizer_train import train_tokenizer
-    from nanogpt_cli.tokenizer import EOT
 
-    specials = [EOT] + [s for s in (special or []) if s != EOT]
     with prepare_progress() as progress:
-        result = train_tokenizer(
+        result = api.train_tokenizer(
             source,
             name,
-            vocab_size,
-            pattern,
-            specials,
-            max_chars,
-            tokenizers_dir,
+            vocab_size=vocab_size,
+            pattern=pattern,
+            special_tokens=special,
+            max_chars=max_chars,
+            tokenizers_dir=tokenizers_dir,
             text_column=text_column,
             subset=subset,
             split=split,

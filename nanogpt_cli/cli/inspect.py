@@ -80,7 +80,6 @@ def inspect_attention(
     """
     from nanogpt_cli import api
     from nanogpt_cli.cli.ui import console, err_console
-    from nanogpt_cli.inspect.attention import check_selection
     from nanogpt_cli.inspect.draw import draw_attention, parse_size
 
     text = _inspect_prompt(prompt, prompt_file)
@@ -94,8 +93,7 @@ def inspect_attention(
     if out is not None:
         _inspect_target(out)
     model = api.load(spec)
-    check_selection(model.module.config.n_layer, model.module.config.n_head, layer, head)  # what to draw
-    maps = model.attention(text)
+    maps = model.attention(text, layer=layer, head=head)
     if maps.cut:
         note(
             f"the prompt is {len(maps.ids) + maps.cut:,} tokens; its first {maps.cut:,} are cut to fit the context "

@@ -16,12 +16,12 @@ from nanogpt_cli.errors import NanoGPTError
 
 def resume_command(plan) -> str:
     """The command that continues a planned run (with the launch flags of --nproc; a DPO or GRPO run's method)."""
-    from nanogpt_cli.training.launch import launch_flags
+    from nanogpt_cli import api
 
     method = (plan.finetune or {}).get("objective")
     if method is not None:
         return f"nanogpt finetune --method {method} --out {plan.run_dir} --resume"
-    return f"nanogpt train {launch_flags()}--out {plan.run_dir} --resume"
+    return f"nanogpt train {api.launch_flags()}--out {plan.run_dir} --resume"
 
 
 def stopped_line(plan, result) -> str:
@@ -52,7 +52,7 @@ def stop_code(signal_name: str | None) -> int:
 def cut_short(plan):
     """A run stopped before its loop could save: by a signal while it was being set up (Interrupted), or at
     once by a second Ctrl-C (KeyboardInterrupt). Says what is on disk and exits with the signal's code."""
-    from nanogpt_cli.training.signals import Interrupted
+    from nanogpt_cli.api import Interrupted
 
     try:
         yield
@@ -69,7 +69,7 @@ def cut_short(plan):
 def while_planning(plan_fn, *args, **kwargs):
     """plan_fn(*args, **kwargs), which reads the data and may load a model, dropped at once by Ctrl-C or
     SIGTERM with a line saying nothing was saved (a plan writes nothing)."""
-    from nanogpt_cli.training.signals import Interrupted, StopSignals
+    from nanogpt_cli.api import Interrupted, StopSignals
 
     try:
         with StopSignals() as signals, signals.interruptible():

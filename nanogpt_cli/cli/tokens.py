@@ -1,5 +1,5 @@
 """Tokenizer tables: prepare --compare (how many tokens each tokenizer makes of a text; library:
-data/tokenizer_compare.py) and the summary of `tokenizer train`.
+api.compare_tokenizers) and the summary of `tokenizer train`.
 
 nanogpt prepare my_corpus.txt --compare
 """
@@ -36,10 +36,10 @@ def tokenizer_counts(source: str, text_column: str, encoding: str) -> None:
     """Each tokenizer's tokens for the text, as a table, and how to make the BPEs it names."""
     from rich.table import Table
 
+    from nanogpt_cli import api
     from nanogpt_cli.cli.ui import console
-    from nanogpt_cli.data.tokenizer_compare import compare_tokenizers
 
-    found = compare_tokenizers(source, text_column=text_column, encoding=encoding)
+    found = api.compare_tokenizers(source, text_column=text_column, encoding=encoding)
     counted = "all of it" if found.whole else f"its first {found.sample_chars:,} characters, scaled to the whole"
     table = Table(title=f"tokens of {source} ({counted})", title_justify="left")
     for column in ("tokenizer", "vocabulary", "tokens", "bytes per token"):

@@ -142,9 +142,9 @@ def run_planned(training, quiet: bool, verbose: bool = False, plot: bool = True)
     with TrainDisplay(quiet or not prints(), verbose) as display, cut_short(plan):
         result = training.run(display, then=report)
     if result.stopped in ("SIGINT", "SIGTERM"):
-        from nanogpt_cli.training.launch import record_error
+        from nanogpt_cli import api
 
-        record_error(stopped_line(plan, result))  # every rank: torchrun's report of the stop ends with this line
+        api.record_error(stopped_line(plan, result))  # every rank: torchrun's report of the stop ends with this line
         raise typer.Exit(stop_code(result.stopped))
 
 
