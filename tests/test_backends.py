@@ -191,6 +191,10 @@ def test_sample_with_a_backend_forced_and_info_saying_which_decodes(trained_run)
     from nanogpt_cli.cli import app
 
     args = ["sample", "--checkpoint", str(trained_run), "--max-new-tokens", "5", "--temperature", "0", "--seed", "1"]
+    from nanogpt_cli.inference.backends import native
+
+    native.available()  # built (and its one note taken) before, so that neither output carries the build's note
+    native.take_note()
     texts = []
     for backend in ("cpu", "torch"):
         result = CliRunner().invoke(app, [*args, "--dtype", "float32", "--backend", backend])
