@@ -11,6 +11,15 @@ from typing import Annotated
 import typer
 
 from nanogpt_cli.cli.common import Threads, config_options, note, one_line_errors, prints
+from nanogpt_cli.cli.distill import (
+    DistillAlpha,
+    DistillTemperature,
+    OnPolicy,
+    Teacher,
+    TopK,
+    distill_settings,
+    run_distill,
+)
 from nanogpt_cli.cli.rl import (
     KL,
     Beta,
@@ -154,7 +163,7 @@ def check_eval_tasks(eval_tasks: str | None) -> list[str] | None:
 
 
 def run_planned(
-    plan, quiet: bool, sink, trainable=None, verbose: bool = False, plot: bool = True, eval_tasks=None
+    plan, quiet: bool, sink, trainable=None, verbose: bool = False, plot: bool = True, eval_tasks=None, loss=None
 ) -> None:
     """Train a planned run with the progress display (and a tracker's sink), then report it: train and finetune."""
     from nanogpt_cli.cli.train_ui import TrainDisplay
@@ -181,7 +190,8 @@ def run_planned(
     with open_world(plan.train) as world:
         try:
             with TrainDisplay(quiet or not prints(), verbose) as display, cut_short(plan):
-                result = Trainer(plan, Tee(display, sink) if sink else display, world, trainable=trainable).fit()
+                hooks = dict(trainable=trainable, **({"loss": loss} if loss is not None else {}))  # loss: distill's
+                result = Trainer(plan, Tee(display, sink) if sink else display, world, **hooks).fit()
         finally:
             if sink is not None:
                 sink.close()
@@ -241,6 +251,11 @@ def finetune(
     max_new_tokens: MaxNew = None,
     temperature: Temperature = None,
     grpo_updates: Updates = None,
+    teacher: Teacher = None,
+    distill_top_k: TopK = None,
+    distill_temperature: DistillTemperature = None,
+    distill_alpha: DistillAlpha = None,
+    on_policy_fraction: OnPolicy = None,
     flags: dict | None = None,  # the config options given (config_options)
 ):
     """Fine-tune trained weights: all of them, or LoRA adapters (--lora). sft trains on a chat dataset's replies
@@ -267,6 +282,9 @@ def finetune(
     where = dict(out=out, resume=resume, force=force, init_from=init_from, init_last=last)
     lora_flags = set(given) | ({"targets"} if lora_targets is not None else set())
     file_values = load_toml(config) if config else {}
+    distill = distill_settings(method, teacher, distill_top_k, distill_temperature, distill_alpha, on_policy_fraction)
+    if method == "distill":  # it plans its own start: a new model when --init-from is absent
+        return run_distill(flags, file_values, distill, where, lora_cfg, lora_flags, quiet, sink, plot, tasks)
     job = while_planning(plan_finetune, flags, file_values, **where, lora=lora_cfg, lora_flags=lora_flags)
     if method == "sft" and sft_planned(job.plan):
         return run_planned(job.plan, quiet, sink, job.trainable, plot=plot, eval_tasks=tasks)
