@@ -38,7 +38,8 @@ def teacher_run(char_data, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def labeled(char_data, teacher_run, tmp_path_factory):
-    """char_data's text prepared again and labeled by the teacher (top-5 at temperature 0.5, chunks of 16): (data_dir, name)."""
+    """char_data's text prepared again and labeled by the teacher (top-5 at temperature 0.5, chunks of 16):
+    (data_dir, name)."""
     from nanogpt_cli.data import load_meta, prepare
 
     data_dir, name = char_data

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from nanogpt_cli.cli.common import DATA_DIR_HELP, note, one_line_errors, stopped
-from nanogpt_cli.cli.distill import DistillTemperature, Teacher, TeacherContext, TopK, label_with_teacher
+from nanogpt_cli.cli.distill import teacher_options
 from nanogpt_cli.cli.tokens import Compare, Name, say_tokenizer_counts, tokenizer_table
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.files import check_creatable
@@ -62,6 +62,7 @@ TokenizerName = Annotated[
 
 
 @one_line_errors
+@teacher_options
 def prepare(
     source: Source,
     name: Name = None,
@@ -93,13 +94,8 @@ def prepare(
     chat_template: ChatTemplateFile = None,
     strict: Strict = False,
     compare: Compare = False,
-    teacher: Teacher = None,
-    distill_top_k: TopK = None,
-    distill_temperature: DistillTemperature = None,
-    teacher_context: TeacherContext = 512,
 ):
-    """Tokenize text into DATA_DIR/NAME: train-00000.bin, ..., val-00000.bin, ... and meta.json. With --teacher,
-    also the teacher's top-k next-token probabilities of the train split, which finetune --method distill reads.
+    """Tokenize text into DATA_DIR/NAME: train-00000.bin, ..., val-00000.bin, ... and meta.json.
 
     Example: nanogpt prepare shakespeare --name shakespeare-char --tokenizer char
     """
@@ -115,10 +111,9 @@ def prepare(
     tokenizer = trained_or_named(tokenizer, tokenizers_dir)
     replacing = (data_dir / name / "meta.json").is_file() and not resume  # --resume continues, not replaces
     if format != "text":
-        prepare_chat(source, name, tokenizer, data_dir, chat_template, val_fraction, strict, shard_tokens, format)
-        if teacher is not None:
-            label_with_teacher(data_dir, name, teacher, distill_top_k, distill_temperature, teacher_context)
-        return
+        return prepare_chat(
+            source, name, tokenizer, data_dir, chat_template, val_fraction, strict, shard_tokens, format
+        )
     try:
         with prepare_progress() as progress:
             result = prepare_data(
@@ -148,8 +143,6 @@ def prepare(
         console.print(
             f"replaced the dataset that was in {result.path}; runs trained on it continue on the new data when resumed"
         )
-    if teacher is not None:
-        label_with_teacher(data_dir, name, teacher, distill_top_k, distill_temperature, teacher_context)
 
 
 def prepare_chat(source, name, tokenizer, data_dir, chat_template, val_fraction, strict, shard_tokens, fmt) -> None:

@@ -5,6 +5,7 @@ nanogpt finetune --method distill --teacher smol.gguf --data shk-smol --preset c
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated
 
 import typer
@@ -52,40 +53,95 @@ TeacherContext = Annotated[
 ]
 
 
-def distill_settings(method: str, teacher, top_k, temperature, alpha, on_policy):
-    """The distillation's settings (None: a flag not given), or a refusal of distillation flags on another method."""
+def is_distill(method: str, settings) -> bool:
+    """Whether finetune distills; distillation flags on another method are refused."""
     from nanogpt_cli.errors import NanoGPTError
-    from nanogpt_cli.training.distill import FLAGS, DistillSettings
+    from nanogpt_cli.training.distill import FLAGS
 
-    settings = DistillSettings(teacher, top_k, temperature, alpha, on_policy)
     if method != "distill" and settings.given():
         raise NanoGPTError(f"{', '.join(FLAGS[k] for k in settings.given())} go with --method distill")
-    return settings
+    return method == "distill"
 
 
-def run_distill(flags, file_values, settings, where: dict, lora, lora_flags, quiet: bool, sink, plot, tasks) -> None:
-    """finetune --method distill: the planned run through train's loop and display, with the distillation's loss."""
-    from nanogpt_cli.cli.stops import while_planning
-    from nanogpt_cli.cli.train import run_planned
-    from nanogpt_cli.training.distill import plan_distill
+OPTIONS = {
+    "teacher": Teacher,
+    "distill_top_k": TopK,
+    "distill_temperature": DistillTemperature,
+    "distill_alpha": DistillAlpha,
+    "on_policy_fraction": OnPolicy,
+}
 
-    job = while_planning(plan_distill, flags, file_values, settings, **where, lora=lora, lora_flags=lora_flags)
-    run_planned(job.plan, quiet, sink, job.trainable, plot=plot, eval_tasks=tasks, loss=job.loss)
+
+def _extended(command, extra: dict, call):
+    """`command` with the options `extra` (name -> (Annotated type, default)) added to its own, as config_options
+    adds the config fields: run as call(command, given, kwargs), `given` holding the added options' values."""
+    import inspect
+    import typing
+
+    hints = typing.get_type_hints(command, include_extras=True)
+    parameters = inspect.signature(command).parameters.values()
+    own = [p.replace(annotation=hints[p.name]) for p in parameters if p.name != "distill"]
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    added = [inspect.Parameter(n, keyword, default=d, annotation=kind) for n, (kind, d) in extra.items()]
+
+    @functools.wraps(command)
+    def run(**kwargs):
+        return call(command, {n: kwargs.pop(n) for n in extra}, kwargs)
+
+    params = own + added
+    run.__signature__ = inspect.Signature(params)
+    run.__annotations__ = {p.name: p.annotation for p in params}
+    return run
 
 
-def label_with_teacher(data_dir, name: str, teacher: str, top_k: int | None, temperature: float | None, context: int):
-    """prepare --teacher: the prepared dataset labeled by the teacher, with its progress and what it cost."""
+def settings_of(given: dict):
+    from nanogpt_cli.training.distill import DistillSettings
+
+    return DistillSettings(**{n.removeprefix("distill_"): v for n, v in given.items() if n in OPTIONS})
+
+
+def distill_options(command):
+    """finetune's own options plus the distillation's, which reach it as one DistillSettings, `distill`."""
+
+    def call(command, given: dict, kwargs: dict):
+        return command(**kwargs, distill=settings_of(given))
+
+    return _extended(command, {n: (kind, None) for n, kind in OPTIONS.items()}, call)
+
+
+def teacher_options(command):
+    """prepare's own options plus --teacher, --distill-top-k, --distill-temperature and --teacher-context: once
+    the dataset is prepared, the teacher labels its train split (label_with_teacher)."""
+    from nanogpt_cli.errors import NanoGPTError
+
+    def call(command, given: dict, kwargs: dict):
+        settings = settings_of(given)
+        if settings.teacher is not None and (kwargs.get("name") is None or kwargs.get("compare")):
+            raise NanoGPTError("--teacher labels the dataset prepared: give --name, without --compare")
+        done = command(**kwargs)
+        label_with_teacher(kwargs["data_dir"], kwargs["name"], settings, given["teacher_context"])
+        return done
+
+    extra = {n: (OPTIONS[n], None) for n in ("teacher", "distill_top_k", "distill_temperature")}
+    return _extended(command, {**extra, "teacher_context": (TeacherContext, 512)}, call)
+
+
+def label_with_teacher(data_dir, name: str, settings, context: int) -> None:
+    """prepare --teacher: the prepared dataset labeled by the teacher (none given: nothing), with its progress and
+    what it cost."""
     from nanogpt_cli.training.distill import DEFAULTS, label_dataset
 
     def progress(done: int, total: int) -> None:
         if prints():
             print(f"teacher: {done:,} / {total:,} tokens", flush=True)
 
-    top_k = DEFAULTS["top_k"] if top_k is None else top_k
-    temperature = DEFAULTS["temperature"] if temperature is None else temperature
-    record = label_dataset(data_dir, name, teacher, top_k, temperature, context, on_progress=progress)
+    if settings.teacher is None:
+        return
+    top_k = DEFAULTS["top_k"] if settings.top_k is None else settings.top_k
+    temperature = DEFAULTS["temperature"] if settings.temperature is None else settings.temperature
+    record = label_dataset(data_dir, name, settings.teacher, top_k, temperature, context, on_progress=progress)
     print(
-        f"labeled the train split of {name} with {teacher}'s top-{record['top_k']} at temperature "
+        f"labeled the train split of {name} with {settings.teacher}'s top-{record['top_k']} at temperature "
         f"{record['temperature']:g}: {record['bytes_per_token']} bytes per token beside the tokens, "
         f"{record['seconds']:,.0f} s"
     )

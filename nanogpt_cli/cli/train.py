@@ -11,15 +11,7 @@ from typing import Annotated
 import typer
 
 from nanogpt_cli.cli.common import Threads, config_options, note, one_line_errors, prints
-from nanogpt_cli.cli.distill import (
-    DistillAlpha,
-    DistillTemperature,
-    OnPolicy,
-    Teacher,
-    TopK,
-    distill_settings,
-    run_distill,
-)
+from nanogpt_cli.cli.distill import distill_options, is_distill
 from nanogpt_cli.cli.rl import (
     KL,
     Beta,
@@ -208,6 +200,7 @@ def run_planned(
 
 @config_options
 @one_line_errors
+@distill_options
 def finetune(
     init_from: InitFrom = None,
     lora: Annotated[
@@ -251,11 +244,7 @@ def finetune(
     max_new_tokens: MaxNew = None,
     temperature: Temperature = None,
     grpo_updates: Updates = None,
-    teacher: Teacher = None,
-    distill_top_k: TopK = None,
-    distill_temperature: DistillTemperature = None,
-    distill_alpha: DistillAlpha = None,
-    on_policy_fraction: OnPolicy = None,
+    distill=None,  # the distillation options (distill_options)
     flags: dict | None = None,  # the config options given (config_options)
 ):
     """Fine-tune trained weights: all of them, or LoRA adapters (--lora). sft trains on a chat dataset's replies
@@ -282,8 +271,7 @@ def finetune(
     where = dict(out=out, resume=resume, force=force, init_from=init_from, init_last=last)
     lora_flags = set(given) | ({"targets"} if lora_targets is not None else set())
     file_values = load_toml(config) if config else {}
-    distill = distill_settings(method, teacher, distill_top_k, distill_temperature, distill_alpha, on_policy_fraction)
-    if method == "distill":  # it plans its own start: a new model when --init-from is absent
+    if is_distill(method, distill):  # it plans its own start: a new model when --init-from is absent
         return run_distill(flags, file_values, distill, where, lora_cfg, lora_flags, quiet, sink, plot, tasks)
     job = while_planning(plan_finetune, flags, file_values, **where, lora=lora_cfg, lora_flags=lora_flags)
     if method == "sft" and sft_planned(job.plan):
@@ -291,6 +279,14 @@ def finetune(
     settings = dict(beta=beta, loss_type=loss_type, rpo_alpha=rpo_alpha, group_size=group_size, kl=kl, reward=reward)
     settings |= dict(max_new_tokens=max_new_tokens, rollout_temperature=temperature, grpo_updates=grpo_updates)
     run_policy(job, method, settings, quiet, sink)
+
+
+def run_distill(flags, file_values, settings, where: dict, lora, lora_flags, quiet, sink, plot, tasks) -> None:
+    """finetune --method distill: planned by training/distill.py, trained by train's loop with its loss."""
+    from nanogpt_cli.training.distill import plan_distill
+
+    job = while_planning(plan_distill, flags, file_values, settings, **where, lora=lora, lora_flags=lora_flags)
+    run_planned(job.plan, quiet, sink, job.trainable, plot=plot, eval_tasks=tasks, loss=job.loss)
 
 
 def launch_training(plan, how, given: dict, options: dict) -> None:
