@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from nanogpt_cli.data import load_meta
 from nanogpt_cli.data.batches import Taught
@@ -83,20 +84,69 @@ def teacher_targets(logits: torch.Tensor, top_k: int, temperature: float, vocab:
     return ids, top
 
 
-def distill_kl(logits: torch.Tensor, ids: torch.Tensor | None, probs: torch.Tensor, temperature: float, vocab: int):
-    """KL(teacher || student) at each position (B, T), in nats, from the student's logits (B, T, V) and the
-    teacher's targets as teacher_targets gives them: over the k ids and the rest bucket, or (ids None) over the
-    whole vocabulary."""
-    s = logits.float() / temperature
-    logq = s.log_softmax(dim=-1)  # (B, T, V)
-    if ids is None:
-        return (torch.xlogy(probs, probs) - probs * logq[..., :vocab]).sum(-1)
-    # the student's mass outside the k ids: everything but them, in one logsumexp (a finite floor, not -inf, so
-    # a row whose k ids hold all the mass has a gradient of 0, not NaN)
-    outside = s.scatter(-1, ids, torch.finfo(s.dtype).min).logsumexp(-1) - s.logsumexp(-1)  # (B, T)
-    rest = (1.0 - probs.sum(-1)).clamp(min=0.0)  # the teacher's (B, T)
-    inside = (torch.xlogy(probs, probs) - probs * logq.gather(-1, ids)).sum(-1)
-    return inside + torch.xlogy(rest, rest) - rest * outside
+class DistillHead(torch.autograd.Function):
+    """The mixed loss of student logits (N, V) and its gradient, computed in chunks of rows, a few passes over
+    each: autograd's version (a log-softmax, a masked logsumexp, a gather and a cross-entropy, each with its
+    backward) reads a 49,152-token vocabulary's logits over twenty times, and took twice the model's own step.
+
+    With q = softmax(z / T) and the teacher's p, the gradient of T^2 * KL over the k ids and the rest bucket is
+    T * (q - r): r is p on the k ids and, elsewhere, the teacher's rest mass spread in proportion to q (the full
+    vocabulary: r = p). The cross-entropy's is softmax(z) - onehot(y)."""
+
+    CHUNK_ELEMENTS = 1 << 20  # logits a chunk holds: a few MB, so its passes stay in cache
+
+    @staticmethod
+    def forward(ctx, logits, targets, ids, probs, kl_mask, temperature: float, alpha: float, vocab: int):
+        N, V = logits.shape
+        ce_count = (targets != -1).sum().clamp(min=1)
+        kl_count = kl_mask.sum().clamp(min=1)
+        grad = torch.empty(N, V, dtype=torch.float32, device=logits.device)
+        kl_total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        ce_total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        rows = max(1, DistillHead.CHUNK_ELEMENTS // V)
+        for i in range(0, N, rows):
+            z, t, m = logits[i : i + rows].float(), targets[i : i + rows], kl_mask[i : i + rows].float()
+            chunk_ids = None if ids is None else ids[i : i + rows]
+            kl, g = DistillHead._kl_chunk(z, chunk_ids, probs[i : i + rows].float(), temperature, vocab)
+            kl_total += (kl * m).sum()
+            g.mul_((alpha / kl_count * m).unsqueeze(1))  # d(alpha T^2 mean KL)/dz
+            counted = (t != -1).float()
+            picked = t.clamp(min=0).unsqueeze(1)  # (n, 1): a placeholder target where none counts
+            logq = torch.log_softmax(z, dim=-1)  # (n, V)
+            ce_total += (-logq.gather(1, picked).squeeze(1) * counted).sum()
+            q = logq.exp_()  # softmax(z), in place
+            q.scatter_add_(1, picked, torch.full_like(picked, -1.0, dtype=q.dtype))
+            g.add_(q.mul_(((1 - alpha) / ce_count * counted).unsqueeze(1)))
+            grad[i : i + rows] = g
+        ctx.save_for_backward(grad)
+        return alpha * temperature**2 * kl_total / kl_count + (1 - alpha) * ce_total / ce_count
+
+    @staticmethod
+    def _kl_chunk(z, ids, p, temperature: float, vocab: int):
+        """KL(p || q) of each row (n,) and T * (q - r) (n, V), r as the class docstring says."""
+        q = torch.softmax(z / temperature if temperature != 1 else z, dim=-1)  # (n, V)
+        if ids is None:  # the full vocabulary: p (n, vocab), 0 past it
+            kl = (torch.xlogy(p, p) - p * q[:, :vocab].log()).sum(-1)
+            q[:, :vocab] -= p
+            return kl, q.mul_(temperature)
+        q_top = q.gather(1, ids)  # (n, k)
+        outside = q.scatter(1, ids, 0.0)  # (n, V): q off the k ids, summed without cancelling
+        q_rest = outside.sum(-1)
+        p_rest = (1.0 - p.sum(-1)).clamp(min=0.0)
+        kl = (
+            (torch.xlogy(p, p) - p * q_top.log()).sum(-1)
+            + torch.xlogy(p_rest, p_rest)
+            - p_rest * q_rest.clamp(min=1e-30).log()
+        )
+        g = q.sub_(outside.mul_((p_rest / q_rest.clamp(min=1e-30)).unsqueeze(1)))  # q - the rest bucket's share
+        g.scatter_add_(1, ids, -p)
+        return kl, g.mul_(temperature)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_out, None, None, None, None, None, None, None
 
 
 def mixed_loss(
@@ -109,15 +159,21 @@ def mixed_loss(
     vocab: int,
     kl_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """alpha * T^2 * the mean KL over the positions of kl_mask (default: those with a target) + (1 - alpha) * the
-    mean cross-entropy over the targets (-1: none)."""
-    counted = targets != -1
-    kl_mask = counted if kl_mask is None else kl_mask
-    kl = distill_kl(logits, ids, probs, temperature, vocab)
-    kl_mean = (kl * kl_mask).sum() / kl_mask.sum().clamp(min=1)
-    flat = logits.float().reshape(-1, logits.size(-1))
-    ce = nn.functional.cross_entropy(flat, targets.reshape(-1), ignore_index=-1, reduction="sum")
-    return alpha * temperature**2 * kl_mean + (1.0 - alpha) * ce / counted.sum().clamp(min=1)
+    """alpha * T^2 * the mean KL(teacher || student) over the positions of kl_mask (default: those with a target)
+    + (1 - alpha) * the mean cross-entropy over the targets (-1: none); logits (B, T, V), the teacher's targets as
+    teacher_targets gives them (top-k ids and probabilities, or ids None and every probability)."""
+    V = logits.size(-1)
+    kl_mask = targets != -1 if kl_mask is None else kl_mask
+    return DistillHead.apply(
+        logits.reshape(-1, V),
+        targets.reshape(-1),
+        None if ids is None else ids.reshape(-1, ids.size(-1)),
+        probs.reshape(-1, probs.size(-1)),
+        kl_mask.reshape(-1),
+        temperature,
+        alpha,
+        vocab,
+    )
 
 
 class DistillLoss:
