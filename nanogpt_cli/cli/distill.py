@@ -30,7 +30,10 @@ TopK = Annotated[
 ]
 DistillTemperature = Annotated[
     float | None,
-    typer.Option(help="Distillation: the temperature of the teacher's and the student's softmax.  [default: 1]"),
+    typer.Option(
+        help="Distillation: the temperature of the teacher's and the student's softmax.  [default: 1]",
+        show_default=False,
+    ),
 ]
 DistillAlpha = Annotated[
     float | None,
