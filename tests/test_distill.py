@@ -132,8 +132,8 @@ def test_a_teacher_from_shards_gives_the_live_loss(labeled, teacher_run):
 
 def distill_values(data_dir, name, **flags):
     values = dict(preset="tiny", data=name, data_dir=str(data_dir), dtype="float32", device="cpu", max_iters=6)
-    values.update(eval_interval=3, eval_iters=1, batch_size=4, log_interval=1, block_size=16, **flags)
-    return values
+    values.update(eval_interval=3, eval_iters=1, batch_size=4, log_interval=1, block_size=16)
+    return {**values, **flags}
 
 
 def test_resume_is_exact_with_on_policy_rows(char_data, teacher_run, tmp_path):
@@ -210,3 +210,20 @@ def test_the_commands_label_then_distill_from_the_shards(tmp_path, teacher_run, 
     assert refused.exit_code == 1 and "holds its teacher's labels at --distill-top-k 3" in refused.output
     wrong = runner.invoke(app, ["finetune", "--teacher", str(teacher_run), "--data", "d", "--data-dir", data])
     assert wrong.exit_code == 1 and "--teacher go with --method distill" in wrong.output
+
+
+def test_a_student_from_a_run_with_lora_trains_its_adapters_only(char_data, teacher_run, tmp_path):
+    from nanogpt_cli.lora import LoRAConfig
+
+    data_dir, name = char_data
+    values = distill_values(data_dir, name, max_iters=2, eval_interval=2)
+    del values["preset"], values["block_size"]  # the architecture is the run's
+    job = plan_distill(
+        values, settings=DistillSettings(teacher=str(teacher_run), top_k=0), out=tmp_path / "s",
+        init_from=str(teacher_run), lora=LoRAConfig(r=2),
+    )  # fmt: skip
+    result = Trainer(job.plan, loss=job.loss, trainable=job.trainable).fit()
+    assert result.step == 2 and math.isfinite(result.val_loss)
+    saved = load_file(str(tmp_path / "s" / "model.safetensors"))
+    assert saved and all("lora_" in k for k in saved)  # a LoRA run saves its adapters
+    assert job.plan.finetune["method"] == "lora" and job.plan.finetune["distill"]["top_k"] == 0
