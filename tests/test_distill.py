@@ -205,6 +205,7 @@ def test_the_commands_label_then_distill_from_the_shards(tmp_path, teacher_run, 
     args += ["--max-iters", "4", "--eval-interval", "2", "--eval-iters", "1", "--device", "cpu", "--no-plot"]
     ran = runner.invoke(app, [*args, "--block-size", "16", "--distill-alpha", "0.9"])
     assert ran.exit_code == 0, ran.output
+    assert f"fine-tune: distilled from {teacher_run} (its labels, top-3, alpha 0.9), full" in ran.output
     assert (tmp_path / "student" / "report.md").is_file()
     refused = runner.invoke(app, [*args, "--block-size", "16", "--distill-top-k", "5", "--force"])
     assert refused.exit_code == 1 and "holds its teacher's labels at --distill-top-k 3" in refused.output
