@@ -815,6 +815,8 @@ def _distill_settings(method: str, distill: Any) -> DistillSettings | None:
         if unknown:
             raise NanoGPTError(f"distill takes {', '.join(FLAGS)}, got {', '.join(unknown)}")
         distill = DistillSettings(**{k: v for k, v in distill.items() if v is not None})
+    if distill is not None and isinstance(distill.teacher, Path):  # recorded in the run's config.json as text
+        distill = dataclasses.replace(distill, teacher=str(distill.teacher))
     elif distill is not None and not isinstance(distill, DistillSettings):
         raise NanoGPTError(f"distill must be a DistillSettings or a dict of its values, got {distill!r}")
     if method == "distill":
