@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     from nanogpt_cli.lora import LoRAConfig
     from nanogpt_cli.model import GPT
     from nanogpt_cli.tokenizer import Tokenizer
+    from nanogpt_cli.training.distill import DistillSettings
     from nanogpt_cli.training.events import Display
     from nanogpt_cli.training.launch import Launch
     from nanogpt_cli.training.plan import Change, RunPlan
@@ -91,6 +92,7 @@ __all__ = [
     "finetune",
     "info",
     "kernel_note",
+    "label_with_teacher",
     "launch_flags",
     "list_runs",
     "load",
@@ -550,6 +552,7 @@ class Training:
     request: RunRequest | None = None  # what was asked, which launched processes are given again
     sink: Any = None  # the tracker's (training.trackers), closed when the run ends
     eval_tasks: list[str] | None = None  # lm-eval tasks that write_report scores
+    loss: Any = None  # the trainer's loss hook: distillation's DistillLoss (None: next-token cross-entropy)
 
     @property
     def notes(self) -> list[str]:
@@ -595,7 +598,8 @@ class Training:
                     then(result)
                 return result
             with open_world(self.plan.train) as world:
-                result = Trainer(self.plan, display, world, trainable=self.trainable).fit()
+                hooks = {"loss": self.loss} if self.loss is not None else {}
+                result = Trainer(self.plan, display, world, trainable=self.trainable, **hooks).fit()
                 if then is not None:  # before this process leaves the group, so that no rank ends the others first
                     then(result)
             return result
@@ -707,6 +711,7 @@ def plan_finetuning(
     method: str = "sft",
     lora: LoRAConfig | dict[str, Any] | bool | None = None,
     settings: dict[str, Any] | None = None,
+    distill: DistillSettings | dict[str, Any] | None = None,
     tracker: str | None = None,
     eval_tasks: str | list[str] | None = None,
     threads: int | None = None,
@@ -716,7 +721,10 @@ def plan_finetuning(
     trained in full, or with lora (True: the default adapters; a LoRAConfig; or a dict of the LoRA values given,
     r, alpha, dropout, targets, which a resume checks against the run's). method: "sft" (the trainer's loop),
     "dpo" (a preference dataset) or "grpo" (a prompts dataset), with settings: METHOD_SETTINGS' names (beta=0.1,
-    group_size=8, reward="exact", ...). The rest as plan_training."""
+    group_size=8, reward="exact", ...); or "distill" (the trainer's loop on a teacher's distributions), with
+    distill: a DistillSettings or a dict of its fields (teacher, top_k, temperature, alpha, on_policy_fraction;
+    without init_from the student is a new model of the config's shape). The rest as plan_training."""
+    from nanogpt_cli.training.distill import plan_distill
     from nanogpt_cli.training.finetune import plan_finetune
 
     names = _eval_task_names(eval_tasks)
@@ -725,15 +733,20 @@ def plan_finetuning(
     cfg, lora_flags = _lora_config(lora, r.resume)
     given = {k: v for k, v in (settings or {}).items() if v is not None}
     _check_method(method, given, tracker)
+    taught = _distill_settings(method, distill)
     sink = _open_tracker(tracker, True)
     try:
-        job = plan_finetune(r, lora=cfg, lora_flags=lora_flags)
+        if taught is not None:  # it plans its own start: a new model when init_from is absent
+            job = plan_distill(r, taught, lora=cfg, lora_flags=lora_flags)
+        else:
+            job = plan_finetune(r, lora=cfg, lora_flags=lora_flags)
         policy = _policy(job, method, given)
     except BaseException:
         if sink is not None:
             sink.close()
         raise
-    return Training(job.plan, job.trainable, policy=policy, request=r, sink=sink, eval_tasks=names)
+    loss = getattr(job, "loss", None)
+    return Training(job.plan, job.trainable, policy=policy, request=r, sink=sink, eval_tasks=names, loss=loss)
 
 
 def train(
@@ -756,11 +769,14 @@ def finetune(
     return plan_finetuning(config, **options).run(callback)
 
 
-# finetune's methods beyond sft, each with the settings it takes (the CLI's options of the same names)
+# finetune's methods beyond sft, each with the settings it takes (the CLI's options of the same names); distill
+# takes its own, plan_finetuning's distill= (DistillSettings)
 METHOD_SETTINGS = {
     "dpo": ("beta", "loss_type", "rpo_alpha"),
     "grpo": ("group_size", "kl", "reward", "max_new_tokens", "rollout_temperature", "grpo_updates"),
+    "distill": (),
 }
+TRAINER_METHODS = ("sft", "distill")  # trained by the trainer's loop (and logged by a tracker)
 
 
 def _check_method(method: str, given: dict[str, Any], tracker: str | None) -> None:
@@ -770,7 +786,7 @@ def _check_method(method: str, given: dict[str, Any], tracker: str | None) -> No
     stray = [k for k in given if k not in METHOD_SETTINGS.get(method, ())]
     if stray:
         raise NanoGPTError(f"--{stray[0].replace('_', '-')} has no effect with --method {method}; drop it")
-    if method != "sft" and tracker:
+    if method not in TRAINER_METHODS and tracker:
         raise NanoGPTError(
             f"--tracker does not log --method {method} runs; drop it (the run folder's metrics file has every value)"
         )
@@ -779,6 +795,8 @@ def _check_method(method: str, given: dict[str, Any], tracker: str | None) -> No
 def _policy(job: Any, method: str, given: dict[str, Any]) -> Any:
     """method's run over the planned job (its data read and its settings checked), or None for sft, whose plan
     is checked to be one sft can train."""
+    if method == "distill":  # the trainer's loop, with plan_distill's loss hook
+        return None
     if method == "sft":
         objective = (job.plan.finetune or {}).get("objective")
         if objective is not None:
@@ -798,6 +816,27 @@ def _policy(job: Any, method: str, given: dict[str, Any]) -> Any:
     from nanogpt_cli.training.grpo import GRPO
 
     return GRPO(job, partial(engine_rollout, vocab_size=job.plan.dataset.get("vocab_size")), given)
+
+
+def _distill_settings(method: str, distill: Any) -> DistillSettings | None:
+    """method "distill"'s settings (a dict given: its values checked), or None for another method, which takes
+    none of them."""
+    from nanogpt_cli.training.distill import FLAGS, DistillSettings
+
+    if isinstance(distill, dict):
+        unknown = sorted(set(distill) - set(FLAGS))
+        if unknown:
+            raise NanoGPTError(f"distill takes {', '.join(FLAGS)}, got {', '.join(unknown)}")
+        distill = DistillSettings(**{k: v for k, v in distill.items() if v is not None})
+    if distill is not None and isinstance(distill.teacher, Path):  # recorded in the run's config.json as text
+        distill = dataclasses.replace(distill, teacher=str(distill.teacher))
+    elif distill is not None and not isinstance(distill, DistillSettings):
+        raise NanoGPTError(f"distill must be a DistillSettings or a dict of its values, got {distill!r}")
+    if method == "distill":
+        return distill or DistillSettings()
+    if distill is not None and distill.given():
+        raise NanoGPTError(f"{', '.join(FLAGS[k] for k in distill.given())} go with --method distill")
+    return None
 
 
 def _lora_config(lora: Any, resume: bool) -> tuple[LoRAConfig | None, set[str] | None]:
@@ -954,6 +993,29 @@ def prepare(
         )
     except KeyboardInterrupt:  # the partial prepare is kept: say where and how to continue it
         raise PrepareStopped(interrupted_prepare(Path(data_dir), name)) from None
+
+
+def label_with_teacher(
+    name: str,
+    teacher: str | Path,
+    *,
+    data_dir: str | Path = "data",
+    top_k: int | None = None,
+    temperature: float | None = None,
+    context: int = 512,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """What `prepare --teacher` does once the dataset is prepared: the teacher (any source load() takes, sharing
+    the dataset's tokenizer) reads the train split in chunks of `context` tokens and its top_k next-token
+    probabilities at temperature (default 32 and 1) are written beside the shards, which finetune's
+    method="distill" then reads without a live teacher. Returns what meta.json records (top_k, temperature,
+    bytes_per_token, seconds, ...); progress(tokens done, tokens in all) now and then."""
+    from nanogpt_cli.training.distill import DEFAULTS, DistillSettings, label_dataset
+
+    DistillSettings(top_k=top_k, temperature=temperature)  # checked as finetune checks them
+    top_k = DEFAULTS["top_k"] if top_k is None else top_k
+    temperature = DEFAULTS["temperature"] if temperature is None else temperature
+    return label_dataset(Path(data_dir), name, str(teacher), top_k, temperature, context, on_progress=progress)
 
 
 class PrepareStopped(KeyboardInterrupt):

@@ -81,10 +81,11 @@ def test_the_python_docs_examples_run_as_written(tmp_path):
     assert "lora" in api.load(runs / "shk-lora", device="cpu").meta  # adapters on their base
     for run, method in (("shk-full", "full"), ("chat", "full"), ("dpo", "lora")):  # every method, each as asked
         assert json.loads((runs / run / "config.json").read_text())["finetune"]["method"] == method
-    for run, objective in (("dpo", "dpo"), ("grpo", "grpo")):
+    for run, objective in (("dpo", "dpo"), ("grpo", "grpo"), ("student", "distill")):
         assert json.loads((runs / run / "config.json").read_text())["finetune"]["objective"] == objective
     listed = {r.name: r.step for r in api.list_runs(runs)}
-    assert listed == {"shk": 220, "shk-full": 20, "shk-lora": 20, "bytes": 30, "chat": 10, "dpo": 6, "grpo": 4}
+    steps = {"shk": 220, "shk-full": 20, "shk-lora": 20, "bytes": 30, "chat": 10, "dpo": 6, "grpo": 4}
+    assert listed == {**steps, "student": 10}
     report = next(o for o in outputs if o and "# Report: shk" in o)  # the report card, as `nanogpt report` prints it
     assert "# Report: shk" in report.splitlines() and (tmp_path / "loss.png").stat().st_size > 0
     assert outputs[-1].strip().startswith("unknown sampling setting(s) temprature")

@@ -13,6 +13,7 @@ import typer
 
 from nanogpt_cli import api
 from nanogpt_cli.cli.common import DATA_DIR_HELP, note, one_line_errors, stopped
+from nanogpt_cli.cli.distill import teacher_options
 from nanogpt_cli.cli.tokens import Compare, Name, say_tokenizer_counts, tokenizer_table
 from nanogpt_cli.errors import NanoGPTError
 
@@ -61,6 +62,7 @@ TokenizerName = Annotated[
 
 
 @one_line_errors
+@teacher_options
 def prepare(
     source: Source,
     name: Name = None,

@@ -13,8 +13,8 @@ Method = Annotated[
     str,
     typer.Option(
         "--method",
-        help="sft (imitate the replies), dpo (prefer chosen over rejected; a --format preference dataset) or grpo "
-        "(rewarded rollouts; a --format prompts dataset).",
+        help="sft (imitate the replies), dpo (prefer chosen over rejected; a --format preference dataset), grpo "
+        "(rewarded rollouts; a --format prompts dataset) or distill (learn a --teacher's next-token distributions).",
     ),
 ]
 Beta = Annotated[float | None, typer.Option(help="DPO: strength of the pull to the reference.  [default: 0.1]")]

@@ -13,6 +13,7 @@ import typer
 from nanogpt_cli import api
 from nanogpt_cli.api import RunRequest
 from nanogpt_cli.cli.common import Threads, config_options, note, one_line_errors, prints
+from nanogpt_cli.cli.distill import distill_options
 from nanogpt_cli.cli.rl import (
     KL,
     Beta,
@@ -150,6 +151,7 @@ def run_planned(training, quiet: bool, verbose: bool = False, plot: bool = True)
 
 @config_options
 @one_line_errors
+@distill_options
 def finetune(
     lora: Annotated[
         bool, typer.Option("--lora", help="Train LoRA adapters on the frozen weights (any --lora-* flag implies it).")
@@ -188,9 +190,11 @@ def finetune(
     max_new_tokens: MaxNew = None,
     temperature: Temperature = None,
     grpo_updates: Updates = None,
+    distill: dict | None = None,  # --teacher, --distill-top-k, ... given (distill_options)
 ):
     """Fine-tune trained weights: all of them, or LoRA adapters (--lora). sft trains on a chat dataset's replies
-    (keeping its template), dpo on preference pairs, grpo on rewarded completions of its own.
+    (keeping its template), dpo on preference pairs, grpo on rewarded completions of its own, distill on a
+    --teacher's next-token distributions (without --init-from: into a new model).
 
     Example: nanogpt finetune --init-from checkpoints/base --data chats --lora --max-iters 300 --out checkpoints/chat
     """
@@ -205,6 +209,7 @@ def finetune(
         method=method,
         lora=given or lora,  # on --resume with --lora alone: the run's own adapters
         settings=settings,
+        distill=distill,
         tracker=tracker,
         eval_tasks=eval_tasks,
         threads=threads,

@@ -58,9 +58,14 @@ def start_lines(e) -> list[str]:
 
 
 def finetune_line(e) -> str:
-    """A fine-tune's start line: its method (DPO, GRPO or supervised), LoRA's settings and what trains."""
+    """A fine-tune's start line: its method (DPO, GRPO, distillation or supervised), LoRA's settings and what
+    trains."""
     tune = e.finetune
     objective = {"dpo": "DPO", "grpo": "GRPO"}.get(tune.get("objective"), "supervised")
+    if tune.get("distill"):  # distillation: from which teacher, and how
+        d = tune["distill"]
+        labels = "its labels" if d["shards"] else "live"
+        objective = f"distilled from {d['teacher']} ({labels}, top-{d['top_k']}, alpha {d['alpha']:g})"
     lora = (tune.get("weights") or {}).get("lora") if tune.get("method") == "lora" else None
     total = getattr(e, "total", None)
     if lora is None:

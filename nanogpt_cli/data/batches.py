@@ -7,12 +7,23 @@ x, y = batches.get_batch("train")   # (B, T) inputs and next-token targets (-1 w
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from nanogpt_cli.data.reader import open_conversations, open_mask_split, open_split, pack_windows
+from nanogpt_cli.data.teacher import open_teacher_split
 from nanogpt_cli.errors import NanoGPTError
+
+
+class Taught(NamedTuple):
+    """A batch's targets with the teacher's top-k next-token probabilities at each input position (a dataset
+    labeled by `prepare --teacher`), which a distillation's loss reads in place of y."""
+
+    targets: torch.Tensor  # (B, T) next tokens, -1 where the loss skips
+    ids: torch.Tensor  # (B, T, k) the teacher's most likely next tokens
+    probs: torch.Tensor  # (B, T, k) their probabilities (padding: 0)
 
 
 class Batches:
@@ -31,11 +42,16 @@ class Batches:
         seed: int,
         loss_mask: bool = True,
         length_flag: str = "--block-size",
+        teacher: bool = False,
     ):
         self.splits = {s: open_split(data_dir, name, s) for s in ("train", "val")}
         # chat datasets: a mask per token; a target whose mask is 0 becomes -1, which the loss ignores
         # (loss_mask=False: every token of the conversations is a target)
         self.masks = {s: open_mask_split(data_dir, name, s) if loss_mask else None for s in ("train", "val")}
+        # teacher=True: the train split's batches carry the teacher's labels (Taught), which must be there
+        self.teacher = open_teacher_split(data_dir, name, "train") if teacher else None
+        if teacher and self.teacher is None:
+            raise NanoGPTError(f"dataset '{name}' has no teacher's labels; run `nanogpt prepare --teacher` on it")
         self.packed: dict[str, np.ndarray | None] = {}  # (n, 3): shard, offset, tokens of each packed window
         for split, tokens in self.splits.items():
             lengths = open_conversations(data_dir, name, split)
@@ -66,6 +82,13 @@ class Batches:
         return self.splits[split].starts(self.batch_size, self.block_size + 1, generator or self.generator)
 
     def load(self, split: str, starts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = self._load(split, starts)
+        if split == "train" and self.teacher is not None:
+            ids, probs = self.teacher.read(starts, self.block_size)  # (B, T, k) each
+            return x, Taught(y, self.to_device(torch.from_numpy(ids)), self.to_device(torch.from_numpy(probs)))
+        return x, y
+
+    def _load(self, split: str, starts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
         data, T = self.splits[split], self.block_size
         if self.packed[split] is not None:
             return self._load_packed(split, starts)

@@ -40,6 +40,7 @@ class FinetunePlan:
     plan: RunPlan
     lora: LoRAConfig | None  # None: full fine-tuning
     trainable: Any = None  # the trainer's hook: LoRA's adapters (None: every parameter trains)
+    loss: Any = None  # the trainer's loss hook (None: next-token cross-entropy); distillation's (training/distill.py)
 
 
 class LoRAStart:

@@ -56,7 +56,9 @@ from nanogpt_cli.training.optim import lr_at, make_optimizer, set_lr
 from nanogpt_cli.training.plan import RunPlan
 from nanogpt_cli.training.signals import Interrupted, StopSignals
 
-LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]  # (model, x, y) -> mean loss, a scalar
+# (model, x, y) -> mean loss, a scalar. A loss with reads_teacher = True gets the train split's y as a Taught
+# (the targets with the teacher's labels that prepare --teacher wrote; data/batches.py)
+LossFn = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 Trainable = Callable[[GPT], Iterable[nn.Parameter]]  # the parameters to train; every other one is frozen
 
 
@@ -283,7 +285,7 @@ class Trainer:
         starts = [p.batches.draw("train") for _ in range(cfg.gradient_accumulation_steps)]
         micro = [p.batches.load("train", starts[i]) for i in self.world.micro_share(len(starts))]
         if p.masked:  # a chat dataset: speed counts the targets trained on (counted on the device, read at logs)
-            self.trained = self.trained + sum((y != -1).sum() for _, y in micro)
+            self.trained = self.trained + sum((getattr(y, "targets", y) != -1).sum() for _, y in micro)
         started = time.perf_counter()
         # fp16: the scaler backs off only when it skips an update; compared on the device, read at the next log
         scale = scale_tensor(scaler, self.world.device) if scaler.is_enabled() else None
@@ -483,7 +485,7 @@ class Trainer:
             # windows of --seq-len tokens (default: the model's context); evaluation reads the same
             batches = Batches(
                 Path(cfg.data_dir), cfg.data, plan.seq_len, cfg.batch_size, world.device, cfg.seed, cfg.loss_mask,
-                plan.length_flag,
+                plan.length_flag, teacher=getattr(self.loss_fn, "reads_teacher", False),
             )  # fmt: skip
             eval_sets, eval_counted = self._eval_sets(batches)
             self.show.on_status("building the model")
