@@ -140,6 +140,13 @@ class CPUBackend(DecodeBackend):
     def step(self, plan: DecodePlan, idx: torch.Tensor, cache, n: int) -> torch.Tensor:
         return decode_step(plan, idx, cache, n)
 
+    def score(self, plan: DecodePlan, idx: torch.Tensor, cache) -> torch.Tensor:
+        # a few rows of a few tokens: the decoding form (not the modules a long prefill runs), and the head's form
+        # for few rows on every position
+        B, T = idx.size()
+        hs = plan.model.hidden_states(idx, cache=cache, ops=plan.ops)  # (B, T, C)
+        return softcap(head_logits(plan, hs.view(B * T, -1)), plan.logit_softcap).view(B, T, -1)
+
     def describe(self, plan: DecodePlan) -> str:
         parts = ["fused step" if plan.fused is not None else "decoding form", f"kernels: {native.status()}"]
         return f"{self.name} ({', '.join(parts)})"
