@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from nanogpt_cli.inference.chat import ChatSession
     from nanogpt_cli.inference.evaluate import EvalResult
     from nanogpt_cli.inference.sample import Piece, SampleResult, SampleSettings
+    from nanogpt_cli.inference.speculative import Draft
     from nanogpt_cli.inference.tasks import TaskResults
     from nanogpt_cli.interop.export import ExportResult
     from nanogpt_cli.interop.loading import InferenceModel
@@ -86,19 +87,35 @@ def load(
     quantize: str | None = None,
     group_size: int = 32,
     backend: str | None = None,
+    draft: str | Path | None = None,
+    draft_tokens: int | None = None,
 ) -> Model:
     """A model ready to generate, chat and score, from any source the commands load: a run folder (its best
     weights; its last with last=True), a .safetensors file, a Hugging Face folder or hf:NAME, or a .gguf file
     that `export` wrote. device: auto, cpu, cuda, cuda:N or mps; dtype: auto, float32, bfloat16, float16 (or a
     torch.dtype); auto picks from the device and the size of the weights. quantize: None, "int8" (one scale per
     output channel) or "int4" (a scale and zero per group_size inputs) for the blocks' weights, on a CPU. backend:
-    "cpu" or "torch", how decode steps are computed (default: the first that supports the model)."""
+    "cpu" or "torch", how decode steps are computed (default: the first that supports the model). draft,
+    draft_tokens: Model.use_draft's."""
     from nanogpt_cli.interop.loading import load_for_inference
+
+    check_draft_options(draft, draft_tokens)  # before the model's weights are read
 
     loaded = load_for_inference(
         source, last=last, device=device, dtype=_dtype(dtype), quantize=quantize, group_size=group_size, backend=backend
     )
-    return Model(loaded, str(source))
+    model = Model(loaded, str(source))
+    if draft is not None:
+        model.use_draft(draft, draft_tokens)
+    return model
+
+
+def check_draft_options(draft: str | Path | None, draft_tokens: int | None) -> None:
+    if draft is None and draft_tokens is not None:
+        raise NanoGPTError("--draft-tokens sets how many tokens a draft model proposes: give --draft too")
+    from nanogpt_cli.inference.speculative import check_draft_tokens
+
+    check_draft_tokens(draft_tokens)
 
 
 class Model:
@@ -110,6 +127,27 @@ class Model:
         self.loaded, self.source = loaded, source
         self.sampler = Sampler(loaded)  # the one generation path the commands use too
         self._template = None
+
+    def use_draft(self, source: str | Path | None, tokens: int | None = None) -> None:
+        """Decode with a draft model from then on (speculative decoding; None: without one): a smaller model with
+        the same tokenizer, from any source load() takes, loaded with this model's device, dtype, quantization and
+        backend. It proposes `tokens` tokens at a time (None: a number adapted to how many are kept) that this model
+        checks in one forward: greedy text stays this model's, and sampled text keeps its distribution."""
+        check_draft_options(source, tokens)
+        if source is None:
+            self.sampler.draft = None
+            return
+        from nanogpt_cli.inference.speculative import load_draft
+
+        m = self.module
+        options = dict(device=str(self.device), dtype=_dtype(self.dtype), quantize=getattr(m, "quantized", None))
+        options.update(group_size=getattr(m, "quant_group_size", 32), backend=getattr(m, "decode_backend", None))
+        self.sampler.draft = load_draft(source, self.tokenizer, tokens, **options)
+
+    @property
+    def draft(self) -> Draft | None:
+        """The draft model and its accepted-token counts (draft.stats), or None."""
+        return self.sampler.draft
 
     @property
     def module(self) -> GPT:
@@ -241,7 +279,9 @@ class Model:
         when the context is full (what `nanogpt chat` runs). Settings as for generate()."""
         from nanogpt_cli.inference.chat import ChatSession
 
-        return ChatSession(self.loaded, self.template, _sample_settings(settings), system, max_new_tokens)
+        return ChatSession(
+            self.loaded, self.template, _sample_settings(settings), system, max_new_tokens, draft=self.draft
+        )
 
     def score(
         self,

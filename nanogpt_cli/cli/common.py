@@ -185,6 +185,22 @@ Threads = Annotated[
 ]
 PromptFile = Annotated[Path | None, typer.Option(help="Read the prompt from this file.")]
 
+# speculative decoding (inference/speculative.py): sample, chat and serve
+DraftSource = Annotated[
+    str | None,
+    typer.Option(
+        help="A smaller model with the same tokenizer (any source --checkpoint takes) that proposes tokens for the "
+        "model to check in one forward: faster decoding, the same greedy text and the same distribution.",
+        show_default=False,
+    ),
+]
+DraftTokens = Annotated[
+    int | None,
+    typer.Option(
+        help="Tokens the --draft model proposes at a time (default: adapted to how many are kept).", show_default=False
+    ),
+]
+
 
 def note(message: str) -> None:
     from nanogpt_cli.cli.ui import err_console

@@ -17,6 +17,8 @@ from nanogpt_cli.cli.common import (
     Backend,
     Checkpoint,
     Device,
+    DraftSource,
+    DraftTokens,
     DtypeOption,
     GroupSize,
     Last,
@@ -49,6 +51,8 @@ def print_samples(sampler, text: str, settings, num_samples: int, stream: bool, 
         for i, r in enumerate(sampler.generate_many([text] * num_samples, settings)):
             record = {"sample": i + 1, "prompt": text, "text": r.text, "tokens": r.tokens}
             record.update(stop_reason=r.stop_reason, tokens_per_s=round(r.tokens_per_s, 1))
+            if r.draft_acceptance is not None:  # --draft: the share of the draft's tokens the model kept
+                record["draft_acceptance"] = round(r.draft_acceptance, 3)
             print(json.dumps(record, ensure_ascii=False), flush=True)
         return
     results: list = [None] * num_samples
@@ -105,7 +109,11 @@ def sample(
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print text as it is generated.")] = True,
     json_out: Annotated[
         bool,
-        typer.Option("--json", help="One JSON object per sample: text, tokens, stop_reason, tokens_per_s."),
+        typer.Option(
+            "--json",
+            help="One JSON object per sample: text, tokens, stop_reason, tokens_per_s (and draft_acceptance with "
+            "--draft).",
+        ),
     ] = False,
     last: Last = False,
     interactive: Annotated[
@@ -118,6 +126,8 @@ def sample(
     group_size: GroupSize = 32,
     backend: Backend = None,
     threads: Threads = None,
+    draft: DraftSource = None,
+    draft_tokens: DraftTokens = None,
 ):
     """Generate text from a trained model, streamed as it is written.
 
@@ -151,6 +161,7 @@ def sample(
     model = api.load(
         checkpoint, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size, backend=backend
     )
+    model.use_draft(draft, draft_tokens)
     say_kernels(model)
     sampler = model.sampler
     run = functools.partial(
@@ -208,6 +219,8 @@ def chat(
     group_size: GroupSize = 32,
     backend: Backend = None,
     threads: Threads = None,
+    draft: DraftSource = None,
+    draft_tokens: DraftTokens = None,
 ):
     """Talk to a model in the terminal, formatted with its chat template; /reset, /exit, Ctrl-C stops a reply.
 
@@ -231,6 +244,7 @@ def chat(
     model = api.load(
         source, last=last, device=device, dtype=dtype, quantize=quantize, group_size=group_size, backend=backend
     )
+    model.use_draft(draft, draft_tokens)
     say_kernels(model)
     session = model.conversation(system, max_new_tokens, **settings)
     if session.template.plain:

@@ -14,6 +14,8 @@ from nanogpt_cli.cli.common import (
     SOURCE_HELP,
     Backend,
     Device,
+    DraftSource,
+    DraftTokens,
     DtypeOption,
     GroupSize,
     Last,
@@ -110,6 +112,8 @@ def serve(
     group_size: GroupSize = 32,
     backend: Backend = None,
     threads: Threads = None,
+    draft: DraftSource = None,
+    draft_tokens: DraftTokens = None,
 ):
     """Serve a model over the OpenAI API (completions, chat, streaming) with a chat page at /.
 
@@ -141,6 +145,8 @@ def serve(
         adapters=adapter or [],
         allow_hosts=allow_host or [],
         cors_origins=cors_origin or [],
+        draft=draft,
+        draft_tokens=draft_tokens,
     )
     set_threads(threads)
     note_exposure(options)

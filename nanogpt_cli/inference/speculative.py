@@ -253,9 +253,14 @@ class SpeculativeEngine(Engine):
     def _draw(self, filtered: torch.Tensor, p: SamplingParams, slots: list[int]) -> list[int]:
         """One token per row of filtered logits, each row from its own generator (sample_tokens)."""
         try:
-            return sample_tokens(filtered, p.temperature, [self.rows[s].generator for s in slots])
+            return sample_tokens(filtered, p.temperature, self._generators(slots))
         except RowError as e:
             raise RowError(str(e), [self.rows[slots[i]].id for i in e.rows]) from None
+
+    def _generators(self, slots: list[int]) -> list[torch.Generator | None]:
+        """The rows' generators, or one for all where they share one (one draw for the batch)."""
+        gens = [self.rows[s].generator for s in slots]
+        return gens[:1] if all(g is gens[0] for g in gens) else gens
 
     def _accept(self, raw: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor) -> tuple[list[int], list[int]]:
         """How many drafted tokens each row keeps, and its next token. Greedy rows keep drafted tokens while each
@@ -289,7 +294,11 @@ class SpeculativeEngine(Engine):
         p = filtered.softmax(dim=-1)  # (g, k + 1, V)
         p_d = p[:, :k].gather(2, d.unsqueeze(2)).squeeze(2)  # (g, k): p and q of each drafted token
         q_d = q.gather(2, d.unsqueeze(2)).squeeze(2)
-        u = torch.stack([torch.rand(k, generator=self.rows[s].generator, device=self.device) for s in slots])
+        generators = self._generators(slots)
+        if len(generators) == 1:
+            u = torch.rand(g, k, generator=generators[0], device=self.device)
+        else:
+            u = torch.stack([torch.rand(k, generator=gen, device=self.device) for gen in generators])
         kept = (u * q_d < p_d).long().cumprod(dim=1).sum(dim=1)  # u < p / q, without the division; (g,)
         rows = torch.arange(g, device=self.device)
         q_next = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, kept]  # (g, V): 0 after all k kept

@@ -58,6 +58,8 @@ class ServeOptions:
     allow_hosts: list[str] = field(default_factory=list)  # Host names answered besides loopback's and host ("*": any)
     cors_origins: list[str] = field(default_factory=list)  # origins whose pages may call the API ("*": any); none: off
     grammar_seconds: float = 10.0  # most seconds a request's grammar may take to compile (then a 400)
+    draft: str | None = None  # a draft model for speculative decoding (inference/speculative.py)
+    draft_tokens: int | None = None  # tokens it proposes at a time; None: adaptive
 
     def __post_init__(self):
         for name in ("max_batch", "max_body", "max_tokens", "max_n", "max_queue"):
@@ -83,6 +85,11 @@ class ServeOptions:
                     f"--cors-origin takes an origin such as http://localhost:3000 (scheme, host and port) or *, "
                     f"got {origin!r}"
                 )
+        if self.draft is None and self.draft_tokens is not None:
+            raise NanoGPTError("--draft-tokens sets how many tokens a draft model proposes: give --draft too")
+        from nanogpt_cli.inference.speculative import check_draft_tokens
+
+        check_draft_tokens(self.draft_tokens)
         if not 0 <= self.port <= 65535:
             raise NanoGPTError(f"--port must be between 0 and 65535, got {self.port}")
         self.api_key = self.api_key or os.environ.get("NANOGPT_API_KEY") or None  # an empty key is no key
@@ -141,6 +148,7 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
         prefix_cache=prefix,
         adapters=adapters,
         metrics=metrics,
+        draft=_draft(options, loaded),
     )
     metrics.watch(scheduler)
     state = ServerState(
@@ -166,6 +174,16 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
         lifespan="off",
     )
     return _server_class(uvicorn)(config, state, on_ready)
+
+
+def _draft(options: ServeOptions, loaded):
+    """--draft's model, loaded as the model was, or None."""
+    if options.draft is None:
+        return None
+    from nanogpt_cli.inference.speculative import load_draft
+
+    load = dict(device=options.device, dtype=options.dtype, quantize=options.quantize, group_size=options.group_size)
+    return load_draft(options.draft, loaded.tokenizer, options.draft_tokens, backend=options.backend, **load)
 
 
 def _adapters(options: ServeOptions, loaded, model_name: str):
