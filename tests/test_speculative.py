@@ -176,7 +176,6 @@ def test_sample_json_reports_the_acceptance_and_the_greedy_text_is_the_models(by
 
 
 def test_bad_drafts_are_one_sentence(byte_models, tmp_path):
-    from nanogpt_cli import api
 
     model, draft = byte_models
     torch.manual_seed(0)
