@@ -70,6 +70,19 @@ def test_greedy_text_is_the_models_own_for_every_k_and_batch_size(target, near, 
     assert 0 < draft.stats.accepted < draft.stats.proposed  # drafted tokens were both kept and refused
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_llama_shaped_model_checks_through_its_fused_step_and_keeps_its_greedy_text(dtype):
+    """RMSNorm, SwiGLU and RoPE: the cpu backend checks the drafted tokens in one call of its fused step where our
+    kernels are built (each row's tokens as rows sharing its cache row), else through the decoding form."""
+    torch.manual_seed(0)
+    llama = dict(vocab_size=64, block_size=64, norm="rmsnorm", mlp="swiglu", n_kv_head=1)
+    model = shaken(GPT(tiny(**llama)), 0.3, 0).to(dtype)
+    draft = Draft(shaken(copy.deepcopy(model).float(), 0.1, 1).to(dtype), 3)
+    plain = decode(Engine(model, 3, backend="cpu"), PROMPTS)
+    assert decode(SpeculativeEngine(model, draft, 3, backend="cpu"), PROMPTS) == plain
+    assert 0 < draft.stats.accepted < draft.stats.proposed
+
+
 def test_a_draft_of_a_shorter_context_restarts_and_the_text_stays_the_models(target):
     torch.manual_seed(3)
     small = shaken(GPT(tiny(vocab_size=64, block_size=8, n_layer=1)), 0.3, 3)

@@ -444,8 +444,8 @@ static int timed_linear(const Linear& L, int64_t B, const void* x, int x_bf16, c
     return rc;
 }
 
-static int block_step(const Block& L, int64_t B, void* x, const int64_t* pos, void* kc, void* vc, int bf16,
-                      int kv_bf16, int threads, char* scratch, double* timers) {
+static int block_step(const Block& L, int64_t B, void* x, const int64_t* pos, const int64_t* rows, void* kc,
+                      void* vc, int bf16, int kv_bf16, int threads, char* scratch, double* timers) {
     const int64_t C = L.C, nh = L.nh, nkv = L.nkv, hs = L.hs, H = L.H, S = L.S, width = (nh + 2 * nkv) * hs;
     void* xn = scratch;                                                // (B, C) model dtype
     float* qkv = (float*)(scratch + B * C * 4);                        // (B, width)
@@ -466,7 +466,7 @@ static int block_step(const Block& L, int64_t B, void* x, const int64_t* pos, vo
         }
         for (int64_t head = 0; head < nh + nkv; head++) rope(row + head * hs, c, s, hs);
         for (int64_t kh = 0; kh < nkv; kh++) {  // the new key and value into the cache
-            const int64_t at = ((b * nkv + kh) * S + pos[b]) * hs;
+            const int64_t at = ((rows[b] * nkv + kh) * S + pos[b]) * hs;
             for (int64_t d = 0; d < hs; d++) {
                 put(kc, at + d, row[(nh + kh) * hs + d], kv_bf16);
                 put(vc, at + d, row[(nh + nkv + kh) * hs + d], kv_bf16);
@@ -485,7 +485,7 @@ static int block_step(const Block& L, int64_t B, void* x, const int64_t* pos, vo
 #else
         float* sc = scores;
 #endif
-        const int64_t at = (b * nkv + kh) * S * hs;
+        const int64_t at = (rows[b] * nkv + kh) * S * hs;
         attend(L, qkv + b * width + kh * group * hs, (const char*)kc + at * (kv_bf16 ? 2 : 4),
                (const char*)vc + at * (kv_bf16 ? 2 : 4), pos[b] + 1, kv_bf16, sc, att + (b * nh + kh * group) * hs);
     }
@@ -551,14 +551,11 @@ int ng_linear(const Linear* L, int64_t B, const void* x, const void* res, void* 
     return linear(*L, B, x, bf16, {y, res, bf16}, threads);
 }
 
-// One decode step of n_layer blocks for B rows, each one new token at its position pos[b]: x (B, C), the
-// residual stream in the model's dtype (bf16 where bf16), in and out; ks[l] and vs[l] the layer's cache
-// (rows >= B, nkv, S, hs), bf16 where kv_bf16; timers: the caller's profile clock (3 doubles, see now()) or
-// null. Returns 0, 1 for a shape the kernels do not take, 2 where memory ran out, 3 for a position outside the
-// cache.
-int ng_decode(const Block* blocks, int64_t n_layer, int64_t B, void* x, const int64_t* pos, void* const* ks,
-              void* const* vs, int bf16, int kv_bf16, int threads, double* timers) {
-    if (n_layer < 1 || B < 1 || threads < 1) return 1;
+static int decode_rows(const Block* blocks, int64_t n_layer, int64_t B, void* x, const int64_t* pos,
+                       const int64_t* rows, int64_t cache_rows, void* const* ks, void* const* vs, int bf16, int kv_bf16,
+                       int threads, double* timers) {
+    for (int64_t b = 0; b < B; b++)
+        if (rows[b] < 0 || rows[b] >= cache_rows) return 3;
     for (int64_t l = 0; l < n_layer; l++) {
         const Block& L = blocks[l];
         if (!takes(L.qkv) || !takes(L.proj) || !takes(L.fc) || !takes(L.down) || L.hs % 16 || L.hs > 512) return 1;
@@ -580,9 +577,32 @@ int ng_decode(const Block* blocks, int64_t n_layer, int64_t B, void* x, const in
     if (!scratch) return 2;
     int rc = 0;
     for (int64_t l = 0; l < n_layer && rc == 0; l++)
-        rc = block_step(blocks[l], B, x, pos, ks[l], vs[l], bf16, kv_bf16, threads, scratch, timers);
+        rc = block_step(blocks[l], B, x, pos, rows, ks[l], vs[l], bf16, kv_bf16, threads, scratch, timers);
     free(scratch);
     if (timers) timers[2] += now() - t0;
+    return rc;
+}
+
+// One decode step of n_layer blocks for B rows, each one new token at its position pos[b]: x (B, C), the
+// residual stream in the model's dtype (bf16 where bf16), in and out; ks[l] and vs[l] the layer's cache
+// (cache_rows, nkv, S, hs), bf16 where kv_bf16; rows[b] the cache row of x's row b (null: row b), several x rows
+// may share one: each layer writes every row's key and value before any row attends, so rows of one cache row at
+// positions p, p + 1, ... are one sequence's next tokens, each seeing those before it (a speculative check);
+// timers: the caller's profile clock (3 doubles, see now()) or null. Returns 0, 1 for a shape the kernels do not
+// take, 2 where memory ran out, 3 for a position or row outside the cache.
+int ng_decode(const Block* blocks, int64_t n_layer, int64_t B, void* x, const int64_t* pos, const int64_t* rows,
+              int64_t cache_rows, void* const* ks, void* const* vs, int bf16, int kv_bf16, int threads,
+              double* timers) {
+    if (n_layer < 1 || B < 1 || threads < 1) return 1;
+    int64_t* own = nullptr;
+    if (!rows) {  // row b of x is row b of the cache
+        own = (int64_t*)malloc(B * sizeof(int64_t));
+        if (!own) return 2;
+        for (int64_t b = 0; b < B; b++) own[b] = b;
+        rows = own;
+    }
+    const int rc = decode_rows(blocks, n_layer, B, x, pos, rows, cache_rows, ks, vs, bf16, kv_bf16, threads, timers);
+    free(own);
     return rc;
 }
 }

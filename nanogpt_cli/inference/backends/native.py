@@ -195,7 +195,7 @@ def check_library(lib: ctypes.CDLL) -> str | None:
     lib.ng_layout.restype = cint
     lib.ng_linear.argtypes = [ptr, i64, ptr, ptr, ptr, cint, cint]
     lib.ng_linear.restype = cint
-    lib.ng_decode.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, cint, cint, cint, ptr]
+    lib.ng_decode.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, cint, cint, cint, ptr]
     lib.ng_decode.restype = cint
     if lib.ng_tile_rows() != TILE_ROWS:
         return f"tiles of {lib.ng_tile_rows()} rows, not {TILE_ROWS}"
@@ -455,11 +455,14 @@ class Caches:
         self.ks, self.vs = kinds(*(k.data_ptr() for k in ks)), kinds(*(v.data_ptr() for v in vs))
 
 
-def decode(blocks: Blocks, caches: Caches, x: torch.Tensor, pos: torch.Tensor, threads: int, timers=None) -> None:
+def decode(
+    blocks: Blocks, caches: Caches, x: torch.Tensor, pos: torch.Tensor, threads: int, timers=None, rows=None
+) -> None:
     """ng_decode: one step of every block for B rows, x (B, C) the residual stream (float32 or bf16) in and out,
     pos (B,) int64 each row's position, which its new key and value take in caches; timers: the caller's profile
     clock, a float64 tensor (3,) that the step's seconds in its products, its attention and in all are added to,
-    or None."""
+    or None. rows: (B,) int64, the cache row of each of x's rows (None: row b), several of which may share one
+    (one sequence's next tokens at consecutive positions, each seeing those before it)."""
     if not isinstance(blocks, Blocks):
         raise ValueError(f"blocks must be a native.Blocks, got {type(blocks).__name__}")
     if not all(blocks.set):
@@ -468,19 +471,25 @@ def decode(blocks: Blocks, caches: Caches, x: torch.Tensor, pos: torch.Tensor, t
         raise ValueError("caches must be a native.Caches made for these blocks")
     check("x", x, FLOATS, (None, blocks.C))
     B = x.size(0)
-    if not 1 <= B <= caches.rows:
+    if rows is None and not 1 <= B <= caches.rows:
         raise ValueError(f"x must have 1 to {caches.rows} rows (the cache's), got {B}")
     check("pos", pos, (torch.int64,), (B,))
+    if rows is not None:
+        check("rows", rows, (torch.int64,), (B,))
     check_count("threads", threads)
     if timers is not None:
         check("timers", timers, (torch.float64,), (3,))
     t = None if timers is None else timers.data_ptr()
     bf16, kv_bf16 = x.dtype == torch.bfloat16, caches.dtype == torch.bfloat16
     call = library()[0].ng_decode
-    rc = call(blocks.structs, blocks.n_layer, B, x.data_ptr(), pos.data_ptr(), caches.ks, caches.vs, bf16, kv_bf16,
-              threads, t)  # fmt: skip
+    at = None if rows is None else rows.data_ptr()
+    rc = call(blocks.structs, blocks.n_layer, B, x.data_ptr(), pos.data_ptr(), at, caches.rows, caches.ks, caches.vs,
+              bf16, kv_bf16, threads, t)  # fmt: skip
     if rc == 3:
-        raise ValueError(f"pos must be positions in the cache, 0 to {blocks.S - 1}, got {pos.tolist()}")
+        raise ValueError(
+            f"pos must be positions in the cache, 0 to {blocks.S - 1}, and rows its rows, 0 to {caches.rows - 1}; got "
+            f"{pos.tolist()} and {None if rows is None else rows.tolist()}"
+        )
     if rc == 2:
         raise MemoryError("the fused decode step ran out of memory")
     assert rc == 0, f"ng_decode refused a checked call ({rc})"
