@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table  # noqa: E402
+from common import shakespeare_path, table  # noqa: E402
 
 from nanogpt_cli import api  # noqa: E402
 from nanogpt_cli.inference.sample import SampleSettings  # noqa: E402
@@ -42,11 +42,21 @@ PRECISIONS = {  # load options of each precision; the draft is loaded with the s
     "int8": dict(dtype="bfloat16", quantize="int8"),
     "int4": dict(dtype="bfloat16", quantize="int4"),
 }
-PROMPTS = [
+CHAT = [
     "Write a short story about a robot who learns to paint.",
     "Explain why the sky is blue to a ten-year-old.",
     "Give me three tips for learning a new language.",
 ]
+
+
+def prompts(target, kind: str) -> list[list[int]]:
+    """Three prompts' token ids: chat replies (the model's template), or Shakespeare to continue (three passages of
+    the last tenth of Tiny Shakespeare, the split a student distilled on its first nine tenths has not seen)."""
+    if kind == "chat":
+        return [target.template.tokens([{"role": "user", "content": p}], target.tokenizer) for p in CHAT]
+    text = shakespeare_path().read_text()
+    val = text[int(len(text) * 0.9) :]
+    return [target.tokenizer.encode(val[i : i + 300]) for i in (1000, 20000, 40000)]
 
 
 def fallback_draft(target, layers: int) -> Draft:
@@ -74,7 +84,7 @@ def measure(precision: str, args) -> dict:
         draft, name = fallback_draft(target, args.fallback_layers), f"SmolLM2's first {args.fallback_layers} blocks"
         draft.tokens, draft.k = args.draft_tokens, args.draft_tokens or draft.k
     settings = SampleSettings(max_new_tokens=args.tokens, temperature=0, ignore_eot=True)
-    ids = [target.template.tokens([{"role": "user", "content": p}], target.tokenizer) for p in PROMPTS]
+    ids = prompts(target, args.text)
     sampler = target.sampler
     sampler.draft = draft
     sampler.generate(ids[0], dataclasses.replace(settings, max_new_tokens=8))  # warm-up: forms, kernels
@@ -104,15 +114,16 @@ def measure(precision: str, args) -> dict:
         acceptance=kept / max(proposed, 1),
         same=same,
         k=draft.k,
+        ids=ids,
     )
 
 
 # --- llama.cpp, a child process ----------------------------------------------------------------------------
 
 
-def llama_child(target: str, draft: str, threads: int, tokens: int, rounds: int) -> None:
-    """Print llama.cpp's decode tokens/s on the prompts, greedy, without and with --model-draft, and the share of
-    drafted tokens its server kept (its timings)."""
+def llama_child(target: str, draft: str, threads: int, tokens: int, rounds: int, ids: list[list[int]]) -> None:
+    """Print llama.cpp's decode tokens/s on the prompts' token ids, greedy, without and with --model-draft, and the
+    share of drafted tokens its server kept (its timings)."""
     import xllamacpp as x
 
     def server(with_draft: bool):
@@ -132,19 +143,19 @@ def llama_child(target: str, draft: str, threads: int, tokens: int, rounds: int)
         n = ms = drafted = accepted = 0
         texts = []
         for _ in range(rounds):
-            for prompt in PROMPTS:
-                request = {"messages": [{"role": "user", "content": prompt}], "max_tokens": tokens, "temperature": 0}
-                reply = s.handle_chat_completions(request)
+            for prompt in ids:
+                request = {"prompt": prompt, "n_predict": tokens, "temperature": 0, "ignore_eos": True}
+                reply = s.handle_completions(request)
                 t = reply["timings"]
                 n, ms = n + t["predicted_n"], ms + t["predicted_ms"]
                 drafted, accepted = drafted + t.get("draft_n", 0), accepted + t.get("draft_n_accepted", 0)
-                texts.append(reply["choices"][0]["message"]["content"])
+                texts.append(reply["choices"][0]["text"])
         out[name] = dict(tokens_per_s=n / ms * 1e3, drafted=drafted, accepted=accepted, texts=texts)
         del s
     print(json.dumps(out))
 
 
-def llama(args) -> dict | None:
+def llama(args, ids: list[list[int]]) -> dict | None:
     """llama.cpp on SmolLM2's GGUF with the draft exported to GGUF (f16), or None (said why)."""
     path = os.environ.get("XLLAMACPP_PATH")
     if not path:
@@ -162,6 +173,7 @@ def llama(args) -> dict | None:
         return None
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), path]))
     cmd = [sys.executable, __file__, "--child", SMOL, str(gguf), str(args.threads), str(args.tokens), str(args.rounds)]
+    cmd.append(json.dumps(ids))
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if out.returncode != 0:
         print(f"llama.cpp left out: xllamacpp failed (exit {out.returncode}): {out.stderr.strip()[-400:]}")
@@ -179,19 +191,21 @@ def main() -> None:
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--fallback-layers", type=int, default=6)
     parser.add_argument("--no-llama", action="store_true")
-    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--text", choices=["shakespeare", "chat"], default="shakespeare", help="what to decode")
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        target, draft, threads, tokens, rounds = args.child
-        return llama_child(target, draft, int(threads), int(tokens), int(rounds))
+        target, draft, threads, tokens, rounds, ids = args.child
+        return llama_child(target, draft, int(threads), int(tokens), int(rounds), json.loads(ids))
     torch.set_num_threads(args.threads)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"{cpu}, {args.threads} thread(s), load average {os.getloadavg()[0]:.1f} at the start")
     rows = [measure(p, args) for p in args.precisions.split(",")]
+    ids = rows[0].pop("ids")
     for r in rows:
-        print(json.dumps(r))
+        print(json.dumps({k: v for k, v in r.items() if k != "ids"}))
     table(
-        f"SmolLM2-135M-Instruct greedy decode at batch 1, {args.tokens} tokens x {len(PROMPTS)} prompts x "
+        f"SmolLM2-135M-Instruct greedy decode at batch 1 ({args.text}), {args.tokens} tokens x 3 prompts x "
         f"{args.rounds} round(s); draft: {rows[0]['draft']} ({rows[0]['draft_params'] / 1e6:.1f}M parameters)",
         ["precision", "plain tok/s", "with draft tok/s", "speed-up", "drafted tokens kept", "same text", "K at end"],
         [
@@ -200,7 +214,7 @@ def main() -> None:
             for r in rows
         ],
     )
-    result = None if args.no_llama else llama(args)
+    result = None if args.no_llama else llama(args, ids)
     if result is not None:
         plain, spec = result["plain"], result["speculative"]
         kept = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
