@@ -74,48 +74,83 @@ def fallback_draft(target, layers: int) -> Draft:
     return Draft(small, None)
 
 
-def measure(precision: str, args) -> dict:
-    """Plain and speculative greedy replies, alternating, for every prompt and round: tokens/s both ways."""
+CHECKED = (2, 3, 4, 5, 8)  # tokens one check feeds a row (K + 1)
+
+
+def check_costs(target, reps: int) -> dict[int, float]:
+    """The model's check of T tokens of one row (backend.score, one call) over its one-token step, each timed reps
+    times in turn at 200 tokens held: what a round's check costs in steps."""
+    from nanogpt_cli.inference.backends import choose
+    from nanogpt_cli.inference.engine import KVCache
+
+    model = target.module
+    backend = choose(model, getattr(model, "decode_backend", None))
+    plan = backend.prepare(model, target.tokenizer.vocab_size)
+    total = dict.fromkeys((1, *CHECKED), 0.0)
+    with torch.inference_mode():
+        cache = KVCache(model, 1, ring=False)
+        backend.prefill(plan, torch.randint(0, 1000, (1, 200)), cache.view(0, 1))
+        for _ in range(reps + 1):  # the first pass warms up
+            for T in total:
+                cache.pos[0] = 200
+                t0 = time.perf_counter()
+                if T == 1:
+                    backend.step(plan, torch.tensor([5]), cache, 1)
+                else:
+                    backend.score(plan, torch.randint(0, 1000, (1, T)), cache.view(0, 1))
+                total[T] += (time.perf_counter() - t0) if _ else 0.0
+    return {T: total[T] / total[1] for T in CHECKED}
+
+
+def measure(precision: str, args) -> list[dict]:
+    """Plain greedy replies and speculative ones at each K setting (adaptive, or fixed), in turn for every prompt
+    and round: tokens/s, the share of drafted tokens kept, and whether the text is the plain one. A row each K."""
     target = api.load(SMOL, device="cpu", **PRECISIONS[precision])
     if Path(args.draft).exists():
-        target.use_draft(args.draft, args.draft_tokens)
+        target.use_draft(args.draft)
         draft, name = target.draft, args.draft
     else:
         draft, name = fallback_draft(target, args.fallback_layers), f"SmolLM2's first {args.fallback_layers} blocks"
-        draft.tokens, draft.k = args.draft_tokens, args.draft_tokens or draft.k
+    ks = [None if k == "adaptive" else int(k) for k in args.draft_tokens.split(",")]
+    drafts = {k: Draft(draft.model, k) for k in ks}
     settings = SampleSettings(max_new_tokens=args.tokens, temperature=0, ignore_eot=True)
     ids = prompts(target, args.text)
     sampler = target.sampler
-    sampler.draft = draft
+    sampler.draft = drafts[ks[0]]
     sampler.generate(ids[0], dataclasses.replace(settings, max_new_tokens=8))  # warm-up: forms, kernels
-    time_plain = time_draft = 0.0
-    tokens, same, kept, proposed = 0, True, 0, 0
+    drafts[ks[0]].stats = type(draft.stats)()
+    costs = check_costs(target, args.reps)
+    seconds = dict.fromkeys(["plain", *ks], 0.0)
+    tokens, same = 0, dict.fromkeys(ks, True)
     for _ in range(args.rounds):
         for prompt in ids:
             sampler.draft = None
             t0 = time.perf_counter()
             plain = sampler.generate(prompt, settings)
-            time_plain += time.perf_counter() - t0
-            sampler.draft = draft
-            before = dataclasses.replace(draft.stats)
-            t0 = time.perf_counter()
-            fast = sampler.generate(prompt, settings)
-            time_draft += time.perf_counter() - t0
+            seconds["plain"] += time.perf_counter() - t0
             tokens += plain.tokens
-            same = same and plain.token_ids == fast.token_ids
-            kept += draft.stats.accepted - before.accepted
-            proposed += draft.stats.proposed - before.proposed
-    return dict(
-        precision=precision,
-        draft=name,
-        draft_params=sum(p.numel() for p in draft.model.parameters()),
-        plain=tokens / time_plain,
-        speculative=tokens / time_draft,
-        acceptance=kept / max(proposed, 1),
-        same=same,
-        k=draft.k,
-        ids=ids,
-    )
+            for k in ks:
+                sampler.draft = drafts[k]
+                t0 = time.perf_counter()
+                fast = sampler.generate(prompt, settings)
+                seconds[k] += time.perf_counter() - t0
+                same[k] = same[k] and plain.token_ids == fast.token_ids
+    return [
+        dict(
+            precision=precision,
+            draft=name,
+            draft_params=sum(p.numel() for p in draft.model.parameters()),
+            k="adaptive" if k is None else str(k),
+            plain=tokens / seconds["plain"],
+            speculative=tokens / seconds[k],
+            acceptance=drafts[k].stats.rate,
+            same=same[k],
+            k_end=drafts[k].k,
+            ids=ids,
+            check_costs=costs,
+        )
+        for k in ks
+    ]
 
 
 # --- llama.cpp, a child process ----------------------------------------------------------------------------
@@ -184,10 +219,11 @@ def llama(args, ids: list[list[int]]) -> dict | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draft", default=STUDENT, help="the draft model: any source `--draft` takes")
-    parser.add_argument("--draft-tokens", type=int, default=None, help="fixed K (default: adaptive)")
+    parser.add_argument("--draft-tokens", default="adaptive,2,3", help="K settings to time: adaptive or numbers")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per reply")
     parser.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=10, help="timings of each check size")
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--fallback-layers", type=int, default=6)
     parser.add_argument("--no-llama", action="store_true")
@@ -200,19 +236,25 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     print(f"{cpu}, {args.threads} thread(s), load average {os.getloadavg()[0]:.1f} at the start")
-    rows = [measure(p, args) for p in args.precisions.split(",")]
-    ids = rows[0].pop("ids")
+    rows = [row for p in args.precisions.split(",") for row in measure(p, args)]
+    ids = rows[0]["ids"]
     for r in rows:
-        print(json.dumps({k: v for k, v in r.items() if k != "ids"}))
+        print(json.dumps({k: v for k, v in r.items() if k not in ("ids", "check_costs")}))
     table(
         f"SmolLM2-135M-Instruct greedy decode at batch 1 ({args.text}), {args.tokens} tokens x 3 prompts x "
         f"{args.rounds} round(s); draft: {rows[0]['draft']} ({rows[0]['draft_params'] / 1e6:.1f}M parameters)",
-        ["precision", "plain tok/s", "with draft tok/s", "speed-up", "drafted tokens kept", "same text", "K at end"],
+        ["precision", "K", "plain tok/s", "with draft tok/s", "speed-up", "drafted tokens kept", "same text"],
         [
-            [r["precision"], f"{r['plain']:.1f}", f"{r['speculative']:.1f}", f"{r['speculative'] / r['plain']:.2f}x"]
-            + [f"{r['acceptance']:.0%}", "yes" if r["same"] else "NO", str(r["k"])]
+            [r["precision"], r["k"] + (f" (ends {r['k_end']})" if r["k"] == "adaptive" else "")]
+            + [f"{r['plain']:.1f}", f"{r['speculative']:.1f}", f"{r['speculative'] / r['plain']:.2f}x"]
+            + [f"{r['acceptance']:.0%}", "yes" if r["same"] else "NO"]
             for r in rows
         ],
+    )
+    table(
+        "the model's check of T tokens of a row in one call (backend.score), in steps of one token",
+        ["precision", *[f"T = {T}" for T in CHECKED]],
+        [[p, *[f"{c[T]:.2f}" for T in CHECKED]] for p, c in {r["precision"]: r["check_costs"] for r in rows}.items()],
     )
     result = None if args.no_llama else llama(args, ids)
     if result is not None:
