@@ -83,11 +83,19 @@ def test_a_llama_shaped_model_checks_through_its_fused_step_and_keeps_its_greedy
     assert 0 < draft.stats.accepted < draft.stats.proposed
 
 
-def test_a_draft_of_a_shorter_context_restarts_and_the_text_stays_the_models(target):
+def test_past_either_models_context_the_caches_restart_and_the_text_stays_the_models(target):
+    """A draft of 8 tokens of context, and a model of 16, each restarting its cache from the last half of its
+    window (the model as the plain engine does: the same text)."""
     torch.manual_seed(3)
     small = shaken(GPT(tiny(vocab_size=64, block_size=8, n_layer=1)), 0.3, 3)
     plain = decode(Engine(target, 3), PROMPTS, n=50)
     assert decode(SpeculativeEngine(target, Draft(small, 3), 3), PROMPTS, n=50) == plain
+    short = shaken(GPT(tiny(vocab_size=64, block_size=16)), 0.3, 0)
+    near = shaken(copy.deepcopy(short), 0.1, 1)
+    plain = decode(Engine(short, 3), PROMPTS, n=40)
+    draft = Draft(near, 3)
+    assert decode(SpeculativeEngine(short, draft, 3), PROMPTS, n=40) == plain
+    assert 0 < draft.stats.accepted < draft.stats.proposed
 
 
 def test_after_rejections_both_caches_hold_what_a_fresh_prefill_of_the_kept_tokens_gives(target, near):

@@ -190,7 +190,7 @@ class SpeculativeEngine(Engine):
             self.cache.pos[:n], self.draft_cache.pos[:n], self.offset[:n] = held
             raise
         self.draft.adapt(accepted, k)
-        return self._emit(raw, drafted.tolist(), accepted, final)
+        return self._emit(raw, drafted.tolist(), accepted, final, held[0])
 
     def _propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's k tokens per row (n, k) and the probabilities it drew each from (n, k, V; zeros for greedy
@@ -313,10 +313,10 @@ class SpeculativeEngine(Engine):
         residual = torch.where(empty, p_next, residual)
         return kept.tolist(), self._draw(residual.log(), SamplingParams(temperature=1.0), slots)
 
-    def _emit(self, raw: torch.Tensor, drafted: list[list[int]], accepted: list[int], final: list[int]):
+    def _emit(self, raw: torch.Tensor, drafted: list[list[int]], accepted: list[int], final: list[int], pos: list[int]):
         """Hand out each row's kept tokens and its next one (a StepToken each) up to its end, then set both caches
-        to what the rows hold: the model's everything but the newest token (fed by the next round), the draft's
-        the tokens it fed that were kept."""
+        to what the rows hold: the model's, from its positions before the check (pos), every new token but the
+        newest (fed by the next round); the draft's, the tokens it fed that were kept."""
         out = []
         for slot, row in enumerate(self.rows):
             kept = accepted[slot]
@@ -335,7 +335,7 @@ class SpeculativeEngine(Engine):
                     )
                 if finish is not None:
                     break
-            self.cache.pos[slot] = len(row.tokens) - 1
+            self.cache.pos[slot] = pos[slot] + len(row.tokens) - start  # the pending token and the kept ones
             self.draft_cache.pos[slot] = min(self.draft_cache.pos[slot], start + kept - self.offset[slot])
         for t in out:
             if t.finish is not None:
