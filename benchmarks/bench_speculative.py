@@ -219,7 +219,7 @@ def llama(args, ids: list[list[int]]) -> dict | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--draft", default=STUDENT, help="the draft model: any source `--draft` takes")
-    parser.add_argument("--draft-tokens", default="adaptive,2,3", help="K settings to time: adaptive or numbers")
+    parser.add_argument("--draft-tokens", default="adaptive,1,2,3", help="K settings to time: adaptive or numbers")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per reply")
     parser.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
     parser.add_argument("--threads", type=int, default=1)
