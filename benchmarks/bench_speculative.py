@@ -77,29 +77,44 @@ def fallback_draft(target, layers: int) -> Draft:
 CHECKED = (2, 3, 4, 5, 8)  # tokens one check feeds a row (K + 1)
 
 
-def check_costs(target, reps: int) -> dict[int, float]:
-    """The model's check of T tokens of one row (backend.score, one call) over its one-token step, each timed reps
-    times in turn at 200 tokens held: what a round's check costs in steps."""
+def check_costs(target, draft, reps: int) -> dict:
+    """In steps of the model (one token, batch 1, 200 tokens held): its check of T tokens of one row (backend.score,
+    one call) and the draft's step ("draft"), each timed reps times in turn."""
     from nanogpt_cli.inference.backends import choose
     from nanogpt_cli.inference.engine import KVCache
 
-    model = target.module
-    backend = choose(model, getattr(model, "decode_backend", None))
-    plan = backend.prepare(model, target.tokenizer.vocab_size)
-    total = dict.fromkeys((1, *CHECKED), 0.0)
+    calls = {}
     with torch.inference_mode():
-        cache = KVCache(model, 1, ring=False)
-        backend.prefill(plan, torch.randint(0, 1000, (1, 200)), cache.view(0, 1))
-        for _ in range(reps + 1):  # the first pass warms up
+        for name, model in (("model", target.module), ("draft", draft.model)):
+            backend = choose(model, getattr(model, "decode_backend", None))
+            plan = backend.prepare(model, target.tokenizer.vocab_size)
+            cache = KVCache(model, 1, ring=False)
+            backend.prefill(plan, torch.randint(0, 1000, (1, 200)), cache.view(0, 1))
+            calls[name] = (backend, plan, cache)
+        total = dict.fromkeys([1, *CHECKED, "draft"], 0.0)
+        for rep in range(reps + 1):  # the first pass warms up
             for T in total:
+                backend, plan, cache = calls["draft" if T == "draft" else "model"]
                 cache.pos[0] = 200
                 t0 = time.perf_counter()
-                if T == 1:
+                if T == 1 or T == "draft":
                     backend.step(plan, torch.tensor([5]), cache, 1)
                 else:
                     backend.score(plan, torch.randint(0, 1000, (1, T)), cache.view(0, 1))
-                total[T] += (time.perf_counter() - t0) if _ else 0.0
-    return {T: total[T] / total[1] for T in CHECKED}
+                total[T] += (time.perf_counter() - t0) if rep else 0.0
+    return {T: total[T] / total[1] for T in [*CHECKED, "draft"]}
+
+
+def needed(costs: dict, speedup: float) -> str:
+    """The acceptance rate a draft needs for this speed-up at the best K of 1 to 4, from the costs measured
+    (Leviathan et al.'s expected tokens per round, 1 + a + ... + a^K, over K draft steps and one check of K + 1)."""
+    best = []
+    for k in range(1, 5):
+        cost = k * costs["draft"] + costs[k + 1]
+        a = next((a / 100 for a in range(1, 100) if sum((a / 100) ** i for i in range(k + 1)) >= speedup * cost), None)
+        if a is not None:
+            best.append((a, k))
+    return f"{min(best)[0]:.0%} (K = {min(best)[1]})" if best else "none"
 
 
 def measure(precision: str, args) -> list[dict]:
@@ -119,7 +134,7 @@ def measure(precision: str, args) -> list[dict]:
     sampler.draft = drafts[ks[0]]
     sampler.generate(ids[0], dataclasses.replace(settings, max_new_tokens=8))  # warm-up: forms, kernels
     drafts[ks[0]].stats = type(draft.stats)()
-    costs = check_costs(target, args.reps)
+    costs = check_costs(target, draft, args.reps)
     seconds = dict.fromkeys(["plain", *ks], 0.0)
     tokens, same = 0, dict.fromkeys(ks, True)
     for _ in range(args.rounds):
@@ -252,9 +267,13 @@ def main() -> None:
         ],
     )
     table(
-        "the model's check of T tokens of a row in one call (backend.score), in steps of one token",
-        ["precision", *[f"T = {T}" for T in CHECKED]],
-        [[p, *[f"{c[T]:.2f}" for T in CHECKED]] for p, c in {r["precision"]: r["check_costs"] for r in rows}.items()],
+        "the model's check of T tokens of a row in one call (backend.score) and the draft's step, in steps of the "
+        "model; the acceptance a draft of that cost needs for a speed-up of 1x and 1.5x",
+        ["precision", *[f"T = {T}" for T in CHECKED], "draft step", "1x needs", "1.5x needs"],
+        [
+            [p, *[f"{c[T]:.2f}" for T in CHECKED], f"{c['draft']:.2f}", needed(c, 1.0), needed(c, 1.5)]
+            for p, c in {r["precision"]: r["check_costs"] for r in rows}.items()
+        ],
     )
     result = None if args.no_llama else llama(args, ids)
     if result is not None:
