@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from nanogpt_cli.cli import app
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inference.engine import Engine, SamplingParams, process_logits
-from nanogpt_cli.inference.speculative import K_MAX, Draft, SpeculativeEngine, check_tokenizers
+from nanogpt_cli.inference.speculative import Draft, SpeculativeEngine, check_tokenizers
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs import checkpoint as ckpt
 from nanogpt_cli.tokenizer import build_tokenizer
@@ -158,13 +158,17 @@ def test_sampled_tokens_follow_the_models_distribution_not_the_drafts(params):
         assert p_value > 1e-3, (step, counts.tolist(), expected.tolist())
 
 
-def test_an_adaptive_k_grows_while_all_are_kept_and_shrinks_on_early_rejections(target):
+def test_an_adaptive_k_grows_while_all_are_kept_and_a_useless_draft_rests(target):
     draft = Draft(target, None)
+    assert draft.k == 1  # the prior's acceptance of 2/3: one token at a time
     decode(SpeculativeEngine(target, draft, 1), PROMPTS[:1], n=60)  # a draft that is the model: all kept
-    assert draft.k == K_MAX and draft.stats.rate == 1.0
-    for _ in range(20):
-        draft.adapt([0, 1], K_MAX)
-    assert draft.k == 1
+    assert draft.k >= 4 and draft.stats.rate == 1.0
+    engine = SpeculativeEngine(target, Draft(shaken(GPT(tiny(vocab_size=64, block_size=64)), 0.3, 5), None), 1)
+    decode(engine, PROMPTS[:1], n=60)  # a draft of its own that the model seldom agrees with
+    assert engine.draft.stats.rate < 0.1 and engine.draft.stats.rounds < 30  # it rested between probes
+    for _ in range(60):  # nothing kept from now on
+        draft.adapt([0], draft.k)
+    assert draft.k == 1 and draft.rest > 0
 
 
 # --- through the commands and the server ----------------------------------------------------------------------

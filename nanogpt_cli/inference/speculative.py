@@ -35,8 +35,14 @@ from nanogpt_cli.inference.engine import (
 from nanogpt_cli.model import GPT
 from nanogpt_cli.tokenizer import Tokenizer
 
-# the adaptive K's start and bounds: on a CPU the fused step checks up to about 4 tokens a row at one step's cost
-K_START, K_MIN, K_MAX = 3, 1, 8
+# The adaptive K (Leviathan et al. 2023, section 3.5): the K that maximises the expected tokens per round,
+# 1 + a + ... + a^K for an acceptance rate a, over the round's cost in steps of the model, 1 + K * DRAFT_COST +
+# (K - 1) * CHECK_COST. The costs are this CPU's (benchmarks/README.md, speculative decoding): a draft of a tenth of
+# the model's size steps in ~0.1 of its step, and the fused step checks 2 tokens of a row at one step's cost and
+# each one more at ~0.25 more. `a` is counted from the rounds (kept and refused tokens, decaying by DECAY a round)
+# from a prior of PRIOR; where even K = 1 would be slower than plain steps the draft rests for REST steps.
+DRAFT_COST, CHECK_COST, K_MAX = 0.1, 0.25, 8
+PRIOR, DECAY, REST = (2.0, 1.0), 0.9, 16
 SHORT_FEED = 8  # the draft takes up to this many new tokens through backend.score, more (a prompt) as a prefill
 
 
@@ -62,18 +68,31 @@ class Draft:
     def __init__(self, model: GPT, tokens: int | None = None):
         check_draft_tokens(tokens)
         self.model, self.tokens = model, tokens
-        self.k = tokens or K_START
+        self.kept, self.refused = PRIOR  # the adaptive K's evidence
+        self.k, self.rest = tokens or self.best()[1], 0
         self.stats = DraftStats()
 
+    def best(self) -> tuple[float, int]:
+        """The expected speed-up of the best K for the acceptance rate counted so far, and that K."""
+        a = self.kept / (self.kept + self.refused)
+        return max(
+            (sum(a**i for i in range(k + 1)) / (1 + k * DRAFT_COST + (k - 1) * CHECK_COST), k)
+            for k in range(1, K_MAX + 1)
+        )
+
     def adapt(self, accepted: list[int], k: int) -> None:
-        """An adaptive K grows by one when every row kept all k tokens, and shrinks by one when the rows kept
-        fewer than half of them: a rejection early in the round makes the later drafted tokens wasted work."""
+        """After a round of k drafted tokens (accepted: each row's kept): count them, and take the best K; rest where
+        even the best would be slower than plain steps. A fixed K stays."""
         if self.tokens is not None:
             return
-        if all(a == k for a in accepted):
-            self.k = min(self.k + 1, K_MAX)
-        elif 2 * sum(accepted) < k * len(accepted):
-            self.k = max(self.k - 1, K_MIN)
+        self.kept = DECAY * self.kept + sum(accepted)
+        self.refused = DECAY * self.refused + sum(a < k for a in accepted)  # a row's round ends at its first refusal
+        gain, self.k = self.best()
+        self.rest = REST if gain < 1 else 0
+
+    def rested(self) -> None:
+        """A plain step taken: one fewer to rest."""
+        self.rest = max(0, self.rest - 1)
 
 
 def check_draft_tokens(tokens: int | None) -> None:
@@ -158,15 +177,16 @@ class SpeculativeEngine(Engine):
 
     def pick(self) -> list[StepToken]:
         k = self._round_tokens() if self.behind else 0
-        if k == 0:  # right after a prefill (each row's first token comes from its logits), or no room for a round
+        if k == 0:  # right after a prefill (each row's first token comes from its logits), no room, or resting
+            self.draft.rested()
             return super().pick()
         return self._speculate(k)
 
     def _round_tokens(self) -> int:
         """How many tokens this round drafts: the draft's K, cut so that the check fits every row's context and no
-        row drafts past its last token; 0: a plain step."""
+        row drafts past its last token; 0: a plain step (also while an adaptive draft rests)."""
         rows = self.rows
-        if any(r.mask is not None or r.params.repetition_penalty != 1.0 for r in rows):
+        if self.draft.rest or any(r.mask is not None or r.params.repetition_penalty != 1.0 for r in rows):
             return 0
         n, dcap = len(rows), self.draft_cache.capacity
         room = self.block_size - 1 - max(self.cache.pos[:n])  # the check writes k + 1 keys from pos
