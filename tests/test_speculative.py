@@ -67,7 +67,8 @@ def test_greedy_text_is_the_models_own_for_every_k_and_batch_size(target, near, 
     plain = decode(Engine(target, batch, backend=backend), prompts)
     draft = Draft(near, k)
     assert decode(SpeculativeEngine(target, draft, batch, backend=backend), prompts) == plain
-    assert 0 < draft.stats.accepted < draft.stats.proposed  # drafted tokens were both kept and refused
+    if k is not None:  # drafted tokens were both kept and refused (an adaptive K soon rests this draft)
+        assert 0 < draft.stats.accepted < draft.stats.proposed
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -227,6 +228,7 @@ def test_server_rows_keep_different_numbers_of_drafted_tokens_and_the_greedy_tex
 
     model, draft = byte_models
     options = ServeOptions(source=str(model), port=0, max_batch=4, device="cpu", dtype="float32", draft=str(draft))
+    options.draft_tokens = 2  # fixed: an adaptive K would soon rest this draft
     ready = threading.Event()
     server = build_server(options, on_ready=lambda started: ready.set())
     thread = threading.Thread(target=server.run, daemon=True)

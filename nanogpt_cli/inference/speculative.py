@@ -36,12 +36,12 @@ from nanogpt_cli.model import GPT
 from nanogpt_cli.tokenizer import Tokenizer
 
 # The adaptive K (Leviathan et al. 2023, section 3.5): the K that maximises the expected tokens per round,
-# 1 + a + ... + a^K for an acceptance rate a, over the round's cost in steps of the model, 1 + K * DRAFT_COST +
-# (K - 1) * CHECK_COST. The costs are this CPU's (benchmarks/README.md, speculative decoding): a draft of a tenth of
-# the model's size steps in ~0.1 of its step, and the fused step checks 2 tokens of a row at one step's cost and
-# each one more at ~0.25 more. `a` is counted from the rounds (kept and refused tokens, decaying by DECAY a round)
-# from a prior of PRIOR; where even K = 1 would be slower than plain steps the draft rests for REST steps.
-DRAFT_COST, CHECK_COST, K_MAX = 0.1, 0.25, 8
+# 1 + a + ... + a^K for an acceptance rate a, over the round's cost in steps of the model, 1 + K * (DRAFT_COST +
+# CHECK_COST). The costs are this CPU's at batch 1 (benchmarks/README.md, speculative decoding): a draft of a tenth
+# of the model's size steps in 0.1-0.3 of its step, and the fused step checks K + 1 tokens of a row at about
+# 1 + K / 4 steps. `a` is counted from the rounds (kept and refused tokens, decaying by DECAY a round) from a prior
+# of PRIOR; where even K = 1 would be slower than plain steps (a below ~40 %) the draft rests for REST steps.
+DRAFT_COST, CHECK_COST, K_MAX = 0.15, 0.25, 8
 PRIOR, DECAY, REST = (2.0, 1.0), 0.9, 16
 SHORT_FEED = 8  # the draft takes up to this many new tokens through backend.score, more (a prompt) as a prefill
 
@@ -76,8 +76,7 @@ class Draft:
         """The expected speed-up of the best K for the acceptance rate counted so far, and that K."""
         a = self.kept / (self.kept + self.refused)
         return max(
-            (sum(a**i for i in range(k + 1)) / (1 + k * DRAFT_COST + (k - 1) * CHECK_COST), k)
-            for k in range(1, K_MAX + 1)
+            (sum(a**i for i in range(k + 1)) / (1 + k * (DRAFT_COST + CHECK_COST)), k) for k in range(1, K_MAX + 1)
         )
 
     def adapt(self, accepted: list[int], k: int) -> None:
