@@ -72,13 +72,19 @@ def test_greedy_text_is_the_models_own_for_every_k_and_batch_size(target, near, 
         assert 0 < draft.stats.accepted < draft.stats.proposed
 
 
+LLAMA = dict(vocab_size=64, block_size=64, norm="rmsnorm", mlp="swiglu", n_kv_head=1)
+# Gemma 3's blocks: local layers of a window of 8 (their caches keep every position in a speculative engine)
+GEMMA3 = dict(LLAMA, mlp="geglu", qk_norm=True, post_norms=True, sliding_window=8, window_pattern="LG")
+
+
+@pytest.mark.parametrize("arch", [LLAMA, GEMMA3], ids=["llama", "gemma3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_llama_shaped_model_checks_through_its_fused_step_and_keeps_its_greedy_text(dtype):
-    """RMSNorm, SwiGLU and RoPE: the cpu backend checks the drafted tokens in one call of its fused step where our
-    kernels are built (each row's tokens as rows sharing its cache row), else through the decoding form."""
+def test_a_llama_shaped_model_checks_through_its_fused_step_and_keeps_its_greedy_text(dtype, arch):
+    """RMSNorm, SwiGLU and RoPE (and Gemma 3's sliding windows, past them): the cpu backend checks the drafted
+    tokens in one call of its fused step where our kernels are built (each row's tokens as rows sharing its cache
+    row), else through the decoding form."""
     torch.manual_seed(0)
-    llama = dict(vocab_size=64, block_size=64, norm="rmsnorm", mlp="swiglu", n_kv_head=1)
-    model = shaken(GPT(tiny(**llama)), 0.3, 0).to(dtype)
+    model = shaken(GPT(tiny(**arch)), 0.3, 0).to(dtype)
     draft = Draft(shaken(copy.deepcopy(model).float(), 0.1, 1).to(dtype), 3)
     plain = decode(Engine(model, 3, backend="cpu"), PROMPTS)
     assert decode(SpeculativeEngine(model, draft, 3, backend="cpu"), PROMPTS) == plain
@@ -259,3 +265,19 @@ def test_server_rows_keep_different_numbers_of_drafted_tokens_and_the_greedy_tex
         assert text == sampler.generate(prompt, SampleSettings(max_new_tokens=40, temperature=0)).text, prompt
     assert len(rates) == 3 and len(set(rates)) > 1, rates
     assert "nanogpt_draft_accepted_tokens_total" in metrics and "nanogpt_draft_acceptance_rate" in metrics
+
+
+def test_the_draft_loads_as_the_model_does_through_the_models_spec(byte_models):
+    """api.load's draft= goes through the model's loader with the model's spec, its source replaced: the draft's
+    blocks are quantized as the model's are, on the backend it names, in the model's dtype as cast."""
+    from nanogpt_cli import api
+    from nanogpt_cli.inference.backends.quantize import QuantizedLinear
+
+    model, draft = byte_models
+    loaded = api.load(model, device="cpu", quantize="int8", backend="torch", draft=draft, draft_tokens=2)
+    assert loaded.spec.draft == str(draft) and loaded.draft.tokens == 2
+    d = loaded.draft.model
+    assert isinstance(d.transformer.h[0].attn.c_attn, QuantizedLinear)
+    assert d.decode_backend == "torch" and d.transformer.wte.weight.dtype == loaded.dtype
+    loaded.use_draft(None)  # off again, and the spec says so
+    assert loaded.draft is None and loaded.spec.draft is None
