@@ -773,7 +773,7 @@ class LoadSpec:
     # speculative decoding (inference/speculative.py): the draft loads as this spec says, its source replaced
     draft: str | None = load_setting(
         None,
-        "A smaller model with the same tokenizer (any source the model's option takes), loaded as the model is, that "
+        "A smaller model with the same tokenizer (any source a model loads from), loaded as the model is, that "
         "proposes tokens for the model to check in one forward: faster decoding, the same greedy text and the same "
         "distribution.",
     )

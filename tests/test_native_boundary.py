@@ -163,7 +163,7 @@ def test_a_wrong_fused_step_call_with_caches_made_before_a_layers_window_changed
         native.decode(step.blocks, caches, torch.randn(1, 128).bfloat16(), torch.tensor([0]), 1)
 
 
-def test_drafted_rows_sharing_a_cache_row_get_what_steps_get_past_a_window():
+def test_drafted_rows_sharing_a_cache_row_get_exactly_the_fused_steps_values_past_a_window():
     """A speculative check (cpu backend's score): each row's next tokens as rows of one fused call sharing its cache
     row, in caches that keep every position (KVCache(ring=False)); windowed layers of 8 see the window's last keys
     in place, from positions before the window to well past it: exactly the fused steps' values, and the op-by-op
