@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from nanogpt_cli.inference.chat import ChatSession
     from nanogpt_cli.inference.evaluate import EvalResult
     from nanogpt_cli.inference.sample import Piece, SampleResult, SampleSettings
+    from nanogpt_cli.inference.speculative import Draft
     from nanogpt_cli.inference.tasks import TaskResults
     from nanogpt_cli.inspect.attention import AttentionMaps
     from nanogpt_cli.inspect.catalog import Info, RunSummary
@@ -122,13 +123,17 @@ def load(source: str | Path | LoadSpec, **options: Any) -> Model:
     torch.dtype); auto picks from the device and the size of the weights. quantize: None, "int8" (one scale per
     output channel) or "int4" (a scale and zero per group_size inputs) for the blocks' weights, on a CPU. backend:
     "cpu" or "torch", how decode steps are computed (default: the first that supports the model). threads: torch's
-    CPU threads (None: as they are; "auto": chosen from the load, as the commands do)."""
+    CPU threads (None: as they are; "auto": chosen from the load, as the commands do). draft, draft_tokens: a draft
+    model for speculative decoding, loaded after the model as Model.use_draft does."""
     from nanogpt_cli.interop.loading import load_parsed, parse_spec
 
     spec = load_spec(source, **options)
     parsed = parse_spec(spec)  # the one reading of the source: the loaders dispatch on its type
     loaded = load_parsed(parsed, spec)
-    return Model(loaded, spec.source, spec)
+    model = Model(loaded, spec.source, spec)
+    if spec.draft is not None:
+        model.use_draft(spec.draft, spec.draft_tokens)
+    return model
 
 
 def load_spec(source: str | Path | LoadSpec, **options: Any) -> LoadSpec:
@@ -150,6 +155,23 @@ class Model:
         self.spec = spec or LoadSpec(source)  # how it was loaded: another model loads alike with replace(source=...)
         self.sampler = Sampler(loaded)  # the one generation path the commands use too
         self._template = None
+
+    def use_draft(self, source: str | Path | None, tokens: int | None = None) -> None:
+        """Decode with a draft model from then on (speculative decoding; None: without one): a smaller model with
+        the same tokenizer, from any source load() takes, loaded as this model was (its spec, the source replaced:
+        the same device, dtype, quantization and backend). It proposes `tokens` tokens at a time (None: a number
+        adapted to how many are kept) that this model checks in one forward: greedy text stays this model's, and
+        sampled text keeps its distribution. load(..., draft=, draft_tokens=) does the same."""
+        from nanogpt_cli.inference.speculative import load_draft
+
+        spec = dataclasses.replace(self.spec, draft=source, draft_tokens=tokens)  # checked before anything is read
+        self.sampler.draft = load_draft(spec, self.tokenizer, self.dtype)
+        self.spec = spec
+
+    @property
+    def draft(self) -> Draft | None:
+        """The draft model and its accepted-token counts (draft.stats), or None."""
+        return self.sampler.draft
 
     @property
     def module(self) -> GPT:
@@ -313,7 +335,9 @@ class Model:
         when the context is full (what `nanogpt chat` runs). Settings as for generate()."""
         from nanogpt_cli.inference.chat import ChatSession
 
-        return ChatSession(self.loaded, self.template, _sample_settings(settings), system, max_new_tokens)
+        return ChatSession(
+            self.loaded, self.template, _sample_settings(settings), system, max_new_tokens, draft=self.draft
+        )
 
     def score(
         self,

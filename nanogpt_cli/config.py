@@ -770,6 +770,16 @@ class LoadSpec:
         "How decode steps are computed: cpu (our kernels, on a CPU) or torch (the model's own forward); default: "
         "the first that supports the model.",
     )
+    # speculative decoding (inference/speculative.py): the draft loads as this spec says, its source replaced
+    draft: str | None = load_setting(
+        None,
+        "A smaller model with the same tokenizer (any source a model loads from), loaded as the model is, that "
+        "proposes tokens for the model to check in one forward: faster decoding, the same greedy text and the same "
+        "distribution.",
+    )
+    draft_tokens: int | None = load_setting(
+        None, "Tokens the --draft model proposes at a time (default: adapted to how many are kept)."
+    )
 
     def __post_init__(self):
         object.__setattr__(self, "source", str(self.source))
@@ -783,6 +793,14 @@ class LoadSpec:
             and (not isinstance(self.threads, int) or self.threads < 1)
         ):
             raise NanoGPTError(f"--threads must be at least 1, got {self.threads!r}")
+        if self.draft is not None:
+            object.__setattr__(self, "draft", str(self.draft))
+        elif self.draft_tokens is not None:
+            raise NanoGPTError("--draft-tokens sets how many tokens a draft model proposes: give --draft too")
+        if self.draft_tokens is not None and (not isinstance(self.draft_tokens, int) or self.draft_tokens < 1):
+            raise NanoGPTError(
+                f"--draft-tokens must be at least 1 (or left out for an adaptive K), got {self.draft_tokens!r}"
+            )
 
 
 @functools.cache

@@ -22,6 +22,7 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inference.backends import BACKENDS, choose, decode_words
 from nanogpt_cli.inference.backends.cpu import FUSED
 from nanogpt_cli.inference.backends.quantize import quantize_model
+from nanogpt_cli.inference.backends.reference import TORCH
 from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams
 from nanogpt_cli.interop.families import FAMILIES
 from nanogpt_cli.model import GPT
@@ -116,6 +117,38 @@ def test_every_backend_decodes_what_the_torch_backend_decodes(arch, dtype):
             assert spread > 1.0  # logits that spread: their greedy picks are not near-ties
             err = (step_logits(model, backend.name, batch, tokens) - ref).abs().max().item()
             assert err <= TOLERANCE[dtype] * spread, (backend.name, batch, err / spread)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bf16", "int8", "int4"])
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_every_backend_scores_a_rows_next_tokens_as_the_torch_backends_steps_do(arch, dtype):
+    """backend.score (speculative decoding's check): 3 rows at their own positions take 4 tokens each in one call,
+    against the torch backend's 4 steps; caches that keep every position (KVCache(ring=False)), as a speculative
+    engine's do."""
+    model = model_for(arch, dtype)
+    batch, T = 3, 4
+    tokens = torch.randint(0, SHAPE["vocab_size"], (batch, SHAPE["block_size"]), generator=torch.Generator())
+    out = {}
+    with torch.inference_mode():
+        new = torch.stack([tokens[r, PROMPTS[r] : PROMPTS[r] + T] for r in range(batch)])  # (batch, T)
+        for backend in [TORCH, *BACKENDS]:  # the torch backend's steps first
+            name = "steps" if "steps" not in out else backend.name
+            plan = backend.prepare(model, model.config.vocab_size)
+            cache = KVCache(model, batch, ring=False)
+            for r in range(batch):
+                backend.prefill(plan, tokens[r : r + 1, : PROMPTS[r]], cache.view(r, r + 1))
+            if name == "steps":
+                steps = [backend.step(plan, new[:, j], cache, batch).float() for j in range(T)]
+                out[name] = torch.stack(steps, dim=1)  # (batch, T, V)
+            else:
+                if backend.name == "cpu" and dtype != "float32":  # the fused step checks them, windows and all
+                    assert plan.fused is not None
+                out[name] = backend.score(plan, new, cache.view(0, batch)).float()
+            assert cache.pos[:batch] == [PROMPTS[r] + T for r in range(batch)]
+    spread = out["steps"].std().item()
+    for backend in BACKENDS:
+        err = (out[backend.name] - out["steps"]).abs().max().item()
+        assert err <= (TOLERANCE.get(dtype, 1e-4)) * spread, (backend.name, err / spread)
 
 
 def test_the_fused_step_runs_where_its_declaration_holds_and_the_matrix_reaches_it():

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from nanogpt_cli.inference.backends import native
-from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step, head_logits
+from nanogpt_cli.inference.backends.cpu import CPUBackend, decode_plan, decode_step, head_logits
 from nanogpt_cli.inference.backends.quantize import QuantizedLinear, quantize_int4, quantize_int8, quantize_model
 from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams
 from nanogpt_cli.model import GPT
@@ -161,6 +161,34 @@ def test_a_wrong_fused_step_call_with_caches_made_before_a_layers_window_changed
     step.blocks.layer(0, dataclasses.replace(step.blocks.keep[0], window=0))
     with pytest.raises(ValueError, match="^caches must be a native.Caches made for these blocks as they are now"):
         native.decode(step.blocks, caches, torch.randn(1, 128).bfloat16(), torch.tensor([0]), 1)
+
+
+def test_drafted_rows_sharing_a_cache_row_get_exactly_the_fused_steps_values_past_a_window():
+    """A speculative check (cpu backend's score): each row's next tokens as rows of one fused call sharing its cache
+    row, in caches that keep every position (KVCache(ring=False)); windowed layers of 8 see the window's last keys
+    in place, from positions before the window to well past it: exactly the fused steps' values, and the op-by-op
+    steps' within bf16's rounding. A ring cache refuses shared rows (a later key would overwrite one)."""
+    model = llama(torch.bfloat16, None, n_layer=2, sliding_window=8, window_pattern="LG")
+    plan = decode_plan(model)
+    assert plan.fused is not None
+    tokens = torch.randint(0, model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    spans = [(0, 3), (3, 10), (10, 14), (14, 20)]  # several positions before, across and past the window
+    with torch.inference_mode():
+        steps = []
+        for p in (plan, plan._replace(fused=None)):
+            cache = KVCache(model, 2, ring=False)
+            steps.append(torch.stack([decode_step(p, tokens[:, j], cache) for j in range(20)], dim=1).float())
+        cache = KVCache(model, 2, ring=False)
+        scored = torch.cat([CPUBackend().score(plan, tokens[:, a:b], cache.view(0, 2)) for a, b in spans], dim=1)
+        assert cache.pos[:2] == [20, 20]
+        fused_steps, by_op = steps
+        assert torch.equal(scored.float(), fused_steps)
+        assert (scored.float() - by_op).abs().max().item() <= 0.02 * by_op.abs().max().item()
+        ring = KVCache(model, 1)
+        caches = native.Caches(plan.fused.blocks, ring.k, ring.v)
+        x, pos, rows = torch.randn(2, 128).bfloat16(), torch.tensor([0, 1]), torch.tensor([0, 0])
+        with pytest.raises(ValueError, match="^rows may share a cache row only in a cache without rings"):
+            native.decode(plan.fused.blocks, caches, x, pos, 1, rows=rows)
 
 
 def test_the_shared_structs_are_checked_field_by_field():

@@ -15,7 +15,10 @@ from nanogpt_cli.config import LoadSpec
 
 # an export writes the weights as they are stored: read in float32 on the CPU, neither cast nor quantized for a run
 AS_STORED = "an export writes the weights as stored (float32, on the CPU); --quant sets a GGUF file's types"
-EXPORTS = {name: AS_STORED for name in ("device", "dtype", "quantize", "group_size", "threads", "backend")}
+EXPORTS = {
+    name: AS_STORED
+    for name in ("device", "dtype", "quantize", "group_size", "threads", "backend", "draft", "draft_tokens")
+}
 
 
 @one_line_errors

@@ -34,6 +34,8 @@ def print_samples(sampler, text: str, settings, num_samples: int, stream: bool, 
         for i, r in enumerate(sampler.generate_many([text] * num_samples, settings)):
             record = {"sample": i + 1, "prompt": text, "text": r.text, "tokens": r.tokens}
             record.update(stop_reason=r.stop_reason, tokens_per_s=round(r.tokens_per_s, 1))
+            if r.draft_acceptance is not None:  # --draft: the share of the draft's tokens the model kept
+                record["draft_acceptance"] = round(r.draft_acceptance, 3)
             print(json.dumps(record, ensure_ascii=False), flush=True)
         return
     results: list = [None] * num_samples
@@ -90,7 +92,11 @@ def sample(
     stream: Annotated[bool, typer.Option("--stream/--no-stream", help="Print text as it is generated.")] = True,
     json_out: Annotated[
         bool,
-        typer.Option("--json", help="One JSON object per sample: text, tokens, stop_reason, tokens_per_s."),
+        typer.Option(
+            "--json",
+            help="One JSON object per sample: text, tokens, stop_reason, tokens_per_s (and draft_acceptance with "
+            "--draft).",
+        ),
     ] = False,
     interactive: Annotated[
         bool, typer.Option("--interactive", "-i", help="Ask for prompts in a loop (--prompt is the first).")

@@ -22,10 +22,13 @@ inspect_app = typer.Typer(
 )
 # what the pictures are of: the float weights' attention through the model's own forward, never a decode step
 FLOAT_WEIGHTS = "the maps are of the weights as trained, through the model's own forward"
-MEASURES = {name: FLOAT_WEIGHTS for name in ("quantize", "group_size", "backend")}
+MEASURES = {name: FLOAT_WEIGHTS for name in ("quantize", "group_size", "backend", "draft", "draft_tokens")}
 # the position scheme is the config's and the position table's: read on the CPU in float32, on any machine
 TABLES = "the position scheme is drawn from the config and the table, read on the CPU in float32"
-DRAWS = {name: TABLES for name in ("device", "dtype", "quantize", "group_size", "threads", "backend")}
+DRAWS = {
+    name: TABLES
+    for name in ("device", "dtype", "quantize", "group_size", "threads", "backend", "draft", "draft_tokens")
+}
 Size = Annotated[
     str | None,
     typer.Option(help="Picture size in pixels, WIDTHxHEIGHT (default: fits the labels).", show_default=False),

@@ -35,8 +35,9 @@ class ChatSession:
         settings: SampleSettings,
         system: str | None = None,
         max_new_tokens: int | None = None,
+        draft=None,
     ):
-        self.sampler = Sampler(loaded)
+        self.sampler = Sampler(loaded, draft)  # draft: speculative decoding's (inference/speculative.py)
         self.tokenizer = loaded.tokenizer
         self.template = template
         self.settings = dataclasses.replace(settings, stop=list(settings.stop) + template.stop, ignore_eot=False)

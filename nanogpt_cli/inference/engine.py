@@ -59,14 +59,16 @@ class KVCache:
     attention shrinks it by n_head / n_kv_head.
 
     A sliding-window layer whose window is shorter than the context keeps only its window, as a ring: the key
-    at position j lives in slot j % window, overwritten once j leaves every later token's window."""
+    at position j lives in slot j % window, overwritten once j leaves every later token's window. ring=False keeps
+    every position instead, so that a row's position can be set back (speculative decoding rolls back rejected
+    tokens, whose keys a ring would have written over older ones)."""
 
-    def __init__(self, model: GPT, rows: int):
+    def __init__(self, model: GPT, rows: int, ring: bool = True):
         cfg, w = model.config, model.transformer.wte.weight
         # under autocast the cache holds the autocast dtype, as the attention's k and v come out in it
         dtype = torch.get_autocast_dtype(w.device.type) if torch.is_autocast_enabled(w.device.type) else w.dtype
         window = cfg.sliding_window
-        self.ring = window if window is not None and window < cfg.block_size else None  # ring layers' slots
+        self.ring = window if ring and window is not None and window < cfg.block_size else None  # ring layers' slots
         self.k, self.v, self.in_ring = [], [], []
         for layer in range(cfg.n_layer):
             ring = self.ring is not None and cfg.is_local(layer)
@@ -422,6 +424,8 @@ class Engine:
     adapters (lora.RowAdapters), which the engine tells each forward which rows it runs. backend: the decode
     backend's name (inference/backends/), else the first that supports the model."""
 
+    ring_cache = True  # sliding-window layers keep their window only (KVCache); a speculative engine keeps them all
+
     def __init__(
         self,
         model: GPT,
@@ -439,7 +443,7 @@ class Engine:
         self.vocab_size = min(vocab_size or model.config.vocab_size, model.config.vocab_size)
         self.device = model.transformer.wte.weight.device
         with torch.inference_mode():
-            self.cache = KVCache(model, max_batch) if use_cache else None
+            self.cache = KVCache(model, max_batch, ring=self.ring_cache) if use_cache else None
         # --backend's choice, or the one the loader was given (load_for_inference), else the first that fits
         self.backend: DecodeBackend = choose(model, backend or getattr(model, "decode_backend", None))
         self.plan = self.backend.prepare(model, self.vocab_size)  # the backend's own forms of the weights

@@ -21,6 +21,7 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inference.engine import Engine, SamplingParams
 from nanogpt_cli.interop.loading import InferenceModel, load_for_inference
 from nanogpt_cli.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from nanogpt_cli.inference.speculative import Draft
 
 
 @dataclass
@@ -84,6 +88,7 @@ class SampleResult:
     token_ids: list[int]  # those tokens
     stop_reason: str  # "length", "stop" or "eot"
     elapsed_s: float
+    draft_acceptance: float | None = None  # with a draft: the share of its proposed tokens that were kept
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,8 +98,9 @@ class SampleResult:
 class Sampler:
     """A loaded model and tokenizer, kept for many prompts (the interactive loop reuses it)."""
 
-    def __init__(self, loaded: InferenceModel):
+    def __init__(self, loaded: InferenceModel, draft: Draft | None = None):
         self.model, self.tokenizer, self.device = loaded.model, loaded.tokenizer, loaded.device
+        self.draft = draft  # a draft model for speculative decoding (inference/speculative.py), or None
 
     @classmethod
     def load(cls, checkpoint: str | Path, last: bool = False, device: str = "auto", dtype: str = "auto") -> Sampler:
@@ -137,9 +143,7 @@ class Sampler:
             for r, row in enumerate(rows):
                 yield Piece(r, row.finish(), row.result(prompts[r], time.perf_counter() - t0))
             return
-        engine = Engine(
-            self.model, max_batch=len(prompts), vocab_size=self.tokenizer.vocab_size, use_cache=settings.use_cache
-        )
+        engine = self._engine(len(prompts), settings.use_cache)
         generators = [
             generator or torch.Generator(device=self.device).manual_seed(settings.seed + r) for r in range(len(prompts))
         ]
@@ -151,9 +155,22 @@ class Sampler:
                 text = rows[r].feed(t.token)
                 if rows[r].done:
                     engine.remove(t.row)  # a stop text: the engine did not see it (no-op when it ended the row)
-                    yield Piece(r, text, rows[r].result(prompts[r], time.perf_counter() - t0))
+                    result = rows[r].result(prompts[r], time.perf_counter() - t0)
+                    if self.draft is not None:
+                        result.draft_acceptance = engine.row_stats[t.row].rate
+                    yield Piece(r, text, result)
                 elif text:
                     yield Piece(r, text)
+
+    def _engine(self, rows: int, use_cache: bool) -> Engine:
+        """An engine for one batch: a speculative one with the draft."""
+        if self.draft is None:
+            return Engine(self.model, max_batch=rows, vocab_size=self.tokenizer.vocab_size, use_cache=use_cache)
+        from nanogpt_cli.inference.speculative import SpeculativeEngine
+
+        return SpeculativeEngine(
+            self.model, self.draft, max_batch=rows, vocab_size=self.tokenizer.vocab_size, use_cache=use_cache
+        )
 
     def stream(
         self,

@@ -115,6 +115,7 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
     uvicorn = require("uvicorn", "serve", "nanogpt serve")
     require("prometheus_client", "serve", "nanogpt serve")
     from nanogpt_cli.inference.prefix import PrefixCache
+    from nanogpt_cli.inference.speculative import load_draft
     from nanogpt_cli.interop.loading import load_parsed, parse_spec
     from nanogpt_cli.serve.api import Limits, ServerState, create_app
     from nanogpt_cli.serve.chat import ChatTemplate
@@ -138,6 +139,7 @@ def build_server(options: ServeOptions, on_ready: Callable[[Started], None] | No
         prefix_cache=prefix,
         adapters=adapters,
         metrics=metrics,
+        draft=load_draft(options.load, loaded.tokenizer, loaded.dtype),
     )
     metrics.watch(scheduler)
     state = ServerState(

@@ -47,6 +47,9 @@ class Metrics:
         prefix = scheduler.engine.prefix_cache
         if prefix is not None:
             r.register(_PrefixCollector(prefix))
+        draft = getattr(scheduler.engine, "draft", None)
+        if draft is not None:
+            r.register(_DraftCollector(draft.stats))
 
     # --- called from the engine thread ---
 
@@ -90,3 +93,22 @@ class _PrefixCollector:
         yield CounterMetricFamily("nanogpt_prefix_cache_evictions", "Entries dropped for the budget.", s.evicted)
         yield GaugeMetricFamily("nanogpt_prefix_cache_bytes", "Bytes of keys and values held.", p.bytes)
         yield GaugeMetricFamily("nanogpt_prefix_cache_entries", "Prefixes held.", len(p.entries))
+
+
+class _DraftCollector:
+    """A speculative draft's counts (inference/speculative.py DraftStats), read when scraped."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        s = self.stats
+        yield CounterMetricFamily("nanogpt_draft_proposed_tokens", "Tokens the draft model proposed.", s.proposed)
+        yield CounterMetricFamily("nanogpt_draft_accepted_tokens", "Proposed tokens the model kept.", s.accepted)
+        yield CounterMetricFamily("nanogpt_draft_rounds", "Speculative rounds (one check of the model each).", s.rounds)
+        yield GaugeMetricFamily("nanogpt_draft_acceptance_rate", "Accepted over proposed draft tokens.", s.rate)

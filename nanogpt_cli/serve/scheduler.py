@@ -85,7 +85,8 @@ class QueueFull(Exception):
 
 
 class Scheduler:
-    """prefix_cache, adapters: the engine's (Engine); metrics: serve/metrics.py's, moved from this thread."""
+    """prefix_cache, adapters: the engine's (Engine); metrics: serve/metrics.py's, moved from this thread; draft: a
+    speculative draft (inference/speculative.py)."""
 
     def __init__(
         self,
@@ -97,11 +98,18 @@ class Scheduler:
         prefix_cache=None,
         adapters=None,
         metrics=None,
+        draft=None,
     ):
         self.tokenizer, self.device, self.max_queue, self.metrics = tokenizer, device, max_queue, metrics
-        self.engine = Engine(
-            model, max_batch=max_batch, vocab_size=tokenizer.vocab_size, prefix_cache=prefix_cache, adapters=adapters
+        options = dict(
+            max_batch=max_batch, vocab_size=tokenizer.vocab_size, prefix_cache=prefix_cache, adapters=adapters
         )
+        if draft is None:
+            self.engine = Engine(model, **options)
+        else:  # speculative decoding: each step gives a row one or more tokens (inference/speculative.py)
+            from nanogpt_cli.inference.speculative import SpeculativeEngine
+
+            self.engine = SpeculativeEngine(model, draft, **options)
         self.eot = tokenizer.stop_ids
         self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()

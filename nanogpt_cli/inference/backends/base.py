@@ -5,6 +5,7 @@ how it computes a prefill and a one-token step through the engine's KV cache.
     plan = backend.prepare(model, vocab_size)                              # its own forms of the weights
     logits = backend.prefill(plan, idx, cache_view)                        # (B, V) at each row's last token
     logits = backend.step(plan, idx, cache, n)                             # (n, V) after one token per row
+    logits = backend.score(plan, idx, cache_view)                          # (B, T, V) after each new token
 """
 
 from __future__ import annotations
@@ -43,6 +44,12 @@ class DecodeBackend:
     def step(self, plan: Any, idx: torch.Tensor, cache, n: int) -> torch.Tensor:
         """Next-token logits (n, V) after one new token for each of the cache's first n rows (idx (n,)), each at
         its own position; the rows advance by one. Called under torch.inference_mode()."""
+        raise NotImplementedError
+
+    def score(self, plan: Any, idx: torch.Tensor, cache) -> torch.Tensor:
+        """Next-token logits (B, T, V) after each of idx's tokens (B, T), soft-capped, in the model's dtype, fed
+        through cache (a CacheView) at each row's own position: how a speculative step checks a draft's tokens
+        (inference/speculative.py) in one forward."""
         raise NotImplementedError
 
     def describe(self, plan: Any) -> str:

@@ -142,6 +142,18 @@ class CPUBackend(DecodeBackend):
     def step(self, plan: DecodePlan, idx: torch.Tensor, cache, n: int) -> torch.Tensor:
         return decode_step(plan, idx, cache, n)
 
+    def score(self, plan: DecodePlan, idx: torch.Tensor, cache) -> torch.Tensor:
+        # a few rows of a few tokens: the fused step, each row's tokens as rows that share its cache row, where it
+        # runs the model (the same values as T steps, at about the cost of one step of T rows); else the decoding
+        # form (not the modules a long prefill runs). The head's form for few rows on every position.
+        B, T = idx.size()
+        kv = cache.cache
+        if plan.fused is not None and B * T < PREFILL_ROWS and kv.ring is None and kv.dtype in FUSED_CACHE:
+            hs = plan.ops.ln_f(plan.fused.score(idx, kv, cache.start, cache.stop))  # (B * T, C)
+        else:
+            hs = plan.model.hidden_states(idx, cache=cache, ops=plan.ops).view(B * T, -1)  # (B * T, C)
+        return softcap(head_logits(plan, hs), plan.logit_softcap).view(B, T, -1)
+
     def describe(self, plan: DecodePlan) -> str:
         parts = ["fused step" if plan.fused is not None else "decoding form", f"kernels: {native.status()}"]
         return f"{self.name} ({', '.join(parts)})"

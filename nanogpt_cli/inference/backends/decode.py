@@ -234,8 +234,27 @@ class FusedStep:
         pos = cache.pos[:B]
         if max(pos) >= cache.capacity:
             raise AssertionError(f"a row at position {max(pos)} overflows a cache of {cache.capacity}")
-        at = torch.tensor(pos, dtype=torch.int64)
-        x = torch.embedding(self.model.transformer.wte.weight, idx.reshape(B))  # (B, C), a new tensor
+        x = self.run(idx.reshape(B), cache, torch.tensor(pos, dtype=torch.int64))
+        cache.pos[:B] = [p + 1 for p in pos]
+        return x
+
+    def score(self, idx: torch.Tensor, cache, start: int, stop: int) -> torch.Tensor:
+        """The last block's output (B * T, C) after T new tokens for each of the cache's rows start..stop-1 (idx
+        (B, T)), in one call: a row's T tokens go in as T rows of the step that share its cache row, at positions
+        pos, pos + 1, ..., each seeing the ones before it (ng_decode). The rows advance by T."""
+        B, T = idx.size()
+        pos = cache.pos[start:stop]
+        if max(pos) + T > cache.capacity:
+            raise AssertionError(f"a row at position {max(pos)} overflows a cache of {cache.capacity} by {T} tokens")
+        at = (torch.tensor(pos, dtype=torch.int64).unsqueeze(1) + torch.arange(T)).view(-1)  # (B * T,)
+        rows = torch.arange(start, stop, dtype=torch.int64).repeat_interleave(T)
+        x = self.run(idx.reshape(B * T), cache, at, rows)
+        cache.pos[start:stop] = [p + T for p in pos]
+        return x
+
+    def run(self, idx: torch.Tensor, cache, at: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """ng_decode of the tokens idx (N,) at positions at (N,) in cache rows `rows` (None: row n): (N, C)."""
+        x = torch.embedding(self.model.transformer.wte.weight, idx)  # (N, C), a new tensor
         if self.embed_scale is not None:
             x = x * self.embed_scale
         if self.pos_table is not None:
@@ -244,8 +263,7 @@ class FusedStep:
         caches = cache.__dict__.get("native_caches")
         if caches is None or caches.blocks is not self.blocks:  # the cache's tensors are its own for its lifetime
             caches = cache.native_caches = native.Caches(self.blocks, cache.k, cache.v)
-        native.decode(self.blocks, caches, x, at, torch.get_num_threads(), self.timers)
-        cache.pos[:B] = [p + 1 for p in pos]
+        native.decode(self.blocks, caches, x, at, torch.get_num_threads(), self.timers, rows)
         return x
 
 

@@ -716,9 +716,11 @@ static int project_add(const Linear& W, const Norm& post, int64_t B, const void*
 }
 
 // each row's new query, key and value (B, width): QK-norm, RoPE, and the key and value into the cache
-static void place_keys(const Block& L, int64_t B, float* qkv, const int64_t* pos, void* kc, void* vc, int kv_bf16) {
+static void place_keys(const Block& L, int64_t B, float* qkv, const int64_t* pos, const int64_t* rows, int ring,
+                       void* kc, void* vc, int kv_bf16) {
     const int64_t nh = L.nh, nkv = L.nkv, hs = L.hs, width = (nh + 2 * nkv) * hs;
-    const int64_t slots = L.window ? L.window : L.S;
+    const bool in_ring = L.window && ring;  // else the layer's cache holds every position
+    const int64_t slots = in_ring ? L.window : L.S;
     for (int64_t b = 0; b < B; b++) {
         float* row = qkv + b * width;
         if (L.q_norm.gain) {  // each query and key head's hs values normed with the shared gains
@@ -729,9 +731,9 @@ static void place_keys(const Block& L, int64_t B, float* qkv, const int64_t* pos
             const float *c = L.cos + pos[b] * L.rd, *s = L.sin + pos[b] * L.rd;
             for (int64_t head = 0; head < nh + nkv; head++) rope(row + head * hs, c, s, L.rd);
         }
-        const int64_t slot = L.window ? pos[b] % L.window : pos[b];
+        const int64_t slot = in_ring ? pos[b] % L.window : pos[b];
         for (int64_t kh = 0; kh < nkv; kh++) {
-            const int64_t at = ((b * nkv + kh) * slots + slot) * hs;
+            const int64_t at = ((rows[b] * nkv + kh) * slots + slot) * hs;
             for (int64_t d = 0; d < hs; d++) {
                 put(kc, at + d, row[(nh + kh) * hs + d], kv_bf16);
                 put(vc, at + d, row[(nh + nkv + kh) * hs + d], kv_bf16);
@@ -744,34 +746,44 @@ static void place_keys(const Block& L, int64_t B, float* qkv, const int64_t* pos
 struct AttendJob {
     const Block* L;
     const float* qkv;  // (B, width)
-    const int64_t* pos;
+    const int64_t *pos, *rows;
+    int ring;
     const void *kc, *vc;
     int kv_bf16;
     float* scores;  // (threads, S): each thread its own row
     float* att;     // (B, nh * hs)
 };
 
+// the keys row b sees at position p, from the first slot `start` on, `n` of them: a ring holds exactly its window
+// once full (softmax does not care in which order the slots hold them); a windowed layer whose cache holds every
+// position sees the window's last keys in place; any other layer sees every position up to p
+static int64_t visible(const Block& L, int ring, int64_t p, int64_t* start) {
+    *start = L.window && !ring && p >= L.window ? p + 1 - L.window : 0;
+    return L.window && p >= L.window ? L.window : p + 1;
+}
+
 static void attend_item(const void* ctx, int64_t t, int worker) {
     const AttendJob& j = *(const AttendJob*)ctx;
     const Block& L = *j.L;
     const int64_t nh = L.nh, nkv = L.nkv, hs = L.hs, width = (nh + 2 * nkv) * hs;
-    const int64_t slots = L.window ? L.window : L.S;
-    const int64_t b = t / nkv, kh = t % nkv, group = nh / nkv, at = (b * nkv + kh) * slots * hs;
-    const int64_t n = L.window && j.pos[b] >= L.window ? L.window : j.pos[b] + 1;
+    const int64_t slots = L.window && j.ring ? L.window : L.S;
+    const int64_t b = t / nkv, kh = t % nkv, group = nh / nkv;
+    int64_t start;
+    const int64_t n = visible(L, j.ring, j.pos[b], &start);
+    const int64_t at = ((j.rows[b] * nkv + kh) * slots + start) * hs;
     attend(L, j.qkv + b * width + kh * group * hs, (const char*)j.kc + at * (j.kv_bf16 ? 2 : 4),
            (const char*)j.vc + at * (j.kv_bf16 ? 2 : 4), n, j.kv_bf16, j.scores + worker * L.S,
            j.att + (b * nh + kh * group) * hs);
 }
 
-// attention of each row's queries over its visible keys: every held one, or a ring's, which are exactly the
-// window once it is full (softmax does not care in which order the slots hold them)
-static void attend_rows(const Block& L, int64_t B, const float* qkv, const int64_t* pos, const void* kc,
-                        const void* vc, int kv_bf16, float* scores, float* att, int threads) {
+// attention of each row's queries over its visible keys (visible()), in its cache row rows[b]
+static void attend_rows(const Block& L, int64_t B, const float* qkv, const int64_t* pos, const int64_t* rows, int ring,
+                        const void* kc, const void* vc, int kv_bf16, float* scores, float* att, int threads) {
     const int64_t nh = L.nh, nkv = L.nkv, hs = L.hs;
-    int64_t keys = 0;  // the attention's work: every row's visible keys times the heads' widths
-    for (int64_t b = 0; b < B; b++) keys += L.window && pos[b] >= L.window ? L.window : pos[b] + 1;
+    int64_t keys = 0, start;  // the attention's work: every row's visible keys times the heads' widths
+    for (int64_t b = 0; b < B; b++) keys += visible(L, ring, pos[b], &start);
     const bool split = threads > 1 && B * nkv > 1 && keys * nh * hs >= PARALLEL_WORK;
-    const AttendJob job = {&L, qkv, pos, kc, vc, kv_bf16, scores, att};
+    const AttendJob job = {&L, qkv, pos, rows, ring, kc, vc, kv_bf16, scores, att};
     pool::run({attend_item, &job}, B * nkv, split ? threads : 1);
 }
 
@@ -804,15 +816,15 @@ struct Scratch {
     }
 };
 
-static int block_step(const Block& L, int64_t B, void* x, const int64_t* pos, void* kc, void* vc, int bf16,
-                      int kv_bf16, int threads, const Scratch& s, double* timers) {
+static int block_step(const Block& L, int64_t B, void* x, const int64_t* pos, const int64_t* rows, int ring, void* kc,
+                      void* vc, int bf16, int kv_bf16, int threads, const Scratch& s, double* timers) {
     const int64_t C = L.C, H = L.H, heads = L.nh * L.hs;
     norm_rows(L.ln1, x, B, C, s.xn, bf16);
     if (L.parallel) norm_rows(L.ln2, x, B, C, s.xn2, bf16);  // the MLP's input: the block's, before attention
     if (timed_linear(L.qkv, B, s.xn, bf16, {s.qkv, nullptr, 0}, threads, timers)) return 2;
-    place_keys(L, B, s.qkv, pos, kc, vc, kv_bf16);
+    place_keys(L, B, s.qkv, pos, rows, ring, kc, vc, kv_bf16);
     const double t0 = timers ? now() : 0;
-    attend_rows(L, B, s.qkv, pos, kc, vc, kv_bf16, s.scores, s.att, threads);
+    attend_rows(L, B, s.qkv, pos, rows, ring, kc, vc, kv_bf16, s.scores, s.att, threads);
     if (timers) timers[1] += now() - t0;
     for (int64_t i = 0; i < B * heads; i++) put(s.atto, i, s.att[i], bf16);
     if (project_add(L.proj, L.post1, B, s.atto, x, bf16, s.out, threads, timers)) return 2;
@@ -895,28 +907,63 @@ int ng_linear(const Linear* L, int64_t B, const void* x, const void* res, void* 
     return linear(*L, B, x, bf16, {y, res, bf16}, threads);
 }
 
-// One decode step of n_layer blocks for B rows, each one new token at its position pos[b]: x (B, C), the
-// residual stream in the model's dtype (bf16 where bf16), in and out; ks[l] and vs[l] the layer's cache
-// (rows >= B, nkv, slots, hs), slots its window where it has one, else S; bf16 where kv_bf16; timers: the
-// caller's profile clock (3 doubles, see now()) or null. Returns 0, 1 for a shape or choice the step does not
-// take, 2 where memory ran out, 3 for a position outside the context.
-int ng_decode(const Block* blocks, int64_t n_layer, int64_t B, void* x, const int64_t* pos, void* const* ks,
-              void* const* vs, int bf16, int kv_bf16, int threads, double* timers) {
-    if (n_layer < 1 || B < 1 || threads < 1) return 1;
+// whether rows shares a cache row between two of x's rows
+static bool shared(const int64_t* rows, int64_t B) {
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t c = 0; c < b; c++)
+            if (rows[b] == rows[c]) return true;
+    return false;
+}
+
+static int decode_rows(const Block* blocks, int64_t n_layer, int64_t B, void* x, const int64_t* pos,
+                       const int64_t* rows, int64_t cache_rows, int ring, void* const* ks, void* const* vs, int bf16,
+                       int kv_bf16, int threads, double* timers) {
+    bool windows = false;
     for (int64_t l = 0; l < n_layer; l++) {
         if (!takes_block(blocks[l], blocks[0])) return 1;
+        windows = windows || blocks[l].window;
         for (int64_t b = 0; b < B; b++)
             if (pos[b] < 0 || pos[b] >= blocks[l].S) return 3;
     }
+    for (int64_t b = 0; b < B; b++)
+        if (rows[b] < 0 || rows[b] >= cache_rows) return 3;
+    // a ring's later row would overwrite a key that an earlier row of its cache row still sees
+    if (ring && windows && shared(rows, B)) return 1;
     const double t0 = timers ? now() : 0;
     char* mem = (char*)malloc(Scratch::bytes(blocks[0], B, threads));
     if (!mem) return 2;
     const Scratch scratch = Scratch::carve(mem, blocks[0], B);
     int rc = 0;
     for (int64_t l = 0; l < n_layer && rc == 0; l++)
-        rc = block_step(blocks[l], B, x, pos, ks[l], vs[l], bf16, kv_bf16, threads, scratch, timers);
+        rc = block_step(blocks[l], B, x, pos, rows, ring, ks[l], vs[l], bf16, kv_bf16, threads, scratch, timers);
     free(mem);
     if (timers) timers[2] += now() - t0;
+    return rc;
+}
+
+// One decode step of n_layer blocks for B rows, each one new token at its position pos[b]: x (B, C), the
+// residual stream in the model's dtype (bf16 where bf16), in and out; ks[l] and vs[l] the layer's cache
+// (cache_rows, nkv, slots, hs), bf16 where kv_bf16: a windowed layer's slots its window where ring (the key at
+// position p in slot p % window), else S, as every other layer's (the key at p in slot p, the window's last keys
+// seen). rows[b] the cache row of x's row b (null: row b); several x rows may share one (not in a ring): each
+// layer writes every row's key and value before any row attends, so rows of one cache row at positions p, p + 1,
+// ... are one sequence's next tokens, each seeing those before it (a speculative check). timers: the caller's
+// profile clock (3 doubles, see now()) or null. Returns 0, 1 for a shape or choice the step does not take, 2
+// where memory ran out, 3 for a position or row outside the cache.
+int ng_decode(const Block* blocks, int64_t n_layer, int64_t B, void* x, const int64_t* pos, const int64_t* rows,
+              int64_t cache_rows, int ring, void* const* ks, void* const* vs, int bf16, int kv_bf16, int threads,
+              double* timers) {
+    if (n_layer < 1 || B < 1 || threads < 1) return 1;
+    int64_t* own = nullptr;
+    if (!rows) {  // row b of x is row b of the cache
+        own = (int64_t*)malloc(B * sizeof(int64_t));
+        if (!own) return 2;
+        for (int64_t b = 0; b < B; b++) own[b] = b;
+        rows = own;
+    }
+    const int rc =
+        decode_rows(blocks, n_layer, B, x, pos, rows, cache_rows, ring, ks, vs, bf16, kv_bf16, threads, timers);
+    free(own);
     return rc;
 }
 }

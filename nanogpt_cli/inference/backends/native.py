@@ -218,7 +218,7 @@ def check_library(lib: ctypes.CDLL) -> str | None:
     lib.ng_layout.restype = cint
     lib.ng_linear.argtypes = [ptr, i64, ptr, ptr, ptr, cint, cint]
     lib.ng_linear.restype = cint
-    lib.ng_decode.argtypes = [ptr, i64, i64, ptr, ptr, ptr, ptr, cint, cint, cint, ptr]
+    lib.ng_decode.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, cint, ptr, ptr, cint, cint, cint, ptr]
     lib.ng_decode.restype = cint
     if lib.ng_tile_rows() != TILE_ROWS or lib.ng_int4_rows() != INT4_ROWS:
         return f"tiles of {lib.ng_tile_rows()} and {lib.ng_int4_rows()} rows, not {TILE_ROWS} and {INT4_ROWS}"
@@ -463,7 +463,7 @@ class Blocks:
         self.structs = (Block * n_layer)()
         self.keep: list[Layer | None] = [None] * n_layer
         self.set = [False] * n_layer
-        self.slots = [S] * n_layer  # each layer's cache positions per row
+        self.slots = [S] * n_layer  # each layer's cache positions per row in a ring cache (a window's fewer)
 
     def layer(self, i: int, layer: Layer) -> None:
         """Set layer i, each of its tensors checked against the shape ng_decode reads."""
@@ -507,6 +507,11 @@ class Blocks:
         b.cos, b.sin = (None, None) if L.cos is None else (L.cos.data_ptr(), L.sin.data_ptr())
         self.keep[i], self.set[i], self.slots[i] = L, True, L.window or S  # L is frozen: its tensors stay alive
 
+    def cache_slots(self, ring: bool) -> list[int]:
+        """Each layer's positions per row in a cache whose windowed layers are rings (ring) or hold every
+        position (a speculative engine's, whose rows roll back)."""
+        return list(self.slots) if ring else [self.S] * self.n_layer
+
 
 def check_norm(name: str, norm: NormWeights | None, n: int, required: bool) -> None:
     if norm is None and not required:
@@ -529,50 +534,66 @@ def norm_struct(norm: NormWeights | None) -> Norm:
 
 class Caches:
     """A cache's keys and values for ng_decode: ks[l] and vs[l] (rows, nkv, slots, hs) for each of the blocks'
-    layers (slots: the layer's, Blocks.slots), float32 or bf16, checked once and their pointers kept (a cache
-    holds its tensors for its lifetime)."""
+    layers, float32 or bf16, checked once and their pointers kept (a cache holds its tensors for its lifetime).
+    slots: a windowed layer's window where its cache is a ring (KVCache's), or S where every layer holds every
+    position (KVCache(ring=False)); the tensors say which, and ring is whether the windowed layers are rings."""
 
     def __init__(self, blocks: Blocks, ks: Sequence[torch.Tensor], vs: Sequence[torch.Tensor]):
         if len(ks) != blocks.n_layer or len(vs) != blocks.n_layer:
             raise ValueError(f"ks and vs must hold {blocks.n_layer} layers, got {len(ks)} and {len(vs)}")
         self.dtype = ks[0].dtype if isinstance(ks[0], torch.Tensor) else None
         self.rows = ks[0].size(0) if isinstance(ks[0], torch.Tensor) else 0
+        held = [k.size(2) if isinstance(k, torch.Tensor) and k.dim() == 4 else None for k in ks]
+        self.ring = held == blocks.cache_slots(True)  # else every layer must hold S
+        self.slots = blocks.cache_slots(
+            self.ring
+        )  # what the tensors are checked against: a layer set again may change it
         for name, ts in (("ks", ks), ("vs", vs)):
             for i, t in enumerate(ts):
-                shape = (self.rows, blocks.nkv, blocks.slots[i], blocks.hs)
+                shape = (self.rows, blocks.nkv, self.slots[i], blocks.hs)
                 check(f"{name}[{i}]", t, (self.dtype,) if self.dtype in FLOATS else FLOATS, shape)
         self.blocks, self.keep = blocks, (list(ks), list(vs))
-        self.slots = list(blocks.slots)  # what the tensors were checked against: a layer set again may change it
         kinds = ctypes.c_void_p * blocks.n_layer
         self.ks, self.vs = kinds(*(k.data_ptr() for k in ks)), kinds(*(v.data_ptr() for v in vs))
 
 
-def decode(blocks: Blocks, caches: Caches, x: torch.Tensor, pos: torch.Tensor, threads: int, timers=None) -> None:
+def decode(
+    blocks: Blocks, caches: Caches, x: torch.Tensor, pos: torch.Tensor, threads: int, timers=None, rows=None
+) -> None:
     """ng_decode: one step of every block for B rows, x (B, C) the residual stream (float32 or bf16) in and out,
     pos (B,) int64 each row's position, which its new key and value take in caches; timers: the caller's profile
     clock, a float64 tensor (3,) that the step's seconds in its products, its attention and in all are added to,
-    or None."""
+    or None. rows: (B,) int64, the cache row of each of x's rows (None: row b), several of which may share one
+    (one sequence's next tokens at consecutive positions, each seeing those before it) where no layer is a ring."""
     if not isinstance(blocks, Blocks):
         raise ValueError(f"blocks must be a native.Blocks, got {type(blocks).__name__}")
     if not all(blocks.set):
         raise ValueError(f"blocks must have every layer set; layer {blocks.set.index(False)} is not")
-    if not isinstance(caches, Caches) or caches.blocks is not blocks or caches.slots != blocks.slots:
+    if not isinstance(caches, Caches) or caches.blocks is not blocks or caches.slots != blocks.cache_slots(caches.ring):
         raise ValueError("caches must be a native.Caches made for these blocks as they are now")
     check("x", x, FLOATS, (None, blocks.C))
     B = x.size(0)
-    if not 1 <= B <= caches.rows:
+    if rows is None and not 1 <= B <= caches.rows:
         raise ValueError(f"x must have 1 to {caches.rows} rows (the cache's), got {B}")
     check("pos", pos, (torch.int64,), (B,))
+    if rows is not None:
+        check("rows", rows, (torch.int64,), (B,))
+        if caches.ring and blocks.slots != [blocks.S] * blocks.n_layer and len(set(rows.tolist())) < B:
+            raise ValueError("rows may share a cache row only in a cache without rings (a later key overwrites one)")
     check_count("threads", threads)
     if timers is not None:
         check("timers", timers, (torch.float64,), (3,))
     t = None if timers is None else timers.data_ptr()
     bf16, kv_bf16 = x.dtype == torch.bfloat16, caches.dtype == torch.bfloat16
     call = library()[0].ng_decode
-    rc = call(blocks.structs, blocks.n_layer, B, x.data_ptr(), pos.data_ptr(), caches.ks, caches.vs, bf16, kv_bf16,
-              threads, t)  # fmt: skip
+    at = None if rows is None else rows.data_ptr()
+    rc = call(blocks.structs, blocks.n_layer, B, x.data_ptr(), pos.data_ptr(), at, caches.rows, caches.ring, caches.ks,
+              caches.vs, bf16, kv_bf16, threads, t)  # fmt: skip
     if rc == 3:
-        raise ValueError(f"pos must be positions in the cache, 0 to {blocks.S - 1}, got {pos.tolist()}")
+        raise ValueError(
+            f"pos must be positions in the cache, 0 to {blocks.S - 1}, and rows its rows, 0 to {caches.rows - 1}; got "
+            f"{pos.tolist()} and {None if rows is None else rows.tolist()}"
+        )
     if rc == 2:
         raise MemoryError("the fused decode step ran out of memory")
     assert rc == 0, f"ng_decode refused a checked call ({rc})"

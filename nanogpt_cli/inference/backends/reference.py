@@ -43,6 +43,10 @@ class TorchBackend(DecodeBackend):
         h = plan.model.hidden_states(idx.view(n, 1), cache=cache.view(0, n))  # (n, 1, C)
         return softcap(F.linear(h[:, -1], plan.head), plan.logit_softcap)
 
+    def score(self, plan: Plan, idx: torch.Tensor, cache) -> torch.Tensor:
+        h = plan.model.hidden_states(idx, cache=cache)  # (B, T, C)
+        return softcap(F.linear(h, plan.head), plan.logit_softcap)
+
     def describe(self, plan: Plan) -> str:
         return f"{self.name} (the model's own forward)"
 

@@ -1,0 +1,369 @@
+"""Speculative decoding (Leviathan et al. 2023; Chen et al. 2023): a small draft model proposes K tokens for each
+row, the model checks them all in one forward through its KV cache, and each row keeps the drafted tokens the model
+agrees with plus one token of the model's own. Greedy text is the model's own (up to float rounding: the check
+computes K + 1 positions in one forward); sampled text keeps the model's distribution (the acceptance rule in
+_accept). Rows of one batch keep different numbers of tokens per round.
+
+    draft = load_draft(spec, tokenizer)          # spec.draft loaded as spec says; spec.draft_tokens None: K adapts
+    engine = SpeculativeEngine(model, draft, max_batch=4)                    # then used as any Engine
+    draft.stats.rate                                                         # drafted tokens kept / proposed
+
+Both caches hold every position (no sliding-window ring), so a rejection rolls a row back by setting its position.
+Rows with a grammar or a repetition penalty, and rounds with no room left in the context, take plain steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from nanogpt_cli.config import LoadSpec
+from nanogpt_cli.errors import NanoGPTError
+from nanogpt_cli.inference.backends import choose
+from nanogpt_cli.inference.engine import (
+    NOT_FINITE,
+    Engine,
+    KVCache,
+    RowError,
+    SamplingParams,
+    StepToken,
+    process_logits,
+    sample_tokens,
+    token_logprobs,
+)
+from nanogpt_cli.model import GPT
+from nanogpt_cli.tokenizer import Tokenizer
+
+# The adaptive K (Leviathan et al. 2023, section 3.5): the K that maximises the expected tokens per round,
+# 1 + a + ... + a^K for an acceptance rate a, over the round's cost in steps of the model, 1 + K * (DRAFT_COST +
+# CHECK_COST). The costs are this CPU's at batch 1 (benchmarks/README.md, speculative decoding): a draft of a tenth
+# of the model's size steps in 0.1-0.3 of its step, and the fused step checks K + 1 tokens of a row at about
+# 1 + K / 4 steps. `a` is counted from the rounds (kept and refused tokens, decaying by DECAY a round) from a prior
+# of PRIOR; where even K = 1 would be slower than plain steps (a below ~40 %) the draft rests for REST steps.
+DRAFT_COST, CHECK_COST, K_MAX = 0.15, 0.25, 8
+PRIOR, DECAY, REST = (2.0, 1.0), 0.9, 16
+SHORT_FEED = 8  # the draft takes up to this many new tokens through backend.score, more (a prompt) as a prefill
+
+
+@dataclass
+class DraftStats:
+    """Drafted tokens proposed and kept (the accepted-token rate), and verifying forwards."""
+
+    proposed: int = 0
+    accepted: int = 0
+    rounds: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.proposed, self.accepted, self.rounds = self.proposed + proposed, self.accepted + accepted, self.rounds + 1
+
+
+class Draft:
+    """The draft model, its K (tokens: fixed; None: adaptive) and its counts over every engine that used it."""
+
+    def __init__(self, model: GPT, tokens: int | None = None):
+        check_draft_tokens(tokens)
+        self.model, self.tokens = model, tokens
+        self.kept, self.refused = PRIOR  # the adaptive K's evidence
+        self.k, self.rest = tokens or self.best()[1], 0
+        self.stats = DraftStats()
+
+    def best(self) -> tuple[float, int]:
+        """The expected speed-up of the best K for the acceptance rate counted so far, and that K."""
+        a = self.kept / (self.kept + self.refused)
+        return max(
+            (sum(a**i for i in range(k + 1)) / (1 + k * (DRAFT_COST + CHECK_COST)), k) for k in range(1, K_MAX + 1)
+        )
+
+    def adapt(self, accepted: list[int], k: int) -> None:
+        """After a round of k drafted tokens (accepted: each row's kept): count them, and take the best K; rest where
+        even the best would be slower than plain steps. A fixed K stays."""
+        if self.tokens is not None:
+            return
+        self.kept = DECAY * self.kept + sum(accepted)
+        self.refused = DECAY * self.refused + sum(a < k for a in accepted)  # a row's round ends at its first refusal
+        gain, self.k = self.best()
+        self.rest = REST if gain < 1 else 0
+
+    def rested(self) -> None:
+        """A plain step taken: one fewer to rest."""
+        self.rest = max(0, self.rest - 1)
+
+
+def check_draft_tokens(tokens: int | None) -> None:
+    if tokens is not None and tokens < 1:
+        raise NanoGPTError(f"--draft-tokens must be at least 1 (or left out for an adaptive K), got {tokens}")
+
+
+def check_tokenizers(draft: Tokenizer, target: Tokenizer) -> None:
+    """A draft proposes token ids of the model's own vocabulary: the same size, and each id the same bytes."""
+    if draft.vocab_size != target.vocab_size or any(
+        draft.decode_bytes([i]) != target.decode_bytes([i]) for i in range(target.vocab_size)
+    ):
+        raise NanoGPTError(
+            f"the draft's vocabulary ({draft.describe().get('name')}, {draft.vocab_size:,} tokens) is not the "
+            f"model's ({target.describe().get('name')}, {target.vocab_size:,} tokens): a draft must share the "
+            "model's tokenizer"
+        )
+
+
+def load_draft(spec: LoadSpec, tokenizer: Tokenizer, dtype: torch.dtype | None = None) -> Draft | None:
+    """spec.draft's model (None where the spec has none), loaded by the model's own loader as the model's spec says,
+    its source replaced: the same device, quantization and backend, and dtype (the model's as cast, where given:
+    `auto` may pick another for smaller weights); checked against the model's tokenizer. The draft's source is read
+    as given (its best weights: --last is the model's), and the threads the model's load set stay."""
+    from nanogpt_cli.interop.loading import load_for_inference
+
+    if spec.draft is None:
+        return None
+    own = dataclasses.replace(spec, source=spec.draft, last=False, threads=None, draft=None, draft_tokens=None)
+    if dtype is not None:
+        own = dataclasses.replace(own, dtype=dtype)
+    loaded = load_for_inference(own)
+    check_tokenizers(loaded.tokenizer, tokenizer)
+    return Draft(loaded.model, spec.draft_tokens)
+
+
+class SpeculativeEngine(Engine):
+    """An Engine whose pick() runs a speculative round: every row gets one to K + 1 tokens per call (a StepToken
+    each, in order). Between rounds a row's newest token stays unfed (advance() does nothing): the next round's
+    check feeds it with the drafted ones. row_stats: each row's drafted tokens proposed and kept, by row id."""
+
+    ring_cache = False  # a rollback sets a row's position back: every layer keeps every position
+
+    def __init__(self, model: GPT, draft: Draft, max_batch: int = 1, use_cache: bool = True, **options):
+        if not use_cache:
+            raise NanoGPTError("--draft decodes through the KV cache: drop --no-cache")
+        super().__init__(model, max_batch, **options)
+        if draft.model.config.vocab_size < self.vocab_size:
+            raise NanoGPTError(
+                f"the draft's vocabulary has {draft.model.config.vocab_size:,} tokens and the model's "
+                f"{self.vocab_size:,}: a draft must share the model's tokenizer"
+            )
+        self.draft = draft
+        with torch.inference_mode():
+            self.draft_cache = KVCache(draft.model, max_batch, ring=False)
+        self.draft_backend = choose(draft.model, getattr(draft.model, "decode_backend", None))
+        self.draft_plan = self.draft_backend.prepare(draft.model, self.vocab_size)
+        self.offset = [0] * max_batch  # slot s's draft cache holds its row's tokens from offset[s] on
+        self.row_stats: dict[int, DraftStats] = {}
+
+    def add_many(self, prompts, *args, **kwargs) -> list[int]:
+        Engine.advance(self)  # the rows here take their pending tokens first: every row's logits are current
+        start = len(self.rows)
+        ids = super().add_many(prompts, *args, **kwargs)
+        for slot in range(start, len(self.rows)):  # the draft catches up with the prompt in its first round
+            self.draft_cache.pos[slot], self.offset[slot] = 0, 0
+        for i in ids:
+            self.row_stats[i] = DraftStats()
+        return ids
+
+    def advance(self) -> None:
+        """Feed the pending tokens only where the next pick is a plain step; a round feeds them itself."""
+        if not self.rows or self._round_tokens() == 0:
+            super().advance()
+
+    def remove(self, row: int) -> None:
+        if len(self.row_stats) > 4 * self.max_batch:  # a server's rows come and go: keep the recent ones' counts
+            active = {r.id for r in self.rows}
+            for old in [i for i in self.row_stats if i not in active][: -2 * self.max_batch]:
+                del self.row_stats[old]
+        slot = next((s for s, r in enumerate(self.rows) if r.id == row), None)
+        last = len(self.rows) - 1
+        if slot is not None and slot != last:  # the last row moves into the hole (Engine.remove): its draft too
+            with torch.inference_mode():
+                self.draft_cache.move(last, slot)
+            self.offset[slot] = self.offset[last]
+        super().remove(row)
+
+    def pick(self) -> list[StepToken]:
+        k = self._round_tokens() if self.behind else 0
+        if k == 0:  # right after a prefill (each row's first token comes from its logits), no room, or resting
+            self.draft.rested()
+            return super().pick()
+        return self._speculate(k)
+
+    def _round_tokens(self) -> int:
+        """How many tokens this round drafts: the draft's K, cut so that the check fits every row's context and no
+        row drafts past its last token; 0: a plain step (also while an adaptive draft rests)."""
+        rows = self.rows
+        if self.draft.rest or any(r.mask is not None or r.params.repetition_penalty != 1.0 for r in rows):
+            return 0
+        n, dcap = len(rows), self.draft_cache.capacity
+        room = self.block_size - 1 - max(self.cache.pos[:n])  # the check writes k + 1 keys from pos
+        left = max(r.max_new_tokens - r.generated for r in rows) - 1  # the round gives up to k + 1 tokens
+        return max(0, min(self.draft.k, room, left, dcap - dcap // 2))
+
+    @torch.inference_mode()
+    def _speculate(self, k: int) -> list[StepToken]:
+        """One round: the draft proposes k tokens per row, one forward of the model checks them after the pending
+        token, each row keeps what _accept says, and both caches are set back to what the rows hold. A RowError
+        (probabilities that are not finite numbers) leaves every row as it was."""
+        n = len(self.rows)
+        held = list(self.cache.pos[:n]), list(self.draft_cache.pos[:n]), list(self.offset[:n])
+        try:
+            drafted, q = self._propose(k)  # (n, k), (n, k, V)
+            idx = torch.cat([torch.tensor([[r.tokens[-1]] for r in self.rows], device=self.device), drafted], dim=1)
+            self._select(0, n)
+            raw = self.backend.score(self.plan, idx, self.cache.view(0, n)).float()  # (n, k + 1, V)
+            accepted, final = self._accept(raw, drafted, q)
+        except RowError:
+            self.cache.pos[:n], self.draft_cache.pos[:n], self.offset[:n] = held
+            raise
+        self.draft.adapt(accepted, k)
+        return self._emit(raw, drafted.tolist(), accepted, final, held[0])
+
+    def _propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's k tokens per row (n, k) and the probabilities it drew each from (n, k, V; zeros for greedy
+        rows, which take its most likely token)."""
+        n, V = len(self.rows), self.vocab_size
+        logits = self._catch_up(k)  # (n, V)
+        drafted = torch.empty(n, k, dtype=torch.long, device=self.device)
+        q = torch.zeros(n, k, V, device=self.device)
+        for i in range(k):
+            for params, slots, index in self._groups():
+                filtered = self._filter(logits[:, :V] if index is None else logits[index, :V], params)
+                tokens = self._draw(filtered, params, slots)
+                where = slice(None) if index is None else index
+                drafted[where, i] = torch.tensor(tokens, device=self.device)
+                if params.temperature > 0:
+                    q[where, i] = filtered.softmax(dim=-1)
+            if i < k - 1:
+                logits = self.draft_backend.step(self.draft_plan, drafted[:, i], self.draft_cache, n).float()
+        return drafted, q
+
+    def _catch_up(self, k: int) -> torch.Tensor:
+        """Feed the draft each row's tokens it has not seen (the pending one at least), and return its next-token
+        logits (n, V). Rows that need fewer tokens than the most needed re-feed some they hold, so that one forward
+        serves all. A row whose window would overflow the draft's context restarts from its last half."""
+        n, cap, pos = len(self.rows), self.draft_cache.capacity, self.draft_cache.pos
+        need = []
+        for slot, row in enumerate(self.rows):
+            if len(row.tokens) - self.offset[slot] + k - 1 > cap:
+                self.offset[slot], pos[slot] = max(0, len(row.tokens) - max(1, cap // 2)), 0
+            need.append(len(row.tokens) - self.offset[slot] - pos[slot])
+        T = max(need)
+        if any(pos[s] < T - need[s] for s in range(n)):  # too few held to re-feed: each row on its own
+            return torch.cat([self._feed_draft(s, s + 1, need[s]) for s in range(n)])
+        for s in range(n):
+            pos[s] -= T - need[s]
+        return self._feed_draft(0, n, T)
+
+    def _feed_draft(self, start: int, stop: int, T: int) -> torch.Tensor:
+        """The next T tokens of rows start..stop-1 into the draft's cache: its next-token logits (rows, V)."""
+        pos = self.draft_cache.pos
+        windows = [r.tokens[self.offset[s] + pos[s] :][:T] for s, r in enumerate(self.rows[start:stop], start)]
+        idx = torch.tensor(windows, dtype=torch.long, device=self.device)
+        view = self.draft_cache.view(start, stop)
+        if T <= SHORT_FEED:  # a round's usual one or two tokens: score's decoding form, cheaper than a prefill's
+            return self.draft_backend.score(self.draft_plan, idx, view)[:, -1].float()
+        return self.draft_backend.prefill(self.draft_plan, idx, view).float()
+
+    def _groups(self):
+        """(params, slots, index) for each group of rows with the same settings; index None: every row."""
+        first = self.rows[0].params
+        if all(r.params is first or r.params == first for r in self.rows):
+            yield first, list(range(len(self.rows))), None
+            return
+        groups: dict[SamplingParams, list[int]] = {}
+        for slot, r in enumerate(self.rows):
+            groups.setdefault(r.params, []).append(slot)
+        for params, slots in groups.items():
+            yield params, slots, torch.tensor(slots, device=self.device)
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        return process_logits(logits, p.temperature, p.top_k, p.top_p, p.min_p)
+
+    def _draw(self, filtered: torch.Tensor, p: SamplingParams, slots: list[int]) -> list[int]:
+        """One token per row of filtered logits, each row from its own generator (sample_tokens)."""
+        try:
+            return sample_tokens(filtered, p.temperature, self._generators(slots))
+        except RowError as e:
+            raise RowError(str(e), [self.rows[slots[i]].id for i in e.rows]) from None
+
+    def _generators(self, slots: list[int]) -> list[torch.Generator | None]:
+        """The rows' generators, or one for all where they share one (one draw for the batch)."""
+        gens = [self.rows[s].generator for s in slots]
+        return gens[:1] if all(g is gens[0] for g in gens) else gens
+
+    def _accept(self, raw: torch.Tensor, drafted: torch.Tensor, q: torch.Tensor) -> tuple[list[int], list[int]]:
+        """How many drafted tokens each row keeps, and its next token. Greedy rows keep drafted tokens while each
+        is the model's most likely, then take the model's. Sampling rows (Leviathan et al. 2023, algorithm 1) keep
+        drafted token x with probability min(1, p(x) / q(x)), p the model's filtered distribution and q the
+        draft's; at the first one refused they draw from norm(max(0, p - q)), and after keeping all k they draw
+        one more from p. Every token then follows p exactly, whatever q is."""
+        n, k = drafted.shape
+        accepted, final = [0] * n, [0] * n
+        for params, slots, index in self._groups():
+            g = len(slots)
+            logits = raw if index is None else raw[index]
+            filtered = self._filter(logits.reshape(g * (k + 1), -1), params).view(g, k + 1, -1)  # (g, k + 1, V)
+            d = drafted if index is None else drafted[index]  # (g, k)
+            if params.temperature == 0:
+                best, model = filtered.max(dim=-1)  # (g, k + 1): sample_tokens' greedy pick at every position
+                if not torch.isfinite(best).all():
+                    bad = (~torch.isfinite(best)).any(dim=1).nonzero().view(-1).tolist()
+                    raise RowError(NOT_FINITE, [self.rows[slots[i]].id for i in bad])
+                kept = (model[:, :k] == d).long().cumprod(dim=1).sum(dim=1)  # (g,): the leading matches
+                nxt = model.gather(1, kept.unsqueeze(1)).view(-1).tolist()
+            else:
+                kept, nxt = self._accept_sampled(filtered, d, q if index is None else q[index], slots)
+            for i, s in enumerate(slots):
+                accepted[s], final[s] = int(kept[i]), nxt[i]
+        return accepted, final
+
+    def _accept_sampled(self, filtered: torch.Tensor, d: torch.Tensor, q: torch.Tensor, slots: list[int]):
+        """The rejection sampling step of _accept for rows that sample: (kept (g,), next tokens)."""
+        g, k = d.shape
+        p = filtered.softmax(dim=-1)  # (g, k + 1, V)
+        p_d = p[:, :k].gather(2, d.unsqueeze(2)).squeeze(2)  # (g, k): p and q of each drafted token
+        q_d = q.gather(2, d.unsqueeze(2)).squeeze(2)
+        generators = self._generators(slots)
+        if len(generators) == 1:
+            u = torch.rand(g, k, generator=generators[0], device=self.device)
+        else:
+            u = torch.stack([torch.rand(k, generator=gen, device=self.device) for gen in generators])
+        kept = (u * q_d < p_d).long().cumprod(dim=1).sum(dim=1)  # u < p / q, without the division; (g,)
+        rows = torch.arange(g, device=self.device)
+        q_next = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)[rows, kept]  # (g, V): 0 after all k kept
+        p_next = p[rows, kept]
+        residual = (p_next - q_next).clamp_(min=0)
+        # p <= q everywhere only where p = q up to rounding, where no token is refused: p then
+        empty = residual.sum(dim=-1, keepdim=True) <= 0
+        residual = torch.where(empty, p_next, residual)
+        return kept.tolist(), self._draw(residual.log(), SamplingParams(temperature=1.0), slots)
+
+    def _emit(self, raw: torch.Tensor, drafted: list[list[int]], accepted: list[int], final: list[int], pos: list[int]):
+        """Hand out each row's kept tokens and its next one (a StepToken each) up to its end, then set both caches
+        to what the rows hold: the model's, from its positions before the check (pos), every new token but the
+        newest (fed by the next round); the draft's, the tokens it fed that were kept."""
+        out = []
+        for slot, row in enumerate(self.rows):
+            kept = accepted[slot]
+            start = len(row.tokens)
+            self.row_stats[row.id].add(len(drafted[slot]), kept)
+            self.draft.stats.add(len(drafted[slot]), kept)
+            for j, token in enumerate([*drafted[slot][:kept], final[slot]]):
+                row.tokens.append(token)
+                row.generated += 1
+                done = token in row.stop_ids
+                finish = "stop" if done else "length" if row.generated >= row.max_new_tokens else None
+                out.append(StepToken(row.id, token, finish))
+                if row.params.logprobs is not None:
+                    ((out[-1].logprob, out[-1].top_logprobs),) = token_logprobs(
+                        raw[slot, j : j + 1], [token], row.params.logprobs
+                    )
+                if finish is not None:
+                    break
+            self.cache.pos[slot] = pos[slot] + len(row.tokens) - start  # the pending token and the kept ones
+            self.draft_cache.pos[slot] = min(self.draft_cache.pos[slot], start + kept - self.offset[slot])
+        for t in out:
+            if t.finish is not None:
+                self.remove(t.row)
+        return out
