@@ -1,7 +1,7 @@
 """What a model source names, decided once where it enters: a run folder, a weights file of ours, a LoRA run over its
 base, a Hugging Face folder, hf:NAME or a GGUF file. The loaders dispatch on the type; none of them reads the string.
 
-    source = parse_source("shk")   # RunFolder: checkpoints/shk, its best.safetensors
+    source = parse_source("shk")   # RunFolder: checkpoints/shk, its best weights
 """
 
 from __future__ import annotations
