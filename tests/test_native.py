@@ -103,6 +103,48 @@ def test_the_fused_step_at_two_threads_gets_exactly_what_one_thread_gets(kind):
     assert torch.equal(outs[0], outs[1])
 
 
+def test_an_engine_decodes_with_torchs_ops_on_one_thread_and_ours_on_all(monkeypatch):
+    # torch's parallel regions between our calls waited for our pool's core (or woke a sleeping thread): while an
+    # engine picks and steps, torch's ops run on one thread and our calls on the count torch had, which a prefill
+    # (a new row's, a full row's restart) and every exit get back
+    from nanogpt_cli.inference.engine import Engine, SamplingParams
+
+    model = llama(torch.bfloat16, None, n_embd=256, n_head=8, n_kv_head=2, mlp_hidden=512, block_size=32)
+    seen = {"ours": set(), "torch's in a step": set(), "prefill": []}
+    real = native.decode
+
+    def decode(blocks, caches, x, pos, threads, *args):
+        seen["ours"].add(threads)
+        seen["torch's in a step"].add(torch.get_num_threads())
+        return real(blocks, caches, x, pos, threads, *args)
+
+    def run(threads: int) -> list[int]:
+        torch.set_num_threads(threads)
+        engine = Engine(model, max_batch=2)
+        engine.add(list(range(1, 9)), SamplingParams(temperature=0.0), 40)  # past the block: a restart's prefill
+        tokens = [t.token for _ in range(20) for t in engine.step()]
+        engine.add(list(range(3, 9)), SamplingParams(temperature=0.0), 24)  # a prefill between steps
+        while engine.active:
+            tokens += [t.token for t in engine.step()]
+        assert torch.get_num_threads() == threads
+        return tokens
+
+    before = torch.get_num_threads()
+    try:
+        one = run(1)
+        monkeypatch.setattr(native, "decode", decode)
+        hook = model.transformer.h[0].register_forward_pre_hook(
+            lambda *_: seen["prefill"].append(torch.get_num_threads())
+        )
+        two = run(2)
+        hook.remove()
+    finally:
+        torch.set_num_threads(before)
+    assert seen["ours"] == {2} and seen["torch's in a step"] == {1}
+    assert len(seen["prefill"]) >= 3 and set(seen["prefill"]) == {2}  # two prompts and a restart
+    assert one == two
+
+
 def llama(dtype: torch.dtype, kind: str | None, **kw) -> GPT:
     torch.manual_seed(0)
     shape = dict(n_embd=128, n_head=4, n_kv_head=2, norm="rmsnorm", mlp="swiglu", block_size=32, qkv_bias=True)

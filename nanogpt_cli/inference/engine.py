@@ -627,6 +627,10 @@ class Engine:
         rows that reached their length or a stop token; advance() then feeds the tokens to the model. A server
         hands the tokens out in between, so a new row's first token goes out right after its prefill, and a row
         that its caller removes (a stop text) costs no decode step. A RowError leaves every row as it was."""
+        with self.backend.decoding(self.plan):  # our CPU kernels' threads apart from torch's (native.torch_alone)
+            return self._pick()
+
+    def _pick(self) -> list[StepToken]:
         self.advance()  # a pick not fed yet is fed first
         if not self.rows:
             return []
@@ -661,7 +665,8 @@ class Engine:
     def advance(self) -> None:
         """Run every row one token on, with the token pick() gave it (nothing to do when pick() has not run)."""
         if self.behind and self.rows:
-            self.logits = self._advance()
+            with self.backend.decoding(self.plan):
+                self.logits = self._advance()
         self.behind = False
 
     def _advance(self) -> torch.Tensor:

@@ -186,7 +186,8 @@ class SpeculativeEngine(Engine):
         if k == 0:  # right after a prefill (each row's first token comes from its logits), no room, or resting
             self.draft.rested()
             return super().pick()
-        return self._speculate(k)
+        with self.backend.decoding(self.plan):
+            return self._speculate(k)
 
     def _round_tokens(self) -> int:
         """How many tokens this round drafts: the draft's K, cut so that the check fits every row's context and no

@@ -6,10 +6,12 @@ how it computes a prefill and a one-token step through the engine's KV cache.
     logits = backend.prefill(plan, idx, cache_view)                        # (B, V) at each row's last token
     logits = backend.step(plan, idx, cache, n)                             # (n, V) after one token per row
     logits = backend.score(plan, idx, cache_view)                          # (B, T, V) after each new token
+    with backend.decoding(plan): ...                                       # the engine's picks and steps
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -51,6 +53,11 @@ class DecodeBackend:
         through cache (a CacheView) at each row's own position: how a speculative step checks a draft's tokens
         (inference/speculative.py) in one forward."""
         raise NotImplementedError
+
+    def decoding(self, plan: Any) -> AbstractContextManager:
+        """What the engine holds while it picks tokens and steps its rows (not while it prefills new ones): a
+        backend that runs its own threads can keep torch's from competing with them there."""
+        return nullcontext()
 
     def describe(self, plan: Any) -> str:
         """One line for `info` and /health: the backend's name and what it runs for this model."""

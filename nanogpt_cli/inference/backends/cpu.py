@@ -8,6 +8,7 @@ Its forms are built once per model state and shared by every engine on it (form_
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import NamedTuple
 
 import torch
@@ -136,7 +137,8 @@ class CPUBackend(DecodeBackend):
         return decode_plan(model, vocab_size)
 
     def prefill(self, plan: DecodePlan, idx: torch.Tensor, cache) -> torch.Tensor:
-        hs = plan.model.hidden_states(idx, cache=cache)  # (B, T, C): many rows, through the modules
+        with native.torch_threads():  # torch's products, on every thread, also where a step restarts a row
+            hs = plan.model.hidden_states(idx, cache=cache)  # (B, T, C): many rows, through the modules
         return softcap(head_logits(plan, hs[:, -1]), plan.logit_softcap)
 
     def step(self, plan: DecodePlan, idx: torch.Tensor, cache, n: int) -> torch.Tensor:
@@ -151,8 +153,13 @@ class CPUBackend(DecodeBackend):
         if plan.fused is not None and B * T < PREFILL_ROWS and kv.ring is None and kv.dtype in FUSED_CACHE:
             hs = plan.ops.ln_f(plan.fused.score(idx, kv, cache.start, cache.stop))  # (B * T, C)
         else:
-            hs = plan.model.hidden_states(idx, cache=cache, ops=plan.ops).view(B * T, -1)  # (B * T, C)
+            with native.torch_threads():
+                hs = plan.model.hidden_states(idx, cache=cache, ops=plan.ops).view(B * T, -1)  # (B * T, C)
         return softcap(head_logits(plan, hs), plan.logit_softcap).view(B, T, -1)
+
+    def decoding(self, plan: DecodePlan):
+        # the fused step's calls run on our pool's threads, and torch's ops between them on one (native.torch_alone)
+        return native.torch_alone() if plan.fused is not None else nullcontext()
 
     def describe(self, plan: DecodePlan) -> str:
         parts = ["fused step" if plan.fused is not None else "decoding form", f"kernels: {native.status()}"]
@@ -225,7 +232,8 @@ def decode_step(p: DecodePlan, idx: torch.Tensor, cache, n: int | None = None) -
     if p.fused is not None and B < PREFILL_ROWS and cache.dtype in FUSED_CACHE:
         h = p.ops.ln_f(p.fused(idx, cache, B))  # (B, C)
     else:
-        h = p.model.hidden_states(idx.view(B, 1), cache.view(0, B), ops=p.ops)  # (B, 1, C)
+        with native.torch_threads():  # many rows: torch's products
+            h = p.model.hidden_states(idx.view(B, 1), cache.view(0, B), ops=p.ops)  # (B, 1, C)
     return softcap(head_logits(p, h.view(B, -1)), p.logit_softcap)  # (B, V)
 
 

@@ -263,7 +263,7 @@ class FusedStep:
         caches = cache.__dict__.get("native_caches")
         if caches is None or caches.blocks is not self.blocks:  # the cache's tensors are its own for its lifetime
             caches = cache.native_caches = native.Caches(self.blocks, cache.k, cache.v)
-        native.decode(self.blocks, caches, x, at, torch.get_num_threads(), self.timers, rows)
+        native.decode(self.blocks, caches, x, at, native.kernel_threads(), self.timers, rows)
         return x
 
 

@@ -388,8 +388,12 @@ static bool takes(const Linear& L) {
 // woken claims nothing and the caller does the whole job alone, at one thread's speed. OpenMP's join barrier
 // waited for it instead, a scheduler's time slice a product: decode at 2 threads on a loaded 2-core machine took
 // 35x as long as at 1 (benchmarks/README.md). Workers spin a while between jobs (a decode step's products follow
-// each other within microseconds), then sleep. One job at a time: a caller that finds the pool busy (another
-// thread's step) runs its job alone. The workers are started on first use and live as long as the process.
+// each other within microseconds), then sleep. When a call from Python returns, the workers sleep at once
+// (rest): torch's own threads run the ops between our calls (the pick, the norms), and a worker of ours spinning
+// on the other core made each of torch's parallel regions wait for the scheduler to take that core back, 0.3 ms
+// a region, so that 2 threads decoded slower than 1. One job at a time: a caller that finds the pool busy
+// (another thread's step) runs its job alone. The workers are started on first use and live as long as the
+// process.
 struct Job {
     void (*fn)(const void* ctx, int64_t item, int worker);  // worker: 0 the caller, 1.. the pool's
     const void* ctx;
@@ -402,6 +406,7 @@ static std::atomic<int64_t> items{0}, done{0};
 static std::atomic<int> active{0};         // workers 1..active - 1 take part in the current job
 static std::atomic<const Job*> job{nullptr};
 static std::atomic<uint64_t> posted{0};    // the last job's generation
+static std::atomic<bool> resting{true};    // the caller has returned to Python: workers sleep, not spin
 // never destroyed: at exit, a condition variable's destructor would wait for the sleeping workers forever
 static std::mutex &busy = *new std::mutex, &sleep_lock = *new std::mutex;
 static std::condition_variable& wake = *new std::condition_variable;
@@ -427,7 +432,7 @@ static void worker_loop(int worker) {
     uint64_t seen = 0;
     for (;;) {
         uint64_t g = posted.load(std::memory_order_acquire);
-        for (int spin = 0; g == seen && spin < 200000; spin++) {  // ~0.1-1 ms of spinning
+        for (int spin = 0; g == seen && spin < 200000 && !resting.load(std::memory_order_relaxed); spin++) {
             _mm_pause();
             g = posted.load(std::memory_order_acquire);
         }
@@ -449,6 +454,7 @@ static void run(const Job& j, int64_t n, int threads) {
     }
     for (; started < threads - 1; started++) std::thread(worker_loop, started + 1).detach();
     const uint64_t g = ++generation;
+    resting.store(false, std::memory_order_relaxed);
     job.store(&j, std::memory_order_release);
     items.store(n, std::memory_order_release);
     done.store(0, std::memory_order_release);
@@ -466,6 +472,9 @@ static void run(const Job& j, int64_t n, int threads) {
     }
     busy.unlock();
 }
+
+// the caller goes back to Python, where the next job may be a while: the workers stop spinning and sleep
+static void rest() { resting.store(true, std::memory_order_relaxed); }
 }  // namespace pool
 
 struct LinearJob {
@@ -904,7 +913,9 @@ int ng_layout(int64_t i, const char** type, const char** name, int64_t* offset, 
 // where memory ran out.
 int ng_linear(const Linear* L, int64_t B, const void* x, const void* res, void* y, int bf16, int threads) {
     if (!takes(*L) || B < 1 || threads < 1) return 1;
-    return linear(*L, B, x, bf16, {y, res, bf16}, threads);
+    const int rc = linear(*L, B, x, bf16, {y, res, bf16}, threads);
+    pool::rest();
+    return rc;
 }
 
 // whether rows shares a cache row between two of x's rows
@@ -964,6 +975,7 @@ int ng_decode(const Block* blocks, int64_t n_layer, int64_t B, void* x, const in
     const int rc =
         decode_rows(blocks, n_layer, B, x, pos, rows, cache_rows, ring, ks, vs, bf16, kv_bf16, threads, timers);
     free(own);
+    pool::rest();
     return rc;
 }
 }

@@ -42,8 +42,10 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +56,7 @@ BF16, INT8, INT4 = 0, 1, 2
 TILE_ROWS = 4  # weight rows per tile (native.cpp's R)
 INT4_ROWS = 16  # int4's rows per tile, one a 32-bit lane of a 512-bit register (native.cpp's R4)
 CHUNK = 32  # inputs per chunk of a tile; int4 pairs two chunks in one byte each
-FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-std=c++17"]
 
 
 def march() -> str:
@@ -387,8 +389,53 @@ class Packed:
         if res is not None:  # held here: the kernel reads it after this line
             res = res.to(x.dtype).contiguous()
         y = torch.empty(x.size(0), self.N, dtype=x.dtype)
-        linear(self, x, res, y, torch.get_num_threads())
+        linear(self, x, res, y, kernel_threads())
         return y
+
+
+# Our calls' threads apart from torch's. While an engine decodes on a CPU (torch_alone), torch's own ops between
+# our calls (the logits' copy, the pick, a norm) run on one thread and our calls on the threads torch had: each of
+# torch's parallel regions there woke a sleeping thread or left one spinning on the core our pool wanted, so that a
+# 135M model's bf16 step took longer at 2 threads than at 1 (benchmarks/README.md). Per Python thread, as torch's
+# own count is.
+_held = threading.local()
+
+
+def kernel_threads() -> int:
+    """The threads our kernels split a call over: torch's count, or the one torch_alone() set aside."""
+    return getattr(_held, "threads", 0) or torch.get_num_threads()
+
+
+@contextmanager
+def torch_alone() -> Iterator[None]:
+    """Inside: torch's ops on one thread, ours on the threads torch had (kernel_threads)."""
+    n = kernel_threads()
+    if n == 1 or getattr(_held, "threads", 0):  # nothing to set aside, or set aside already
+        yield
+        return
+    _held.threads = n
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+        _held.threads = 0
+
+
+@contextmanager
+def torch_threads() -> Iterator[None]:
+    """Inside torch_alone(): torch's threads back for its own large work (a prefill's products)."""
+    n = getattr(_held, "threads", 0)
+    if not n:
+        yield
+        return
+    _held.threads = 0
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(1)
+        _held.threads = n
 
 
 def linear(weight: Packed, x: torch.Tensor, res: torch.Tensor | None, y: torch.Tensor, threads: int) -> None:
