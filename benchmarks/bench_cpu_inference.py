@@ -1,7 +1,7 @@
 """CPU inference of real-sized models: ours at float32, bf16, int8 and int4 (--quantize) against llama.cpp (PyPI's
 xllamacpp, used only here) on our own GGUF exports at f16, q8_0 and q4_0, with the same threads, in alternating
 rounds: prefill of 512 tokens, decode at batch 1 and 8, peak memory, at 1 and 2 threads. Random weights (speed does
-not depend on them) in SmolLM2-135M's, Qwen2.5-0.5B's and Gemma-3-270M's shapes.
+not depend on them) in SmolLM2-135M's, Qwen2.5-0.5B's, Gemma-3-270M's and Pythia-160M's shapes.
 
     python benchmarks/bench_cpu_inference.py --models smollm2-135m --rounds 3 --threads 1 2
     python benchmarks/bench_cpu_inference.py --profile        # torch.profiler of the 135M model's decode step
@@ -79,6 +79,21 @@ MODELS = {
         embed_scale=True,
         norm_offset=True,
         post_norms=True,
+        block_size=2048,
+    ),
+    # Pythia-160M (GPT-NeoX): the parallel residual, RoPE on a quarter of each head, LayerNorm and biases; GELU's
+    # tanh form, the one llama.cpp computes (the same cost as the exact one)
+    "pythia-160m": dict(
+        n_layer=12,
+        n_embd=768,
+        n_head=12,
+        vocab_size=50304,
+        rotary_dim=16,
+        parallel_residual=True,
+        norm="layernorm",
+        mlp="gelu_tanh",
+        bias=True,
+        tie_embeddings=False,
         block_size=2048,
     ),
 }
@@ -279,7 +294,8 @@ def one_precision(name: str, weights: Path, ggufs: dict, precision: str, quant: 
                 c = MODELS[name]
                 hs = c.get("head_dim", c["n_embd"] // c["n_head"])
                 t.update(
-                    weight_bytes=gguf_step_bytes(ggufs[quant]), kv_bytes=2 * c["n_layer"] * c["n_kv_head"] * hs * 2
+                    weight_bytes=gguf_step_bytes(ggufs[quant]),
+                    kv_bytes=2 * c["n_layer"] * c.get("n_kv_head", c["n_head"]) * hs * 2,
                 )
             rounds.append((ours(weights, precision, threads, args), t))
             print(name, threads, precision, quant, rounds[-1], flush=True)
