@@ -4,7 +4,7 @@ rounds: prefill of 512 tokens, decode at batch 1 and 8, peak memory, at 1 and 2 
 not depend on them) in SmolLM2-135M's, Qwen2.5-0.5B's, Gemma-3-270M's and Pythia-160M's shapes.
 
     python benchmarks/bench_cpu_inference.py --models smollm2-135m --rounds 3 --threads 1 2
-    python benchmarks/bench_cpu_inference.py --profile        # torch.profiler of the 135M model's decode step
+    python benchmarks/bench_cpu_inference.py --profile --models qwen2.5-0.5b   # where a decode step's time goes
     python benchmarks/bench_cpu_inference.py --quality        # perplexity and greedy agreement of a trained model
     python benchmarks/bench_cpu_inference.py --memory --models smollm2-135m   # peak RSS of a load
 
@@ -387,7 +387,19 @@ def row(precision: str, quant: str | None, rounds: list, bandwidth: float, args)
 
 
 def profile(args) -> None:
-    """torch.profiler over decode steps of the 135M shape at batch 1: the time by operator, grouped."""
+    """torch.profiler over decode steps of each --models shape at batch 1: the time by operator, grouped."""
+    import torch
+
+    torch.set_num_threads(args.threads[0])
+    label_our_calls()
+    for name in args.models:
+        with tempfile.TemporaryDirectory() as tmp:
+            weights, _ = make_model(Path(tmp), name, [])
+            for precision in args.ours:
+                profile_one(weights, name, precision, args)
+
+
+def profile_one(weights: Path, name: str, precision: str, args) -> None:
     import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -395,45 +407,36 @@ def profile(args) -> None:
     from nanogpt_cli.inference.engine import Engine, SamplingParams
     from nanogpt_cli.interop.loading import load_for_inference
 
-    torch.set_num_threads(args.threads[0])
-    label_our_calls()
-    with tempfile.TemporaryDirectory() as tmp:
-        weights, _ = make_model(Path(tmp), "smollm2-135m", [])
-        for precision in args.ours:
-            quant = precision if precision.startswith("int") else None
-            m = load_for_inference(
-                weights, device="cpu", dtype="float32" if precision == "float32" else "bfloat16", quantize=quant
-            )
-            engine = Engine(m.model, max_batch=1)
-            with torch.inference_mode():
-                engine.add(list(range(8)), SamplingParams(temperature=0.0), 2 * args.tokens + 8)
-                for _ in range(4):
-                    engine.step()
-                t0 = time.perf_counter()
-                for _ in range(args.tokens):
-                    engine.step()
-                plain_ms = (time.perf_counter() - t0) / args.tokens * 1000
-                if engine.plan.fused is not None:
-                    engine.plan.fused.timers.zero_()  # the step's own profile clock
-                with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-                    t0 = time.perf_counter()
-                    for _ in range(args.tokens):
-                        engine.step()
-                    step_ms = (time.perf_counter() - t0) / args.tokens * 1000
-            groups = group_profile(prof, args.tokens)
-            if engine.plan.fused is not None:  # inside the one call, by its own clock over the profiled steps
-                products, attention, total = (1000 * t / args.tokens for t in engine.plan.fused.timers.tolist())
-                groups["  of which: matmuls"] = products
-                groups["  of which: attention over the cache"] = attention
-                groups["  of which: norms, RoPE, SwiGLU, cache writes"] = total - products - attention
-            rows = [[k, f"{v:.2f}", f"{100 * v / step_ms:.0f}%"] for k, v in groups.items()]
-            rows.append(["step (wall, profiled)", f"{step_ms:.2f}", "100%"])
-            rows.append(["step (wall, not profiled)", f"{plain_ms:.2f}", ""])
-            table(
-                f"smollm2-135m decode step at batch 1, {precision}, {args.threads[0]} thread(s)",
-                ["part", "ms", "share"],
-                rows,
-            )
+    quant = precision if precision.startswith("int") else None
+    dtype = "float32" if precision == "float32" else "bfloat16"
+    m = load_for_inference(weights, device="cpu", dtype=dtype, quantize=quant)
+    engine = Engine(m.model, max_batch=1)
+    with torch.inference_mode():
+        engine.add(list(range(8)), SamplingParams(temperature=0.0), 2 * args.tokens + 8)
+        for _ in range(4):
+            engine.step()
+        t0 = time.perf_counter()
+        for _ in range(args.tokens):
+            engine.step()
+        plain_ms = (time.perf_counter() - t0) / args.tokens * 1000
+        if engine.plan.fused is not None:
+            engine.plan.fused.timers.zero_()  # the step's own profile clock
+        with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            t0 = time.perf_counter()
+            for _ in range(args.tokens):
+                engine.step()
+            step_ms = (time.perf_counter() - t0) / args.tokens * 1000
+    groups = group_profile(prof, args.tokens, m.model.config.vocab_size)
+    if engine.plan.fused is not None:  # inside the one call, by its own clock over the profiled steps
+        products, attention, total = (1000 * t / args.tokens for t in engine.plan.fused.timers.tolist())
+        groups["  of which: matmuls"] = products
+        groups["  of which: attention over the cache"] = attention
+        groups["  of which: norms, RoPE, SwiGLU, cache writes"] = total - products - attention
+    rows = [[k, f"{v:.2f}", f"{100 * v / step_ms:.0f}%"] for k, v in groups.items()]
+    rows.append(["step (wall, profiled)", f"{step_ms:.2f}", "100%"])
+    rows.append(["step (wall, not profiled)", f"{plain_ms:.2f}", ""])
+    title = f"{name} decode step at batch 1, {precision}, {args.threads[0]} thread(s)"
+    table(title, ["part", "ms", "share"], rows)
 
 
 LOAD = """
@@ -559,7 +562,7 @@ def label_our_calls() -> None:
     cpu.head_logits = labelled(cpu.head_logits, HEAD)
 
 
-def group_profile(prof, steps: int) -> dict[str, float]:
+def group_profile(prof, steps: int, vocab: int) -> dict[str, float]:
     """Self CPU time per step (ms) of each part; the head's matmul is the (1, C) x (C, V) mm, told apart by its
     shape; what no operator accounts for is Python and dispatch."""
     parts = ("matmuls", HEAD, "attention over the cache", "norms, activations, RoPE", "sampling", "other ops")
@@ -567,7 +570,7 @@ def group_profile(prof, steps: int) -> dict[str, float]:
     for e in prof.key_averages(group_by_input_shape=True):
         ms = e.self_cpu_time_total / 1000 / steps
         part = e.key if e.key in (FUSED, HEAD) else next((k for k, ops in GROUPS.items() if e.key in ops), "other ops")
-        if part == "matmuls" and "49152" in str(e.input_shapes):
+        if part == "matmuls" and str(vocab) in str(e.input_shapes):
             part = HEAD
         totals[part] += ms
     return {k: v for k, v in totals.items() if v or k != FUSED}
