@@ -2,7 +2,7 @@
 trained on the same batches with the data's cross-entropy only, for the same number of updates, one after the
 other on one thread; then each one's val bits per byte.
 
-    python benchmarks/bench_distill.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/distill --iters 700
+    python benchmarks/bench_distill.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/distill --iters 800
     python benchmarks/bench_distill.py --steps     # the step alone: plain, distillation, and autograd's version
 
 Steps, each skipped when its output is there: the GGUF's tokenizer through its Hugging Face export (the data must
@@ -125,9 +125,9 @@ def train(kind: list[str], common: list[str], iters: int, run_dir: Path, log: Pa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, help="the teacher: SmolLM2-135M-Instruct's .gguf")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/distill"), help="data, logs and the tokenizer")
-    parser.add_argument("--out", type=Path, default=Path("/tmp/distill/out"), help="the runs: OUT/student, OUT/ce")
-    parser.add_argument("--iters", type=int, default=700, help="updates of each run")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/distill"), help="the data and the tokenizer")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/distill/out"), help="the runs and their logs")
+    parser.add_argument("--iters", type=int, default=800, help="updates of each run")
     parser.add_argument("--tokens", type=int, default=170_000, help="Tiny Shakespeare's tokens used (10 %% val)")
     parser.add_argument("--alpha", type=float, default=0.9, help="--distill-alpha")
     parser.add_argument("--dtype", default="bfloat16", help="the runs' --dtype (bf16 autocast: 1.5x float32 here)")
@@ -150,9 +150,10 @@ def main() -> None:
     common = [*data, *STUDENT, *SCHEDULE, "--device", "cpu", "--dtype", args.dtype, "--threads", "1", "--no-plot"]
     common.append("--force")
     print(f"{cpu_model()}, 1 thread")
+    args.out.mkdir(parents=True, exist_ok=True)
     distill = ["finetune", "--method", "distill", "--distill-alpha", str(args.alpha)]
-    student = train(distill, common, args.iters, args.out / "student", work / "student.log")
-    ce = train(["train"], common, student["step"], args.out / "ce", work / "ce.log")  # the same updates
+    student = train(distill, common, args.iters, args.out / "student", args.out / "student.log")
+    ce = train(["train"], common, student["step"], args.out / "ce", args.out / "ce.log")  # the same updates
     rows = []
     for label, folder, done in (
         ("cross-entropy only", args.out / "ce", ce),
