@@ -1,14 +1,15 @@
 """Distillation against cross-entropy alone: a student distilled from SmolLM2-135M-Instruct and the same student
-trained on the same tokens with the data's cross-entropy only, for the same time, both at once on one thread each
-(so a busy machine slows both alike); then each one's val bits per byte.
+trained on the same batches with the data's cross-entropy only, for the same number of updates, one after the
+other on one thread; then each one's val bits per byte.
 
-    python benchmarks/bench_distill.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/distill --minutes 30
+    python benchmarks/bench_distill.py --gguf SmolLM2-135M-Instruct.Q4_1.gguf --work /tmp/distill --iters 800
     python benchmarks/bench_distill.py --steps     # the step alone: plain, distillation, and autograd's version
 
 Steps, each skipped when its output is there: the GGUF's tokenizer through its Hugging Face export (the data must
 be prepared with the teacher's tokenizer); Tiny Shakespeare's first --tokens tokens prepared with it; the
-teacher's top-32 labels of the train split (`prepare --teacher`, timed); the two runs in parallel (--max-time);
-`eval perplexity` of each run's best weights on the val split.
+teacher's top-32 labels of the train split (`prepare --teacher`, timed); the distilled run (--iters updates),
+then the cross-entropy run to the updates the distilled one made; `eval perplexity` of each run's best weights
+on the val split. The load average and the CPU are printed beside each run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -27,8 +27,8 @@ from common import ROOT, shakespeare_path, table  # noqa: E402
 
 NANOGPT = [sys.executable, "-m", "nanogpt_cli"]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-STUDENT = "--n-layer 4 --n-head 3 --n-embd 192 --block-size 512 --batch-size 4 --dropout 0".split()
-SCHEDULE = "--learning-rate 2e-3 --warmup-iters 20 --max-iters 100000 --eval-interval 40 --eval-iters 8".split()
+STUDENT = "--n-layer 4 --n-head 3 --n-embd 192 --block-size 256 --batch-size 4 --dropout 0".split()
+SCHEDULE = "--learning-rate 2e-3 --warmup-iters 30 --eval-interval 100 --eval-iters 6 --log-interval 25".split()
 
 
 def run(args: list[str], log: Path | None = None) -> subprocess.Popen:
@@ -42,8 +42,9 @@ def check(process: subprocess.Popen, what: str) -> None:
 
 
 def bits_per_byte(run_dir: Path, data: list[str]) -> dict:
+    command = [*NANOGPT, "eval", "perplexity", "--checkpoint", str(run_dir), *data, "--split", "val"]
     done = subprocess.run(
-        [*NANOGPT, "eval", "perplexity", "--checkpoint", str(run_dir), *data, "--split", "val", "--json"],
+        [*command, "--dtype", "float32", "--json"],
         env=ENV,
         capture_output=True,
         text=True,
@@ -97,14 +98,39 @@ def time_steps(rounds: int = 2) -> None:
     table(f"one step, 4 x 512 tokens, 1 thread, load {os.getloadavg()[0]:.1f}", ["step", "seconds", "vs plain"], rows)
 
 
+def val_curves(ce_dir: Path, student_dir: Path) -> None:
+    """Each run's val loss at the same updates (the trainer's evaluations, --eval-iters batches)."""
+    curves = []
+    for folder in (ce_dir, student_dir):
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        curves.append({e["step"]: e["val_loss"] for e in map(json.loads, lines) if e.get("kind") == "eval"})
+    rows = [[f"{s:,}", f"{curves[0][s]:.4f}", f"{curves[1][s]:.4f}"] for s in sorted(curves[1]) if s in curves[0]]
+    table("val loss at the same updates (nats/token)", ["updates", "cross-entropy only", "distilled"], rows)
+
+
+def cpu_model() -> str:
+    return next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+
+
+def train(kind: list[str], common: list[str], iters: int, run_dir: Path, log: Path) -> dict:
+    """One run to `iters` updates; what it made: updates, tokens, steady ms a step, wall seconds, the load."""
+    before, started = os.getloadavg()[0], time.time()
+    check(run([*kind, *common, "--max-iters", str(iters), "--out", str(run_dir)], log), f"{kind[0]} {run_dir}")
+    trained = json.loads((run_dir / "trainer.json").read_text())
+    wall, after = time.time() - started, os.getloadavg()[0]
+    print(f"{run_dir.name}: {trained['step']:,} updates in {wall:,.0f} s, load average {before:.1f} -> {after:.1f}")
+    return dict(trained, wall=wall, load=(before, after))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, help="the teacher: SmolLM2-135M-Instruct's .gguf")
-    parser.add_argument("--work", type=Path, default=Path("/tmp/distill"), help="data, logs and the tokenizer")
-    parser.add_argument("--out", type=Path, default=Path("/tmp/distill/out"), help="the runs: OUT/student, OUT/ce")
-    parser.add_argument("--minutes", type=float, default=30.0, help="each run's --max-time")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/distill"), help="the data and the tokenizer")
+    parser.add_argument("--out", type=Path, default=Path("/tmp/distill/out"), help="the runs and their logs")
+    parser.add_argument("--iters", type=int, default=800, help="updates of each run")
     parser.add_argument("--tokens", type=int, default=170_000, help="Tiny Shakespeare's tokens used (10 %% val)")
-    parser.add_argument("--alpha", type=float, default=0.8, help="--distill-alpha")
+    parser.add_argument("--alpha", type=float, default=0.9, help="--distill-alpha")
+    parser.add_argument("--dtype", default="bfloat16", help="the runs' --dtype (bf16 autocast: 1.5x float32 here)")
     parser.add_argument("--steps", action="store_true", help="only time one training step of each loss")
     args = parser.parse_args()
     if args.steps:
@@ -121,28 +147,33 @@ def main() -> None:
         prep += ["--data-dir", str(work / "data"), "--max-tokens", str(args.tokens), "--teacher", str(args.gguf)]
         check(run(prep, work / "prepare.log"), "prepare --teacher")
     teacher = json.loads(meta.read_text())["teacher"]
-    common = [*data, *STUDENT, *SCHEDULE, "--max-time", str(args.minutes * 60), "--device", "cpu"]
-    common += ["--dtype", "float32", "--threads", "1", "--no-plot", "--force"]
-    started = time.time()
-    student = run(["finetune", "--method", "distill", "--distill-alpha", str(args.alpha), *common, "--out",
-                   str(args.out / "student")], work / "student.log")  # fmt: skip
-    ce = run(["train", *common, "--out", str(args.out / "ce")], work / "ce.log")
-    check(student, "the distillation")
-    check(ce, "the cross-entropy run")
-    wall = time.time() - started
+    common = [*data, *STUDENT, *SCHEDULE, "--device", "cpu", "--dtype", args.dtype, "--threads", "1", "--no-plot"]
+    common.append("--force")
+    print(f"{cpu_model()}, 1 thread")
+    args.out.mkdir(parents=True, exist_ok=True)
+    distill = ["finetune", "--method", "distill", "--distill-alpha", str(args.alpha)]
+    student = train(distill, common, args.iters, args.out / "student", args.out / "student.log")
+    ce = train(["train"], common, student["step"], args.out / "ce", args.out / "ce.log")  # the same updates
     rows = []
-    for label, folder in (("cross-entropy only", args.out / "ce"), ("distilled", args.out / "student")):
-        trained = json.loads((folder / "trainer.json").read_text()) if (folder / "trainer.json").is_file() else {}
+    for label, folder, done in (
+        ("cross-entropy only", args.out / "ce", ce),
+        ("distilled", args.out / "student", student),
+    ):
         scored = bits_per_byte(folder, data)
-        rows.append([label, f"{trained.get('step', '?'):,}", f"{scored['loss']:.4f}", f"{scored['bits_per_byte']:.4f}"])
-    ratio = float(rows[1][3]) / float(rows[0][3])
+        step = done["speed"]["steady_ms_per_iter"] / 1e3
+        rows.append(
+            [label, f"{done['step']:,}", f"{done['tokens']:,}", f"{step:.2f} s", f"{done['wall']:,.0f} s"]
+            + ["{:.1f} -> {:.1f}".format(*done["load"]), f"{scored['loss']:.4f}", f"{scored['bits_per_byte']:.4f}"]
+        )
+    ratio = float(rows[1][-1]) / float(rows[0][-1])
     table(
-        f"SmolLM2-135M-Instruct -> 4x192 student ({platform.processor() or platform.machine()}), {args.minutes:g} min "
-        f"each, both at once on 1 thread; labels: {teacher['seconds']:,.0f} s, {teacher['bytes_per_token']} B/token",
-        ["run", "updates", "val loss (best weights)", "val bits/byte"],
+        f"SmolLM2-135M-Instruct -> 4x192 student, {args.dtype}, 1 thread, {cpu_model()}; labels: "
+        f"{teacher['seconds']:,.0f} s, {teacher['bytes_per_token']} B/token",
+        ["run", "updates", "tokens", "steady step", "wall", "load average", "val loss (best weights)", "val bits/byte"],
         rows,
     )
-    print(f"distilled / cross-entropy bits per byte: {ratio:.3f} ({(1 - ratio) * 100:.1f} % lower); wall {wall:,.0f} s")
+    val_curves(args.out / "ce", args.out / "student")
+    print(f"distilled / cross-entropy bits per byte: {ratio:.3f} ({(1 - ratio) * 100:.1f} % lower)")
 
 
 if __name__ == "__main__":

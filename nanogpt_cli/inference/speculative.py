@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanogpt_cli.config import LoadSpec
+from nanogpt_cli.config import LoadSpec, check_draft_tokens
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inference.backends import choose
 from nanogpt_cli.inference.engine import (
@@ -93,11 +93,6 @@ class Draft:
     def rested(self) -> None:
         """A plain step taken: one fewer to rest."""
         self.rest = max(0, self.rest - 1)
-
-
-def check_draft_tokens(tokens: int | None) -> None:
-    if tokens is not None and tokens < 1:
-        raise NanoGPTError(f"--draft-tokens must be at least 1 (or left out for an adaptive K), got {tokens}")
 
 
 def check_tokenizers(draft: Tokenizer, target: Tokenizer) -> None:
