@@ -210,8 +210,9 @@ def choose(
     context, batch_tokens = _batch(rows, data, width, time_tokens, device, world_size)
     tokens = time_tokens(context)
     most = MAX_PASSES * data.train_tokens  # the tokens worth reading in any time (MAX_PASSES)
-    updates = max(1, int(min(tokens, most) / batch_tokens))
-    _schedule(rows, width, updates, device, min(tokens, most) / max(1, data.train_tokens))
+    planned = min(tokens, most if "max_iters" not in rows.given else rows.given["max_iters"] * batch_tokens)
+    updates = max(1, int(planned / batch_tokens))
+    _schedule(rows, width, updates, device, planned / max(1, data.train_tokens))
     # a cap far above the estimate where the time limits the run: a probe on a busy machine can read a half or a third
     # of the speed the run gets, and a run that reached its --max-iters first would end before its time; never more
     # than MAX_PASSES over the data, where the schedule then ends (it follows the step or the clock, the further)
@@ -220,13 +221,13 @@ def choose(
         why = f"{MAX_PASSES} passes over the {data.train_tokens:,} training tokens, before the clock (more overfit)"
     else:
         why = f"a cap: the clock ends the run near {updates:,} updates, the schedule with it"
-    rows.add("max_iters", min(10 * updates, cap), why)
+    max_iters = rows.add("max_iters", min(10 * updates, cap), why)
     for name in RECIPE:
         if name in rows.given:
             rows.add(name, None, "")
     values = {**{k: v for k, v in RECIPE.items() if k not in rows.given}, **{r.name: r.value for r in rows}}
     notes = vocabulary_notes(data.vocab_size, depth, width, budget_s)
-    if tokens > most:
+    if tokens > most and max_iters * batch_tokens <= most + batch_tokens:
         notes.append(
             f"the time holds ~{tokens / data.train_tokens:,.0f} passes over the {data.train_tokens:,} training "
             f"tokens; the run stops after {MAX_PASSES} (~{updates:,} updates), before --max-time: more data, not more "
@@ -251,13 +252,13 @@ def _shape(
         return 12 * depth * w * w
 
     best = min(DEPTHS, key=lambda d: abs(math.log(tokens_of(d) / params_of(d) / ratio)))
-    limited = " (the data's passes limit it)" if tokens_of(best) >= MAX_PASSES * data.train_tokens else ""
-    depth = rows.add(
-        "n_layer",
-        best,
-        f"~{tokens_of(best) / 1e6:,.1f}M tokens in the time{limited}: "
-        f"{tokens_of(best) / params_of(best):,.1f} per block parameter, nearest the {ratio:.1f} aimed at",
-    )
+    speed = speed_at(best, speeds, data.vocab_size, data.doc_tokens)
+    if tokens_of(best) < MAX_PASSES * data.train_tokens:
+        read = f"~{tokens_of(best) / 1e6:,.1f}M tokens in the time at {speed:,.0f} tokens/s"
+    else:
+        read = f"~{tokens_of(best) / 1e6:,.1f}M tokens, {MAX_PASSES} passes over the data (less than the time holds)"
+    why = f"{read}: {tokens_of(best) / params_of(best):,.1f} per block parameter, nearest the {ratio:.1f} aimed at"
+    depth = rows.add("n_layer", best, why)
     width = rows.add("n_embd", width_for(depth), "32 per layer, a multiple of 64, at least 128")
     heads = rows.add("n_head", max(1, width // HEAD_DIM), f"heads of {HEAD_DIM}")
     assert heads >= 1
@@ -315,7 +316,8 @@ def _schedule(rows: _Rows, width: int, updates: int, device: str, passes: float)
     rows.add("muon_momentum_warmup", min(300, max(10, updates // 8)), "12 % of the updates")
     rows.add("eval_interval", max(1, updates // 4), "four evaluations, the last at the end")
     rows.add("eval_iters", 10 if device == "cpu" else 20, "batches per evaluation")
-    rows.add("dropout", 0.0, f"the data is read ~{passes:,.1f} times, at most {MAX_PASSES}: about as good as fresh")
+    why = f"the data is read ~{passes:,.1f} times; up to {MAX_PASSES} a pass is about as good as fresh text"
+    rows.add("dropout", 0.0, why)
 
 
 def vocabulary_notes(vocab: int, depth: int, width: int, budget_s: float) -> list[str]:
