@@ -81,6 +81,8 @@ def test_a_small_corpus_is_read_at_most_four_times_and_the_run_ends_before_the_c
     large = choose(PROSE, 600, SPEEDS)
     assert large.values["max_iters"] == 10 * large.expected_updates and large.notes == []
     assert choose(small, 600, SPEEDS).values["n_layer"] <= large.values["n_layer"]
+    given = choose(small, 600, SPEEDS, {"max_iters": 10**6})  # a --max-iters given: the clock ends it, as the user said
+    assert given.values["max_iters"] == 10**6 and given.notes == []
 
 
 def test_a_slow_cpu_trains_sixteen_windows_of_at_least_1024_tokens_an_update():
