@@ -42,7 +42,7 @@ from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
 from nanogpt_cli.runs.rundir import RunDir, SavePoint, Saver
 from nanogpt_cli.training.clock import EVAL_SHARE, Clock, busy_hint, cpu_cores, load_average, thread_tuner
-from nanogpt_cli.training.distributed import World, launched_size
+from nanogpt_cli.training.distributed import World, eval_prefix, launched_size
 from nanogpt_cli.training.events import (
     Display,
     EvalProgress,
@@ -446,10 +446,10 @@ class Trainer:
         if state.eval_batches is None or state.eval_batches >= cfg.eval_iters:
             return
         # the first eval_batches of the fixed batches (each split's are drawn in order: the same ones), this rank's
-        # share of them padded as World.eval_share pads
-        share, counted = self.world.eval_share(state.eval_batches)
-        p.eval_sets = {s: b[:counted] + b[:1] * (len(share) - counted) for s, b in p.eval_sets.items()}
-        p.eval_counted = counted
+        # share of them
+        shortened = {s: eval_prefix(b, state.eval_batches, self.world) for s, b in p.eval_sets.items()}
+        p.eval_sets = {s: b for s, (b, _) in shortened.items()}
+        p.eval_counted = shortened["val"][1]
         p.clock.eval_steps = self._eval_steps(p.eval_sets)
 
     def evaluation_missed(self) -> bool:
