@@ -418,21 +418,21 @@ class Trainer:
 
     def bound_evaluations(self) -> None:
         """--max-time with no --eval-iters given (plan.eval_limit_s): an evaluation of both splits takes at most
-        EVAL_SHARE of the time. Before the first one, one val batch is timed (warm-up included: it errs short) and
-        the splits keep as many batches as fit, at least one; every later evaluation, a resumed run's too, scores
-        the same ones (state.eval_batches), so their losses compare."""
+        EVAL_SHARE of the time. Before the first one, one val batch is timed (uncompiled, warm-up included: it errs
+        short) and the splits keep as many batches as fit, at least one; every later evaluation, a resumed run's
+        too, scores the same ones (state.eval_batches), so their losses compare."""
         cfg, p = self.cfg, self.parts
         state = p.state
         if state.eval_batches is None and self.plan.eval_limit_s is not None:
             started = time.perf_counter()
             try:
-                with self.signals.interruptible():
-                    eval_losses(p.compiled, p.eval_sets["val"][:1], p.ctx, self.loss_fn)
+                with self.signals.interruptible():  # not compiled (--compile's first call compiles); read: synced
+                    eval_losses(p.wrapped, p.eval_sets["val"][:1], p.ctx, self.loss_fn).sum().item()
             except Interrupted as stop:
                 self.stopped = stop.signal
                 return
             finally:
-                p.compiled.train()
+                p.wrapped.train()
                 p.clock.set_aside(started, evaluation=False)
             batch_s = p.clock.agree([time.perf_counter() - started])[0]  # rank 0's: every rank keeps as many
             fits = int(self.plan.eval_limit_s / (2 * batch_s))
