@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from nanogpt_cli.cli import app
 from nanogpt_cli.config import build_configs, parse_duration
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.training.auto import MAX_PASSES, DataFigures, choose, wants_auto
+from nanogpt_cli.training.auto import MAX_PASSES, MIN_DATA_RATIO, DataFigures, choose, wants_auto
 from conftest import tiny_plan
 
 runner = CliRunner()
@@ -80,7 +80,13 @@ def test_a_small_corpus_is_read_at_most_four_times_and_the_run_ends_before_the_c
     # the same time and speeds on a corpus large enough: the clock ends the run, --max-iters is only a cap
     large = choose(PROSE, 600, SPEEDS)
     assert large.values["max_iters"] == 10 * large.expected_updates and large.notes == []
-    assert choose(small, 600, SPEEDS).values["n_layer"] <= large.values["n_layer"]
+    # the spare time goes to size: the largest depth that reads the 4 passes in the time, at no fewer than
+    # MIN_DATA_RATIO tokens per block parameter
+    spare = choose(small, 600, SPEEDS)
+    v = spare.values
+    assert MAX_PASSES * small.train_tokens / (12 * v["n_layer"] * v["n_embd"] ** 2) >= MIN_DATA_RATIO
+    assert v["n_layer"] > 2 and spare.rows[0].why.startswith("the largest that reads 4 passes over the data")
+    assert choose(small, 120, {2: 3_000.0}).values["n_layer"] == 2  # no time to spare: the ratio rule's depth
     given = choose(small, 600, SPEEDS, {"max_iters": 10**6})  # a --max-iters given: the clock ends it, as the user said
     assert given.values["max_iters"] == 10**6 and given.notes == []
 

@@ -61,6 +61,10 @@ MIN_CONTEXT = 64
 # little after (Muennighoff et al., 2023, "Scaling Data-Constrained Language Models"); a 10-minute run on a 99k-token
 # split read it 17.7 times and ended worse than a 2-minute one (val loss lowest after ~7 passes, rising after)
 MAX_PASSES = 4
+# where the time holds more than MAX_PASSES, a larger model makes use of it, down to this many tokens per block
+# parameter: on that Russian split at 2 minutes (4 passes), 6x192 (0.14 per parameter) and 4x128 (0.5) beat 2x128 (1.0)
+# by 2 %
+MIN_DATA_RATIO = 0.1
 # the tokens of one micro-batch, at most (more are accumulated): memory, and no speed gained beyond on a CPU
 MICRO_TOKENS = {"cpu": 16_384, "cuda": 131_072, "mps": 32_768}
 PROBE_DEPTHS = {"cpu": (2, 4, 8), "cuda": (4, 8, 16), "mps": (2, 4, 8)}
@@ -229,7 +233,7 @@ def choose(
     notes = vocabulary_notes(data.vocab_size, depth, width, budget_s)
     if tokens > most and max_iters * batch_tokens <= most + batch_tokens:
         notes.append(
-            f"the time holds ~{tokens / data.train_tokens:,.0f} passes over the {data.train_tokens:,} training "
+            f"the time holds ~{tokens / data.train_tokens:,.1f} passes over the {data.train_tokens:,} training "
             f"tokens; the run stops after {MAX_PASSES} (~{updates:,} updates), before --max-time: more data, not more "
             "time, would make a better model"
         )
@@ -239,13 +243,15 @@ def choose(
 def _shape(
     rows: _Rows, data: DataFigures, budget_s: float, speeds: dict[int, float], seconds: float
 ) -> tuple[int, int]:
-    """Depth (the one whose tokens per parameter in the time, at most MAX_PASSES over the data, come nearest the
-    budget's ratio), width and heads: (depth, width)."""
+    """Depth, width and heads: (depth, width). The depth is the one whose tokens in the time per parameter come
+    nearest the budget's ratio; where the time holds more than MAX_PASSES over the data, the largest that reads them
+    all in the time, down to MIN_DATA_RATIO tokens per parameter (the spare time goes to size)."""
     ratio = tokens_per_parameter(budget_s)
+    most = MAX_PASSES * data.train_tokens
 
     def tokens_of(depth: int) -> float:
         speed = speed_at(depth, speeds, data.vocab_size, data.doc_tokens)
-        return min(speed * seconds, MAX_PASSES * data.train_tokens)
+        return min(speed * seconds, most)
 
     def params_of(depth: int) -> int:  # the blocks' (the head's cost is in the probe's speed)
         w = rows.given.get("n_embd") or width_for(depth)
@@ -253,11 +259,16 @@ def _shape(
 
     best = min(DEPTHS, key=lambda d: abs(math.log(tokens_of(d) / params_of(d) / ratio)))
     speed = speed_at(best, speeds, data.vocab_size, data.doc_tokens)
-    if tokens_of(best) < MAX_PASSES * data.train_tokens:
-        read = f"~{tokens_of(best) / 1e6:,.1f}M tokens in the time at {speed:,.0f} tokens/s"
-    else:
-        read = f"~{tokens_of(best) / 1e6:,.1f}M tokens, {MAX_PASSES} passes over the data (less than the time holds)"
+    read = f"~{tokens_of(best) / 1e6:,.1f}M tokens in the time at {speed:,.0f} tokens/s"
     why = f"{read}: {tokens_of(best) / params_of(best):,.1f} per block parameter, nearest the {ratio:.1f} aimed at"
+    fits = [d for d in DEPTHS if speed_at(d, speeds, data.vocab_size, data.doc_tokens) * seconds >= most]
+    larger = [d for d in fits if d > best and most / params_of(d) >= MIN_DATA_RATIO]
+    if speed * seconds >= most and larger:
+        best = max(larger)
+        why = (
+            f"the largest that reads {MAX_PASSES} passes over the data ({most / 1e6:,.1f}M tokens) in the time, at "
+            f"least {MIN_DATA_RATIO} per block parameter ({most / params_of(best):,.2f}): the time holds more"
+        )
     depth = rows.add("n_layer", best, why)
     width = rows.add("n_embd", width_for(depth), "32 per layer, a multiple of 64, at least 128")
     heads = rows.add("n_head", max(1, width // HEAD_DIM), f"heads of {HEAD_DIM}")
