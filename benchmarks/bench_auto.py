@@ -10,9 +10,11 @@ with a BPE of 4,096 tokens trained on it (`nanogpt tokenizer train`). Every run 
 a process of its own, one after another; the score is the final weights' bits per byte on the whole val split
 (`nanogpt eval perplexity --last`, deterministic: every token scored once), so tokenizers and shapes compare.
 
-The hand sweep (SWEEP, at least 8 points): depths and widths around what auto's rules pick at these budgets, and
-Muon's and AdamW's rates halved and doubled, each with the rest of auto's recipe. Target: auto within 2 % of the
-sweep's best and better than every preset at every corpus and budget.
+The hand sweep (SWEEP, at least 8 points): depths and widths around what auto's rules pick at these budgets,
+Muon's and AdamW's rates halved and doubled, and auto's smallest shape trained by the clock past auto's limit of 4
+passes over the data, each with the rest of auto's recipe. Target: auto within 2 % of the sweep's best and better
+than every preset at every corpus and budget. Each run's line gives its updates, tokens, passes over the training
+split and the CPU seconds its training process used (of its wall time: the rest went to other processes).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import sysconfig
@@ -46,6 +49,8 @@ SWEEP = [
         "4x128 rates*2",
         ["--n-layer", "4", "--n-embd", "128", "--n-head", "2", "--muon-lr", "0.04", "--learning-rate", "0.004"],
     ),
+    # --max-iters given: the clock ends the run, however many passes over the data it reads
+    ("2x128 no pass limit", ["--n-layer", "2", "--n-embd", "128", "--n-head", "2", "--max-iters", "1000000"]),
 ]
 REDUCED = ["2x128", "4x128", "6x192", "4x128 rates*2"]
 PRESETS = ["tiny", "cpu-char", "cpu-fast", "cpu-speedrun", "shakespeare-char", "gpt2-124m", "gpt2-350m"]
@@ -69,6 +74,12 @@ def nanogpt(*args: str, capture: bool = True, timeout: float | None = None) -> s
     if done.returncode != 0:
         raise RuntimeError(f"nanogpt {' '.join(args)} failed:\n{(done.stderr or '')[-2000:]}")
     return done.stdout
+
+
+def children_cpu_s() -> float:
+    """CPU seconds (user and system) of the finished child processes so far."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def corpus_text(kind: str) -> str:
@@ -130,12 +141,12 @@ def run(label: str, flags: list[str], data: str, minutes: float, work: Path, thr
 def score(label: str, flags: list[str], data: str, minutes: float, work: Path, threads: list[str]) -> dict:
     """One training run of `minutes`, then its final weights' bits per byte on the val split."""
     out = work / "runs" / f"{data}-{minutes:g}m-{label.replace(' ', '_').replace('/', 'd').replace('*', 'x')}"
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), children_cpu_s()
     nanogpt(
         "train", "--data", data, "--data-dir", str(work / "data"), "--max-time", f"{minutes * 60:g}",
         "--out", str(out), "--force", "--no-plot", "--quiet", *threads, *flags, timeout=LIMIT * minutes * 60,
     )  # fmt: skip
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, children_cpu_s() - cpu0
     t0 = time.perf_counter()
     scored = json.loads(
         nanogpt(
@@ -156,6 +167,8 @@ def score(label: str, flags: list[str], data: str, minutes: float, work: Path, t
         )  # fmt: skip
     )
     config = json.loads((out / "config.json").read_text())
+    state = json.loads((out / "trainer.json").read_text())
+    train_tokens = json.loads((work / "data" / data / "meta.json").read_text())["train_tokens"]
     shape = config["model"]
     result = {
         "label": label,
@@ -164,7 +177,11 @@ def score(label: str, flags: list[str], data: str, minutes: float, work: Path, t
         "bpb": scored["bits_per_byte"],
         "loss": scored["loss"],
         "shape": f"{shape['n_layer']}x{shape['n_embd']} ctx {shape['block_size']}",
+        "updates": state["step"],
+        "tokens": state["tokens"],
+        "passes": round(state["tokens"] / train_tokens, 2),
         "wall_s": round(wall, 1),
+        "cpu_s": round(cpu, 1),  # the training process's (its probe included), of wall_s
         "eval_s": round(time.perf_counter() - t0, 1),
         "load": os.getloadavg()[0],
     }

@@ -13,13 +13,14 @@ from typer.testing import CliRunner
 from nanogpt_cli.cli import app
 from nanogpt_cli.config import build_configs, parse_duration
 from nanogpt_cli.errors import NanoGPTError
-from nanogpt_cli.training.auto import DataFigures, choose, wants_auto
+from nanogpt_cli.training.auto import MAX_PASSES, MIN_DATA_RATIO, DataFigures, choose, wants_auto
 from conftest import tiny_plan
 
 runner = CliRunner()
 # a probe's figures: tokens/s of one process at depths 2, 4 and 8 (a CPU's, roughly)
 SPEEDS = {2: 60_000.0, 4: 25_000.0, 8: 6_000.0}
-PROSE = DataFigures(train_tokens=2_000_000, vocab_size=4096, doc_tokens=300.0)
+# enough text that no budget here reads it more than MAX_PASSES times: the time, not the data, sizes these runs
+PROSE = DataFigures(train_tokens=200_000_000, vocab_size=4096, doc_tokens=300.0)
 
 
 def ok(*args):
@@ -61,6 +62,48 @@ def test_the_plan_is_the_same_for_the_same_figures_and_grows_with_time_and_speed
     build_configs({**first.values, "vocab_size": PROSE.vocab_size})  # a valid config
 
 
+def batch_tokens(choice):
+    v = choice.values
+    return v["batch_size"] * v["gradient_accumulation_steps"] * v["block_size"]
+
+
+def test_a_small_corpus_is_read_at_most_four_times_and_the_run_ends_before_the_clock():
+    small = DataFigures(train_tokens=100_000, vocab_size=4096, doc_tokens=100_000.0)  # one long document
+    for budget in (120, 600, 1800):
+        choice = choose(small, budget, SPEEDS)
+        v = choice.values
+        # --max-iters ends it at MAX_PASSES passes, whatever the probe read; the schedule ends there too
+        assert v["max_iters"] * batch_tokens(choice) <= MAX_PASSES * small.train_tokens + batch_tokens(choice)
+        assert choice.expected_updates <= v["max_iters"] <= choice.expected_updates + 1 > v["warmup_iters"]
+        assert choice.expected_updates >= 100  # the batch follows the tokens read, not the time: updates remain
+        assert any("before --max-time" in note for note in choice.notes)
+    # the same time and speeds on a corpus large enough: the clock ends the run, --max-iters is only a cap
+    large = choose(PROSE, 600, SPEEDS)
+    assert large.values["max_iters"] == 10 * large.expected_updates and large.notes == []
+    # the spare time goes to size: the largest depth that reads the 4 passes in the time, at no fewer than
+    # MIN_DATA_RATIO tokens per block parameter
+    spare = choose(small, 600, SPEEDS)
+    v = spare.values
+    assert MAX_PASSES * small.train_tokens / (12 * v["n_layer"] * v["n_embd"] ** 2) >= MIN_DATA_RATIO
+    assert v["n_layer"] > 2 and spare.rows[0].why.startswith("the largest that reads 4 passes over the data")
+    assert choose(small, 120, {2: 3_000.0}).values["n_layer"] == 2  # no time to spare: the ratio rule's depth
+    given = choose(small, 600, SPEEDS, {"max_iters": 10**6})  # a --max-iters given: the clock ends it, as the user said
+    assert given.values["max_iters"] == 10**6 and given.notes == []
+
+
+def test_a_slow_cpu_trains_sixteen_windows_of_at_least_1024_tokens_an_update():
+    slow = {2: 1_500.0, 4: 800.0}  # a busy 2-core CPU's probe: 128 tokens an update would make 1,000 updates
+    choice = choose(PROSE, 120, slow)
+    v = choice.values
+    assert batch_tokens(choice) >= 1024 and v["batch_size"] * v["gradient_accumulation_steps"] >= 16
+    assert v["block_size"] == 64  # halved from 128 to hold 16 windows in 1,024 tokens
+    assert "16 windows in an update of 1,024 tokens" in next(r.why for r in choice.rows if r.name == "block_size")
+    gpu = choose(PROSE, 120, slow, device="cuda")  # a GPU keeps its floor of 4 windows
+    assert gpu.values["block_size"] == 128 and batch_tokens(gpu) == 512
+    given = choose(PROSE, 120, slow, {"block_size": 128})  # a given context stays, the rows follow
+    assert given.values["block_size"] == 128 and given.values["batch_size"] >= 16
+
+
 def test_values_given_stay_and_the_rules_follow_them():
     choice = choose(PROSE, 600, SPEEDS, {"n_layer": 6, "learning_rate": 1e-3, "block_size": 64})
     v = choice.values
@@ -77,10 +120,7 @@ def test_the_global_batch_counts_every_process():
     assert four.values["gradient_accumulation_steps"] % 4 == 0
 
     # four GPUs see four times the tokens: the updates keep their number, each a larger batch
-    def tokens(c):
-        return c.values["batch_size"] * c.values["gradient_accumulation_steps"] * c.values["block_size"]
-
-    assert tokens(four) >= 2 * tokens(one)
+    assert batch_tokens(four) >= 2 * batch_tokens(one)
 
 
 def test_a_vocabulary_too_large_for_the_time_is_noted_not_refused():

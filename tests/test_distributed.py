@@ -248,6 +248,20 @@ def test_evaluation_batches_are_dealt_out_with_equal_passes():
     assert one.wrap(model, "fsdp", torch.float32) is model and one.mean(loss) is loss and one.max_int(2) == 2
 
 
+def test_a_shortened_evaluation_keeps_each_ranks_share_of_the_first_batches():
+    from nanogpt_cli.training.distributed import ProcessGroup, eval_prefix
+
+    for size in (1, 2, 3):  # each rank holds its share of 7 batches (their indices); --max-time keeps the first n
+        for rank in range(size):
+            world = ProcessGroup(torch.device("cpu"), rank, rank, size)
+            mine = world.eval_share(7)[0]
+            for n in range(1, 8):
+                kept, counted = eval_prefix(mine, n, world)
+                share, should = world.eval_share(n)
+                assert counted == should and kept[:counted] == share[:counted]  # the same batches count
+                assert len(kept) == len(share)  # and every rank makes the same forward passes
+
+
 def test_accumulation_not_divisible_by_processes_is_one_sentence(char_data, tmp_path, monkeypatch):
     data_dir, name = char_data
     # what torchrun tells rank 0 of 2; refused before the process group is joined, so nothing waits for rank 1

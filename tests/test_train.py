@@ -392,6 +392,40 @@ def test_cpu_speedrun_under_a_clock_trains_until_it_is_spent_and_evaluates_once(
     assert [m["step"] for m in metrics(run)] == [result.step]
 
 
+def test_max_time_bounds_each_evaluation_unless_eval_iters_is_given(char_data, tmp_path):
+    from nanogpt_cli.training.trainer import Trainer
+
+    class Hints:  # the advice lines the run gives; nothing else shown
+        def __init__(self):
+            self.said = []
+
+        def on_hint(self, text):
+            self.said.append(text)
+
+        def __getattr__(self, name):
+            return lambda *args: None
+
+    data_dir, name = char_data
+    # 2 % of 0.1 ms is less than any batch takes: one batch a split, of the preset's 4
+    short = dict(max_iters=10**6, eval_interval=10**6, max_time=1e-4, warmup_iters=0)
+    for given, batches in (({}, 1), ({"eval_iters": 4}, 4)):
+        run, shown = tmp_path / f"run{batches}", Hints()
+        trainer = Trainer(tiny_plan(data_dir, name, run, **short, **given), shown)
+        result = trainer.fit()
+        assert result.stopped == "max_time" and metrics(run)[-1]["val_loss"] > 0
+        assert [len(trainer.parts.eval_sets[s]) for s in ("train", "val")] == [batches, batches]
+        state = json.loads((run / "trainer.json").read_text())
+        assert state["eval_batches"] == (1 if not given else None)
+        said = [h for h in shown.said if h.startswith("evaluations of")]
+        if given:  # the user's --eval-iters stays theirs, and nothing is said
+            assert said == []
+        else:
+            assert len(said) == 1 and "1 batch a split, not 4" in said[0] and "give --eval-iters" in said[0]
+    more = Trainer(resumed(tmp_path / "run1", max_time=0.5), Hints())  # a resume scores the same batch
+    more.fit()
+    assert len(more.parts.eval_sets["val"]) == 1
+
+
 def test_the_clock_guesses_the_final_evaluation_from_the_update_until_one_is_timed():
     from nanogpt_cli.training.clock import Clock
 

@@ -338,6 +338,9 @@ class TrainerState:
     # a CPU run's torch threads at this save: sums differ by thread count, so a resume keeps it (None: a GPU run,
     # or a run saved before this was kept)
     threads: int | None = None
+    # --max-time with no --eval-iters given: the batches a split that every evaluation scores, fixed by the first one
+    # (Trainer.bound_evaluations); None: all of --eval-iters
+    eval_batches: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dict(
@@ -349,6 +352,7 @@ class TrainerState:
             max_time_spent=self.max_time_spent,
             speed=self.speed,
             threads=self.threads,
+            eval_batches=self.eval_batches,
             version=__version__,
             rng_torch=_maybe(encode_rng, self.rng_torch),
             rng_batches=_maybe(encode_rng, self.rng_batches),
@@ -370,6 +374,7 @@ class TrainerState:
             max_time_spent=d.get("max_time_spent"),
             speed=d.get("speed"),
             threads=d.get("threads"),
+            eval_batches=d.get("eval_batches"),
             rng_torch=_maybe(decode_rng, d.get("rng_torch")),
             rng_batches=_maybe(decode_rng, d.get("rng_batches")),
             rng_cuda=[decode_rng(s) for s in d.get("rng_cuda") or []],

@@ -50,9 +50,21 @@ RECIPE: dict[str, Any] = {
 # the share of --max-time left for training after the evaluations and the first, slow updates
 TRAINING_SHARE = 0.92
 # updates a run aims at: more are worth more than larger batches at these sizes, until the batch is too small to
-# keep the device busy (MIN_ROWS)
+# keep the device busy or to give a useful gradient (MIN_ROWS, MIN_BATCH_TOKENS)
 TARGET_UPDATES = 1000
-MIN_ROWS = 4
+# windows an update holds at least: on a CPU 16, as both CPU presets train (cpu-speedrun 16 x 64, cpu-fast 16 x 128);
+# a 2-minute run on Russian text with 4 x 128 tokens an update lost 3.3 % to cpu-speedrun's 16 x 64
+MIN_ROWS = {"cpu": 16, "cuda": 4, "mps": 4}
+MIN_BATCH_TOKENS = {"cpu": 1024, "cuda": 512, "mps": 512}  # cpu-speedrun's 1,024 on a CPU
+MIN_CONTEXT = 64
+# passes over the train split a run plans at most: repeated tokens are worth nearly fresh ones up to about 4 passes and
+# little after (Muennighoff et al., 2023, "Scaling Data-Constrained Language Models"); a 10-minute run on a 99k-token
+# split read it 17.7 times and ended worse than a 2-minute one (val loss lowest after ~7 passes, rising after)
+MAX_PASSES = 4
+# where the time holds more than MAX_PASSES, a larger model makes use of it, down to this many tokens per block
+# parameter: on that Russian split at 2 minutes (4 passes), 6x192 (0.14 per parameter) and 4x128 (0.5) beat 2x128 (1.0)
+# by 2 %
+MIN_DATA_RATIO = 0.1
 # the tokens of one micro-batch, at most (more are accumulated): memory, and no speed gained beyond on a CPU
 MICRO_TOKENS = {"cpu": 16_384, "cuda": 131_072, "mps": 32_768}
 PROBE_DEPTHS = {"cpu": (2, 4, 8), "cuda": (4, 8, 16), "mps": (2, 4, 8)}
@@ -191,62 +203,107 @@ def choose(
     rows = _Rows(dict(given or {}))
     processes = world_size if device == "cuda" else 1
     usable = budget_s * TRAINING_SHARE
-    depth, width, context = _shape(rows, data, budget_s, speeds, processes * usable)
-    # the tokens the time holds at the shape as given (a given width or context changes its speed)
-    d_tokens = speed_at(depth, speeds, data.vocab_size, data.doc_tokens) * processes * usable
+    depth, width = _shape(rows, data, budget_s, speeds, processes * usable)
     plain = flops_per_token(depth, width_for(depth), data.vocab_size, context_for(width_for(depth), data.doc_tokens))
-    d_tokens *= plain / flops_per_token(depth, width, data.vocab_size, context)
-    updates = _batch(rows, d_tokens, context, device, world_size)
-    _schedule(rows, width, updates, device, d_tokens / max(1, data.train_tokens))
+
+    def time_tokens(context: int) -> float:
+        """The tokens the time holds at the shape as given (a given width or context changes its speed)."""
+        tokens = speed_at(depth, speeds, data.vocab_size, data.doc_tokens) * processes * usable
+        return tokens * plain / flops_per_token(depth, width, data.vocab_size, context)
+
+    context, batch_tokens = _batch(rows, data, width, time_tokens, device, world_size)
+    tokens = time_tokens(context)
+    most = MAX_PASSES * data.train_tokens  # the tokens worth reading in any time (MAX_PASSES)
+    planned = min(tokens, most if "max_iters" not in rows.given else rows.given["max_iters"] * batch_tokens)
+    updates = max(1, int(planned / batch_tokens))
+    _schedule(rows, width, updates, device, planned / max(1, data.train_tokens))
+    # a cap far above the estimate where the time limits the run: a probe on a busy machine can read a half or a third
+    # of the speed the run gets, and a run that reached its --max-iters first would end before its time; never more
+    # than MAX_PASSES over the data, where the schedule then ends (it follows the step or the clock, the further)
+    cap = max(1, math.ceil(most / batch_tokens))
+    if tokens > most:
+        why = f"{MAX_PASSES} passes over the {data.train_tokens:,} training tokens, before the clock (more overfit)"
+    else:
+        why = f"a cap: the clock ends the run near {updates:,} updates, the schedule with it"
+    max_iters = rows.add("max_iters", min(10 * updates, cap), why)
     for name in RECIPE:
         if name in rows.given:
             rows.add(name, None, "")
     values = {**{k: v for k, v in RECIPE.items() if k not in rows.given}, **{r.name: r.value for r in rows}}
     notes = vocabulary_notes(data.vocab_size, depth, width, budget_s)
+    if tokens > most and max_iters * batch_tokens <= most + batch_tokens:
+        notes.append(
+            f"the time holds ~{tokens / data.train_tokens:,.1f} passes over the {data.train_tokens:,} training "
+            f"tokens; the run stops after {MAX_PASSES} (~{updates:,} updates), before --max-time: more data, not more "
+            "time, would make a better model"
+        )
     return AutoChoice(values, list(rows), notes, updates, dict(speeds))
 
 
 def _shape(
     rows: _Rows, data: DataFigures, budget_s: float, speeds: dict[int, float], seconds: float
-) -> tuple[int, int, int]:
-    """Depth (the one whose tokens per parameter in the time come nearest the budget's ratio), width, heads and
-    context: (depth, width, context)."""
+) -> tuple[int, int]:
+    """Depth, width and heads: (depth, width). The depth is the one whose tokens in the time per parameter come
+    nearest the budget's ratio; where the time holds more than MAX_PASSES over the data, the largest that reads them
+    all in the time, down to MIN_DATA_RATIO tokens per parameter (the spare time goes to size)."""
     ratio = tokens_per_parameter(budget_s)
+    most = MAX_PASSES * data.train_tokens
 
     def tokens_of(depth: int) -> float:
-        return speed_at(depth, speeds, data.vocab_size, data.doc_tokens) * seconds
+        speed = speed_at(depth, speeds, data.vocab_size, data.doc_tokens)
+        return min(speed * seconds, most)
 
     def params_of(depth: int) -> int:  # the blocks' (the head's cost is in the probe's speed)
         w = rows.given.get("n_embd") or width_for(depth)
         return 12 * depth * w * w
 
     best = min(DEPTHS, key=lambda d: abs(math.log(tokens_of(d) / params_of(d) / ratio)))
-    depth = rows.add(
-        "n_layer",
-        best,
-        f"~{tokens_of(best) / 1e6:,.1f}M tokens in the time at {tokens_of(best) / seconds:,.0f} tokens/s: "
-        f"{tokens_of(best) / params_of(best):,.1f} per block parameter, nearest the {ratio:.1f} aimed at",
-    )
+    speed = speed_at(best, speeds, data.vocab_size, data.doc_tokens)
+    read = f"~{tokens_of(best) / 1e6:,.1f}M tokens in the time at {speed:,.0f} tokens/s"
+    why = f"{read}: {tokens_of(best) / params_of(best):,.1f} per block parameter, nearest the {ratio:.1f} aimed at"
+    fits = [d for d in DEPTHS if speed_at(d, speeds, data.vocab_size, data.doc_tokens) * seconds >= most]
+    larger = [d for d in fits if d > best and most / params_of(d) >= MIN_DATA_RATIO]
+    if speed * seconds >= most and larger:
+        best = max(larger)
+        why = (
+            f"the largest that reads {MAX_PASSES} passes over the data ({most / 1e6:,.1f}M tokens) in the time, at "
+            f"least {MIN_DATA_RATIO} per block parameter ({most / params_of(best):,.2f}): the time holds more"
+        )
+    depth = rows.add("n_layer", best, why)
     width = rows.add("n_embd", width_for(depth), "32 per layer, a multiple of 64, at least 128")
     heads = rows.add("n_head", max(1, width // HEAD_DIM), f"heads of {HEAD_DIM}")
+    assert heads >= 1
+    return depth, width
+
+
+def _batch(
+    rows: _Rows, data: DataFigures, width: int, time_tokens: Callable[[int], float], device: str, world_size: int
+) -> tuple[int, int]:
+    """The context and the batch: tokens per update for about TARGET_UPDATES updates in the time (at most MAX_PASSES
+    over the data), a power of two, at least MIN_BATCH_TOKENS and MIN_ROWS windows (the context halved, to MIN_CONTEXT
+    at least, to hold them), in micro-batches of at most MICRO_TOKENS, a multiple of the processes. Returns (context,
+    tokens an update)."""
+    min_rows = MIN_ROWS.get(device, MIN_ROWS["cuda"])
+    nominal = context_for(width, data.doc_tokens)
+    want = max(
+        MIN_BATCH_TOKENS.get(device, MIN_BATCH_TOKENS["cuda"]),
+        2 ** round(math.log2(max(min(time_tokens(nominal), MAX_PASSES * data.train_tokens) / TARGET_UPDATES, 1))),
+    )
+    context = nominal
+    while context > MIN_CONTEXT and want // context < min_rows:
+        context //= 2
     cap = min(1024, 1 << int(math.log2(width)))
     why = f"documents average {data.doc_tokens:,.0f} tokens; at most {cap} for this width"
-    context = rows.add("block_size", context_for(width, data.doc_tokens), why)
-    assert heads >= 1
-    return depth, width, context
-
-
-def _batch(rows: _Rows, d_tokens: float, context: int, device: str, world_size: int) -> int:
-    """The batch: tokens per update for about TARGET_UPDATES updates, a power of two, at least MIN_ROWS windows, in
-    micro-batches of at most MICRO_TOKENS, a multiple of the processes. Returns the updates expected."""
-    want = max(MIN_ROWS * context, 2 ** round(math.log2(max(d_tokens / TARGET_UPDATES, 1))))
-    batch_rows = max(MIN_ROWS, want // context)
+    if context < nominal:
+        why += f"; {min_rows} windows in an update of {want:,} tokens"
+    context = rows.add("block_size", context, why)
+    batch_rows = max(min_rows, want // context)
     micro_cap = max(1, MICRO_TOKENS.get(device, MICRO_TOKENS["cpu"]) // context)
     accumulation = rows.given.get("gradient_accumulation_steps") or -(-batch_rows // micro_cap)
     accumulation = -(-accumulation // world_size) * world_size  # every process runs the same share
     micro = rows.given.get("batch_size") or max(1, batch_rows // accumulation)
     batch_tokens = micro * accumulation * context
-    updates = max(1, int(d_tokens / batch_tokens))
+    updates = max(1, int(min(time_tokens(context), MAX_PASSES * data.train_tokens) / batch_tokens))
     rows.add(
         "batch_size", micro, f"{batch_tokens:,} tokens an update (all processes), ~{updates:,} updates in the time"
     )
@@ -256,10 +313,10 @@ def _batch(rows: _Rows, d_tokens: float, context: int, device: str, world_size: 
         accumulation,
         f"micro-batches of at most {micro_cap * context:,} tokens" + processes,
     )
-    return updates
+    return context, batch_tokens
 
 
-def _schedule(rows: _Rows, width: int, updates: int, device: str, epochs: float) -> None:
+def _schedule(rows: _Rows, width: int, updates: int, device: str, passes: float) -> None:
     """Learning rates (cpu-fast's sweep at width 128, scaled by 1/sqrt(width) for AdamW as nanochat scales them;
     Muon's is width-free), warm-ups, evaluations and dropout."""
     scale = math.sqrt(128 / width)
@@ -268,13 +325,10 @@ def _schedule(rows: _Rows, width: int, updates: int, device: str, epochs: float)
     rows.add("min_lr", round(1e-4 * scale, 7), "a twentieth of the peak")
     rows.add("warmup_iters", min(500, max(10, updates // 20)), "5 % of the updates")
     rows.add("muon_momentum_warmup", min(300, max(10, updates // 8)), "12 % of the updates")
-    # a cap far above the estimate: a probe on a busy machine can read a half or a third of the speed the run gets,
-    # and a run that reached its --max-iters first would end before its time
-    rows.add("max_iters", 10 * updates, f"a cap: the clock ends the run near {updates:,} updates, the schedule with it")
     rows.add("eval_interval", max(1, updates // 4), "four evaluations, the last at the end")
     rows.add("eval_iters", 10 if device == "cpu" else 20, "batches per evaluation")
-    why = f"the data is read ~{epochs:,.1f} times" + (" (dropout against overfitting)" if epochs > 10 else "")
-    rows.add("dropout", 0.1 if epochs > 10 else 0.0, why)
+    why = f"the data is read ~{passes:,.1f} times; up to {MAX_PASSES} a pass is about as good as fresh text"
+    rows.add("dropout", 0.0, why)
 
 
 def vocabulary_notes(vocab: int, depth: int, width: int, budget_s: float) -> list[str]:
@@ -346,7 +400,7 @@ def _time_shape(data: DataFigures, depth: int, device_name: str, dtype_name: str
     device = resolve_device(device_name)
     width = width_for(depth)
     context = context_for(width, data.doc_tokens)
-    rows = max(MIN_ROWS, MICRO_TOKENS["cpu"] // 4 // context)
+    rows = max(MIN_ROWS.get(device.type, MIN_ROWS["cuda"]), MICRO_TOKENS["cpu"] // 4 // context)
     values = dict(RECIPE, n_layer=depth, n_embd=width, n_head=max(1, width // HEAD_DIM), block_size=context)
     model_cfg, train_cfg = build_configs(dict(values, vocab_size=data.vocab_size, device=device_name))
     torch.manual_seed(0)

@@ -274,6 +274,14 @@ def eval_share(n_batches: int, world: World) -> tuple[list[int], int]:
     return mine + [mine[0] if mine else 0] * (passes - len(mine)), len(mine)
 
 
+def eval_prefix(mine: list, n_batches: int, world: World) -> tuple[list, int]:
+    """This rank's share of the first n_batches evaluation batches, from its share of more of them (`mine`, as
+    eval_share ordered them: a prefix of the strided indices, then repeats), padded as eval_share pads; and how many
+    count."""
+    passes, counted = -(-n_batches // world.size), len(range(world.rank, n_batches, world.size))
+    return mine[:counted] + mine[:1] * (passes - counted), counted
+
+
 def mean_loss(losses: torch.Tensor, counted: int, n_batches: int) -> float:
     """The mean over all ranks' evaluation batches, from this rank's per-batch losses (the first `counted`
     count), summed in float64 so the order of the ranks does not show."""

@@ -34,6 +34,7 @@ from nanogpt_cli.runs.checkpoint import read_metadata
 from nanogpt_cli.runs.rundir import RunDir, resolve_weights
 from nanogpt_cli.tokenizer import describe_difference, same_tokenizer
 from nanogpt_cli.training.auto import AUTO, AutoChoice, Probed, plan_auto, wants_auto
+from nanogpt_cli.training.clock import EVAL_SHARE
 from nanogpt_cli.training.distributed import check_world, launched_size
 from nanogpt_cli.training.request import RunRequest
 
@@ -76,6 +77,9 @@ class RunPlan:
     init_from: dict[str, Any] | None = None
     threads: int | None = None  # a resumed CPU run: the threads it last trained with (None: not known)
     auto: AutoChoice | None = None  # --preset auto: what it chose and why (training/auto.py)
+    # --max-time with no --eval-iters given: the seconds one evaluation may take (the trainer keeps the batches that
+    # fit); None: every evaluation scores all of --eval-iters
+    eval_limit_s: float | None = None
 
     @property
     def seq_len(self) -> int:
@@ -214,7 +218,11 @@ def _plan_fresh(
     if auto is not None:
         notes += auto.notes
     force = request.force
-    return RunPlan(model_cfg, train_cfg, run_dir, meta, force=force, notes=notes, init_from=started, auto=auto, **init)
+    limit = EVAL_SHARE * train_cfg.max_time if train_cfg.max_time is not None and "eval_iters" not in given else None
+    return RunPlan(
+        model_cfg, train_cfg, run_dir, meta, force=force, notes=notes, init_from=started, auto=auto,
+        eval_limit_s=limit, **init,
+    )  # fmt: skip
 
 
 def start_record(init_from: str, last: bool) -> dict[str, Any]:

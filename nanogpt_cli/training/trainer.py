@@ -41,8 +41,8 @@ from nanogpt_cli.lora import hold_frozen
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs.checkpoint import TrainerState, load_weights
 from nanogpt_cli.runs.rundir import RunDir, SavePoint, Saver
-from nanogpt_cli.training.clock import Clock, busy_hint, cpu_cores, load_average, thread_tuner
-from nanogpt_cli.training.distributed import World, launched_size
+from nanogpt_cli.training.clock import EVAL_SHARE, Clock, busy_hint, cpu_cores, load_average, thread_tuner
+from nanogpt_cli.training.distributed import World, eval_prefix, launched_size
 from nanogpt_cli.training.events import (
     Display,
     EvalProgress,
@@ -229,6 +229,8 @@ class Trainer:
         state = p.state
         with p.saver:  # leaving it waits for the save being written, on every way out
             self.stopped = self.stop_requested()  # a signal while the run folder was being written
+            if not self.stopped:
+                self.bound_evaluations()
             if not self.stopped and not self.plan.resume and cfg.eval_first:
                 self.show.on_status("first evaluation")  # the loss at init; a checkpoint of it would resume nothing
                 self.evaluate(checkpoint=False)
@@ -376,7 +378,7 @@ class Trainer:
                     s: self.world.mean_loss(
                         eval_losses(p.compiled, p.eval_sets[s], p.ctx, self.loss_fn, progress),
                         p.eval_counted,
-                        cfg.eval_iters,
+                        min(state.eval_batches or cfg.eval_iters, cfg.eval_iters),
                     )
                     for s in ("train", "val")
                 }
@@ -413,6 +415,42 @@ class Trainer:
         else:
             self.show.on_eval(self.last)
         p.clock.set_aside(started)
+
+    def bound_evaluations(self) -> None:
+        """--max-time with no --eval-iters given (plan.eval_limit_s): an evaluation of both splits takes at most
+        EVAL_SHARE of the time. Before the first one, one val batch is timed (uncompiled, warm-up included: it errs
+        short) and the splits keep as many batches as fit, at least one; every later evaluation, a resumed run's
+        too, scores the same ones (state.eval_batches), so their losses compare."""
+        cfg, p = self.cfg, self.parts
+        state = p.state
+        if state.eval_batches is None and self.plan.eval_limit_s is not None:
+            started = time.perf_counter()
+            try:
+                with self.signals.interruptible():  # not compiled (--compile's first call compiles); read: synced
+                    eval_losses(p.wrapped, p.eval_sets["val"][:1], p.ctx, self.loss_fn).sum().item()
+            except Interrupted as stop:
+                self.stopped = stop.signal
+                return
+            finally:
+                p.wrapped.train()
+                p.clock.set_aside(started, evaluation=False)
+            batch_s = p.clock.agree([time.perf_counter() - started])[0]  # rank 0's: every rank keeps as many
+            fits = int(self.plan.eval_limit_s / (2 * batch_s))
+            state.eval_batches = max(1, min(cfg.eval_iters, fits))
+            if state.eval_batches < cfg.eval_iters:
+                self.show.on_hint(
+                    f"evaluations of {state.eval_batches:,} batch{'es' if state.eval_batches > 1 else ''} a split, "
+                    f"not {cfg.eval_iters:,}: one took {batch_s:,.1f} s, and --max-time {cfg.max_time:g} keeps an "
+                    f"evaluation to {self.plan.eval_limit_s:,.1f} s ({EVAL_SHARE:.0%}); give --eval-iters to choose"
+                )
+        if state.eval_batches is None or state.eval_batches >= cfg.eval_iters:
+            return
+        # the first eval_batches of the fixed batches (each split's are drawn in order: the same ones), this rank's
+        # share of them
+        shortened = {s: eval_prefix(b, state.eval_batches, self.world) for s, b in p.eval_sets.items()}
+        p.eval_sets = {s: b for s, (b, _) in shortened.items()}
+        p.eval_counted = shortened["val"][1]
+        p.clock.eval_steps = self._eval_steps(p.eval_sets)
 
     def evaluation_missed(self) -> bool:
         """Whether a resumed run's step was due an evaluation that a signal dropped (the metrics have none at it):
@@ -663,14 +701,16 @@ class Trainer:
     def _clock(self, state: TrainerState, eval_sets: dict[str, list]) -> Clock:
         """The run's clock, from the time the saved run had spent."""
         cfg, world = self.cfg, self.world
-        # a forward costs about a third of a forward and backward: an evaluation of both splits' batches is
-        # 2 * eval_iters / 3 updates of one micro-batch each (here, this rank's share of them)
-        eval_steps = 2 * len(eval_sets["val"]) / 3 / len(world.micro_share(cfg.gradient_accumulation_steps))
-        clock = Clock(state.elapsed_s, cfg.max_time, state.eval_s, state.step, eval_steps)
+        clock = Clock(state.elapsed_s, cfg.max_time, state.eval_s, state.step, self._eval_steps(eval_sets))
         clock.agree = world.from_main  # every rank follows rank 0's clock: one schedule, one last update
         if cfg.max_time is not None and world.device.type == "cuda":  # the clock must see the GPU's work, not its queue
             clock.sync = functools.partial(torch.cuda.synchronize, world.device)
         return clock
+
+    def _eval_steps(self, eval_sets: dict[str, list]) -> float:
+        """An evaluation's length in updates, guessed: a forward costs about a third of a forward and backward, so
+        both splits' batches are 2 * eval_iters / 3 updates of one micro-batch each (this rank's share of them)."""
+        return 2 * len(eval_sets["val"]) / 3 / len(self.world.micro_share(self.cfg.gradient_accumulation_steps))
 
     def _capture_rng(self) -> None:
         p = self.parts
