@@ -157,7 +157,10 @@ def test_auto_is_refused_in_one_sentence_without_a_time(char_data, tmp_path):
 def test_train_with_a_time_probes_sizes_and_ends_by_the_clock_with_a_report(char_data, tmp_path):
     data_dir, name = char_data
     run = tmp_path / "auto"
-    out = ok("train", "--data", name, "--data-dir", data_dir, "--max-time", "3s", "--device", "cpu", "--out", run)
+    # --max-iters given: auto's cap of 4 passes over this small text would otherwise end a run on a fast machine
+    # before its 3 s
+    args = ("--max-time", "3s", "--max-iters", "100000", "--device", "cpu", "--out", run)
+    out = ok("train", "--data", name, "--data-dir", data_dir, *args)
     assert "probe: 2 layers x 128" in out and "--preset auto" in out and "report: " in out
     config = json.loads((run / "config.json").read_text())
     assert "n_layer" in config["auto"]["chosen"] and config["train"]["max_time"] == 3.0

@@ -345,6 +345,7 @@ def test_auto_in_two_processes_plans_one_run_and_rank_0s_clock_ends_both(char_da
     ends both after the same update (a rank that went on alone would wait for the other until the timeout)."""
     data_dir, name = char_data
     args = ["--data", name, "--data-dir", str(data_dir), "--max-time", "3s", "--device", "cpu", "--dtype", "float32"]
+    args += ["--max-iters", "100000"]  # given: auto's cap of 4 passes over this small text would end a fast run first
     nanogpt = [sys.executable, "-m", "nanogpt_cli", "train", "--nproc", "2"]
     for run in (tmp_path / "nproc", tmp_path / "torchrun"):
         command = nanogpt if run.name == "nproc" else launch(2)

@@ -327,7 +327,7 @@ def _schedule(rows: _Rows, width: int, updates: int, device: str, passes: float)
     rows.add("muon_momentum_warmup", min(300, max(10, updates // 8)), "12 % of the updates")
     rows.add("eval_interval", max(1, updates // 4), "four evaluations, the last at the end")
     rows.add("eval_iters", 10 if device == "cpu" else 20, "batches per evaluation")
-    why = f"the data is read ~{passes:,.1f} times; up to {MAX_PASSES} a pass is about as good as fresh text"
+    why = f"the data is read ~{passes:,.1f} times; up to {MAX_PASSES} passes, each is about as good as fresh text"
     rows.add("dropout", 0.0, why)
 
 
