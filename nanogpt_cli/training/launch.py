@@ -74,7 +74,7 @@ def train_args(config_flags: dict[str, Any], options: dict[str, Any], out: Path)
     for name, value in options.items():
         if value is True:
             args.append(f"--{flag(name)}")
-        elif value not in (None, False):
+        elif value is not None and value is not False:  # 0 is a value (--distill-top-k 0), not "not given"
             args += [f"--{flag(name)}", str(value)]
     return [*args, "--out", str(out)]
 
