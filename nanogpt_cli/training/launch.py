@@ -63,8 +63,9 @@ class Launch:
 
 
 def train_args(config_flags: dict[str, Any], options: dict[str, Any], out: Path) -> list[str]:
-    """`nanogpt train`'s arguments for each process: the config options given (config_flags, by field name), the
-    command's own options (None or False: not given) and the run folder, which the launcher planned."""
+    """`nanogpt train`'s (or finetune's) arguments for each process: the config options given (config_flags, by
+    field name), the command's own options (None or False: not given) and the run folder, which the launcher
+    planned."""
     args: list[str] = []
     for name, value in config_flags.items():
         if isinstance(value, bool):
