@@ -577,6 +577,10 @@ class Training:
     sink: Any = None  # the tracker's (training.trackers), closed when the run ends
     eval_tasks: list[str] | None = None  # lm-eval tasks that write_report scores
     loss: Any = None  # the trainer's loss hook: distillation's DistillLoss (None: next-token cross-entropy)
+    # what launched processes run: the command, and its own options beyond the request's (finetune's method,
+    # LoRA and distillation options, by the CLI's names)
+    command: str = "train"
+    command_options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def notes(self) -> list[str]:
@@ -644,9 +648,10 @@ class Training:
         return _Callback(callback)
 
     def spawn(self, options: dict[str, Any] | None = None) -> int:
-        """nproc: the planned run in launch.world_size processes, each running `nanogpt train` with this request
-        (options: more of train's own options, by name; None or False: not given) and the run folder planned
-        here. Their exit code: 0, 130 or 143 after a signal, 1 after an error (which they said)."""
+        """nproc: the planned run in launch.world_size processes, each running `nanogpt train` (or `finetune`)
+        with this request (options: more of the command's own options, by name; None or False: not given) and the
+        run folder planned here. Their exit code: 0, 130 or 143 after a signal, 1 after an error (which they
+        said)."""
         from nanogpt_cli.training.distributed import rank_device
         from nanogpt_cli.training.launch import launch, train_args
 
@@ -654,7 +659,8 @@ class Training:
         rank_device(self.plan.train.device, self.launch.nproc - 1)  # cuda:N, or more processes than GPUs: here
         own = dict(config=r.config, init_from=r.init_from, resume=r.resume, force=r.force, last=r.last)
         env = self.plan.auto.launch_env() if self.plan.auto is not None else None  # auto's probe, run once here
-        return launch(train_args(r.flags, {**own, **(options or {})}, self.plan.run_dir.path), self.launch, env=env)
+        args = train_args(r.flags, {**own, **self.command_options, **(options or {})}, self.plan.run_dir.path)
+        return launch(args, self.launch, env=env, command=self.command)
 
     def draw_plot(self) -> tuple[Path | None, str | None]:
         """loss.png in the run folder (needs the plot extra): its path, or None and why it was not drawn."""
@@ -712,7 +718,8 @@ def plan_training(
 
     names = _eval_task_names(eval_tasks)
     if lora:
-        more = dict(lora=lora, tracker=tracker, eval_tasks=names, threads=threads)
+        more = dict(lora=lora, tracker=tracker, eval_tasks=names, threads=threads, nproc=nproc, nnodes=nnodes)
+        more["rdzv_endpoint"] = rdzv_endpoint
         return plan_finetuning(config, model=model, request=request, **more, **options)
     r = _run_request(config, model, request, options)
     _set_threads(threads)
@@ -739,6 +746,9 @@ def plan_finetuning(
     tracker: str | None = None,
     eval_tasks: str | list[str] | None = None,
     threads: int | None = None,
+    nproc: int | None = None,
+    nnodes: int = 1,
+    rdzv_endpoint: str | None = None,
     **options: Any,
 ) -> Training:
     """A checked fine-tuning run, as `nanogpt finetune` plans it: init_from's weights (required unless resume)
@@ -747,30 +757,49 @@ def plan_finetuning(
     "dpo" (a preference dataset) or "grpo" (a prompts dataset), with settings: METHOD_SETTINGS' names (beta=0.1,
     group_size=8, reward="exact", ...); or "distill" (the trainer's loop on a teacher's distributions), with
     distill: a DistillSettings or a dict of its fields (teacher, top_k, temperature, alpha, on_policy_fraction;
-    without init_from the student is a new model of the config's shape). The rest as plan_training."""
+    without init_from the student is a new model of the config's shape). nproc (nnodes, rdzv_endpoint): train
+    in that many processes, as plan_training (sft and distill; each process loads its own live teacher). The
+    rest as plan_training."""
     from nanogpt_cli.training.distill import plan_distill
     from nanogpt_cli.training.finetune import plan_finetune
+    from nanogpt_cli.training.job import launch_of
 
     names = _eval_task_names(eval_tasks)
     r = _run_request(config, model, request, options)
     _set_threads(threads)
     cfg, lora_flags = _lora_config(lora, r.resume)
     given = {k: v for k, v in (settings or {}).items() if v is not None}
-    _check_method(method, given, tracker)
+    launch = launch_of(nproc, nnodes, rdzv_endpoint)
+    _check_method(method, given, tracker, launch)
     taught = _distill_settings(method, distill)
-    sink = _open_tracker(tracker, True)
+    sink = _open_tracker(tracker, launch is None)
+    world = launch.world_size if launch is not None else None
     try:
         if taught is not None:  # it plans its own start: a new model when init_from is absent
-            job = plan_distill(r, taught, lora=cfg, lora_flags=lora_flags)
+            # with nproc the teacher is only checked here, on the CPU: each process loads its own
+            where = "cpu" if launch is not None else None
+            job = plan_distill(r, taught, cfg, lora_flags, world_size=world, teacher_device=where)
         else:
-            job = plan_finetune(r, lora=cfg, lora_flags=lora_flags)
+            job = plan_finetune(r, lora=cfg, lora_flags=lora_flags, world_size=world)
         policy = _policy(job, method, given)
     except BaseException:
         if sink is not None:
             sink.close()
         raise
-    loss = getattr(job, "loss", None)
-    return Training(job.plan, job.trainable, policy=policy, request=r, sink=sink, eval_tasks=names, loss=loss)
+    loss = getattr(job, "loss", None) if launch is None else None  # None: the checked teacher freed here
+    again = _finetune_options(method, cfg, lora_flags, taught)
+    return Training(
+        job.plan,
+        job.trainable,
+        launch,
+        policy=policy,
+        request=r,
+        sink=sink,
+        eval_tasks=names,
+        loss=loss,
+        command="finetune",
+        command_options=again,
+    )
 
 
 def train(
@@ -803,10 +832,16 @@ METHOD_SETTINGS = {
 TRAINER_METHODS = ("sft", "distill")  # trained by the trainer's loop (and logged by a tracker)
 
 
-def _check_method(method: str, given: dict[str, Any], tracker: str | None) -> None:
-    """The method known, its settings its own, and no tracker where it logs nothing."""
+def _check_method(method: str, given: dict[str, Any], tracker: str | None, launch: Launch | None = None) -> None:
+    """The method known, its settings its own, no tracker where it logs nothing, and one process where its loop
+    runs in one only (DPO's and GRPO's)."""
+    from nanogpt_cli.training.distributed import launched_size
+
     if method != "sft" and method not in METHOD_SETTINGS:
         raise NanoGPTError(f"unknown --method {method!r}; use sft, {', '.join(METHOD_SETTINGS)}")
+    if method not in TRAINER_METHODS and (launch is not None or launched_size() > 1):
+        how = "drop --nproc" if launch is not None else "start it without torchrun"
+        raise NanoGPTError(f"--method {method} trains in one process only; {how}")
     stray = [k for k in given if k not in METHOD_SETTINGS.get(method, ())]
     if stray:
         raise NanoGPTError(f"--{stray[0].replace('_', '-')} has no effect with --method {method}; drop it")
@@ -861,6 +896,21 @@ def _distill_settings(method: str, distill: Any) -> DistillSettings | None:
     if distill is not None and distill.given():
         raise NanoGPTError(f"{', '.join(FLAGS[k] for k in distill.given())} go with --method distill")
     return None
+
+
+def _finetune_options(method: str, lora: Any, lora_flags: set[str] | None, taught: Any) -> dict[str, Any]:
+    """finetune's own options that give each launched process the same run (by the CLI's names): the method,
+    the LoRA values given and the distillation's."""
+    from nanogpt_cli.training.distill import FLAGS
+
+    options: dict[str, Any] = {"method": None if method == "sft" else method}
+    if lora is not None:
+        values = {k: v for k, v in lora.to_dict().items() if lora_flags is None or k in lora_flags}
+        options |= {f"lora_{k}": ",".join(v) if k == "targets" else v for k, v in values.items()}
+    options["lora"] = lora is not None
+    for name, value in (taught.given() if taught is not None else {}).items():
+        options[FLAGS[name].removeprefix("--").replace("-", "_")] = value
+    return options
 
 
 def _lora_config(lora: Any, resume: bool) -> tuple[LoRAConfig | None, set[str] | None]:

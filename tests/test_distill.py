@@ -158,6 +158,10 @@ def test_resume_is_exact_with_on_policy_rows(char_data, teacher_run, tmp_path):
         api.plan_finetuning(
             distill_values(data_dir, name), distill={"alpha": 0.3, "on_policy_fraction": 0.1}, out=tmp_path / "twice"
         )
+    # train would continue it on the data's cross-entropy alone, without its teacher: refused, naming the command
+    said = f"resume it with `nanogpt finetune --method distill --out {tmp_path / 'twice'} --resume`"
+    with pytest.raises(NanoGPTError, match=re.escape(said)):
+        api.plan_training(out=tmp_path / "twice", resume=True, max_iters=8)
 
 
 def test_on_policy_rows_are_the_students_and_train_on_the_kl_only(teacher_run):

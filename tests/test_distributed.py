@@ -1,8 +1,9 @@
 """Training under torchrun on the CPU (gloo, 2 processes): world-size invariance for DDP and FSDP, stop and
-resume across world sizes, SIGTERM to one rank, and checkpoints that load anywhere.
+resume across world sizes, SIGTERM to one rank, and checkpoints that load anywhere; fine-tuning (distillation
+from a live teacher and from teacher shards, LoRA stopped and resumed) under --nproc 2 as in one process.
 
-Each run is a real `python -m torch.distributed.run ... -m nanogpt_cli train`; the tests judge the files rank 0
-wrote and the launcher's exit status.
+Each run is a real `python -m torch.distributed.run ... -m nanogpt_cli train` (or `nanogpt train --nproc 2`, or
+finetune); the tests judge the files rank 0 wrote and the launcher's exit status.
 """
 
 import json
@@ -376,8 +377,98 @@ def test_each_process_gets_the_command_as_given_with_the_planned_run_folder():
     from nanogpt_cli.training.launch import train_args
 
     given = {"learning_rate": 1e-3, "compile": False, "lr_schedule": LRSchedule.wsd}
-    options = {"preset": "tiny", "resume": True, "quiet": False, "config": None, "threads": 2}
+    options = {"preset": "tiny", "resume": True, "quiet": False, "config": None, "threads": 2, "distill_top_k": 0}
     assert train_args(given, options, Path("checkpoints/x")) == [
         *["--learning-rate", "0.001", "--no-compile", "--lr-schedule", "wsd", "--preset", "tiny", "--resume"],
-        *["--threads", "2", "--out", "checkpoints/x"],
+        *["--threads", "2", "--distill-top-k", "0", "--out", "checkpoints/x"],
     ]
+
+
+# --- nanogpt finetune --nproc: sft (full or LoRA) and distill, through the same launcher ---
+
+
+def nanogpt(*args: str) -> subprocess.CompletedProcess:
+    """`nanogpt ARGS` as a user runs it (with --nproc the launcher is this process), checked to succeed."""
+    command = [sys.executable, "-m", "nanogpt_cli", *args]
+    proc = subprocess.run(command, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def finetune_here(*args: str) -> None:
+    result = runner.invoke(app, ["finetune", *args, "--quiet", "--no-plot"])
+    assert result.exit_code == 0, result.output
+
+
+def test_distill_from_a_live_teacher_in_two_processes_trains_like_one(char_data, trained_run, tmp_path):
+    """finetune --method distill --nproc 2: each process loads its own teacher, takes its share of the micro-batches
+    and the gradients are averaged, so the run is the one-process run (a new student, full vocabulary)."""
+    data_dir, name = char_data
+    args = ["--method", "distill", "--teacher", str(trained_run), "--distill-top-k", "0", "--block-size", "16"]
+    args += ["--data", name, "--data-dir", str(data_dir), *SMALL, ACCUM, "2"]
+    finetune_here(*args, "--out", str(tmp_path / "one"))
+    proc = nanogpt("finetune", "--nproc", "2", *args, "--out", str(tmp_path / "two"), "--no-plot")
+    assert "2 x cpu, ddp" in proc.stdout and "distilled from" in proc.stdout
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+    assert (tmp_path / "two" / "report.md").is_file()
+
+
+def test_distill_from_teacher_shards_in_two_processes_trains_like_one(char_data, trained_run, tmp_path):
+    from nanogpt_cli.training.distill import label_dataset
+
+    data_dir, name = char_data
+    shutil.copytree(data_dir / name, tmp_path / "data" / name)  # labeled here: the shared dataset stays unlabeled
+    label_dataset(tmp_path / "data", name, str(trained_run), top_k=5, temperature=0.5, context=16)
+    args = [
+        "--method",
+        "distill",
+        "--init-from",
+        str(trained_run),
+        "--data",
+        name,
+        "--data-dir",
+        str(tmp_path / "data"),
+    ]
+    args += [*SMALL, ACCUM, "2", "--distill-alpha", "0.8"]
+    finetune_here(*args, "--out", str(tmp_path / "one"))
+    nanogpt("finetune", "--nproc", "2", *args, "--out", str(tmp_path / "two"), "--no-plot", "--quiet")
+    assert json.loads((tmp_path / "two" / "config.json").read_text())["finetune"]["distill"]["shards"] is True
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+
+
+def test_lora_under_nproc_stops_and_resumes_with_the_printed_command_like_one_process(trained_run, char_data, tmp_path):
+    data_dir, name = char_data
+    args = ["--init-from", str(trained_run), "--lora", "--lora-r", "4", "--data", name, "--data-dir", str(data_dir)]
+    args += [*SMALL, ACCUM, "2"]
+    finetune_here(*args, "--out", str(tmp_path / "one"))
+    run = tmp_path / "two"
+    proc = nanogpt("finetune", "--nproc", "2", *args, "--stop-at", "3", "--out", str(run), "--no-plot")
+    assert json.loads((run / "trainer.json").read_text())["step"] == 3
+    resume = re.search(r"resume with: (nanogpt .*)", proc.stdout).group(1)
+    assert resume == f"nanogpt train --nproc 2 --out {run} --resume", proc.stdout
+    proc = nanogpt(*resume.split()[1:], "--no-plot", "--quiet")
+    assert_same_run(tmp_path / "one", run)
+    saved = load_file(str(run / "model.safetensors"))
+    assert saved and all("lora_" in k for k in saved)  # rank 0 saved the adapters only
+
+
+def test_finetune_nproc_refusals_are_one_line_before_any_process_starts(char_data, trained_run, tmp_path, monkeypatch):
+    data_dir, name = char_data
+    base = ["finetune", "--init-from", str(trained_run), "--data", name, "--data-dir", str(data_dir), *SMALL]
+    base += ["--out", str(tmp_path / "r")]
+    for extra, said in (
+        (["--nproc", "2", "--method", "dpo"], "--method dpo trains in one process only; drop --nproc"),
+        (["--nproc", "2", "--method", "grpo"], "--method grpo trains in one process only; drop --nproc"),
+        (["--nproc", "2", ACCUM, "3"], "--gradient-accumulation-steps (3) counts micro-batches over all processes"),
+        (["--nproc", "2", "--nnodes", "2"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    ):
+        result = runner.invoke(app, [*base, *extra])
+        assert result.exit_code == 1 and said in result.output, result.output
+        assert result.output.count("\n") == 1 and not (tmp_path / "r").exists()
+    for var, value in dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0").items():  # what torchrun tells rank 0 of 2
+        monkeypatch.setenv(var, value)
+    result = runner.invoke(app, [*base, "--method", "dpo"])
+    assert (
+        result.exit_code == 1 and "--method dpo trains in one process only; start it without torchrun" in result.output
+    )
+    assert not (tmp_path / "r").exists()

@@ -20,7 +20,7 @@ def resume_command(plan) -> str:
 
     method = (plan.finetune or {}).get("objective")
     if method is not None:
-        return f"nanogpt finetune --method {method} --out {plan.run_dir} --resume"
+        return f"nanogpt finetune {api.launch_flags()}--method {method} --out {plan.run_dir} --resume"
     return f"nanogpt train {api.launch_flags()}--out {plan.run_dir} --resume"
 
 

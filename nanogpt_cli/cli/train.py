@@ -44,6 +44,19 @@ EvalTasks = Annotated[
         show_default=False,
     ),
 ]
+Nproc = Annotated[
+    int | None,
+    typer.Option(
+        help="Train in N processes on this machine (one per GPU, or gloo on the CPU), launched by torch's elastic "
+        "launcher.",
+        show_default=False,
+    ),
+]
+Nnodes = Annotated[int, typer.Option(help="With --nproc: machines taking part, each running this command.")]
+RdzvEndpoint = Annotated[
+    str | None,
+    typer.Option(help="With --nnodes: HOST:PORT where the machines meet (the same on each).", show_default=False),
+]
 Tracker = Annotated[
     str | None,
     typer.Option(
@@ -72,19 +85,9 @@ def train(
     tracker: Tracker = None,
     eval_tasks: EvalTasks = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Print the whole config at the start.")] = False,
-    nproc: Annotated[
-        int | None,
-        typer.Option(
-            help="Train in N processes on this machine (one per GPU, or gloo on the CPU), launched by torch's "
-            "elastic launcher.",
-            show_default=False,
-        ),
-    ] = None,
-    nnodes: Annotated[int, typer.Option(help="With --nproc: machines taking part, each running this command.")] = 1,
-    rdzv_endpoint: Annotated[
-        str | None,
-        typer.Option(help="With --nnodes: HOST:PORT where the machines meet (the same on each).", show_default=False),
-    ] = None,
+    nproc: Nproc = None,
+    nnodes: Nnodes = 1,
+    rdzv_endpoint: RdzvEndpoint = None,
 ):
     """Train a GPT on a prepared dataset, with checkpoints you can resume.
 
@@ -102,15 +105,20 @@ def train(
         on_probe=probe,
         **launched,
     )
-    if training.launch is not None:  # everything was checked here, before any process starts
-        if training.plan.complete:
-            return say_complete(training)
+    if training.launch is not None:
         own = dict(threads=threads, tracker=tracker, eval_tasks=eval_tasks, quiet=quiet, verbose=verbose)
-        code = training.spawn({**own, "no_plot": not plot})
-        if code:
-            raise typer.Exit(code)
-        return
+        return run_launched(training, {**own, "no_plot": not plot})
     run_planned(training, quiet, verbose, plot)
+
+
+def run_launched(training, options: dict) -> None:
+    """--nproc: the planned run in its processes (everything was checked here, before any process starts), each
+    given the command's own options (by name); their exit code is this one's."""
+    if training.plan.complete:
+        return say_complete(training)
+    code = training.spawn(options)
+    if code:
+        raise typer.Exit(code)
 
 
 def run_planned(training, quiet: bool, verbose: bool = False, plot: bool = True) -> None:
@@ -190,6 +198,9 @@ def finetune(
     max_new_tokens: MaxNew = None,
     temperature: Temperature = None,
     grpo_updates: Updates = None,
+    nproc: Nproc = None,
+    nnodes: Nnodes = 1,
+    rdzv_endpoint: RdzvEndpoint = None,
     distill: dict | None = None,  # --teacher, --distill-top-k, ... given (distill_options)
 ):
     """Fine-tune trained weights: all of them, or LoRA adapters (--lora). sft trains on a chat dataset's replies
@@ -213,7 +224,13 @@ def finetune(
         tracker=tracker,
         eval_tasks=eval_tasks,
         threads=threads,
+        nproc=nproc,
+        nnodes=nnodes,
+        rdzv_endpoint=rdzv_endpoint,
     )
+    if training.launch is not None:  # sft and distill (DPO and GRPO were refused)
+        own = dict(threads=threads, tracker=tracker, eval_tasks=eval_tasks, quiet=quiet)
+        return run_launched(training, {**own, "no_plot": not plot})
     if training.policy is None:
         return run_planned(training, quiet, plot=plot)
     from functools import partial

@@ -328,16 +328,19 @@ def plan_distill(
     settings: DistillSettings | None = None,
     lora=None,
     lora_flags: set[str] | None = None,
+    world_size: int | None = None,
+    teacher_device: str | None = None,
 ):
     """A distillation run's plan (a FinetunePlan whose `loss` is the DistillLoss). Fresh: from request.init_from
     (full or LoRA, as finetune plans it) or, without it, a new model of the flags' shape or preset; resume: the
-    run's own record, which values given again must agree with."""
+    run's own record, which values given again must agree with. world_size: as plan_finetune's; teacher_device:
+    where a live teacher is loaded (None: where this process trains)."""
     from nanogpt_cli.training.finetune import FinetunePlan, plan_finetune
     from nanogpt_cli.training.plan import plan_run
 
     settings = settings or DistillSettings()
     if request.resume:
-        job = plan_finetune(request, lora=lora, lora_flags=lora_flags)
+        job = plan_finetune(request, lora=lora, lora_flags=lora_flags, world_size=world_size)
         values = (job.plan.finetune or {}).get("distill")
         if values is None:
             raise NanoGPTError(f"{job.plan.run_dir} is not a distillation run; resume it without --method distill")
@@ -348,18 +351,18 @@ def plan_distill(
             raise NanoGPTError(f"--resume continues the run's distillation; these differ from it: {', '.join(differ)}")
     else:
         if request.init_from is not None:
-            job = plan_finetune(request, lora=lora, lora_flags=lora_flags)
+            job = plan_finetune(request, lora=lora, lora_flags=lora_flags, world_size=world_size)
         elif lora is not None:
             raise NanoGPTError(
                 "LoRA adapts trained weights: give --init-from with --lora, or drop the --lora flags to distill into "
                 "a new model"
             )
         else:  # a new model of the flags' shape or preset
-            job = FinetunePlan(plan_run(request), None)
+            job = FinetunePlan(plan_run(request, world_size=world_size), None)
             job.plan.finetune = {"init_from": None, "method": "full"}
         values = fresh_values(settings, job.plan.dataset, job.plan.train.data)
         job.plan.finetune.update(objective="distill", distill=values)  # in place: LoRA's hook holds this record
-    job.loss = distill_loss(values, job.plan)
+    job.loss = distill_loss(values, job.plan, teacher_device)
     return job
 
 
@@ -396,13 +399,13 @@ def fresh_values(settings: DistillSettings, dataset: dict[str, Any], data: str) 
     return values
 
 
-def distill_loss(values: dict[str, Any], plan) -> DistillLoss:
-    """The loss hook of a planned distillation, with its live teacher loaded (and checked) when it needs one."""
-    from nanogpt_cli.device import resolve_device
-
+def distill_loss(values: dict[str, Any], plan, device: str | None = None) -> DistillLoss:
+    """The loss hook of a planned distillation, with its live teacher loaded (and checked) when it needs one, on
+    `device` (None: where this process trains)."""
     teacher = None
     if not values["shards"] or values["on_policy_fraction"] > 0:
-        teacher = load_teacher(values["teacher"], plan.dataset, plan.train.data, resolve_device(plan.train.device))
+        where = device or training_device(plan.train.device)
+        teacher = load_teacher(values["teacher"], plan.dataset, plan.train.data, where)
         if teacher.config.block_size < plan.seq_len:
             raise NanoGPTError(
                 f"the teacher's context ({teacher.config.block_size}) is shorter than the training sequences "
@@ -417,3 +420,16 @@ def distill_loss(values: dict[str, Any], plan) -> DistillLoss:
         teacher,
         values["shards"],
     )
+
+
+def training_device(name: str) -> torch.device:
+    """The device this process trains on: under torchrun each process its local rank's GPU (or the CPU), so that
+    each one's own teacher sits beside its student."""
+    import os
+
+    from nanogpt_cli.device import resolve_device
+    from nanogpt_cli.training.distributed import launched_size, rank_device
+
+    if launched_size() > 1:
+        return rank_device(name, int(os.environ.get("LOCAL_RANK", "0")))
+    return resolve_device(name)

@@ -73,11 +73,15 @@ def base_source(plan: RunPlan, init_from: str, last: bool = False) -> str:
 
 
 def plan_finetune(
-    request: RunRequest, lora: LoRAConfig | None = None, lora_flags: set[str] | None = None
+    request: RunRequest,
+    lora: LoRAConfig | None = None,
+    lora_flags: set[str] | None = None,
+    world_size: int | None = None,
 ) -> FinetunePlan:
     """A fine-tuning run's plan. Fresh: --init-from is required, the architecture is its checkpoint's, and
     `lora` (None: full fine-tuning) says what trains. Resume: the run's own record says both; LoRA flags given
-    again must agree with it (lora_flags: the fields the user gave, r, alpha, dropout, targets; None: all)."""
+    again must agree with it (lora_flags: the fields the user gave, r, alpha, dropout, targets; None: all).
+    world_size: the processes that will train it (None: torchrun's, or 1), as plan_run takes it."""
     resume, init_from, init_last = request.resume, request.init_from, request.last
     if not resume and init_from is None:
         raise NanoGPTError(
@@ -88,7 +92,7 @@ def plan_finetune(
     for name, (value, refusal) in LORA_TRAINS_WITH.items():
         if lora is not None and name in values and parse_value(name, values[name]) != value:
             raise NanoGPTError(refusal)
-    plan = plan_run(request)
+    plan = plan_run(request, world_size=world_size)
     if resume:
         return _resume(plan, lora, lora_flags)
     if lora is not None:

@@ -57,13 +57,15 @@ def plan_train(request: RunRequest, launch: Launch | None = None, on_probe: Any 
     if r.last and r.init_from is None:
         raise NanoGPTError("--last picks the weights of --init-from RUN; give --init-from or drop --last")
     if r.resume and r.out is not None and is_finetune_run(r.out):
-        if launch is not None:
+        job = plan_finetune(r, world_size=launch.world_size if launch else None)
+        objective = job.plan.finetune.get("objective")
+        if objective is not None:  # its loss (a teacher's, DPO's, GRPO's) is finetune's to set up, not train's
+            flags = " ".join(launch.flags()) + " " if launch and objective == "distill" else ""  # DPO, GRPO: one
             raise NanoGPTError(
-                f"{r.out} is a LoRA run, which --nproc does not launch; resume it in one process, or with "
-                "torchrun --nproc-per-node N -m nanogpt_cli finetune --out RUN --resume"
+                f"{r.out} is a --method {objective} run; resume it with `nanogpt finetune {flags}--method "
+                f"{objective} --out {r.out} --resume`"
             )
-        job = plan_finetune(r)
-        return TrainJob(job.plan, job.trainable)
+        return TrainJob(job.plan, job.trainable, launch=launch)
     plan = plan_run(r, world_size=launch.world_size if launch else None, on_probe=on_probe)
     if r.init_from is not None and plan.dataset.get("masks"):  # the same run as `finetune` without --lora
         record_full_finetune(plan, r.init_from)

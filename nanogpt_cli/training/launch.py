@@ -1,15 +1,16 @@
-"""Many processes from one command: `nanogpt train --nproc N` starts N training processes on this machine (and
-with --nnodes / --rdzv-endpoint joins those of other machines) through torch's elastic launcher, run inside this
-process rather than by `torchrun`, so that what the user reads is ours: a refused configuration is one line (it
-is refused before any process starts), Ctrl-C stops every process after a save and the resume command is printed
-once, and a process that fails ends the launch with its one line, not the launcher's report.
+"""Many processes from one command: `nanogpt train --nproc N` (and `finetune --nproc N`) starts N training
+processes on this machine (and with --nnodes / --rdzv-endpoint joins those of other machines) through torch's
+elastic launcher, run inside this process rather than by `torchrun`, so that what the user reads is ours: a
+refused configuration is one line (it is refused before any process starts), Ctrl-C stops every process after a
+save and the resume command is printed once, and a process that fails ends the launch with its one line, not the
+launcher's report.
 
     code = launch(["--data", "shk", "--preset", "tiny", "--out", "checkpoints/tiny"], Launch(nproc=2))
 
-Each process runs `python -m nanogpt_cli train ARGS` with torchrun's environment (RANK, WORLD_SIZE, ...), exactly
-as under `torchrun ... -m nanogpt_cli train ARGS`, which keeps working. Under either launcher a process that
-meets an error writes it to the error file torch's launcher reads (TORCHELASTIC_ERROR_FILE), so torchrun's
-report shows our sentence instead of "To enable traceback see ...".
+Each process runs `python -m nanogpt_cli train ARGS` (or finetune) with torchrun's environment (RANK,
+WORLD_SIZE, ...), exactly as under `torchrun ... -m nanogpt_cli train ARGS`, which keeps working. Under either
+launcher a process that meets an error writes it to the error file torch's launcher reads
+(TORCHELASTIC_ERROR_FILE), so torchrun's report shows our sentence instead of "To enable traceback see ...".
 """
 
 from __future__ import annotations
@@ -62,8 +63,9 @@ class Launch:
 
 
 def train_args(config_flags: dict[str, Any], options: dict[str, Any], out: Path) -> list[str]:
-    """`nanogpt train`'s arguments for each process: the config options given (config_flags, by field name), the
-    command's own options (None or False: not given) and the run folder, which the launcher planned."""
+    """`nanogpt train`'s (or finetune's) arguments for each process: the config options given (config_flags, by
+    field name), the command's own options (None or False: not given) and the run folder, which the launcher
+    planned."""
     args: list[str] = []
     for name, value in config_flags.items():
         if isinstance(value, bool):
@@ -73,7 +75,7 @@ def train_args(config_flags: dict[str, Any], options: dict[str, Any], out: Path)
     for name, value in options.items():
         if value is True:
             args.append(f"--{flag(name)}")
-        elif value not in (None, False):
+        elif value is not None and value is not False:  # 0 is a value (--distill-top-k 0), not "not given"
             args += [f"--{flag(name)}", str(value)]
     return [*args, "--out", str(out)]
 
@@ -84,11 +86,13 @@ def launch_flags() -> str:
     return f"{flags} " if flags else ""
 
 
-def launch(args: list[str], how: Launch, run_id: str = "nanogpt", env: dict[str, str] | None = None) -> int:
-    """Run `nanogpt train ARGS` in how.world_size processes and wait for them; the exit code to leave with: 0,
-    130 / 143 after Ctrl-C or SIGTERM (every process stopped after a save, rank 0 printed how to resume), 1
-    after an error (rank 0 printed it, or this prints the failed process's one line). env: more for each
-    process's environment (what planning here measured: --preset auto's probe)."""
+def launch(
+    args: list[str], how: Launch, run_id: str = "nanogpt", env: dict[str, str] | None = None, command: str = "train"
+) -> int:
+    """Run `nanogpt COMMAND ARGS` (train or finetune) in how.world_size processes and wait for them; the exit
+    code to leave with: 0, 130 / 143 after Ctrl-C or SIGTERM (every process stopped after a save, rank 0 printed
+    how to resume), 1 after an error (rank 0 printed it, or this prints the failed process's one line). env: more
+    for each process's environment (what planning here measured: --preset auto's probe)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -113,7 +117,7 @@ def launch(args: list[str], how: Launch, run_id: str = "nanogpt", env: dict[str,
         monitor_interval=0.1,
     )
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "nanogpt_cli", "train", *args)
+        elastic_launch(config, sys.executable)("-u", "-m", "nanogpt_cli", command, *args)
         return 0
     except SignalException as e:  # Ctrl-C or SIGTERM here: passed on to every process, each saved and stopped
         return 128 + int(e.sigval)
