@@ -127,7 +127,7 @@ def measure(precision: str, args) -> list[dict]:
     else:
         draft, name = fallback_draft(target, args.fallback_layers), f"SmolLM2's first {args.fallback_layers} blocks"
     ks = [None if k == "adaptive" else int(k) for k in args.draft_tokens.split(",")]
-    drafts = {k: Draft(draft.model, k) for k in ks}
+    drafts = {k: Draft(draft.model, k, lookup=args.lookup) for k in ks}
     settings = SampleSettings(max_new_tokens=args.tokens, temperature=0, ignore_eot=True)
     ids = prompts(target, args.text)
     sampler = target.sampler
@@ -159,6 +159,8 @@ def measure(precision: str, args) -> list[dict]:
             plain=tokens / seconds["plain"],
             speculative=tokens / seconds[k],
             acceptance=drafts[k].stats.rate,
+            lookup=drafts[k].lookup.stats.rate if args.lookup else None,  # prompt lookup's proposals alone
+            lookup_share=drafts[k].lookup.stats.proposed / max(1, drafts[k].stats.proposed) if args.lookup else None,
             same=same[k],
             k_end=drafts[k].k,
             ids=ids,
@@ -242,6 +244,7 @@ def main() -> None:
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--fallback-layers", type=int, default=6)
     parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--lookup", action="store_true", help="the draft with prompt lookup (--draft-lookup)")
     parser.add_argument("--text", choices=["shakespeare", "chat"], default="shakespeare", help="what to decode")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()

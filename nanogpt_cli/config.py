@@ -780,6 +780,11 @@ class LoadSpec:
     draft_tokens: int | None = load_setting(
         None, "Tokens the --draft model proposes at a time (default: adapted to how many are kept)."
     )
+    draft_lookup: bool = load_setting(
+        False,
+        "With --draft: where a row's last 3 tokens occurred before in its text, propose the tokens that followed "
+        "them there instead of the draft's (prompt lookup): no model's cost, often kept in text that repeats.",
+    )
 
     def __post_init__(self):
         object.__setattr__(self, "source", str(self.source))
@@ -797,6 +802,8 @@ class LoadSpec:
             object.__setattr__(self, "draft", str(self.draft))
         elif self.draft_tokens is not None:
             raise NanoGPTError("--draft-tokens sets how many tokens a draft model proposes: give --draft too")
+        elif self.draft_lookup:
+            raise NanoGPTError("--draft-lookup proposes tokens beside a draft model's: give --draft too")
         check_draft_tokens(self.draft_tokens)
 
 
