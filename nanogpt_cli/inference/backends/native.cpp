@@ -17,7 +17,6 @@
 #include <condition_variable>
 #include <mutex>
 #include <thread>
-#include <vector>
 
 #if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
 #error "these kernels need AVX2, FMA and F16C; elsewhere torch's own kernels run"
@@ -346,46 +345,17 @@ static void store(const Linear& L, int64_t n0, int rows, const float* dots, int 
         }
 }
 
-#ifdef __AVX512BF16__
-// An int8 tile's values as bf16 (exact: every int8 is a bf16), in the tile's own layout, for a product of more rows
-// than one pass takes: each later pass then reads bf16 where it would convert every value again. A check of 5 to 9
-// tokens (speculative decoding) and a batch of 8 make 2-3 passes. The returned Linear reads tile 0 of `buf`.
-static Linear bf16_tile(const Linear& L, int64_t tile, std::vector<uint16_t>& buf) {
-    const int64_t chunks = L.K / CHUNK;
-    buf.resize((size_t)(chunks * R * CHUNK));
-    for (int64_t c = 0; c < chunks; c++) {
-        vf f[R][2];
-        chunk(L, tile, c, f);
-        for (int r = 0; r < R; r++)
-            _mm512_storeu_si512(buf.data() + (c * R + r) * CHUNK, (__m512i)_mm512_cvtne2ps_pbh(f[r][1].v, f[r][0].v));
-    }
-    Linear t = L;
-    t.w = buf.data(), t.kind = BF16;
-    return t;
-}
-#endif
-
 static void tile_rows(const Linear& L, int64_t tile, const float* xf, const uint16_t* xh, int64_t B, const Out& o) {
     float dots[NB_MAX][R];
-    const Linear* W = &L;
-    int64_t wt = tile;  // the tile's index in W
-#ifdef __AVX512BF16__
-    static thread_local std::vector<uint16_t> buf;
-    Linear converted;
-    if (L.kind == INT8 && xh && B > NB_MAX) {
-        converted = bf16_tile(L, tile, buf);
-        W = &converted, wt = 0;
-    }
-#endif
     for (int64_t b = 0; b < B; b += NB_MAX) {  // the tile's weights stay in L1 between these passes
         const int nb = (int)(B - b < NB_MAX ? B - b : NB_MAX);
         switch (nb) {
 #if NB_MAX == 4
-            case 4: tile_dots<4>(*W, wt, xf, xh, b, dots); break;
-            case 3: tile_dots<3>(*W, wt, xf, xh, b, dots); break;
+            case 4: tile_dots<4>(L, tile, xf, xh, b, dots); break;
+            case 3: tile_dots<3>(L, tile, xf, xh, b, dots); break;
 #endif
-            case 2: tile_dots<2>(*W, wt, xf, xh, b, dots); break;
-            default: tile_dots<1>(*W, wt, xf, xh, b, dots); break;
+            case 2: tile_dots<2>(L, tile, xf, xh, b, dots); break;
+            default: tile_dots<1>(L, tile, xf, xh, b, dots); break;
         }
         store(L, tile * R, R, dots[0], R, b, nb, o);
     }
