@@ -7,6 +7,7 @@ share of drafted tokens kept, and whether the greedy text is the same; and llama
     python benchmarks/bench_speculative.py                                  # draft: /tmp/distill/out/student
     python benchmarks/bench_speculative.py --draft checkpoints/student --tokens 128 --rounds 2 --threads 1
     XLLAMACPP_PATH=/work/xllamacpp python benchmarks/bench_speculative.py   # also llama.cpp's --model-draft
+    python benchmarks/bench_speculative.py --lookup                         # the draft with prompt lookup too
 
 Plain and speculative runs alternate prompt by prompt in one process, so a busy machine slows both alike. Without
 a draft at --draft, the first --fallback-layers blocks of SmolLM2 itself stand in (said in the output).
