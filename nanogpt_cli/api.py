@@ -131,7 +131,7 @@ def load(source: str | Path | LoadSpec, **options: Any) -> Model:
     parsed = parse_spec(spec)  # the one reading of the source: the loaders dispatch on its type
     loaded = load_parsed(parsed, spec)
     model = Model(loaded, spec.source, spec)
-    if spec.draft is not None:
+    if spec.draft is not None or spec.draft_lookup:
         model.use_draft(spec.draft, spec.draft_tokens, spec.draft_lookup)
     return model
 
@@ -162,8 +162,8 @@ class Model:
         the same device, dtype, quantization and backend). It proposes `tokens` tokens at a time (None: a number
         adapted to how many are kept) that this model checks in one forward: greedy text stays this model's, and
         sampled text keeps its distribution. lookup: where a row's last tokens occurred before in its text, the
-        tokens that followed them there are proposed instead (prompt lookup). load(..., draft=, draft_tokens=,
-        draft_lookup=) does the same."""
+        tokens that followed them there are proposed instead (prompt lookup); with source None, lookup alone.
+        load(..., draft=, draft_tokens=, draft_lookup=) does the same."""
         from nanogpt_cli.inference.speculative import load_draft
 
         spec = dataclasses.replace(self.spec, draft=source, draft_tokens=tokens, draft_lookup=lookup)  # checked first

@@ -91,6 +91,18 @@ def test_lookup_rounds_keep_the_models_greedy_text(target, near, batch, k):
     assert draft.stats.proposed > draft.lookup.stats.proposed  # the draft model proposed in the other rounds
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_lookup_alone_keeps_the_models_greedy_text_and_rows_without_a_match_take_plain_steps(target, batch):
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], *PROMPTS[1:batch]]
+    plain = decode(Engine(target, batch), prompts, n=50)
+    draft = Draft(None, None, lookup=True)
+    engine = SpeculativeEngine(target, draft, batch)
+    assert decode(engine, prompts, n=50) == plain
+    assert 0 < draft.stats.accepted < draft.stats.proposed == draft.lookup.stats.proposed
+    with pytest.raises(NanoGPTError, match="lookup alone"):
+        Draft(None, 2)
+
+
 LLAMA = dict(vocab_size=64, block_size=64, norm="rmsnorm", mlp="swiglu", n_kv_head=1)
 # Gemma 3's blocks: local layers of a window of 8 (their caches keep every position in a speculative engine)
 GEMMA3 = dict(LLAMA, mlp="geglu", qk_norm=True, post_norms=True, sliding_window=8, window_pattern="LG")
@@ -253,8 +265,10 @@ def test_sample_json_reports_the_acceptance_and_the_greedy_text_is_the_models(by
     a, b = json.loads(plain.stdout), json.loads(with_draft.stdout)
     assert a["text"] == b["text"] and "draft_acceptance" not in a
     assert 0 < b["draft_acceptance"] < 1
-    looked = CliRunner().invoke(app, [*args, "--draft", str(draft), "--draft-lookup"])
-    assert looked.exit_code == 0 and json.loads(looked.stdout)["text"] == a["text"], looked.output
+    for extra in (["--draft", str(draft), "--draft-lookup"], ["--draft-lookup"]):  # lookup beside a draft, alone
+        looked = CliRunner().invoke(app, [*args, *extra])
+        assert looked.exit_code == 0 and json.loads(looked.stdout)["text"] == a["text"], looked.output
+        assert "draft_acceptance" in json.loads(looked.stdout)
     from nanogpt_cli import api
 
     loaded = api.load(str(model), device="cpu", dtype="float32", draft=str(draft), draft_lookup=True)
@@ -270,9 +284,8 @@ def test_bad_drafts_are_one_sentence(byte_models, tmp_path):
     cases = {
         ("--draft", str(other)): "a draft must share the model's tokenizer",
         ("--draft", str(draft), "--draft-tokens", "0"): "--draft-tokens must be at least 1",
-        ("--draft-tokens", "2"): "give --draft too",
+        ("--draft-tokens", "2"): "give --draft or --draft-lookup",
         ("--draft", str(draft), "--no-cache"): "drop --no-cache",
-        ("--draft-lookup",): "--draft-lookup proposes tokens beside a draft model's: give --draft too",
     }
     for extra, words in cases.items():
         out = CliRunner().invoke(app, [*base, *extra])

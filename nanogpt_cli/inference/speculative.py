@@ -104,10 +104,13 @@ class Proposals:
 
 class Draft(Proposals):
     """The draft model, its K and its counts (every token proposed, by the model or by lookup) over every engine
-    that used it. lookup: rounds where every row's last LOOKUP_NGRAM tokens occurred before in its text propose the
-    tokens that followed them there (prompt lookup), with a K of their own, adapted at no proposing cost."""
+    that used it. lookup: a row whose last LOOKUP_NGRAM tokens occurred before in its text proposes the tokens that
+    followed them there (prompt lookup), with a K of its own, adapted at no proposing cost; where every row of a
+    round does, the model is not run. model None: lookup alone (rows with no match take plain steps)."""
 
-    def __init__(self, model: GPT, tokens: int | None = None, lookup: bool = False):
+    def __init__(self, model: GPT | None, tokens: int | None = None, lookup: bool = False):
+        if model is None and not lookup:
+            raise NanoGPTError("a draft without a model proposes by lookup alone: give lookup=True")
         super().__init__(tokens)
         self.model = model  # stats: every token proposed, the lookup's too (lookup.stats: those alone)
         self.lookup = Proposals(tokens, cost=0.0) if lookup else None
@@ -155,8 +158,8 @@ def load_draft(spec: LoadSpec, tokenizer: Tokenizer, dtype: torch.dtype | None =
     as given (its best weights: --last is the model's), and the threads the model's load set stay."""
     from nanogpt_cli.interop.loading import load_for_inference
 
-    if spec.draft is None:
-        return None
+    if spec.draft is None:  # lookup alone, or no draft
+        return Draft(None, spec.draft_tokens, lookup=True) if spec.draft_lookup else None
     own = dataclasses.replace(
         spec, source=spec.draft, last=False, threads=None, draft=None, draft_tokens=None, draft_lookup=False
     )
@@ -165,6 +168,16 @@ def load_draft(spec: LoadSpec, tokenizer: Tokenizer, dtype: torch.dtype | None =
     loaded = load_for_inference(own)
     check_tokenizers(loaded.tokenizer, tokenizer)
     return Draft(loaded.model, spec.draft_tokens, spec.draft_lookup)
+
+
+class NoDraft:
+    """The draft cache of a draft that is lookup alone: positions the rounds set, and nothing else."""
+
+    def __init__(self, rows: int, capacity: int):
+        self.pos, self.capacity = [0] * rows, capacity
+
+    def move(self, src: int, dst: int) -> None:
+        self.pos[dst] = self.pos[src]
 
 
 class SpeculativeEngine(Engine):
@@ -178,16 +191,19 @@ class SpeculativeEngine(Engine):
         if not use_cache:
             raise NanoGPTError("--draft decodes through the KV cache: drop --no-cache")
         super().__init__(model, max_batch, **options)
-        if draft.model.config.vocab_size < self.vocab_size:
+        self.draft = draft
+        if draft.model is None:  # lookup alone: nothing to cache, and no cut of a draft's context
+            self.draft_cache = NoDraft(max_batch, 2 * model.config.block_size)
+        elif draft.model.config.vocab_size < self.vocab_size:
             raise NanoGPTError(
                 f"the draft's vocabulary has {draft.model.config.vocab_size:,} tokens and the model's "
                 f"{self.vocab_size:,}: a draft must share the model's tokenizer"
             )
-        self.draft = draft
-        with torch.inference_mode():
-            self.draft_cache = KVCache(draft.model, max_batch, ring=False)
-        self.draft_backend = choose(draft.model, getattr(draft.model, "decode_backend", None))
-        self.draft_plan = self.draft_backend.prepare(draft.model, self.vocab_size)
+        else:
+            with torch.inference_mode():
+                self.draft_cache = KVCache(draft.model, max_batch, ring=False)
+            self.draft_backend = choose(draft.model, getattr(draft.model, "decode_backend", None))
+            self.draft_plan = self.draft_backend.prepare(draft.model, self.vocab_size)
         self.offset = [0] * max_batch  # slot s's draft cache holds its row's tokens from offset[s] on
         self.row_stats: dict[int, DraftStats] = {}
 
@@ -204,7 +220,8 @@ class SpeculativeEngine(Engine):
     def advance(self) -> None:
         """Feed the pending tokens only where the next pick is a plain step; a round feeds them itself."""
         copied = self._lookups() if self.rows and self.draft.lookup is not None else None
-        if not self.rows or (self._round_tokens(self.draft) == 0 and (copied is None or None in copied)):
+        modelled = self.rows and self.draft.model is not None and self._round_tokens(self.draft) > 0
+        if not self.rows or (not modelled and (copied is None or None in copied)):
             super().advance()
 
     def remove(self, row: int) -> None:
@@ -227,7 +244,7 @@ class SpeculativeEngine(Engine):
                 return self._speculate(len(copied[0]), copied)
         if self.draft.lookup is not None:
             self.draft.lookup.rested()
-        k = self._round_tokens(self.draft) if self.behind else 0
+        k = self._round_tokens(self.draft) if self.behind and self.draft.model is not None else 0
         if k == 0:  # right after a prefill (each row's first token comes from its logits), no room, or resting
             self.draft.rested()
             return super().pick()
