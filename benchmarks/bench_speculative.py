@@ -7,6 +7,7 @@ share of drafted tokens kept, and whether the greedy text is the same; and llama
     python benchmarks/bench_speculative.py                                  # draft: /tmp/distill/out/student
     python benchmarks/bench_speculative.py --draft checkpoints/student --tokens 128 --rounds 2 --threads 1
     XLLAMACPP_PATH=/work/xllamacpp python benchmarks/bench_speculative.py   # also llama.cpp's --model-draft
+    python benchmarks/bench_speculative.py --lookup                         # the draft with prompt lookup too
 
 Plain and speculative runs alternate prompt by prompt in one process, so a busy machine slows both alike. Without
 a draft at --draft, the first --fallback-layers blocks of SmolLM2 itself stand in (said in the output).
@@ -85,7 +86,7 @@ def check_costs(target, draft, reps: int) -> dict:
 
     calls = {}
     with torch.inference_mode():
-        for name, model in (("model", target.module), ("draft", draft.model)):
+        for name, model in (("model", target.module), ("draft", draft.model or target.module)):
             backend = choose(model, getattr(model, "decode_backend", None))
             plan = backend.prepare(model, target.tokenizer.vocab_size)
             cache = KVCache(model, 1, ring=False)
@@ -102,7 +103,8 @@ def check_costs(target, draft, reps: int) -> dict:
                 else:
                     backend.score(plan, torch.randint(0, 1000, (1, T)), cache.view(0, 1))
                 total[T] += (time.perf_counter() - t0) if rep else 0.0
-    return {T: total[T] / total[1] for T in [*CHECKED, "draft"]}
+    costs = {T: total[T] / total[1] for T in [*CHECKED, "draft"]}
+    return {**costs, "draft": 0.0} if draft.model is None else costs  # lookup alone: no model proposes
 
 
 def needed(costs: dict, speedup: float) -> str:
@@ -121,13 +123,15 @@ def measure(precision: str, args) -> list[dict]:
     """Plain greedy replies and speculative ones at each K setting (adaptive, or fixed), in turn for every prompt
     and round: tokens/s, the share of drafted tokens kept, and whether the text is the plain one. A row each K."""
     target = api.load(SMOL, device="cpu", **PRECISIONS[precision])
-    if Path(args.draft).exists():
+    if args.draft == "none":  # prompt lookup alone
+        draft, name = Draft(None, None, lookup=True), "none (lookup alone)"
+    elif Path(args.draft).exists():
         target.use_draft(args.draft)
         draft, name = target.draft, args.draft
     else:
         draft, name = fallback_draft(target, args.fallback_layers), f"SmolLM2's first {args.fallback_layers} blocks"
     ks = [None if k == "adaptive" else int(k) for k in args.draft_tokens.split(",")]
-    drafts = {k: Draft(draft.model, k) for k in ks}
+    drafts = {k: Draft(draft.model, k, lookup=args.lookup or draft.model is None) for k in ks}
     settings = SampleSettings(max_new_tokens=args.tokens, temperature=0, ignore_eot=True)
     ids = prompts(target, args.text)
     sampler = target.sampler
@@ -154,11 +158,15 @@ def measure(precision: str, args) -> list[dict]:
         dict(
             precision=precision,
             draft=name,
-            draft_params=sum(p.numel() for p in draft.model.parameters()),
+            draft_params=sum(p.numel() for p in draft.model.parameters()) if draft.model is not None else 0,
             k="adaptive" if k is None else str(k),
             plain=tokens / seconds["plain"],
             speculative=tokens / seconds[k],
             acceptance=drafts[k].stats.rate,
+            lookup=drafts[k].lookup.stats.rate if drafts[k].lookup else None,  # prompt lookup's proposals alone
+            lookup_share=drafts[k].lookup.stats.proposed / max(1, drafts[k].stats.proposed)
+            if drafts[k].lookup
+            else None,
             same=same[k],
             k_end=drafts[k].k,
             ids=ids,
@@ -233,7 +241,9 @@ def llama(args, ids: list[list[int]]) -> dict | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--draft", default=STUDENT, help="the draft model: any source `--draft` takes")
+    parser.add_argument(
+        "--draft", default=STUDENT, help="the draft model: any source `--draft` takes; none: lookup alone"
+    )
     parser.add_argument("--draft-tokens", default="adaptive,1,2,3", help="K settings to time: adaptive or numbers")
     parser.add_argument("--tokens", type=int, default=128, help="tokens per reply")
     parser.add_argument("--rounds", type=int, default=1, help="passes over the prompts")
@@ -242,6 +252,7 @@ def main() -> None:
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--fallback-layers", type=int, default=6)
     parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--lookup", action="store_true", help="the draft with prompt lookup (--draft-lookup)")
     parser.add_argument("--text", choices=["shakespeare", "chat"], default="shakespeare", help="what to decode")
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()

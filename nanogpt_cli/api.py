@@ -123,16 +123,16 @@ def load(source: str | Path | LoadSpec, **options: Any) -> Model:
     torch.dtype); auto picks from the device and the size of the weights. quantize: None, "int8" (one scale per
     output channel) or "int4" (a scale and zero per group_size inputs) for the blocks' weights, on a CPU. backend:
     "cpu" or "torch", how decode steps are computed (default: the first that supports the model). threads: torch's
-    CPU threads (None: as they are; "auto": chosen from the load, as the commands do). draft, draft_tokens: a draft
-    model for speculative decoding, loaded after the model as Model.use_draft does."""
+    CPU threads (None: as they are; "auto": chosen from the load, as the commands do). draft, draft_tokens,
+    draft_lookup: a draft model for speculative decoding, loaded after the model as Model.use_draft does."""
     from nanogpt_cli.interop.loading import load_parsed, parse_spec
 
     spec = load_spec(source, **options)
     parsed = parse_spec(spec)  # the one reading of the source: the loaders dispatch on its type
     loaded = load_parsed(parsed, spec)
     model = Model(loaded, spec.source, spec)
-    if spec.draft is not None:
-        model.use_draft(spec.draft, spec.draft_tokens)
+    if spec.draft is not None or spec.draft_lookup:
+        model.use_draft(spec.draft, spec.draft_tokens, spec.draft_lookup)
     return model
 
 
@@ -156,15 +156,17 @@ class Model:
         self.sampler = Sampler(loaded)  # the one generation path the commands use too
         self._template = None
 
-    def use_draft(self, source: str | Path | None, tokens: int | None = None) -> None:
+    def use_draft(self, source: str | Path | None, tokens: int | None = None, lookup: bool = False) -> None:
         """Decode with a draft model from then on (speculative decoding; None: without one): a smaller model with
         the same tokenizer, from any source load() takes, loaded as this model was (its spec, the source replaced:
         the same device, dtype, quantization and backend). It proposes `tokens` tokens at a time (None: a number
         adapted to how many are kept) that this model checks in one forward: greedy text stays this model's, and
-        sampled text keeps its distribution. load(..., draft=, draft_tokens=) does the same."""
+        sampled text keeps its distribution. lookup: where a row's last tokens occurred before in its text, the
+        tokens that followed them there are proposed instead (prompt lookup); with source None, lookup alone.
+        load(..., draft=, draft_tokens=, draft_lookup=) does the same."""
         from nanogpt_cli.inference.speculative import load_draft
 
-        spec = dataclasses.replace(self.spec, draft=source, draft_tokens=tokens)  # checked before anything is read
+        spec = dataclasses.replace(self.spec, draft=source, draft_tokens=tokens, draft_lookup=lookup)  # checked first
         self.sampler.draft = load_draft(spec, self.tokenizer, self.dtype)
         self.spec = spec
 

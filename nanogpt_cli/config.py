@@ -780,6 +780,12 @@ class LoadSpec:
     draft_tokens: int | None = load_setting(
         None, "Tokens the --draft model proposes at a time (default: adapted to how many are kept)."
     )
+    draft_lookup: bool = load_setting(
+        False,
+        "Where a row's last 3 tokens occurred before in its text, propose the tokens that followed them there "
+        "(prompt lookup), checked as a draft's are: no model's cost, often kept in text that repeats (with "
+        "--draft, the draft model proposes elsewhere).",
+    )
 
     def __post_init__(self):
         object.__setattr__(self, "source", str(self.source))
@@ -795,8 +801,8 @@ class LoadSpec:
             raise NanoGPTError(f"--threads must be at least 1, got {self.threads!r}")
         if self.draft is not None:
             object.__setattr__(self, "draft", str(self.draft))
-        elif self.draft_tokens is not None:
-            raise NanoGPTError("--draft-tokens sets how many tokens a draft model proposes: give --draft too")
+        elif self.draft_tokens is not None and not self.draft_lookup:
+            raise NanoGPTError("--draft-tokens sets how many tokens a draft proposes: give --draft or --draft-lookup")
         check_draft_tokens(self.draft_tokens)
 
 

@@ -19,7 +19,7 @@ from nanogpt_cli.cli import app
 from nanogpt_cli.config import LoadSpec
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inference.engine import Engine, SamplingParams, process_logits
-from nanogpt_cli.inference.speculative import Draft, SpeculativeEngine, check_tokenizers
+from nanogpt_cli.inference.speculative import Draft, SpeculativeEngine, check_tokenizers, lookup
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs import checkpoint as ckpt
 from nanogpt_cli.tokenizer import build_tokenizer
@@ -70,6 +70,37 @@ def test_greedy_text_is_the_models_own_for_every_k_and_batch_size(target, near, 
     assert decode(SpeculativeEngine(target, draft, batch, backend=backend), prompts) == plain
     if k is not None:  # drafted tokens were both kept and refused (an adaptive K soon rests this draft)
         assert 0 < draft.stats.accepted < draft.stats.proposed
+
+
+def test_lookup_proposes_what_followed_the_longest_earlier_match_and_a_loop_goes_on():
+    assert lookup([1, 2, 3, 4, 5, 9, 2, 3, 4], 3) == [5, 9, 2]  # what followed 2, 3, 4 before
+    assert lookup([7, 2, 3, 4, 8, 1, 2, 3, 4, 6, 1, 2, 3, 4], 2) == [6, 1]  # 1, 2, 3, 4 matches further back
+    assert lookup([5, 6, 7, 5, 6, 7], 5) == [5, 6, 7, 5, 6]  # a loop of 3 taken to go on
+    assert lookup([1, 2, 3, 4, 5, 6], 2) == [] and lookup([1, 2], 2) == []  # never before, or too short
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("k", [2, None])
+def test_lookup_rounds_keep_the_models_greedy_text(target, near, batch, k):
+    """A random model's greedy text soon loops: lookup rounds propose its own earlier tokens, kept and refused."""
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], *PROMPTS[1:batch]]
+    plain = decode(Engine(target, batch), prompts, n=50)
+    draft = Draft(near, k, lookup=True)
+    assert decode(SpeculativeEngine(target, draft, batch), prompts, n=50) == plain
+    assert draft.lookup.stats.rounds > 0 and draft.lookup.stats.accepted > 0
+    assert draft.stats.proposed > draft.lookup.stats.proposed  # the draft model proposed in the other rounds
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_lookup_alone_keeps_the_models_greedy_text_and_rows_without_a_match_take_plain_steps(target, batch):
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], *PROMPTS[1:batch]]
+    plain = decode(Engine(target, batch), prompts, n=50)
+    draft = Draft(None, None, lookup=True)
+    engine = SpeculativeEngine(target, draft, batch)
+    assert decode(engine, prompts, n=50) == plain
+    assert 0 < draft.stats.accepted < draft.stats.proposed == draft.lookup.stats.proposed
+    with pytest.raises(NanoGPTError, match="lookup alone"):
+        Draft(None, 2)
 
 
 LLAMA = dict(vocab_size=64, block_size=64, norm="rmsnorm", mlp="swiglu", n_kv_head=1)
@@ -166,6 +197,34 @@ def test_sampled_tokens_follow_the_models_distribution_not_the_drafts(params):
         assert p_value > 1e-3, (step, counts.tolist(), expected.tolist())
 
 
+# a prompt after which some rows' last 3 tokens occurred before (those rows look up, the rest draft), and one after
+# which every row's did: 2, 3 and then each token of the vocabulary (rounds of lookups alone)
+LOOKED_UP = {"some rows": [1, 2, 3, 1, 2, 3], "every row": [x for t in range(8) for x in (2, 3, t)] + [2, 3]}
+
+
+@pytest.mark.parametrize("prompt", LOOKED_UP.values(), ids=LOOKED_UP.keys())
+def test_sampled_tokens_after_a_lookup_follow_the_models_distribution(prompt):
+    """As above, with lookups' proposals (drawn with probability 1): a kept token is one the model drew, a refused
+    one is redrawn from p without it."""
+    torch.manual_seed(0)
+    model = shaken(GPT(tiny(vocab_size=8, block_size=64)), 0.2, 0)
+    n, params = 3000, SamplingParams(temperature=1.0)
+    draft = Draft(model, 2, lookup=True)
+    engine = SpeculativeEngine(model, draft, n)
+    engine.add_many([prompt] * n, params, 3, [torch.Generator().manual_seed(0)] * n)
+    tokens = {}
+    while engine.active:
+        for t in engine.step():
+            tokens.setdefault(t.row, []).append(t.token)
+    assert 0 < draft.lookup.stats.accepted < draft.lookup.stats.proposed  # lookups both kept and refused
+    for step, p in enumerate(expected_marginals(model, prompt, params, 3)):
+        counts = torch.bincount(torch.tensor([tokens[r][step] for r in tokens]), minlength=8).double()
+        expected = p[p > 0].double() * n
+        stat = ((counts[p > 0] - expected) ** 2 / expected).sum()
+        p_value = torch.special.gammaincc(torch.tensor((len(expected) - 1) / 2.0), stat / 2)
+        assert p_value > 1e-3, (step, counts.tolist(), expected.tolist())
+
+
 def test_an_adaptive_k_grows_while_all_are_kept_and_a_useless_draft_rests(target):
     draft = Draft(target, None)
     assert draft.k == 1  # the prior's acceptance of 2/3: one token at a time
@@ -206,6 +265,14 @@ def test_sample_json_reports_the_acceptance_and_the_greedy_text_is_the_models(by
     a, b = json.loads(plain.stdout), json.loads(with_draft.stdout)
     assert a["text"] == b["text"] and "draft_acceptance" not in a
     assert 0 < b["draft_acceptance"] < 1
+    for extra in (["--draft", str(draft), "--draft-lookup"], ["--draft-lookup"]):  # lookup beside a draft, alone
+        looked = CliRunner().invoke(app, [*args, *extra])
+        assert looked.exit_code == 0 and json.loads(looked.stdout)["text"] == a["text"], looked.output
+        assert "draft_acceptance" in json.loads(looked.stdout)
+    from nanogpt_cli import api
+
+    loaded = api.load(str(model), device="cpu", dtype="float32", draft=str(draft), draft_lookup=True)
+    assert loaded.draft.lookup is not None and loaded.generate("Hi", temperature=0, max_new_tokens=30).text == a["text"]
 
 
 def test_bad_drafts_are_one_sentence(byte_models, tmp_path):
@@ -217,7 +284,7 @@ def test_bad_drafts_are_one_sentence(byte_models, tmp_path):
     cases = {
         ("--draft", str(other)): "a draft must share the model's tokenizer",
         ("--draft", str(draft), "--draft-tokens", "0"): "--draft-tokens must be at least 1",
-        ("--draft-tokens", "2"): "give --draft too",
+        ("--draft-tokens", "2"): "give --draft or --draft-lookup",
         ("--draft", str(draft), "--no-cache"): "drop --no-cache",
     }
     for extra, words in cases.items():

@@ -19,7 +19,7 @@ from nanogpt_cli.errors import NanoGPTError
 # scoring runs whole windows through the model's forward: no decode step, so no decode backend
 # scoring runs the model's own forward over whole windows: nothing is decoded, so no backend and no draft
 WINDOWS = "scoring runs the model's own forward over whole windows, never a decode step"
-SCORES = {name: WINDOWS for name in ("backend", "draft", "draft_tokens")}
+SCORES = {name: WINDOWS for name in ("backend", "draft", "draft_tokens", "draft_lookup")}
 
 eval_app = typer.Typer(
     help="Evaluate a trained model: perplexity, or scores on standard tasks.\n\n"

@@ -17,7 +17,17 @@ from nanogpt_cli.config import LoadSpec
 AS_STORED = "an export writes the weights as stored (float32, on the CPU); --quant sets a GGUF file's types"
 EXPORTS = {
     name: AS_STORED
-    for name in ("device", "dtype", "quantize", "group_size", "threads", "backend", "draft", "draft_tokens")
+    for name in (
+        "device",
+        "dtype",
+        "quantize",
+        "group_size",
+        "threads",
+        "backend",
+        "draft",
+        "draft_tokens",
+        "draft_lookup",
+    )
 }
 
 

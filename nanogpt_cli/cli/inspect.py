@@ -22,12 +22,24 @@ inspect_app = typer.Typer(
 )
 # what the pictures are of: the float weights' attention through the model's own forward, never a decode step
 FLOAT_WEIGHTS = "the maps are of the weights as trained, through the model's own forward"
-MEASURES = {name: FLOAT_WEIGHTS for name in ("quantize", "group_size", "backend", "draft", "draft_tokens")}
+MEASURES = {
+    name: FLOAT_WEIGHTS for name in ("quantize", "group_size", "backend", "draft", "draft_tokens", "draft_lookup")
+}
 # the position scheme is the config's and the position table's: read on the CPU in float32, on any machine
 TABLES = "the position scheme is drawn from the config and the table, read on the CPU in float32"
 DRAWS = {
     name: TABLES
-    for name in ("device", "dtype", "quantize", "group_size", "threads", "backend", "draft", "draft_tokens")
+    for name in (
+        "device",
+        "dtype",
+        "quantize",
+        "group_size",
+        "threads",
+        "backend",
+        "draft",
+        "draft_tokens",
+        "draft_lookup",
+    )
 }
 Size = Annotated[
     str | None,

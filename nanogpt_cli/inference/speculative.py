@@ -8,6 +8,10 @@ _accept). Rows of one batch keep different numbers of tokens per round.
     engine = SpeculativeEngine(model, draft, max_batch=4)                    # then used as any Engine
     draft.stats.rate                                                         # drafted tokens kept / proposed
 
+With lookup (Draft(..., lookup=True), --draft-lookup), a round where every row's last 3 tokens occurred before in
+its own text proposes the tokens that followed them there (prompt lookup: Saxena 2023; llama.cpp's lookup
+decoding), at no draft cost, drawn with probability 1 as far as the acceptance rule is concerned.
+
 Both caches hold every position (no sliding-window ring), so a rejection rolls a row back by setting its position.
 Rows with a grammar or a repetition penalty, and rounds with no room left in the context, take plain steps.
 """
@@ -45,6 +49,8 @@ from nanogpt_cli.tokenizer import Tokenizer
 DRAFT_COST, CHECK_COST, K_MAX = 0.15, 0.25, 8
 PRIOR, DECAY, REST = (2.0, 1.0), 0.9, 16
 SHORT_FEED = 8  # the draft takes up to this many new tokens through backend.score, more (a prompt) as a prefill
+LOOKUP_NGRAM, LOOKUP_LONGEST, LOOKUP_WINDOW = 3, 16, 1024  # prompt lookup: the tokens matched (at least, at most),
+# and how far back they are searched
 
 
 @dataclass
@@ -63,21 +69,22 @@ class DraftStats:
         self.proposed, self.accepted, self.rounds = self.proposed + proposed, self.accepted + accepted, self.rounds + 1
 
 
-class Draft:
-    """The draft model, its K (tokens: fixed; None: adaptive) and its counts over every engine that used it."""
+class Proposals:
+    """How many tokens a proposer offers a round: K (tokens: fixed; None: adaptive, from the share kept, at a cost
+    a token of `cost` steps of the model to propose), and whether it rests."""
 
-    def __init__(self, model: GPT, tokens: int | None = None):
+    def __init__(self, tokens: int | None = None, cost: float = DRAFT_COST):
         check_draft_tokens(tokens)
-        self.model, self.tokens = model, tokens
+        self.tokens, self.cost = tokens, cost
         self.kept, self.refused = PRIOR  # the adaptive K's evidence
         self.k, self.rest = tokens or self.best()[1], 0
-        self.stats = DraftStats()
+        self.stats = DraftStats()  # its tokens proposed and kept
 
     def best(self) -> tuple[float, int]:
         """The expected speed-up of the best K for the acceptance rate counted so far, and that K."""
         a = self.kept / (self.kept + self.refused)
         return max(
-            (sum(a**i for i in range(k + 1)) / (1 + k * (DRAFT_COST + CHECK_COST)), k) for k in range(1, K_MAX + 1)
+            (sum(a**i for i in range(k + 1)) / (1 + k * (self.cost + CHECK_COST)), k) for k in range(1, K_MAX + 1)
         )
 
     def adapt(self, accepted: list[int], k: int) -> None:
@@ -93,6 +100,43 @@ class Draft:
     def rested(self) -> None:
         """A plain step taken: one fewer to rest."""
         self.rest = max(0, self.rest - 1)
+
+
+class Draft(Proposals):
+    """The draft model, its K and its counts (every token proposed, by the model or by lookup) over every engine
+    that used it. lookup: a row whose last LOOKUP_NGRAM tokens occurred before in its text proposes the tokens that
+    followed them there (prompt lookup), with a K of its own, adapted at no proposing cost; where every row of a
+    round does, the model is not run. model None: lookup alone (rows with no match take plain steps)."""
+
+    def __init__(self, model: GPT | None, tokens: int | None = None, lookup: bool = False):
+        if model is None and not lookup:
+            raise NanoGPTError("a draft without a model proposes by lookup alone: give lookup=True")
+        super().__init__(tokens)
+        self.model = model  # stats: every token proposed, the lookup's too (lookup.stats: those alone)
+        self.lookup = Proposals(tokens, cost=0.0) if lookup else None
+
+
+def lookup(tokens: list[int], k: int) -> list[int]:
+    """The k tokens that followed an earlier occurrence of the last LOOKUP_NGRAM tokens, searched over the last
+    LOOKUP_WINDOW: of those, the one whose match reaches furthest back (up to LOOKUP_LONGEST tokens; the latest of
+    equals); [] where there is none. Where they run into the end of the text (a loop of fewer than k tokens), the
+    loop is taken to go on."""
+    n, end = LOOKUP_NGRAM, len(tokens)
+    tail, last = tokens[-n:], tokens[-1]
+    best, at = 0, None
+    for i in range(end - 2, max(n - 2, end - LOOKUP_WINDOW - 1), -1):  # i: where a match's last token sits
+        if tokens[i] == last and tokens[i - n + 1 : i + 1] == tail:
+            length = n
+            while length < LOOKUP_LONGEST and i - length >= 0 and tokens[i - length] == tokens[end - 1 - length]:
+                length += 1
+            if length > best:
+                best, at = length, i
+                if length == LOOKUP_LONGEST:
+                    break
+    if at is None:
+        return []
+    loop = tokens[at + 1 :]
+    return [loop[j % len(loop)] for j in range(k)]
 
 
 def check_tokenizers(draft: Tokenizer, target: Tokenizer) -> None:
@@ -114,14 +158,26 @@ def load_draft(spec: LoadSpec, tokenizer: Tokenizer, dtype: torch.dtype | None =
     as given (its best weights: --last is the model's), and the threads the model's load set stay."""
     from nanogpt_cli.interop.loading import load_for_inference
 
-    if spec.draft is None:
-        return None
-    own = dataclasses.replace(spec, source=spec.draft, last=False, threads=None, draft=None, draft_tokens=None)
+    if spec.draft is None:  # lookup alone, or no draft
+        return Draft(None, spec.draft_tokens, lookup=True) if spec.draft_lookup else None
+    own = dataclasses.replace(
+        spec, source=spec.draft, last=False, threads=None, draft=None, draft_tokens=None, draft_lookup=False
+    )
     if dtype is not None:
         own = dataclasses.replace(own, dtype=dtype)
     loaded = load_for_inference(own)
     check_tokenizers(loaded.tokenizer, tokenizer)
-    return Draft(loaded.model, spec.draft_tokens)
+    return Draft(loaded.model, spec.draft_tokens, spec.draft_lookup)
+
+
+class NoDraft:
+    """The draft cache of a draft that is lookup alone: positions the rounds set, and nothing else."""
+
+    def __init__(self, rows: int, capacity: int):
+        self.pos, self.capacity = [0] * rows, capacity
+
+    def move(self, src: int, dst: int) -> None:
+        self.pos[dst] = self.pos[src]
 
 
 class SpeculativeEngine(Engine):
@@ -135,16 +191,19 @@ class SpeculativeEngine(Engine):
         if not use_cache:
             raise NanoGPTError("--draft decodes through the KV cache: drop --no-cache")
         super().__init__(model, max_batch, **options)
-        if draft.model.config.vocab_size < self.vocab_size:
+        self.draft = draft
+        if draft.model is None:  # lookup alone: nothing to cache, and no cut of a draft's context
+            self.draft_cache = NoDraft(max_batch, 2 * model.config.block_size)
+        elif draft.model.config.vocab_size < self.vocab_size:
             raise NanoGPTError(
                 f"the draft's vocabulary has {draft.model.config.vocab_size:,} tokens and the model's "
                 f"{self.vocab_size:,}: a draft must share the model's tokenizer"
             )
-        self.draft = draft
-        with torch.inference_mode():
-            self.draft_cache = KVCache(draft.model, max_batch, ring=False)
-        self.draft_backend = choose(draft.model, getattr(draft.model, "decode_backend", None))
-        self.draft_plan = self.draft_backend.prepare(draft.model, self.vocab_size)
+        else:
+            with torch.inference_mode():
+                self.draft_cache = KVCache(draft.model, max_batch, ring=False)
+            self.draft_backend = choose(draft.model, getattr(draft.model, "decode_backend", None))
+            self.draft_plan = self.draft_backend.prepare(draft.model, self.vocab_size)
         self.offset = [0] * max_batch  # slot s's draft cache holds its row's tokens from offset[s] on
         self.row_stats: dict[int, DraftStats] = {}
 
@@ -160,7 +219,9 @@ class SpeculativeEngine(Engine):
 
     def advance(self) -> None:
         """Feed the pending tokens only where the next pick is a plain step; a round feeds them itself."""
-        if not self.rows or self._round_tokens() == 0:
+        copied = self._lookups() if self.rows and self.draft.lookup is not None else None
+        modelled = self.rows and self.draft.model is not None and self._round_tokens(self.draft) > 0
+        if not self.rows or (not modelled and (copied is None or None in copied)):
             super().advance()
 
     def remove(self, row: int) -> None:
@@ -177,33 +238,59 @@ class SpeculativeEngine(Engine):
         super().remove(row)
 
     def pick(self) -> list[StepToken]:
-        k = self._round_tokens() if self.behind else 0
+        copied = self._lookups() if self.behind else None
+        if copied is not None and None not in copied:  # every row's text repeats: the draft model waits
+            with self.backend.decoding(self.plan):
+                return self._speculate(len(copied[0]), copied)
+        if self.draft.lookup is not None:
+            self.draft.lookup.rested()
+        k = self._round_tokens(self.draft) if self.behind and self.draft.model is not None else 0
         if k == 0:  # right after a prefill (each row's first token comes from its logits), no room, or resting
             self.draft.rested()
             return super().pick()
+        if copied is not None:  # the rows whose text repeats propose its continuation, with the draft's K
+            copied = [None if c is None else lookup(r.tokens, k) for c, r in zip(copied, self.rows)]
         with self.backend.decoding(self.plan):
-            return self._speculate(k)
+            return self._speculate(k, copied)
 
-    def _round_tokens(self) -> int:
-        """How many tokens this round drafts: the draft's K, cut so that the check fits every row's context and no
-        row drafts past its last token; 0: a plain step (also while an adaptive draft rests)."""
+    def _round_tokens(self, proposer: Proposals) -> int:
+        """How many tokens this round proposes: the proposer's K, cut so that the check fits every row's context
+        and no row drafts past its last token; 0: a plain step (also while an adaptive proposer rests)."""
         rows = self.rows
-        if self.draft.rest or any(r.mask is not None or r.params.repetition_penalty != 1.0 for r in rows):
+        if proposer.rest or any(r.mask is not None or r.params.repetition_penalty != 1.0 for r in rows):
             return 0
         n, dcap = len(rows), self.draft_cache.capacity
         room = self.block_size - 1 - max(self.cache.pos[:n])  # the check writes k + 1 keys from pos
         left = max(r.max_new_tokens - r.generated for r in rows) - 1  # the round gives up to k + 1 tokens
-        return max(0, min(self.draft.k, room, left, dcap - dcap // 2))
+        return max(0, min(proposer.k, room, left, dcap - dcap // 2))
+
+    def _lookups(self) -> list[list[int] | None] | None:
+        """Prompt lookup's K tokens for each row (None for a row whose last tokens occurred nowhere before), or
+        None where the draft has no lookup or it rests."""
+        proposer = self.draft.lookup
+        k = self._round_tokens(proposer) if proposer is not None else 0
+        if k == 0:
+            return None
+        return [lookup(r.tokens, k) or None for r in self.rows]
 
     @torch.inference_mode()
-    def _speculate(self, k: int) -> list[StepToken]:
-        """One round: the draft proposes k tokens per row, one forward of the model checks them after the pending
-        token, each row keeps what _accept says, and both caches are set back to what the rows hold. A RowError
-        (probabilities that are not finite numbers) leaves every row as it was."""
+    def _speculate(self, k: int, copied: list[list[int] | None] | None = None) -> list[StepToken]:
+        """One round: the draft proposes k tokens per row, or a row's lookup its copied ones (drawn with
+        probability 1; where every row has them the draft model is not run), one forward of the model checks them
+        after the pending token, each row keeps what _accept says, and both caches are set back to what the rows
+        hold. A RowError (probabilities that are not finite numbers) leaves every row as it was."""
         n = len(self.rows)
+        looked = [c is not None for c in copied] if copied is not None else [False] * n
         held = list(self.cache.pos[:n]), list(self.draft_cache.pos[:n]), list(self.offset[:n])
         try:
-            drafted, q = self._propose(k)  # (n, k), (n, k, V)
+            if all(looked):
+                drafted = torch.tensor(copied, dtype=torch.long, device=self.device)
+                q = torch.nn.functional.one_hot(drafted, self.vocab_size).float()
+            else:
+                drafted, q = self._propose(k)  # (n, k), (n, k, V)
+                for slot in (s for s in range(n) if looked[s]):
+                    drafted[slot] = torch.tensor(copied[slot], device=self.device)
+                    q[slot] = torch.nn.functional.one_hot(drafted[slot], self.vocab_size).float()
             idx = torch.cat([torch.tensor([[r.tokens[-1]] for r in self.rows], device=self.device), drafted], dim=1)
             self._select(0, n)
             raw = self.backend.score(self.plan, idx, self.cache.view(0, n)).float()  # (n, k + 1, V)
@@ -211,8 +298,13 @@ class SpeculativeEngine(Engine):
         except RowError:
             self.cache.pos[:n], self.draft_cache.pos[:n], self.offset[:n] = held
             raise
-        self.draft.adapt(accepted, k)
-        return self._emit(raw, drafted.tolist(), accepted, final, held[0])
+        by_lookup = [a for a, copy in zip(accepted, looked) if copy]
+        if by_lookup:
+            self.draft.lookup.adapt(by_lookup, k)
+            self.draft.lookup.stats.add(len(by_lookup) * k, sum(by_lookup))
+        if len(by_lookup) < n:
+            self.draft.adapt([a for a, copy in zip(accepted, looked) if not copy], k)
+        return self._emit(raw, drafted.tolist(), accepted, final, held[0], looked)
 
     def _propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's k tokens per row (n, k) and the probabilities it drew each from (n, k, V; zeros for greedy
@@ -335,10 +427,11 @@ class SpeculativeEngine(Engine):
         residual = torch.where(empty, p_next, residual)
         return kept.tolist(), self._draw(residual.log(), SamplingParams(temperature=1.0), slots)
 
-    def _emit(self, raw: torch.Tensor, drafted: list[list[int]], accepted: list[int], final: list[int], pos: list[int]):
+    def _emit(self, raw, drafted: list[list[int]], accepted: list[int], final: list[int], pos: list[int], looked):
         """Hand out each row's kept tokens and its next one (a StepToken each) up to its end, then set both caches
         to what the rows hold: the model's, from its positions before the check (pos), every new token but the
-        newest (fed by the next round); the draft's, the tokens it fed that were kept."""
+        newest (fed by the next round); the draft's, the tokens it fed that were kept (none of a row whose tokens
+        a lookup proposed: the draft fed its own)."""
         out = []
         for slot, row in enumerate(self.rows):
             kept = accepted[slot]
@@ -358,7 +451,8 @@ class SpeculativeEngine(Engine):
                 if finish is not None:
                     break
             self.cache.pos[slot] = pos[slot] + len(row.tokens) - start  # the pending token and the kept ones
-            self.draft_cache.pos[slot] = min(self.draft_cache.pos[slot], start + kept - self.offset[slot])
+            fed = 0 if looked[slot] else kept
+            self.draft_cache.pos[slot] = min(self.draft_cache.pos[slot], start + fed - self.offset[slot])
         for t in out:
             if t.finish is not None:
                 self.remove(t.row)

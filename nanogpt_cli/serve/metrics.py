@@ -108,7 +108,9 @@ class _DraftCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         s = self.stats
-        yield CounterMetricFamily("nanogpt_draft_proposed_tokens", "Tokens the draft model proposed.", s.proposed)
+        yield CounterMetricFamily(
+            "nanogpt_draft_proposed_tokens", "Tokens proposed (draft model or lookup).", s.proposed
+        )
         yield CounterMetricFamily("nanogpt_draft_accepted_tokens", "Proposed tokens the model kept.", s.accepted)
         yield CounterMetricFamily("nanogpt_draft_rounds", "Speculative rounds (one check of the model each).", s.rounds)
         yield GaugeMetricFamily("nanogpt_draft_acceptance_rate", "Accepted over proposed draft tokens.", s.rate)
