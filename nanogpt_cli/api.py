@@ -790,18 +790,8 @@ def plan_finetuning(
         raise
     loss = getattr(job, "loss", None) if launch is None else None  # None: the checked teacher freed here
     again = _finetune_options(method, cfg, lora_flags, taught)
-    return Training(
-        job.plan,
-        job.trainable,
-        launch,
-        policy=policy,
-        request=r,
-        sink=sink,
-        eval_tasks=names,
-        loss=loss,
-        command="finetune",
-        command_options=again,
-    )
+    given = dict(policy=policy, request=r, sink=sink, eval_tasks=names, loss=loss)
+    return Training(job.plan, job.trainable, launch, **given, command="finetune", command_options=again)
 
 
 def train(

@@ -741,6 +741,12 @@ SOURCE_HELP = (
 )
 
 
+# LoadSpec's fields that say how decoding runs (the commands that never decode leave them), and those with the ones
+# that say where and in what precision the weights run (the commands that read the weights as stored leave them)
+DECODING_FIELDS = ("backend", "draft", "draft_tokens", "draft_lookup")
+RUNNING_FIELDS = ("device", "dtype", "quantize", "group_size", "threads", *DECODING_FIELDS)
+
+
 @dataclass(frozen=True)
 class LoadSpec:
     """What a command loads and how: the source and the options that sample, chat, eval, serve, inspect and export

@@ -13,13 +13,13 @@ from typing import Annotated
 import typer
 
 from nanogpt_cli.cli.common import DATA_DIR_HELP, SCORE_DTYPE, load_options, one_line_errors
-from nanogpt_cli.config import LoadSpec
+from nanogpt_cli.config import DECODING_FIELDS, LoadSpec
 from nanogpt_cli.errors import NanoGPTError
 
 # scoring runs whole windows through the model's forward: no decode step, so no decode backend
 # scoring runs the model's own forward over whole windows: nothing is decoded, so no backend and no draft
 WINDOWS = "scoring runs the model's own forward over whole windows, never a decode step"
-SCORES = {name: WINDOWS for name in ("backend", "draft", "draft_tokens", "draft_lookup")}
+SCORES = dict.fromkeys(DECODING_FIELDS, WINDOWS)
 
 eval_app = typer.Typer(
     help="Evaluate a trained model: perplexity, or scores on standard tasks.\n\n"

@@ -11,24 +11,11 @@ from typing import Annotated
 import typer
 
 from nanogpt_cli.cli.common import load_options, one_line_errors
-from nanogpt_cli.config import LoadSpec
+from nanogpt_cli.config import RUNNING_FIELDS, LoadSpec
 
 # an export writes the weights as they are stored: read in float32 on the CPU, neither cast nor quantized for a run
 AS_STORED = "an export writes the weights as stored (float32, on the CPU); --quant sets a GGUF file's types"
-EXPORTS = {
-    name: AS_STORED
-    for name in (
-        "device",
-        "dtype",
-        "quantize",
-        "group_size",
-        "threads",
-        "backend",
-        "draft",
-        "draft_tokens",
-        "draft_lookup",
-    )
-}
+EXPORTS = dict.fromkeys(RUNNING_FIELDS, AS_STORED)
 
 
 @one_line_errors

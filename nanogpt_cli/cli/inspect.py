@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from nanogpt_cli.cli.common import SCORE_DTYPE, PromptFile, load_options, note, one_line_errors
-from nanogpt_cli.config import LoadSpec
+from nanogpt_cli.config import DECODING_FIELDS, RUNNING_FIELDS, LoadSpec
 from nanogpt_cli.errors import NanoGPTError
 
 inspect_app = typer.Typer(
@@ -22,25 +22,10 @@ inspect_app = typer.Typer(
 )
 # what the pictures are of: the float weights' attention through the model's own forward, never a decode step
 FLOAT_WEIGHTS = "the maps are of the weights as trained, through the model's own forward"
-MEASURES = {
-    name: FLOAT_WEIGHTS for name in ("quantize", "group_size", "backend", "draft", "draft_tokens", "draft_lookup")
-}
+MEASURES = dict.fromkeys(("quantize", "group_size", *DECODING_FIELDS), FLOAT_WEIGHTS)
 # the position scheme is the config's and the position table's: read on the CPU in float32, on any machine
 TABLES = "the position scheme is drawn from the config and the table, read on the CPU in float32"
-DRAWS = {
-    name: TABLES
-    for name in (
-        "device",
-        "dtype",
-        "quantize",
-        "group_size",
-        "threads",
-        "backend",
-        "draft",
-        "draft_tokens",
-        "draft_lookup",
-    )
-}
+DRAWS = dict.fromkeys(RUNNING_FIELDS, TABLES)
 Size = Annotated[
     str | None,
     typer.Option(help="Picture size in pixels, WIDTHxHEIGHT (default: fits the labels).", show_default=False),
