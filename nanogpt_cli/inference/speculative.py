@@ -8,9 +8,10 @@ _accept). Rows of one batch keep different numbers of tokens per round.
     engine = SpeculativeEngine(model, draft, max_batch=4)                    # then used as any Engine
     draft.stats.rate                                                         # drafted tokens kept / proposed
 
-With lookup (Draft(..., lookup=True), --draft-lookup), a round where every row's last 3 tokens occurred before in
-its own text proposes the tokens that followed them there (prompt lookup: Saxena 2023; llama.cpp's lookup
-decoding), at no draft cost, drawn with probability 1 as far as the acceptance rule is concerned.
+With lookup (Draft(..., lookup=True), --draft-lookup), a row whose last 3 tokens occurred before in its own text
+proposes the tokens that followed them there (prompt lookup: Saxena 2023; llama.cpp's lookup decoding), at no
+draft cost, drawn with probability 1 as far as the acceptance rule is concerned; a round where every row does runs
+no draft model. Draft(None, K, lookup=True) is lookup alone: a row with no match takes a plain step.
 
 Both caches hold every position (no sliding-window ring), so a rejection rolls a row back by setting its position.
 Rows with a grammar or a repetition penalty, and rounds with no room left in the context, take plain steps.
