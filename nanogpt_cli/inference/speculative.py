@@ -286,7 +286,8 @@ class SpeculativeEngine(Engine):
         try:
             if all(looked):
                 drafted = torch.tensor(copied, dtype=torch.long, device=self.device)
-                q = torch.nn.functional.one_hot(drafted, self.vocab_size).float()
+                sampled = any(r.params.temperature > 0 for r in self.rows)  # greedy rows read no q
+                q = torch.nn.functional.one_hot(drafted, self.vocab_size).float() if sampled else None
             else:
                 drafted, q = self._propose(k)  # (n, k), (n, k, V)
                 for slot in (s for s in range(n) if looked[s]):
@@ -392,16 +393,18 @@ class SpeculativeEngine(Engine):
         for params, slots, index in self._groups():
             g = len(slots)
             logits = raw if index is None else raw[index]
-            filtered = self._filter(logits.reshape(g * (k + 1), -1), params).view(g, k + 1, -1)  # (g, k + 1, V)
             d = drafted if index is None else drafted[index]  # (g, k)
             if params.temperature == 0:
-                best, model = filtered.max(dim=-1)  # (g, k + 1): sample_tokens' greedy pick at every position
+                # sample_tokens' greedy pick at every position (g, k + 1), on the logits as they are: top-k, top-p
+                # and min-p never drop the most likely token, so filtering first would pick the same
+                best, model = logits.max(dim=-1)
                 if not torch.isfinite(best).all():
                     bad = (~torch.isfinite(best)).any(dim=1).nonzero().view(-1).tolist()
                     raise RowError(NOT_FINITE, [self.rows[slots[i]].id for i in bad])
                 kept = (model[:, :k] == d).long().cumprod(dim=1).sum(dim=1)  # (g,): the leading matches
                 nxt = model.gather(1, kept.unsqueeze(1)).view(-1).tolist()
             else:
+                filtered = self._filter(logits.reshape(g * (k + 1), -1), params).view(g, k + 1, -1)  # (g, k + 1, V)
                 kept, nxt = self._accept_sampled(filtered, d, q if index is None else q[index], slots)
             for i, s in enumerate(slots):
                 accepted[s], final[s] = int(kept[i]), nxt[i]
