@@ -227,8 +227,9 @@ class Terminal:
 
 @pytest.fixture(scope="module")
 def long_model(tmp_path_factory) -> Path:
-    """Random replies up to 2,048 bytes long: a reply still running when Ctrl-C comes."""
-    return save_model(tmp_path_factory.mktemp("long") / "long.safetensors", 2048, DEFAULT_TEMPLATE)
+    """Random replies up to 16,384 bytes long: a reply still running when Ctrl-C comes (a quiet machine writes
+    2,000 of this model's tokens in under a second, before the signal could land)."""
+    return save_model(tmp_path_factory.mktemp("long") / "long.safetensors", 16384, DEFAULT_TEMPLATE)
 
 
 @pytest.mark.slow  # the CLI as a subprocess
