@@ -86,13 +86,15 @@ def check_costs(target, draft, reps: int) -> dict:
 
     calls = {}
     with torch.inference_mode():
-        for name, model in (("model", target.module), ("draft", draft.model or target.module)):
+        for name, model in (("model", target.module), ("draft", draft.model)):
+            if model is None:  # lookup alone: no draft step to time
+                continue
             backend = choose(model, getattr(model, "decode_backend", None))
             plan = backend.prepare(model, target.tokenizer.vocab_size)
             cache = KVCache(model, 1, ring=False)
             backend.prefill(plan, torch.randint(0, 1000, (1, 200)), cache.view(0, 1))
             calls[name] = (backend, plan, cache)
-        total = dict.fromkeys([1, *CHECKED, "draft"], 0.0)
+        total = dict.fromkeys([1, *CHECKED, *(["draft"] if "draft" in calls else [])], 0.0)
         for rep in range(reps + 1):  # the first pass warms up
             for T in total:
                 backend, plan, cache = calls["draft" if T == "draft" else "model"]
@@ -103,8 +105,7 @@ def check_costs(target, draft, reps: int) -> dict:
                 else:
                     backend.score(plan, torch.randint(0, 1000, (1, T)), cache.view(0, 1))
                 total[T] += (time.perf_counter() - t0) if rep else 0.0
-    costs = {T: total[T] / total[1] for T in [*CHECKED, "draft"]}
-    return {**costs, "draft": 0.0} if draft.model is None else costs  # lookup alone: no model proposes
+    return {T: total[T] / total[1] for T in CHECKED} | {"draft": total.get("draft", 0.0) / total[1]}
 
 
 def needed(costs: dict, speedup: float) -> str:

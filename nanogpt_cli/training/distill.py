@@ -401,10 +401,12 @@ def fresh_values(settings: DistillSettings, dataset: dict[str, Any], data: str) 
 
 def distill_loss(values: dict[str, Any], plan, device: str | None = None) -> DistillLoss:
     """The loss hook of a planned distillation, with its live teacher loaded (and checked) when it needs one, on
-    `device` (None: where this process trains)."""
+    `device` (None: where this process trains, each process's own under torchrun)."""
+    from nanogpt_cli.training.distributed import process_device
+
     teacher = None
     if not values["shards"] or values["on_policy_fraction"] > 0:
-        where = device or training_device(plan.train.device)
+        where = device or process_device(plan.train.device)
         teacher = load_teacher(values["teacher"], plan.dataset, plan.train.data, where)
         if teacher.config.block_size < plan.seq_len:
             raise NanoGPTError(
@@ -420,16 +422,3 @@ def distill_loss(values: dict[str, Any], plan, device: str | None = None) -> Dis
         teacher,
         values["shards"],
     )
-
-
-def training_device(name: str) -> torch.device:
-    """The device this process trains on: under torchrun each process its local rank's GPU (or the CPU), so that
-    each one's own teacher sits beside its student."""
-    import os
-
-    from nanogpt_cli.device import resolve_device
-    from nanogpt_cli.training.distributed import launched_size, rank_device
-
-    if launched_size() > 1:
-        return rank_device(name, int(os.environ.get("LOCAL_RANK", "0")))
-    return resolve_device(name)

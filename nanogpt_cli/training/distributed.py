@@ -197,6 +197,13 @@ def check_world(cfg: TrainConfig, size: int) -> None:
     per_rank(cfg.gradient_accumulation_steps, size)
 
 
+def process_device(name: str) -> torch.device:
+    """The device this process trains on: under torchrun its local rank's GPU (or the CPU), else --device's."""
+    if launched_size() > 1:
+        return rank_device(name, int(os.environ.get("LOCAL_RANK", "0")))
+    return resolve_device(name)
+
+
 def rank_device(name: str, local_rank: int) -> torch.device:
     """--device under torchrun: one GPU per local rank (cuda:LOCAL_RANK), or the CPU."""
     if name == "mps" or name.startswith("mps:"):
