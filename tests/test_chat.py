@@ -154,12 +154,21 @@ def test_a_base_model_is_told_in_one_line(base_model):
     assert proc.stderr.count("\n") == 1 and "has no chat template" in proc.stderr
 
 
+def default_sigint() -> None:
+    """Ctrl-C's default handling, which a program in a terminal's foreground always starts with. A test run that
+    was itself started with SIGINT ignored (a background job of a script) would pass that on, and Python then
+    installs no KeyboardInterrupt for it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Terminal:
     """`nanogpt chat` on a pseudo-terminal: what it prints, bounded waits for it, and keys typed into it."""
 
     def __init__(self, args: list[str]):
         self.fd, child = os.openpty()
-        self.proc = subprocess.Popen(args, stdin=child, stdout=child, stderr=child, env=ENV, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, stdin=child, stdout=child, stderr=child, env=ENV, start_new_session=True, preexec_fn=default_sigint
+        )
         os.close(child)
         self.out = b""
         self.seen = 0  # how much of out the waits have gone past
