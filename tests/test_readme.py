@@ -194,6 +194,17 @@ def tiny(args: list[str]) -> list[str]:
     return [*args, "--preset", "tiny"]
 
 
+def fewer_updates(args: list[str]) -> list[str]:
+    """A finetune command with a tenth of its updates (and of its warm-up): the README's flags and data, the
+    same first lines, seconds instead of a minute for its three fine-tunes and GRPO's rollouts."""
+    args = list(args)
+    for flag in ("--max-iters", "--warmup-iters"):
+        if flag in args:
+            i = args.index(flag) + 1
+            args[i] = str(int(args[i]) // 10 if flag == "--warmup-iters" else max(1, int(args[i]) // 10))
+    return args
+
+
 def box_rows(lines: list[str]) -> dict[str, str]:
     """The rows of the first box table in lines (label -> value; a value wrapped over lines joined)."""
     rows, label = {}, None
@@ -369,7 +380,8 @@ def test_the_readme_examples_run_as_written_and_print_what_it_shows(tmp_path):
     """The examples run one after another in a fresh folder: every nanogpt command as written (train with the
     tiny preset), torchrun's on the CPU, the open model's on a tiny model of its form in an offline Hugging Face
     cache (run_hub_commands). The set-up chain is left out (it installs, then trains for minutes). Each command
-    must succeed and print the first line the README shows (numbers aside)."""
+    must succeed and print the first line the README shows (numbers aside). Fine-tunes run a tenth of their
+    updates (fewer_updates): what they teach is the benchmarks' to measure (bench_finetune.py, bench_rl.py)."""
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1"
@@ -415,7 +427,7 @@ def test_the_readme_examples_run_as_written_and_print_what_it_shows(tmp_path):
                 assert proc.returncode == 0, proc.stderr[-3000:]
                 output = proc.stdout
             else:
-                args = tiny(command.args) if command.args[0] == "train" else command.args
+                args = {"train": tiny, "finetune": fewer_updates}.get(command.args[0], list)(command.args)
                 typed = [line.removeprefix(">>> ") for line in command.shown if line.startswith(">>> ")]
                 stdin = "".join(line + "\n" for line in typed) if command.args[0] in INTERACTIVE else None
                 result = runner.invoke(app, args, terminal_width=100, input=stdin)
