@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import http.client
 import json
 import threading
@@ -19,7 +20,7 @@ from nanogpt_cli.cli import app
 from nanogpt_cli.config import LoadSpec
 from nanogpt_cli.errors import NanoGPTError
 from nanogpt_cli.inference.engine import Engine, SamplingParams, process_logits
-from nanogpt_cli.inference.speculative import Draft, SpeculativeEngine, check_tokenizers, lookup
+from nanogpt_cli.inference.speculative import Costs, Draft, SpeculativeEngine, check_tokenizers, lookup
 from nanogpt_cli.model import GPT
 from nanogpt_cli.runs import checkpoint as ckpt
 from nanogpt_cli.tokenizer import build_tokenizer
@@ -226,7 +227,7 @@ def test_sampled_tokens_after_a_lookup_follow_the_models_distribution(prompt):
 
 
 def test_an_adaptive_k_grows_while_all_are_kept_and_a_useless_draft_rests(target):
-    draft = Draft(target, None)
+    draft = Draft(target, None, costs=Costs(timed=False))  # the priors' costs: a draft of a tenth of the model
     assert draft.k == 1  # the prior's acceptance of 2/3: one token at a time
     decode(SpeculativeEngine(target, draft, 1), PROMPTS[:1], n=60)  # a draft that is the model: all kept
     assert draft.k >= 4 and draft.stats.rate == 1.0
@@ -236,6 +237,33 @@ def test_an_adaptive_k_grows_while_all_are_kept_and_a_useless_draft_rests(target
     for _ in range(60):  # nothing kept from now on
         draft.adapt([0], draft.k)
     assert draft.k == 1 and draft.rest > 0
+
+
+def padded(model: GPT, extra: int) -> GPT:
+    """The model with `extra` blocks after its own whose outputs are zero: the same logits, at a higher cost."""
+    bigger = GPT(dataclasses.replace(model.config, n_layer=model.config.n_layer + extra))
+    bigger.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad():
+        for block in bigger.transformer.h[model.config.n_layer :]:
+            block.attn.c_proj.weight.zero_()
+            block.mlp.c_proj.weight.zero_()
+    return bigger.eval()
+
+
+def test_the_adaptive_k_weighs_the_costs_it_timed():
+    """A draft that agrees with the model on every token but costs several of its steps: with the costs timed it
+    rests between probes; with the priors' (a draft of a tenth of the model) its K grows."""
+    torch.manual_seed(0)
+    model = shaken(GPT(tiny(vocab_size=64, block_size=128, n_layer=1)), 0.3, 0)
+    slow = padded(model, 23)
+    prompt = [[1, 2, 3]]
+    assert decode(Engine(slow, 1), prompt, n=60) == decode(Engine(model, 1), prompt, n=60)  # the same model
+    timed, priors = Draft(slow, None), Draft(slow, None, costs=Costs(timed=False))
+    for draft in (timed, priors):
+        decode(SpeculativeEngine(model, draft, 1), prompt, n=60)
+        assert draft.stats.rate == 1.0
+    assert timed.costs.of("draft") > 2 and timed.stats.proposed < 20  # it rested
+    assert priors.costs.of("draft") == 0.15 and priors.k >= 4 and priors.stats.proposed > 40
 
 
 # --- through the commands and the server ----------------------------------------------------------------------

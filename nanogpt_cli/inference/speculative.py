@@ -20,6 +20,7 @@ Rows with a grammar or a repetition penalty, and rounds with no room left in the
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 import torch
@@ -43,12 +44,16 @@ from nanogpt_cli.tokenizer import Tokenizer
 
 # The adaptive K (Leviathan et al. 2023, section 3.5): the K that maximises the expected tokens per round,
 # 1 + a + ... + a^K for an acceptance rate a, over the round's cost in steps of the model, 1 + K * (DRAFT_COST +
-# CHECK_COST). The costs are this CPU's at batch 1 (benchmarks/README.md, speculative decoding): a draft of a tenth
-# of the model's size steps in 0.1-0.3 of its step, and the fused step checks K + 1 tokens of a row at about
-# 1 + K / 4 steps. `a` is counted from the rounds (kept and refused tokens, decaying by DECAY a round) from a prior
-# of PRIOR; where even K = 1 would be slower than plain steps (a below ~40 %) the draft rests for REST steps.
+# CHECK_COST). Those two are priors, this CPU's at batch 1 in bf16 (benchmarks/README.md, speculative decoding): a
+# draft of a tenth of the model's size steps in 0.1-0.3 of its step, and the fused step checks K + 1 tokens of a row
+# at about 1 + K / 4 steps. Once the engine has timed a plain step and a check (or a draft's step), its own ratios
+# replace them (Costs): an int8 or int4 model's check of several tokens costs about twice bf16's, a float32 one's
+# less. `a` is counted from the rounds (kept and refused tokens, decaying by DECAY a round) from a prior of PRIOR;
+# where even K = 1 would be slower than plain steps (a below ~40 %) the draft rests for REST steps.
 DRAFT_COST, CHECK_COST, K_MAX = 0.15, 0.25, 8
 PRIOR, DECAY, REST = (2.0, 1.0), 0.9, 16
+TIME_DECAY = 0.8  # the weight of the mean so far against each new timing
+RETIME = 64  # rounds after which a plain step is taken to time one again (the context and the batch change)
 SHORT_FEED = 8  # the draft takes up to this many new tokens through backend.score, more (a prompt) as a prefill
 LOOKUP_NGRAM, LOOKUP_LONGEST, LOOKUP_WINDOW = 3, 16, 1024  # prompt lookup: the tokens matched (at least, at most),
 # and how far back they are searched
@@ -70,13 +75,50 @@ class DraftStats:
         self.proposed, self.accepted, self.rounds = self.proposed + proposed, self.accepted + accepted, self.rounds + 1
 
 
-class Proposals:
-    """How many tokens a proposer offers a round: K (tokens: fixed; None: adaptive, from the share kept, at a cost
-    a token of `cost` steps of the model to propose), and whether it rests."""
+class Costs:
+    """What a round costs, in plain steps of the model: a drafted token's check (beyond the step the check also
+    takes) and a step of the draft model. The priors CHECK_COST and DRAFT_COST until the engines that use it have
+    timed both sides, then the ratio of their means. A plain step is timed where one is taken anyway, and where
+    none was for RETIME rounds the next step is a plain one (stale). timed=False keeps the priors (a K that does
+    not depend on this machine's speed)."""
 
-    def __init__(self, tokens: int | None = None, cost: float = DRAFT_COST):
+    def __init__(self, timed: bool = True):
+        self.timed = timed
+        self.seconds: dict[str, float] = {}  # "step": a plain step; "check": per token, beyond a step; "draft"
+        self.rounds = 0  # since the last plain step timed
+
+    @property
+    def stale(self) -> bool:
+        return self.timed and ("step" not in self.seconds or self.rounds >= RETIME)
+
+    def note(self, what: str, seconds: float) -> None:
+        if self.timed:
+            mean = self.seconds.get(what)
+            self.seconds[what] = seconds if mean is None else TIME_DECAY * mean + (1 - TIME_DECAY) * seconds
+            if what == "step":
+                self.rounds = 0
+
+    def check(self, k: int, seconds: float) -> None:
+        """A check of k drafted tokens took `seconds`: per token, what it took beyond a plain step."""
+        self.rounds += 1
+        if "step" in self.seconds:
+            self.note("check", max(0.0, seconds - self.seconds["step"]) / k)
+
+    def of(self, what: str) -> float:
+        """The cost of a "check" or a "draft" in plain steps."""
+        step, seconds = self.seconds.get("step"), self.seconds.get(what)
+        if step is None or seconds is None or step <= 0:
+            return CHECK_COST if what == "check" else DRAFT_COST
+        return seconds / step
+
+
+class Proposals:
+    """How many tokens a proposer offers a round: K (tokens: fixed; None: adaptive, from the share kept and the
+    round's costs), and whether it rests. modelled: a draft model proposes (its steps cost); False: lookup, free."""
+
+    def __init__(self, tokens: int | None = None, costs: Costs | None = None, modelled: bool = True):
         check_draft_tokens(tokens)
-        self.tokens, self.cost = tokens, cost
+        self.tokens, self.costs, self.modelled = tokens, costs or Costs(), modelled
         self.kept, self.refused = PRIOR  # the adaptive K's evidence
         self.k, self.rest = tokens or self.best()[1], 0
         self.stats = DraftStats()  # its tokens proposed and kept
@@ -84,9 +126,8 @@ class Proposals:
     def best(self) -> tuple[float, int]:
         """The expected speed-up of the best K for the acceptance rate counted so far, and that K."""
         a = self.kept / (self.kept + self.refused)
-        return max(
-            (sum(a**i for i in range(k + 1)) / (1 + k * (self.cost + CHECK_COST)), k) for k in range(1, K_MAX + 1)
-        )
+        per_token = self.costs.of("check") + (self.costs.of("draft") if self.modelled else 0.0)
+        return max((sum(a**i for i in range(k + 1)) / (1 + k * per_token), k) for k in range(1, K_MAX + 1))
 
     def adapt(self, accepted: list[int], k: int) -> None:
         """After a round of k drafted tokens (accepted: each row's kept): count them, and take the best K; rest where
@@ -107,14 +148,15 @@ class Draft(Proposals):
     """The draft model, its K and its counts (every token proposed, by the model or by lookup) over every engine
     that used it. lookup: a row whose last LOOKUP_NGRAM tokens occurred before in its text proposes the tokens that
     followed them there (prompt lookup), with a K of its own, adapted at no proposing cost; where every row of a
-    round does, the model is not run. model None: lookup alone (rows with no match take plain steps)."""
+    round does, the model is not run. model None: lookup alone (rows with no match take plain steps). costs: what
+    the engines that use it time (Costs; shared by the model and the lookup)."""
 
-    def __init__(self, model: GPT | None, tokens: int | None = None, lookup: bool = False):
+    def __init__(self, model: GPT | None, tokens: int | None = None, lookup: bool = False, costs: Costs | None = None):
         if model is None and not lookup:
             raise NanoGPTError("a draft without a model proposes by lookup alone: give lookup=True")
-        super().__init__(tokens)
+        super().__init__(tokens, costs)
         self.model = model  # stats: every token proposed, the lookup's too (lookup.stats: those alone)
-        self.lookup = Proposals(tokens, cost=0.0) if lookup else None
+        self.lookup = Proposals(tokens, self.costs, modelled=False) if lookup else None
 
 
 def lookup(tokens: list[int], k: int) -> list[int]:
@@ -223,7 +265,10 @@ class SpeculativeEngine(Engine):
         copied = self._lookups() if self.rows and self.draft.lookup is not None else None
         modelled = self.rows and self.draft.model is not None and self._round_tokens(self.draft) > 0
         if not self.rows or (not modelled and (copied is None or None in copied)):
+            start, stepped = time.perf_counter(), self.behind and bool(self.rows)
             super().advance()
+            if stepped:
+                self.draft.costs.note("step", time.perf_counter() - start)
 
     def remove(self, row: int) -> None:
         if len(self.row_stats) > 4 * self.max_batch:  # a server's rows come and go: keep the recent ones' counts
@@ -256,9 +301,12 @@ class SpeculativeEngine(Engine):
 
     def _round_tokens(self, proposer: Proposals) -> int:
         """How many tokens this round proposes: the proposer's K, cut so that the check fits every row's context
-        and no row drafts past its last token; 0: a plain step (also while an adaptive proposer rests)."""
+        and no row drafts past its last token; 0: a plain step (also while an adaptive proposer rests, or times a
+        plain step)."""
         rows = self.rows
         if proposer.rest or any(r.mask is not None or r.params.repetition_penalty != 1.0 for r in rows):
+            return 0
+        if proposer.tokens is None and proposer.costs.stale:  # an adaptive K plans with a plain step's time
             return 0
         n, dcap = len(rows), self.draft_cache.capacity
         room = self.block_size - 1 - max(self.cache.pos[:n])  # the check writes k + 1 keys from pos
@@ -295,7 +343,9 @@ class SpeculativeEngine(Engine):
                     q[slot] = torch.nn.functional.one_hot(drafted[slot], self.vocab_size).float()
             idx = torch.cat([torch.tensor([[r.tokens[-1]] for r in self.rows], device=self.device), drafted], dim=1)
             self._select(0, n)
+            start = time.perf_counter()
             raw = self.backend.score(self.plan, idx, self.cache.view(0, n)).float()  # (n, k + 1, V)
+            self.draft.costs.check(k, time.perf_counter() - start)
             accepted, final = self._accept(raw, drafted, q)
         except RowError:
             self.cache.pos[:n], self.draft_cache.pos[:n], self.offset[:n] = held
@@ -312,6 +362,7 @@ class SpeculativeEngine(Engine):
         """The draft's k tokens per row (n, k) and the probabilities it drew each from (n, k, V; zeros for greedy
         rows, which take its most likely token)."""
         n, V = len(self.rows), self.vocab_size
+        start = time.perf_counter()
         logits = self._catch_up(k)  # (n, V)
         drafted = torch.empty(n, k, dtype=torch.long, device=self.device)
         q = torch.zeros(n, k, V, device=self.device)
@@ -325,6 +376,7 @@ class SpeculativeEngine(Engine):
                     q[where, i] = filtered.softmax(dim=-1)
             if i < k - 1:
                 logits = self.draft_backend.step(self.draft_plan, drafted[:, i], self.draft_cache, n).float()
+        self.draft.costs.note("draft", (time.perf_counter() - start) / k)  # a step of the draft, its pick included
         return drafted, q
 
     def _catch_up(self, k: int) -> torch.Tensor:
