@@ -154,21 +154,24 @@ def test_a_base_model_is_told_in_one_line(base_model):
     assert proc.stderr.count("\n") == 1 and "has no chat template" in proc.stderr
 
 
-def default_sigint() -> None:
-    """Ctrl-C's default handling, which a program in a terminal's foreground always starts with. A test run that
-    was itself started with SIGINT ignored (a background job of a script) would pass that on, and Python then
-    installs no KeyboardInterrupt for it."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# Ctrl-C's default handling, which a program in a terminal's foreground starts with: a test run itself started
+# with SIGINT ignored (a script's background job) passes that on, and Python then installs no KeyboardInterrupt.
+# Set in the child before the module runs (a preexec_fn is unsafe in a process with threads, as torch's).
+FOREGROUND = (
+    "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); "
+    "runpy.run_module('nanogpt_cli', run_name='__main__', alter_sys=True)"
+)
 
 
 class Terminal:
     """`nanogpt chat` on a pseudo-terminal: what it prints, bounded waits for it, and keys typed into it."""
 
     def __init__(self, args: list[str]):
+        assert args[1:3] == ["-m", "nanogpt_cli"], args
         self.fd, child = os.openpty()
-        self.proc = subprocess.Popen(
-            args, stdin=child, stdout=child, stderr=child, env=ENV, start_new_session=True, preexec_fn=default_sigint
-        )
+        args = [args[0], "-c", FOREGROUND, *args[3:]]  # as `python -m nanogpt_cli`, with Ctrl-C's default handling
+        self.proc = subprocess.Popen(args, stdin=child, stdout=child, stderr=child, env=ENV, start_new_session=True)
         os.close(child)
         self.out = b""
         self.seen = 0  # how much of out the waits have gone past

@@ -146,7 +146,7 @@ def test_after_rejections_both_caches_hold_what_a_fresh_prefill_of_the_kept_toke
     assert engine.draft.stats.accepted < engine.draft.stats.proposed  # there were rejections to roll back
     rows = [list(r.tokens) for r in engine.rows]
     with torch.inference_mode():
-        draft_logits = engine._catch_up(1)  # the draft's next-token logits from its cache
+        draft_logits, _ = engine._catch_up(1)  # the draft's next-token logits from its cache
         type(engine).__mro__[1].advance(engine)  # the model's: its pending tokens fed through its cache
         for slot, tokens in enumerate(rows):
             fresh, _ = target(torch.tensor([tokens]))
@@ -252,7 +252,8 @@ def padded(model: GPT, extra: int) -> GPT:
 
 def test_the_adaptive_k_weighs_the_costs_it_timed():
     """A draft that agrees with the model on every token but costs several of its steps: with the costs timed it
-    rests between probes; with the priors' (a draft of a tenth of the model) its K grows."""
+    rests between probes; with the priors' (a draft of a tenth of the model, checks at a quarter step a token) its
+    K grows."""
     torch.manual_seed(0)
     model = shaken(GPT(tiny(vocab_size=64, block_size=128, n_layer=1)), 0.3, 0)
     slow = padded(model, 23)
@@ -262,8 +263,33 @@ def test_the_adaptive_k_weighs_the_costs_it_timed():
     for draft in (timed, priors):
         decode(SpeculativeEngine(model, draft, 1), prompt, n=60)
         assert draft.stats.rate == 1.0
-    assert timed.costs.of("draft") > 2 and timed.stats.proposed < 20  # it rested
+    # timed, a drafted token costs more than a plain step (the draft's steps, and a tiny model's check): it rested
+    assert timed.costs.of("check") + timed.costs.of("draft") > 1 and timed.stats.proposed < 20
     assert priors.costs.of("draft") == 0.15 and priors.k >= 4 and priors.stats.proposed > 40
+
+
+def test_sampling_rows_plan_with_the_priors_so_a_seed_repeats_its_text(target, near):
+    """K decides how many random numbers a round draws: rows that sample plan their K with the priors' costs, never
+    the times taken, so the same seed gives the same text however the timings went."""
+    params = SamplingParams(temperature=1.0)
+
+    def sampled(draft: Draft) -> list[int]:
+        engine = SpeculativeEngine(target, draft, 1)
+        generator = torch.Generator().manual_seed(3)
+        row = engine.add([1, 2, 3], params, 60, generator)
+        out = []
+        while engine.active:
+            out += [t.token for t in engine.step() if t.row == row]
+        return out
+
+    skewed = Draft(near, None)  # timings that would make every check free and the draft dear
+    for _ in range(3):
+        skewed.costs.step(1, 1.0)
+    for what, seconds in (("check", 0.0), ("draft", 10.0)):
+        for _ in range(3):
+            skewed.costs.note(what, seconds)
+    assert skewed.best(timed=True) != skewed.best(timed=False)
+    assert sampled(skewed) == sampled(Draft(near, None))
 
 
 # --- through the commands and the server ----------------------------------------------------------------------

@@ -20,7 +20,9 @@ Rows with a grammar or a repetition penalty, and rounds with no room left in the
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -46,13 +48,14 @@ from nanogpt_cli.tokenizer import Tokenizer
 # 1 + a + ... + a^K for an acceptance rate a, over the round's cost in steps of the model, 1 + K * (DRAFT_COST +
 # CHECK_COST). Those two are priors, this CPU's at batch 1 in bf16 (benchmarks/README.md, speculative decoding): a
 # draft of a tenth of the model's size steps in 0.1-0.3 of its step, and the fused step checks K + 1 tokens of a row
-# at about 1 + K / 4 steps. Once the engine has timed a plain step and a check (or a draft's step), its own ratios
-# replace them (Costs): an int8 or int4 model's check of several tokens costs about twice bf16's, a float32 one's
-# less. `a` is counted from the rounds (kept and refused tokens, decaying by DECAY a round) from a prior of PRIOR;
-# where even K = 1 would be slower than plain steps (a below ~40 %) the draft rests for REST steps.
+# at about 1 + K / 4 steps. While every row is greedy, the ratios the engine timed replace them (Costs): a check's
+# cost differs by precision and machine (int8's check of 5 tokens took 2.6-2.9 of its steps, bf16's 1.6-1.9).
+# Rows that sample keep the priors: K then depends on nothing but the tokens kept, so a seed still repeats a text.
+# `a` is counted from the rounds (kept and refused tokens, decaying by DECAY a round) from a prior of PRIOR; where
+# even K = 1 would be slower than plain steps (a below ~40 % at the priors' costs) the draft rests for REST steps.
 DRAFT_COST, CHECK_COST, K_MAX = 0.15, 0.25, 8
 PRIOR, DECAY, REST = (2.0, 1.0), 0.9, 16
-TIME_DECAY = 0.8  # the weight of the mean so far against each new timing
+TIMINGS = 5  # the costs are medians of the last few timings of each: a preempted step or a collection moves none
 RETIME = 64  # rounds after which a plain step is taken to time one again (the context and the batch change)
 SHORT_FEED = 8  # the draft takes up to this many new tokens through backend.score, more (a prompt) as a prefill
 LOOKUP_NGRAM, LOOKUP_LONGEST, LOOKUP_WINDOW = 3, 16, 1024  # prompt lookup: the tokens matched (at least, at most),
@@ -78,38 +81,50 @@ class DraftStats:
 class Costs:
     """What a round costs, in plain steps of the model: a drafted token's check (beyond the step the check also
     takes) and a step of the draft model. The priors CHECK_COST and DRAFT_COST until the engines that use it have
-    timed both sides, then the ratio of their means. A plain step is timed where one is taken anyway, and where
-    none was for RETIME rounds the next step is a plain one (stale). timed=False keeps the priors (a K that does
-    not depend on this machine's speed)."""
+    timed both sides, then the ratio of the medians of their last TIMINGS timings (the first of each is left out:
+    a first call's allocations). A plain step is timed where one is taken anyway, and where none was for RETIME
+    rounds the next one is a plain step (stale). timed=False keeps the priors."""
 
     def __init__(self, timed: bool = True):
         self.timed = timed
-        self.seconds: dict[str, float] = {}  # "step": a plain step; "check": per token, beyond a step; "draft"
+        self.times: dict[str, deque[float]] = {}  # "step": a plain step; "check": per token, beyond a step; "draft"
+        self.first: set[str] = set()  # the kinds whose first timing has been left out
+        self.step_rows = 0  # the rows of the plain steps timed
         self.rounds = 0  # since the last plain step timed
 
     @property
     def stale(self) -> bool:
-        return self.timed and ("step" not in self.seconds or self.rounds >= RETIME)
+        return self.timed and ("step" not in self.times or self.rounds >= RETIME)
 
     def note(self, what: str, seconds: float) -> None:
-        if self.timed:
-            mean = self.seconds.get(what)
-            self.seconds[what] = seconds if mean is None else TIME_DECAY * mean + (1 - TIME_DECAY) * seconds
-            if what == "step":
-                self.rounds = 0
+        if not self.timed:
+            return
+        if what not in self.first:
+            self.first.add(what)
+            return
+        self.times.setdefault(what, deque(maxlen=TIMINGS)).append(seconds)
 
-    def check(self, k: int, seconds: float) -> None:
-        """A check of k drafted tokens took `seconds`: per token, what it took beyond a plain step."""
+    def step(self, rows: int, seconds: float) -> None:
+        """A plain step of `rows` rows took `seconds` (the timings of another number of rows are dropped)."""
+        if rows != self.step_rows:
+            self.times.pop("step", None)
+            self.first.discard("step")
+        self.step_rows, self.rounds = rows, 0
+        self.note("step", seconds)
+
+    def check(self, rows: int, k: int, seconds: float) -> None:
+        """A check of k drafted tokens for each of `rows` rows took `seconds`: per token, what it took beyond a
+        plain step of as many rows (none counted where the steps timed had other rows)."""
         self.rounds += 1
-        if "step" in self.seconds:
-            self.note("check", max(0.0, seconds - self.seconds["step"]) / k)
+        if rows == self.step_rows and "step" in self.times:
+            self.note("check", max(0.0, seconds - statistics.median(self.times["step"])) / k)
 
     def of(self, what: str) -> float:
         """The cost of a "check" or a "draft" in plain steps."""
-        step, seconds = self.seconds.get("step"), self.seconds.get(what)
-        if step is None or seconds is None or step <= 0:
+        step, times = self.times.get("step"), self.times.get(what)
+        if not step or not times or statistics.median(step) <= 0:
             return CHECK_COST if what == "check" else DRAFT_COST
-        return seconds / step
+        return statistics.median(times) / statistics.median(step)
 
 
 class Proposals:
@@ -123,20 +138,22 @@ class Proposals:
         self.k, self.rest = tokens or self.best()[1], 0
         self.stats = DraftStats()  # its tokens proposed and kept
 
-    def best(self) -> tuple[float, int]:
-        """The expected speed-up of the best K for the acceptance rate counted so far, and that K."""
+    def best(self, timed: bool = False) -> tuple[float, int]:
+        """The expected speed-up of the best K for the acceptance rate counted so far, and that K; at the costs
+        timed, or the priors'."""
         a = self.kept / (self.kept + self.refused)
-        per_token = self.costs.of("check") + (self.costs.of("draft") if self.modelled else 0.0)
+        check, draft = (self.costs.of("check"), self.costs.of("draft")) if timed else (CHECK_COST, DRAFT_COST)
+        per_token = check + (draft if self.modelled else 0.0)
         return max((sum(a**i for i in range(k + 1)) / (1 + k * per_token), k) for k in range(1, K_MAX + 1))
 
-    def adapt(self, accepted: list[int], k: int) -> None:
-        """After a round of k drafted tokens (accepted: each row's kept): count them, and take the best K; rest where
-        even the best would be slower than plain steps. A fixed K stays."""
+    def adapt(self, accepted: list[int], k: int, timed: bool = False) -> None:
+        """After a round of k drafted tokens (accepted: each row's kept): count them, and take the best K (at the
+        costs timed, or the priors'); rest where even the best would be slower than plain steps. A fixed K stays."""
         if self.tokens is not None:
             return
         self.kept = DECAY * self.kept + sum(accepted)
         self.refused = DECAY * self.refused + sum(a < k for a in accepted)  # a row's round ends at its first refusal
-        gain, self.k = self.best()
+        gain, self.k = self.best(timed)
         self.rest = REST if gain < 1 else 0
 
     def rested(self) -> None:
@@ -265,10 +282,12 @@ class SpeculativeEngine(Engine):
         copied = self._lookups() if self.rows and self.draft.lookup is not None else None
         modelled = self.rows and self.draft.model is not None and self._round_tokens(self.draft) > 0
         if not self.rows or (not modelled and (copied is None or None in copied)):
-            start, stepped = time.perf_counter(), self.behind and bool(self.rows)
+            n = len(self.rows)
+            timed = self.behind and n > 0 and max(self.cache.pos[:n]) < self.block_size  # no restart's prefill in it
+            start = self._now()
             super().advance()
-            if stepped:
-                self.draft.costs.note("step", time.perf_counter() - start)
+            if timed:
+                self.draft.costs.step(n, self._now() - start)
 
     def remove(self, row: int) -> None:
         if len(self.row_stats) > 4 * self.max_batch:  # a server's rows come and go: keep the recent ones' counts
@@ -306,12 +325,23 @@ class SpeculativeEngine(Engine):
         rows = self.rows
         if proposer.rest or any(r.mask is not None or r.params.repetition_penalty != 1.0 for r in rows):
             return 0
-        if proposer.tokens is None and proposer.costs.stale:  # an adaptive K plans with a plain step's time
+        if proposer.tokens is None and self._timed() and proposer.costs.stale:  # K plans with a step's time
             return 0
         n, dcap = len(rows), self.draft_cache.capacity
         room = self.block_size - 1 - max(self.cache.pos[:n])  # the check writes k + 1 keys from pos
         left = max(r.max_new_tokens - r.generated for r in rows) - 1  # the round gives up to k + 1 tokens
         return max(0, min(proposer.k, room, left, dcap - dcap // 2))
+
+    def _timed(self) -> bool:
+        """Whether the round plans with the costs timed: while every row is greedy (a sampling row's random draws
+        depend on K, and a seed must repeat its text)."""
+        return all(r.params.temperature == 0 for r in self.rows)
+
+    def _now(self) -> float:
+        """The time, once the device has done what was asked of it (a GPU's calls return before they run)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _lookups(self) -> list[list[int] | None] | None:
         """Prompt lookup's K tokens for each row (None for a row whose last tokens occurred nowhere before), or
@@ -343,27 +373,27 @@ class SpeculativeEngine(Engine):
                     q[slot] = torch.nn.functional.one_hot(drafted[slot], self.vocab_size).float()
             idx = torch.cat([torch.tensor([[r.tokens[-1]] for r in self.rows], device=self.device), drafted], dim=1)
             self._select(0, n)
-            start = time.perf_counter()
+            start = self._now()
             raw = self.backend.score(self.plan, idx, self.cache.view(0, n)).float()  # (n, k + 1, V)
-            self.draft.costs.check(k, time.perf_counter() - start)
+            self.draft.costs.check(n, k, self._now() - start)
             accepted, final = self._accept(raw, drafted, q)
         except RowError:
             self.cache.pos[:n], self.draft_cache.pos[:n], self.offset[:n] = held
             raise
         by_lookup = [a for a, copy in zip(accepted, looked) if copy]
         if by_lookup:
-            self.draft.lookup.adapt(by_lookup, k)
+            self.draft.lookup.adapt(by_lookup, k, self._timed())
             self.draft.lookup.stats.add(len(by_lookup) * k, sum(by_lookup))
         if len(by_lookup) < n:
-            self.draft.adapt([a for a, copy in zip(accepted, looked) if not copy], k)
+            self.draft.adapt([a for a, copy in zip(accepted, looked) if not copy], k, self._timed())
         return self._emit(raw, drafted.tolist(), accepted, final, held[0], looked)
 
     def _propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The draft's k tokens per row (n, k) and the probabilities it drew each from (n, k, V; zeros for greedy
         rows, which take its most likely token)."""
         n, V = len(self.rows), self.vocab_size
-        start = time.perf_counter()
-        logits = self._catch_up(k)  # (n, V)
+        start = self._now()
+        logits, fed = self._catch_up(k)  # (n, V), the most tokens a row was fed
         drafted = torch.empty(n, k, dtype=torch.long, device=self.device)
         q = torch.zeros(n, k, V, device=self.device)
         for i in range(k):
@@ -376,13 +406,15 @@ class SpeculativeEngine(Engine):
                     q[where, i] = filtered.softmax(dim=-1)
             if i < k - 1:
                 logits = self.draft_backend.step(self.draft_plan, drafted[:, i], self.draft_cache, n).float()
-        self.draft.costs.note("draft", (time.perf_counter() - start) / k)  # a step of the draft, its pick included
+        if fed <= 2:  # a round's own catch-up (the pending token, the last round's), not a prompt's prefill
+            self.draft.costs.note("draft", (self._now() - start) / k)  # a step of the draft, its pick included
         return drafted, q
 
-    def _catch_up(self, k: int) -> torch.Tensor:
-        """Feed the draft each row's tokens it has not seen (the pending one at least), and return its next-token
-        logits (n, V). Rows that need fewer tokens than the most needed re-feed some they hold, so that one forward
-        serves all. A row whose window would overflow the draft's context restarts from its last half."""
+    def _catch_up(self, k: int) -> tuple[torch.Tensor, int]:
+        """Feed the draft each row's tokens it has not seen (the pending one at least): its next-token logits (n, V),
+        and the most tokens a row was fed. Rows that need fewer tokens than the most needed re-feed some they hold,
+        so that one forward serves all. A row whose window would overflow the draft's context restarts from its
+        last half."""
         n, cap, pos = len(self.rows), self.draft_cache.capacity, self.draft_cache.pos
         need = []
         for slot, row in enumerate(self.rows):
@@ -391,10 +423,10 @@ class SpeculativeEngine(Engine):
             need.append(len(row.tokens) - self.offset[slot] - pos[slot])
         T = max(need)
         if any(pos[s] < T - need[s] for s in range(n)):  # too few held to re-feed: each row on its own
-            return torch.cat([self._feed_draft(s, s + 1, need[s]) for s in range(n)])
+            return torch.cat([self._feed_draft(s, s + 1, need[s]) for s in range(n)]), T
         for s in range(n):
             pos[s] -= T - need[s]
-        return self._feed_draft(0, n, T)
+        return self._feed_draft(0, n, T), T
 
     def _feed_draft(self, start: int, stop: int, T: int) -> torch.Tensor:
         """The next T tokens of rows start..stop-1 into the draft's cache: its next-token logits (rows, V)."""
