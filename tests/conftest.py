@@ -129,10 +129,10 @@ def tiny_config(**overrides):
     return GPTConfig(**{**TINY, **overrides})
 
 
-def int4_kernel_reference(q, x):
-    """What our int4 kernel (backends/native.cpp) computes for a QuantizedLinear q, from first principles, bias left
-    out: x's blocks of 32 rounded to int8 at max |x| / 127 (xq), the weight against xq and its zeros against the
-    rest of x: xq @ W.T + (x - xq) @ Z.T, Z being each group's zero over its inputs."""
+def kernel_reference(q, x):
+    """What our int8 and int4 kernels (backends/native.cpp) compute for a QuantizedLinear q, from first principles,
+    bias left out: x's blocks of 32 rounded to int8 at max |x| / 127 (xq), the weight against xq, and int4's zeros
+    against the rest of x: xq @ W.T (+ (x - xq) @ Z.T, Z being each group's zero over its inputs)."""
     import torch
 
     from nanogpt_cli.inference.backends import native
@@ -141,9 +141,12 @@ def int4_kernel_reference(q, x):
     blocks = x.float().view(rows, -1, 32)
     amax = blocks.abs().amax(-1, keepdim=True)
     xq = (torch.round(blocks * (127 / amax)) * (amax / 127)).view(rows, -1)
+    y = xq @ q.dequantize(torch.float32).T
+    if q.kind == "int8":
+        return y
     zeros = native.untile(q.zeros.view(torch.float16).unsqueeze(-1), q.out_features).float()  # (N, G)
     Z = zeros.repeat_interleave(q.group_size, dim=1)
-    return xq @ q.dequantize(torch.float32).T + (x.float() - xq) @ Z.T
+    return y + (x.float() - xq) @ Z.T
 
 
 def tiny_plan(data_dir: Path, name: str, run_dir: Path, **overrides):

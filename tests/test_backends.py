@@ -49,11 +49,11 @@ ARCHS = {
     "gpt2": dict(norm="layernorm", mlp="gelu_tanh", pos_encoding="learned", bias=True),
 }
 # largest |logit - torch's| allowed, as a fraction of the logits' spread (their std, ~1.3-2.5 here): bf16 rounds
-# every op's output where our fused step keeps float32 inside a block (measured up to 0.09), int8 the same (0.09).
-# int4 (measured up to 0.57): the cpu backend reads a copy of the head in the blocks' 4 bits (quantize_head) where
-# torch reads the float head, and the int4 kernel rounds its input rows to int8 in blocks of 32, from the fused
-# step's float32 values there and from bf16 ones op by op
-TOLERANCE = {"bf16": 0.15, "int8": 0.15, "int4": 0.9}
+# every op's output where our fused step keeps float32 inside a block (measured up to 0.09). int8 (measured up to
+# 0.16) and int4 (0.57): our kernels round their input rows to int8 in blocks of 32, from the fused step's float32
+# values there and from bf16 ones op by op; int4's cpu backend also reads a copy of the head in the blocks' 4 bits
+# (quantize_head) where torch reads the float head
+TOLERANCE = {"bf16": 0.15, "int8": 0.3, "int4": 0.9}
 PROMPTS = [8, 11, 26, 1, 9, 17, 5, 24]  # at the ring (8), across it, and 6 steps short of the context (32)
 STEPS = 6
 

@@ -15,7 +15,7 @@ from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step
 from nanogpt_cli.inference.backends.quantize import QuantizedLinear, quantize_int4, quantize_int8, quantize_model
 from nanogpt_cli.inference.engine import KVCache
 from nanogpt_cli.model import GPT
-from conftest import int4_kernel_reference, tiny_config
+from conftest import kernel_reference, tiny_config
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"our kernels do not run here: {native.status()}")
 
@@ -30,9 +30,9 @@ def kernel_and_reference(kind: str, x: torch.Tensor, bias: torch.Tensor):
         return native.pack(w, bias), x.float() @ w.float().T
     if kind == "int8":
         q = QuantizedLinear.int8(*quantize_int8(w), bias=bias)
-        return q.kernel(), x.float() @ q.dequantize(torch.float32).T
-    q = QuantizedLinear.int4(*quantize_int4(w, 32), 32, bias=bias)
-    return q.kernel(), int4_kernel_reference(q, x)
+    else:
+        q = QuantizedLinear.int4(*quantize_int4(w, 32), 32, bias=bias)
+    return q.kernel(), kernel_reference(q, x)
 
 
 @pytest.mark.parametrize("kind", ["bf16", "int8", "int4"])
@@ -178,9 +178,9 @@ def test_the_fused_step_equals_the_step_op_by_op(dtype, kind, kw):
             outs.append(torch.stack([decode_step(p, idx[:, t], cache) for t in range(10, 20)]).float())
             assert cache.pos == [20, 17, 13]
     fused, by_op = outs
-    # float32 int8: the same sums in another order; bf16: the op-by-op step rounds each op's output to bf16;
-    # int4: a step's activations rounded to int8 flip where the two differ by a rounding
-    tol = 1e-5 if (dtype, kind) == (torch.float32, "int8") else 0.02
+    # bf16: the op-by-op step rounds each op's output to bf16; int8 and int4: a step's activations rounded to int8
+    # flip where the two differ by a rounding
+    tol = 0.02
     assert (fused - by_op).abs().max().item() <= tol * by_op.abs().max().item()
     assert (fused.argmax(-1) == by_op.argmax(-1)).float().mean() >= 0.9
 
@@ -217,10 +217,11 @@ def test_without_our_kernels_torch_runs_the_same_model(monkeypatch):
 def test_float16_rows_are_multiplied_in_float32_and_come_back_in_float16():
     torch.manual_seed(0)
     q = QuantizedLinear.int8(*quantize_int8(torch.randn(8, 64)))
-    x = torch.randn(2, 64)
-    got = q.half()(x.half())
+    x = torch.randn(2, 64).half()
+    got = q.half()(x)
     assert got.dtype == torch.float16
-    torch.testing.assert_close(got.float(), q.float()(x), atol=2e-3, rtol=1e-2)
+    # the same float16 values in float32: the same rows rounded to int8, only the output's rounding apart
+    torch.testing.assert_close(got.float(), q.float()(x.float()), atol=2e-3, rtol=1e-2)
 
 
 @pytest.mark.slow
@@ -324,12 +325,14 @@ def test_every_familys_fused_step_equals_its_step_op_by_op(name, dtype, kind):
                 cache.pos = list(rows)
                 outs.append(torch.stack([decode_step(p, idx[:B, t], cache) for t in range(10, 30)]).float())
         fused, by_op = outs
-        if (dtype, kind) == (torch.float32, "int8"):  # the same sums in another order, whatever the block computes
-            assert (fused - by_op).abs().max().item() <= 1e-5 * by_op.abs().max().item(), rows
-            continue
-        # bf16: the op-by-op step rounds each op's output to bf16 (measured up to 0.15 of the logits' spread);
-        # int4: the activations rounded to int8 flip where the two differ by a rounding (up to 0.4), in models
-        # whose large weights carry a flip through three layers
-        tol = 0.6 if kind == "int4" else 0.25
+        # float32 int8: the same integer sums, but for an activation that lands on the other side of a rounding where
+        # the norms' float32 sums differ in order (0.014 of the spread, once, in a -O0 build); bf16: the op-by-op
+        # step rounds each op's output to bf16 (measured up to 0.15 of the logits' spread); int8 and int4 besides:
+        # the activations rounded to int8 flip where the two differ by a rounding (up to 0.4), in models whose
+        # large weights carry a flip through three layers (bf16 int8 Gemma 3: 17 of 20 greedy picks alike)
+        if (dtype, kind) == (torch.float32, "int8"):
+            tol, alike = 0.05, 0.9
+        else:
+            tol, alike = (0.25, 0.9) if kind is None else (0.6, 0.8)
         assert (fused - by_op).abs().max().item() <= tol * by_op.std().item(), rows
-        assert (fused.argmax(-1) == by_op.argmax(-1)).float().mean() >= 0.9, rows
+        assert (fused.argmax(-1) == by_op.argmax(-1)).float().mean() >= alike, rows

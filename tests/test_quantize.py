@@ -15,7 +15,7 @@ from nanogpt_cli.inference.backends.cpu import decode_plan, decode_step, head_lo
 from nanogpt_cli.inference.backends.quantize import QuantizedLinear, quantize_linear, quantize_model
 from nanogpt_cli.inference.engine import Engine, KVCache, SamplingParams
 from nanogpt_cli.model import GPT
-from conftest import int4_kernel_reference, tiny_config
+from conftest import kernel_reference, tiny_config
 
 KINDS = ["int8", "int4"]
 LLAMA = dict(n_embd=64, norm="rmsnorm", mlp="swiglu", block_size=32)  # 64: whole int4 groups of 32
@@ -39,8 +39,8 @@ def test_the_packed_kernel_computes_the_dequantized_weight(kind, rows):
     assert isinstance(q, QuantizedLinear)
     x = torch.randn(rows, 64)
     expected = torch.nn.functional.linear(x, q.dequantize(torch.float32), q.bias)
-    if kind == "int4" and q.native and rows < 32:  # our int4 kernel: x rounded to int8 in blocks of 32
-        expected = int4_kernel_reference(q, x) + q.bias
+    if q.native and rows < 32:  # our kernels: x rounded to int8 in blocks of 32
+        expected = kernel_reference(q, x) + q.bias
     torch.testing.assert_close(q(x), expected, atol=1e-5, rtol=0)
     # each weight within half a quantization step: 1/254 of the row's largest (int8), 1/30 of a group's range
     step = layer.weight.abs().amax(1, keepdim=True) / 127 if kind == "int8" else 2 * layer.weight.abs().max() / 15
@@ -88,9 +88,9 @@ def test_cache_and_decode_step_equal_the_full_forward(kind):
         hs = model.hidden_states(idx)  # the full forward's last positions through the decode step's quantized head
         heads = [head_logits(plan, hs[:, t])[:, None] for t in range(12, 16)]
     torch.testing.assert_close(prefill, full[:, :12], atol=1e-4, rtol=0)
-    # our int4 kernel rounds a step's activations to int8 (blocks of 32), the full forward's 48 rows meet the
-    # dequantized weight in float32: within 1% of the largest logit; the rest to float32's rounding
-    rounded = kind == "int4" and native.available()
+    # our kernels round a step's activations to int8 (blocks of 32), the full forward's 48 rows meet the
+    # dequantized weight in float32: within 1% of the largest logit; torch's kernels to float32's rounding
+    rounded = native.available()
     atol = 0.01 * full.abs().max().item() if rounded else 1e-4
     torch.testing.assert_close(torch.cat(steps, dim=1), torch.cat(heads, dim=1), atol=atol, rtol=0)
 
@@ -156,7 +156,7 @@ def test_int4_values_packed_in_slices_of_rows_compute_the_dequantized_weight(mon
     x = torch.randn(3, 64)
     expected = torch.nn.functional.linear(x, sliced.dequantize(torch.float32))
     if sliced.native:
-        expected = int4_kernel_reference(sliced, x)  # no bias
+        expected = kernel_reference(sliced, x)  # no bias
     torch.testing.assert_close(sliced(x), expected, atol=1e-5, rtol=0)
 
 

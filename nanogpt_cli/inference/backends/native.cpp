@@ -1,8 +1,8 @@
 // Matrix products for the few rows of a decode step on an x86 CPU: y (B, N) = x (B, K) @ W.T + bias + res, with W
 // in bf16, int8 with a scale per row, or int4 in 32-value blocks with a scale and zero per group. A weight is read
-// once, as one stream, in the tiled order pack() lays it out in, and turned into floats (bf16 pairs with
-// AVX512-BF16) in registers, where it meets every row of x: the arithmetic is the float model's, with the
-// weights' values rounded, and every row's result is the same alone as in a batch.
+// once, as one stream, in the tiled order pack() lays it out in, where it meets every row of x in registers: bf16
+// in bf16 pairs (AVX512-BF16) or floats, int8 and int4 in integer dot products against x's rows rounded to int8
+// in blocks of 32, as llama.cpp's q8_0 and q4_0 do. Every row's result is the same alone as in a batch.
 // Compiled on the machine that runs it (native.py), with -march=native; a small pool of threads (pool::run) splits
 // the tiles and the attention's heads over threads.
 #include <immintrin.h>
@@ -24,7 +24,7 @@
 
 enum { BF16 = 0, INT8 = 1, INT4 = 2 };
 enum { R = 4, CHUNK = 32, PAIR = 64 };  // weight rows per tile, values per row of a tile's chunk; int4's K: 64s
-enum { R4 = 16 };                       // int4's rows per tile: one a 32-bit lane of 512 bits
+enum { R4 = 16 };                       // int4's and int8's rows per tile: one a 32-bit lane of 512 bits
 enum { PARALLEL_WORK = 1 << 17 };     // multiply-adds from which a product or the attention is split over threads
 
 // One packed weight, laid out by tiles of R rows (N padded to a multiple of R with zero rows): tile t holds, for
@@ -32,7 +32,8 @@ enum { PARALLEL_WORK = 1 << 17 };     // multiply-adds from which a product or t
 // (N padded to a multiple of 16) with a row in each 32-bit lane of a 512-bit register: for each block c of 32
 // inputs, four runs j of 64 bytes, 4 bytes a row, byte m of row i holding input 32c + 8j + m in its low nibble
 // and input 32c + 8j + 4 + m in its high one (native.int4_tiles); its scales and zeros fp16, (N / R4, K / group,
-// R4). The same fields in native.py.
+// R4). int8 goes by the same tiles of R4 rows, eight runs j of 64 bytes a block, byte m of row i holding input
+// 32c + 4j + m (native.int8_tiles). The same fields in native.py.
 struct Linear {
     const void* w;
     const float* scale;      // int8: (N padded,) float32
@@ -70,9 +71,6 @@ static inline vf bf16s(const uint16_t* p) {
     __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(u, 16))};
 }
-static inline vf int8s(const int8_t* p) {
-    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)))};
-}
 #else
 #define NB_MAX 2  // 16 registers
 struct vf {
@@ -94,27 +92,19 @@ static inline __m256 bf16x8(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
 }
 static inline vf bf16s(const uint16_t* p) { return {bf16x8(p), bf16x8(p + 8)}; }
-static inline __m256 int8x8(const int8_t* p) {
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
-static inline vf int8s(const int8_t* p) { return {int8x8(p), int8x8(p + 8)}; }
 #endif
 
-// One chunk of R rows of a bf16 or int8 weight as floats, w[r][0] its first 16 values and w[r][1] the next 16
+// One chunk of R rows of a bf16 weight as floats, w[r][0] its first 16 values and w[r][1] the next 16
 static inline void chunk(const Linear& L, int64_t tile, int64_t c, vf w[R][2]) {
     const int64_t at = (tile * (L.K / CHUNK) + c) * R;  // the chunk's first row, in rows of 32 values
     for (int r = 0; r < R; r++) {
-        if (L.kind == BF16) {
-            const uint16_t* p = (const uint16_t*)L.w + (at + r) * CHUNK;
-            w[r][0] = bf16s(p), w[r][1] = bf16s(p + 16);
-        } else {
-            const int8_t* p = (const int8_t*)L.w + (at + r) * CHUNK;
-            w[r][0] = int8s(p), w[r][1] = int8s(p + 16);
-        }
+        const uint16_t* p = (const uint16_t*)L.w + (at + r) * CHUNK;
+        w[r][0] = bf16s(p), w[r][1] = bf16s(p + 16);
     }
 }
 
-// dots[b][r] = x[b] . w[tile rows r] for NB rows of x from b0: x float32 (xf) or, with AVX512-BF16, bf16 (xh)
+// dots[b][r] = x[b] . w[tile rows r] of a bf16 weight for NB rows of x from b0: x float32 (xf) or, with
+// AVX512-BF16, bf16 (xh)
 template <int NB>
 static void tile_dots(const Linear& L, int64_t tile, const float* xf, const uint16_t* xh, int64_t b0,
                       float dots[][R]) {
@@ -126,14 +116,8 @@ static void tile_dots(const Linear& L, int64_t tile, const float* xf, const uint
             for (int r = 0; r < R; r++) acc[b][r] = _mm512_setzero_ps();
         for (int64_t c = 0; c < chunks; c++) {
             __m512bh w[R];
-            if (L.kind == BF16) {
-                const uint16_t* p = (const uint16_t*)L.w + (tile * chunks + c) * R * CHUNK;
-                for (int r = 0; r < R; r++) w[r] = (__m512bh)_mm512_loadu_si512(p + r * CHUNK);
-            } else {
-                vf f[R][2];
-                chunk(L, tile, c, f);
-                for (int r = 0; r < R; r++) w[r] = _mm512_cvtne2ps_pbh(f[r][1].v, f[r][0].v);
-            }
+            const uint16_t* p = (const uint16_t*)L.w + (tile * chunks + c) * R * CHUNK;
+            for (int r = 0; r < R; r++) w[r] = (__m512bh)_mm512_loadu_si512(p + r * CHUNK);
             for (int b = 0; b < NB; b++) {
                 const __m512bh xv = (__m512bh)_mm512_loadu_si512(xh + (b0 + b) * K + c * CHUNK);
                 for (int r = 0; r < R; r++) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], xv, w[r]);
@@ -167,9 +151,10 @@ static void tile_dots(const Linear& L, int64_t tile, const float* xf, const uint
 // two multiply-adds for all 16 rows: its scales times d, its zeros times the block's sum. The unpacked nibbles stay
 // in registers for every row of x (up to NB4_MAX), so that a weight is read once for a batch of 8.
 struct Quantized {
-    const int8_t* q;    // (B, K)
-    const float* d;     // (B, K / 32)
-    const float* sum;   // (B, K / 32)
+    const int8_t* q;      // (B, K)
+    const float* d;       // (B, K / 32)
+    const float* sum;     // (B, K / 32): x's own sum
+    const int32_t* isum;  // (B, K / 32): q's sum
 };
 
 #ifdef __AVX512F__
@@ -190,6 +175,37 @@ static inline vi dot4(vi acc, vi u, const int8_t* s) {
     return {_mm512_dpbusd_epi32(acc.v, u.v, _mm512_set1_epi32(four))};
 #else  // u is a nibble: the pairs' int16 sums cannot saturate
     const __m512i p = _mm512_maddubs_epi16(u.v, _mm512_set1_epi32(four));
+    return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(p, _mm512_set1_epi16(1)))};
+#endif
+}
+// int8 weights: a run of 64 signed bytes made ready for dot8 once, then used for every row of x. VNNI's vpdpbusd
+// multiplies unsigned bytes by signed ones, so the weights go in as q + 128 (the sign bit flipped) and the 128
+// times the block's sum of x's bytes comes off (start8); without VNNI, |q| meets x with q's sign (the pairs'
+// int16 sums, at most 2 x 127 x 127, cannot saturate).
+static inline vi prep8(vi a) {
+#ifdef __AVX512VNNI__
+    return {_mm512_xor_si512(a.v, _mm512_set1_epi8(-128))};
+#else
+    return a;
+#endif
+}
+static inline vi start8(int32_t isum) {
+#ifdef __AVX512VNNI__
+    return {_mm512_set1_epi32(-128 * isum)};
+#else
+    (void)isum;
+    return izeros();
+#endif
+}
+static inline vi dot8(vi acc, vi w, const int8_t* s) {
+    int32_t four;
+    memcpy(&four, s, 4);
+    const __m512i x = _mm512_set1_epi32(four);
+#ifdef __AVX512VNNI__
+    return {_mm512_dpbusd_epi32(acc.v, w.v, x)};
+#else
+    const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), x);
+    const __m512i p = _mm512_maddubs_epi16(_mm512_abs_epi8(w.v), signed_x);
     return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(p, _mm512_set1_epi16(1)))};
 #endif
 }
@@ -229,6 +245,43 @@ static inline vi dot4(vi acc, vi u, const int8_t* s) {
     memcpy(&four, s, 4);
     const __m256i x = _mm256_set1_epi32(four);
     return {dot4x8(acc.a, u.a, x), dot4x8(acc.b, u.b, x)};
+}
+// int8 weights, as the AVX-512 ones above
+static inline __m256i dot8x8(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, w, x);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+    const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+}
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+#define VNNI8 1
+#endif
+static inline vi prep8(vi w) {
+#ifdef VNNI8
+    const __m256i flip = _mm256_set1_epi8(-128);
+    return {_mm256_xor_si256(w.a, flip), _mm256_xor_si256(w.b, flip)};
+#else
+    return w;
+#endif
+}
+static inline vi start8(int32_t isum) {
+#ifdef VNNI8
+    const __m256i v = _mm256_set1_epi32(-128 * isum);
+    return {v, v};
+#else
+    (void)isum;
+    return izeros();
+#endif
+}
+static inline vi dot8(vi acc, vi w, const int8_t* s) {
+    int32_t four;
+    memcpy(&four, s, 4);
+    const __m256i x = _mm256_set1_epi32(four);
+    return {dot8x8(acc.a, w.a, x), dot8x8(acc.b, w.b, x)};
 }
 static inline vf tofloat(vi x) { return {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; }
 static inline vf halfs(const uint16_t* p) {
@@ -274,15 +327,50 @@ static void tile_dots_int4(const Linear& L, int64_t tile, const Quantized& x, in
     for (int b = 0; b < NB; b++) storef(dots[b], acc[b]);
 }
 
+// dots[b][r] = x[b] . q[tile rows r] of an int8 weight (its scale per row left to store) for NB rows of x from b0:
+// per block of 32 inputs, 8 integer dot products give each of the 16 rows' sums in its lane, then one conversion
+// and one multiply-add by the block's d serve the 16 rows
+template <int NB>
+static void tile_dots_int8(const Linear& L, int64_t tile, const Quantized& x, int64_t b0, float dots[][R4]) {
+    const int64_t K = L.K, blocks = K / CHUNK;
+    const uint8_t* w = (const uint8_t*)L.w + tile * blocks * 8 * 64;
+    vf acc[NB];
+    for (int b = 0; b < NB; b++) acc[b] = zeros();
+    for (int64_t c = 0; c < blocks; c++) {
+        vi u[8];
+        // 4 blocks (2 KiB) ahead, as int4's 8: a block of int8 is twice its bytes
+        for (int j = 0; j < 8; j++) _mm_prefetch((const char*)(w + ((c + 4) * 8 + j) * 64), _MM_HINT_T0);
+        for (int j = 0; j < 8; j++) u[j] = prep8(load64(w + (c * 8 + j) * 64));
+        for (int b = 0; b < NB; b++) {
+            const int64_t row = b0 + b, blk = row * blocks + c;
+            const int8_t* xq = x.q + row * K + c * CHUNK;
+            vi s0 = start8(x.isum[blk]), s1 = izeros();  // two chains, for the adds' latency
+            s0 = dot8(s0, u[0], xq), s1 = dot8(s1, u[1], xq + 4);
+            s0 = dot8(s0, u[2], xq + 8), s1 = dot8(s1, u[3], xq + 12);
+            s0 = dot8(s0, u[4], xq + 16), s1 = dot8(s1, u[5], xq + 20);
+            s0 = dot8(s0, u[6], xq + 24), s1 = dot8(s1, u[7], xq + 28);
+            acc[b] = fma(tofloat(iadd(s0, s1)), set1(x.d[blk]), acc[b]);
+        }
+    }
+    for (int b = 0; b < NB; b++) storef(dots[b], acc[b]);
+}
+
+template <int NB>
+static void tile_dots_q(const Linear& L, int64_t tile, const Quantized& x, int64_t b0, float dots[][R4]) {
+    if (L.kind == INT4) tile_dots_int4<NB>(L, tile, x, b0, dots);
+    else tile_dots_int8<NB>(L, tile, x, b0, dots);
+}
+
 // x's rows rounded to int8 in blocks of 32 (round to nearest, scale max |x| / 127), into one allocation (*own,
 // null where there is no memory)
 static Quantized quantize_rows(const void* x, int64_t B, int64_t K, int bf16, void** own) {
     const int64_t n = B * K, blocks = n / CHUNK;
-    char* mem = (char*)malloc(n + 8 * blocks);
+    char* mem = (char*)malloc(n + 12 * blocks);
     *own = mem;
-    if (!mem) return {nullptr, nullptr, nullptr};
+    if (!mem) return {nullptr, nullptr, nullptr, nullptr};
     int8_t* q = (int8_t*)mem;
     float *d = (float*)(mem + n), *sum = d + blocks;
+    int32_t* isum = (int32_t*)(sum + blocks);
 #ifdef __AVX512F__
     // 32 values in two registers: at batch 1 the scalar loop below took ~8 % of an int4 step
     for (int64_t j = 0; j < blocks; j++) {
@@ -296,12 +384,13 @@ static Quantized quantize_rows(const void* x, int64_t B, int64_t K, int bf16, vo
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
         // cvtps rounds to nearest even, as nearbyintf does; |v * inv| <= 127 fits a byte
-        _mm_storeu_si128((__m128i*)(q + j * CHUNK), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))));
-        _mm_storeu_si128((__m128i*)(q + j * CHUNK + 16),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))));
+        const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+        _mm_storeu_si128((__m128i*)(q + j * CHUNK), _mm512_cvtsepi32_epi8(i0));
+        _mm_storeu_si128((__m128i*)(q + j * CHUNK + 16), _mm512_cvtsepi32_epi8(i1));
         d[j] = amax / 127.f, sum[j] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        isum[j] = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
     }
-    return {q, d, sum};
+    return {q, d, sum, isum};
 #endif
     for (int64_t j = 0; j < blocks; j++) {
         float v[CHUNK], amax = 0.f, s = 0.f;
@@ -312,10 +401,11 @@ static Quantized quantize_rows(const void* x, int64_t B, int64_t K, int bf16, vo
             s += v[i];
         }
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        for (int i = 0; i < CHUNK; i++) q[j * CHUNK + i] = (int8_t)nearbyintf(v[i] * inv);
-        d[j] = amax / 127.f, sum[j] = s;
+        int32_t is = 0;
+        for (int i = 0; i < CHUNK; i++) is += q[j * CHUNK + i] = (int8_t)nearbyintf(v[i] * inv);
+        d[j] = amax / 127.f, sum[j] = s, isum[j] = is;
     }
-    return {q, d, sum};
+    return {q, d, sum, isum};
 }
 
 // where y's rows go: y (B, N) float32 or bf16, with res (B, N) in y's dtype added (it may be y itself)
@@ -361,21 +451,21 @@ static void tile_rows(const Linear& L, int64_t tile, const float* xf, const uint
     }
 }
 
-static void tile_rows_int4(const Linear& L, int64_t tile, const Quantized& xq, int64_t B, const Out& o) {
+static void tile_rows_q(const Linear& L, int64_t tile, const Quantized& xq, int64_t B, const Out& o) {
     float dots[NB4_MAX][R4];
     for (int64_t b = 0; b < B; b += NB4_MAX) {
         const int nb = (int)(B - b < NB4_MAX ? B - b : NB4_MAX);
         switch (nb) {
 #if NB4_MAX == 8
-            case 8: tile_dots_int4<8>(L, tile, xq, b, dots); break;
-            case 7: tile_dots_int4<7>(L, tile, xq, b, dots); break;
-            case 6: tile_dots_int4<6>(L, tile, xq, b, dots); break;
-            case 5: tile_dots_int4<5>(L, tile, xq, b, dots); break;
-            case 4: tile_dots_int4<4>(L, tile, xq, b, dots); break;
-            case 3: tile_dots_int4<3>(L, tile, xq, b, dots); break;
+            case 8: tile_dots_q<8>(L, tile, xq, b, dots); break;
+            case 7: tile_dots_q<7>(L, tile, xq, b, dots); break;
+            case 6: tile_dots_q<6>(L, tile, xq, b, dots); break;
+            case 5: tile_dots_q<5>(L, tile, xq, b, dots); break;
+            case 4: tile_dots_q<4>(L, tile, xq, b, dots); break;
+            case 3: tile_dots_q<3>(L, tile, xq, b, dots); break;
 #endif
-            case 2: tile_dots_int4<2>(L, tile, xq, b, dots); break;
-            default: tile_dots_int4<1>(L, tile, xq, b, dots); break;
+            case 2: tile_dots_q<2>(L, tile, xq, b, dots); break;
+            default: tile_dots_q<1>(L, tile, xq, b, dots); break;
         }
         store(L, tile * R4, R4, dots[0], R4, b, nb, o);
     }
@@ -494,7 +584,7 @@ static void linear_item(const void* ctx, int64_t item, int) {
     const LinearJob& j = *(const LinearJob*)ctx;
     const int64_t end = (item + 1) * j.per < j.tiles ? (item + 1) * j.per : j.tiles;
     for (int64_t t = item * j.per; t < end; t++) {
-        if (j.L->kind == INT4) tile_rows_int4(*j.L, t, *j.xq, j.B, *j.o);
+        if (j.L->kind != BF16) tile_rows_q(*j.L, t, *j.xq, j.B, *j.o);
         else tile_rows(*j.L, t, j.xf, j.xh, j.B, *j.o);
     }
 }
@@ -505,8 +595,8 @@ static int linear(const Linear& L, int64_t B, const void* x, int x_bf16, const O
     const float* xf = nullptr;
     const uint16_t* xh = nullptr;
     void* own = nullptr;
-    Quantized xq = {nullptr, nullptr, nullptr};
-    if (L.kind == INT4) {
+    Quantized xq = {nullptr, nullptr, nullptr, nullptr};
+    if (L.kind != BF16) {
         xq = quantize_rows(x, B, K, x_bf16, &own);
         if (!own) return 2;
     } else {
@@ -522,7 +612,7 @@ static int linear(const Linear& L, int64_t B, const void* x, int x_bf16, const O
             xf = (const float*)x;
         }
     }
-    const int64_t rows = L.kind == INT4 ? (int64_t)R4 : (int64_t)R, tiles = (L.N + rows - 1) / rows;
+    const int64_t rows = L.kind == BF16 ? (int64_t)R : (int64_t)R4, tiles = (L.N + rows - 1) / rows;
     // threads only for a weight worth it: handing out a small product costs more than it saves. Items of a few
     // tiles, 4 for each thread: a worker that wakes late still finds some
     const int use = threads > 1 && L.N * L.K >= PARALLEL_WORK ? threads : 1;

@@ -2,10 +2,10 @@
 machine's C++ compiler for the machine's own instructions and loaded through ctypes. A decode step reads every
 weight once per token, so its speed is the weights' bytes over the memory's bandwidth, if the kernels keep up:
 
-- bf16 weights meet bf16 rows in AVX512-BF16's dot products; int8 (a scale per row) turn into bf16 or float32 in
-  registers; int4 (a scale and zero per group) meet the rows rounded to int8 in blocks of 32, as llama.cpp's
-  q4_0 does, in VNNI's integer dot products, 16 weight rows at once, one in each lane (int4_tiles);
-- each weight is laid out in tiles of TILE_ROWS rows (pack), so that one product reads it as one stream: the
+- bf16 weights meet bf16 rows in AVX512-BF16's dot products; int8 (a scale per row) and int4 (a scale and zero
+  per group) meet the rows rounded to int8 in blocks of 32, as llama.cpp's q8_0 and q4_0 do, in VNNI's integer
+  dot products, 16 weight rows at once, one in each lane (int8_tiles, int4_tiles);
+- each weight is laid out in tiles of rows (pack, int8_tiles, int4_tiles), so that one product reads it as one stream: the
   hardware prefetchers follow one stream well and four short ones (four rows side by side) poorly;
 - with more than one thread, a product's tiles and the attention's (row, key/value head) pairs are split over a
   small pool of threads (native.cpp's pool::run) in which the caller never waits for a worker that has not started
@@ -54,7 +54,7 @@ import torch
 SOURCE = Path(__file__).with_name("native.cpp")
 BF16, INT8, INT4 = 0, 1, 2
 TILE_ROWS = 4  # weight rows per tile (native.cpp's R)
-INT4_ROWS = 16  # int4's rows per tile, one a 32-bit lane of a 512-bit register (native.cpp's R4)
+INT4_ROWS = 16  # int4's and int8's rows per tile, one a 32-bit lane of a 512-bit register (native.cpp's R4)
 CHUNK = 32  # inputs per chunk of a tile; int4 pairs two chunks in one byte each
 FLAGS = ["-O3", "-pthread", "-shared", "-fPIC", "-std=c++17"]
 
@@ -303,6 +303,11 @@ def untile(t: torch.Tensor, N: int) -> torch.Tensor:
     return t.permute(0, 2, 1, 3).reshape(T * R, runs * width)[:N]
 
 
+def tile_rows(kind: int) -> int:
+    """The weight rows of one of kind's tiles: bf16 TILE_ROWS, int8 and int4 INT4_ROWS."""
+    return TILE_ROWS if kind == BF16 else INT4_ROWS
+
+
 def takes(kind: int, K: int, group: int = CHUNK) -> bool:
     """Whether the kernels take a weight of K inputs (int4: in groups of `group`)."""
     if kind == INT4:
@@ -348,7 +353,7 @@ FLOATS = (torch.float32, torch.bfloat16)
 class Packed:
     """One weight in the kernels' tiled form with what goes with it, and the product: x (B, K) -> (B, N) in x's
     dtype (float32 or bf16), plus res (B, N) when given. The tensors it holds stay alive with it; each is checked
-    here against the layout the kernel reads (tiles: N padded to whole tiles of TILE_ROWS, or INT4_ROWS for int4)."""
+    here against the layout the kernel reads (tiles: N padded to whole tiles of tile_rows(kind))."""
 
     def __init__(self, kind: int, w: torch.Tensor, N: int, K: int, bias=None, scale=None, zero=None, group=0):
         check_count("N", N)
@@ -359,7 +364,7 @@ class Packed:
         if not takes(kind, K, group):
             raise ValueError(f"K ({K}) and group ({group}) are not a shape the kernels take")
         self.kind, self.N, self.K = kind, N, K
-        rows = N + -N % (INT4_ROWS if kind == INT4 else TILE_ROWS)
+        rows = N + -N % tile_rows(kind)
         self.bias = None if bias is None else bias.detach().float().contiguous()
         if self.bias is not None:
             check("bias", self.bias, (torch.float32,), (N,))
@@ -655,9 +660,9 @@ def pack(w: torch.Tensor, bias: torch.Tensor | None = None) -> Packed | None:
 
 
 def pack_int8(q_tiles: torch.Tensor, scale: torch.Tensor, N: int, K: int, bias=None) -> Packed:
-    """int8 values already in the tiled order (QuantizedLinear's), one scale per row."""
+    """int8 values already in the tiled order (int8_tiles, QuantizedLinear's), one scale per row."""
     s = scale.detach().float()
-    s = torch.cat([s, s.new_zeros(-N % TILE_ROWS)]).contiguous()
+    s = torch.cat([s, s.new_zeros(-N % INT4_ROWS)]).contiguous()
     return Packed(INT8, q_tiles, N, K, bias, scale=s)
 
 
@@ -666,6 +671,13 @@ def pack_int4(nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, N:
     return Packed(
         INT4, nibbles, N, K, bias, scale=scale.half().contiguous(), zero=zero.half().contiguous(), group=group
     )
+
+
+def int8_tiles(q: torch.Tensor) -> torch.Tensor:
+    """int8 values (N, K) -> the int8 kernel's order (N / 16, K / 4, 16, 4), N padded to whole tiles of INT4_ROWS
+    with zero rows: for each tile, each run of 4 inputs, the 16 rows' 4 bytes (a row's in one 32-bit lane). untile
+    inverts it."""
+    return tiles(q, 4, INT4_ROWS)
 
 
 def int4_tiles(q: torch.Tensor) -> torch.Tensor:

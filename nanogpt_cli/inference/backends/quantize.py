@@ -1,9 +1,9 @@
 """Weight-only quantization for inference: the blocks' nn.Linear layers swapped for QuantizedLinear, per-channel
 int8 or grouped int4, whose few-row products run in our x86 kernels (native.py) or, where those cannot run,
 torch's own packed CPU kernels (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu). Activations stay in
-the model's dtype (float32 or bfloat16), except that our int4 kernel rounds them to int8 in blocks of 32 inside
-the product, as llama.cpp's q4_0 does; the weights are stored in 8 or 4 bits, which is what a CPU decode step is
-bound by: the bytes of weights read per token.
+the model's dtype (float32 or bfloat16), except that our kernels round them to int8 in blocks of 32 inside the
+product, as llama.cpp's q8_0 and q4_0 do; the weights are stored in 8 or 4 bits, which is what a CPU decode step
+is bound by: the bytes of weights read per token.
 
     quantize_model(model, "int4", group_size=32)   # in place, after GPT.cast; the model is for inference only
 
@@ -53,7 +53,7 @@ class QuantizedLinear(nn.Module):
         """From int8 values q (out, in) and one scale per output row (out,)."""
         m = cls(q.size(1), q.size(0), "int8", q.size(1), bias)
         q = q.to(torch.int8)
-        m.register_buffer("weight_q", native.tiles(q, native.CHUNK) if m.native else q.contiguous())
+        m.register_buffer("weight_q", native.int8_tiles(q) if m.native else q.contiguous())
         m.register_buffer("scales", scale.contiguous())
         return m
 
@@ -87,7 +87,7 @@ class QuantizedLinear(nn.Module):
         number of tiles, without biases."""
         first = parts[0]
         assert all(p.native and p.bias is None for p in parts), "joined takes bias-free layers in our layout"
-        rows = native.INT4_ROWS if first.kind == "int4" else native.TILE_ROWS
+        rows = native.INT4_ROWS
         assert all(p.out_features % rows == 0 for p in parts[:-1]), "joined parts end on whole tiles"
         m = cls(first.in_features, sum(p.out_features for p in parts), first.kind, first.group_size, None)
         for name in ("weight_q", "scales", "zeros"):
