@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -166,7 +167,8 @@ def test_train_with_a_time_probes_sizes_and_ends_by_the_clock_with_a_report(char
     assert "n_layer" in config["auto"]["chosen"] and config["train"]["max_time"] == 3.0
     report = (run / "report.md").read_text()
     assert "ended by the clock (--max-time 3 s spent)" in report
-    assert "| --n-layer | 2 | auto |" in report and "| --max-time | 3 |  |" in report  # given: not auto's
+    # the shape is the machine's speed's to choose (2 layers on a quiet one); chosen by auto, given by the user
+    assert re.search(r"^\| --n-layer \| \d+ \| auto \|$", report, re.M) and "| --max-time | 3 |  |" in report
     figures = json.loads((run / "report.json").read_text())
     assert figures["ending"] == "max_time" and figures["val_bpb"] > 0 and figures["samples"]
 

@@ -5,8 +5,8 @@ weight once per token, so its speed is the weights' bytes over the memory's band
 - bf16 weights meet bf16 rows in AVX512-BF16's dot products; int8 (a scale per row) and int4 (a scale and zero
   per group) meet the rows rounded to int8 in blocks of 32, as llama.cpp's q8_0 and q4_0 do, in VNNI's integer
   dot products, 16 weight rows at once, one in each lane (int8_tiles, int4_tiles);
-- each weight is laid out in tiles of rows (pack, int8_tiles, int4_tiles), so that one product reads it as one stream: the
-  hardware prefetchers follow one stream well and four short ones (four rows side by side) poorly;
+- each weight is laid out in tiles of rows (pack, int8_tiles, int4_tiles), so that one product reads it as one
+  stream: the hardware prefetchers follow one stream well and four short ones (four rows side by side) poorly;
 - with more than one thread, a product's tiles and the attention's (row, key/value head) pairs are split over a
   small pool of threads (native.cpp's pool::run) in which the caller never waits for a worker that has not started
   on its share: where another process holds the other core, a step runs at one thread's speed rather than waiting
