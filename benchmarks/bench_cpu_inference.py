@@ -198,7 +198,9 @@ def probe(threads: list[int]) -> dict[int, float]:
 def ours(weights: Path, precision: str, threads: int, args, root: Path = ROOT) -> dict:
     env = {**os.environ, "PYTHONPATH": str(root)}
     cmd = [sys.executable, "-c", OURS, str(weights), precision, str(threads), str(args.prompt), str(args.tokens)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    # run in root: `python -c` puts the working folder first on the path, ahead of PYTHONPATH, so that from another
+    # checkout --against would time this one's package twice
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=root)
     if done.returncode != 0:
         raise SystemExit(f"ours at {precision} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -675,9 +675,16 @@ def pack_int4(nibbles: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, N:
 
 def int8_tiles(q: torch.Tensor) -> torch.Tensor:
     """int8 values (N, K) -> the int8 kernel's order (N / 16, K / 4, 16, 4), N padded to whole tiles of INT4_ROWS
-    with zero rows: for each tile, each run of 4 inputs, the 16 rows' 4 bytes (a row's in one 32-bit lane). untile
-    inverts it."""
+    with zero rows: for each tile, each run of 4 inputs, the 16 rows' 4 bytes (a row's in one 32-bit lane)."""
     return tiles(q, 4, INT4_ROWS)
+
+
+def int8_untiled(t: torch.Tensor, N: int) -> torch.Tensor:
+    """int8_tiles' inverse, (N, K): a row's 4 bytes of a run moved as one int32 (a prefill dequantizes every weight,
+    and a permute of single bytes is several times slower)."""
+    T, runs = t.shape[:2]
+    lanes = t.view(torch.int32).view(T, runs, INT4_ROWS).transpose(1, 2)
+    return lanes.reshape(T * INT4_ROWS, runs)[:N].view(torch.int8)
 
 
 def int4_tiles(q: torch.Tensor) -> torch.Tensor:

@@ -99,7 +99,7 @@ class QuantizedLinear(nn.Module):
         """The weight (out, in) in dtype."""
         N, K = self.out_features, self.in_features
         if self.kind == "int8":
-            q = native.untile(self.weight_q, N) if self.native else self.weight_q
+            q = native.int8_untiled(self.weight_q, N) if self.native else self.weight_q
             return (q.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
         G = K // self.group_size
         if self.native:
