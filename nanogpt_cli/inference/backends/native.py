@@ -684,7 +684,7 @@ def int8_untiled(t: torch.Tensor, N: int) -> torch.Tensor:
     and a permute of single bytes is several times slower)."""
     T, runs = t.shape[:2]
     lanes = t.view(torch.int32).view(T, runs, INT4_ROWS).transpose(1, 2)
-    return lanes.reshape(T * INT4_ROWS, runs)[:N].view(torch.int8)
+    return lanes.reshape(T * INT4_ROWS, runs)[:N].contiguous().view(torch.int8)  # one tile: reshape is a view
 
 
 def int4_tiles(q: torch.Tensor) -> torch.Tensor:
