@@ -178,30 +178,17 @@ static inline vi dot4(vi acc, vi u, const int8_t* s) {
     return {_mm512_add_epi32(acc.v, _mm512_madd_epi16(p, _mm512_set1_epi16(1)))};
 #endif
 }
-// int8 weights: a run of 64 signed bytes made ready for dot8 once, then used for every row of x. VNNI's vpdpbusd
-// multiplies unsigned bytes by signed ones, so the weights go in as q + 128 (the sign bit flipped) and the 128
-// times the block's sum of x's bytes comes off (start8); without VNNI, |q| meets x with q's sign (the pairs'
-// int16 sums, at most 2 x 127 x 127, cannot saturate).
-static inline vi prep8(vi a) {
 #ifdef __AVX512VNNI__
-    return {_mm512_xor_si512(a.v, _mm512_set1_epi8(-128))};
-#else
-    return a;
+#define VNNI8 1
 #endif
-}
-static inline vi start8(int32_t isum) {
-#ifdef __AVX512VNNI__
-    return {_mm512_set1_epi32(-128 * isum)};
-#else
-    (void)isum;
-    return izeros();
-#endif
-}
+static inline vi iset1(int32_t v) { return {_mm512_set1_epi32(v)}; }
+static inline vi iflip(vi a) { return {_mm512_xor_si512(a.v, _mm512_set1_epi8(-128))}; }
+// acc + the sums of 4 products of w's bytes with s's 4 bytes in each 32-bit lane, w from prep8 (below)
 static inline vi dot8(vi acc, vi w, const int8_t* s) {
     int32_t four;
     memcpy(&four, s, 4);
     const __m512i x = _mm512_set1_epi32(four);
-#ifdef __AVX512VNNI__
+#ifdef VNNI8
     return {_mm512_dpbusd_epi32(acc.v, w.v, x)};
 #else
     const __m512i signed_x = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w.v), _mm512_setzero_si512(), x);
@@ -260,22 +247,10 @@ static inline __m256i dot8x8(__m256i acc, __m256i w, __m256i x) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
 #define VNNI8 1
 #endif
-static inline vi prep8(vi w) {
-#ifdef VNNI8
+static inline vi iset1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+static inline vi iflip(vi w) {
     const __m256i flip = _mm256_set1_epi8(-128);
     return {_mm256_xor_si256(w.a, flip), _mm256_xor_si256(w.b, flip)};
-#else
-    return w;
-#endif
-}
-static inline vi start8(int32_t isum) {
-#ifdef VNNI8
-    const __m256i v = _mm256_set1_epi32(-128 * isum);
-    return {v, v};
-#else
-    (void)isum;
-    return izeros();
-#endif
 }
 static inline vi dot8(vi acc, vi w, const int8_t* s) {
     int32_t four;
@@ -290,6 +265,26 @@ static inline vf halfs(const uint16_t* p) {
 static inline vf mul(vf x, vf y) { return {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; }
 static inline void storef(float* p, vf x) { _mm256_storeu_ps(p, x.a), _mm256_storeu_ps(p + 8, x.b); }
 #endif
+
+// int8 weights: a run of 64 signed bytes made ready for dot8 once, then used for every row of x. VNNI's vpdpbusd
+// multiplies unsigned bytes by signed ones, so the weights go in as q + 128 (the sign bit flipped) and the 128
+// times the block's sum of x's bytes comes off (start8); without VNNI, |q| meets x with q's sign (the pairs'
+// int16 sums, at most 2 x 127 x 127, cannot saturate).
+static inline vi prep8(vi w) {
+#ifdef VNNI8
+    return iflip(w);
+#else
+    return w;
+#endif
+}
+static inline vi start8(int32_t isum) {
+#ifdef VNNI8
+    return iset1(-128 * isum);
+#else
+    (void)isum;
+    return izeros();
+#endif
+}
 
 // dots[b][r] = x[b] . w[tile rows r] for NB rows of x from b0
 template <int NB>
