@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 quantization (inference/backends/quantize.py) and GGUF Q8_0 / Q4_0 blocks loaded as they are
+"""int8 / int4 quantization (inference/backends/quantize.py) and GGUF Q8_0 / Q4_0 blocks loaded as they are
 (interop/gguf_blocks.py): the packed kernels against the dequantized weights, logits near the float model's, the
 engine's cache and batch against the full forward, and --quantize on the command line."""
 

@@ -356,6 +356,13 @@ static void tile_dots_q(const Linear& L, int64_t tile, const Quantized& x, int64
     else tile_dots_int8<NB>(L, tile, x, b0, dots);
 }
 
+// A block holding a NaN or an infinity: no integers (their conversion is undefined), and NaN for its scale and
+// sum, so that every product it enters comes out NaN, as a float product's would, not finite and wrong
+static inline void not_finite(int8_t* q, float* d, float* sum, int32_t* isum) {
+    memset(q, 0, CHUNK);
+    *d = *sum = NAN, *isum = 0;
+}
+
 // x's rows rounded to int8 in blocks of 32 (round to nearest, scale max |x| / 127), into one allocation (*own,
 // null where there is no memory)
 static Quantized quantize_rows(const void* x, int64_t B, int64_t K, int bf16, void** own) {
@@ -376,14 +383,18 @@ static Quantized quantize_rows(const void* x, int64_t B, int64_t K, int bf16, vo
         } else {
             v0 = _mm512_loadu_ps((const float*)x + j * CHUNK), v1 = _mm512_loadu_ps((const float*)x + j * CHUNK + 16);
         }
+        sum[j] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+        if (!isfinite(sum[j])) {
+            not_finite(q + j * CHUNK, d + j, sum + j, isum + j);
+            continue;
+        }
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
         // cvtps rounds to nearest even, as nearbyintf does; |v * inv| <= 127 fits a byte
         const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
         _mm_storeu_si128((__m128i*)(q + j * CHUNK), _mm512_cvtsepi32_epi8(i0));
         _mm_storeu_si128((__m128i*)(q + j * CHUNK + 16), _mm512_cvtsepi32_epi8(i1));
-        d[j] = amax / 127.f, sum[j] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-        isum[j] = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+        d[j] = amax / 127.f, isum[j] = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
     }
     return {q, d, sum, isum};
 #endif
@@ -394,6 +405,10 @@ static Quantized quantize_rows(const void* x, int64_t B, int64_t K, int bf16, vo
             v[i] = bf16 ? from_bf16(((const uint16_t*)x)[at]) : ((const float*)x)[at];
             amax = fmaxf(amax, fabsf(v[i]));
             s += v[i];
+        }
+        if (!isfinite(s)) {
+            not_finite(q + j * CHUNK, d + j, sum + j, isum + j);
+            continue;
         }
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         int32_t is = 0;

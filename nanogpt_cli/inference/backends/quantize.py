@@ -1,4 +1,4 @@
-"""Weight-only quantization for inference: the blocks' nn.Linear layers swapped for QuantizedLinear, per-channel
+"""Quantization for inference: the blocks' nn.Linear layers swapped for QuantizedLinear, per-channel
 int8 or grouped int4, whose few-row products run in our x86 kernels (native.py) or, where those cannot run,
 torch's own packed CPU kernels (aten._weight_int8pack_mm, aten._weight_int4pack_mm_for_cpu). Activations stay in
 the model's dtype (float32 or bfloat16), except that our kernels round them to int8 in blocks of 32 inside the
