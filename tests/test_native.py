@@ -216,6 +216,23 @@ def test_without_our_kernels_torch_runs_the_same_model(monkeypatch):
         assert torch.isfinite(step).all()
 
 
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int4_weight_dequantized_in_our_kernel_is_its_values_bit_for_bit(group, dtype):
+    """What a prefill multiplies: q * scale + zero from the values quantize_int4 gave, with the fp16 scale and
+    zero (less 8 scales) the tiles keep, whatever the threads."""
+    torch.manual_seed(0)
+    n, k = 50, 128  # 50 rows: a last tile of 2
+    q, scale, zero = quantize_int4(torch.randn(n, k) * 0.05, group)
+    layer = QuantizedLinear.int4(q, scale, zero, group)
+    S = scale.float().half().float().repeat_interleave(group, 1)
+    Z = (zero.float() - 8 * scale.float()).half().float().repeat_interleave(group, 1)
+    expected = (q.float() * S + Z).to(dtype)
+    assert torch.equal(layer.dequantize(dtype), expected)
+    for threads in (2, 3):
+        assert torch.equal(native.dequantize(layer.kernel(), dtype, threads), expected)
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_a_row_holding_a_nan_or_an_infinity_comes_out_nan_and_the_other_rows_as_they_were(kind, bad):
@@ -247,7 +264,7 @@ def test_the_library_builds_once_per_machine_the_avx2_kernels_agree_and_a_failed
     root = str(Path(native.__file__).resolve().parents[3])  # the subprocesses import this very package
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "NANOGPT_NATIVE_MARCH": "haswell", "PYTHONPATH": path}
-    select = "each_kernel or exactly or fused_step_equals"
+    select = "each_kernel or exactly or fused_step_equals or dequantized"
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", select]
     done = subprocess.run(args, env=env, capture_output=True, text=True, cwd=os.path.dirname(__file__))
     assert done.returncode == 0, done.stdout[-3000:]
@@ -289,7 +306,7 @@ def test_the_kernels_built_for_other_instruction_sets_this_cpu_runs_agree(tmp_pa
     for march in runnable:
         env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / march), "NANOGPT_NATIVE_MARCH": march, "PYTHONPATH": path}
         runs[march] = subprocess.Popen(
-            [*args, "-k", "each_kernel or exactly or nan"],
+            [*args, "-k", "each_kernel or exactly or nan or dequantized"],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=os.path.dirname(__file__),
         )  # fmt: skip
     for march, run in runs.items():

@@ -413,7 +413,8 @@ def test_every_kernel_and_fused_step_shape_runs_clean_under_address_and_undefine
         "UBSAN_OPTIONS": "print_stacktrace=1:exitcode=99",
     }
     here = Path(__file__).parent
-    select = ["-k", "each_kernel or exactly or fused_step_equals or fuzz or wrong or threads or field_by_field"]
+    tests = "each_kernel or exactly or fused_step_equals or fuzz or wrong or threads or field_by_field or dequantized"
+    select = ["-k", tests]
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *select]
     done = subprocess.run(
         [*args, str(here / "test_native.py"), str(here / "test_native_boundary.py")],

@@ -220,6 +220,8 @@ def check_library(lib: ctypes.CDLL) -> str | None:
     lib.ng_layout.restype = cint
     lib.ng_linear.argtypes = [ptr, i64, ptr, ptr, ptr, cint, cint]
     lib.ng_linear.restype = cint
+    lib.ng_dequantize.argtypes = [ptr, ptr, cint, cint]
+    lib.ng_dequantize.restype = cint
     lib.ng_decode.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, cint, ptr, ptr, cint, cint, cint, ptr]
     lib.ng_decode.restype = cint
     if lib.ng_tile_rows() != TILE_ROWS or lib.ng_int4_rows() != INT4_ROWS:
@@ -463,6 +465,19 @@ def linear(weight: Packed, x: torch.Tensor, res: torch.Tensor | None, y: torch.T
     assert rc == 0, f"ng_linear refused a checked call ({rc})"
 
 
+def dequantize(weight: Packed, dtype: torch.dtype, threads: int) -> torch.Tensor:
+    """ng_dequantize: an int4 weight's values (N, K) in dtype (float32 or bf16), as a prefill multiplies them."""
+    if not isinstance(weight, Packed) or weight.kind != INT4:
+        raise ValueError("weight must be an int4 native.Packed")
+    if dtype not in FLOATS:
+        raise ValueError(f"dtype must be {' or '.join(map(str, FLOATS))}, got {dtype}")
+    check_count("threads", threads)
+    out = torch.empty(weight.N, weight.K, dtype=dtype)
+    rc = library()[0].ng_dequantize(weight.ref, out.data_ptr(), dtype == torch.bfloat16, threads)
+    assert rc == 0, f"ng_dequantize refused a checked call ({rc})"
+    return out
+
+
 @dataclass(frozen=True)
 class NormWeights:
     """One norm as ng_decode computes it: gain (n,) float32 (an offset norm's 1 + w added already), LayerNorm's
@@ -698,13 +713,3 @@ def int4_tiles(q: torch.Tensor) -> torch.Tensor:
     v = q.view(-1, INT4_ROWS, K // 32, 4, 2, 4)  # (tile, row i, block, run j, low/high, byte m)
     v = v.permute(0, 2, 3, 1, 5, 4)  # (tile, block, j, i, m, low/high)
     return (v[..., 0] | (v[..., 1] << 4)).contiguous()
-
-
-def int4_untiled(t: torch.Tensor, N: int) -> torch.Tensor:
-    """int4_tiles' inverse: its bytes -> (N, K) values in 0..15."""
-    T, blocks = t.shape[:2]
-    # a row's 4 bytes of a run as one int32, moved as one (a permute of single nibbles is ~15x slower, and a
-    # prefill dequantizes every weight): (N, K / 8), then its low nibbles (inputs 8j..8j+3) and its high ones
-    u = t.view(torch.int32).view(T, blocks, 4, INT4_ROWS).permute(0, 3, 1, 2).reshape(T * INT4_ROWS, blocks * 4)[:N]
-    low, high = u & 0x0F0F0F0F, (u >> 4) & 0x0F0F0F0F
-    return torch.stack([low, high], dim=-1).view(torch.uint8).reshape(u.size(0), -1)
