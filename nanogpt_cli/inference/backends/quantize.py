@@ -104,7 +104,9 @@ class QuantizedLinear(nn.Module):
         G = K // self.group_size
         if self.native:  # in our kernels: 13 ms a layer of the 135M shape in torch, 0.4 ms there (bit for bit)
             out = dtype if dtype in native.FLOATS else torch.float32
-            return native.dequantize(self.kernel(), out, native.kernel_threads()).to(dtype)
+            # on one thread: between a prefill's products, a second thread of ours waited for the core that torch's
+            # own thread still spun on (Gemma 3's 270M shape at 2 threads: 600-690 ms a prefill, 500-510 on one)
+            return native.dequantize(self.kernel(), out, 1).to(dtype)
         q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1)  # (out, in / 2, 2)
         q = q.view(N, G, self.group_size).to(dtype)  # (out, G, g)
         scale, zero = self.scales[..., 0].t().to(dtype), self.scales[..., 1].t().to(dtype)  # (out, G)
