@@ -634,10 +634,10 @@ static int linear(const Linear& L, int64_t B, const void* x, int x_bf16, const O
 }
 
 // ---- int4 weights back to floats, for a prefill's product --------------------------------------------------------
-// A prefill multiplies many rows by the weight dequantized (torch's product is faster there than ours); in torch the
-// nibbles' un-tiling and the float32 arithmetic took 13 ms a layer of the 135M shape, 400 ms of a 700 ms prefill.
-// Here each tile's block is split into its 16 rows' 32 values in input order (run j's low nibbles are inputs 8j..8j+3,
-// its high ones 8j+4..8j+7), and each row turned into q * scale + zero, the values of QuantizedLinear.dequantize.
+// A prefill multiplies many rows by the weight dequantized (torch's product is faster there than ours); in torch
+// the nibbles' un-tiling and the float32 arithmetic took 17 ms for a 3,072 x 576 layer, here 0.4 ms. Each tile's
+// block is split into its 16 rows' 32 values in input order (run j's low nibbles are inputs 8j..8j+3, its high
+// ones 8j+4..8j+7), and each row turned into q * scale + zero, as torch computed it, bit for bit.
 struct DequantJob {
     const Linear* L;
     void* out;

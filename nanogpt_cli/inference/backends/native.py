@@ -677,7 +677,7 @@ def pack(w: torch.Tensor, bias: torch.Tensor | None = None) -> Packed | None:
 def pack_int8(q_tiles: torch.Tensor, scale: torch.Tensor, N: int, K: int, bias=None) -> Packed:
     """int8 values already in the tiled order (int8_tiles, QuantizedLinear's), one scale per row."""
     s = scale.detach().float()
-    s = torch.cat([s, s.new_zeros(-N % INT4_ROWS)]).contiguous()
+    s = torch.cat([s, s.new_zeros(-N % tile_rows(INT8))]).contiguous()
     return Packed(INT8, q_tiles, N, K, bias, scale=s)
 
 

@@ -87,7 +87,7 @@ class QuantizedLinear(nn.Module):
         number of tiles, without biases."""
         first = parts[0]
         assert all(p.native and p.bias is None for p in parts), "joined takes bias-free layers in our layout"
-        rows = native.INT4_ROWS
+        rows = native.tile_rows(native.INT8 if first.kind == "int8" else native.INT4)
         assert all(p.out_features % rows == 0 for p in parts[:-1]), "joined parts end on whole tiles"
         m = cls(first.in_features, sum(p.out_features for p in parts), first.kind, first.group_size, None)
         for name in ("weight_q", "scales", "zeros"):
@@ -102,7 +102,7 @@ class QuantizedLinear(nn.Module):
             q = native.int8_untiled(self.weight_q, N) if self.native else self.weight_q
             return (q.to(dtype) * self.scales.to(dtype)[:, None]).to(dtype)
         G = K // self.group_size
-        if self.native:  # in our kernels: 13 ms a layer of the 135M shape in torch, 0.4 ms there (bit for bit)
+        if self.native:  # in our kernels: 17 ms for a 3,072 x 576 layer in torch, 0.4 ms there (bit for bit)
             out = dtype if dtype in native.FLOATS else torch.float32
             # on one thread: between a prefill's products, a second thread of ours waited for the core that torch's
             # own thread still spun on (Gemma 3's 270M shape at 2 threads: 600-690 ms a prefill, 500-510 on one)
